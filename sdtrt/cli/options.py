@@ -1,0 +1,68 @@
+"""Options shared by several commands, declared once (like Polygraphy's argument groups)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..config import (
+    ExportConfig,
+    Exporter,
+    IONaming,
+    Precision,
+    Range,
+    ShapeProfile,
+    SimplifyConfig,
+    SimplifyMethod,
+)
+from ..store import Store
+
+ModelOpt = Annotated[
+    str,
+    typer.Option("--model", "-m", help="Preset (tiny, sd15-random), local diffusers folder, or hub id."),
+]
+EnginesOpt = Annotated[
+    Path | None,
+    typer.Option("--engines", envvar="SDTRT_ENGINES", help="Artifact store directory (default: ./engines)."),
+]
+
+
+PrecisionOpt = Annotated[Precision, typer.Option(help="Graph precision.")]
+ExporterOpt = Annotated[Exporter, typer.Option(help="torchscript (default) or dynamo (torch.export).")]
+OpsetOpt = Annotated[int, typer.Option(help="ONNX opset.")]
+IONamingOpt = Annotated[
+    IONaming,
+    typer.Option(help="named (sample, timestep, …) or indexed (input_0…, output_0, for torchtrtc --embed-engine)."),
+]
+MethodOpt = Annotated[SimplifyMethod, typer.Option(help="auto: onnxsim, else constant folding.")]
+CheckOpt = Annotated[
+    bool, typer.Option("--check/--no-check", help="Compare the result with its input on ONNX Runtime.")
+]
+BatchOpt = Annotated[str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4).")]
+HeightOpt = Annotated[str | None, typer.Option(help="Pixel height, N or MIN:OPT:MAX (default: from the model).")]
+WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MAX (default: from the model).")]
+
+
+def open_store(engines: Path | None) -> Store:
+    store = Store(engines)
+    store.ensure_writable()
+    return store
+
+
+def export_config(precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming) -> ExportConfig:
+    return ExportConfig(precision=precision, opset=opset, exporter=exporter, io_naming=io_naming)
+
+
+def simplify_config(method: SimplifyMethod, check: bool) -> SimplifyConfig:
+    return SimplifyConfig(method=method, check=check)
+
+
+def shape_profile(default: ShapeProfile, batch: str | None, height: str | None, width: str | None) -> ShapeProfile:
+    return ShapeProfile(
+        batch=Range.parse(batch, "batch") if batch else default.batch,
+        height=Range.parse(height, "height") if height else default.height,
+        width=Range.parse(width, "width") if width else default.width,
+        guidance=default.guidance,
+    )

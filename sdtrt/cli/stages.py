@@ -1,0 +1,102 @@
+"""Stage commands: export, simplify, compile. Each prints its artifact's directory last on stdout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..compile import compile_model
+from ..models import resolve_model
+from ..progress import console
+from ..stages import export as export_stage
+from ..stages import simplify as simplify_stage
+from ..stages.simplify import op_table_rows
+from ..store import Artifact
+from . import options as o
+
+InputArg = Annotated[Path, typer.Argument(help="The previous stage's artifact directory, or an .onnx file.")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(export)
+    app.command()(simplify)
+    app.command()(compile)
+
+
+def export(
+    model: o.ModelOpt = "tiny",
+    precision: o.PrecisionOpt = "fp16",
+    exporter: o.ExporterOpt = "torchscript",
+    opset: o.OpsetOpt = 18,
+    io_naming: o.IONamingOpt = "named",
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Export the model's UNet to ONNX (dynamic batch, height and width).
+
+    Example: sdtrt export --model tiny --precision fp16
+    """
+    store = o.open_store(engines)
+    artifact = export_stage.run(o.export_config(precision, exporter, opset, io_naming), resolve_model(model), store)
+    typer.echo(artifact.path)
+
+
+def simplify(
+    source: InputArg,
+    method: o.MethodOpt = "auto",
+    check: o.CheckOpt = True,
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Simplify an exported graph and print op counts before and after.
+
+    Example: sdtrt simplify engines/export/1d00aad79ae0e190
+    """
+    store = o.open_store(engines)
+    artifact = simplify_stage.run(o.simplify_config(method, check), Artifact.open(source), store)
+    print_simplify_summary(artifact)
+    typer.echo(artifact.path)
+
+
+def compile(
+    model: o.ModelOpt = "tiny",
+    target: Annotated[str, typer.Option(help="auto, onnxruntime or tensorrt.")] = "auto",
+    precision: o.PrecisionOpt = "fp16",
+    exporter: o.ExporterOpt = "torchscript",
+    opset: o.OpsetOpt = 18,
+    io_naming: o.IONamingOpt = "named",
+    method: o.MethodOpt = "auto",
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Run every stage for a target in order; unchanged stages are cache hits.
+
+    Example: sdtrt compile --model tiny --target onnxruntime
+    """
+    store = o.open_store(engines)
+    result = compile_model(
+        resolve_model(model),
+        store,
+        export_config=o.export_config(precision, exporter, opset, io_naming),
+        simplify_config=o.simplify_config(method, check=True),
+    )
+    for artifact in result.artifacts:
+        if artifact.stage == "simplify":
+            print_simplify_summary(artifact)
+    typer.echo(result.final.path)
+
+
+def print_simplify_summary(artifact: Artifact) -> None:
+    details = artifact.manifest["details"]
+    table = Table(title=f"Simplified with {details['method']}", title_justify="left")
+    table.add_column("op")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    for op, before, after in op_table_rows(details["op_counts_before"], details["op_counts_after"]):
+        style = "bold" if op == "Total" else ("green" if after < before else "")
+        table.add_row(op, str(before), str(after), style=style)
+    console.print(table)
+    if details.get("fallback_reason"):
+        console.print(f"[yellow]fell back to constant folding:[/] {details['fallback_reason']}")
+    if check := details.get("check"):
+        console.print(f"ONNX Runtime check: cosine {check['cosine']:.6f}, max abs {check['max_abs']:.3g}")

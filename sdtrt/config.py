@@ -1,0 +1,146 @@
+"""Frozen stage configurations.
+
+Every field changes the stage's output unless it is declared with ``not_in_key()``; ``cache_key``
+returns exactly the fields that do, so two configs that produce the same artifact share one key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from .errors import ConfigError
+
+Precision = Literal["fp16", "fp32"]
+Exporter = Literal["dynamo", "torchscript"]
+IONaming = Literal["named", "indexed"]
+SimplifyMethod = Literal["auto", "onnxsim", "fold"]
+
+
+def not_in_key(default: Any) -> Any:
+    """A config field that does not change the artifact (checks, verbosity, tolerances)."""
+    return field(default=default, metadata={"in_key": False})
+
+
+def cache_key(config: Any) -> dict[str, Any]:
+    """The fields of a config dataclass that change its stage's output, as plain JSON data."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if not f.metadata.get("in_key", True):
+            continue
+        value = getattr(config, f.name)
+        out[f.name] = cache_key(value) if dataclasses.is_dataclass(value) else _plain(value)
+    return out
+
+
+def as_dict(config: Any) -> dict[str, Any]:
+    """Every field of a config, for the manifest."""
+    return {k: _plain(v) for k, v in dataclasses.asdict(config).items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class Range(NamedTuple):
+    """A dimension's minimum, optimum (what the engine is tuned for) and maximum."""
+
+    min: int
+    opt: int
+    max: int
+
+    @classmethod
+    def parse(cls, text: str, what: str) -> Range:
+        """Parse ``N`` (static) or ``MIN:OPT:MAX``."""
+        parts = text.split(":")
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) == 1:
+            values *= 3
+        if len(values) != 3:
+            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. 256:512:768)")
+        return cls(*values)
+
+    def __str__(self) -> str:
+        return f"{self.min}:{self.opt}:{self.max}"
+
+
+@dataclass(frozen=True)
+class ShapeProfile:
+    """Shapes an engine must accept, in user terms: images per prompt and pixel height/width.
+
+    With classifier-free guidance (``guidance=True``) the UNet sees twice the batch.
+    """
+
+    batch: Range = Range(1, 1, 4)
+    height: Range = Range(256, 512, 768)
+    width: Range = Range(256, 512, 768)
+    guidance: bool = True
+
+    @classmethod
+    def around(cls, size_px: int, multiple: int) -> ShapeProfile:
+        """The default profile for a model whose native resolution is ``size_px``."""
+        low = max(multiple, (size_px // 2) // multiple * multiple)
+        high = size_px * 3 // 2 // multiple * multiple
+        return cls(Range(1, 1, 4), Range(low, size_px, high), Range(low, size_px, high))
+
+    def unet_batch(self) -> Range:
+        factor = 2 if self.guidance else 1
+        return Range(*(b * factor for b in self.batch))
+
+    def check(self, pixel_multiple: int) -> None:
+        """Raise ConfigError unless every range is ordered, positive and on the model's grid."""
+        for name, rng in (("batch", self.batch), ("height", self.height), ("width", self.width)):
+            if not 0 < rng.min <= rng.opt <= rng.max:
+                raise ConfigError(f"{name} range {rng} must satisfy 0 < min <= opt <= max")
+        for name, rng in (("height", self.height), ("width", self.width)):
+            bad = [v for v in rng if v % pixel_multiple]
+            if bad:
+                raise ConfigError(
+                    f"{name} {bad[0]} is not a multiple of {pixel_multiple}, which this model's "
+                    f"UNet and VAE need; use e.g. {bad[0] // pixel_multiple * pixel_multiple or pixel_multiple}"
+                )
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """torch → ONNX. The UNet's batch, height and width are always dynamic axes."""
+
+    precision: Precision = "fp16"
+    opset: int = 18
+    # Both exporters were verified against PyTorch fp32 on ONNX Runtime; the TorchScript-based one
+    # exports the tiny UNet in ~1 s instead of ~40 s and SD 1.5 in ~30 s instead of ~60 s.
+    exporter: Exporter = "torchscript"
+    # "indexed" names IO input_0.. / output_0, which `torchtrtc --embed-engine` expects.
+    io_naming: IONaming = "named"
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp16", "fp32"):
+            raise ConfigError(f"precision '{self.precision}' is not fp16 or fp32")
+        if self.exporter not in ("dynamo", "torchscript"):
+            raise ConfigError(f"exporter '{self.exporter}' is not dynamo or torchscript")
+        if self.io_naming not in ("named", "indexed"):
+            raise ConfigError(f"io naming '{self.io_naming}' is not named or indexed")
+        if not 14 <= self.opset <= 23:
+            raise ConfigError(f"opset {self.opset} is outside 14..23, the range sdtrt exports")
+
+
+@dataclass(frozen=True)
+class SimplifyConfig:
+    """Graph simplification: onnxsim, or constant folding + cleanup when onnxsim cannot cope."""
+
+    method: SimplifyMethod = "auto"
+    # Compare the simplified graph with its input on ONNX Runtime before accepting it.
+    check: bool = not_in_key(True)
+    check_min_cosine: float = not_in_key(0.9999)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("auto", "onnxsim", "fold"):
+            raise ConfigError(f"simplify method '{self.method}' is not auto, onnxsim or fold")

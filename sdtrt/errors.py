@@ -1,0 +1,59 @@
+"""Typed errors. Every message says what failed, why, and what to do about it."""
+
+from __future__ import annotations
+
+
+class SdtrtError(Exception):
+    """Base of every error sdtrt raises on purpose; the CLI prints it as one line (exit 1)."""
+
+    exit_code = 1
+
+
+class ModelNotFoundError(SdtrtError):
+    """The --model value names no preset, local diffusers folder or reachable hub id."""
+
+
+class UnsupportedModelError(SdtrtError):
+    """The model exists but its UNet needs inputs sdtrt does not export yet."""
+
+
+class ConfigError(SdtrtError):
+    """A stage configuration or shape profile is inconsistent."""
+
+
+class ArtifactError(SdtrtError):
+    """An input artifact is missing, incomplete, corrupt, or of the wrong stage."""
+
+
+class StoreError(SdtrtError):
+    """The artifact store cannot be used (not writable, not a directory, …)."""
+
+
+class ExportError(SdtrtError):
+    """torch → ONNX export failed."""
+
+
+class SimplifyError(SdtrtError):
+    """Both onnxsim and the constant-folding fallback failed, or the result does not match."""
+
+
+class BuildError(SdtrtError):
+    """An engine build failed; the message points at its log."""
+
+
+class EnvironmentMismatchError(SdtrtError):
+    """An engine was built for another TensorRT version or GPU and must be rebuilt here."""
+
+
+class MissingDependencyError(SdtrtError):
+    """An optional dependency (CUDA, TensorRT, torch-tensorrt) is not available here."""
+
+
+class ShapeError(SdtrtError):
+    """A request's shape or dtype falls outside what the engine was built for."""
+
+
+class ParityError(SdtrtError):
+    """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
+
+    exit_code = 3

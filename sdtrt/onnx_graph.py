@@ -1,0 +1,119 @@
+"""Path-based ONNX helpers.
+
+Large UNets exceed protobuf's 2 GB limit, so these functions take paths, keep weights as external
+data where needed, and never call ``ModelProto.ByteSize()`` (it raises on > 2 GB models).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import onnx
+
+from .errors import ArtifactError
+from .spec import TensorSpec, UNetSpec
+
+# Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+def data_file(onnx_path: Path) -> Path:
+    return onnx_path.with_name(onnx_path.name + ".data")
+
+
+def load_graph(path: Path, with_weights: bool = False) -> onnx.ModelProto:
+    try:
+        return onnx.load(str(path), load_external_data=with_weights)
+    except Exception as exc:  # protobuf's DecodeError, OSError, …: all mean "not a usable ONNX file"
+        raise ArtifactError(
+            f"'{path}' is not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it"
+        ) from exc
+
+
+def check(path: Path) -> None:
+    """onnx.checker on the path, so models with external data over 2 GB are checked too."""
+    try:
+        onnx.checker.check_model(str(path), full_check=False)
+    except Exception as exc:
+        raise ArtifactError(f"'{path}' fails onnx.checker: {exc}") from exc
+
+
+def op_counts(path: Path) -> Counter[str]:
+    return Counter(node.op_type for node in load_graph(path).graph.node)
+
+
+def weights_on_disk(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def save(model: onnx.ModelProto, path: Path, weight_bytes: int) -> None:
+    """Save as one .onnx, or .onnx + one .onnx.data when the weights would not fit in protobuf."""
+    if weight_bytes > EXTERNAL_DATA_THRESHOLD:
+        onnx.save_model(
+            model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+            location=data_file(path).name, size_threshold=1024,
+        )  # fmt: skip
+    else:
+        onnx.save_model(model, str(path))
+
+
+def normalise_layout(path: Path, weight_bytes: int) -> None:
+    """Re-save ``path`` if its weights are not laid out as ``save`` would lay them out.
+
+    Downstream stages rely on one convention: ``X.onnx`` alone, or ``X.onnx`` + ``X.onnx.data``.
+    """
+    others = sorted(f for f in path.parent.iterdir() if f != path)
+    expected = [data_file(path)] if weight_bytes > EXTERNAL_DATA_THRESHOLD else []
+    if others == expected:
+        return
+    model = load_graph(path, with_weights=True)
+    for f in others:
+        f.unlink()
+    save(model, path, weight_bytes)
+
+
+def name_dynamic_axes(model: onnx.ModelProto, spec: UNetSpec) -> None:
+    """Give graph inputs/outputs the spec's axis names (exporters name them ``s0``, ``2*h``, …)."""
+    wanted = {t.name: t for t in spec.inputs() + spec.outputs()}
+    for value in list(model.graph.input) + list(model.graph.output):
+        target = wanted.get(value.name)
+        if target is None:
+            continue
+        for dim, axis in zip(value.type.tensor_type.shape.dim, target.shape, strict=False):
+            if isinstance(axis, str):
+                dim.ClearField("dim_value")
+                dim.dim_param = axis
+
+
+def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Graph inputs and outputs as TensorSpecs, read without loading weights."""
+    graph = load_graph(path).graph
+
+    def spec_of(value: onnx.ValueInfoProto) -> TensorSpec:
+        tensor = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
+        shape = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
+        return TensorSpec(value.name, dtype, shape)
+
+    initializers = {i.name for i in graph.initializer}
+    inputs = [spec_of(v) for v in graph.input if v.name not in initializers]
+    return inputs, [spec_of(v) for v in graph.output]
+
+
+def infer_spec(path: Path) -> UNetSpec:
+    """A UNetSpec for an .onnx made outside sdtrt, from its IO (SD-style VAE assumed: 8× scale)."""
+    inputs, _ = graph_io(path)
+    if len(inputs) != 3 or len(inputs[0].shape) != 4 or len(inputs[2].shape) != 3:
+        raise ArtifactError(
+            f"'{path}' does not look like an SD UNet graph (expected sample [B,C,H,W], timestep [B], "
+            f"encoder_hidden_states [B,77,D]; found {[t.name for t in inputs]}); export it with `sdtrt export`"
+        )
+    channels, text_dim = inputs[0].shape[1], inputs[2].shape[2]
+    if not isinstance(channels, int) or not isinstance(text_dim, int):
+        raise ArtifactError(f"'{path}': sample channels and text embedding width must be static dimensions")
+    return UNetSpec(
+        in_channels=channels, out_channels=channels, cross_attention_dim=text_dim, latent_sample_size=64,
+        latent_multiple=8, vae_scale_factor=8, precision="fp16" if inputs[0].dtype == "float16" else "fp32",
+        io_naming="indexed" if inputs[0].name == "input_0" else "named",
+    )  # fmt: skip

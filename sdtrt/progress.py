@@ -1,0 +1,24 @@
+"""Progress for long steps: a live spinner on a terminal, one timed line per step otherwise.
+
+Everything goes to stderr so stdout stays for results (the CLI prints an artifact's path last).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+
+from rich.console import Console
+
+# Logs and CI have no terminal width; 80 columns would truncate tables of paths.
+console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+
+
+@contextlib.contextmanager
+def step(description: str) -> Iterator[None]:
+    started = time.perf_counter()
+    with console.status(f"{description}…"):
+        yield
+    console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f} s)[/]")

@@ -1,0 +1,133 @@
+"""Simplify stage: onnxsim, or constant folding + cleanup (onnx-graphsurgeon) when onnxsim fails.
+
+The result is accepted only after ONNX Runtime gives the same output for it and its input graph.
+The manifest records which path ran, why, and the op counts before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import onnx_graph
+from ..config import SimplifyConfig
+from ..errors import SimplifyError
+from ..progress import step
+from ..spec import UNetSpec
+from ..store import Artifact, StageRequest, Store, environment
+
+STAGE = "simplify"
+VERSION = 1
+ONNX_NAME = "unet.sim.onnx"
+
+
+def spec_of(artifact: Artifact) -> UNetSpec:
+    io = artifact.manifest.get("io")
+    return UNetSpec.from_json(io) if io else onnx_graph.infer_spec(artifact.primary)
+
+
+def run(config: SimplifyConfig, source: Artifact, store: Store) -> Artifact:
+    onnx_graph.load_graph(source.primary)  # a corrupt input fails here, before any work is cached
+    request = StageRequest(
+        STAGE, VERSION, config, [source.as_input()], environment("onnx", "onnxsim", "onnx-graphsurgeon")
+    )
+    artifact, _ = store.produce(request, lambda out_dir: _simplify(config, source, out_dir))
+    return artifact
+
+
+def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
+    out_path = out_dir / ONNX_NAME
+    before = onnx_graph.op_counts(source.primary)
+    timings: dict[str, float] = {}
+    fallback_reason = None
+    method = "fold" if config.method == "fold" else "onnxsim"
+    started = time.perf_counter()
+    if method == "onnxsim":
+        try:
+            with step(f"Simplifying with onnxsim ({sum(before.values())} nodes)"):
+                _onnxsim(source.primary, out_path)
+        except Exception as exc:  # onnxsim raises RuntimeError, MemoryError, onnx errors, …
+            if config.method == "onnxsim":
+                raise SimplifyError(f"onnxsim failed: {exc}; retry with --method fold") from exc
+            fallback_reason = f"onnxsim failed: {type(exc).__name__}: {str(exc)[:300]}"
+            method = "fold"
+            for leftover in out_dir.iterdir():
+                leftover.unlink()
+    if method == "fold":
+        with step("Folding constants and cleaning up (onnx-graphsurgeon)"):
+            _fold(source.primary, out_path)
+    timings["simplify_s"] = round(time.perf_counter() - started, 3)
+    onnx_graph.check(out_path)
+    after = onnx_graph.op_counts(out_path)
+
+    spec = spec_of(source)
+    check = None
+    if config.check:
+        started = time.perf_counter()
+        with step("Checking the simplified graph against its input on ONNX Runtime"):
+            check = _compare(source.primary, out_path, spec)
+        timings["check_s"] = round(time.perf_counter() - started, 3)
+        if check["cosine"] < config.check_min_cosine:
+            raise SimplifyError(
+                f"the {method} result differs from its input (cosine {check['cosine']:.6f} < "
+                f"{config.check_min_cosine}); retry with --method {'fold' if method == 'onnxsim' else 'onnxsim'}"
+            )
+    return {
+        "primary": ONNX_NAME,
+        "io": spec.to_json(),
+        "timings": timings,
+        "details": {
+            "method": method,
+            "fallback_reason": fallback_reason,
+            "nodes_before": sum(before.values()),
+            "nodes_after": sum(after.values()),
+            "op_counts_before": dict(sorted(before.items())),
+            "op_counts_after": dict(sorted(after.items())),
+            "check": check,
+            "external_data": onnx_graph.data_file(out_path).exists(),
+        },
+        "reproduce": f"sdtrt simplify {source.path} --method {config.method}",
+    }
+
+
+def _onnxsim(source: Path, out_path: Path) -> None:
+    import onnxsim
+
+    # Paths, not loaded models: onnxsim then streams external data and peaks far lower.
+    _, ok = onnxsim.simplify(str(source), output_path=str(out_path), external_data_threshold="2GB")
+    if not ok:
+        raise RuntimeError("onnxsim reported that its result could not be validated")
+    onnx_graph.normalise_layout(out_path, onnx_graph.weights_on_disk(source.parent))
+
+
+def _fold(source: Path, out_path: Path) -> None:
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(onnx_graph.load_graph(source, with_weights=True))
+    graph.fold_constants().cleanup().toposort()
+    weight_bytes = onnx_graph.weights_on_disk(source.parent)
+    onnx_graph.save(gs.export_onnx(graph), out_path, weight_bytes)
+
+
+def _compare(reference: Path, candidate: Path, spec: UNetSpec) -> dict[str, Any]:
+    """Run both graphs on the same seeded input (batch 2, the profile's smallest size)."""
+    from ..runtime.onnxruntime import OnnxRuntime
+    from ..validate import tensor_stats
+
+    profile = spec.default_profile()
+    feeds = spec.sample_inputs(2, profile.height.min, profile.width.min, seed=1)
+    outputs = []
+    for path in (reference, candidate):
+        runtime = OnnxRuntime(path)
+        outputs.append(runtime.run(feeds)[spec.output_name].float())
+        runtime.close()
+    return tensor_stats(outputs[1], outputs[0]) | {"shape": list(outputs[0].shape)}
+
+
+def op_table_rows(before: dict[str, int], after: dict[str, int]) -> list[tuple[str, int, int]]:
+    """(op, before, after) rows, as onnx-simplifier prints them, with a Total row last."""
+    ops = sorted(set(before) | set(after))
+    rows = [(op, before.get(op, 0), after.get(op, 0)) for op in ops]
+    rows.append(("Total", sum(before.values()), sum(after.values())))
+    return rows

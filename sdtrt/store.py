@@ -1,0 +1,313 @@
+"""Content-addressed artifact store.
+
+Every stage output is a directory ``<root>/<stage>/<key[:16]>/`` holding its files and a
+``manifest.json``. The key is the sha256 of the stage, its version, the config fields that change the
+output, the input identities (model digest or upstream artifact key) and the library versions that
+matter, so any upstream change yields a new key and an unchanged re-run is a cache hit.
+
+Writes are atomic: a stage builds in ``<root>/.tmp/…`` and the finished directory is renamed into
+place, manifest included, in one step. An interrupted stage leaves only a temp directory, which no
+lookup ever returns and ``gc`` removes. Concurrent runs of the same key serialise on a lock file; the
+second finds the first's artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .config import as_dict, cache_key
+from .errors import ArtifactError, StoreError
+from .models import file_sha256
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+TMP_DIR = ".tmp"
+LOCK_DIR = ".locks"
+
+
+def default_root(engines: Path | str | None = None) -> Path:
+    """--engines DIR, else $SDTRT_ENGINES, else ./engines."""
+    return Path(engines or os.environ.get("SDTRT_ENGINES") or "engines")
+
+
+def environment(*packages: str) -> dict[str, str]:
+    """Versions of the named distributions (and Python): the parts of a key no config shows."""
+    env = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            env[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            env[name] = "absent"
+    return env
+
+
+def digest(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """What a stage is asked to produce; its key names the artifact before any work is done."""
+
+    stage: str
+    version: int
+    config: Any  # a frozen config dataclass from sdtrt.config
+    inputs: list[dict[str, Any]]  # each has "digest": a model digest or an upstream artifact key
+    environment: dict[str, str]
+
+    @property
+    def key(self) -> str:
+        return digest(
+            {
+                "stage": self.stage,
+                "version": self.version,
+                "config": cache_key(self.config),
+                "inputs": [i["digest"] for i in self.inputs],
+                "environment": self.environment,
+            }
+        )
+
+    def base_manifest(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "stage": self.stage,
+            "stage_version": self.version,
+            "key": self.key,
+            "config": as_dict(self.config),
+            "config_key": cache_key(self.config),
+            "inputs": self.inputs,
+            "environment": self.environment,
+        }
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A finished stage output: a directory and its manifest."""
+
+    path: Path
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def key(self) -> str:
+        return str(self.manifest["key"])
+
+    @property
+    def stage(self) -> str:
+        return str(self.manifest["stage"])
+
+    @property
+    def primary(self) -> Path:
+        """The artifact's main file (the .onnx, the .plan, …)."""
+        return self.path / self.manifest["primary"]
+
+    def as_input(self) -> dict[str, Any]:
+        return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path)}
+
+    @classmethod
+    def open(cls, path: Path | str) -> Artifact:
+        """An artifact from its directory, its manifest, or any file inside it.
+
+        A bare .onnx outside the store becomes an ``external`` artifact keyed by its content.
+        """
+        path = Path(path)
+        if not path.exists():
+            raise ArtifactError(f"'{path}' does not exist; pass an artifact directory or its .onnx file")
+        folder = path if path.is_dir() else path.parent
+        manifest_path = folder / MANIFEST
+        if manifest_path.is_file():
+            try:
+                manifest = json.loads(manifest_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ArtifactError(f"{manifest_path} is not valid JSON ({exc}); rebuild this artifact") from exc
+            return cls(folder, manifest)
+        if path.is_file() and path.suffix == ".onnx":
+            return cls(folder, external_onnx_manifest(path))
+        raise ArtifactError(
+            f"'{path}' is not an sdtrt artifact (no {MANIFEST}); pass the directory a stage printed, or an .onnx file"
+        )
+
+
+def external_onnx_manifest(path: Path) -> dict[str, Any]:
+    """A manifest for an .onnx made outside sdtrt, keyed by the content of it and its data files."""
+    files = [path, *sorted(path.parent.glob(path.name + ".data"))]
+    return {
+        "format": MANIFEST_FORMAT,
+        "stage": "external",
+        "key": digest([file_sha256(f) for f in files]),
+        "primary": path.name,
+        "files": [],
+    }
+
+
+def describe_files(folder: Path) -> list[dict[str, Any]]:
+    return [
+        {"name": str(f.relative_to(folder)), "size": f.stat().st_size, "sha256": file_sha256(f)}
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != MANIFEST
+    ]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    artifact: Artifact
+    problems: list[str]
+
+    def __bool__(self) -> bool:
+        return not self.problems
+
+
+class Store:
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = default_root(root).expanduser()
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def artifact_dir(self, stage: str, key: str) -> Path:
+        return self.root / stage / key[:16]
+
+    def lookup(self, request: StageRequest) -> Artifact | None:
+        folder = self.artifact_dir(request.stage, request.key)
+        if not (folder / MANIFEST).is_file():
+            return None
+        artifact = Artifact.open(folder)
+        return artifact if artifact.key == request.key else None
+
+    def artifacts(self) -> list[Artifact]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for manifest in sorted(self.root.glob(f"*/*/{MANIFEST}")):
+            if manifest.parts[-3].startswith("."):
+                continue
+            with contextlib.suppress(ArtifactError):
+                found.append(Artifact.open(manifest.parent))
+        return found
+
+    def verify(self) -> list[VerifyResult]:
+        """Re-hash every artifact's files against its manifest."""
+        results = []
+        for artifact in self.artifacts():
+            problems = []
+            for entry in artifact.manifest.get("files", []):
+                f = artifact.path / entry["name"]
+                if not f.is_file():
+                    problems.append(f"{entry['name']}: missing")
+                elif f.stat().st_size != entry["size"] or file_sha256(f) != entry["sha256"]:
+                    problems.append(f"{entry['name']}: content differs from the manifest (corrupt)")
+            results.append(VerifyResult(artifact, problems))
+        return results
+
+    # ---- writing ------------------------------------------------------------------------------
+
+    def ensure_writable(self) -> None:
+        """Fail early, before any expensive work, when the store cannot take a new artifact."""
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"engines path '{self.root}' is a file, not a directory; pass --engines DIR")
+        try:
+            (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
+            (self.root / LOCK_DIR).mkdir(exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.root / TMP_DIR):
+                pass
+        except OSError as exc:
+            raise StoreError(
+                f"engines directory '{self.root}' is not writable ({exc.strerror}); "
+                "pass --engines DIR or set SDTRT_ENGINES to a writable folder"
+            ) from exc
+
+    @contextlib.contextmanager
+    def _lock(self, key: str) -> Iterator[None]:
+        with open(self.root / LOCK_DIR / f"{key[:16]}.lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def produce(self, request: StageRequest, build: Callable[[Path], dict[str, Any]]) -> tuple[Artifact, bool]:
+        """The artifact for ``request``: from the store if present, else built by ``build(tmp_dir)``.
+
+        ``build`` writes files into the temp directory and returns manifest fields (``primary``,
+        ``io``, ``details``, …). Returns the artifact and whether it was a cache hit.
+        """
+        self.ensure_writable()
+        if hit := self.lookup(request):
+            os.utime(hit.path / MANIFEST)  # last use, for `gc --older-than`
+            return hit, True
+        with self._lock(request.key):
+            if hit := self.lookup(request):  # a concurrent run finished it while we waited
+                return hit, True
+            tmp = Path(
+                tempfile.mkdtemp(prefix=f"{request.stage}-{request.key[:12]}-{os.getpid()}-", dir=self.root / TMP_DIR)
+            )
+            try:
+                started = time.time()
+                fields = build(tmp)
+                manifest = request.base_manifest() | fields
+                manifest["created_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+                manifest.setdefault("timings", {})["stage_s"] = round(time.time() - started, 3)
+                manifest["files"] = describe_files(tmp)
+                _write_json_synced(tmp / MANIFEST, manifest)
+                final = self.artifact_dir(request.stage, request.key)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                if final.exists():  # a stale, manifest-less leftover from an older layout
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return Artifact(final, manifest), False
+
+    def gc(self, older_than_days: float | None = None, dry_run: bool = False) -> list[Path]:
+        """Remove what interrupted runs left, and (if asked) artifacts unused for N days."""
+        doomed = []
+        tmp_root = self.root / TMP_DIR
+        if tmp_root.is_dir():
+            doomed += [d for d in tmp_root.iterdir() if d.is_dir() and not _owner_alive(d.name)]
+        for stage_dir in self.root.glob("[!.]*"):
+            if not stage_dir.is_dir():
+                continue
+            for folder in stage_dir.iterdir():
+                manifest = folder / MANIFEST
+                if not manifest.is_file() or (
+                    older_than_days is not None and time.time() - manifest.stat().st_mtime > older_than_days * 86400
+                ):
+                    doomed.append(folder)
+        if not dry_run:
+            for folder in doomed:
+                shutil.rmtree(folder, ignore_errors=True)
+        return doomed
+
+
+def _owner_alive(tmp_name: str) -> bool:
+    """Temp dirs are named ``stage-key-PID-random``; one whose process is gone was interrupted."""
+    parts = tmp_name.split("-")
+    if len(parts) < 2 or not parts[-2].isdigit():
+        return False
+    pid = int(parts[-2])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_json_synced(path: Path, data: dict[str, Any]) -> None:
+    with path.open("w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())

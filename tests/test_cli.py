@@ -1,0 +1,131 @@
+"""The CLI as a user meets it: output contract, cache hits, one-line errors, nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sdtrt.store import MANIFEST, TMP_DIR, Store
+
+from .helpers import REPO, last_line, run_cli
+
+
+def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
+    engines = tmp_path / "engines"
+    started = time.perf_counter()
+    first = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--engines", str(engines), check=True)
+    first_s = time.perf_counter() - started
+    started = time.perf_counter()
+    second = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--engines", str(engines), check=True)
+    second_s = time.perf_counter() - started
+    print(f"compile tiny: first {first_s:.1f} s, cached {second_s:.1f} s")
+    artifact_dir = Path(last_line(first.stdout))
+    assert (artifact_dir / MANIFEST).is_file()
+    assert last_line(second.stdout) == str(artifact_dir)
+    assert "Exporting UNet" in first.stderr and "Exporting UNet" not in second.stderr
+    assert "Total" in second.stderr, "the op table is shown on a cache hit too"
+    assert len(Store(engines).artifacts()) == 2
+
+
+def test_stage_commands_chain_through_printed_paths(tmp_path, tiny_export):
+    result = run_cli("simplify", str(tiny_export.primary), "--engines", str(tmp_path), check=True)
+    simplified = Path(last_line(result.stdout))
+    assert simplified.parent.name == "simplify" and (simplified / "unet.sim.onnx").is_file()
+    ls = run_cli("cache", "ls", "--engines", str(tmp_path), check=True)
+    assert "1 artifacts" in ls.stdout
+    assert "1 artifacts verified" in run_cli("cache", "verify", "--engines", str(tmp_path), check=True).stdout
+
+
+@pytest.mark.parametrize("command", ["export", "simplify", "compile", "cache"])
+def test_help_explains_with_an_example(command):
+    result = run_cli(command, "--help", check=True)
+    assert "Example" in result.stdout or "ls" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["export", "--model", "no-such-preset"], "is not a preset"),
+        (["export", "--model", "/no/such/folder"], "is not a preset"),
+        (["export", "--model", "{tmp}"], "is not a diffusers model"),
+        (["simplify", "{tmp}/corrupt.onnx"], "is not a readable ONNX model"),
+        (["simplify", "{tmp}/missing.onnx"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_exit_1(tmp_path, args, message):
+    (tmp_path / "corrupt.onnx").write_bytes(b"garbage")
+    engines = tmp_path / "engines"
+    result = run_cli(*[a.format(tmp=tmp_path) for a in args], "--engines", str(engines))
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith("error:") and message in result.stderr
+    assert Store(engines).artifacts() == []
+
+
+def test_usage_errors_exit_2():
+    assert run_cli("export", "--precision", "fp8").returncode == 2
+    assert run_cli("no-such-command").returncode == 2
+
+
+def test_debug_env_shows_the_traceback():
+    result = run_cli("export", "--model", "no-such-preset", env={"SDTRT_DEBUG": "1"})
+    assert result.returncode == 1 and "Traceback" in result.stderr and "ModelNotFoundError" in result.stderr
+
+
+def _without_dac_override() -> list[str]:
+    """Root ignores permission bits; drop that capability so a read-only folder is read-only."""
+    if os.geteuid() != 0:
+        return []
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: cannot make a folder read-only for this process")
+    return [
+        "setpriv",
+        "--inh-caps=-dac_override,-dac_read_search",
+        "--bounding-set=-dac_override,-dac_read_search",
+        "--",
+    ]
+
+
+def test_read_only_engines_directory(tmp_path):
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    engines.chmod(0o555)
+    try:
+        result = subprocess.run(
+            [*_without_dac_override(), sys.executable, "-m", "sdtrt", "export", "--engines", str(engines)],
+            capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=300,
+        )  # fmt: skip
+    finally:
+        engines.chmod(0o755)
+    assert result.returncode == 1
+    assert "is not writable" in result.stderr and "--engines" in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert list(engines.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
+    engines = tmp_path / "engines"
+    args = [sys.executable, "-m", "sdtrt", "export", "--precision", "fp32", "--engines", str(engines)]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any((engines / TMP_DIR).glob("export-*")):
+        time.sleep(0.05)
+    assert proc.poll() is None, "export finished before it could be interrupted"
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    store = Store(engines)
+    assert store.artifacts() == []
+    leftovers = list((engines / TMP_DIR).iterdir())
+    if sig == signal.SIGINT:
+        assert leftovers == [], "Ctrl-C cleans up its own temp directory"
+    assert sorted(store.gc()) == sorted(leftovers)
+    rerun = run_cli("export", "--precision", "fp32", "--engines", str(engines), check=True)
+    assert (Path(last_line(rerun.stdout)) / MANIFEST).is_file()

@@ -1,0 +1,62 @@
+"""Model sources: presets built offline and cached, clear errors for everything else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdtrt.errors import ModelNotFoundError, UnsupportedModelError
+from sdtrt.models import check_supported_unet, resolve_model
+
+
+def test_tiny_preset_is_a_complete_cached_pipeline(tiny):
+    assert tiny.kind == "preset" and tiny.is_pipeline
+    for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert (tiny.path / part).is_dir()
+    assert tiny.vae_scale_factor() == 8
+    stamp = (tiny.path / "unet" / "config.json").stat().st_mtime_ns
+    again = resolve_model("tiny")
+    assert again.path == tiny.path and (again.path / "unet" / "config.json").stat().st_mtime_ns == stamp
+    assert again.unet_digest() == tiny.unet_digest()
+
+
+def test_tiny_tokenizer_has_a_real_vocabulary(tiny):
+    from transformers import CLIPTokenizer
+
+    tokenizer = CLIPTokenizer.from_pretrained(tiny.path / "tokenizer")
+    assert len(tokenizer) > 500
+    ids = tokenizer("a photo of the astronaut, ünïcode 🚀", padding="max_length", max_length=77).input_ids
+    assert len(ids) == 77 and max(ids) < len(tokenizer)
+    assert len(set(ids)) > 10
+
+
+def test_local_folder_and_bare_unet_folder(tiny):
+    assert resolve_model(str(tiny.path)).kind == "folder"
+    unet_only = resolve_model(str(tiny.path / "unet"))
+    assert not unet_only.is_pipeline and unet_only.unet_digest() == tiny.unet_digest()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("no-such-preset", "is not a preset"),
+        ("/definitely/missing/folder", "is not a preset"),
+        ("some-org/not-downloaded", "could not be found or downloaded"),
+    ],
+)
+def test_unresolvable_models_say_what_to_pass(value, message):
+    with pytest.raises(ModelNotFoundError, match=message):
+        resolve_model(value)
+
+
+def test_folder_that_is_not_diffusers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelNotFoundError, match="is not a diffusers model"):
+        resolve_model(str(tmp_path))
+
+
+def test_unets_with_extra_conditioning_are_refused(tiny):
+    config = tiny.unet_config() | {"addition_embed_type": "text_time"}
+    with pytest.raises(UnsupportedModelError, match="SDXL"):
+        check_supported_unet(config)

@@ -1,0 +1,50 @@
+"""Scale check on the full SD 1.5 UNet architecture (random weights). Opt-in: pytest -m slow."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+
+from sdtrt.config import ExportConfig, SimplifyConfig
+from sdtrt.models import load_unet, resolve_model
+from sdtrt.runtime.onnxruntime import OnnxRuntime
+from sdtrt.stages import export, simplify
+from sdtrt.store import Store
+from sdtrt.validate import TensorCase, compare_unet
+
+pytestmark = pytest.mark.slow
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def test_sd15_fp16_export_simplify_and_parity_at_batch2_512(tmp_path):
+    timings = {}
+    started = time.perf_counter()
+    model = resolve_model("sd15-random")
+    timings["preset"] = time.perf_counter() - started
+    store = Store(tmp_path)
+
+    started = time.perf_counter()
+    exported = export.run(ExportConfig(precision="fp16"), model, store)
+    timings["export"] = time.perf_counter() - started
+    started = time.perf_counter()
+    simplified = simplify.run(SimplifyConfig(), exported, store)
+    timings["simplify"] = time.perf_counter() - started
+
+    details = simplified.manifest["details"]
+    assert details["nodes_after"] < details["nodes_before"]
+
+    started = time.perf_counter()
+    runtime = OnnxRuntime(simplified.primary)
+    stats = compare_unet(runtime, load_unet(model), simplify.spec_of(simplified), TensorCase(2, 512, 512))
+    timings["parity"] = time.perf_counter() - started
+    print(
+        f"\nsd15-random fp16: {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}; "
+        f"nodes {details['nodes_before']} -> {details['nodes_after']} ({details['method']}); "
+        f"max abs {stats['max_abs']:.3g}, cosine {stats['cosine']:.6f}; peak RSS {peak_rss_gb():.1f} GB"
+    )
+    assert stats["finite"] and stats["cosine"] >= 0.999
