@@ -16,6 +16,8 @@ Precision = Literal["fp16", "fp32"]
 Exporter = Literal["dynamo", "torchscript"]
 IONaming = Literal["named", "indexed"]
 SimplifyMethod = Literal["auto", "onnxsim", "fold"]
+OrtOptimization = Literal["basic", "extended"]
+Target = Literal["auto", "onnxruntime", "tensorrt"]
 
 
 def not_in_key(default: Any) -> Any:
@@ -91,6 +93,18 @@ class ShapeProfile:
         high = size_px * 3 // 2 // multiple * multiple
         return cls(Range(1, 1, 4), Range(low, size_px, high), Range(low, size_px, high))
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch": list(self.batch),
+            "height": list(self.height),
+            "width": list(self.width),
+            "guidance": self.guidance,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShapeProfile:
+        return cls(Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"])
+
     def unet_batch(self) -> Range:
         factor = 2 if self.guidance else 1
         return Range(*(b * factor for b in self.batch))
@@ -144,3 +158,19 @@ class SimplifyConfig:
     def __post_init__(self) -> None:
         if self.method not in ("auto", "onnxsim", "fold"):
             raise ConfigError(f"simplify method '{self.method}' is not auto, onnxsim or fold")
+
+
+@dataclass(frozen=True)
+class OrtBuildConfig:
+    """The ONNX Runtime target: graph optimizations applied once and saved, plus the shape profile.
+
+    "all" is not offered: its layout-specific rewrites tie a saved graph to one CPU's kernels.
+    """
+
+    profile: ShapeProfile = ShapeProfile()
+    optimization: OrtOptimization = "extended"
+    provider: Literal["cpu", "cuda"] = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.optimization not in ("basic", "extended"):
+            raise ConfigError(f"ONNX Runtime optimization '{self.optimization}' is not basic or extended")

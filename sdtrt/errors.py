@@ -49,8 +49,8 @@ class MissingDependencyError(SdtrtError):
     """An optional dependency (CUDA, TensorRT, torch-tensorrt) is not available here."""
 
 
-class ShapeError(SdtrtError):
-    """A request's shape or dtype falls outside what the engine was built for."""
+class EngineInputError(SdtrtError):
+    """A request's shape, dtype or extra inputs do not fit what the engine was built for."""
 
 
 class ParityError(SdtrtError):

@@ -145,7 +145,7 @@ def check_supported_unet(config: dict[str, Any]) -> None:
 
 # ---- presets ---------------------------------------------------------------------------------
 
-PRESET_VERSION = 1
+PRESET_VERSION = 2
 
 
 def ensure_preset(name: str, cache_dir: Path) -> Path:
@@ -217,11 +217,13 @@ def _sd1_pipeline(unet_kwargs: dict[str, Any], vae_kwargs: dict[str, Any], text_
         **text_kwargs,
     )
     text_encoder = CLIPTextModel(text_config)
-    # Stable Diffusion 1.5's own scheduler settings.
+    # Stable Diffusion 1.5's own scheduler config, including the clip_sample=False that other
+    # schedulers (DDIM) read from it when built with from_config.
     scheduler = PNDMScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
         skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False,
     )  # fmt: skip
+    scheduler.register_to_config(clip_sample=False)  # type: ignore[attr-defined]  # ConfigMixin API
     return StableDiffusionPipeline(
         vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,

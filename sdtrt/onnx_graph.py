@@ -11,8 +11,11 @@ from pathlib import Path
 
 import onnx
 
+from .config import IONaming, Precision
 from .errors import ArtifactError
-from .spec import TensorSpec, UNetSpec
+from .models import ModelSource
+from .spec import NAMED_INPUTS, TensorSpec, UNetSpec
+from .store import Artifact
 
 # Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -101,19 +104,23 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, [spec_of(v) for v in graph.output]
 
 
-def infer_spec(path: Path) -> UNetSpec:
-    """A UNetSpec for an .onnx made outside sdtrt, from its IO (SD-style VAE assumed: 8× scale)."""
-    inputs, _ = graph_io(path)
-    if len(inputs) != 3 or len(inputs[0].shape) != 4 or len(inputs[2].shape) != 3:
+def artifact_spec(artifact: Artifact, model: ModelSource | None = None) -> UNetSpec:
+    """The artifact's UNetSpec: from its manifest, else from its graph's IO (and the model, if known)."""
+    if io := artifact.manifest.get("io"):
+        return UNetSpec.from_json(io)
+    inputs, _ = graph_io(artifact.primary)
+    names = tuple(t.name for t in inputs)
+    if names not in (NAMED_INPUTS, ("input_0", "input_1", "input_2")):
         raise ArtifactError(
-            f"'{path}' does not look like an SD UNet graph (expected sample [B,C,H,W], timestep [B], "
-            f"encoder_hidden_states [B,77,D]; found {[t.name for t in inputs]}); export it with `sdtrt export`"
+            f"'{artifact.primary}' does not look like an SD UNet graph (inputs {list(names)}, expected "
+            f"{list(NAMED_INPUTS)}); export it with `sdtrt export`"
         )
+    precision: Precision = "fp16" if inputs[0].dtype == "float16" else "fp32"
+    io_naming: IONaming = "named" if names == NAMED_INPUTS else "indexed"
+    if model is not None:
+        return UNetSpec.from_config(model.unet_config(), model.vae_scale_factor(), precision, io_naming)
     channels, text_dim = inputs[0].shape[1], inputs[2].shape[2]
     if not isinstance(channels, int) or not isinstance(text_dim, int):
-        raise ArtifactError(f"'{path}': sample channels and text embedding width must be static dimensions")
-    return UNetSpec(
-        in_channels=channels, out_channels=channels, cross_attention_dim=text_dim, latent_sample_size=64,
-        latent_multiple=8, vae_scale_factor=8, precision="fp16" if inputs[0].dtype == "float16" else "fp32",
-        io_naming="indexed" if inputs[0].name == "input_0" else "named",
-    )  # fmt: skip
+        raise ArtifactError(f"'{artifact.primary}': sample channels and text embedding width must be static")
+    # Without the model, assume SD 1.x/2.x proportions (8x VAE, four down blocks, 64-latent native size).
+    return UNetSpec(channels, channels, text_dim, 64, 8, 8, precision, io_naming)

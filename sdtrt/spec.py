@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import IONaming, Precision, Range, ShapeProfile
+from .config import IONaming, Precision, ShapeProfile
 from .models import check_supported_unet
 
 if TYPE_CHECKING:
@@ -116,17 +116,27 @@ class UNetSpec:
         corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i]) for i in range(3)]
         return {name: tuple(c[name] for c in corners) for name in self.input_names}
 
-    def check_shapes(self, shapes: dict[str, tuple[int, ...]], profile: ShapeProfile) -> str | None:
-        """Why these concrete input shapes fall outside the profile, or None when they fit."""
-        for name, (lo, _, hi) in self.profile_shapes(profile).items():
-            shape = shapes.get(name)
+    def check_shapes(self, shapes: dict[str, tuple[int, ...]], profile: ShapeProfile | None) -> str | None:
+        """Why these input shapes cannot run, or None when they fit (the profile's ranges, if given)."""
+        for t in self.inputs():
+            shape = shapes.get(t.name)
             if shape is None:
-                return f"input '{name}' is missing"
-            if len(shape) != len(lo) or any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
-                return f"input '{name}' has shape {tuple(shape)}, outside the profile's range {lo} .. {hi}"
+                return f"input '{t.name}' is missing"
+            if len(shape) != len(t.shape) or any(
+                isinstance(d, int) and d != s for d, s in zip(t.shape, shape, strict=True)
+            ):
+                return f"input '{t.name}' has shape {tuple(shape)}; the engine takes {t.shape}"
         sample_shape = shapes[self.input_names[0]]
+        if len({shapes[name][0] for name in self.input_names}) != 1:
+            return f"inputs disagree on the batch size: {[shapes[n][0] for n in self.input_names]}"
         if any(d % self.latent_multiple for d in sample_shape[2:]):
             return f"latent height/width {tuple(sample_shape[2:])} must be multiples of {self.latent_multiple}"
+        if profile is None:
+            return None
+        for name, (lo, _, hi) in self.profile_shapes(profile).items():
+            shape = shapes[name]
+            if any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
+                return f"input '{name}' has shape {tuple(shape)}, outside the engine's profile {lo} .. {hi}"
         return None
 
     def sample_inputs(
@@ -165,7 +175,3 @@ class UNetSpec:
         keys = ("in_channels", "out_channels", "cross_attention_dim", "latent_sample_size", "latent_multiple",
                 "vae_scale_factor", "precision", "io_naming")  # fmt: skip
         return cls(**{k: data[k] for k in keys})
-
-
-def range_of(values: Range) -> dict[str, int]:
-    return values._asdict()

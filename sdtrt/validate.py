@@ -1,30 +1,51 @@
-"""Parity between an engine and the PyTorch fp32 reference."""
+"""Parity between an engine and the PyTorch fp32 reference: tensors, final latents and images.
+
+A ValidationReport is truthy when every check passes and ``raise_for_status()`` raises ParityError
+otherwise (the CLI exits 3). NaN/inf outputs and black or constant images always fail.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from .config import Precision, ShapeProfile
+from .errors import ParityError
+
 if TYPE_CHECKING:
+    from .models import ModelSource
     from .runtime import Runtime
     from .spec import UNetSpec
+    from .store import Artifact
 
 
 def tensor_stats(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
     """max abs, mean abs and cosine similarity of ``candidate`` against ``reference`` (in fp32)."""
-    a = candidate.detach().float().flatten()
-    b = reference.detach().float().flatten()
+    a = candidate.detach().float().flatten().cpu()
+    b = reference.detach().float().flatten().cpu()
     finite = bool(torch.isfinite(a).all())
     diff = (a - b).abs()
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item() if finite else float("nan")
-    return {
-        "max_abs": diff.max().item(),
-        "mean_abs": diff.mean().item(),
-        "cosine": cosine,
-        "finite": finite,
-    }
+    return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "cosine": cosine, "finite": finite}
+
+
+def compare_graphs(reference: Path, candidate: Path, spec: UNetSpec) -> dict[str, Any]:
+    """Run two UNet graphs on ONNX Runtime on one seeded input (batch 2, the profile's smallest size)."""
+    from .runtime.onnxruntime import OnnxRuntime
+
+    profile = spec.default_profile()
+    feeds = spec.sample_inputs(2, profile.height.min, profile.width.min, seed=1)
+    outputs = []
+    for path in (reference, candidate):
+        runtime = OnnxRuntime(path, spec)
+        outputs.append(runtime.run(feeds)[spec.output_name].float())
+        runtime.close()
+    return tensor_stats(outputs[1], outputs[0]) | {"shape": list(outputs[0].shape)}
 
 
 @dataclass(frozen=True)
@@ -41,6 +62,19 @@ class TensorCase:
         return f"b{self.unet_batch} {self.height}x{self.width} t={self.timestep:g}"
 
 
+def default_cases(profile: ShapeProfile) -> list[TensorCase]:
+    """Timesteps across the schedule at the optimum shape, plus the profile's smallest and largest."""
+    batch = profile.unet_batch()
+    opt = (batch.opt, profile.height.opt, profile.width.opt)
+    return [
+        TensorCase(*opt, timestep=999.0, seed=0),
+        TensorCase(*opt, timestep=500.0, seed=1),
+        TensorCase(*opt, timestep=1.0, seed=2),
+        TensorCase(batch.min, profile.height.min, profile.width.min, timestep=750.0, seed=3),
+        TensorCase(batch.max, profile.height.max, profile.width.max, timestep=250.0, seed=4),
+    ]
+
+
 def compare_unet(runtime: Runtime, reference: torch.nn.Module, spec: UNetSpec, case: TensorCase) -> dict[str, Any]:
     """Run one case through the engine and the fp32 PyTorch UNet; stats of engine vs reference."""
     feeds = spec.sample_inputs(case.unet_batch, case.height, case.width, seed=case.seed, timestep=case.timestep)
@@ -49,3 +83,155 @@ def compare_unet(runtime: Runtime, reference: torch.nn.Module, spec: UNetSpec, c
         expected = reference(sample, timestep, text, return_dict=False)[0]
     got = runtime.run(feeds)[spec.output_name]
     return {"case": case.label()} | tensor_stats(got, expected)
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    min_cosine: float
+    max_abs: float
+    min_psnr_db: float
+
+    @classmethod
+    def for_precision(cls, precision: Precision) -> Tolerances:
+        if precision == "fp16":
+            return cls(min_cosine=0.999, max_abs=0.05, min_psnr_db=30.0)
+        return cls(min_cosine=0.99999, max_abs=1e-3, min_psnr_db=40.0)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    prompt: str = "a photograph of an astronaut riding a horse"
+    steps: int = 10
+    guidance: float = 7.5
+    seed: int = 0
+    scheduler: str | None = None
+    images: bool = True
+    min_cosine: float | None = None  # None: the default for the engine's precision
+    max_abs: float | None = None
+    min_psnr_db: float | None = None
+
+    def tolerances(self, precision: Precision) -> Tolerances:
+        base = Tolerances.for_precision(precision)
+        return Tolerances(
+            self.min_cosine if self.min_cosine is not None else base.min_cosine,
+            self.max_abs if self.max_abs is not None else base.max_abs,
+            self.min_psnr_db if self.min_psnr_db is not None else base.min_psnr_db,
+        )
+
+
+@dataclass
+class ValidationReport:
+    engine: str
+    model: str
+    precision: str
+    tolerances: Tolerances
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    image: dict[str, Any] | None = None
+    failures: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return not self.failures
+
+    def raise_for_status(self) -> None:
+        if self.failures:
+            raise ParityError(
+                f"engine does not match PyTorch: {self.failures[0]}"
+                + (f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else "")
+                + "; rebuild it, or use --precision fp32 to see whether fp16 overflow is the cause"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": bool(self)}
+
+
+def psnr_db(candidate: np.ndarray, reference: np.ndarray) -> float:
+    """Peak signal-to-noise ratio of images in [0, 1]; inf when identical."""
+    mse = float(np.mean((candidate.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def image_problems(image: np.ndarray) -> list[str]:
+    """NaN/inf, all-black and constant images: what a broken fp16 engine typically produces."""
+    if not np.isfinite(image).all():
+        return ["contains NaN or inf"]
+    problems = []
+    if image.max() < 0.02:
+        problems.append("is all black")
+    elif image.std() < 1e-3:
+        problems.append(f"is constant (std {image.std():.2g})")
+    return problems
+
+
+def check_tensor_row(row: dict[str, Any], tol: Tolerances) -> list[str]:
+    label = row["case"]
+    if not row["finite"]:
+        return [f"UNet output at {label} contains NaN or inf"]
+    failures = []
+    if row["cosine"] < tol.min_cosine:
+        failures.append(f"UNet output at {label}: cosine {row['cosine']:.6f} < {tol.min_cosine}")
+    if row["max_abs"] > tol.max_abs:
+        failures.append(f"UNet output at {label}: max abs error {row['max_abs']:.3g} > {tol.max_abs}")
+    return failures
+
+
+def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
+    """Compare ``engine`` with the model's PyTorch fp32 UNet, tensor by tensor and image by image."""
+    from .pipeline import GenerateRequest, generate, load_pipeline, with_unet
+    from .progress import step
+    from .runtime import artifact_profile, open_runtime
+    from .unet import EngineUNet
+
+    runtime = open_runtime(engine, model)
+    spec = runtime.spec
+    profile = artifact_profile(engine) or spec.default_profile()
+    tol = config.tolerances(spec.precision)
+    report = ValidationReport(str(engine.path), model.name, spec.precision, tol)
+
+    reference = load_pipeline(model, scheduler=config.scheduler)
+    with step(f"Comparing UNet outputs on {len(default_cases(profile))} inputs"):
+        for case in default_cases(profile):
+            row = compare_unet(runtime, reference.unet, spec, case)
+            row["failures"] = check_tensor_row(row, tol)
+            report.tensors.append(row)
+            report.failures += row["failures"]
+
+    if config.images:
+        engine_pipe = with_unet(reference, EngineUNet(runtime, model.unet_config(), dtype=reference.unet.dtype))
+        request = GenerateRequest(
+            prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
+            height=profile.height.opt, width=profile.width.opt,
+        )  # fmt: skip
+        with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
+            latents = [generate(p, request, output_type="latent").images for p in (reference, engine_pipe)]
+            images = [_decode(reference, lat) for lat in latents]
+        report.image = compare_images(images[1], images[0], latents[1], latents[0], tol)
+        report.failures += report.image["failures"]
+    runtime.close()
+    return report
+
+
+def compare_images(
+    image: np.ndarray,
+    reference_image: np.ndarray,
+    latents: torch.Tensor,
+    reference_latents: torch.Tensor,
+    tol: Tolerances,
+) -> dict[str, Any]:
+    psnr = psnr_db(image, reference_image)
+    failures = [f"engine image {p}" for p in image_problems(image)]
+    failures += [f"reference image {p} (the model itself is broken)" for p in image_problems(reference_image)]
+    if psnr < tol.min_psnr_db:
+        failures.append(f"image PSNR {psnr:.1f} dB < {tol.min_psnr_db} dB")
+    return {
+        "psnr_db": psnr,
+        "latents": tensor_stats(latents, reference_latents),
+        "shape": list(image.shape),
+        "failures": failures,
+    }
+
+
+def _decode(pipe: Any, latents: torch.Tensor) -> np.ndarray:
+    """Decode with the reference VAE, so the image comparison isolates the UNet."""
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    return pipe.image_processor.postprocess(decoded, output_type="np")

@@ -45,3 +45,11 @@ def tiny_simplified(tiny_export, store):
     from sdtrt.stages import simplify
 
     return simplify.run(SimplifyConfig(), tiny_export, store)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny, store):
+    """The ONNX Runtime engine for tiny, as `sdtrt compile --target onnxruntime` builds it."""
+    from sdtrt.compile import compile_model
+
+    return compile_model(tiny, store, target="onnxruntime").final

@@ -18,12 +18,17 @@ from .helpers import REPO, last_line, run_cli
 
 
 def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("auto picks TensorRT on a GPU machine")
     engines = tmp_path / "engines"
     started = time.perf_counter()
     first = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--engines", str(engines), check=True)
     first_s = time.perf_counter() - started
     started = time.perf_counter()
-    second = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--engines", str(engines), check=True)
+    # On a machine without a GPU, auto means ONNX Runtime: the same artifacts, all cache hits.
+    second = run_cli("compile", "--model", "tiny", "--target", "auto", "--engines", str(engines), check=True)
     second_s = time.perf_counter() - started
     print(f"compile tiny: first {first_s:.1f} s, cached {second_s:.1f} s")
     artifact_dir = Path(last_line(first.stdout))
@@ -31,7 +36,10 @@ def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
     assert last_line(second.stdout) == str(artifact_dir)
     assert "Exporting UNet" in first.stderr and "Exporting UNet" not in second.stderr
     assert "Total" in second.stderr, "the op table is shown on a cache hit too"
-    assert len(Store(engines).artifacts()) == 2
+    assert "onnxruntime: requested" in first.stderr
+    assert "no CUDA GPU is visible to torch, so the ONNX Runtime target was chosen" in second.stderr
+    assert sorted(a.stage for a in Store(engines).artifacts()) == ["build-ort", "export", "simplify"]
+    assert artifact_dir.parent.name == "build-ort"
 
 
 def test_stage_commands_chain_through_printed_paths(tmp_path, tiny_export):
@@ -67,6 +75,17 @@ def test_bad_input_is_one_line_exit_1(tmp_path, args, message):
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert result.stderr.startswith("error:") and message in result.stderr
     assert Store(engines).artifacts() == []
+
+
+def test_tensorrt_target_without_gpu_fails_fast(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    result = run_cli("compile", "--target", "tensorrt", "--engines", str(tmp_path))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0
+    assert "no CUDA GPU" in result.stderr and "docker" in result.stderr
+    assert Store(tmp_path).artifacts() == [], "it stops before exporting anything"
 
 
 def test_usage_errors_exit_2():

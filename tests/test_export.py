@@ -8,8 +8,7 @@ import pytest
 from sdtrt import onnx_graph
 from sdtrt.config import ExportConfig
 from sdtrt.models import load_unet
-from sdtrt.runtime.onnxruntime import OnnxRuntime
-from sdtrt.spec import UNetSpec
+from sdtrt.runtime import open_runtime
 from sdtrt.stages import export
 from sdtrt.validate import TensorCase, compare_unet
 
@@ -40,8 +39,8 @@ def test_fp16_export_io_contract(tiny_export):
 
 @pytest.mark.parametrize("case", PROFILE_CASES, ids=TensorCase.label)
 def test_fp16_export_matches_pytorch_fp32(tiny_export, reference_unet, case):
-    spec = UNetSpec.from_json(tiny_export.manifest["io"])
-    stats = compare_unet(OnnxRuntime(tiny_export.primary), reference_unet, spec, case)
+    runtime = open_runtime(tiny_export)
+    stats = compare_unet(runtime, reference_unet, runtime.spec, case)
     print(f"fp16 {case.label()}: max abs {stats['max_abs']:.3g}, cosine {stats['cosine']:.7f}")
     assert stats["finite"]
     assert stats["cosine"] >= 0.999
@@ -51,10 +50,10 @@ def test_fp16_export_matches_pytorch_fp32(tiny_export, reference_unet, case):
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_fp32_export_matches_pytorch_closely(tiny, store, reference_unet, exporter):
     artifact = export.run(ExportConfig(precision="fp32", exporter=exporter), tiny, store)
-    spec = UNetSpec.from_json(artifact.manifest["io"])
     inputs, _ = onnx_graph.graph_io(artifact.primary)
     assert inputs[0].shape == ("batch", 4, "height", "width"), "dynamo's axis names are normalised"
-    stats = compare_unet(OnnxRuntime(artifact.primary), reference_unet, spec, PROFILE_CASES[1])
+    runtime = open_runtime(artifact)
+    stats = compare_unet(runtime, reference_unet, runtime.spec, PROFILE_CASES[1])
     assert stats["max_abs"] < 1e-4
     assert stats["cosine"] > 0.99999
 

@@ -7,7 +7,7 @@ import pytest
 from sdtrt.config import SimplifyConfig
 from sdtrt.errors import ArtifactError, SimplifyError
 from sdtrt.models import load_unet
-from sdtrt.runtime.onnxruntime import OnnxRuntime
+from sdtrt.runtime import open_runtime
 from sdtrt.stages import simplify
 from sdtrt.store import Artifact, Store
 from sdtrt.validate import TensorCase, compare_unet
@@ -19,8 +19,8 @@ def test_onnxsim_reduces_nodes_and_output_still_matches(tiny, tiny_simplified):
     assert details["fallback_reason"] is None
     assert details["nodes_after"] < details["nodes_before"]
     assert details["check"]["cosine"] > 0.9999
-    spec = simplify.spec_of(tiny_simplified)
-    stats = compare_unet(OnnxRuntime(tiny_simplified.primary), load_unet(tiny), spec, TensorCase(2, 256, 256))
+    runtime = open_runtime(tiny_simplified)
+    stats = compare_unet(runtime, load_unet(tiny), runtime.spec, TensorCase(2, 256, 256))
     assert stats["cosine"] >= 0.999
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from sdtrt.config import ExportConfig, SimplifyConfig
 from sdtrt.models import load_unet, resolve_model
-from sdtrt.runtime.onnxruntime import OnnxRuntime
+from sdtrt.runtime import open_runtime
 from sdtrt.stages import export, simplify
 from sdtrt.store import Store
 from sdtrt.validate import TensorCase, compare_unet
@@ -39,8 +39,8 @@ def test_sd15_fp16_export_simplify_and_parity_at_batch2_512(tmp_path):
     assert details["nodes_after"] < details["nodes_before"]
 
     started = time.perf_counter()
-    runtime = OnnxRuntime(simplified.primary)
-    stats = compare_unet(runtime, load_unet(model), simplify.spec_of(simplified), TensorCase(2, 512, 512))
+    runtime = open_runtime(simplified)
+    stats = compare_unet(runtime, load_unet(model), runtime.spec, TensorCase(2, 512, 512))
     timings["parity"] = time.perf_counter() - started
     print(
         f"\nsd15-random fp16: {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}; "

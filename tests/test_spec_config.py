@@ -29,7 +29,7 @@ def test_check_shapes_names_the_allowed_range():
     profile = spec.default_profile()
     assert spec.check_shapes(spec.input_shapes(2, 512, 512), profile) is None
     reason = spec.check_shapes(spec.input_shapes(2, 1024, 512), profile)
-    assert "outside the profile's range (2, 4, 32, 32) .. (8, 4, 96, 96)" in reason
+    assert "outside the engine's profile (2, 4, 32, 32) .. (8, 4, 96, 96)" in reason
 
 
 def test_indexed_naming():

@@ -10,11 +10,33 @@ import os
 import sys
 import warnings
 
-import typer
 
-from ..errors import SdtrtError
-from ..progress import console
-from . import cache, stages
+def _quiet_third_party() -> None:
+    """Exporters and hub libraries print warnings and bars the user cannot act on.
+
+    Runs before the command modules import diffusers/transformers, which read these at import.
+    SDTRT_DEBUG=1 keeps everything.
+    """
+    warnings.filterwarnings("ignore")
+    for name, value in (
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("DIFFUSERS_VERBOSITY", "error"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TQDM_DISABLE", "1"),  # diffusers' and transformers' loading bars; sdtrt draws its own
+    ):
+        os.environ.setdefault(name, value)
+
+
+DEBUG = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
+if not DEBUG:
+    _quiet_third_party()
+
+import typer  # noqa: E402
+from rich.markup import escape  # noqa: E402
+
+from ..errors import SdtrtError  # noqa: E402
+from ..progress import console  # noqa: E402
+from . import cache, run, stages  # noqa: E402
 
 app = typer.Typer(
     name="sdtrt",
@@ -25,34 +47,24 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 stages.register(app)
+run.register(app)
 app.add_typer(cache.app, name="cache")
 
 
 def main() -> None:
-    debug = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
-    if not debug:
-        _quiet_third_party()
     try:
         app()
     except SdtrtError as exc:
-        if debug:
+        if DEBUG:
             raise
-        console.print(f"[red]error:[/] {exc}", markup=True, soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(exc.exit_code)
     except Exception as exc:  # an sdtrt bug or a library failure we did not anticipate
-        if debug:
+        if DEBUG:
             raise
         console.print(
-            f"[red]error:[/] unexpected {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+            f"[red]error:[/] unexpected {type(exc).__name__}: {escape(str(exc).splitlines()[0]) if str(exc) else ''} "
             "(run with SDTRT_DEBUG=1 for the traceback, and please report it)",
             soft_wrap=True,
         )
         sys.exit(1)
-
-
-def _quiet_third_party() -> None:
-    """Exporter and hub libraries warn a lot about things the user cannot act on."""
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -16,6 +16,7 @@ from ..config import (
     ShapeProfile,
     SimplifyConfig,
     SimplifyMethod,
+    Target,
 )
 from ..store import Store
 
@@ -37,6 +38,9 @@ IONamingOpt = Annotated[
     typer.Option(help="named (sample, timestep, …) or indexed (input_0…, output_0, for torchtrtc --embed-engine)."),
 ]
 MethodOpt = Annotated[SimplifyMethod, typer.Option(help="auto: onnxsim, else constant folding.")]
+TargetOpt = Annotated[
+    Target, typer.Option(help="tensorrt (needs a CUDA GPU), onnxruntime, or auto: TensorRT where possible.")
+]
 CheckOpt = Annotated[
     bool, typer.Option("--check/--no-check", help="Compare the result with its input on ONNX Runtime.")
 ]

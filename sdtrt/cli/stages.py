@@ -8,8 +8,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ..compile import build as build_engine
 from ..compile import compile_model
+from ..config import OrtOptimization
 from ..models import resolve_model
+from ..onnx_graph import artifact_spec
 from ..progress import console
 from ..stages import export as export_stage
 from ..stages import simplify as simplify_stage
@@ -23,6 +26,7 @@ InputArg = Annotated[Path, typer.Argument(help="The previous stage's artifact di
 def register(app: typer.Typer) -> None:
     app.command()(export)
     app.command()(simplify)
+    app.command()(build)
     app.command()(compile)
 
 
@@ -59,30 +63,60 @@ def simplify(
     typer.echo(artifact.path)
 
 
+def build(
+    source: InputArg,
+    target: o.TargetOpt = "auto",
+    batch: o.BatchOpt = None,
+    height: o.HeightOpt = None,
+    width: o.WidthOpt = None,
+    optimization: Annotated[OrtOptimization, typer.Option(help="ONNX Runtime graph optimization level.")] = "extended",
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Build an engine from a simplified (or exported) graph for the shapes given.
+
+    Example: sdtrt build engines/simplify/070be7b4789a3682 --target onnxruntime --height 256:512:768
+    """
+    store = o.open_store(engines)
+    artifact = Artifact.open(source)
+    profile = o.shape_profile(artifact_spec(artifact).default_profile(), batch, height, width)
+    built, reason = build_engine(artifact, store, target, profile, optimization)
+    console.print(f"target: {reason}")
+    typer.echo(built.path)
+
+
 def compile(
     model: o.ModelOpt = "tiny",
-    target: Annotated[str, typer.Option(help="auto, onnxruntime or tensorrt.")] = "auto",
+    target: o.TargetOpt = "auto",
     precision: o.PrecisionOpt = "fp16",
     exporter: o.ExporterOpt = "torchscript",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
     method: o.MethodOpt = "auto",
+    batch: o.BatchOpt = None,
+    height: o.HeightOpt = None,
+    width: o.WidthOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Run every stage for a target in order; unchanged stages are cache hits.
+    """Run every stage for a target in order (export, simplify, build); unchanged stages are cache hits.
 
     Example: sdtrt compile --model tiny --target onnxruntime
     """
     store = o.open_store(engines)
+    source = resolve_model(model)
+    export_config = o.export_config(precision, exporter, opset, io_naming)
+    default = export_stage.spec_for(source, export_config).default_profile()
     result = compile_model(
-        resolve_model(model),
+        source,
         store,
-        export_config=o.export_config(precision, exporter, opset, io_naming),
+        target=target,
+        export_config=export_config,
         simplify_config=o.simplify_config(method, check=True),
+        profile=o.shape_profile(default, batch, height, width),
     )
     for artifact in result.artifacts:
         if artifact.stage == "simplify":
             print_simplify_summary(artifact)
+    console.print(f"target: {result.target_reason}")
     typer.echo(result.final.path)
 
 

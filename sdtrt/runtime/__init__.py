@@ -1,25 +1,28 @@
 """Runtimes: one small interface over every backend that can run a UNet graph.
 
 A runtime takes a dict of named torch tensors and returns a dict of named torch tensors. It knows
-its input specs, device and compute dtype, and checks every request against the shapes it was
-built for before running it.
+its spec, device and compute dtype, and checks every request against the shapes it was built for
+before running it, so a bad request is a clear EngineInputError, not a crash deep in a backend.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from ..config import ShapeProfile
+from ..errors import ArtifactError, EngineInputError
+
 if TYPE_CHECKING:
     import torch
 
-    from ..spec import TensorSpec
+    from ..models import ModelSource
+    from ..spec import UNetSpec
+    from ..store import Artifact
 
 
 class Runtime(Protocol):
     name: str
-
-    @property
-    def inputs(self) -> list[TensorSpec]: ...
+    spec: UNetSpec
 
     @property
     def device(self) -> torch.device: ...
@@ -32,3 +35,36 @@ class Runtime(Protocol):
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
     def close(self) -> None: ...
+
+
+def check_feeds(spec: UNetSpec, profile: ShapeProfile | None, feeds: dict[str, torch.Tensor]) -> None:
+    """Raise EngineInputError unless ``feeds`` are floating tensors whose shapes the engine takes."""
+    for name, tensor in feeds.items():
+        if name not in spec.input_names:
+            raise EngineInputError(f"unexpected input '{name}'; the engine takes {list(spec.input_names)}")
+        if not tensor.is_floating_point():
+            raise EngineInputError(f"input '{name}' is {tensor.dtype}; the engine takes floating-point tensors")
+    reason = spec.check_shapes({name: tuple(t.shape) for name, t in feeds.items()}, profile)
+    if reason:
+        raise EngineInputError(f"{reason}; rebuild the engine with --batch/--height/--width covering it")
+
+
+def artifact_profile(artifact: Artifact) -> ShapeProfile | None:
+    data = artifact.manifest.get("profile")
+    return ShapeProfile.from_json(data) if data else None
+
+
+def open_runtime(artifact: Artifact, model: ModelSource | None = None) -> Runtime:
+    """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT; .ts on torch.
+
+    ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest.
+    """
+    from ..onnx_graph import artifact_spec
+
+    spec = artifact_spec(artifact, model)
+    if artifact.stage in ("export", "simplify", "external", "build-ort"):
+        from .onnxruntime import OnnxRuntime
+
+        preoptimized = artifact.stage == "build-ort"
+        return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
+    raise ArtifactError(f"no runtime loads '{artifact.stage}' artifacts; pass an export, simplify or build artifact")

@@ -8,41 +8,58 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ShapeError
-from ..onnx_graph import graph_io
-from ..spec import TensorSpec
+from ..config import ShapeProfile
+from ..spec import UNetSpec
+from . import check_feeds
 
-TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "int64": torch.int64}
+TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
-def available_providers() -> list[str]:
+def default_providers() -> list[str]:
     import onnxruntime as ort
 
-    return list(ort.get_available_providers())
+    have = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in have]
+
+
+def session_options(threads: int = 0, preoptimized: bool = False):  # -> ort.SessionOptions
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    if preoptimized:  # the build stage already applied and saved the graph optimizations
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return options
 
 
 class OnnxRuntime:
-    """An InferenceSession over one .onnx, with inputs cast to the graph's dtypes."""
+    """An InferenceSession over one UNet graph.
+
+    On the CPU, inputs reach ONNX Runtime as numpy views of the torch tensors (no copy when dtype
+    and layout already match) and outputs come back as torch views of ONNX Runtime's arrays. With
+    the CUDA provider, device tensors are bound in place with IOBinding.
+    """
 
     name = "onnxruntime"
 
-    def __init__(self, path: Path, providers: Sequence[str] | None = None, threads: int = 0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        spec: UNetSpec,
+        profile: ShapeProfile | None = None,
+        providers: Sequence[str] | None = None,
+        threads: int = 0,
+        preoptimized: bool = False,
+    ) -> None:
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.log_severity_level = 3
-        self._providers = list(providers or _default_providers())
+        self.spec = spec
+        self.profile = profile
+        self._providers = list(providers or default_providers())
+        options = session_options(threads, preoptimized)
         self._session = ort.InferenceSession(str(path), options, providers=self._providers)
-        self._inputs, self._outputs = graph_io(path)
-
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self._inputs
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self._outputs
 
     @property
     def device(self) -> torch.device:
@@ -50,25 +67,37 @@ class OnnxRuntime:
 
     @property
     def dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self._inputs[0].dtype]
+        return TORCH_DTYPES[self.spec.dtype]
+
+    def _typed(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            t.name: feeds[t.name].detach().to(self.device, TORCH_DTYPES[t.dtype]).contiguous()
+            for t in self.spec.inputs()
+        }
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        arrays = {}
-        for spec in self._inputs:
-            if spec.name not in feeds:
-                raise ShapeError(f"input '{spec.name}' is missing; the graph takes {[s.name for s in self._inputs]}")
-            tensor = feeds[spec.name].detach().to("cpu", TORCH_DTYPES[spec.dtype])
-            if tensor.dim() != len(spec.shape):
-                raise ShapeError(f"input '{spec.name}' has {tensor.dim()} dims; the graph wants shape {spec.shape}")
-            arrays[spec.name] = np.ascontiguousarray(tensor.numpy())
-        results = self._session.run([o.name for o in self._outputs], arrays)
-        return {o.name: torch.from_numpy(r) for o, r in zip(self._outputs, results, strict=True)}
+        check_feeds(self.spec, self.profile, feeds)
+        typed = self._typed(feeds)
+        output = self.spec.output_name
+        if self.device.type == "cuda":
+            return {output: self._run_bound(typed)}
+        arrays = {name: t.numpy() for name, t in typed.items()}
+        (result,) = self._session.run([output], arrays)
+        return {output: torch.from_numpy(result)}
+
+    def _run_bound(self, typed: dict[str, torch.Tensor]) -> torch.Tensor:
+        sample = typed[self.spec.input_names[0]]
+        out = torch.empty(
+            (sample.shape[0], self.spec.out_channels, *sample.shape[2:]), dtype=self.dtype, device=sample.device
+        )
+        binding = self._session.io_binding()
+        for t in self.spec.inputs() + self.spec.outputs():
+            tensor = out if t.name == self.spec.output_name else typed[t.name]
+            bind = binding.bind_output if tensor is out else binding.bind_input
+            bind(t.name, "cuda", tensor.device.index or 0, NUMPY_DTYPES[t.dtype], list(tensor.shape), tensor.data_ptr())
+        torch.cuda.current_stream().synchronize()  # ORT runs on its own stream; inputs must be ready
+        self._session.run_with_iobinding(binding)
+        return out
 
     def close(self) -> None:
-        del self._session
-
-
-def _default_providers() -> list[str]:
-    wanted = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    have = available_providers()
-    return [p for p in wanted if p in have]
+        self._session = None

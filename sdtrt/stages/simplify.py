@@ -14,17 +14,12 @@ from .. import onnx_graph
 from ..config import SimplifyConfig
 from ..errors import SimplifyError
 from ..progress import step
-from ..spec import UNetSpec
 from ..store import Artifact, StageRequest, Store, environment
+from ..validate import compare_graphs
 
 STAGE = "simplify"
 VERSION = 1
 ONNX_NAME = "unet.sim.onnx"
-
-
-def spec_of(artifact: Artifact) -> UNetSpec:
-    io = artifact.manifest.get("io")
-    return UNetSpec.from_json(io) if io else onnx_graph.infer_spec(artifact.primary)
 
 
 def run(config: SimplifyConfig, source: Artifact, store: Store) -> Artifact:
@@ -61,12 +56,12 @@ def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[s
     onnx_graph.check(out_path)
     after = onnx_graph.op_counts(out_path)
 
-    spec = spec_of(source)
+    spec = onnx_graph.artifact_spec(source)
     check = None
     if config.check:
         started = time.perf_counter()
         with step("Checking the simplified graph against its input on ONNX Runtime"):
-            check = _compare(source.primary, out_path, spec)
+            check = compare_graphs(source.primary, out_path, spec)
         timings["check_s"] = round(time.perf_counter() - started, 3)
         if check["cosine"] < config.check_min_cosine:
             raise SimplifyError(
@@ -108,21 +103,6 @@ def _fold(source: Path, out_path: Path) -> None:
     graph.fold_constants().cleanup().toposort()
     weight_bytes = onnx_graph.weights_on_disk(source.parent)
     onnx_graph.save(gs.export_onnx(graph), out_path, weight_bytes)
-
-
-def _compare(reference: Path, candidate: Path, spec: UNetSpec) -> dict[str, Any]:
-    """Run both graphs on the same seeded input (batch 2, the profile's smallest size)."""
-    from ..runtime.onnxruntime import OnnxRuntime
-    from ..validate import tensor_stats
-
-    profile = spec.default_profile()
-    feeds = spec.sample_inputs(2, profile.height.min, profile.width.min, seed=1)
-    outputs = []
-    for path in (reference, candidate):
-        runtime = OnnxRuntime(path)
-        outputs.append(runtime.run(feeds)[spec.output_name].float())
-        runtime.close()
-    return tensor_stats(outputs[1], outputs[0]) | {"shape": list(outputs[0].shape)}
 
 
 def op_table_rows(before: dict[str, int], after: dict[str, int]) -> list[tuple[str, int, int]]:

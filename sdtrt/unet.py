@@ -1,0 +1,96 @@
+"""EngineUNet: the module a diffusers pipeline calls instead of its UNet2DConditionModel.
+
+It keeps the UNet's call signature, ``config``, ``dtype`` and ``device`` and its output class, so
+pipelines and schedulers cannot tell the difference, and it refuses inputs the engine was not built
+for instead of silently dropping them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.configuration_utils import FrozenDict
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+from .errors import EngineInputError
+from .runtime import Runtime
+
+# Keyword inputs of UNet2DConditionModel.forward the exported graph has no input for.
+UNSUPPORTED_INPUTS = (
+    "class_labels",
+    "timestep_cond",
+    "attention_mask",
+    "added_cond_kwargs",
+    "down_block_additional_residuals",
+    "mid_block_additional_residual",
+    "down_intrablock_additional_residuals",
+    "encoder_attention_mask",
+)
+
+
+def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device: torch.device) -> torch.Tensor:
+    """Any timestep a scheduler hands over (number, 0-d, [1] or [B]; int or float) → float32 [B]."""
+    t = torch.as_tensor(timestep, device=device).to(torch.float32).flatten()
+    if t.numel() == 1:
+        return t.expand(batch).contiguous()
+    if t.numel() != batch:
+        raise EngineInputError(f"timestep has {t.numel()} values for a batch of {batch}; pass one or one per sample")
+    return t
+
+
+class EngineUNet(torch.nn.Module):
+    """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
+
+    def __init__(self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self._config = FrozenDict(config)
+        # What the pipeline sees; fp16 engines still hand fp32 callers fp32 outputs.
+        self._dtype = dtype or runtime.dtype
+
+    @property
+    def config(self) -> FrozenDict:
+        return self._config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor | float | int,
+        encoder_hidden_states: torch.Tensor,
+        *args: Any,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> UNet2DConditionOutput | tuple[torch.Tensor]:
+        if args:
+            raise EngineInputError(f"EngineUNet takes extra inputs by keyword only; got {len(args)} positional")
+        unknown = sorted(set(kwargs) - set(UNSUPPORTED_INPUTS))
+        if unknown:
+            raise TypeError(f"EngineUNet.forward() got unexpected keyword arguments {unknown}")
+        given = sorted(k for k, v in kwargs.items() if v is not None)
+        if given:
+            raise EngineInputError(
+                f"this engine was built for sample, timestep and encoder_hidden_states only; it cannot take "
+                f"{given} (e.g. ControlNet residuals or SDXL conditioning) — use the PyTorch UNet for those"
+            )
+        if cross_attention_kwargs and cross_attention_kwargs.get("scale", 1.0) != 1.0:
+            raise EngineInputError("cross_attention_kwargs['scale'] (a LoRA scale) is baked into the engine's weights")
+
+        spec = self.runtime.spec
+        sample_name, timestep_name, text_name = spec.input_names
+        feeds = {
+            sample_name: sample,
+            timestep_name: normalise_timestep(timestep, sample.shape[0], sample.device),
+            text_name: encoder_hidden_states,
+        }
+        out = self.runtime.run(feeds)[spec.output_name].to(sample.device, sample.dtype)
+        return UNet2DConditionOutput(sample=out) if return_dict else (out,)
