@@ -4,14 +4,22 @@ PYTHON_BOOT ?= python3
 VENV ?= .venv
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU box.
 TORCH_SPEC ?= torch==2.13.0
+TRT_STUBS ?= tensorrt-stubs==10.13.0.35.1
 MODEL ?= tiny
 TARGET ?= auto
 ENGINES ?= engines
 IMAGE ?= sdtrt:latest
+NGC_TAG ?= 25.01-py3
+# A local model folder is mounted read-only at /model; presets and hub ids pass through as they are.
+MODEL_DIR := $(shell test -d "$(MODEL)" && cd "$(MODEL)" && pwd)
+DOCKER_MODEL := $(if $(MODEL_DIR),/model,$(MODEL))
+DOCKER_MOUNTS := -v "$(abspath $(ENGINES))":/workspace/sdtrt/engines \
+	-v "$(HOME)/.cache/sdtrt":/root/.cache/sdtrt -v "$(HOME)/.cache/huggingface":/root/.cache/huggingface \
+	$(if $(MODEL_DIR),-v "$(MODEL_DIR)":/model:ro)
 # Inside the NVIDIA container there is no venv: use the image's Python, which has sdtrt installed.
 PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 
-.PHONY: setup test test-slow lint demo engine bench docker-build docker-engine clean
+.PHONY: setup test test-slow lint demo engine docker-build docker-engine clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +28,10 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	@# TensorRT's published Python API, for tests/test_tensorrt_api.py. Unpacked beside, not into,
+	@# site-packages: a stub-only tensorrt/ folder would import as an empty package.
+	$(VENV)/bin/pip download -q --no-deps --dest .cache "$(TRT_STUBS)"
+	rm -rf .cache/trt-stubs && $(VENV)/bin/python -m zipfile -e .cache/tensorrt_stubs-*.whl .cache/trt-stubs
 	touch $@
 
 test: setup
@@ -40,8 +52,17 @@ demo: setup
 	$(VENV)/bin/sdtrt generate --model tiny --engine "$$engine" --prompt "a lighthouse at dusk" --steps 20 --out out/demo.png; \
 	echo "engine: $$engine"; echo "image:  out/demo.png (random weights: expect colourful noise)"
 
+# The full chain for MODEL. TARGET=auto: TensorRT where a CUDA GPU and TensorRT are present (the
+# container), else ONNX Runtime, and it says which and why. On a CPU machine run `make setup` first.
 engine:
-	$(PYTHON) -m sdtrt compile --model $(MODEL) --target $(TARGET) --engines $(ENGINES)
+	$(PYTHON) -m sdtrt compile --model "$(MODEL)" --target $(TARGET) --engines "$(ENGINES)"
+
+docker-build:
+	docker build -f docker/Dockerfile --build-arg NGC_TAG=$(NGC_TAG) -t $(IMAGE) .
+
+docker-engine:
+	mkdir -p "$(ENGINES)" "$(HOME)/.cache/sdtrt" "$(HOME)/.cache/huggingface"
+	docker run --rm --gpus all $(DOCKER_MOUNTS) $(IMAGE) make engine MODEL="$(DOCKER_MODEL)" TARGET=$(TARGET) ENGINES=/workspace/sdtrt/engines
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

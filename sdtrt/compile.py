@@ -1,54 +1,58 @@
-"""The whole chain for one model: export → simplify → build (→ wrap), per target."""
+"""The whole chain for one model and target.
+
+onnxruntime: export → simplify → build-ort
+tensorrt:    export → simplify → build-trt → wrap (TorchScript)
+Each stage is a cache hit when nothing it depends on changed; validation runs on the final artifact.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
-from .config import ExportConfig, OrtBuildConfig, OrtOptimization, ShapeProfile, SimplifyConfig, Target
-from .errors import MissingDependencyError
+from .config import (
+    ConcreteTarget,
+    ExportConfig,
+    OrtBuildConfig,
+    OrtOptimization,
+    ShapeProfile,
+    SimplifyConfig,
+    Target,
+    TrtBuildConfig,
+    WrapConfig,
+)
+from .gpu import require_tensorrt, tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
 from .stages import build_ort, export, simplify
 from .store import Artifact, Store
-
-CONTAINER_HINT = "build engines inside the NVIDIA container: `make docker-build && make docker-engine MODEL=…`"
+from .validate import ValidationConfig, ValidationReport, validate
 
 
 @dataclass(frozen=True)
 class CompileResult:
     """Every artifact the chain produced, in order; ``final`` is what a runtime loads."""
 
-    target: str
+    target: ConcreteTarget
     target_reason: str
     artifacts: list[Artifact] = field(default_factory=list)
+    validation: ValidationReport | None = None
 
     @property
     def final(self) -> Artifact:
         return self.artifacts[-1]
 
 
-def tensorrt_missing() -> str | None:
-    """What stops a TensorRT build on this machine, or None when nothing does."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible to torch"
-    if importlib.util.find_spec("tensorrt") is None:
-        return "the tensorrt Python package is not installed"
-    return None
-
-
-def resolve_target(target: Target) -> tuple[str, str]:
+def resolve_target(target: Target) -> tuple[ConcreteTarget, str]:
     """The concrete target and a sentence saying why it was chosen."""
     missing = tensorrt_missing()
     if target == "auto":
         if missing is None:
             return "tensorrt", "auto: a CUDA GPU and TensorRT are present"
         return "onnxruntime", f"auto: {missing}, so the ONNX Runtime target was chosen"
-    if target == "tensorrt" and missing is not None:
-        raise MissingDependencyError(f"cannot build a TensorRT engine here: {missing}; {CONTAINER_HINT}")
-    return target, f"{target}: requested"
+    if target == "tensorrt":
+        require_tensorrt()
+        return "tensorrt", "tensorrt: requested"
+    return "onnxruntime", "onnxruntime: requested"
 
 
 def build(
@@ -57,10 +61,18 @@ def build(
     target: Target = "auto",
     profile: ShapeProfile | None = None,
     ort_optimization: OrtOptimization = "extended",
+    trt_config: TrtBuildConfig | None = None,
 ) -> tuple[Artifact, str]:
-    """Build an engine for ``target`` from an ONNX artifact; returns it and why that target was used."""
-    _, reason = resolve_target(target)
+    """Build an engine for ``target`` from an ONNX artifact; returns it and why that target was used.
+
+    ``trt_config`` (TensorRT) carries its own profiles; otherwise ``profile`` (default: the model's).
+    """
+    chosen, reason = resolve_target(target)
     profile = profile or artifact_spec(source).default_profile()
+    if chosen == "tensorrt":
+        from .stages import build_trt
+
+        return build_trt.run(trt_config or TrtBuildConfig(profiles=(profile,)), source, store), reason
     return build_ort.run(OrtBuildConfig(profile=profile, optimization=ort_optimization), source, store), reason
 
 
@@ -71,9 +83,18 @@ def compile_model(
     export_config: ExportConfig = ExportConfig(),
     simplify_config: SimplifyConfig = SimplifyConfig(),
     profile: ShapeProfile | None = None,
+    trt_config: TrtBuildConfig | None = None,
+    validation: ValidationConfig | None = None,
 ) -> CompileResult:
-    resolve_target(target)  # fail before exporting when the target cannot be built here
+    """Run the chain; with ``validation``, check the final artifact against PyTorch (not raising)."""
+    chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     exported = export.run(export_config, model, store)
     simplified = simplify.run(simplify_config, exported, store)
-    built, reason = build(simplified, store, target, profile)
-    return CompileResult(built.manifest["target"], reason, [exported, simplified, built])
+    built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
+    artifacts = [exported, simplified, built]
+    if chosen == "tensorrt":
+        from .stages import wrap
+
+        artifacts.append(wrap.run(WrapConfig(), built, store))
+    report = validate(model, artifacts[-1], validation) if validation else None
+    return CompileResult(chosen, reason, artifacts, report)

@@ -17,6 +17,7 @@ Exporter = Literal["dynamo", "torchscript"]
 IONaming = Literal["named", "indexed"]
 SimplifyMethod = Literal["auto", "onnxsim", "fold"]
 OrtOptimization = Literal["basic", "extended"]
+ConcreteTarget = Literal["onnxruntime", "tensorrt"]
 Target = Literal["auto", "onnxruntime", "tensorrt"]
 
 
@@ -31,8 +32,7 @@ def cache_key(config: Any) -> dict[str, Any]:
     for f in dataclasses.fields(config):
         if not f.metadata.get("in_key", True):
             continue
-        value = getattr(config, f.name)
-        out[f.name] = cache_key(value) if dataclasses.is_dataclass(value) else _plain(value)
+        out[f.name] = _plain(getattr(config, f.name))
     return out
 
 
@@ -42,6 +42,8 @@ def as_dict(config: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return cache_key(value)
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     if isinstance(value, dict):
@@ -174,3 +176,45 @@ class OrtBuildConfig:
     def __post_init__(self) -> None:
         if self.optimization not in ("basic", "extended"):
             raise ConfigError(f"ONNX Runtime optimization '{self.optimization}' is not basic or extended")
+
+
+@dataclass(frozen=True)
+class TrtBuildConfig:
+    """The TensorRT target. The network is strongly typed: precision comes from the ONNX graph."""
+
+    # One optimization profile per entry; a request runs on the first profile that covers it.
+    profiles: tuple[ShapeProfile, ...] = (ShapeProfile(),)
+    # Build for each profile's optimum shape only (min = opt = max): faster engines, CUDA graphs.
+    static_shapes: bool = False
+    workspace_gb: float | None = None  # None: TensorRT's default (the GPU's memory)
+    optimization_level: int = 3  # TensorRT builder optimization level, 0..5
+    # A timing cache makes rebuilds faster; it does not change what the engine computes.
+    timing_cache: str | None = not_in_key(None)
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            raise ConfigError("a TensorRT build needs at least one shape profile")
+        if not 0 <= self.optimization_level <= 5:
+            raise ConfigError(f"builder optimization level {self.optimization_level} is outside 0..5")
+        if self.workspace_gb is not None and self.workspace_gb <= 0:
+            raise ConfigError(f"workspace {self.workspace_gb} GB must be positive")
+
+    def effective_profiles(self) -> tuple[ShapeProfile, ...]:
+        if not self.static_shapes:
+            return self.profiles
+        return tuple(
+            ShapeProfile(
+                Range(p.batch.opt, p.batch.opt, p.batch.opt),
+                Range(p.height.opt, p.height.opt, p.height.opt),
+                Range(p.width.opt, p.width.opt, p.width.opt),
+                p.guidance,
+            )
+            for p in self.profiles
+        )
+
+
+@dataclass(frozen=True)
+class WrapConfig:
+    """TorchScript wrap of a TensorRT engine (torch-tensorrt); nothing here changes the engine."""
+
+    format: Literal["torchscript"] = "torchscript"

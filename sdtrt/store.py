@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 TMP_DIR = ".tmp"
 LOCK_DIR = ".locks"
+LOG_DIR = "logs"  # logs of failed builds, kept for the user
 
 
 def default_root(engines: Path | str | None = None) -> Path:
@@ -270,6 +271,13 @@ class Store:
                 raise
         return Artifact(final, manifest), False
 
+    def keep_log(self, log: Path, name: str) -> Path:
+        """Copy a failed stage's log out of its temp directory (which is removed) into <root>/logs/."""
+        kept = self.root / LOG_DIR / name
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, kept)
+        return kept
+
     def gc(self, older_than_days: float | None = None, dry_run: bool = False) -> list[Path]:
         """Remove what interrupted runs left, and (if asked) artifacts unused for N days."""
         doomed = []
@@ -277,9 +285,11 @@ class Store:
         if tmp_root.is_dir():
             doomed += [d for d in tmp_root.iterdir() if d.is_dir() and not _owner_alive(d.name)]
         for stage_dir in self.root.glob("[!.]*"):
-            if not stage_dir.is_dir():
+            if not stage_dir.is_dir() or stage_dir.name == LOG_DIR:
                 continue
             for folder in stage_dir.iterdir():
+                if not folder.is_dir():
+                    continue
                 manifest = folder / MANIFEST
                 if not manifest.is_file() or (
                     older_than_days is not None and time.time() - manifest.stat().st_mtime > older_than_days * 86400

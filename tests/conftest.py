@@ -53,3 +53,17 @@ def tiny_engine(tiny, store):
     from sdtrt.compile import compile_model
 
     return compile_model(tiny, store, target="onnxruntime").final
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need a CUDA GPU with TensorRT (and torch-tensorrt); elsewhere they skip, saying why."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    from sdtrt.gpu import tensorrt_missing
+
+    missing = tensorrt_missing()
+    if missing:
+        marker = pytest.mark.skip(reason=f"needs a CUDA GPU with TensorRT: {missing} (run in the NVIDIA container)")
+        for item in gpu_items:
+            item.add_marker(marker)

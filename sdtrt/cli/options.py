@@ -17,6 +17,7 @@ from ..config import (
     SimplifyConfig,
     SimplifyMethod,
     Target,
+    TrtBuildConfig,
 )
 from ..store import Store
 
@@ -69,4 +70,25 @@ def shape_profile(default: ShapeProfile, batch: str | None, height: str | None, 
         height=Range.parse(height, "height") if height else default.height,
         width=Range.parse(width, "width") if width else default.width,
         guidance=default.guidance,
+    )
+
+
+# TensorRT build settings (used by `build` and `compile`).
+StaticOpt = Annotated[bool, typer.Option("--static", help="TensorRT: build for the optimum shape only (CUDA graphs).")]
+WorkspaceOpt = Annotated[float | None, typer.Option(help="TensorRT: workspace limit in GB (default: TensorRT's).")]
+OptLevelOpt = Annotated[int, typer.Option(min=0, max=5, help="TensorRT builder optimization level.")]
+TimingCacheOpt = Annotated[
+    Path | None, typer.Option(help="TensorRT: timing cache file, read if present and updated after the build.")
+]
+
+
+def trt_config(
+    profile: ShapeProfile, static: bool, workspace_gb: float | None, optimization_level: int, timing_cache: Path | None
+) -> TrtBuildConfig:
+    return TrtBuildConfig(
+        profiles=(profile,),
+        static_shapes=static,
+        workspace_gb=workspace_gb,
+        optimization_level=optimization_level,
+        timing_cache=str(timing_cache.resolve()) if timing_cache else None,
     )

@@ -10,15 +10,18 @@ from rich.table import Table
 
 from ..compile import build as build_engine
 from ..compile import compile_model
-from ..config import OrtOptimization
+from ..config import OrtOptimization, WrapConfig
 from ..models import resolve_model
 from ..onnx_graph import artifact_spec
 from ..progress import console
 from ..stages import export as export_stage
 from ..stages import simplify as simplify_stage
+from ..stages import wrap as wrap_stage
 from ..stages.simplify import op_table_rows
 from ..store import Artifact
+from ..validate import ValidationConfig
 from . import options as o
+from .run import print_report
 
 InputArg = Annotated[Path, typer.Argument(help="The previous stage's artifact directory, or an .onnx file.")]
 
@@ -27,6 +30,7 @@ def register(app: typer.Typer) -> None:
     app.command()(export)
     app.command()(simplify)
     app.command()(build)
+    app.command()(wrap)
     app.command()(compile)
 
 
@@ -70,18 +74,32 @@ def build(
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,
     optimization: Annotated[OrtOptimization, typer.Option(help="ONNX Runtime graph optimization level.")] = "extended",
+    static: o.StaticOpt = False,
+    workspace_gb: o.WorkspaceOpt = None,
+    optimization_level: o.OptLevelOpt = 3,
+    timing_cache: o.TimingCacheOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Build an engine from a simplified (or exported) graph for the shapes given.
 
-    Example: sdtrt build engines/simplify/070be7b4789a3682 --target onnxruntime --height 256:512:768
+    Example: sdtrt build engines/simplify/070be7b4789a3682 --target tensorrt --height 256:512:768
     """
     store = o.open_store(engines)
     artifact = Artifact.open(source)
     profile = o.shape_profile(artifact_spec(artifact).default_profile(), batch, height, width)
-    built, reason = build_engine(artifact, store, target, profile, optimization)
+    trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache)
+    built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
     console.print(f"target: {reason}")
     typer.echo(built.path)
+
+
+def wrap(source: InputArg, engines: o.EnginesOpt = None) -> None:
+    """Embed a TensorRT engine in a TorchScript module (unet.ts) that torch.jit.load can load.
+
+    Example: sdtrt wrap engines/build-trt/5c1f0e2a9b7d4e61
+    """
+    store = o.open_store(engines)
+    typer.echo(wrap_stage.run(WrapConfig(), Artifact.open(source), store).path)
 
 
 def compile(
@@ -95,28 +113,42 @@ def compile(
     batch: o.BatchOpt = None,
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,
+    static: o.StaticOpt = False,
+    workspace_gb: o.WorkspaceOpt = None,
+    optimization_level: o.OptLevelOpt = 3,
+    timing_cache: o.TimingCacheOpt = None,
+    validate: Annotated[
+        bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
+    ] = True,
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Run every stage for a target in order (export, simplify, build); unchanged stages are cache hits.
+    """Run every stage for a target in order, then validate; unchanged stages are cache hits.
+
+    onnxruntime: export → simplify → build.  tensorrt: export → simplify → build → wrap.
 
     Example: sdtrt compile --model tiny --target onnxruntime
     """
     store = o.open_store(engines)
     source = resolve_model(model)
     export_config = o.export_config(precision, exporter, opset, io_naming)
-    default = export_stage.spec_for(source, export_config).default_profile()
+    profile = o.shape_profile(export_stage.spec_for(source, export_config).default_profile(), batch, height, width)
     result = compile_model(
         source,
         store,
         target=target,
         export_config=export_config,
         simplify_config=o.simplify_config(method, check=True),
-        profile=o.shape_profile(default, batch, height, width),
+        profile=profile,
+        trt_config=o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache),
+        validation=ValidationConfig() if validate else None,
     )
     for artifact in result.artifacts:
         if artifact.stage == "simplify":
             print_simplify_summary(artifact)
     console.print(f"target: {result.target_reason}")
+    if result.validation is not None:
+        print_report(result.validation)
+        result.validation.raise_for_status()
     typer.echo(result.final.path)
 
 

@@ -54,10 +54,11 @@ def artifact_profile(artifact: Artifact) -> ShapeProfile | None:
     return ShapeProfile.from_json(data) if data else None
 
 
-def open_runtime(artifact: Artifact, model: ModelSource | None = None) -> Runtime:
+def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False) -> Runtime:
     """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT; .ts on torch.
 
-    ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest.
+    ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest; ``cuda_graph``
+    replays TensorRT engines from CUDA graphs.
     """
     from ..onnx_graph import artifact_spec
 
@@ -67,4 +68,14 @@ def open_runtime(artifact: Artifact, model: ModelSource | None = None) -> Runtim
 
         preoptimized = artifact.stage == "build-ort"
         return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
-    raise ArtifactError(f"no runtime loads '{artifact.stage}' artifacts; pass an export, simplify or build artifact")
+    if artifact.stage == "build-trt":
+        from .tensorrt import TensorRTRuntime
+
+        return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph)
+    if artifact.stage == "wrap":
+        from .torchscript import TorchScriptRuntime
+
+        return TorchScriptRuntime(artifact.primary, spec, artifact_profile(artifact))
+    raise ArtifactError(
+        f"no runtime loads '{artifact.stage}' artifacts; pass an export, simplify, build or wrap artifact"
+    )

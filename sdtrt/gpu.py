@@ -1,0 +1,76 @@
+"""What this machine offers for TensorRT: a CUDA GPU, the tensorrt package, and their identity.
+
+Engines are not portable: the TensorRT version and the GPU's compute capability recorded here go
+into build keys and manifests, and ``engine_mismatch`` compares them before an engine is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata
+from typing import Any
+
+from .errors import MissingDependencyError
+
+CONTAINER_HINT = "build and run engines in the NVIDIA container: `make docker-build && make docker-engine MODEL=…`"
+
+
+def _installed(module: str) -> bool:
+    spec = importlib.util.find_spec(module)
+    # A folder of type stubs (tensorrt-stubs) imports as an empty namespace package: origin None.
+    return spec is not None and spec.origin is not None
+
+
+def tensorrt_missing() -> str | None:
+    """What stops a TensorRT build or run on this machine, or None when nothing does."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    if not _installed("tensorrt"):
+        return "the tensorrt Python package is not installed"
+    return None
+
+
+def require_tensorrt(what: str = "build a TensorRT engine") -> None:
+    missing = tensorrt_missing()
+    if missing:
+        raise MissingDependencyError(f"cannot {what} here: {missing}; {CONTAINER_HINT}")
+
+
+def require_torch_tensorrt(what: str) -> None:
+    require_tensorrt(what)
+    if not _installed("torch_tensorrt"):
+        raise MissingDependencyError(f"cannot {what} here: torch-tensorrt is not installed; {CONTAINER_HINT}")
+
+
+def gpu_environment() -> dict[str, Any]:
+    """The GPU an engine is built for (the current CUDA device)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return {"gpu": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
+
+
+def tensorrt_version() -> str:
+    try:
+        return metadata.version("tensorrt")
+    except metadata.PackageNotFoundError:
+        import tensorrt as trt
+
+        return str(trt.__version__)
+
+
+def engine_mismatch(built: dict[str, Any], here: dict[str, Any]) -> str | None:
+    """Why an engine built in environment ``built`` cannot run in ``here``, or None when it can."""
+    problems = []
+    if built.get("tensorrt") != here.get("tensorrt"):
+        problems.append(f"TensorRT {built.get('tensorrt')} (this machine: {here.get('tensorrt')})")
+    if built.get("compute_capability") != here.get("compute_capability"):
+        problems.append(
+            f"compute capability {built.get('compute_capability')} on {built.get('gpu')} "
+            f"(this machine: {here.get('compute_capability')} on {here.get('gpu')})"
+        )
+    if not problems:
+        return None
+    return "this engine was built for " + " and ".join(problems)

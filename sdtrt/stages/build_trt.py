@@ -1,0 +1,92 @@
+"""Build stage, TensorRT target: ONNX → serialized engine (``unet.plan``), in a child process.
+
+The engine is specific to the TensorRT version and the GPU's compute capability, so both enter the
+cache key and the manifest; the runtime refuses an engine built for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import TrtBuildConfig
+from ..errors import BuildError
+from ..gpu import gpu_environment, require_tensorrt
+from ..onnx_graph import artifact_spec
+from ..progress import step
+from ..store import Artifact, StageRequest, Store, environment
+
+STAGE = "build-trt"
+VERSION = 1
+PLAN_NAME = "unet.plan"
+LOG_NAME = "build.log"
+
+
+def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
+    require_tensorrt()
+    spec = artifact_spec(source)
+    for profile in config.effective_profiles():
+        profile.check(spec.pixel_multiple)
+    env = environment("tensorrt", "torch") | gpu_environment()
+    request = StageRequest(STAGE, VERSION, config, [source.as_input()], env)
+    artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store))
+    return artifact
+
+
+def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
+    """The JSON the child process gets: paths, settings and per-input (min, opt, max) shapes."""
+    spec = artifact_spec(source)
+    workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
+    return {
+        "onnx": str(source.primary),
+        "plan": str(out_dir / PLAN_NAME),
+        "result": str(out_dir / "result.json"),
+        "profiles": [
+            {name: [list(s) for s in shapes] for name, shapes in spec.profile_shapes(p).items()}
+            for p in config.effective_profiles()
+        ],
+        "optimization_level": config.optimization_level,
+        "workspace_bytes": workspace,
+        "timing_cache": config.timing_cache,
+    }
+
+
+def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store) -> dict[str, Any]:
+    request = worker_request(config, source, out_dir)
+    request_path = out_dir / "request.json"
+    request_path.write_text(json.dumps(request, indent=2))
+    log_path = out_dir / LOG_NAME
+    started = time.perf_counter()
+    with step("Building the TensorRT engine (minutes for SD 1.5)"), log_path.open("w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "sdtrt.trt_build_worker", str(request_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    if proc.returncode != 0:
+        kept = store.keep_log(log_path, f"{STAGE}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        how = (
+            f"was killed by {signal.Signals(-proc.returncode).name} (often: out of host or GPU memory)"
+            if proc.returncode < 0
+            else f"exited with code {proc.returncode}"
+        )
+        raise BuildError(f"the TensorRT build {how}; its log is {kept}")
+    result = json.loads((out_dir / "result.json").read_text())
+    (out_dir / "result.json").unlink()
+    spec = artifact_spec(source)
+    return {
+        "primary": PLAN_NAME,
+        "io": spec.to_json(),
+        "profile": config.effective_profiles()[0].to_json(),
+        "profiles": [p.to_json() for p in config.effective_profiles()],
+        "target": "tensorrt",
+        "timings": {"build_s": round(time.perf_counter() - started, 3)},
+        "details": {"tensorrt": result["tensorrt"], "network_layers": result["layers"], "worker_request": request},
+        "reproduce": f"sdtrt build {source.path} --target tensorrt --optimization-level {config.optimization_level}",
+    }

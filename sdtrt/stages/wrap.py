@@ -1,0 +1,57 @@
+"""Wrap stage: embed a TensorRT engine in a TorchScript module (``unet.ts``) with torch-tensorrt.
+
+``torch.jit.load("unet.ts")`` (after ``import torch_tensorrt``) gives a module whose
+``forward(List[Tensor]) -> List[Tensor]`` runs the engine: inputs in the order sample, timestep,
+encoder_hidden_states; one output. EngineUNet adapts that call to the UNet's.
+
+For engines exported with ``--io-naming indexed`` (input_0…, output_0) the equivalent command is
+``torchtrtc unet.plan unet.ts --embed-engine --device-type=gpu``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..config import WrapConfig
+from ..errors import ArtifactError
+from ..gpu import gpu_environment, require_torch_tensorrt
+from ..onnx_graph import artifact_spec
+from ..progress import step
+from ..store import Artifact, StageRequest, Store, environment
+
+STAGE = "wrap"
+VERSION = 1
+TS_NAME = "unet.ts"
+
+
+def run(config: WrapConfig, engine: Artifact, store: Store) -> Artifact:
+    if engine.stage != "build-trt":
+        raise ArtifactError(f"wrap takes a TensorRT engine (build-trt artifact), not a '{engine.stage}' artifact")
+    require_torch_tensorrt("wrap a TensorRT engine as TorchScript")
+    env = environment("torch-tensorrt", "tensorrt", "torch") | gpu_environment()
+    request = StageRequest(STAGE, VERSION, config, [engine.as_input()], env)
+    artifact, _ = store.produce(request, lambda out_dir: _wrap(engine, out_dir))
+    return artifact
+
+
+def _wrap(engine: Artifact, out_dir: Path) -> dict[str, Any]:
+    import torch
+    import torch_tensorrt
+
+    spec = artifact_spec(engine)
+    with step("Embedding the engine in a TorchScript module"):
+        module = torch_tensorrt.ts.embed_engine_in_new_module(
+            engine.primary.read_bytes(),
+            input_binding_names=list(spec.input_names),
+            output_binding_names=[spec.output_name],
+        )
+        torch.jit.save(module, str(out_dir / TS_NAME))
+    return {
+        "primary": TS_NAME,
+        "io": spec.to_json(),
+        "profile": engine.manifest.get("profile"),
+        "target": "tensorrt",
+        "details": {"call": "module([sample, timestep, encoder_hidden_states]) -> [out_sample]"},
+        "reproduce": f"sdtrt wrap {engine.path}",
+    }

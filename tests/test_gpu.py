@@ -1,0 +1,90 @@
+"""TensorRT end to end on a GPU: build the tiny engine once, run it, wrap it, validate it.
+
+Marked `gpu`: skipped with the reason where CUDA, TensorRT or torch-tensorrt is missing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sdtrt.compile import build, compile_model
+from sdtrt.config import Range, ShapeProfile, TrtBuildConfig, WrapConfig
+from sdtrt.errors import EngineInputError, EnvironmentMismatchError
+from sdtrt.models import load_unet
+from sdtrt.runtime import open_runtime
+from sdtrt.stages import wrap
+from sdtrt.store import MANIFEST, Artifact
+from sdtrt.validate import TensorCase, ValidationConfig, compare_unet, validate
+
+pytestmark = pytest.mark.gpu
+
+PROFILE = ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384))
+
+
+@pytest.fixture(scope="session")
+def trt_engine(tiny_simplified, store):
+    engine, reason = build(tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,)))
+    assert reason == "tensorrt: requested"
+    return engine
+
+
+@pytest.fixture(scope="session")
+def reference_unet(tiny):
+    return load_unet(tiny).cuda()
+
+
+def test_manifest_records_tensorrt_and_gpu(trt_engine):
+    env = trt_engine.manifest["environment"]
+    assert env["tensorrt"] != "absent" and env["compute_capability"].count(".") == 1
+    assert trt_engine.primary.stat().st_size > 0
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
+def test_engine_matches_pytorch(trt_engine, reference_unet, cuda_graph):
+    runtime = open_runtime(trt_engine, cuda_graph=cuda_graph)
+    for case in (TensorCase(2, 256, 256, 999.0, 0), TensorCase(4, 128, 384, 1.0, 1)):
+        first = compare_unet(runtime, reference_unet.cpu().float(), runtime.spec, case)
+        again = compare_unet(runtime, reference_unet.cpu().float(), runtime.spec, case)  # replays the graph
+        assert first["cosine"] >= 0.999 and again == first
+
+
+def test_out_of_profile_request_names_the_profiles(trt_engine):
+    runtime = open_runtime(trt_engine)
+    feeds = runtime.spec.sample_inputs(2, 512, 512)
+    with pytest.raises(EngineInputError, match=r"outside every optimization profile .*profile 0"):
+        runtime.run(feeds)
+
+
+def test_engine_from_another_gpu_is_refused(trt_engine, tmp_path):
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(trt_engine.path, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["environment"]["compute_capability"] = "5.0"
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(EnvironmentMismatchError, match=r"compute capability 5\.0"):
+        open_runtime(Artifact.open(copy))
+
+
+def test_torchscript_round_trip(trt_engine, store, reference_unet):
+    import torch_tensorrt  # noqa: F401
+
+    wrapped = wrap.run(WrapConfig(), trt_engine, store)
+    module = torch.jit.load(str(wrapped.primary))
+    spec = open_runtime(trt_engine).spec
+    feeds = spec.sample_inputs(2, 256, 256)
+    inputs = [feeds[n].cuda().to(torch.float16 if n != "timestep" else torch.float32) for n in spec.input_names]
+    (out,) = module(inputs)
+    expected = reference_unet(*(feeds[n].cuda() for n in spec.input_names), return_dict=False)[0]
+    assert torch.nn.functional.cosine_similarity(out.float().flatten(), expected.flatten(), dim=0) > 0.999
+
+
+def test_compile_tensorrt_validates_the_wrapped_engine(tiny, store):
+    result = compile_model(tiny, store, "tensorrt", profile=PROFILE, validation=ValidationConfig(steps=4))
+    assert [a.stage for a in result.artifacts] == ["export", "simplify", "build-trt", "wrap"]
+    assert result.validation, result.validation.failures
+    assert validate(tiny, result.artifacts[2], ValidationConfig(steps=4))
