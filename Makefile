@@ -41,8 +41,8 @@ test-slow: setup
 	$(VENV)/bin/python -m pytest -m slow -s
 
 lint: setup
-	$(VENV)/bin/ruff check sdtrt tests
-	$(VENV)/bin/ruff format --check sdtrt tests
+	$(VENV)/bin/ruff check sdtrt tests benchmarks
+	$(VENV)/bin/ruff format --check sdtrt tests benchmarks
 	$(VENV)/bin/mypy sdtrt
 
 # The whole CPU chain on the tiny model: compile (ONNX Runtime target) → validate → generate.

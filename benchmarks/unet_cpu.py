@@ -56,7 +56,10 @@ def main() -> None:
         started = time.perf_counter()
         runtime = TorchRuntime(load_unet(model), spec) if engine is None else open_runtime(engine, model)
         load_s = time.perf_counter() - started
-        typed = {k: v.to(runtime.dtype) if v.is_floating_point() and k != spec.input_names[1] else v for k, v in feeds.items()}
+        typed = {
+            k: v.to(runtime.dtype) if v.is_floating_point() and k != spec.input_names[1] else v
+            for k, v in feeds.items()
+        }
         stats = time_calls(lambda runtime=runtime, typed=typed: runtime.run(typed), args.warmup, args.repeats)
         rows.append({"backend": name, "load_s": load_s, "call_s": stats.to_json(), "spread": stats.spread})
         runtime.close()

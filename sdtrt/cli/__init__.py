@@ -36,7 +36,7 @@ from rich.markup import escape  # noqa: E402
 
 from ..errors import SdtrtError  # noqa: E402
 from ..progress import console  # noqa: E402
-from . import cache, run, stages  # noqa: E402
+from . import cache, perf, run, stages  # noqa: E402
 
 app = typer.Typer(
     name="sdtrt",
@@ -48,6 +48,7 @@ app = typer.Typer(
 )
 stages.register(app)
 run.register(app)
+perf.register(app)
 app.add_typer(cache.app, name="cache")
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from ..config import ShapeProfile
 from ..errors import ArtifactError, EngineInputError
 
 if TYPE_CHECKING:
-    import torch
-
     from ..models import ModelSource
     from ..spec import UNetSpec
     from ..store import Artifact
@@ -35,6 +35,28 @@ class Runtime(Protocol):
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
     def close(self) -> None: ...
+
+
+TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def typed_inputs(spec: UNetSpec, feeds: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Inputs in the graph's dtypes, contiguous, on ``device`` (no copy when they already are)."""
+    return {t.name: feeds[t.name].detach().to(device, TORCH_DTYPES[t.dtype]).contiguous() for t in spec.inputs()}
+
+
+class CudaRuntime:
+    """Device and dtype of runtimes that run on the current CUDA device (TensorRT, TorchScript)."""
+
+    spec: UNetSpec
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.spec.dtype]
 
 
 def check_feeds(spec: UNetSpec, profile: ShapeProfile | None, feeds: dict[str, torch.Tensor]) -> None:

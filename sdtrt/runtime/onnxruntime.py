@@ -10,9 +10,8 @@ import torch
 
 from ..config import ShapeProfile
 from ..spec import UNetSpec
-from . import check_feeds
+from . import TORCH_DTYPES, check_feeds, typed_inputs
 
-TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
@@ -77,7 +76,7 @@ class OnnxRuntime:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, self.profile, feeds)
-        typed = self._typed(feeds)
+        typed = typed_inputs(self.spec, feeds, self.device)
         output = self.spec.output_name
         if self.device.type == "cuda":
             return {output: self._run_bound(typed)}

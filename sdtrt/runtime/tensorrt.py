@@ -16,7 +16,7 @@ import torch
 from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError
 from ..gpu import engine_mismatch, gpu_environment, require_tensorrt, tensorrt_version
 from ..spec import UNetSpec
-from . import check_feeds
+from . import CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -59,7 +59,7 @@ def check_engine_environment(manifest: dict[str, Any], source: str) -> None:
         )
 
 
-class TensorRTRuntime:
+class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
     def __init__(self, plan: Path, spec: UNetSpec, manifest: dict[str, Any], cuda_graph: bool = False) -> None:
@@ -80,18 +80,6 @@ class TensorRTRuntime:
         self._profiles = [_engine_profile(engine, spec.input_names, i) for i in range(engine.num_optimization_profiles)]
         self._active_profile = 0
         self._graphs: dict[tuple[Shape, ...], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float16 if self.spec.precision == "fp16" else torch.float32
-
-    def _typed(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dtypes = {t.name: torch.float16 if t.dtype == "float16" else torch.float32 for t in self.spec.inputs()}
-        return {name: feeds[name].to(self.device, dtypes[name]).contiguous() for name in self.spec.input_names}
 
     def _bind(self, inputs: dict[str, torch.Tensor], stream: torch.cuda.Stream) -> torch.Tensor:
         """Select the profile, set shapes and addresses; returns the output buffer it bound."""
@@ -120,7 +108,7 @@ class TensorRTRuntime:
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, None, feeds)  # names, dtypes, grid; profiles are checked in _bind
-        inputs = self._typed(feeds)
+        inputs = typed_inputs(self.spec, feeds, self.device)
         stream = torch.cuda.current_stream()
         if not self.cuda_graph:
             out = self._bind(inputs, stream)

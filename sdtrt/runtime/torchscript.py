@@ -9,10 +9,10 @@ import torch
 from ..config import ShapeProfile
 from ..gpu import require_torch_tensorrt
 from ..spec import UNetSpec
-from . import check_feeds
+from . import CudaRuntime, check_feeds, typed_inputs
 
 
-class TorchScriptRuntime:
+class TorchScriptRuntime(CudaRuntime):
     name = "torchscript"
 
     def __init__(self, path: Path, spec: UNetSpec, profile: ShapeProfile | None) -> None:
@@ -23,19 +23,10 @@ class TorchScriptRuntime:
         self.profile = profile
         self._module = torch.jit.load(str(path), map_location="cuda")
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float16 if self.spec.precision == "fp16" else torch.float32
-
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, self.profile, feeds)
-        dtypes = {t.name: torch.float16 if t.dtype == "float16" else torch.float32 for t in self.spec.inputs()}
-        inputs = [feeds[n].to(self.device, dtypes[n]).contiguous() for n in self.spec.input_names]
-        (out,) = self._module(inputs)
+        typed = typed_inputs(self.spec, feeds, self.device)
+        (out,) = self._module([typed[name] for name in self.spec.input_names])
         return {self.spec.output_name: out}
 
     def close(self) -> None:

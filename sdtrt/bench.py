@@ -1,0 +1,268 @@
+"""Benchmarks: the pipeline's latency broken down by stage, per backend, side by side in one run.
+
+For each backend: load time (engine compile through the store, session creation) and the first,
+warm-up runs are reported apart from steady state; each timed repeat is broken into text encoding,
+the denoising loop (UNet calls + scheduler and guidance) and the VAE decode, from the same spans
+`sdtrt profile` shows. Backends that cannot run here are reported as skipped with the reason.
+
+JSON format (stable; other tools read it)::
+
+    {"format": 1, "config": {...}, "environment": {...}, "backends": [
+      {"name", "status": "ok" | "skipped" | "failed", "reason", "load_s", "warmup_s",
+       "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
+       "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
+       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first"}]}
+
+STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); speed-ups are
+ratios of median totals against the first backend that ran.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .config import ExportConfig, Precision, Range, ShapeProfile, Target
+from .errors import ConfigError
+from .models import ModelSource
+from .pipeline import GenerateRequest, generate, load_pipeline
+from .store import Store, environment
+from .timing import Stats
+from .trace import Span, Tracer, instrument_pipeline
+
+BACKENDS = ("torch", "torch-sdpa-off", "torch-compile", "onnxruntime", "tensorrt")
+STAGES = ("text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode")
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    backends: tuple[str, ...] = ("torch", "onnxruntime")
+    steps: int = 20
+    batch: int = 1  # images per prompt; classifier-free guidance doubles the UNet batch
+    height: int | None = None  # default: the model's native size
+    width: int | None = None
+    warmup: int = 1
+    repeats: int = 3
+    prompt: str = "a photograph of an astronaut riding a horse"
+    guidance: float = 7.5
+    seed: int = 0
+    precision: Precision = "fp16"  # of the engines; PyTorch runs fp32 on the CPU and fp16 on a GPU
+
+    def __post_init__(self) -> None:
+        unknown = [b for b in self.backends if b not in BACKENDS]
+        if unknown:
+            raise ConfigError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
+        if self.repeats < 1 or self.warmup < 0 or self.steps < 1:
+            raise ConfigError("repeats and steps must be at least 1, warmup at least 0")
+
+
+@dataclass
+class BackendResult:
+    name: str
+    status: str = "ok"
+    reason: str | None = None
+    load_s: float | None = None
+    warmup_s: float | None = None
+    total_s: dict[str, float] | None = None
+    stages_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    unet_call_ms: dict[str, float] | None = None
+    unet_calls: int | None = None
+    peak_rss_mb: float | None = None
+    peak_gpu_mb: float | None = None
+    speedup_vs_first: float | None = None
+
+
+def breakdown(spans: list[Span]) -> dict[str, float]:
+    """One run's seconds per stage, from its spans (the pipeline span is the total)."""
+    by_name: dict[str, list[Span]] = {}
+    for span in spans:
+        by_name.setdefault(span.category, []).append(span)
+    steps = by_name.get("step", [])
+    loop = steps[-1].end - steps[0].start if steps else 0.0
+    unet = sum(s.seconds for s in by_name.get("unet", []))
+    return {
+        "total": sum(s.seconds for s in by_name.get("pipeline", [])),
+        "text_encoder": sum(s.seconds for s in by_name.get("text_encoder", [])),
+        "denoise_loop": loop,
+        "unet": unet,
+        "scheduler_guidance": loop - unet,
+        "vae_decode": sum(s.seconds for s in by_name.get("vae", [])),
+    }
+
+
+@contextmanager
+def rss_sampler(interval: float = 0.02) -> Iterator[Callable[[], float]]:
+    """Peak resident memory (MB) of this process while the block runs, sampled every ``interval``."""
+    import psutil
+
+    process, peak, stop = psutil.Process(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss / 2**20)
+            stop.wait(interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield lambda: peak[0]
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _bench_profile(model: ModelSource, config: BenchConfig) -> ShapeProfile:
+    """An engine profile around the default that certainly covers the benchmarked shape."""
+    from .stages.export import spec_for
+
+    default = spec_for(model, ExportConfig()).default_profile()
+    h = config.height or default.height.opt
+    w = config.width or default.width.opt
+    return ShapeProfile(
+        Range(1, config.batch, max(config.batch, default.batch.max)),
+        Range(min(h, default.height.min), h, max(h, default.height.max)),
+        Range(min(w, default.width.min), w, max(w, default.width.max)),
+    )
+
+
+def load_backend(name: str, model: ModelSource, config: BenchConfig, store: Store) -> Any:
+    """A ready pipeline for one backend (compiling its engine through the store if needed)."""
+    from .compile import compile_model
+    from .gpu import tensorrt_missing
+
+    device = _device()
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    if name.startswith("torch"):
+        pipe = load_pipeline(model, dtype=dtype).to(device)
+        if name == "torch-sdpa-off":
+            from diffusers.models.attention_processor import AttnProcessor
+
+            pipe.unet.set_attn_processor(AttnProcessor())
+        elif name == "torch-compile":
+            pipe.unet = torch.compile(pipe.unet)
+        return pipe
+    if name == "tensorrt" and (missing := tensorrt_missing()):
+        raise _Skip(missing)
+    target: Target = "tensorrt" if name == "tensorrt" else "onnxruntime"
+    export_config = ExportConfig(precision=config.precision)
+    result = compile_model(model, store, target, export_config, profile=_bench_profile(model, config))
+    return load_pipeline(model, result.final, dtype=dtype).to(device)
+
+
+class _Skip(Exception):
+    """This backend cannot run on this machine; the message says why."""
+
+
+def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store) -> BackendResult:
+    result = BackendResult(name)
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    request = GenerateRequest(
+        prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
+        height=config.height, width=config.width, images=config.batch,
+    )  # fmt: skip
+    with rss_sampler() as peak_rss:
+        try:
+            started = time.perf_counter()
+            pipe = load_backend(name, model, config, store)
+            result.load_s = time.perf_counter() - started
+            started = time.perf_counter()
+            for _ in range(config.warmup):  # torch.compile compiles here, on its first call
+                generate(pipe, request, output_type="np")
+            result.warmup_s = time.perf_counter() - started
+        except _Skip as skip:
+            return BackendResult(name, status="skipped", reason=str(skip))
+        except Exception as exc:  # one backend failing must not hide the others' results
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return BackendResult(name, status="failed", reason=f"{type(exc).__name__}: {first_line[:300]}")
+        runs, unet_calls = [], []
+        for _ in range(config.repeats):
+            tracer = Tracer(device)
+            with instrument_pipeline(pipe, tracer) as steps, tracer.span("pipeline", "pipeline"):
+                generate(pipe, request, on_step=steps.step_ended, output_type="np")
+            spans = tracer.spans()
+            runs.append(breakdown(spans))
+            unet_calls += [s.seconds * 1000 for s in spans if s.category == "unet"]
+        result.peak_rss_mb = peak_rss()
+    result.total_s = Stats.of([r["total"] for r in runs]).to_json()
+    result.stages_s = {stage: Stats.of([r[stage] for r in runs]).to_json() for stage in STAGES}
+    result.unet_call_ms = Stats.of(unet_calls).to_json()
+    result.unet_calls = len(unet_calls) // config.repeats
+    if device.type == "cuda":
+        result.peak_gpu_mb = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+def run_bench(
+    model: ModelSource, config: BenchConfig, store: Store, on_backend: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Every backend in turn, on this machine, in this process: the side-by-side comparison."""
+    results = []
+    for name in config.backends:
+        if on_backend:
+            on_backend(name)
+        results.append(run_backend(name, model, config, store))
+    ran = [r for r in results if r.status == "ok" and r.total_s]
+    if ran:
+        first = ran[0].total_s["median"]  # type: ignore[index]
+        for r in ran:
+            r.speedup_vs_first = first / r.total_s["median"]  # type: ignore[index]
+    env = environment("torch", "diffusers", "onnxruntime", "tensorrt", "torch-tensorrt") | {
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    return {
+        "format": FORMAT,
+        "config": asdict(config) | {"model": model.name},
+        "environment": env,
+        "backends": [asdict(r) for r in results],
+    }
+
+
+def write_chart(report: dict[str, Any], path: Any) -> None:
+    """A horizontal stacked bar per backend: where each backend's median run spends its time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [b for b in report["backends"] if b["status"] == "ok"]
+    parts = [("text_encoder", "text encoder"), ("unet", "UNet"), ("scheduler_guidance", "scheduler + guidance"),
+             ("vae_decode", "VAE decode")]  # fmt: skip
+    colors = ["#8e6bb8", "#2f7ed8", "#f7a35c", "#4caf50", "#bbbbbb"]
+    fig, ax = plt.subplots(figsize=(9, 1.8 + 0.7 * max(1, len(ran))))
+    for row, backend in enumerate(ran):
+        left = 0.0
+        for (key, label), color in zip(parts, colors, strict=False):
+            width = backend["stages_s"][key]["median"]
+            ax.barh(row, width, left=left, color=color, label=label if row == 0 else None)
+            left += width
+        other = backend["total_s"]["median"] - left
+        if other > 0:
+            ax.barh(row, other, left=left, color=colors[-1], label="other" if row == 0 else None)
+        ax.text(backend["total_s"]["median"], row, f"  {backend['total_s']['median']:.2f} s", va="center")
+    ax.set_yticks(range(len(ran)), [b["name"] for b in ran])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per image (median)")
+    cfg = report["config"]
+    ax.set_title(f"{cfg['model']}: {cfg['steps']} steps, batch {cfg['batch']}, {report['environment']['device']}")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncol=5, frameon=False)
+    ax.margins(x=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,138 @@
+"""``sdtrt bench`` and ``sdtrt profile``: where the time goes, per backend and per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..bench import BACKENDS, BenchConfig, run_bench, write_chart
+from ..models import resolve_model
+from ..pipeline import GenerateRequest
+from ..profile import OUTLIER_FACTOR, profile_generation
+from ..progress import console, step
+from ..store import Artifact
+from . import options as o
+
+StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
+HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
+WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(bench)
+    app.command(name="profile")(profile_command)
+
+
+def bench(
+    model: o.ModelOpt = "tiny",
+    backends: Annotated[
+        str, typer.Option(help=f"Comma-separated, in order: {','.join(BACKENDS)}.")
+    ] = "torch,onnxruntime",
+    steps: StepsOpt = 20,
+    batch: Annotated[int, typer.Option(min=1, help="Images per prompt (the UNet sees twice as many).")] = 1,
+    height: HeightPxOpt = None,
+    width: WidthPxOpt = None,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed runs per backend before the timed ones.")] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per backend.")] = 3,
+    precision: o.PrecisionOpt = "fp16",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the full results (documented format).")] = None,
+    time_file: Annotated[Path | None, typer.Option(help="Write '<backend> <median seconds>' lines.")] = None,
+    chart: Annotated[Path | None, typer.Option(help="Write a PNG bar chart of the breakdown.")] = None,
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Time whole generations per backend, side by side, broken down by stage.
+
+    Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
+    """
+    config = BenchConfig(
+        backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch, height=height,
+        width=width, warmup=warmup, repeats=repeats, precision=precision,
+    )  # fmt: skip
+    report = run_bench(
+        resolve_model(model), config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
+    )
+    print_bench(report)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+    if time_file:
+        lines = [f"{b['name']} {b['total_s']['median']:.6f}" for b in report["backends"] if b["status"] == "ok"]
+        time_file.write_text("\n".join(lines) + "\n")
+    if chart:
+        write_chart(report, chart)
+        console.print(f"chart: {chart}")
+
+
+def _cell(stats: dict[str, float] | None) -> str:
+    return f"{stats['median']:.3f}" if stats else "–"
+
+
+def print_bench(report: dict) -> None:
+    cfg = report["config"]
+    table = Table(
+        title=f"{cfg['model']}: {cfg['steps']} steps, batch {cfg['batch']}, median of {cfg['repeats']} "
+        f"(seconds; {report['environment']['device']})",
+        title_justify="left",
+    )
+    columns = ["backend", "load", "total", "min–max", "text enc", "denoise", "UNet", "UNet/call ms", "sched+guid",
+               "VAE", "RSS MB", "speed-up"]  # fmt: skip
+    for c in columns:
+        table.add_column(c, justify="left" if c == "backend" else "right")
+    for b in report["backends"]:
+        if b["status"] != "ok":
+            table.add_row(b["name"], f"[yellow]{b['status']}[/]", *[""] * (len(columns) - 2))
+            continue
+        s = b["stages_s"]
+        table.add_row(
+            b["name"], f"{b['load_s']:.1f}", _cell(b["total_s"]),
+            f"{b['total_s']['min']:.3f}–{b['total_s']['max']:.3f}",
+            _cell(s["text_encoder"]), _cell(s["denoise_loop"]), _cell(s["unet"]), f"{b['unet_call_ms']['median']:.1f}",
+            _cell(s["scheduler_guidance"]), _cell(s["vae_decode"]), f"{b['peak_rss_mb']:.0f}",
+            f"{b['speedup_vs_first']:.2f}x",
+        )  # fmt: skip
+    console.print(table)
+    for b in report["backends"]:
+        if b["status"] != "ok":
+            console.print(f"[yellow]{b['name']} {b['status']}:[/] {b['reason']}")
+
+
+def profile_command(
+    out: Annotated[Path, typer.Option(help="Folder for trace.json, flame.speedscope.json and steps.json.")],
+    model: o.ModelOpt = "tiny",
+    engine: Annotated[Path | None, typer.Option(help="Engine artifact; omit to profile the PyTorch UNet.")] = None,
+    trace: Annotated[
+        list[str] | None, typer.Option(help="Function or method to wrap in spans, as package.module.Class.method.")
+    ] = None,
+    steps: StepsOpt = 20,
+    height: HeightPxOpt = None,
+    width: WidthPxOpt = None,
+    warmup: Annotated[int, typer.Option(min=0, help="Untraced generations first (0: see first-run effects).")] = 0,
+    prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
+) -> None:
+    """Trace one generation: waterfall (trace.json), flame graph, per-step table with outliers.
+
+    Example: sdtrt profile --model tiny --out prof --trace diffusers.schedulers.scheduling_pndm.PNDMScheduler.step
+    """
+    with step("Profiling one generation"):
+        result = profile_generation(
+            resolve_model(model), Artifact.open(engine) if engine else None, out,
+            GenerateRequest(prompt=prompt, steps=steps, height=height, width=width), tuple(trace or ()), warmup=warmup,
+        )  # fmt: skip
+    table = Table(title=f"per step (outlier: > {OUTLIER_FACTOR}× the median)", title_justify="left")
+    for c in ("step", "timestep", "ms", "UNet ms", "other ms", "syncs", ""):
+        table.add_column(c, justify="right")
+    for r in result.steps:
+        table.add_row(
+            str(r.index), f"{r.timestep:g}" if r.timestep is not None else "–", f"{r.seconds * 1e3:.1f}",
+            f"{r.unet_seconds * 1e3:.1f}", f"{(r.seconds - r.unet_seconds) * 1e3:.1f}",
+            "n/a (CPU)" if r.syncs is None else str(r.syncs), "[red]outlier[/]" if r.outlier else "",
+        )  # fmt: skip
+    console.print(table)
+    traced = {name: sum(1 for s in result.spans if s.name == name) for name in trace or ()}
+    for name, count in traced.items():
+        console.print(f"traced {name}: {count} calls")
+    console.print(f"flame graph: {result.flame} (open in https://www.speedscope.app)")
+    typer.echo(result.trace)

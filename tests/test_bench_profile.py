@@ -1,0 +1,124 @@
+"""bench and profile on the tiny model: real pipelines, real spans, files a person can open."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from sdtrt.bench import BenchConfig, breakdown, write_chart
+from sdtrt.errors import ConfigError
+from sdtrt.pipeline import GenerateRequest
+from sdtrt.profile import profile_generation
+from sdtrt.trace import Span, Tracer, resolve_qualified, trace_qualified
+
+from .helpers import last_line, run_cli
+
+PNDM_STEP = "diffusers.schedulers.scheduling_pndm.PNDMScheduler.step"
+ENGINE_FORWARD = "sdtrt.unet.EngineUNet.forward"
+
+
+def test_bench_cli_json_time_file_and_chart(tmp_path):
+    files = {"json": tmp_path / "b.json", "time-file": tmp_path / "b.txt", "chart": tmp_path / "b.png"}
+    args = ["bench", "--backends", "torch,onnxruntime,tensorrt", "--steps", "4", "--warmup", "1", "--repeats", "3"]
+    result = run_cli(*args, *(f"--{k}={v}" for k, v in files.items()), "--engines", str(tmp_path / "e"), check=True)
+    report = json.loads(files["json"].read_text())
+    assert report["format"] == 1 and report["config"]["steps"] == 4
+    by_name = {b["name"]: b for b in report["backends"]}
+    assert list(by_name) == ["torch", "onnxruntime", "tensorrt"]
+    for name in ("torch", "onnxruntime"):
+        b = by_name[name]
+        assert b["status"] == "ok" and b["load_s"] > 0 and b["peak_rss_mb"] > 0
+        stages = b["stages_s"]
+        assert set(stages) == {"text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode"}
+        for stats in (*stages.values(), b["total_s"]):
+            assert stats["min"] <= stats["median"] <= stats["max"]
+        parts = stages["text_encoder"]["median"] + stages["denoise_loop"]["median"] + stages["vae_decode"]["median"]
+        total = b["total_s"]["median"]
+        print(f"{name}: parts {parts:.3f} s of total {total:.3f} s")
+        assert abs(parts - total) <= 0.10 * total
+        assert stages["unet"]["median"] <= stages["denoise_loop"]["median"]
+        assert b["unet_calls"] == 5  # PNDM: 4 steps + 1
+    assert by_name["torch"]["speedup_vs_first"] == 1.0
+    assert by_name["tensorrt"]["status"] == "skipped" and "CUDA" in by_name["tensorrt"]["reason"]
+    assert "tensorrt skipped" in result.stderr
+    lines = files["time-file"].read_text().split("\n")
+    assert lines[0].startswith("torch ") and float(lines[1].split()[1]) > 0
+    with Image.open(files["chart"]) as chart:
+        assert chart.format == "PNG" and chart.width >= 800
+
+
+def test_breakdown_parts_of_one_run():
+    spans = [
+        Span("pipeline", "pipeline", 0.0, 10.0), Span("text_encoder", "text_encoder", 0.1, 0.6),
+        Span("step 0", "step", 1.0, 4.0), Span("unet", "unet", 1.1, 3.5), Span("step 1", "step", 4.0, 7.0),
+        Span("unet", "unet", 4.1, 6.6), Span("vae_decode", "vae", 7.5, 9.5),
+    ]  # fmt: skip
+    parts = breakdown(spans)
+    assert parts == pytest.approx({"total": 10.0, "text_encoder": 0.5, "denoise_loop": 6.0, "unet": 4.9,
+                                   "scheduler_guidance": 1.1, "vae_decode": 2.0})  # fmt: skip
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ConfigError, match="unknown backend"):
+        BenchConfig(backends=("torch", "tpu"))
+
+
+def test_profile_trace_spans_names_counts_and_nesting(tiny, tiny_engine, tmp_path):
+    request = GenerateRequest(steps=4, height=128, width=128)
+    result = profile_generation(tiny, tiny_engine, tmp_path, request, (PNDM_STEP, ENGINE_FORWARD))
+    trace = json.loads(result.trace.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = [e["name"] for e in events]
+    assert names.count(PNDM_STEP) == 5 and names.count(ENGINE_FORWARD) == 5  # PNDM runs steps + 1
+    assert names.count("unet") == 5 and names.count("pipeline") == 1 and names.count("vae_decode") == 1
+
+    def inside(inner, outer):
+        return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1e-3
+
+    pipeline = next(e for e in events if e["name"] == "pipeline")
+    steps = [e for e in events if e["cat"] == "step"]
+    assert len(steps) == 5 and all(inside(s, pipeline) for s in steps)
+    for forward in (e for e in events if e["name"] == ENGINE_FORWARD):
+        unet = next(u for u in events if u["name"] == "unet" and inside(forward, u))
+        assert any(inside(unet, s) for s in steps), "UNet calls nest inside their step"
+    for step_call in (e for e in events if e["name"] == PNDM_STEP):
+        assert any(inside(step_call, s) for s in steps)
+
+    assert [r.index for r in result.steps] == [0, 1, 2, 3, 4]
+    assert all(r.syncs is None and r.unet_seconds <= r.seconds for r in result.steps)
+    flame = json.loads(result.flame.read_text())
+    assert "speedscope" in flame["$schema"] and flame["profiles"]
+    assert json.loads(result.steps_file.read_text())[0]["timestep"] == result.steps[0].timestep
+
+
+def test_profile_cli_prints_the_step_table(tmp_path):
+    result = run_cli("profile", "--out", str(tmp_path), "--steps", "3", "--trace", PNDM_STEP, check=True)
+    assert last_line(result.stdout) == str(tmp_path / "trace.json")
+    assert f"traced {PNDM_STEP}: 4 calls" in result.stderr and "n/a (CPU)" in result.stderr
+
+
+def test_tracing_is_undone_and_bad_names_are_clear():
+    from diffusers.schedulers.scheduling_pndm import PNDMScheduler
+
+    original = PNDMScheduler.__dict__["step"]
+    tracer = Tracer()
+    with trace_qualified(tracer, [PNDM_STEP]):
+        assert PNDMScheduler.__dict__["step"] is not original
+    assert PNDMScheduler.__dict__["step"] is original
+    with pytest.raises(ConfigError, match="cannot trace"):
+        resolve_qualified("diffusers.schedulers.NoSuchScheduler.step")
+
+
+def test_chart_from_a_report(tmp_path):
+    stats = {"median": 1.0, "min": 0.9, "max": 1.1}
+    backend = {"name": "torch", "status": "ok", "total_s": {"median": 4.0}, "stages_s": dict.fromkeys(
+        ("text_encoder", "unet", "scheduler_guidance", "vae_decode"), stats)}  # fmt: skip
+    report = {
+        "backends": [backend],
+        "config": {"model": "tiny", "steps": 4, "batch": 1},
+        "environment": {"device": "cpu"},
+    }
+    write_chart(report, tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
