@@ -18,13 +18,20 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# APIs removed in TensorRT 10 (implicit batch, bindings) or, for weak typing, in TensorRT 11.
+# APIs removed in TensorRT 10 (implicit batch, bindings) and 11 (weak typing, implicit quantization);
+# TensorRT 11's list: docs.nvidia.com/deeplearning/tensorrt/latest/api/migration/
+# tensorrt-10x-to-11x-python-api-reference.html
 REMOVED = {
     "BuilderFlag.FP16", "BuilderFlag.BF16", "BuilderFlag.INT8", "BuilderFlag.FP8", "BuilderFlag.INT4",
-    "BuilderFlag.OBEY_PRECISION_CONSTRAINTS", "BuilderFlag.PREFER_PRECISION_CONSTRAINTS",
-    "NetworkDefinitionCreationFlag.EXPLICIT_BATCH", "ICudaEngine.device_memory_size",
-    "IExecutionContext.execute_async_v2", "IExecutionContext.execute_v2", "IExecutionContext.set_binding_shape",
-    "ICudaEngine.get_binding_index", "IBuilderConfig.max_workspace_size", "Builder.build_engine",
+    "BuilderFlag.FP4", "BuilderFlag.OBEY_PRECISION_CONSTRAINTS", "BuilderFlag.PREFER_PRECISION_CONSTRAINTS",
+    "BuilderFlag.DIRECT_IO", "IBuilderConfig.int8_calibrator", "IBuilderConfig.set_calibration_profile",
+    "IBuilderConfig.get_calibration_profile", "IBuilderConfig.set_quantization_flag",
+    "IBuilderConfig.get_quantization_flag", "IBuilderConfig.quantization_flags",
+    "IBuilderConfig.clear_quantization_flag", "ICudaEngine.device_memory_size", "ICudaEngine.device_memory_size_v2",
+    "Builder.platform_has_fast_fp16", "Builder.platform_has_fast_int8",
+    "NetworkDefinitionCreationFlag.EXPLICIT_BATCH", "IExecutionContext.execute_async_v2",
+    "IExecutionContext.set_binding_shape", "ICudaEngine.get_binding_index", "IBuilderConfig.max_workspace_size",
+    "Builder.build_engine",
 }  # fmt: skip
 
 
