@@ -38,12 +38,14 @@ from .timing import Stats
 from .trace import Span, Tracer, instrument_pipeline
 
 BACKENDS = ("torch", "torch-sdpa-off", "torch-compile", "onnxruntime", "tensorrt")
+ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # these take an engine precision: onnxruntime:fp32
 STAGES = ("text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode")
 FORMAT = 1
 
 
 @dataclass(frozen=True)
 class BenchConfig:
+    # Backend names, in order; engine backends may name their graph precision (onnxruntime:fp32).
     backends: tuple[str, ...] = ("torch", "onnxruntime")
     steps: int = 20
     batch: int = 1  # images per prompt; classifier-free guidance doubles the UNet batch
@@ -54,12 +56,15 @@ class BenchConfig:
     prompt: str = "a photograph of an astronaut riding a horse"
     guidance: float = 7.5
     seed: int = 0
-    precision: Precision = "fp16"  # of the engines; PyTorch runs fp32 on the CPU and fp16 on a GPU
+    precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
 
     def __post_init__(self) -> None:
-        unknown = [b for b in self.backends if b not in BACKENDS]
-        if unknown:
-            raise ConfigError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
+        for spec in self.backends:
+            name, _, precision = spec.partition(":")
+            if name not in BACKENDS:
+                raise ConfigError(f"unknown backend '{spec}'; choose from {', '.join(BACKENDS)}")
+            if precision and (name not in ENGINE_BACKENDS or precision not in ("fp16", "fp32")):
+                raise ConfigError(f"'{spec}': only {' and '.join(ENGINE_BACKENDS)} take a precision, fp16 or fp32")
         if self.repeats < 1 or self.warmup < 0 or self.steps < 1:
             raise ConfigError("repeats and steps must be at least 1, warmup at least 0")
 
@@ -137,11 +142,12 @@ def _bench_profile(model: ModelSource, config: BenchConfig) -> ShapeProfile:
     )
 
 
-def load_backend(name: str, model: ModelSource, config: BenchConfig, store: Store) -> Any:
-    """A ready pipeline for one backend (compiling its engine through the store if needed)."""
+def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Store) -> Any:
+    """A ready pipeline for one backend spec (compiling its engine through the store if needed)."""
     from .compile import compile_model
     from .gpu import tensorrt_missing
 
+    name, _, precision = spec.partition(":")
     device = _device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if name.startswith("torch"):
@@ -156,7 +162,8 @@ def load_backend(name: str, model: ModelSource, config: BenchConfig, store: Stor
     if name == "tensorrt" and (missing := tensorrt_missing()):
         raise _Skip(missing)
     target: Target = "tensorrt" if name == "tensorrt" else "onnxruntime"
-    export_config = ExportConfig(precision=config.precision)
+    chosen: Precision = "fp32" if precision == "fp32" else "fp16" if precision == "fp16" else config.precision
+    export_config = ExportConfig(precision=chosen)
     result = compile_model(model, store, target, export_config, profile=_bench_profile(model, config))
     return load_pipeline(model, result.final, dtype=dtype).to(device)
 

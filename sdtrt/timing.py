@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -72,8 +71,3 @@ def time_calls(fn: Callable[[], object], warmup: int, repeats: int, device: torc
         fn()
         seconds.append(stop())
     return Stats.of(seconds)
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -21,13 +21,14 @@ ENGINE_FORWARD = "sdtrt.unet.EngineUNet.forward"
 
 def test_bench_cli_json_time_file_and_chart(tmp_path):
     files = {"json": tmp_path / "b.json", "time-file": tmp_path / "b.txt", "chart": tmp_path / "b.png"}
-    args = ["bench", "--backends", "torch,onnxruntime,tensorrt", "--steps", "4", "--warmup", "1", "--repeats", "3"]
+    backends = "torch,onnxruntime:fp32,onnxruntime,tensorrt"
+    args = ["bench", "--backends", backends, "--steps", "4", "--warmup", "1", "--repeats", "3"]
     result = run_cli(*args, *(f"--{k}={v}" for k, v in files.items()), "--engines", str(tmp_path / "e"), check=True)
     report = json.loads(files["json"].read_text())
     assert report["format"] == 1 and report["config"]["steps"] == 4
     by_name = {b["name"]: b for b in report["backends"]}
-    assert list(by_name) == ["torch", "onnxruntime", "tensorrt"]
-    for name in ("torch", "onnxruntime"):
+    assert list(by_name) == ["torch", "onnxruntime:fp32", "onnxruntime", "tensorrt"]
+    for name in ("torch", "onnxruntime:fp32", "onnxruntime"):
         b = by_name[name]
         assert b["status"] == "ok" and b["load_s"] > 0 and b["peak_rss_mb"] > 0
         stages = b["stages_s"]
@@ -60,9 +61,14 @@ def test_breakdown_parts_of_one_run():
                                    "scheduler_guidance": 1.1, "vae_decode": 2.0})  # fmt: skip
 
 
-def test_unknown_backend_is_refused():
+def test_backend_specs_are_checked():
+    assert BenchConfig(backends=("torch", "onnxruntime:fp32", "onnxruntime:fp16")).backends[1] == "onnxruntime:fp32"
     with pytest.raises(ConfigError, match="unknown backend"):
         BenchConfig(backends=("torch", "tpu"))
+    with pytest.raises(ConfigError, match="only onnxruntime and tensorrt take a precision"):
+        BenchConfig(backends=("torch:fp16",))
+    with pytest.raises(ConfigError, match="fp16 or fp32"):
+        BenchConfig(backends=("onnxruntime:int8",))
 
 
 def test_profile_trace_spans_names_counts_and_nesting(tiny, tiny_engine, tmp_path):

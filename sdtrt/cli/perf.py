@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from ..bench import BACKENDS, BenchConfig, run_bench, write_chart
+from ..config import Precision
 from ..models import resolve_model
 from ..pipeline import GenerateRequest
 from ..profile import OUTLIER_FACTOR, profile_generation
@@ -38,7 +39,7 @@ def bench(
     width: WidthPxOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed runs per backend before the timed ones.")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per backend.")] = 3,
-    precision: o.PrecisionOpt = "fp16",
+    precision: Annotated[Precision, typer.Option(help="Engines' graph precision where a backend names none.")] = "fp16",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the full results (documented format).")] = None,
     time_file: Annotated[Path | None, typer.Option(help="Write '<backend> <median seconds>' lines.")] = None,
     chart: Annotated[Path | None, typer.Option(help="Write a PNG bar chart of the breakdown.")] = None,
