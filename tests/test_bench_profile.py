@@ -128,3 +128,19 @@ def test_chart_from_a_report(tmp_path):
     }
     write_chart(report, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_time_calls_excludes_warmup_and_times_each_repeat():
+    import time
+
+    from sdtrt.timing import time_calls
+
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.02)
+
+    stats = time_calls(work, warmup=2, repeats=3)
+    assert len(calls) == 5 and stats.samples == 3
+    assert 0.02 <= stats.min <= stats.median <= stats.max < 0.5
