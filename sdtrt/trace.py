@@ -53,41 +53,45 @@ class _Mark:
         return self.host - origin.host
 
 
+@dataclass(frozen=True)
+class _OpenSpan:
+    name: str
+    category: str
+    start: _Mark
+    args: dict[str, Any]
+
+
 class Tracer:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
         self._origin = _Mark(self.cuda)
-        self._open: list[tuple[str, str, _Mark, dict[str, Any]]] = []
-        self._closed: list[tuple[str, str, _Mark, _Mark, dict[str, Any]]] = []
+        self._closed: list[tuple[_OpenSpan, _Mark]] = []
 
-    def begin(self, name: str, category: str = "sdtrt", **args: Any) -> int:
+    def begin(self, name: str, category: str = "sdtrt", **args: Any) -> _OpenSpan:
         if self.cuda:
             torch.cuda.nvtx.range_push(name)
-        self._open.append((name, category, _Mark(self.cuda), args))
-        return len(self._open) - 1
+        return _OpenSpan(name, category, _Mark(self.cuda), args)
 
-    def end(self, token: int) -> None:
-        name, category, start, args = self._open[token]
-        self._closed.append((name, category, start, _Mark(self.cuda), args))
-        self._open[token] = ("", "", start, {})  # keep indices of later tokens stable
+    def end(self, span: _OpenSpan) -> None:
+        self._closed.append((span, _Mark(self.cuda)))
         if self.cuda:
             torch.cuda.nvtx.range_pop()
 
     @contextlib.contextmanager
     def span(self, name: str, category: str = "sdtrt", **args: Any) -> Iterator[None]:
-        token = self.begin(name, category, **args)
+        opened = self.begin(name, category, **args)
         try:
             yield
         finally:
-            self.end(token)
+            self.end(opened)
 
     def spans(self) -> list[Span]:
         """Every closed span, in start order (waits for the device once, on a GPU)."""
         if self.cuda:
             torch.cuda.synchronize()
         spans = [
-            Span(name, cat, start.seconds_since(self._origin), end.seconds_since(self._origin), args)
-            for name, cat, start, end, args in self._closed
+            Span(o.name, o.category, o.start.seconds_since(self._origin), end.seconds_since(self._origin), o.args)
+            for o, end in self._closed
         ]
         return sorted(spans, key=lambda s: (s.start, -s.end))
 
@@ -154,18 +158,18 @@ class StepSpans:
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
-        self._token: int | None = None
+        self._open: _OpenSpan | None = None
         self._index = 0
 
     def unet_starting(self, timestep: Any) -> None:
-        if self._token is None:
+        if self._open is None:
             t = float(torch.as_tensor(timestep).flatten()[0]) if timestep is not None else None
-            self._token = self.tracer.begin(f"step {self._index}", "step", index=self._index, timestep=t)
+            self._open = self.tracer.begin(f"step {self._index}", "step", index=self._index, timestep=t)
 
     def step_ended(self, index: int, total: int) -> None:
-        if self._token is not None:
-            self.tracer.end(self._token)
-            self._token = None
+        if self._open is not None:
+            self.tracer.end(self._open)
+            self._open = None
         self._index = index + 1
 
 
