@@ -45,10 +45,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check sdtrt tests benchmarks
 	$(VENV)/bin/mypy sdtrt
 
-# The whole CPU chain on the tiny model: compile (ONNX Runtime target) → validate → generate.
+# The whole CPU chain on the tiny model: compile (ONNX Runtime target, validated once) → generate.
 demo: setup
 	@set -e; engine=$$($(VENV)/bin/sdtrt compile --model tiny --target onnxruntime --engines $(ENGINES)); \
-	$(VENV)/bin/sdtrt validate --model tiny --engine "$$engine"; \
 	$(VENV)/bin/sdtrt generate --model tiny --engine "$$engine" --prompt "a lighthouse at dusk" --steps 20 --out out/demo.png; \
 	echo "engine: $$engine"; echo "image:  out/demo.png (random weights: expect colourful noise)"
 

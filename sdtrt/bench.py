@@ -11,14 +11,16 @@ JSON format (stable; other tools read it)::
       {"name", "status": "ok" | "skipped" | "failed", "reason", "load_s", "warmup_s",
        "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
        "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
-       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first"}]}
+       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy"}]}
 
 STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); speed-ups are
-ratios of median totals against the first backend that ran.
+ratios of median totals against the first backend that ran; ``noisy`` is true where the slowest
+timed run took over NOISY_RATIO times the fastest (a busy machine: do not read ratios from it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import threading
 import time
@@ -29,44 +31,20 @@ from typing import Any
 
 import torch
 
-from .config import ExportConfig, Precision, Range, ShapeProfile, Target
-from .errors import ConfigError
+from .config import BenchConfig, ExportConfig, Precision, Range, ShapeProfile, Target
+from .errors import one_line
 from .models import ModelSource
-from .pipeline import GenerateRequest, generate, load_pipeline
+from .pipeline import generate, load_pipeline
+from .request import GenerateRequest, SizeRule
 from .store import Store, environment
 from .timing import Stats
 from .trace import Span, Tracer, instrument_pipeline
 
-BACKENDS = ("torch", "torch-sdpa-off", "torch-compile", "onnxruntime", "tensorrt")
-ENGINE_BACKENDS = ("onnxruntime", "tensorrt")  # these take an engine precision: onnxruntime:fp32
 STAGES = ("text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode")
 FORMAT = 1
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    # Backend names, in order; engine backends may name their graph precision (onnxruntime:fp32).
-    backends: tuple[str, ...] = ("torch", "onnxruntime")
-    steps: int = 20
-    batch: int = 1  # images per prompt; classifier-free guidance doubles the UNet batch
-    height: int | None = None  # default: the model's native size
-    width: int | None = None
-    warmup: int = 1
-    repeats: int = 3
-    prompt: str = "a photograph of an astronaut riding a horse"
-    guidance: float = 7.5
-    seed: int = 0
-    precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
-
-    def __post_init__(self) -> None:
-        for spec in self.backends:
-            name, _, precision = spec.partition(":")
-            if name not in BACKENDS:
-                raise ConfigError(f"unknown backend '{spec}'; choose from {', '.join(BACKENDS)}")
-            if precision and (name not in ENGINE_BACKENDS or precision not in ("fp16", "fp32")):
-                raise ConfigError(f"'{spec}': only {' and '.join(ENGINE_BACKENDS)} take a precision, fp16 or fp32")
-        if self.repeats < 1 or self.warmup < 0 or self.steps < 1:
-            raise ConfigError("repeats and steps must be at least 1, warmup at least 0")
+# A backend whose slowest timed run took this many times its fastest ran on a busy machine: its
+# ratios against other backends are not to be trusted.
+NOISY_RATIO = 1.5
 
 
 @dataclass
@@ -83,6 +61,7 @@ class BackendResult:
     peak_rss_mb: float | None = None
     peak_gpu_mb: float | None = None
     speedup_vs_first: float | None = None
+    noisy: bool = False  # slowest / fastest timed run > NOISY_RATIO
 
 
 def breakdown(spans: list[Span]) -> dict[str, float]:
@@ -193,8 +172,7 @@ def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store
         except _Skip as skip:
             return BackendResult(name, status="skipped", reason=str(skip))
         except Exception as exc:  # one backend failing must not hide the others' results
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            return BackendResult(name, status="failed", reason=f"{type(exc).__name__}: {first_line[:300]}")
+            return BackendResult(name, status="failed", reason=f"{type(exc).__name__}: {one_line(exc)}")
         runs, unet_calls = [], []
         for _ in range(config.repeats):
             tracer = Tracer(device)
@@ -213,20 +191,29 @@ def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store
     return result
 
 
+def compare(results: list[BackendResult]) -> None:
+    """Speed-ups of median totals against the first backend that ran; flag backends whose runs disagree."""
+    ran = [(r, r.total_s) for r in results if r.status == "ok" and r.total_s]
+    for r, total in ran:
+        r.speedup_vs_first = ran[0][1]["median"] / total["median"]
+        r.noisy = total["max"] > NOISY_RATIO * total["min"]
+
+
 def run_bench(
     model: ModelSource, config: BenchConfig, store: Store, on_backend: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
-    """Every backend in turn, on this machine, in this process: the side-by-side comparison."""
+    """Every backend in turn, on this machine, in this process: the side-by-side comparison.
+
+    A size no backend could serve is a RequestError before anything is loaded.
+    """
+    height, width = SizeRule.for_model(model).resolve(config.height, config.width)
+    config = dataclasses.replace(config, height=height, width=width)
     results = []
     for name in config.backends:
         if on_backend:
             on_backend(name)
         results.append(run_backend(name, model, config, store))
-    ran = [r for r in results if r.status == "ok" and r.total_s]
-    if ran:
-        first = ran[0].total_s["median"]  # type: ignore[index]
-        for r in ran:
-            r.speedup_vs_first = first / r.total_s["median"]  # type: ignore[index]
+    compare(results)
     env = environment("torch", "diffusers", "onnxruntime", "tensorrt", "torch-tensorrt") | {
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),

@@ -18,6 +18,7 @@ from .config import (
     SimplifyConfig,
     Target,
     TrtBuildConfig,
+    ValidationConfig,
     WrapConfig,
 )
 from .gpu import require_tensorrt, tensorrt_missing
@@ -25,7 +26,7 @@ from .models import ModelSource
 from .onnx_graph import artifact_spec
 from .stages import build_ort, export, simplify
 from .store import Artifact, Store
-from .validate import ValidationConfig, ValidationReport, validate
+from .validate import ValidationReport, validate
 
 
 @dataclass(frozen=True)

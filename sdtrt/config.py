@@ -20,6 +20,8 @@ OrtOptimization = Literal["basic", "extended"]
 ConcreteTarget = Literal["onnxruntime", "tensorrt"]
 Target = Literal["auto", "onnxruntime", "tensorrt"]
 
+DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
+
 
 def not_in_key(default: Any) -> Any:
     """A config field that does not change the artifact (checks, verbosity, tolerances)."""
@@ -49,6 +51,17 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def grid_problem(name: str, value: int, multiple: int) -> str | None:
+    """Why an image side cannot be generated, or None: the one size rule every command applies."""
+    if value > 0 and value % multiple == 0:
+        return None
+    nearest = max(multiple, round(value / multiple) * multiple)
+    return (
+        f"{name} {value} is not a positive multiple of {multiple} pixels, which this model's UNet and VAE "
+        f"need; use e.g. {nearest}"
+    )
 
 
 class Range(NamedTuple):
@@ -117,12 +130,9 @@ class ShapeProfile:
             if not 0 < rng.min <= rng.opt <= rng.max:
                 raise ConfigError(f"{name} range {rng} must satisfy 0 < min <= opt <= max")
         for name, rng in (("height", self.height), ("width", self.width)):
-            bad = [v for v in rng if v % pixel_multiple]
-            if bad:
-                raise ConfigError(
-                    f"{name} {bad[0]} is not a multiple of {pixel_multiple}, which this model's "
-                    f"UNet and VAE need; use e.g. {bad[0] // pixel_multiple * pixel_multiple or pixel_multiple}"
-                )
+            for value in rng:
+                if problem := grid_problem(name, value, pixel_multiple):
+                    raise ConfigError(problem)
 
 
 @dataclass(frozen=True)
@@ -218,3 +228,51 @@ class WrapConfig:
     """TorchScript wrap of a TensorRT engine (torch-tensorrt); nothing here changes the engine."""
 
     format: Literal["torchscript"] = "torchscript"
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """What `validate` compares and how strictly; tolerances left None follow the engine's precision."""
+
+    prompt: str = DEFAULT_PROMPT
+    steps: int = 10
+    guidance: float = 7.5
+    seed: int = 0
+    scheduler: str | None = None
+    images: bool = True
+    height: int | None = None  # image comparison size; None: the engine profile's optimum
+    width: int | None = None
+    min_cosine: float | None = None
+    max_abs: float | None = None
+    min_psnr_db: float | None = None
+
+
+# Backends `sdtrt bench` knows; the engine backends take a graph precision (onnxruntime:fp32).
+BENCH_BACKENDS = ("torch", "torch-sdpa-off", "torch-compile", "onnxruntime", "tensorrt")
+ENGINE_BACKENDS = ("onnxruntime", "tensorrt")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    # Backend names, in order; engine backends may name their graph precision (onnxruntime:fp32).
+    backends: tuple[str, ...] = ("torch", "onnxruntime")
+    steps: int = 20
+    batch: int = 1  # images per prompt; classifier-free guidance doubles the UNet batch
+    height: int | None = None  # default: the model's native size
+    width: int | None = None
+    warmup: int = 1
+    repeats: int = 3
+    prompt: str = DEFAULT_PROMPT
+    guidance: float = 7.5
+    seed: int = 0
+    precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
+
+    def __post_init__(self) -> None:
+        for spec in self.backends:
+            name, _, precision = spec.partition(":")
+            if name not in BENCH_BACKENDS:
+                raise ConfigError(f"unknown backend '{spec}'; choose from {', '.join(BENCH_BACKENDS)}")
+            if precision and (name not in ENGINE_BACKENDS or precision not in ("fp16", "fp32")):
+                raise ConfigError(f"'{spec}': only {' and '.join(ENGINE_BACKENDS)} take a precision, fp16 or fp32")
+        if self.repeats < 1 or self.warmup < 0 or self.steps < 1:
+            raise ConfigError("repeats and steps must be at least 1, warmup at least 0")

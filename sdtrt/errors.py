@@ -21,6 +21,12 @@ class ConfigError(SdtrtError):
     """A stage configuration or shape profile is inconsistent."""
 
 
+class RequestError(SdtrtError):
+    """A request no model or engine could serve (image size, seed, steps); the CLI treats it as a usage error."""
+
+    exit_code = 2
+
+
 class ArtifactError(SdtrtError):
     """An input artifact is missing, incomplete, corrupt, or of the wrong stage."""
 
@@ -57,3 +63,16 @@ class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 
     exit_code = 3
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line for a message: its first line, or where it was raised when it has no message."""
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0][:limit]
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    cause = f" (caused by {type(exc.__cause__).__name__}: {one_line(exc.__cause__, limit)})" if exc.__cause__ else ""
+    return f"no message, raised{where}{cause}"

@@ -7,12 +7,13 @@ sees an ordinary diffusers folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -119,11 +120,36 @@ def _hub_snapshot(repo_id: str) -> Path:
         ) from exc
 
 
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """No loading bars from diffusers and transformers while sdtrt loads a model: it shows its own progress.
+
+    Their switches are process-wide, so each is restored afterwards; SDTRT_DEBUG=1 keeps the bars.
+    """
+    if os.environ.get("SDTRT_DEBUG", "") not in ("", "0"):
+        yield
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    restore = []
+    for lib in (diffusers_logging, transformers_logging):
+        if lib.is_progress_bar_enabled():
+            lib.disable_progress_bar()
+            restore.append(lib.enable_progress_bar)
+    try:
+        yield
+    finally:
+        for enable in restore:
+            enable()
+
+
 def load_unet(source: ModelSource, dtype: Any = None) -> Any:
     """The source's UNet2DConditionModel in eval mode (fp32 unless ``dtype`` says otherwise)."""
     from diffusers import UNet2DConditionModel
 
-    unet = UNet2DConditionModel.from_pretrained(source.unet_dir, torch_dtype=dtype, local_files_only=True)
+    with quiet_loading():
+        unet = UNet2DConditionModel.from_pretrained(source.unet_dir, dtype=dtype, local_files_only=True)
     return unet.eval()
 
 

@@ -4,41 +4,33 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import ModelNotFoundError
-from .models import ModelSource, resolve_model
+from .models import ModelSource, quiet_loading, resolve_model
+from .request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
 from .runtime import open_runtime
 from .store import Artifact
 from .unet import EngineUNet
 
-# --scheduler names → diffusers classes (all built from the model's own scheduler config).
-SCHEDULERS = {
-    "pndm": "PNDMScheduler",
-    "ddim": "DDIMScheduler",
-    "euler": "EulerDiscreteScheduler",
-    "euler-a": "EulerAncestralDiscreteScheduler",
-    "dpm++": "DPMSolverMultistepScheduler",
-    "lms": "LMSDiscreteScheduler",
-    "unipc": "UniPCMultistepScheduler",
-}
+if TYPE_CHECKING:
+    from .compile import CompileResult
+
+__all__ = ["SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_scheduler", "with_unet"]
 
 
 def set_scheduler(pipe: Any, name: str) -> None:
     import diffusers
 
-    if name not in SCHEDULERS:
-        raise ModelNotFoundError(f"scheduler '{name}' is not one of {', '.join(SCHEDULERS)}")
-    pipe.scheduler = getattr(diffusers, SCHEDULERS[name]).from_config(pipe.scheduler.config)
+    pipe.scheduler = getattr(diffusers, check_scheduler(name)).from_config(pipe.scheduler.config)
 
 
 def load_pipeline(
     model: str | ModelSource,
-    engine: str | os.PathLike[str] | Artifact | None = None,
+    engine: str | os.PathLike[str] | Artifact | CompileResult | None = None,
     *,
     scheduler: str | None = None,
     img2img: bool = False,
@@ -46,8 +38,9 @@ def load_pipeline(
 ) -> Any:
     """A StableDiffusion(Img2Img)Pipeline for ``model``; with ``engine``, its UNet runs on the engine.
 
-    ``engine`` is an artifact directory (or file inside one) from ``sdtrt compile``/``build``, or an
-    Artifact. Without it the pipeline is plain PyTorch: the reference the engine is checked against.
+    ``engine`` is an artifact directory (or file inside one) from ``sdtrt compile``/``build``, an
+    Artifact, or what ``compile_model`` returned. Without it the pipeline is plain PyTorch: the
+    reference the engine is checked against.
     """
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
 
@@ -58,17 +51,26 @@ def load_pipeline(
     # With an engine, skip loading the PyTorch UNet (3.4 GB for SD 1.5); diffusers type-checks
     # components given to from_pretrained, so the engine goes in through the constructor.
     unet_override = {"unet": None} if engine is not None else {}
-    pipe = cls.from_pretrained(
-        source.path, torch_dtype=dtype, local_files_only=True, safety_checker=None, requires_safety_checker=False,
-        **unet_override,
-    )  # fmt: skip
+    with quiet_loading():
+        pipe = cls.from_pretrained(
+            source.path, dtype=dtype, local_files_only=True, safety_checker=None, requires_safety_checker=False,
+            **unet_override,
+        )  # fmt: skip
     if engine is not None:
-        artifact = engine if isinstance(engine, Artifact) else Artifact.open(Path(engine))
+        artifact = _as_artifact(engine)
         pipe = with_unet(pipe, EngineUNet(open_runtime(artifact, source), source.unet_config(), dtype=dtype))
     pipe.set_progress_bar_config(disable=True)
     if scheduler:
         set_scheduler(pipe, scheduler)
     return pipe
+
+
+def _as_artifact(engine: str | os.PathLike[str] | Artifact | CompileResult) -> Artifact:
+    if isinstance(engine, Artifact):
+        return engine
+    if isinstance(engine, str | os.PathLike):
+        return Artifact.open(Path(engine))
+    return engine.final  # a CompileResult: the artifact a runtime loads
 
 
 def with_unet(pipe: Any, unet: torch.nn.Module) -> Any:
@@ -80,30 +82,6 @@ def with_unet(pipe: Any, unet: torch.nn.Module) -> Any:
     replaced = type(pipe)(**pipe.components | {"unet": unet}, requires_safety_checker=False)
     replaced.set_progress_bar_config(disable=True)
     return replaced
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompt: str = "a photograph of an astronaut riding a horse"
-    negative_prompt: str | None = None
-    steps: int = 20
-    guidance: float = 7.5
-    seed: int = 0
-    height: int | None = None
-    width: int | None = None
-    images: int = 1
-
-    def pipeline_kwargs(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "negative_prompt": self.negative_prompt,
-            "num_inference_steps": self.steps,
-            "guidance_scale": self.guidance,
-            "height": self.height,
-            "width": self.width,
-            "num_images_per_prompt": self.images,
-            "generator": torch.Generator().manual_seed(self.seed),
-        }
 
 
 def generate(
@@ -119,5 +97,6 @@ def generate(
             on_step(step, len(_pipe.scheduler.timesteps))
         return kwargs
 
+    request = request.sized_for(SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor))
     with torch.no_grad():
         return pipe(**request.pipeline_kwargs(), output_type=output_type, callback_on_step_end=callback)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from .models import ModelSource
-from .pipeline import GenerateRequest, generate, load_pipeline
+from .pipeline import generate, load_pipeline
+from .request import GenerateRequest, SizeRule
 from .store import Artifact
 from .trace import Span, Tracer, instrument_pipeline, trace_qualified
 
@@ -103,6 +104,7 @@ def profile_generation(
     from pyinstrument import Profiler
     from pyinstrument.renderers import SpeedscopeRenderer
 
+    request = request.sized_for(SizeRule.for_model(model))  # a bad size fails before anything loads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     pipe = load_pipeline(model, engine, scheduler=scheduler, dtype=dtype).to(device)

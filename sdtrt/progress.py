@@ -1,6 +1,7 @@
 """Progress for long steps: a live spinner on a terminal, one timed line per step otherwise.
 
-Everything goes to stderr so stdout stays for results (the CLI prints an artifact's path last).
+Progress and notices go to stderr (``console``) so stdout stays for results (``results``; the CLI
+prints an artifact's path last).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from collections.abc import Iterator
 
 from rich.console import Console
 
-# Logs and CI have no terminal width; 80 columns would truncate tables of paths.
-console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+# Logs and CI have no terminal width: 80 columns would truncate tables of paths, and a message wrapped
+# into two lines cannot be grepped, so lines are never wrapped (soft_wrap).
+console = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 160)
+# Results (tables a command exists to print) go to stdout, so they can be piped and grepped.
+results = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 @contextlib.contextmanager

@@ -9,6 +9,11 @@ Writes are atomic: a stage builds in ``<root>/.tmp/…`` and the finished direct
 place, manifest included, in one step. An interrupted stage leaves only a temp directory, which no
 lookup ever returns and ``gc`` removes. Concurrent runs of the same key serialise on a lock file; the
 second finds the first's artifact.
+
+A cache hit never hands out files that differ from their manifest: sizes are checked on every hit,
+and content hashes whenever a file's stat signature (size, mtime, inode) differs from the one
+recorded when it last hashed clean (``.verified.json`` beside the manifest, as git's index does). A
+corrupt hit is rebuilt.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -31,12 +37,14 @@ from typing import Any
 from .config import as_dict, cache_key
 from .errors import ArtifactError, StoreError
 from .models import file_sha256
+from .progress import console
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 TMP_DIR = ".tmp"
 LOCK_DIR = ".locks"
 LOG_DIR = "logs"  # logs of failed builds, kept for the user
+VERIFIED = ".verified.json"  # stat signatures of the files as they last hashed clean
 
 
 def default_root(engines: Path | str | None = None) -> Path:
@@ -117,6 +125,39 @@ class Artifact:
     def as_input(self) -> dict[str, Any]:
         return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path)}
 
+    def file_problems(self, rehash: bool = False) -> list[str]:
+        """How the files differ from the manifest ([] when intact).
+
+        Sizes are always compared; contents are hashed where a file changed on disk since it last
+        hashed clean, or everywhere with ``rehash``. A clean result is recorded (where writable).
+        """
+        entries = self.manifest.get("files", [])
+        recorded = {} if rehash else _read_signatures(self.path)
+        problems, signatures = [], {}
+        for entry in entries:
+            f = self.path / entry["name"]
+            if not f.is_file():
+                problems.append(f"{entry['name']} is missing")
+                continue
+            signature = _signature(f)
+            if signature[0] != entry["size"]:
+                problems.append(f"{entry['name']} has {signature[0]} bytes, the manifest {entry['size']}")
+            elif recorded.get(entry["name"]) != signature and file_sha256(f) != entry["sha256"]:
+                problems.append(f"{entry['name']} differs from the manifest (sha256)")
+            signatures[entry["name"]] = signature
+        if not problems and entries and signatures != recorded:
+            _write_signatures(self.path, signatures)
+        return problems
+
+    def require_intact(self) -> None:
+        """ArtifactError, naming the first problem and how to rebuild, unless the files match the manifest."""
+        if problems := self.file_problems():
+            raise ArtifactError(
+                f"artifact {self.path} is corrupt: {problems[0]}; rebuild it with "
+                f"`{self.manifest.get('reproduce', 'the stage that made it')}` "
+                "(and `sdtrt cache gc --corrupt` removes corrupt artifacts)"
+            )
+
     @classmethod
     def open(cls, path: Path | str) -> Artifact:
         """An artifact from its directory, its manifest, or any file inside it.
@@ -157,7 +198,7 @@ def describe_files(folder: Path) -> list[dict[str, Any]]:
     return [
         {"name": str(f.relative_to(folder)), "size": f.stat().st_size, "sha256": file_sha256(f)}
         for f in sorted(folder.rglob("*"))
-        if f.is_file() and f.name != MANIFEST
+        if f.is_file() and f.name not in (MANIFEST, VERIFIED)
     ]
 
 
@@ -199,17 +240,23 @@ class Store:
 
     def verify(self) -> list[VerifyResult]:
         """Re-hash every artifact's files against its manifest."""
-        results = []
-        for artifact in self.artifacts():
-            problems = []
-            for entry in artifact.manifest.get("files", []):
-                f = artifact.path / entry["name"]
-                if not f.is_file():
-                    problems.append(f"{entry['name']}: missing")
-                elif f.stat().st_size != entry["size"] or file_sha256(f) != entry["sha256"]:
-                    problems.append(f"{entry['name']}: content differs from the manifest (corrupt)")
-            results.append(VerifyResult(artifact, problems))
-        return results
+        return [VerifyResult(a, a.file_problems(rehash=True)) for a in self.artifacts()]
+
+    def find(self, ref: str | Path) -> Artifact:
+        """An artifact by path, or by its key as `cache ls` shows it (``KEY`` or ``STAGE/KEY``, a prefix will do)."""
+        if Path(ref).exists():
+            return Artifact.open(ref)
+        stage, _, key = str(ref).rpartition("/")
+        if re.fullmatch(r"[0-9a-f]{4,64}", key):
+            found = [a for a in self.artifacts() if a.key.startswith(key) and stage in ("", a.stage)]
+            if len(found) == 1:
+                return found[0]
+            if found:
+                raise ArtifactError(f"'{ref}' matches {len(found)} artifacts in {self.root}; give more of the key")
+        raise ArtifactError(
+            f"'{ref}' does not exist and is not an artifact key in {self.root}; pass the directory a stage "
+            "printed, or a key from `sdtrt cache ls` (with --engines DIR for another store)"
+        )
 
     # ---- writing ------------------------------------------------------------------------------
 
@@ -244,32 +291,48 @@ class Store:
         ``io``, ``details``, …). Returns the artifact and whether it was a cache hit.
         """
         self.ensure_writable()
-        if hit := self.lookup(request):
-            os.utime(hit.path / MANIFEST)  # last use, for `gc --older-than`
+        if hit := self._intact_hit(request):
             return hit, True
         with self._lock(request.key):
-            if hit := self.lookup(request):  # a concurrent run finished it while we waited
+            if hit := self._intact_hit(request, quiet=True):  # a concurrent run finished it while we waited
                 return hit, True
             tmp = Path(
                 tempfile.mkdtemp(prefix=f"{request.stage}-{request.key[:12]}-{os.getpid()}-", dir=self.root / TMP_DIR)
             )
             try:
+                tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; artifacts follow the umask like other files
                 started = time.time()
                 fields = build(tmp)
                 manifest = request.base_manifest() | fields
                 manifest["created_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
                 manifest.setdefault("timings", {})["stage_s"] = round(time.time() - started, 3)
                 manifest["files"] = describe_files(tmp)
+                _write_signatures(tmp, {entry["name"]: _signature(tmp / entry["name"]) for entry in manifest["files"]})
                 _write_json_synced(tmp / MANIFEST, manifest)
                 final = self.artifact_dir(request.stage, request.key)
                 final.parent.mkdir(parents=True, exist_ok=True)
-                if final.exists():  # a stale, manifest-less leftover from an older layout
+                if final.exists():  # a corrupt artifact, or a manifest-less leftover from an older layout
                     shutil.rmtree(final)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return Artifact(final, manifest), False
+
+    def _intact_hit(self, request: StageRequest, quiet: bool = False) -> Artifact | None:
+        """The stored artifact for ``request`` if its files match its manifest; a corrupt one is reported."""
+        hit = self.lookup(request)
+        if hit is None:
+            return None
+        if problems := hit.file_problems():
+            if not quiet:
+                console.print(
+                    f"[yellow]![/] cached {request.stage} artifact {hit.path} is corrupt: {problems[0]}; rebuilding"
+                )
+            return None
+        os.utime(hit.path / MANIFEST)  # last use, for `gc --older-than`
+        console.print(f"[green]✓[/] {request.stage}: cached [dim]({hit.path})[/]")
+        return hit
 
     def keep_log(self, log: Path, name: str) -> Path:
         """Copy a failed stage's log out of its temp directory (which is removed) into <root>/logs/."""
@@ -278,8 +341,8 @@ class Store:
         shutil.copyfile(log, kept)
         return kept
 
-    def gc(self, older_than_days: float | None = None, dry_run: bool = False) -> list[Path]:
-        """Remove what interrupted runs left, and (if asked) artifacts unused for N days."""
+    def gc(self, older_than_days: float | None = None, corrupt: bool = False, dry_run: bool = False) -> GcResult:
+        """Remove what interrupted runs left, and (if asked) artifacts unused for N days or corrupt."""
         doomed = []
         tmp_root = self.root / TMP_DIR
         if tmp_root.is_dir():
@@ -295,10 +358,54 @@ class Store:
                     older_than_days is not None and time.time() - manifest.stat().st_mtime > older_than_days * 86400
                 ):
                     doomed.append(folder)
-        if not dry_run:
-            for folder in doomed:
-                shutil.rmtree(folder, ignore_errors=True)
-        return doomed
+        if corrupt:
+            doomed += [r.artifact.path for r in self.verify() if not r and r.artifact.path not in doomed]
+        if dry_run:
+            return GcResult(removed=doomed, failed=[])
+        result = GcResult(removed=[], failed=[])
+        for folder in doomed:
+            try:
+                doomed_now = folder
+                if folder.parent != tmp_root:
+                    # Out of sight in one step: an artifact is never left half-deleted where lookups see it,
+                    # and what rmtree cannot finish stays in .tmp for the next gc.
+                    tmp_root.mkdir(exist_ok=True)
+                    doomed_now = folder.rename(tmp_root / f"gc-{folder.name}-{os.getpid()}-{time.time_ns()}")
+                shutil.rmtree(doomed_now)
+                result.removed.append(folder)
+            except OSError as exc:
+                result.failed.append((folder, exc.strerror or str(exc)))
+        return result
+
+
+@dataclass(frozen=True)
+class GcResult:
+    removed: list[Path]  # with dry_run: what would be removed
+    failed: list[tuple[Path, str]]  # folders that could not be removed, and why
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _signature(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+
+
+def _read_signatures(folder: Path) -> dict[str, list[int]]:
+    try:
+        return dict(json.loads((folder / VERIFIED).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_signatures(folder: Path, signatures: dict[str, list[int]]) -> None:
+    """Best effort: a read-only store simply re-hashes on every use."""
+    with contextlib.suppress(OSError):
+        (folder / VERIFIED).write_text(json.dumps(signatures))
 
 
 def _owner_alive(tmp_name: str) -> bool:

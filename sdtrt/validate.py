@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .config import Precision, ShapeProfile
+from .config import Precision, ShapeProfile, ValidationConfig
 from .errors import ParityError
 
 if TYPE_CHECKING:
@@ -97,25 +97,14 @@ class Tolerances:
             return cls(min_cosine=0.999, max_abs=0.05, min_psnr_db=30.0)
         return cls(min_cosine=0.99999, max_abs=1e-3, min_psnr_db=40.0)
 
-
-@dataclass(frozen=True)
-class ValidationConfig:
-    prompt: str = "a photograph of an astronaut riding a horse"
-    steps: int = 10
-    guidance: float = 7.5
-    seed: int = 0
-    scheduler: str | None = None
-    images: bool = True
-    min_cosine: float | None = None  # None: the default for the engine's precision
-    max_abs: float | None = None
-    min_psnr_db: float | None = None
-
-    def tolerances(self, precision: Precision) -> Tolerances:
-        base = Tolerances.for_precision(precision)
-        return Tolerances(
-            self.min_cosine if self.min_cosine is not None else base.min_cosine,
-            self.max_abs if self.max_abs is not None else base.max_abs,
-            self.min_psnr_db if self.min_psnr_db is not None else base.min_psnr_db,
+    @classmethod
+    def of(cls, config: ValidationConfig, precision: Precision) -> Tolerances:
+        """The config's overrides over the defaults for the engine's precision."""
+        base = cls.for_precision(precision)
+        return cls(
+            config.min_cosine if config.min_cosine is not None else base.min_cosine,
+            config.max_abs if config.max_abs is not None else base.max_abs,
+            config.min_psnr_db if config.min_psnr_db is not None else base.min_psnr_db,
         )
 
 
@@ -176,15 +165,20 @@ def check_tensor_row(row: dict[str, Any], tol: Tolerances) -> list[str]:
 
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
     """Compare ``engine`` with the model's PyTorch fp32 UNet, tensor by tensor and image by image."""
-    from .pipeline import GenerateRequest, generate, load_pipeline, with_unet
+    from .pipeline import generate, load_pipeline, with_unet
     from .progress import step
+    from .request import GenerateRequest, SizeRule
     from .runtime import artifact_profile, open_runtime
     from .unet import EngineUNet
 
     runtime = open_runtime(engine, model)
     spec = runtime.spec
     profile = artifact_profile(engine) or spec.default_profile()
-    tol = config.tolerances(spec.precision)
+    request = GenerateRequest(
+        prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
+        height=config.height or profile.height.opt, width=config.width or profile.width.opt,
+    ).sized_for(SizeRule.for_model(model))  # fmt: skip
+    tol = Tolerances.of(config, spec.precision)
     report = ValidationReport(str(engine.path), model.name, spec.precision, tol)
 
     reference = load_pipeline(model, scheduler=config.scheduler)
@@ -197,10 +191,6 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
 
     if config.images:
         engine_pipe = with_unet(reference, EngineUNet(runtime, model.unet_config(), dtype=reference.unet.dtype))
-        request = GenerateRequest(
-            prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
-            height=profile.height.opt, width=profile.width.opt,
-        )  # fmt: skip
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
             latents = [generate(p, request, output_type="latent").images for p in (reference, engine_pipe)]
             images = [_decode(reference, lat) for lat in latents]

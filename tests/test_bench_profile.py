@@ -7,10 +7,10 @@ import json
 import pytest
 from PIL import Image
 
-from sdtrt.bench import BenchConfig, breakdown, write_chart
-from sdtrt.errors import ConfigError
-from sdtrt.pipeline import GenerateRequest
+from sdtrt.bench import BackendResult, BenchConfig, breakdown, compare, run_bench, write_chart
+from sdtrt.errors import ConfigError, RequestError
 from sdtrt.profile import profile_generation
+from sdtrt.request import GenerateRequest
 from sdtrt.trace import Span, Tracer, resolve_qualified, trace_qualified
 
 from .helpers import last_line, run_cli
@@ -43,7 +43,8 @@ def test_bench_cli_json_time_file_and_chart(tmp_path):
         assert b["unet_calls"] == 5  # PNDM: 4 steps + 1
     assert by_name["torch"]["speedup_vs_first"] == 1.0
     assert by_name["tensorrt"]["status"] == "skipped" and "CUDA" in by_name["tensorrt"]["reason"]
-    assert "tensorrt skipped" in result.stderr
+    assert "tensorrt skipped" in result.stdout, "the results table and its notes go to stdout"
+    assert "backend" in result.stdout and "speed-up" in result.stdout
     lines = files["time-file"].read_text().split("\n")
     assert lines[0].startswith("torch ") and float(lines[1].split()[1]) > 0
     with Image.open(files["chart"]) as chart:
@@ -69,6 +70,20 @@ def test_backend_specs_are_checked():
         BenchConfig(backends=("torch:fp16",))
     with pytest.raises(ConfigError, match="fp16 or fp32"):
         BenchConfig(backends=("onnxruntime:int8",))
+
+
+def test_noisy_backends_are_flagged_and_ratios_kept():
+    steady = BackendResult("torch", total_s={"median": 2.0, "min": 1.9, "max": 2.1})
+    busy = BackendResult("onnxruntime", total_s={"median": 1.0, "min": 0.5, "max": 1.3})
+    skipped = BackendResult("tensorrt", status="skipped", reason="no CUDA GPU")
+    compare([skipped, steady, busy])
+    assert steady.speedup_vs_first == 1.0 and busy.speedup_vs_first == 2.0 and skipped.speedup_vs_first is None
+    assert not steady.noisy and busy.noisy, "max/min 2.6 > 1.5 is flagged"
+
+
+def test_bench_refuses_a_size_no_backend_can_serve_before_running(tiny, store):
+    with pytest.raises(RequestError, match="height 300 is not a positive multiple of 16"):
+        run_bench(tiny, BenchConfig(backends=("torch", "onnxruntime"), height=300), store)
 
 
 def test_profile_trace_spans_names_counts_and_nesting(tiny, tiny_engine, tmp_path):
@@ -102,7 +117,7 @@ def test_profile_trace_spans_names_counts_and_nesting(tiny, tiny_engine, tmp_pat
 def test_profile_cli_prints_the_step_table(tmp_path):
     result = run_cli("profile", "--out", str(tmp_path), "--steps", "3", "--trace", PNDM_STEP, check=True)
     assert last_line(result.stdout) == str(tmp_path / "trace.json")
-    assert f"traced {PNDM_STEP}: 4 calls" in result.stderr and "n/a (CPU)" in result.stderr
+    assert f"traced {PNDM_STEP}: 4 calls" in result.stderr and "n/a (CPU)" in result.stdout
 
 
 def test_tracing_is_undone_and_bad_names_are_clear():

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from sdtrt import __version__
+from sdtrt.errors import one_line
 from sdtrt.store import MANIFEST, TMP_DIR, Store
 
 from .helpers import REPO, last_line, run_cli
@@ -37,6 +39,8 @@ def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
     assert (artifact_dir / MANIFEST).is_file()
     assert last_line(second.stdout) == str(artifact_dir)
     assert "Exporting UNet" in first.stderr and "Exporting UNet" not in second.stderr
+    for stage in ("export", "simplify", "build-ort"):
+        assert f"{stage}: cached" in second.stderr and f"{stage}: cached" not in first.stderr
     assert "Total" in second.stderr, "the op table is shown on a cache hit too"
     assert "onnxruntime: requested" in first.stderr
     assert "engine vs PyTorch fp32" in first.stderr, "compile validates by default"
@@ -51,10 +55,14 @@ def test_stage_commands_chain_through_printed_paths(tmp_path, tiny_export):
     assert simplified.parent.name == "simplify" and (simplified / "unet.sim.onnx").is_file()
     ls = run_cli("cache", "ls", "--engines", str(tmp_path), check=True)
     assert "1 artifacts" in ls.stdout
+    rows = [line for line in ls.stdout.splitlines() if line.startswith("simplify ")]
+    assert len(rows) == 1 and rows[0].endswith(str(simplified)), "one artifact a line on stdout, for grep"
     assert "1 artifacts verified" in run_cli("cache", "verify", "--engines", str(tmp_path), check=True).stdout
 
 
-@pytest.mark.parametrize("command", ["export", "simplify", "compile", "cache"])
+@pytest.mark.parametrize(
+    "command", ["export", "simplify", "build", "wrap", "compile", "generate", "validate", "bench", "profile", "cache"]
+)
 def test_help_explains_with_an_example(command):
     result = run_cli(command, "--help", check=True)
     assert "Example" in result.stdout or "ls" in result.stdout
@@ -148,6 +156,100 @@ def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
     leftovers = list((engines / TMP_DIR).iterdir())
     if sig == signal.SIGINT:
         assert leftovers == [], "Ctrl-C cleans up its own temp directory"
-    assert sorted(store.gc()) == sorted(leftovers)
+    assert sorted(store.gc().removed) == sorted(leftovers)
     rerun = run_cli("export", "--precision", "fp32", "--engines", str(engines), check=True)
     assert (Path(last_line(rerun.stdout)) / MANIFEST).is_file()
+
+
+def test_version_and_help_do_not_import_the_heavy_libraries():
+    assert run_cli("--version", check=True).stdout.strip() == f"sdtrt {__version__}"
+    heavy = "('torch', 'diffusers', 'transformers', 'onnx')"
+    code = f"import sys, sdtrt.cli; print(sorted(m for m in {heavy} if m in sys.modules))"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert imported.stdout.strip() == "[]", "`sdtrt --help` and `cache` must start without torch, diffusers, onnx"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "--height", "7"], "height 7 is not a positive multiple of 16 pixels"),
+        (["generate", "--height", "-64"], "height -64 is not a positive multiple of 16 pixels"),
+        (["generate", "--height", "300", "--width", "256"], "height 300 is not a positive multiple of 16 pixels"),
+        (["generate", "--width", "100"], "width 100 is not a positive multiple of 16 pixels"),
+        (
+            ["generate", "--seed", "99999999999999999999"],
+            "seed 99999999999999999999 is outside 0..18446744073709551615",
+        ),
+        (["generate", "--seed", "-1"], "seed -1 is outside 0..18446744073709551615"),
+        (["generate", "--scheduler", "nope"], "scheduler 'nope' is not one of pndm"),
+        (["validate", "--engine", "0123abcd", "--height", "300"], "height 300 is not a positive multiple of 16"),
+        (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
+        (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
+    ],
+)
+def test_requests_no_model_can_serve_are_usage_errors_before_any_work(tmp_path, args, message):
+    engines, out = tmp_path / "engines", tmp_path / "image.png"
+    if args[0] == "generate":
+        args = [*args, "--out", str(out)]
+    result = run_cli(*[a.format(tmp=tmp_path) for a in args], "--engines", str(engines))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error:") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert message in result.stderr
+    assert not out.exists() and not (tmp_path / "prof").exists() and Store(engines).artifacts() == []
+
+
+def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path):
+    engines = tmp_path / "engines"
+    compile_args = ("compile", "--target", "onnxruntime", "--no-validate", "--engines", str(engines))
+    artifact = Path(last_line(run_cli(*compile_args, check=True).stdout))
+    onnx_file = artifact / "unet.ort.onnx"
+    size = onnx_file.stat().st_size
+    with onnx_file.open("r+b") as f:
+        f.truncate(size // 2)
+    out = tmp_path / "image.png"
+    refused = run_cli("generate", "--engine", str(artifact), "--steps", "1", "--out", str(out))
+    assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert f"artifact {artifact} is corrupt: unet.ort.onnx has {size // 2} bytes" in refused.stderr
+    assert "rebuild it with `sdtrt build" in refused.stderr and not out.exists()
+
+    rebuilt = run_cli(*compile_args, check=True)
+    assert f"cached build-ort artifact {artifact} is corrupt" in rebuilt.stderr and "rebuilding" in rebuilt.stderr
+    assert last_line(rebuilt.stdout) == str(artifact) and onnx_file.stat().st_size == size
+    assert "1 artifacts verified" not in run_cli("cache", "verify", "--engines", str(engines), check=True).stdout
+
+    # The engine by its key from `cache ls`, in the store --engines names, for every command that takes one.
+    key = f"build-ort/{artifact.name[:8]}"
+    run_cli("generate", "--engine", key, "--engines", str(engines), "--steps", "1", "--out", str(out), check=True)
+    assert out.is_file()
+    checked = run_cli("validate", "--engine", key, "--engines", str(engines), "--no-images", check=True)
+    assert last_line(checked.stdout) == "parity: PASS" and "engine vs PyTorch fp32" in checked.stdout
+    traced = run_cli(
+        "profile", "--engine", key, "--engines", str(engines), "--steps", "1", "--out", str(tmp_path / "p")
+    )
+    assert traced.returncode == 0 and last_line(traced.stdout) == str(tmp_path / "p" / "trace.json")
+
+
+def test_gc_on_a_read_only_store_reports_what_it_could_not_remove(tmp_path):
+    engines = tmp_path / "engines"
+    artifact = Path(last_line(run_cli("export", "--engines", str(engines), check=True).stdout))
+    (engines / "export").chmod(0o555)
+    try:
+        result = subprocess.run(
+            [*_without_dac_override(), sys.executable, "-m", "sdtrt", "cache", "gc", "--older-than", "0",
+             "--engines", str(engines)],
+            capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=300,
+        )  # fmt: skip
+    finally:
+        (engines / "export").chmod(0o755)
+    assert result.returncode == 1 and "removed " + str(artifact) not in result.stdout
+    assert "0 entries removed" in result.stdout
+    assert result.stderr.startswith("error: 1 entries could not be removed") and result.stderr.count("\n") == 1
+    assert (artifact / MANIFEST).is_file()
+
+
+def test_an_unexpected_error_without_a_message_still_says_something():
+    try:
+        raise ImportError()
+    except ImportError as exc:
+        described = one_line(exc)
+    assert described.startswith("no message, raised at") and "test_cli.py" in described

@@ -7,8 +7,8 @@ import pytest
 import torch
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from sdtrt.errors import EngineInputError, ModelNotFoundError
-from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
+from sdtrt.errors import EngineInputError, ModelNotFoundError, RequestError
+from sdtrt.pipeline import SCHEDULERS, GenerateRequest, generate, load_pipeline, set_scheduler
 from sdtrt.runtime import open_runtime
 from sdtrt.unet import EngineUNet
 from sdtrt.validate import psnr_db
@@ -132,3 +132,28 @@ def test_engine_pipeline_defaults_its_size_from_the_unet_config(tiny, tiny_engin
     eng = load_pipeline(tiny, tiny_engine)
     image = generate(eng, GenerateRequest(steps=2), output_type="np").images[0]
     assert image.shape == (256, 256, 3)  # sample_size 32 × VAE factor 8
+
+
+@pytest.mark.parametrize("scheduler", sorted(SCHEDULERS))
+def test_every_offered_scheduler_generates(tiny, scheduler):
+    pipe = load_pipeline(tiny)
+    set_scheduler(pipe, scheduler)
+    image = generate(pipe, GenerateRequest(steps=2, height=64, width=64), output_type="np").images[0]
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+
+
+def test_a_missing_side_takes_the_model_default_and_sizes_follow_one_rule(reference):
+    image = generate(reference, GenerateRequest(steps=1, height=320), output_type="np").images[0]
+    assert image.shape == (320, 256, 3), "diffusers alone would reset both sides to 256"
+    with pytest.raises(RequestError, match="width 100 is not a positive multiple of 16 pixels"):
+        generate(reference, GenerateRequest(steps=1, width=100))
+    with pytest.raises(RequestError, match="seed -1 is outside"):
+        GenerateRequest(seed=-1)
+
+
+def test_load_pipeline_takes_what_compile_model_returns(tiny, store):
+    from sdtrt.compile import compile_model
+
+    result = compile_model(tiny, store, target="onnxruntime")
+    pipe = load_pipeline(tiny, result)
+    assert isinstance(pipe.unet, EngineUNet) and pipe.unet.runtime.name == "onnxruntime"

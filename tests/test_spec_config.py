@@ -52,6 +52,6 @@ def test_range_parse_rejects(text):
 def test_profile_checks_order_and_grid():
     with pytest.raises(ConfigError, match="min <= opt <= max"):
         ShapeProfile(height=Range(512, 256, 768)).check(64)
-    with pytest.raises(ConfigError, match="not a multiple of 64"):
+    with pytest.raises(ConfigError, match=r"width 520 is not a positive multiple of 64 pixels.*use e\.g\. 512"):
         ShapeProfile(width=Range(256, 520, 768)).check(64)
     assert ShapeProfile(batch=Range(1, 2, 4)).unet_batch() == Range(2, 4, 8)

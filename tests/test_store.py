@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sdtrt.config import ExportConfig, SimplifyConfig, not_in_key
-from sdtrt.errors import StoreError
+from sdtrt.errors import ArtifactError, StoreError
 from sdtrt.store import MANIFEST, TMP_DIR, Artifact, StageRequest, Store
 
 
@@ -84,7 +86,7 @@ def test_verify_reports_corruption(tmp_path):
     assert all(store.verify())
     (artifact.path / "payload.txt").write_text("flipped")
     results = store.verify()
-    assert not results[0] and "corrupt" in results[0].problems[0]
+    assert not results[0] and results[0].problems == ["payload.txt has 7 bytes, the manifest 4"]
 
 
 def test_gc_removes_leftovers_of_dead_processes_only(tmp_path):
@@ -92,10 +94,9 @@ def test_gc_removes_leftovers_of_dead_processes_only(tmp_path):
     store.produce(toy_request(), write_payload("kept"))
     dead = tmp_path / TMP_DIR / "export-0123456789ab-999999999-abcd"
     dead.mkdir()
-    removed = store.gc()
-    assert removed == [dead] and not dead.exists()
+    assert store.gc().removed == [dead] and not dead.exists()
     assert len(store.artifacts()) == 1
-    assert store.gc(older_than_days=0, dry_run=True) == [store.artifacts()[0].path]
+    assert store.gc(older_than_days=0, dry_run=True).removed == [store.artifacts()[0].path]
 
 
 def _produce_slowly(root: str, tag: str) -> str:
@@ -130,3 +131,56 @@ def test_bare_onnx_is_keyed_by_content(tmp_path):
     key_one = Artifact.open(model).key
     model.write_bytes(b"two")
     assert Artifact.open(model).key != key_one
+
+
+def test_a_corrupt_hit_is_rebuilt_not_handed_out(tmp_path, capsys):
+    store = Store(tmp_path)
+    first, _ = store.produce(toy_request(), write_payload("good payload"))
+    (first.path / "payload.txt").write_text("truncated")  # a different size
+    again, hit = store.produce(toy_request(), write_payload("good payload"))
+    assert not hit and (again.path / "payload.txt").read_text() == "good payload"
+    assert "is corrupt: payload.txt has 9 bytes, the manifest 12; rebuilding" in capsys.readouterr().err
+    (again.path / "payload.txt").write_text("evil payload")  # same size: only the hash tells
+    third, hit = store.produce(toy_request(), write_payload("good payload"))
+    assert not hit and (third.path / "payload.txt").read_text() == "good payload"
+    assert store.produce(toy_request(), write_payload("unused"))[1], "an intact artifact is a hit"
+    assert "toy: cached" in capsys.readouterr().err
+
+
+def test_opening_a_corrupt_artifact_says_how_to_rebuild(tmp_path):
+    store = Store(tmp_path)
+    artifact, _ = store.produce(toy_request(), lambda out: write_payload("x")(out) | {"reproduce": "sdtrt toy"})
+    artifact.require_intact()
+    (artifact.path / "payload.txt").unlink()
+    with pytest.raises(ArtifactError, match=r"is corrupt: payload.txt is missing; rebuild it with `sdtrt toy`"):
+        Artifact.open(artifact.path).require_intact()
+
+
+def test_artifact_folders_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        artifact, _ = Store(tmp_path).produce(toy_request(), write_payload("x"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(artifact.path.stat().st_mode) == 0o755
+
+
+def test_gc_corrupt_removes_what_verify_flags(tmp_path):
+    store = Store(tmp_path)
+    good, _ = store.produce(toy_request(1), write_payload("good"))
+    bad, _ = store.produce(toy_request(2), write_payload("bad"))
+    (bad.path / "payload.txt").write_text("flipped")
+    assert store.gc().removed == [], "plain gc keeps artifacts, corrupt or not"
+    result = store.gc(corrupt=True)
+    assert result.removed == [bad.path] and result.failed == [] and not bad.path.exists() and good.path.exists()
+
+
+def test_find_by_path_key_or_stage_and_key(tmp_path):
+    store = Store(tmp_path)
+    one, _ = store.produce(toy_request(1), write_payload("1"))
+    assert store.find(one.path).key == one.key
+    assert store.find(one.key[:8]).key == one.key and store.find(f"toy/{one.key[:6]}").key == one.key
+    with pytest.raises(ArtifactError, match="does not exist and is not an artifact key"):
+        store.find("export/" + one.key[:8])
+    with pytest.raises(ArtifactError, match="does not exist and is not an artifact key"):
+        store.find("/no/such/folder")

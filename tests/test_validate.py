@@ -76,7 +76,8 @@ def test_perturbed_weights_fail_with_exit_3_and_show_where(tiny, tiny_engine, tm
 
     result = run_cli("validate", "--engine", str(broken), "--steps", "3", "--json", str(tmp_path / "r.json"))
     assert result.returncode == 3
-    assert "FAIL" in result.stderr and "error: engine does not match PyTorch" in result.stderr
+    assert "FAIL" in result.stdout, "the report table is the command's result: stdout"
+    assert result.stderr.strip().splitlines()[-1].startswith("error: engine does not match PyTorch")
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["passed"] is False and saved["tensors"][0]["failures"]
 
@@ -90,7 +91,7 @@ def test_fp16_overflow_is_caught_as_nan(tiny, tiny_engine, tmp_path):
 
 def test_cli_validate_and_generate_with_the_engine(tiny, tiny_engine, tmp_path):
     result = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", check=True)
-    assert last_line(result.stdout) == "parity: PASS" and "b8 384x384" in result.stderr
+    assert last_line(result.stdout) == "parity: PASS" and "b8 384x384" in result.stdout
 
     from PIL import Image
 

@@ -31,11 +31,17 @@ DEBUG = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
 if not DEBUG:
     _quiet_third_party()
 
+from typing import Annotated  # noqa: E402
+
 import typer  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
-from ..errors import SdtrtError  # noqa: E402
+from .. import __version__  # noqa: E402
+from ..errors import SdtrtError, one_line  # noqa: E402
 from ..progress import console  # noqa: E402
+
+# Command modules import torch, diffusers and onnx inside their commands only, so that `--help`,
+# `cache` and cache hits start in a fraction of a second.
 from . import cache, perf, run, stages  # noqa: E402
 
 app = typer.Typer(
@@ -46,6 +52,23 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"sdtrt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate UNet engines."""
+
+
 stages.register(app)
 run.register(app)
 perf.register(app)
@@ -64,7 +87,7 @@ def main() -> None:
         if DEBUG:
             raise
         console.print(
-            f"[red]error:[/] unexpected {type(exc).__name__}: {escape(str(exc).splitlines()[0]) if str(exc) else ''} "
+            f"[red]error:[/] unexpected {type(exc).__name__}: {escape(one_line(exc))} "
             "(run with SDTRT_DEBUG=1 for the traceback, and please report it)",
             soft_wrap=True,
         )

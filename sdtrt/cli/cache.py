@@ -1,41 +1,41 @@
-"""``sdtrt cache``: list, verify and clean the artifact store."""
+"""``sdtrt cache``: list, verify and clean the artifact store. Results on stdout, one artifact a line."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from ..errors import ArtifactError
-from ..progress import console
+from ..errors import ArtifactError, StoreError
 from ..store import Store
 from .options import EnginesOpt
 
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)
 
 
-def _size_mb(files: list[dict[str, int]]) -> float:
+def _size_mb(files: list[dict[str, Any]]) -> float:
     return sum(f["size"] for f in files) / 1e6
 
 
 @app.command("ls")
 def ls(engines: EnginesOpt = None) -> None:
-    """List artifacts: stage, key, size, what they were made from.
+    """List artifacts, one a line: stage, key, size, created, what it was made from, path.
 
-    Example: sdtrt cache ls --engines engines/
+    Example: sdtrt cache ls --engines engines/ | grep build-ort
     """
     store = Store(engines)
-    table = Table("stage", "key", "size (MB)", "created", "from", "path")
+    rows = [("stage", "key", "size MB", "created", "from", "path")]
     for a in store.artifacts():
         source = a.manifest["inputs"][0] if a.manifest.get("inputs") else {}
-        table.add_row(
+        rows.append((
             a.stage, a.key[:16], f"{_size_mb(a.manifest['files']):.1f}", a.manifest.get("created_at", "?"),
             source.get("name") or source.get("stage", "?"), str(a.path),
-        )  # fmt: skip
-    if table.row_count:
-        console.print(table)
-    typer.echo(f"{table.row_count} artifacts in {store.root}")
+        ))  # fmt: skip
+    if len(rows) > 1:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+        for row in rows:
+            typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    typer.echo(f"{len(rows) - 1} artifacts in {store.root}")
 
 
 @app.command()
@@ -51,8 +51,8 @@ def verify(engines: EnginesOpt = None) -> None:
     bad = [r for r in results if not r]
     if bad:
         raise ArtifactError(
-            f"{len(bad)} of {len(results)} artifacts are corrupt; delete their directories and re-run the stages "
-            "that made them"
+            f"{len(bad)} of {len(results)} artifacts are corrupt; `sdtrt cache gc --corrupt` removes them, and the "
+            "next run of the stages that made them rebuilds them"
         )
     typer.echo(f"{len(results)} artifacts verified")
 
@@ -61,13 +61,19 @@ def verify(engines: EnginesOpt = None) -> None:
 def gc(
     engines: EnginesOpt = None,
     older_than: Annotated[float | None, typer.Option(help="Also remove artifacts unused for this many days.")] = None,
+    corrupt: Annotated[bool, typer.Option("--corrupt", help="Also remove artifacts `cache verify` flags.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Only list what would be removed.")] = False,
 ) -> None:
-    """Remove what interrupted runs left behind (and, with --older-than, stale artifacts).
+    """Remove what interrupted runs left behind (and, if asked, stale or corrupt artifacts).
 
     Example: sdtrt cache gc --older-than 30 --dry-run
     """
-    removed = Store(engines).gc(older_than_days=older_than, dry_run=dry_run)
-    for path in removed:
+    result = Store(engines).gc(older_than_days=older_than, corrupt=corrupt, dry_run=dry_run)
+    for path in result.removed:
         typer.echo(("would remove " if dry_run else "removed ") + str(path))
-    typer.echo(f"{len(removed)} entries {'to remove' if dry_run else 'removed'}")
+    typer.echo(f"{len(result.removed)} entries {'to remove' if dry_run else 'removed'}")
+    if result.failed:
+        path, why = result.failed[0]
+        raise StoreError(
+            f"{len(result.failed)} entries could not be removed, e.g. {path} ({why}); check the store's permissions"
+        )

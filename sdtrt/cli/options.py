@@ -19,7 +19,7 @@ from ..config import (
     Target,
     TrtBuildConfig,
 )
-from ..store import Store
+from ..store import Artifact, Store
 
 ModelOpt = Annotated[
     str,
@@ -29,6 +29,10 @@ EnginesOpt = Annotated[
     Path | None,
     typer.Option("--engines", envvar="SDTRT_ENGINES", help="Artifact store directory (default: ./engines)."),
 ]
+ENGINE_HELP = "Engine artifact: a directory or file a stage printed, or a key from `sdtrt cache ls` (KEY or STAGE/KEY)"
+EngineOpt = Annotated[str | None, typer.Option(help=f"{ENGINE_HELP}; omit for plain PyTorch.")]
+HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
+WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
 
 
 PrecisionOpt = Annotated[Precision, typer.Option(help="Graph precision.")]
@@ -54,6 +58,11 @@ def open_store(engines: Path | None) -> Store:
     store = Store(engines)
     store.ensure_writable()
     return store
+
+
+def find_engine(engine: str, engines: Path | None) -> Artifact:
+    """--engine as a path, or as a key in the --engines store."""
+    return Store(engines).find(engine)
 
 
 def export_config(precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming) -> ExportConfig:

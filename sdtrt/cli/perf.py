@@ -7,20 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
-from ..bench import BACKENDS, BenchConfig, run_bench, write_chart
-from ..config import Precision
-from ..models import resolve_model
-from ..pipeline import GenerateRequest
-from ..profile import OUTLIER_FACTOR, profile_generation
-from ..progress import console, step
-from ..store import Artifact
+from ..config import BENCH_BACKENDS, BenchConfig, Precision
+from ..progress import console, results, step
+from ..request import GenerateRequest, SizeRule
 from . import options as o
 
 StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
-HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
-WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -31,12 +24,12 @@ def register(app: typer.Typer) -> None:
 def bench(
     model: o.ModelOpt = "tiny",
     backends: Annotated[
-        str, typer.Option(help=f"Comma-separated, in order: {','.join(BACKENDS)}.")
+        str, typer.Option(help=f"Comma-separated, in order: {','.join(BENCH_BACKENDS)}.")
     ] = "torch,onnxruntime",
     steps: StepsOpt = 20,
     batch: Annotated[int, typer.Option(min=1, help="Images per prompt (the UNet sees twice as many).")] = 1,
-    height: HeightPxOpt = None,
-    width: WidthPxOpt = None,
+    height: o.HeightPxOpt = None,
+    width: o.WidthPxOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed runs per backend before the timed ones.")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per backend.")] = 3,
     precision: Annotated[Precision, typer.Option(help="Engines' graph precision where a backend names none.")] = "fp16",
@@ -49,12 +42,18 @@ def bench(
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
     """
+    from ..models import resolve_model
+
+    source = resolve_model(model)
+    SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
+    from ..bench import run_bench, write_chart
+
     config = BenchConfig(
         backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch, height=height,
         width=width, warmup=warmup, repeats=repeats, precision=precision,
     )  # fmt: skip
     report = run_bench(
-        resolve_model(model), config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
+        source, config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
     )
     print_bench(report)
     if json_out:
@@ -72,6 +71,10 @@ def _cell(stats: dict[str, float] | None) -> str:
 
 
 def print_bench(report: dict) -> None:
+    from rich.table import Table
+
+    from ..bench import NOISY_RATIO
+
     cfg = report["config"]
     table = Table(
         title=f"{cfg['model']}: {cfg['steps']} steps, batch {cfg['batch']}, median of {cfg['repeats']} "
@@ -94,33 +97,51 @@ def print_bench(report: dict) -> None:
             _cell(s["scheduler_guidance"]), _cell(s["vae_decode"]), f"{b['peak_rss_mb']:.0f}",
             f"{b['speedup_vs_first']:.2f}x",
         )  # fmt: skip
-    console.print(table)
+    results.print(table)
     for b in report["backends"]:
         if b["status"] != "ok":
-            console.print(f"[yellow]{b['name']} {b['status']}:[/] {b['reason']}")
+            results.print(f"[yellow]{b['name']} {b['status']}:[/] {b['reason']}")
+    noisy = [b["name"] for b in report["backends"] if b.get("noisy")]
+    if noisy:
+        results.print(
+            f"[yellow]noisy:[/] {', '.join(noisy)}: the slowest run took over {NOISY_RATIO}× the fastest (a busy "
+            "machine?); do not read speed-ups from these rows — rerun with more --repeats on an idle machine"
+        )
 
 
 def profile_command(
     out: Annotated[Path, typer.Option(help="Folder for trace.json, flame.speedscope.json and steps.json.")],
     model: o.ModelOpt = "tiny",
-    engine: Annotated[Path | None, typer.Option(help="Engine artifact; omit to profile the PyTorch UNet.")] = None,
+    engine: o.EngineOpt = None,
     trace: Annotated[
         list[str] | None, typer.Option(help="Function or method to wrap in spans, as package.module.Class.method.")
     ] = None,
     steps: StepsOpt = 20,
-    height: HeightPxOpt = None,
-    width: WidthPxOpt = None,
+    height: o.HeightPxOpt = None,
+    width: o.WidthPxOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untraced generations first (0: see first-run effects).")] = 0,
     prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
+    engines: o.EnginesOpt = None,
 ) -> None:
     """Trace one generation: waterfall (trace.json), flame graph, per-step table with outliers.
 
     Example: sdtrt profile --model tiny --out prof --trace diffusers.schedulers.scheduling_pndm.PNDMScheduler.step
     """
+    from ..models import resolve_model
+
+    source = resolve_model(model)
+    request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
+    request = request.sized_for(SizeRule.for_model(source))
+    artifact = o.find_engine(engine, engines) if engine else None
+
+    from rich.table import Table
+
+    from ..profile import OUTLIER_FACTOR, profile_generation
+
     with step("Profiling one generation"):
         result = profile_generation(
-            resolve_model(model), Artifact.open(engine) if engine else None, out,
-            GenerateRequest(prompt=prompt, steps=steps, height=height, width=width), tuple(trace or ()), warmup=warmup,
+            source, artifact, out,
+            request, tuple(trace or ()), warmup=warmup,
         )  # fmt: skip
     table = Table(title=f"per step (outlier: > {OUTLIER_FACTOR}× the median)", title_justify="left")
     for c in ("step", "timestep", "ms", "UNet ms", "other ms", "syncs", ""):
@@ -131,7 +152,7 @@ def profile_command(
             f"{r.unet_seconds * 1e3:.1f}", f"{(r.seconds - r.unet_seconds) * 1e3:.1f}",
             "n/a (CPU)" if r.syncs is None else str(r.syncs), "[red]outlier[/]" if r.outlier else "",
         )  # fmt: skip
-    console.print(table)
+    results.print(table)
     traced = {name: sum(1 for s in result.spans if s.name == name) for name in trace or ()}
     for name, count in traced.items():
         console.print(f"traced {name}: {count} calls")

@@ -1,26 +1,25 @@
-"""Commands that use an engine: generate images, validate against PyTorch."""
+"""Commands that use an engine: generate images, validate against PyTorch.
+
+Every value is checked (image size against the model, seed, scheduler) before a model is loaded.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.console import Console
 
-from ..models import resolve_model
-from ..pipeline import SCHEDULERS, GenerateRequest, generate, load_pipeline
-from ..progress import console, step
-from ..store import Artifact
-from ..validate import ValidationConfig, ValidationReport, validate
+from ..config import ValidationConfig
+from ..progress import console, results, step
+from ..request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
 from . import options as o
 
-EngineOpt = Annotated[
-    Path | None,
-    typer.Option(help="Engine artifact (directory or file) from `sdtrt compile`/`build`; omit for plain PyTorch."),
-]
+if TYPE_CHECKING:
+    from ..validate import ValidationReport
+
 SchedulerOpt = Annotated[str | None, typer.Option(help=f"Scheduler: {', '.join(SCHEDULERS)} (default: the model's).")]
 
 
@@ -32,24 +31,36 @@ def register(app: typer.Typer) -> None:
 def generate_command(
     prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
     model: o.ModelOpt = "tiny",
-    engine: EngineOpt = None,
+    engine: o.EngineOpt = None,
     negative_prompt: Annotated[str | None, typer.Option(help="What to steer away from.")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Denoising steps.")] = 20,
     guidance: Annotated[float, typer.Option(help="Classifier-free guidance scale.")] = 7.5,
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same image.")] = 0,
-    height: Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")] = None,
-    width: Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")] = 0,
+    height: o.HeightPxOpt = None,
+    width: o.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
+    engines: o.EnginesOpt = None,
 ) -> None:
     """Generate an image, with the UNet on an engine (or on PyTorch without --engine).
 
     Example: sdtrt generate --engine engines/build-ort/2a06c39aaf814d52 --prompt "a red fox" --out fox.png
     """
+    from ..models import resolve_model
+
     source = resolve_model(model)
-    with step(f"Loading pipeline ({'engine ' + str(engine) if engine else 'PyTorch UNet'})"):
-        pipe = load_pipeline(source, engine, scheduler=scheduler)
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
+    request = request.sized_for(SizeRule.for_model(source))
+    if scheduler:
+        check_scheduler(scheduler)
+    artifact = o.find_engine(engine, engines) if engine else None
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..pipeline import generate, load_pipeline
+
+    with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch UNet'})"):
+        pipe = load_pipeline(source, artifact, scheduler=scheduler)
     columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("steps", total=steps)
@@ -60,32 +71,49 @@ def generate_command(
 
 
 def validate_command(
-    engine: Annotated[Path, typer.Option(help="Engine artifact (directory or file) to check.")],
+    engine: Annotated[str, typer.Option(help=f"{o.ENGINE_HELP}.")],
     model: o.ModelOpt = "tiny",
     steps: Annotated[int, typer.Option(min=1, help="Denoising steps for the image comparison.")] = 10,
     scheduler: SchedulerOpt = None,
     images: Annotated[bool, typer.Option("--images/--no-images", help="Also compare generated images.")] = True,
+    height: Annotated[int | None, typer.Option(help="Image comparison height (default: profile optimum).")] = None,
+    width: Annotated[int | None, typer.Option(help="Image comparison width (default: profile optimum).")] = None,
     min_cosine: Annotated[float | None, typer.Option(help="Override: minimum cosine similarity.")] = None,
     max_abs: Annotated[float | None, typer.Option(help="Override: maximum absolute error.")] = None,
     min_psnr: Annotated[float | None, typer.Option(help="Override: minimum image PSNR in dB.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
+    engines: o.EnginesOpt = None,
 ) -> None:
     """Compare an engine with the PyTorch fp32 UNet: tensors, latents and images. Exits 3 on a mismatch.
 
     Example: sdtrt validate --model tiny --engine engines/build-ort/2a06c39aaf814d52 --json report.json
     """
+    from ..models import resolve_model
+
+    source = resolve_model(model)
+    if height is not None or width is not None:
+        SizeRule.for_model(source).resolve(height, width)
+    if scheduler:
+        check_scheduler(scheduler)
+    artifact = o.find_engine(engine, engines)
+
+    from ..validate import validate
+
     config = ValidationConfig(
-        steps=steps, scheduler=scheduler, images=images, min_cosine=min_cosine, max_abs=max_abs, min_psnr_db=min_psnr
-    )
-    report = validate(resolve_model(model), Artifact.open(engine), config)
-    print_report(report)
+        steps=steps, scheduler=scheduler, images=images, height=height, width=width, min_cosine=min_cosine,
+        max_abs=max_abs, min_psnr_db=min_psnr,
+    )  # fmt: skip
+    report = validate(source, artifact, config)
+    print_report(report, results)
     if json_out:
         json_out.write_text(json.dumps(report.to_json(), indent=2))
     report.raise_for_status()
     typer.echo("parity: PASS")
 
 
-def print_report(report: ValidationReport) -> None:
+def print_report(report: ValidationReport, out: Console) -> None:
+    from rich.table import Table
+
     tol = report.tolerances
     table = Table(title=f"{report.precision} engine vs PyTorch fp32 ({report.model})", title_justify="left")
     for column in ("input", "max abs", "mean abs", "cosine", ""):
@@ -101,7 +129,7 @@ def print_report(report: ValidationReport) -> None:
             "final latents", f"{lat['max_abs']:.3g}", f"{lat['mean_abs']:.3g}", f"{lat['cosine']:.6f}",
             f"image PSNR {report.image['psnr_db']:.1f} dB",
         )  # fmt: skip
-    console.print(table)
-    console.print(f"tolerances: cosine ≥ {tol.min_cosine}, max abs ≤ {tol.max_abs}, PSNR ≥ {tol.min_psnr_db} dB")
+    out.print(table)
+    out.print(f"tolerances: cosine ≥ {tol.min_cosine}, max abs ≤ {tol.max_abs}, PSNR ≥ {tol.min_psnr_db} dB")
     for failure in report.failures:
-        console.print(f"[red]✗[/] {failure}")
+        out.print(f"[red]✗[/] {failure}")

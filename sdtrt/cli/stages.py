@@ -1,29 +1,24 @@
-"""Stage commands: export, simplify, compile. Each prints its artifact's directory last on stdout."""
+"""Stage commands: export, simplify, build, wrap, compile. Each prints its artifact's directory last on stdout.
+
+Library modules that import torch, diffusers or onnx are imported inside the commands.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
-from ..compile import build as build_engine
-from ..compile import compile_model
-from ..config import OrtOptimization, WrapConfig
-from ..models import resolve_model
-from ..onnx_graph import artifact_spec
+from ..config import OrtOptimization, ValidationConfig, WrapConfig
 from ..progress import console
-from ..stages import export as export_stage
-from ..stages import simplify as simplify_stage
-from ..stages import wrap as wrap_stage
-from ..stages.simplify import op_table_rows
-from ..store import Artifact
-from ..validate import ValidationConfig
 from . import options as o
-from .run import print_report
 
-InputArg = Annotated[Path, typer.Argument(help="The previous stage's artifact directory, or an .onnx file.")]
+if TYPE_CHECKING:
+    from ..store import Artifact
+
+InputArg = Annotated[
+    str, typer.Argument(help="The previous stage's artifact: a directory or .onnx file, or a key from `cache ls`.")
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -46,6 +41,9 @@ def export(
 
     Example: sdtrt export --model tiny --precision fp16
     """
+    from ..models import resolve_model
+    from ..stages import export as export_stage
+
     store = o.open_store(engines)
     artifact = export_stage.run(o.export_config(precision, exporter, opset, io_naming), resolve_model(model), store)
     typer.echo(artifact.path)
@@ -61,8 +59,10 @@ def simplify(
 
     Example: sdtrt simplify engines/export/1d00aad79ae0e190
     """
+    from ..stages import simplify as simplify_stage
+
     store = o.open_store(engines)
-    artifact = simplify_stage.run(o.simplify_config(method, check), Artifact.open(source), store)
+    artifact = simplify_stage.run(o.simplify_config(method, check), store.find(source), store)
     print_simplify_summary(artifact)
     typer.echo(artifact.path)
 
@@ -84,8 +84,11 @@ def build(
 
     Example: sdtrt build engines/simplify/070be7b4789a3682 --target tensorrt --height 256:512:768
     """
+    from ..compile import build as build_engine
+    from ..onnx_graph import artifact_spec
+
     store = o.open_store(engines)
-    artifact = Artifact.open(source)
+    artifact = store.find(source)
     profile = o.shape_profile(artifact_spec(artifact).default_profile(), batch, height, width)
     trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache)
     built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
@@ -98,8 +101,10 @@ def wrap(source: InputArg, engines: o.EnginesOpt = None) -> None:
 
     Example: sdtrt wrap engines/build-trt/5c1f0e2a9b7d4e61
     """
+    from ..stages import wrap as wrap_stage
+
     store = o.open_store(engines)
-    typer.echo(wrap_stage.run(WrapConfig(), Artifact.open(source), store).path)
+    typer.echo(wrap_stage.run(WrapConfig(), store.find(source), store).path)
 
 
 def compile(
@@ -128,6 +133,11 @@ def compile(
 
     Example: sdtrt compile --model tiny --target onnxruntime
     """
+    from ..compile import compile_model
+    from ..models import resolve_model
+    from ..stages import export as export_stage
+    from .run import print_report
+
     store = o.open_store(engines)
     source = resolve_model(model)
     export_config = o.export_config(precision, exporter, opset, io_naming)
@@ -147,12 +157,16 @@ def compile(
             print_simplify_summary(artifact)
     console.print(f"target: {result.target_reason}")
     if result.validation is not None:
-        print_report(result.validation)
+        print_report(result.validation, console)
         result.validation.raise_for_status()
     typer.echo(result.final.path)
 
 
 def print_simplify_summary(artifact: Artifact) -> None:
+    from rich.table import Table
+
+    from ..stages.simplify import op_table_rows
+
     details = artifact.manifest["details"]
     table = Table(title=f"Simplified with {details['method']}", title_justify="left")
     table.add_column("op")

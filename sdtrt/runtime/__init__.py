@@ -84,6 +84,7 @@ def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_grap
     """
     from ..onnx_graph import artifact_spec
 
+    artifact.require_intact()
     spec = artifact_spec(artifact, model)
     if artifact.stage in ("export", "simplify", "external", "build-ort"):
         from .onnxruntime import OnnxRuntime

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..config import ShapeProfile
+from ..errors import ArtifactError, one_line
 from ..spec import UNetSpec
 from . import TORCH_DTYPES, check_feeds, typed_inputs
 
@@ -58,7 +59,12 @@ class OnnxRuntime:
         self.profile = profile
         self._providers = list(providers or default_providers())
         options = session_options(threads, preoptimized)
-        self._session = ort.InferenceSession(str(path), options, providers=self._providers)
+        try:
+            self._session = ort.InferenceSession(str(path), options, providers=self._providers)
+        except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/… types for unreadable graphs
+            raise ArtifactError(
+                f"ONNX Runtime cannot load {path}: {one_line(exc)}; rebuild the artifact that holds it"
+            ) from exc
 
     @property
     def device(self) -> torch.device:
@@ -67,12 +73,6 @@ class OnnxRuntime:
     @property
     def dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.spec.dtype]
-
-    def _typed(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {
-            t.name: feeds[t.name].detach().to(self.device, TORCH_DTYPES[t.dtype]).contiguous()
-            for t in self.spec.inputs()
-        }
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, self.profile, feeds)

@@ -10,35 +10,39 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
 from ..config import ExportConfig
-from ..errors import ExportError
+from ..errors import ExportError, one_line
 from ..models import ModelSource, load_unet
-from ..patches import export_patches
 from ..progress import step
 from ..spec import UNetSpec
 from ..store import Artifact, StageRequest, Store, environment
+
+if TYPE_CHECKING:
+    import torch
 
 STAGE = "export"
 VERSION = 1
 ONNX_NAME = "unet.onnx"
 
 
-class _UNetGraph(torch.nn.Module):
+def _graph_module(unet: torch.nn.Module) -> torch.nn.Module:
     """The UNet with positional tensor inputs and a single tensor output, as the graph has them."""
+    import torch
 
-    def __init__(self, unet: torch.nn.Module) -> None:
-        super().__init__()
-        self.unet = unet
+    class UNetGraph(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.unet = unet
 
-    def forward(
-        self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+        def forward(
+            self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+        ) -> torch.Tensor:
+            return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+
+    return UNetGraph().eval()
 
 
 def spec_for(model: ModelSource, config: ExportConfig) -> UNetSpec:
@@ -60,11 +64,15 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
 
 
 def _export(config: ExportConfig, model: ModelSource, spec: UNetSpec, out_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from ..patches import export_patches
+
     dtype = torch.float16 if config.precision == "fp16" else torch.float32
     timings: dict[str, float] = {}
     started = time.perf_counter()
     with step(f"Loading UNet from {model.name}"):
-        graph_module = _UNetGraph(load_unet(model, dtype)).eval()
+        graph_module = _graph_module(load_unet(model, dtype))
     timings["load_s"] = round(time.perf_counter() - started, 3)
 
     raw_dir = out_dir / "raw"
@@ -78,9 +86,8 @@ def _export(config: ExportConfig, model: ModelSource, spec: UNetSpec, out_dir: P
             _torch_export(graph_module, spec, config, raw_dir / ONNX_NAME, dtype)
         except Exception as exc:
             other = "torchscript" if config.exporter == "dynamo" else "dynamo"
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ExportError(
-                f"the {config.exporter} exporter failed: {first_line[:300]}; try --exporter {other}, "
+                f"the {config.exporter} exporter failed: {one_line(exc)}; try --exporter {other}, "
                 "or SDTRT_DEBUG=1 for the traceback"
             ) from exc
     timings["export_s"] = round(time.perf_counter() - started, 3)
@@ -119,6 +126,8 @@ def _export(config: ExportConfig, model: ModelSource, spec: UNetSpec, out_dir: P
 def _torch_export(
     module: torch.nn.Module, spec: UNetSpec, config: ExportConfig, path: Path, dtype: torch.dtype
 ) -> None:
+    import torch
+
     m = spec.latent_multiple
     output_names = [spec.output_name]
     if config.exporter == "torchscript":

@@ -1,0 +1,111 @@
+"""What a user asks a pipeline for — prompt, steps, seed, image size, scheduler — checked before any work.
+
+Light to import (no torch at import time): the CLI builds and checks a request before it loads a model,
+so a bad value fails in a second with one line, not after the pipeline has loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .config import DEFAULT_PROMPT, grid_problem
+from .errors import RequestError
+
+if TYPE_CHECKING:
+    from .models import ModelSource
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+# --scheduler names → diffusers classes (all built from the model's own scheduler config).
+SCHEDULERS = {
+    "pndm": "PNDMScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler-a": "EulerAncestralDiscreteScheduler",
+    "dpm++": "DPMSolverMultistepScheduler",
+    "lms": "LMSDiscreteScheduler",  # needs scipy, a dependency of sdtrt for this reason
+    "unipc": "UniPCMultistepScheduler",
+}
+
+
+def check_scheduler(name: str) -> str:
+    """The diffusers class name for a --scheduler value."""
+    if name not in SCHEDULERS:
+        raise RequestError(f"scheduler '{name}' is not one of {', '.join(SCHEDULERS)}")
+    return SCHEDULERS[name]
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """The image sizes a model can generate: one rule, from its UNet's and VAE's downsampling."""
+
+    multiple: int  # pixels: the VAE's scale factor times the UNet's latent multiple
+    default_height: int
+    default_width: int
+
+    @classmethod
+    def for_unet(cls, unet_config: dict[str, Any], vae_scale_factor: int) -> SizeRule:
+        from .spec import UNetSpec
+
+        spec = UNetSpec.from_config(dict(unet_config), vae_scale_factor)
+        native = spec.latent_sample_size * vae_scale_factor
+        return cls(spec.pixel_multiple, native, native)
+
+    @classmethod
+    def for_model(cls, model: ModelSource) -> SizeRule:
+        return cls.for_unet(model.unet_config(), model.vae_scale_factor())
+
+    def resolve(self, height: int | None, width: int | None) -> tuple[int, int]:
+        """Both sides, a missing one taking the model's default; RequestError for a size off the grid."""
+        sides = (
+            ("height", self.default_height if height is None else height),
+            ("width", self.default_width if width is None else width),
+        )
+        for name, value in sides:
+            if problem := grid_problem(name, value, self.multiple):
+                raise RequestError(problem)
+        return sides[0][1], sides[1][1]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str = DEFAULT_PROMPT
+    negative_prompt: str | None = None
+    steps: int = 20
+    guidance: float = 7.5
+    seed: int = 0
+    height: int | None = None  # None: the model's default
+    width: int | None = None
+    images: int = 1  # per prompt
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise RequestError(f"steps {self.steps} must be at least 1")
+        if self.images < 1:
+            raise RequestError(f"images per prompt {self.images} must be at least 1")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise RequestError(f"seed {self.seed} is outside 0..{SEED_MAX}, the range torch's random generator takes")
+        if not math.isfinite(self.guidance):
+            raise RequestError(f"guidance {self.guidance} must be a finite number")
+
+    def sized_for(self, rule: SizeRule) -> GenerateRequest:
+        """This request with both sides set and on the model's grid (diffusers would reset a lone side)."""
+        height, width = rule.resolve(self.height, self.width)
+        return dataclasses.replace(self, height=height, width=width)
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        import torch
+
+        return {
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "num_inference_steps": self.steps,
+            "guidance_scale": self.guidance,
+            "height": self.height,
+            "width": self.width,
+            "num_images_per_prompt": self.images,
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
