@@ -143,6 +143,7 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     target: Target = "tensorrt" if name == "tensorrt" else "onnxruntime"
     chosen: Precision = "fp32" if precision == "fp32" else "fp16" if precision == "fp16" else config.precision
     export_config = ExportConfig(precision=chosen)
+    # compile's default: every component on the engine target (TensorRT: the UNet), each stage on its engine.
     result = compile_model(model, store, target, export_config, profile=_bench_profile(model, config))
     return load_pipeline(model, result.final, dtype=dtype).to(device)
 

@@ -1,19 +1,22 @@
 """The whole chain for one model and target.
 
-onnxruntime: export → simplify → build-ort
-tensorrt:    export → simplify → build-trt → wrap (TorchScript)
+onnxruntime: export → simplify → build-ort          (per component)
+tensorrt:    export → simplify → build-trt → wrap  (the UNet)
+then, for several components, set: one artifact over their engines.
 Each stage is a cache hit when nothing it depends on changed; validation runs on the final artifact.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import (
+    Component,
     ConcreteTarget,
     ExportConfig,
     OrtBuildConfig,
     OrtOptimization,
+    Precision,
     ShapeProfile,
     SimplifyConfig,
     Target,
@@ -21,10 +24,13 @@ from .config import (
     ValidationConfig,
     WrapConfig,
 )
+from .errors import ConfigError
 from .gpu import require_tensorrt, tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
-from .stages import build_ort, export, simplify
+from .spec import component_spec, model_components
+from .stages import build_ort, engine_set, export, simplify
+from .stages.engine_set import EngineSetConfig
 from .store import Artifact, Store
 from .validate import ValidationReport, validate
 
@@ -86,16 +92,46 @@ def compile_model(
     profile: ShapeProfile | None = None,
     trt_config: TrtBuildConfig | None = None,
     validation: ValidationConfig | None = None,
+    components: tuple[Component, ...] | None = None,
 ) -> CompileResult:
-    """Run the chain; with ``validation``, check the final artifact against PyTorch (not raising)."""
-    chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
-    exported = export.run(export_config, model, store)
-    simplified = simplify.run(simplify_config, exported, store)
-    built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
-    artifacts = [exported, simplified, built]
-    if chosen == "tensorrt":
-        from .stages import wrap
+    """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
-        artifacts.append(wrap.run(WrapConfig(), built, store))
+    One component gives its engine; several give an engine set over them. ``components`` defaults to
+    every one the model has — on TensorRT to the UNet alone, whose runtime is the only one written so
+    far. Precision comes from ``export_config``, except for a VAE that asks to be upcast: fp32.
+    """
+    chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
+    if components is None:
+        components = ("unet",) if chosen == "tensorrt" else model_components(model)
+    if chosen == "tensorrt" and set(components) != {"unet"}:
+        raise ConfigError(
+            "TensorRT runtimes for the text encoder and VAE are not written yet; build them with "
+            "--target onnxruntime, or pass --components unet for a TensorRT UNet"
+        )
+    profile = profile or component_spec(model, "unet").default_profile()  # one user profile for every member
+    artifacts: list[Artifact] = []
+    finals: dict[str, Artifact] = {}
+    for component in components:
+        config = replace(
+            export_config, component=component, precision=component_precision(model, component, export_config.precision)
+        )
+        exported = export.run(config, model, store)
+        simplified = simplify.run(simplify_config, exported, store)
+        built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
+        artifacts += [exported, simplified, built]
+        if chosen == "tensorrt":
+            from .stages import wrap
+
+            artifacts.append(wrap.run(WrapConfig(), built, store))
+        finals[component] = artifacts[-1]
+    if len(components) > 1:
+        artifacts.append(engine_set.run(EngineSetConfig(components), finals, store))
     report = validate(model, artifacts[-1], validation) if validation else None
     return CompileResult(chosen, reason, artifacts, report)
+
+
+def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:
+    """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images), else ``requested``."""
+    if component.startswith("vae") and model.component_config("vae")[0].get("force_upcast", True):
+        return "fp32"
+    return requested

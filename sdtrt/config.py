@@ -13,12 +13,15 @@ from typing import Any, Literal, NamedTuple
 from .errors import ConfigError
 
 Precision = Literal["fp16", "fp32"]
-Exporter = Literal["dynamo", "torchscript"]
+Exporter = Literal["auto", "dynamo", "torchscript"]
 IONaming = Literal["named", "indexed"]
 SimplifyMethod = Literal["auto", "onnxsim", "fold"]
 OrtOptimization = Literal["basic", "extended"]
 ConcreteTarget = Literal["onnxruntime", "tensorrt"]
 Target = Literal["auto", "onnxruntime", "tensorrt"]
+# The networks a pipeline calls, each exported and built as its own graph.
+Component = Literal["unet", "text_encoder", "vae_decoder", "vae_encoder"]
+COMPONENTS: tuple[Component, ...] = ("unet", "text_encoder", "vae_decoder", "vae_encoder")
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -141,17 +144,33 @@ class ExportConfig:
 
     precision: Precision = "fp16"
     opset: int = 18
-    # Both exporters were verified against PyTorch fp32 on ONNX Runtime; the TorchScript-based one
-    # exports the tiny UNet in ~1 s instead of ~40 s and SD 1.5 in ~30 s instead of ~60 s.
-    exporter: Exporter = "torchscript"
+    # Both exporters were verified against PyTorch fp32 on ONNX Runtime. "auto" takes the
+    # TorchScript-based one (the tiny UNet in ~1 s instead of ~40 s, SD 1.5 in ~30 s instead of ~60 s)
+    # except for fp16 text encoders, where it writes LayerNorms with fp32 weights on fp16 inputs, a
+    # graph ONNX Runtime refuses (transformers keeps CLIP's LayerNorms fp32); torch.export's does not.
+    exporter: Exporter = "auto"
     # "indexed" names IO input_0.. / output_0, which `torchtrtc --embed-engine` expects.
     io_naming: IONaming = "named"
+    component: Component = "unet"
+
+    @property
+    def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
+        if self.exporter != "auto":
+            return self.exporter
+        return "dynamo" if self.component == "text_encoder" and self.precision == "fp16" else "torchscript"
 
     def __post_init__(self) -> None:
+        if self.component not in COMPONENTS:
+            raise ConfigError(f"component '{self.component}' is not one of {', '.join(COMPONENTS)}")
         if self.precision not in ("fp16", "fp32"):
             raise ConfigError(f"precision '{self.precision}' is not fp16 or fp32")
-        if self.exporter not in ("dynamo", "torchscript"):
-            raise ConfigError(f"exporter '{self.exporter}' is not dynamo or torchscript")
+        if self.exporter not in ("auto", "dynamo", "torchscript"):
+            raise ConfigError(f"exporter '{self.exporter}' is not auto, dynamo or torchscript")
+        if self.exporter == "torchscript" and self.component == "text_encoder" and self.precision == "fp16":
+            raise ConfigError(
+                "the TorchScript-based exporter writes an invalid fp16 text encoder graph (fp32 LayerNorm weights "
+                "on fp16 inputs); use --exporter dynamo (or auto)"
+            )
         if self.io_naming not in ("named", "indexed"):
             raise ConfigError(f"io naming '{self.io_naming}' is not named or indexed")
         if not 14 <= self.opset <= 23:

@@ -43,6 +43,22 @@ class ModelSource:
     def unet_config(self) -> dict[str, Any]:
         return json.loads((self.unet_dir / "config.json").read_text())
 
+    def component_dir(self, folder: str) -> Path:
+        """A pipeline's sub-folder (unet, text_encoder, vae, …); a bare UNet folder has only the UNet."""
+        if folder == "unet":
+            return self.unet_dir
+        path = self.path / folder
+        if not self.is_pipeline or not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model '{self.name}' has no {folder}/ with a config.json ({self.path})")
+        return path
+
+    def component_config(self, folder: str) -> tuple[dict[str, Any], str]:
+        """A sub-folder's config and the class that loads it (from model_index.json)."""
+        config = json.loads((self.component_dir(folder) / "config.json").read_text())
+        index = json.loads((self.path / "model_index.json").read_text()) if self.is_pipeline else {}
+        library_and_class = index.get(folder) or [None, config.get("_class_name", "")]
+        return config, str(library_and_class[1])
+
     def vae_scale_factor(self) -> int:
         """Pixels per latent; 8 for SD 1.x/2.x. A bare UNet folder is assumed to be SD-like."""
         vae_config = self.path / "vae" / "config.json"
@@ -53,8 +69,12 @@ class ModelSource:
 
     def unet_digest(self) -> str:
         """sha256 over the UNet's config and weight files: the export stage's input identity."""
+        return self.folder_digest("unet")
+
+    def folder_digest(self, folder: str) -> str:
+        """sha256 over a sub-folder's config and weight files."""
         h = hashlib.sha256()
-        for f in sorted(p for p in self.unet_dir.iterdir() if p.is_file()):
+        for f in sorted(p for p in self.component_dir(folder).iterdir() if p.is_file()):
             if f.suffix not in (".json", ".safetensors", ".bin"):
                 continue
             h.update(f.name.encode() + b"\0")
@@ -151,6 +171,24 @@ def load_unet(source: ModelSource, dtype: Any = None) -> Any:
     with quiet_loading():
         unet = UNet2DConditionModel.from_pretrained(source.unet_dir, dtype=dtype, local_files_only=True)
     return unet.eval()
+
+
+def load_folder(source: ModelSource, folder: str, dtype: Any = None) -> Any:
+    """A pipeline sub-folder's network (UNet, text encoder, VAE) in eval mode, by the class model_index.json names."""
+    import diffusers
+    import transformers
+
+    if folder == "unet":
+        return load_unet(source, dtype)
+    _, class_name = source.component_config(folder)
+    cls = getattr(diffusers, class_name, None) or getattr(transformers, class_name, None)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"{folder}/ of '{source.name}' is a {class_name or 'class without a name'}, which sdtrt cannot load"
+        )
+    with quiet_loading():
+        module = cls.from_pretrained(source.component_dir(folder), dtype=dtype, local_files_only=True)
+    return module.eval()
 
 
 def check_supported_unet(config: dict[str, Any]) -> None:

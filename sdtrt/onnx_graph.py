@@ -14,7 +14,7 @@ import onnx
 from .config import IONaming, Precision
 from .errors import ArtifactError
 from .models import ModelSource
-from .spec import NAMED_INPUTS, TensorSpec, UNetSpec
+from .spec import NAMED_INPUTS, GraphSpec, TensorSpec, UNetSpec, spec_from_json
 from .store import Artifact
 
 # Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.
@@ -76,7 +76,7 @@ def normalise_layout(path: Path, weight_bytes: int) -> None:
     save(model, path, weight_bytes)
 
 
-def name_dynamic_axes(model: onnx.ModelProto, spec: UNetSpec) -> None:
+def name_dynamic_axes(model: onnx.ModelProto, spec: GraphSpec) -> None:
     """Give graph inputs/outputs the spec's axis names (exporters name them ``s0``, ``2*h``, …)."""
     wanted = {t.name: t for t in spec.inputs() + spec.outputs()}
     for value in list(model.graph.input) + list(model.graph.output):
@@ -104,16 +104,19 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, [spec_of(v) for v in graph.output]
 
 
-def artifact_spec(artifact: Artifact, model: ModelSource | None = None) -> UNetSpec:
-    """The artifact's UNetSpec: from its manifest, else from its graph's IO (and the model, if known)."""
+def artifact_spec(artifact: Artifact, model: ModelSource | None = None) -> GraphSpec:
+    """The artifact's graph contract: from its manifest, else from its graph's IO (and the model, if known).
+
+    A bare .onnx without a manifest is taken for an SD UNet when its inputs say so.
+    """
     if io := artifact.manifest.get("io"):
-        return UNetSpec.from_json(io)
+        return spec_from_json(io)
     inputs, _ = graph_io(artifact.primary)
     names = tuple(t.name for t in inputs)
     if names not in (NAMED_INPUTS, ("input_0", "input_1", "input_2")):
         raise ArtifactError(
-            f"'{artifact.primary}' does not look like an SD UNet graph (inputs {list(names)}, expected "
-            f"{list(NAMED_INPUTS)}); export it with `sdtrt export`"
+            f"'{artifact.primary}' has no sdtrt manifest and does not look like an SD UNet graph (inputs "
+            f"{list(names)}, expected {list(NAMED_INPUTS)}); export it with `sdtrt export`"
         )
     precision: Precision = "fp16" if inputs[0].dtype == "float16" else "fp32"
     io_naming: IONaming = "named" if names == NAMED_INPUTS else "indexed"
@@ -123,4 +126,7 @@ def artifact_spec(artifact: Artifact, model: ModelSource | None = None) -> UNetS
     if not isinstance(channels, int) or not isinstance(text_dim, int):
         raise ArtifactError(f"'{artifact.primary}': sample channels and text embedding width must be static")
     # Without the model, assume SD 1.x/2.x proportions (8x VAE, four down blocks, 64-latent native size).
-    return UNetSpec(channels, channels, text_dim, 64, 8, 8, precision, io_naming)
+    return UNetSpec(
+        precision=precision, io_naming=io_naming, vae_scale_factor=8, in_channels=channels, out_channels=channels,
+        cross_attention_dim=text_dim, latent_sample_size=64, latent_multiple=8,
+    )  # fmt: skip

@@ -9,17 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .config import COMPONENTS
 from .errors import ModelNotFoundError
-from .models import ModelSource, quiet_loading, resolve_model
+from .models import ModelSource, load_folder, quiet_loading, resolve_model
+from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
 from .runtime import open_runtime
+from .spec import FOLDERS
+from .standins import EngineTextEncoder, EngineVAE, final_layer_norm, text_encoder_config
 from .store import Artifact
 from .unet import EngineUNet
 
 if TYPE_CHECKING:
     from .compile import CompileResult
 
-__all__ = ["SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_scheduler", "with_unet"]
+__all__ = ["SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_scheduler", "with_components"]
 
 
 def set_scheduler(pipe: Any, name: str) -> None:
@@ -36,11 +40,12 @@ def load_pipeline(
     img2img: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """A StableDiffusion(Img2Img)Pipeline for ``model``; with ``engine``, its UNet runs on the engine.
+    """A StableDiffusion(Img2Img)Pipeline for ``model``; with ``engine``, its networks run on engines.
 
-    ``engine`` is an artifact directory (or file inside one) from ``sdtrt compile``/``build``, an
-    Artifact, or what ``compile_model`` returned. Without it the pipeline is plain PyTorch: the
-    reference the engine is checked against.
+    ``engine`` is an artifact directory (or file inside one) from ``sdtrt compile``/``build`` — a UNet
+    engine or an engine set — an Artifact, or what ``compile_model`` returned. Components a set lacks
+    stay PyTorch (one line on stderr says which). Without ``engine`` the pipeline is plain PyTorch:
+    the reference engines are checked against.
     """
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
 
@@ -48,21 +53,49 @@ def load_pipeline(
     if not source.is_pipeline:
         raise ModelNotFoundError(f"'{source.path}' is a bare UNet folder; a pipeline needs the whole model folder")
     cls = StableDiffusionImg2ImgPipeline if img2img else StableDiffusionPipeline
-    # With an engine, skip loading the PyTorch UNet (3.4 GB for SD 1.5); diffusers type-checks
-    # components given to from_pretrained, so the engine goes in through the constructor.
-    unet_override = {"unet": None} if engine is not None else {}
+    members = engine_members(_as_artifact(engine)) if engine is not None else {}
+    # Skip loading what engines replace (3.4 GB for SD 1.5's UNet); diffusers type-checks components
+    # given to from_pretrained, so the stand-ins go in through the constructor.
+    skipped = {FOLDERS[c]: None for c in members if not (c == "vae_encoder" and "vae_decoder" not in members)}
     with quiet_loading():
         pipe = cls.from_pretrained(
             source.path, dtype=dtype, local_files_only=True, safety_checker=None, requires_safety_checker=False,
-            **unet_override,
+            **skipped,
         )  # fmt: skip
-    if engine is not None:
-        artifact = _as_artifact(engine)
-        pipe = with_unet(pipe, EngineUNet(open_runtime(artifact, source), source.unet_config(), dtype=dtype))
+    if members:
+        pipe = with_components(pipe, standins(source, members, pipe.vae, dtype))
+        on_pytorch = [c for c in COMPONENTS if c not in members]
+        if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
+            console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
     pipe.set_progress_bar_config(disable=True)
     if scheduler:
         set_scheduler(pipe, scheduler)
     return pipe
+
+
+def engine_members(artifact: Artifact) -> dict[str, Artifact]:
+    """component → artifact: a set's members, or a single UNet engine."""
+    from .stages.engine_set import members
+
+    return members(artifact) if artifact.stage == "set" else {"unet": artifact}
+
+
+def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """The pipeline components that replace PyTorch modules: EngineUNet, EngineTextEncoder, EngineVAE."""
+    runtimes = {c: open_runtime(a, source) for c, a in members.items()}
+    out: dict[str, Any] = {}
+    if "unet" in runtimes:
+        out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype)
+    if "text_encoder" in runtimes:
+        config = text_encoder_config(source)
+        norm = final_layer_norm(source, config)
+        out["text_encoder"] = EngineTextEncoder(runtimes["text_encoder"], config, norm, dtype=dtype)
+    if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
+        out["vae"] = EngineVAE(
+            source.component_config("vae")[0], runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
+            pytorch=(lambda: vae) if vae is not None else (lambda: load_folder(source, "vae")), dtype=dtype,
+        )  # fmt: skip
+    return out
 
 
 def _as_artifact(engine: str | os.PathLike[str] | Artifact | CompileResult) -> Artifact:
@@ -73,13 +106,13 @@ def _as_artifact(engine: str | os.PathLike[str] | Artifact | CompileResult) -> A
     return engine.final  # a CompileResult: the artifact a runtime loads
 
 
-def with_unet(pipe: Any, unet: torch.nn.Module) -> Any:
-    """The same pipeline (shared components) with another UNet.
+def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
+    """The same pipeline (shared components) with some components replaced.
 
     Built through the constructor, not by assigning ``pipe.unet``: pipelines derive state from
-    their UNet's config in ``__init__`` (e.g. whether ``sample_size`` is an int).
+    their components' configs in ``__init__`` (e.g. whether ``sample_size`` is an int).
     """
-    replaced = type(pipe)(**pipe.components | {"unet": unet}, requires_safety_checker=False)
+    replaced = type(pipe)(**pipe.components | replacements, requires_safety_checker=False)
     replaced.set_progress_bar_config(disable=True)
     return replaced
 

@@ -1,29 +1,44 @@
-"""UNetSpec: everything about the UNet graph's interface, derived from ``unet.config`` in one place.
+"""Graph contracts: each component's IO, derived from its diffusers/transformers config in one place.
 
-IO names, dtypes, dynamic axes, sample inputs and TensorRT min/opt/max shapes all come from here, so
-export, build, runtimes and validation cannot disagree about them.
+IO names, dtypes, named dynamic axes, sample inputs and TensorRT min/opt/max shapes all come from
+here, so export, build, runtimes and validation cannot disagree about them. One spec class per
+component — ``unet``, ``text_encoder``, ``vae_decoder``, ``vae_encoder`` — over a shared base that
+turns named axes into shapes, profiles and checks.
+
+Axes: ``batch``; ``height``/``width`` in latents; ``image_height``/``image_width`` in pixels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from .config import IONaming, Precision, ShapeProfile
+from .config import COMPONENTS, Component, IONaming, Precision, Range, ShapeProfile
+from .errors import ArtifactError
 from .models import check_supported_unet
 
 if TYPE_CHECKING:
     import torch
 
+    from .models import ModelSource
+
+# The pipeline sub-folder each component is loaded from.
+FOLDERS: dict[str, str] = {"unet": "unet", "text_encoder": "text_encoder", "vae_decoder": "vae",
+                                  "vae_encoder": "vae"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77
+Shapes = dict[str, tuple[int, ...]]
+S = TypeVar("S", bound="GraphSpec")
+AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent width", "image_height": "image height",
+               "image_width": "image width"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: str  # numpy-style name: "float16", "float32"
+    dtype: str  # numpy-style name: "float16", "float32", "int32"
     shape: tuple[int | str, ...]  # str = a named dynamic axis
 
     def to_json(self) -> dict[str, Any]:
@@ -31,15 +46,158 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class UNetSpec:
-    in_channels: int
-    out_channels: int
-    cross_attention_dim: int
-    latent_sample_size: int
-    latent_multiple: int  # latent H/W must be a multiple: 2 ** (down blocks - 1)
+class GraphSpec:
+    """What every component's contract offers; subclasses declare their tensors and axis sizes."""
+
+    component: ClassVar[Component]
+    label: ClassVar[str]  # for people: "UNet", "VAE decoder", …
+    canonical_inputs: ClassVar[tuple[str, ...]]
+    canonical_outputs: ClassVar[tuple[str, ...]]
+    # Multiples that dynamic axes must keep (the UNet's down-sampling, the VAE's scale factor).
+    grid: ClassVar[dict[str, str]] = {}
+
+    precision: Precision
+    io_naming: IONaming
     vae_scale_factor: int
-    precision: Precision = "fp16"
-    io_naming: IONaming = "named"
+
+    # ---- what subclasses declare ------------------------------------------------------------
+
+    def inputs(self) -> list[TensorSpec]:
+        raise NotImplementedError
+
+    def outputs(self) -> list[TensorSpec]:
+        raise NotImplementedError
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        """This component's batch for a user profile (the UNet's is doubled by guidance)."""
+        return profile.batch
+
+    def default_profile(self) -> ShapeProfile:
+        raise NotImplementedError
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.vae_scale_factor
+
+    # ---- derived ----------------------------------------------------------------------------
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        if self.io_naming == "indexed":
+            return tuple(f"input_{i}" for i in range(len(self.canonical_inputs)))
+        return self.canonical_inputs
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        if self.io_naming == "indexed":
+            return tuple(f"output_{i}" for i in range(len(self.canonical_outputs)))
+        return self.canonical_outputs
+
+    @property
+    def dtype(self) -> str:
+        return "float16" if self.precision == "fp16" else "float32"
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        return {
+            t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in self.inputs() + self.outputs()
+        }
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int) -> dict[str, int]:
+        f = self.vae_scale_factor
+        return {"batch": batch, "height": height_px // f, "width": width_px // f, "image_height": height_px,
+                "image_width": width_px}  # fmt: skip
+
+    def input_shapes(self, batch: int, height_px: int, width_px: int) -> Shapes:
+        sizes = self.axis_sizes(batch, height_px, width_px)
+        return {t.name: tuple(sizes[d] if isinstance(d, str) else d for d in t.shape) for t in self.inputs()}
+
+    def output_shapes(self, input_shapes: Shapes) -> Shapes:
+        """Output shapes for these inputs (the runtime allocates outputs before running)."""
+        named = {d: s for t in self.inputs() for d, s in zip(t.shape, input_shapes[t.name], strict=True)}
+        f = self.vae_scale_factor
+        for latent, image in (("height", "image_height"), ("width", "image_width")):
+            named.setdefault(image, named.get(latent, 0) * f)
+            named.setdefault(latent, named.get(image, 0) // f)
+        return {t.name: tuple(named[d] if isinstance(d, str) else d for d in t.shape) for t in self.outputs()}
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Per input: (min, opt, max) shapes, as a TensorRT optimization profile wants them."""
+        profile.check(self.pixel_multiple)
+        batch = self.batch_range(profile)
+        corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i]) for i in range(3)]
+        return {name: tuple(c[name] for c in corners) for name in self.input_names}
+
+    def check_shapes(self, shapes: Shapes, profile: ShapeProfile | None) -> str | None:
+        """Why these input shapes cannot run, or None when they fit (the profile's ranges, if given)."""
+        named: dict[str, int] = {}
+        for t in self.inputs():
+            shape = shapes.get(t.name)
+            if shape is None:
+                return f"input '{t.name}' is missing"
+            if len(shape) != len(t.shape) or any(
+                isinstance(d, int) and d != s for d, s in zip(t.shape, shape, strict=True)
+            ):
+                return f"input '{t.name}' has shape {tuple(shape)}; the engine takes {t.shape}"
+            for axis, size in zip(t.shape, shape, strict=True):
+                if isinstance(axis, str) and named.setdefault(axis, size) != size:
+                    return f"inputs disagree on the {AXIS_LABELS[axis]}: {named[axis]} and {size}"
+        for axis, multiple in self.grid.items():
+            step = getattr(self, multiple)
+            if axis in named and named[axis] % step:
+                return f"{AXIS_LABELS[axis]} {named[axis]} must be a multiple of {step}"
+        if profile is None:
+            return None
+        for name, (lo, _, hi) in self.profile_shapes(profile).items():
+            shape = shapes[name]
+            if any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
+                return f"input '{name}' has shape {tuple(shape)}, outside the engine's profile {lo} .. {hi}"
+        return None
+
+    def sample_inputs(
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Seeded random inputs: floats in ``dtype`` (default float32), token ids over the vocabulary."""
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        shapes = self.input_shapes(batch, height_px, width_px)
+        out = {}
+        for t in self.inputs():
+            if t.dtype.startswith("int"):
+                out[t.name] = torch.randint(0, getattr(self, "vocab_size", 2), shapes[t.name], generator=gen).int()
+            else:
+                out[t.name] = torch.randn(shapes[t.name], generator=gen).to(dtype or torch.float32)
+        return out
+
+    @classmethod
+    def from_json(cls: type[S], data: dict[str, Any]) -> S:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return (
+            {"component": self.component}
+            | fields
+            | {
+                "inputs": [t.to_json() for t in self.inputs()],
+                "outputs": [t.to_json() for t in self.outputs()],
+            }
+        )
+
+
+@dataclass(frozen=True)
+class UNetSpec(GraphSpec):
+    component: ClassVar[Component] = "unet"
+    label: ClassVar[str] = "UNet"
+    canonical_inputs: ClassVar[tuple[str, ...]] = NAMED_INPUTS
+    canonical_outputs: ClassVar[tuple[str, ...]] = (NAMED_OUTPUT,)
+    grid: ClassVar[dict[str, str]] = {"height": "latent_multiple", "width": "latent_multiple"}
+
+    in_channels: int = 4
+    out_channels: int = 4
+    cross_attention_dim: int = 768
+    latent_sample_size: int = 64
+    latent_multiple: int = 8  # latent H/W must be a multiple: 2 ** (down blocks - 1)
 
     @classmethod
     def from_config(
@@ -49,31 +207,19 @@ class UNetSpec:
         check_supported_unet(unet_config)
         sample_size = unet_config.get("sample_size", 64)
         return cls(
+            precision=precision,
+            io_naming=io_naming,
+            vae_scale_factor=vae_scale_factor,
             in_channels=unet_config.get("in_channels", 4),
             out_channels=unet_config.get("out_channels", 4),
             cross_attention_dim=unet_config["cross_attention_dim"],
             latent_sample_size=sample_size if isinstance(sample_size, int) else sample_size[0],
             latent_multiple=2 ** (len(unet_config["down_block_types"]) - 1),
-            vae_scale_factor=vae_scale_factor,
-            precision=precision,
-            io_naming=io_naming,
         )
-
-    # ---- names and types --------------------------------------------------------------------
-
-    @property
-    def input_names(self) -> tuple[str, str, str]:
-        if self.io_naming == "indexed":
-            return ("input_0", "input_1", "input_2")
-        return NAMED_INPUTS
 
     @property
     def output_name(self) -> str:
-        return "output_0" if self.io_naming == "indexed" else NAMED_OUTPUT
-
-    @property
-    def dtype(self) -> str:
-        return "float16" if self.precision == "fp16" else "float32"
+        return self.output_names[0]
 
     @property
     def pixel_multiple(self) -> int:
@@ -90,88 +236,162 @@ class UNetSpec:
     def outputs(self) -> list[TensorSpec]:
         return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]
 
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        return {
-            t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in self.inputs() + self.outputs()
-        }
-
-    # ---- shapes -----------------------------------------------------------------------------
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        return profile.unet_batch()
 
     def default_profile(self) -> ShapeProfile:
         return ShapeProfile.around(self.latent_sample_size * self.vae_scale_factor, self.pixel_multiple)
 
-    def input_shapes(self, unet_batch: int, height_px: int, width_px: int) -> dict[str, tuple[int, ...]]:
-        sample, timestep, text = self.input_names
-        h, w = height_px // self.vae_scale_factor, width_px // self.vae_scale_factor
-        return {
-            sample: (unet_batch, self.in_channels, h, w),
-            timestep: (unet_batch,),
-            text: (unet_batch, TEXT_TOKENS, self.cross_attention_dim),
-        }
-
-    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
-        """Per input: (min, opt, max) shapes, as a TensorRT optimization profile wants them."""
-        profile.check(self.pixel_multiple)
-        batch = profile.unet_batch()
-        corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i]) for i in range(3)]
-        return {name: tuple(c[name] for c in corners) for name in self.input_names}
-
-    def check_shapes(self, shapes: dict[str, tuple[int, ...]], profile: ShapeProfile | None) -> str | None:
-        """Why these input shapes cannot run, or None when they fit (the profile's ranges, if given)."""
-        for t in self.inputs():
-            shape = shapes.get(t.name)
-            if shape is None:
-                return f"input '{t.name}' is missing"
-            if len(shape) != len(t.shape) or any(
-                isinstance(d, int) and d != s for d, s in zip(t.shape, shape, strict=True)
-            ):
-                return f"input '{t.name}' has shape {tuple(shape)}; the engine takes {t.shape}"
-        sample_shape = shapes[self.input_names[0]]
-        if len({shapes[name][0] for name in self.input_names}) != 1:
-            return f"inputs disagree on the batch size: {[shapes[n][0] for n in self.input_names]}"
-        if any(d % self.latent_multiple for d in sample_shape[2:]):
-            return f"latent height/width {tuple(sample_shape[2:])} must be multiples of {self.latent_multiple}"
-        if profile is None:
-            return None
-        for name, (lo, _, hi) in self.profile_shapes(profile).items():
-            shape = shapes[name]
-            if any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
-                return f"input '{name}' has shape {tuple(shape)}, outside the engine's profile {lo} .. {hi}"
-        return None
-
     def sample_inputs(
-        self, unet_batch: int, height_px: int, width_px: int, *, seed: int = 0, timestep: float = 500.0,
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, timestep: float = 500.0,
         dtype: torch.dtype | None = None,
     ) -> dict[str, torch.Tensor]:  # fmt: skip
         """Seeded random inputs shaped like a denoising step's, in ``dtype`` (default: float32)."""
         import torch
 
-        gen = torch.Generator().manual_seed(seed)
-        shapes = self.input_shapes(unet_batch, height_px, width_px)
-        sample, t_name, text = self.input_names
-        dtype = dtype or torch.float32
-        return {
-            sample: torch.randn(shapes[sample], generator=gen).to(dtype),
-            t_name: torch.full(shapes[t_name], float(timestep), dtype=torch.float32),
-            text: torch.randn(shapes[text], generator=gen).to(dtype),
-        }
+        feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype)
+        t_name = self.input_names[1]
+        return feeds | {t_name: torch.full_like(feeds[t_name], float(timestep), dtype=torch.float32)}
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "inputs": [t.to_json() for t in self.inputs()],
-            "outputs": [t.to_json() for t in self.outputs()],
-            "latent_multiple": self.latent_multiple,
-            "vae_scale_factor": self.vae_scale_factor,
-            "latent_sample_size": self.latent_sample_size,
-            "cross_attention_dim": self.cross_attention_dim,
-            "in_channels": self.in_channels,
-            "out_channels": self.out_channels,
-            "precision": self.precision,
-            "io_naming": self.io_naming,
-        }
+
+@dataclass(frozen=True)
+class TextEncoderSpec(GraphSpec):
+    """CLIP text encoders: token ids in; the outputs SD pipelines read (clip_skip 1 included)."""
+
+    component: ClassVar[Component] = "text_encoder"
+    label: ClassVar[str] = "text encoder"
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids",)
+
+    hidden_size: int = 768
+    pooled_name: str = "pooler_output"  # "text_embeds" for CLIPTextModelWithProjection
+    pooled_dim: int = 768
+    vocab_size: int = 49408
+    max_tokens: int = TEXT_TOKENS
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> UNetSpec:
-        keys = ("in_channels", "out_channels", "cross_attention_dim", "latent_sample_size", "latent_multiple",
-                "vae_scale_factor", "precision", "io_naming")  # fmt: skip
-        return cls(**{k: data[k] for k in keys})
+    def from_config(
+        cls, config: dict[str, Any], architecture: str, vae_scale_factor: int, precision: Precision = "fp16",
+        io_naming: IONaming = "named",
+    ) -> TextEncoderSpec:  # fmt: skip
+        projected = architecture == "CLIPTextModelWithProjection"
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=vae_scale_factor,
+            hidden_size=config["hidden_size"], pooled_name="text_embeds" if projected else "pooler_output",
+            pooled_dim=config["projection_dim"] if projected else config["hidden_size"],
+            vocab_size=config["vocab_size"], max_tokens=config.get("max_position_embeddings", TEXT_TOKENS),
+        )  # fmt: skip
+
+    @property
+    def canonical_outputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("last_hidden_state", self.pooled_name, "penultimate_hidden_state")
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 1  # no pixels: only the batch of a profile matters here
+
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.input_names[0], "int32", ("batch", self.max_tokens))]
+
+    def outputs(self) -> list[TensorSpec]:
+        hidden, pooled, penultimate = self.output_names
+        return [
+            TensorSpec(hidden, self.dtype, ("batch", self.max_tokens, self.hidden_size)),
+            TensorSpec(pooled, self.dtype, ("batch", self.pooled_dim)),
+            TensorSpec(penultimate, self.dtype, ("batch", self.max_tokens, self.hidden_size)),
+        ]
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        return Range(1, 1, profile.batch.max)  # one call per prompt list, positive and negative apart
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile()
+
+
+@dataclass(frozen=True)
+class VaeDecoderSpec(GraphSpec):
+    """Latents (already divided by the scaling factor, as pipelines pass them) → images in [-1, 1]."""
+
+    component: ClassVar[Component] = "vae_decoder"
+    label: ClassVar[str] = "VAE decoder"
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("latent_sample",)
+    canonical_outputs: ClassVar[tuple[str, ...]] = ("sample",)
+
+    latent_channels: int = 4
+    image_channels: int = 3
+    native_px: int = 512
+
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.input_names[0], self.dtype, ("batch", self.latent_channels, "height", "width"))]
+
+    def outputs(self) -> list[TensorSpec]:
+        shape = ("batch", self.image_channels, "image_height", "image_width")
+        return [TensorSpec(self.output_names[0], self.dtype, shape)]
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile.around(self.native_px, self.vae_scale_factor)
+
+
+@dataclass(frozen=True)
+class VaeEncoderSpec(GraphSpec):
+    """Images in [-1, 1] → the latent distribution's parameters (mean and log-variance, stacked)."""
+
+    component: ClassVar[Component] = "vae_encoder"
+    label: ClassVar[str] = "VAE encoder"
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("sample",)
+    canonical_outputs: ClassVar[tuple[str, ...]] = ("latent_parameters",)
+    grid: ClassVar[dict[str, str]] = {"image_height": "vae_scale_factor", "image_width": "vae_scale_factor"}
+
+    latent_channels: int = 4
+    image_channels: int = 3
+    native_px: int = 512
+
+    def inputs(self) -> list[TensorSpec]:
+        shape = ("batch", self.image_channels, "image_height", "image_width")
+        return [TensorSpec(self.input_names[0], self.dtype, shape)]
+
+    def outputs(self) -> list[TensorSpec]:
+        shape = ("batch", 2 * self.latent_channels, "height", "width")
+        return [TensorSpec(self.output_names[0], self.dtype, shape)]
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile.around(self.native_px, self.vae_scale_factor)
+
+
+SPEC_CLASSES: dict[str, type[GraphSpec]] = {
+    cls.component: cls for cls in (UNetSpec, TextEncoderSpec, VaeDecoderSpec, VaeEncoderSpec)
+}
+
+
+def spec_from_json(data: dict[str, Any]) -> GraphSpec:
+    """The spec a manifest recorded (manifests from before components existed describe a UNet)."""
+    cls = SPEC_CLASSES.get(data.get("component", "unet"))
+    if cls is None:
+        raise ArtifactError(f"unknown component '{data['component']}' in a manifest; rebuild it with this sdtrt")
+    return cls.from_json(data)
+
+
+def component_spec(
+    model: ModelSource, component: Component, precision: Precision = "fp16", io_naming: IONaming = "named"
+) -> GraphSpec:
+    """The contract of one of the model's networks, from its config."""
+    factor = model.vae_scale_factor()
+    if component == "unet":
+        return UNetSpec.from_config(model.unet_config(), factor, precision, io_naming)
+    if component == "text_encoder":
+        config, architecture = model.component_config(FOLDERS[component])
+        return TextEncoderSpec.from_config(config, architecture, factor, precision, io_naming)
+    if component in ("vae_decoder", "vae_encoder"):
+        config, _ = model.component_config(FOLDERS[component])
+        cls = VaeDecoderSpec if component == "vae_decoder" else VaeEncoderSpec
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=factor,
+            latent_channels=config.get("latent_channels", 4),
+            image_channels=config.get("out_channels" if component == "vae_decoder" else "in_channels", 3),
+            native_px=config.get("sample_size", 512),
+        )  # fmt: skip
+    raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(COMPONENTS)}")
+
+
+def model_components(model: ModelSource) -> tuple[Component, ...]:
+    """The components a model has: all four for a pipeline folder, the UNet alone for a bare UNet folder."""
+    return tuple(c for c in COMPONENTS if c == "unet" or (model.is_pipeline and (model.path / FOLDERS[c]).is_dir()))

@@ -125,6 +125,13 @@ class Artifact:
     def as_input(self) -> dict[str, Any]:
         return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path)}
 
+    def lineage(self) -> list[Artifact]:
+        """This artifact and the ones it was made from, newest first, back to the one made from a model."""
+        chain = [self]
+        while (first := (chain[-1].manifest.get("inputs") or [{}])[0]).get("kind") == "artifact":
+            chain.append(Artifact.open(first["path"]))
+        return chain
+
     def file_problems(self, rehash: bool = False) -> list[str]:
         """How the files differ from the manifest ([] when intact).
 

@@ -13,8 +13,9 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from .errors import EngineInputError
+from .errors import ArtifactError, EngineInputError
 from .runtime import Runtime
+from .spec import UNetSpec
 
 # Keyword inputs of UNet2DConditionModel.forward the exported graph has no input for.
 UNSUPPORTED_INPUTS = (
@@ -44,6 +45,9 @@ class EngineUNet(torch.nn.Module):
 
     def __init__(self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        if not isinstance(runtime.spec, UNetSpec):
+            raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
+        self.spec = runtime.spec
         self.runtime = runtime
         self._config = FrozenDict(config)
         # What the pipeline sees; fp16 engines still hand fp32 callers fp32 outputs.
@@ -85,7 +89,7 @@ class EngineUNet(torch.nn.Module):
         if cross_attention_kwargs and cross_attention_kwargs.get("scale", 1.0) != 1.0:
             raise EngineInputError("cross_attention_kwargs['scale'] (a LoRA scale) is baked into the engine's weights")
 
-        spec = self.runtime.spec
+        spec = self.spec
         sample_name, timestep_name, text_name = spec.input_names
         feeds = {
             sample_name: sample,

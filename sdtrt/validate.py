@@ -7,7 +7,7 @@ otherwise (the CLI exits 3). NaN/inf outputs and black or constant images always
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,36 +16,43 @@ import torch
 
 from .config import Precision, ShapeProfile, ValidationConfig
 from .errors import ParityError
+from .spec import GraphSpec, UNetSpec, component_spec
 
 if TYPE_CHECKING:
     from .models import ModelSource
     from .runtime import Runtime
-    from .spec import UNetSpec
     from .store import Artifact
 
 
 def tensor_stats(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
-    """max abs, mean abs and cosine similarity of ``candidate`` against ``reference`` (in fp32)."""
-    a = candidate.detach().float().flatten().cpu()
-    b = reference.detach().float().flatten().cpu()
+    """max abs, mean abs and cosine similarity of ``candidate`` against ``reference`` (in float64)."""
+    a = candidate.detach().double().flatten().cpu()  # float64: no cosine above 1 from rounding
+    b = reference.detach().double().flatten().cpu()
     finite = bool(torch.isfinite(a).all())
     diff = (a - b).abs()
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item() if finite else float("nan")
     return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(), "cosine": cosine, "finite": finite}
 
 
-def compare_graphs(reference: Path, candidate: Path, spec: UNetSpec) -> dict[str, Any]:
-    """Run two UNet graphs on ONNX Runtime on one seeded input (batch 2, the profile's smallest size)."""
+def compare_graphs(reference: Path, candidate: Path, spec: GraphSpec) -> dict[str, Any]:
+    """Run two graphs of one component on ONNX Runtime on one seeded input (batch 2, the profile's smallest size).
+
+    Returns the stats of the output that agrees least (lowest cosine), named in ``output``.
+    """
     from .runtime.onnxruntime import OnnxRuntime
 
     profile = spec.default_profile()
     feeds = spec.sample_inputs(2, profile.height.min, profile.width.min, seed=1)
-    outputs = []
+    results = []
     for path in (reference, candidate):
         runtime = OnnxRuntime(path, spec)
-        outputs.append(runtime.run(feeds)[spec.output_name].float())
+        results.append(runtime.run(feeds))
         runtime.close()
-    return tensor_stats(outputs[1], outputs[0]) | {"shape": list(outputs[0].shape)}
+    rows = [
+        tensor_stats(results[1][name], results[0][name]) | {"output": name, "shape": list(results[0][name].shape)}
+        for name in spec.output_names
+    ]
+    return min(rows, key=lambda row: row["cosine"] if row["finite"] else float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -151,52 +158,94 @@ def image_problems(image: np.ndarray) -> list[str]:
     return problems
 
 
-def check_tensor_row(row: dict[str, Any], tol: Tolerances) -> list[str]:
+def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str = "UNet") -> list[str]:
     label = row["case"]
     if not row["finite"]:
-        return [f"UNet output at {label} contains NaN or inf"]
+        return [f"{what} output at {label} contains NaN or inf"]
     failures = []
     if row["cosine"] < tol.min_cosine:
-        failures.append(f"UNet output at {label}: cosine {row['cosine']:.6f} < {tol.min_cosine}")
+        failures.append(f"{what} output at {label}: cosine {row['cosine']:.6f} < {tol.min_cosine}")
     if row["max_abs"] > tol.max_abs:
-        failures.append(f"UNet output at {label}: max abs error {row['max_abs']:.3g} > {tol.max_abs}")
+        failures.append(f"{what} output at {label}: max abs error {row['max_abs']:.3g} > {tol.max_abs}")
     return failures
 
 
+def compare_member(runtime: Runtime, reference: Any, spec: GraphSpec, case: TensorCase) -> dict[str, Any]:
+    """One seeded input through a text encoder or VAE engine and its PyTorch fp32 module; the worst output."""
+    feeds = spec.sample_inputs(case.unet_batch, case.height, case.width, seed=case.seed)
+    with torch.no_grad():
+        expected = reference(*feeds.values())
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = runtime.run(feeds)
+    rows = [
+        tensor_stats(got[name], want) | {"output": name} for name, want in zip(spec.output_names, expected, strict=True)
+    ]
+    worst = min(rows, key=lambda row: row["cosine"] if row["finite"] else float("-inf"))
+    return {"case": f"{spec.component} b{case.unet_batch} {case.height}x{case.width}"} | worst
+
+
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
-    """Compare ``engine`` with the model's PyTorch fp32 UNet, tensor by tensor and image by image."""
-    from .pipeline import generate, load_pipeline, with_unet
+    """Compare an engine — a UNet, or each member of an engine set — with the model's PyTorch fp32 modules.
+
+    Tensors member by member; then one generation with every engine swapped in at once against the
+    PyTorch pipeline (a UNet engine alone: both images decoded by the PyTorch VAE, to isolate it).
+    """
+    from .models import load_folder
+    from .pipeline import engine_members, generate, load_pipeline, standins, with_components
     from .progress import step
     from .request import GenerateRequest, SizeRule
     from .runtime import artifact_profile, open_runtime
-    from .unet import EngineUNet
+    from .spec import FOLDERS
+    from .stages.export import graph_module
 
-    runtime = open_runtime(engine, model)
-    spec = runtime.spec
-    profile = artifact_profile(engine) or spec.default_profile()
+    members = engine_members(engine)
+    runtimes = {c: open_runtime(a, model) for c, a in members.items()}
+    unet_spec = component_spec(model, "unet")
+    profile = next((p for a in members.values() if (p := artifact_profile(a))), None) or unet_spec.default_profile()
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
         height=config.height or profile.height.opt, width=config.width or profile.width.opt,
     ).sized_for(SizeRule.for_model(model))  # fmt: skip
-    tol = Tolerances.of(config, spec.precision)
-    report = ValidationReport(str(engine.path), model.name, spec.precision, tol)
+    precisions = {c: r.spec.precision for c, r in runtimes.items()}
+    # The image is as close as its least precise member allows.
+    tol = Tolerances.of(config, "fp16" if "fp16" in precisions.values() else "fp32")
+    label = (
+        precisions.get("unet", "")
+        if list(precisions) == ["unet"]
+        else ", ".join(f"{c} {p}" for c, p in precisions.items())
+    )
+    report = ValidationReport(str(engine.path), model.name, label, tol)
 
     reference = load_pipeline(model, scheduler=config.scheduler)
-    with step(f"Comparing UNet outputs on {len(default_cases(profile))} inputs"):
-        for case in default_cases(profile):
-            row = compare_unet(runtime, reference.unet, spec, case)
-            row["failures"] = check_tensor_row(row, tol)
-            report.tensors.append(row)
-            report.failures += row["failures"]
+    for component, runtime in runtimes.items():
+        spec = runtime.spec
+        member_tol = Tolerances.of(config, spec.precision)
+        cases, module = default_cases(profile), None
+        if not isinstance(spec, UNetSpec):
+            network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
+            module = graph_module(spec, network)
+            cases = [replace(c, unet_batch=max(1, c.unet_batch // 2)) for c in cases[2:]]  # no CFG doubling
+        with step(f"Comparing {spec.label} outputs on {len(cases)} inputs"):
+            for case in cases:
+                if isinstance(spec, UNetSpec):
+                    row = compare_unet(runtime, reference.unet, spec, case)
+                else:
+                    row = compare_member(runtime, module, spec, case)
+                row["failures"] = check_tensor_row(row, member_tol, spec.label)
+                report.tensors.append(row)
+                report.failures += row["failures"]
 
     if config.images:
-        engine_pipe = with_unet(reference, EngineUNet(runtime, model.unet_config(), dtype=reference.unet.dtype))
+        swapped = standins(model, members, reference.vae, reference.unet.dtype)
+        engine_pipe = with_components(reference, swapped)
+        decoder = engine_pipe if "vae" in swapped else reference
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
             latents = [generate(p, request, output_type="latent").images for p in (reference, engine_pipe)]
-            images = [_decode(reference, lat) for lat in latents]
+            images = [_decode(reference, latents[0]), _decode(decoder, latents[1])]
         report.image = compare_images(images[1], images[0], latents[1], latents[0], tol)
         report.failures += report.image["failures"]
-    runtime.close()
+    for runtime in runtimes.values():
+        runtime.close()
     return report
 
 
@@ -221,7 +270,7 @@ def compare_images(
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> np.ndarray:
-    """Decode with the reference VAE, so the image comparison isolates the UNet."""
+    """Decode with the pipeline's VAE (the PyTorch one, where only the UNet is compared)."""
     with torch.no_grad():
         decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np")

@@ -49,10 +49,10 @@ def tiny_simplified(tiny_export, store):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny, store):
-    """The ONNX Runtime engine for tiny, as `sdtrt compile --target onnxruntime` builds it."""
+    """The ONNX Runtime UNet engine for tiny, as `sdtrt compile --target onnxruntime --components unet` builds it."""
     from sdtrt.compile import compile_model
 
-    return compile_model(tiny, store, target="onnxruntime").final
+    return compile_model(tiny, store, target="onnxruntime", components=("unet",)).final
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -39,14 +39,15 @@ def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
     assert (artifact_dir / MANIFEST).is_file()
     assert last_line(second.stdout) == str(artifact_dir)
     assert "Exporting UNet" in first.stderr and "Exporting UNet" not in second.stderr
-    for stage in ("export", "simplify", "build-ort"):
+    for stage in ("export", "simplify", "build-ort", "set"):
         assert f"{stage}: cached" in second.stderr and f"{stage}: cached" not in first.stderr
     assert "Total" in second.stderr, "the op table is shown on a cache hit too"
     assert "onnxruntime: requested" in first.stderr
     assert "engine vs PyTorch fp32" in first.stderr, "compile validates by default"
     assert "no CUDA GPU is visible to torch, so the ONNX Runtime target was chosen" in second.stderr
-    assert sorted(a.stage for a in Store(engines).artifacts()) == ["build-ort", "export", "simplify"]
-    assert artifact_dir.parent.name == "build-ort"
+    stages = sorted(a.stage for a in Store(engines).artifacts())
+    assert stages == ["build-ort"] * 4 + ["export"] * 4 + ["set"] + ["simplify"] * 4, "every component, one set"
+    assert artifact_dir.parent.name == "set"
 
 
 def test_stage_commands_chain_through_printed_paths(tmp_path, tiny_export):
@@ -200,7 +201,16 @@ def test_requests_no_model_can_serve_are_usage_errors_before_any_work(tmp_path, 
 
 def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path):
     engines = tmp_path / "engines"
-    compile_args = ("compile", "--target", "onnxruntime", "--no-validate", "--engines", str(engines))
+    compile_args = (
+        "compile",
+        "--target",
+        "onnxruntime",
+        "--components",
+        "unet",
+        "--no-validate",
+        "--engines",
+        str(engines),
+    )
     artifact = Path(last_line(run_cli(*compile_args, check=True).stdout))
     onnx_file = artifact / "unet.ort.onnx"
     size = onnx_file.stat().st_size

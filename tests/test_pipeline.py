@@ -94,7 +94,7 @@ def test_wrong_dtypes_and_shapes_are_clear_errors(engine_unet):
         engine_unet(torch.ones(2, 4, 16, 16, dtype=torch.int64), 1, text)
     with pytest.raises(EngineInputError, match=r"outside the engine's profile \(2, 4, 16, 16\) \.\. \(8, 4, 48, 48\)"):
         engine_unet(torch.randn(2, 4, 64, 64), 1, torch.randn(2, 77, 32))
-    with pytest.raises(EngineInputError, match="multiples of 2"):
+    with pytest.raises(EngineInputError, match="latent height 17 must be a multiple of 2"):
         engine_unet(torch.randn(2, 4, 17, 17), 1, text)
     with pytest.raises(EngineInputError, match="the engine takes"):
         engine_unet(torch.randn(2, 4, 16, 16), 1, torch.randn(2, 77, 64))

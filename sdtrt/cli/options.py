@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from ..config import (
+    COMPONENTS,
+    Component,
     ExportConfig,
     Exporter,
     IONaming,
@@ -36,7 +38,11 @@ WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (def
 
 
 PrecisionOpt = Annotated[Precision, typer.Option(help="Graph precision.")]
-ExporterOpt = Annotated[Exporter, typer.Option(help="torchscript (default) or dynamo (torch.export).")]
+ExporterOpt = Annotated[
+    Exporter,
+    typer.Option(help="auto (TorchScript-based; torch.export-based for fp16 text encoders), torchscript or dynamo."),
+]
+ComponentOpt = Annotated[Component, typer.Option(help=f"Which network: {', '.join(COMPONENTS)}.")]
 OpsetOpt = Annotated[int, typer.Option(help="ONNX opset.")]
 IONamingOpt = Annotated[
     IONaming,
@@ -65,8 +71,10 @@ def find_engine(engine: str, engines: Path | None) -> Artifact:
     return Store(engines).find(engine)
 
 
-def export_config(precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming) -> ExportConfig:
-    return ExportConfig(precision=precision, opset=opset, exporter=exporter, io_naming=io_naming)
+def export_config(
+    precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming, component: Component = "unet"
+) -> ExportConfig:
+    return ExportConfig(precision=precision, opset=opset, exporter=exporter, io_naming=io_naming, component=component)
 
 
 def simplify_config(method: SimplifyMethod, check: bool) -> SimplifyConfig:

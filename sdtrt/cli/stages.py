@@ -5,15 +5,18 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
-from ..config import OrtOptimization, ValidationConfig, WrapConfig
+from ..config import COMPONENTS, Component, OrtOptimization, ValidationConfig, WrapConfig
+from ..errors import RequestError
 from ..progress import console
+from ..spec import model_components
 from . import options as o
 
 if TYPE_CHECKING:
+    from ..models import ModelSource
     from ..store import Artifact
 
 InputArg = Annotated[
@@ -31,21 +34,23 @@ def register(app: typer.Typer) -> None:
 
 def export(
     model: o.ModelOpt = "tiny",
+    component: o.ComponentOpt = "unet",
     precision: o.PrecisionOpt = "fp16",
-    exporter: o.ExporterOpt = "torchscript",
+    exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Export the model's UNet to ONNX (dynamic batch, height and width).
+    """Export one of the model's networks (the UNet by default) to ONNX, with dynamic batch, height and width.
 
-    Example: sdtrt export --model tiny --precision fp16
+    Example: sdtrt export --model tiny --component vae_decoder --precision fp16
     """
     from ..models import resolve_model
     from ..stages import export as export_stage
 
     store = o.open_store(engines)
-    artifact = export_stage.run(o.export_config(precision, exporter, opset, io_naming), resolve_model(model), store)
+    config = o.export_config(precision, exporter, opset, io_naming, component)
+    artifact = export_stage.run(config, resolve_model(model), store)
     typer.echo(artifact.path)
 
 
@@ -111,7 +116,7 @@ def compile(
     model: o.ModelOpt = "tiny",
     target: o.TargetOpt = "auto",
     precision: o.PrecisionOpt = "fp16",
-    exporter: o.ExporterOpt = "torchscript",
+    exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
     method: o.MethodOpt = "auto",
@@ -125,13 +130,21 @@ def compile(
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
     ] = True,
+    components: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Comma-separated, of {','.join(COMPONENTS)} (default: every one the model has; the UNet alone "
+            "on TensorRT); several give an engine set."
+        ),
+    ] = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Run every stage for a target in order, then validate; unchanged stages are cache hits.
 
-    onnxruntime: export → simplify → build.  tensorrt: export → simplify → build → wrap.
+    onnxruntime: export → simplify → build, per component.  tensorrt: export → simplify → build → wrap (UNet).
+    Several components end in an engine set, whose directory is printed last.
 
-    Example: sdtrt compile --model tiny --target onnxruntime
+    Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
     """
     from ..compile import compile_model
     from ..models import resolve_model
@@ -140,6 +153,7 @@ def compile(
 
     store = o.open_store(engines)
     source = resolve_model(model)
+    chosen_components = parse_components(components, source)
     export_config = o.export_config(precision, exporter, opset, io_naming)
     profile = o.shape_profile(export_stage.spec_for(source, export_config).default_profile(), batch, height, width)
     result = compile_model(
@@ -151,6 +165,7 @@ def compile(
         profile=profile,
         trt_config=o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache),
         validation=ValidationConfig() if validate else None,
+        components=chosen_components,
     )
     for artifact in result.artifacts:
         if artifact.stage == "simplify":
@@ -180,3 +195,17 @@ def print_simplify_summary(artifact: Artifact) -> None:
         console.print(f"[yellow]fell back to constant folding:[/] {details['fallback_reason']}")
     if check := details.get("check"):
         console.print(f"ONNX Runtime check: cosine {check['cosine']:.6f}, max abs {check['max_abs']:.3g}")
+
+
+def parse_components(text: str | None, source: ModelSource) -> tuple[Component, ...] | None:
+    """--components, checked against the model (None: compile's default)."""
+    if text is None:
+        return None
+    have = model_components(source)
+    wanted = tuple(c.strip() for c in text.split(",") if c.strip())
+    for name in wanted:
+        if name not in COMPONENTS:
+            raise RequestError(f"unknown component '{name}'; choose from {', '.join(COMPONENTS)}")
+        if name not in have:
+            raise RequestError(f"model '{source.name}' has no {name} (it has {', '.join(have)})")
+    return cast(tuple[Component, ...], tuple(dict.fromkeys(wanted)))

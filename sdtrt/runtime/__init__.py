@@ -16,13 +16,15 @@ from ..errors import ArtifactError, EngineInputError
 
 if TYPE_CHECKING:
     from ..models import ModelSource
-    from ..spec import UNetSpec
+    from ..spec import GraphSpec, UNetSpec
     from ..store import Artifact
 
 
 class Runtime(Protocol):
     name: str
-    spec: UNetSpec
+
+    @property
+    def spec(self) -> GraphSpec: ...
 
     @property
     def device(self) -> torch.device: ...
@@ -37,16 +39,16 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 
 
-def typed_inputs(spec: UNetSpec, feeds: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def typed_inputs(spec: GraphSpec, feeds: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Inputs in the graph's dtypes, contiguous, on ``device`` (no copy when they already are)."""
     return {t.name: feeds[t.name].detach().to(device, TORCH_DTYPES[t.dtype]).contiguous() for t in spec.inputs()}
 
 
 class CudaRuntime:
-    """Device and dtype of runtimes that run on the current CUDA device (TensorRT, TorchScript)."""
+    """Device and dtype of runtimes that run on the current CUDA device (TensorRT, TorchScript: UNets so far)."""
 
     spec: UNetSpec
 
@@ -59,13 +61,15 @@ class CudaRuntime:
         return TORCH_DTYPES[self.spec.dtype]
 
 
-def check_feeds(spec: UNetSpec, profile: ShapeProfile | None, feeds: dict[str, torch.Tensor]) -> None:
-    """Raise EngineInputError unless ``feeds`` are floating tensors whose shapes the engine takes."""
+def check_feeds(spec: GraphSpec, profile: ShapeProfile | None, feeds: dict[str, torch.Tensor]) -> None:
+    """Raise EngineInputError unless ``feeds`` are tensors of the right kind whose shapes the engine takes."""
+    kinds = {t.name: t.dtype.startswith("float") for t in spec.inputs()}
     for name, tensor in feeds.items():
-        if name not in spec.input_names:
+        if name not in kinds:
             raise EngineInputError(f"unexpected input '{name}'; the engine takes {list(spec.input_names)}")
-        if not tensor.is_floating_point():
-            raise EngineInputError(f"input '{name}' is {tensor.dtype}; the engine takes floating-point tensors")
+        if tensor.is_floating_point() != kinds[name]:
+            wanted = "floating-point" if kinds[name] else "integer"
+            raise EngineInputError(f"input '{name}' is {tensor.dtype}; the engine takes {wanted} tensors")
     reason = spec.check_shapes({name: tuple(t.shape) for name, t in feeds.items()}, profile)
     if reason:
         raise EngineInputError(f"{reason}; rebuild the engine with --batch/--height/--width covering it")
@@ -83,19 +87,25 @@ def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_grap
     replays TensorRT engines from CUDA graphs.
     """
     from ..onnx_graph import artifact_spec
+    from ..spec import UNetSpec
 
     artifact.require_intact()
     spec = artifact_spec(artifact, model)
+    if artifact.stage in ("build-trt", "wrap") and not isinstance(spec, UNetSpec):
+        raise ArtifactError(
+            f"the TensorRT runtimes run UNet engines only so far; this {spec.component} artifact runs on ONNX "
+            "Runtime: build it with --target onnxruntime"
+        )
     if artifact.stage in ("export", "simplify", "external", "build-ort"):
         from .onnxruntime import OnnxRuntime
 
         preoptimized = artifact.stage == "build-ort"
         return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
-    if artifact.stage == "build-trt":
+    if artifact.stage == "build-trt" and isinstance(spec, UNetSpec):
         from .tensorrt import TensorRTRuntime
 
         return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph)
-    if artifact.stage == "wrap":
+    if artifact.stage == "wrap" and isinstance(spec, UNetSpec):
         from .torchscript import TorchScriptRuntime
 
         return TorchScriptRuntime(artifact.primary, spec, artifact_profile(artifact))

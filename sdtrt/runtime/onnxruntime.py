@@ -1,4 +1,4 @@
-"""ONNX Runtime: runs fp16 and fp32 UNet graphs on the CPU here, with the CUDA provider where present."""
+"""ONNX Runtime: runs fp16 and fp32 graphs of every component on the CPU here, with the CUDA provider where present."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 
 from ..config import ShapeProfile
 from ..errors import ArtifactError, one_line
-from ..spec import UNetSpec
+from ..spec import GraphSpec
 from . import TORCH_DTYPES, check_feeds, typed_inputs
 
-NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32}
+NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "int64": np.int64}
 
 
 def default_providers() -> list[str]:
@@ -35,7 +35,7 @@ def session_options(threads: int = 0, preoptimized: bool = False):  # -> ort.Ses
 
 
 class OnnxRuntime:
-    """An InferenceSession over one UNet graph.
+    """An InferenceSession over one component's graph.
 
     On the CPU, inputs reach ONNX Runtime as numpy views of the torch tensors (no copy when dtype
     and layout already match) and outputs come back as torch views of ONNX Runtime's arrays. With
@@ -47,7 +47,7 @@ class OnnxRuntime:
     def __init__(
         self,
         path: Path,
-        spec: UNetSpec,
+        spec: GraphSpec,
         profile: ShapeProfile | None = None,
         providers: Sequence[str] | None = None,
         threads: int = 0,
@@ -77,26 +77,27 @@ class OnnxRuntime:
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, self.profile, feeds)
         typed = typed_inputs(self.spec, feeds, self.device)
-        output = self.spec.output_name
         if self.device.type == "cuda":
-            return {output: self._run_bound(typed)}
+            return self._run_bound(typed)
         arrays = {name: t.numpy() for name, t in typed.items()}
-        (result,) = self._session.run([output], arrays)
-        return {output: torch.from_numpy(result)}
+        names = list(self.spec.output_names)
+        return {name: torch.from_numpy(r) for name, r in zip(names, self._session.run(names, arrays), strict=True)}
 
-    def _run_bound(self, typed: dict[str, torch.Tensor]) -> torch.Tensor:
-        sample = typed[self.spec.input_names[0]]
-        out = torch.empty(
-            (sample.shape[0], self.spec.out_channels, *sample.shape[2:]), dtype=self.dtype, device=sample.device
-        )
+    def _run_bound(self, typed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        shapes = self.spec.output_shapes({name: tuple(t.shape) for name, t in typed.items()})
+        device = next(iter(typed.values())).device
+        outputs = {
+            t.name: torch.empty(shapes[t.name], dtype=TORCH_DTYPES[t.dtype], device=device) for t in self.spec.outputs()
+        }
         binding = self._session.io_binding()
-        for t in self.spec.inputs() + self.spec.outputs():
-            tensor = out if t.name == self.spec.output_name else typed[t.name]
-            bind = binding.bind_output if tensor is out else binding.bind_input
+        for t, bind in [(t, binding.bind_input) for t in self.spec.inputs()] + [
+            (t, binding.bind_output) for t in self.spec.outputs()
+        ]:
+            tensor = outputs[t.name] if t.name in outputs else typed[t.name]
             bind(t.name, "cuda", tensor.device.index or 0, NUMPY_DTYPES[t.dtype], list(tensor.shape), tensor.data_ptr())
         torch.cuda.current_stream().synchronize()  # ORT runs on its own stream; inputs must be ready
         self._session.run_with_iobinding(binding)
-        return out
+        return outputs
 
     def close(self) -> None:
         self._session = None

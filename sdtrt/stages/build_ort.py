@@ -19,7 +19,6 @@ from ..validate import compare_graphs
 
 STAGE = "build-ort"
 VERSION = 1
-ONNX_NAME = "unet.ort.onnx"
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
@@ -34,8 +33,8 @@ def run(config: OrtBuildConfig, source: Artifact, store: Store) -> Artifact:
 def _build(config: OrtBuildConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
     import onnxruntime as ort
 
-    out_path = out_dir / ONNX_NAME
     spec = onnx_graph.artifact_spec(source)
+    out_path = out_dir / f"{spec.component}.ort.onnx"
     options = session_options()
     options.graph_optimization_level = {
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -57,7 +56,7 @@ def _build(config: OrtBuildConfig, source: Artifact, out_dir: Path) -> dict[str,
         check = compare_graphs(source.primary, out_path, spec)
     before, after = onnx_graph.op_counts(source.primary), onnx_graph.op_counts(out_path)
     return {
-        "primary": ONNX_NAME,
+        "primary": out_path.name,
         "io": spec.to_json(),
         "profile": config.profile.to_json(),
         "target": "onnxruntime",

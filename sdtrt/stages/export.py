@@ -6,47 +6,69 @@ batch, height and width dynamic. Export-time patches are scoped and recorded in 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
 from ..config import ExportConfig
 from ..errors import ExportError, one_line
-from ..models import ModelSource, load_unet
+from ..models import ModelSource, load_folder
 from ..progress import step
-from ..spec import UNetSpec
+from ..spec import FOLDERS, GraphSpec, component_spec
 from ..store import Artifact, StageRequest, Store, environment
 
 if TYPE_CHECKING:
     import torch
 
 STAGE = "export"
-VERSION = 1
-ONNX_NAME = "unet.onnx"
+VERSION = 2  # 2: any component, named {component}.onnx
 
 
-def _graph_module(unet: torch.nn.Module) -> torch.nn.Module:
-    """The UNet with positional tensor inputs and a single tensor output, as the graph has them."""
+def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
+    """The network with positional tensor inputs and tensor outputs, in the order its spec names them."""
     import torch
 
-    class UNetGraph(torch.nn.Module):
+    def unet(sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        return network(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+
+    def text_encoder(input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = network(input_ids, output_hidden_states=True)
+        # The penultimate layer is what `clip_skip=1` (and SDXL) read, before the final layer norm.
+        return out.last_hidden_state, getattr(out, spec.canonical_outputs[1]), out.hidden_states[-2]
+
+    def vae_decoder(latent_sample: torch.Tensor) -> torch.Tensor:
+        return network.decode(latent_sample, return_dict=False)[0]
+
+    def vae_encoder(sample: torch.Tensor) -> torch.Tensor:
+        return network.encode(sample).latent_dist.parameters  # mean and log-variance, stacked on channels
+
+    forward: dict[str, Callable[..., Any]] = {
+        "unet": unet,
+        "text_encoder": text_encoder,
+        "vae_decoder": vae_decoder,
+        "vae_encoder": vae_encoder,
+    }
+
+    class Graph(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.unet = unet
+            self.network = network  # registered, so the exporter sees its weights
 
-        def forward(
-            self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
-        ) -> torch.Tensor:
-            return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+        def forward(self, *inputs: torch.Tensor) -> Any:
+            return forward[spec.component](*inputs)
 
-    return UNetGraph().eval()
+    return Graph().eval()
 
 
-def spec_for(model: ModelSource, config: ExportConfig) -> UNetSpec:
-    return UNetSpec.from_config(model.unet_config(), model.vae_scale_factor(), config.precision, config.io_naming)
+def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
+    return component_spec(model, config.component, config.precision, config.io_naming)
 
 
 def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
@@ -56,14 +78,14 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
         stage=STAGE,
         version=VERSION,
         config=config,
-        inputs=[{"kind": "model", "digest": model.unet_digest(), **model.describe()}],
-        environment=environment("torch", "diffusers", "onnx", "onnxscript"),
+        inputs=[{"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()}],
+        environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
     artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))
     return artifact
 
 
-def _export(config: ExportConfig, model: ModelSource, spec: UNetSpec, out_dir: Path) -> dict[str, Any]:
+def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
     import torch
 
     from ..patches import export_patches
@@ -71,32 +93,38 @@ def _export(config: ExportConfig, model: ModelSource, spec: UNetSpec, out_dir: P
     dtype = torch.float16 if config.precision == "fp16" else torch.float32
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    with step(f"Loading UNet from {model.name}"):
-        graph_module = _graph_module(load_unet(model, dtype))
+    folder = FOLDERS[spec.component]
+    with step(f"Loading the {spec.label} from {model.name}"):
+        module = graph_module(spec, load_folder(model, folder, dtype))
     timings["load_s"] = round(time.perf_counter() - started, 3)
 
     raw_dir = out_dir / "raw"
     raw_dir.mkdir()
     started = time.perf_counter()
-    description = f"Exporting UNet to ONNX ({config.precision}, {config.exporter} exporter, opset {config.opset})"
-    with step(description), export_patches() as patches, torch.no_grad(), warnings.catch_warnings():
+    onnx_name = f"{spec.component}.onnx"
+    exporter = config.chosen_exporter
+    description = f"Exporting {spec.label} to ONNX ({config.precision}, {exporter} exporter, opset {config.opset})"
+    with (
+        step(description), export_patches() as patches, torch.no_grad(), warnings.catch_warnings(),
+        contextlib.redirect_stdout(sys.stderr),  # torch.export's exporter prints its progress: stdout is for results
+    ):  # fmt: skip
         # The tracer warns about every Python branch on a shape; the graph is checked numerically.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         try:
-            _torch_export(graph_module, spec, config, raw_dir / ONNX_NAME, dtype)
+            _torch_export(module, spec, config, raw_dir / onnx_name, dtype)
         except Exception as exc:
-            other = "torchscript" if config.exporter == "dynamo" else "dynamo"
+            other = "torchscript" if exporter == "dynamo" else "dynamo"
             raise ExportError(
-                f"the {config.exporter} exporter failed: {one_line(exc)}; try --exporter {other}, "
+                f"the {exporter} exporter failed: {one_line(exc)}; try --exporter {other}, "
                 "or SDTRT_DEBUG=1 for the traceback"
             ) from exc
     timings["export_s"] = round(time.perf_counter() - started, 3)
-    del graph_module
+    del module
 
     started = time.perf_counter()
     with step("Naming axes, packing weights and checking the graph"):
-        onnx_path = out_dir / ONNX_NAME
-        proto = onnx_graph.load_graph(raw_dir / ONNX_NAME, with_weights=True)
+        onnx_path = out_dir / onnx_name
+        proto = onnx_graph.load_graph(raw_dir / onnx_name, with_weights=True)
         onnx_graph.name_dynamic_axes(proto, spec)
         weight_bytes = onnx_graph.weights_on_disk(raw_dir)
         onnx_graph.save(proto, onnx_path, weight_bytes)
@@ -107,50 +135,56 @@ def _export(config: ExportConfig, model: ModelSource, spec: UNetSpec, out_dir: P
     timings["finalize_s"] = round(time.perf_counter() - started, 3)
 
     return {
-        "primary": ONNX_NAME,
+        "primary": onnx_name,
         "io": spec.to_json(),
         "patches": patches,
         "timings": timings,
         "details": {
             "nodes": node_count,
+            "exporter": exporter,
             "external_data": onnx_graph.data_file(onnx_path).exists(),
-            "unet_config": model.unet_config(),
+            "config": model.component_config(folder)[0],
         },
         "reproduce": (
-            f"sdtrt export --model {model.name} --precision {config.precision} --exporter {config.exporter} "
-            f"--opset {config.opset} --io-naming {config.io_naming}"
+            f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "
+            f"--exporter {config.exporter} --opset {config.opset} --io-naming {config.io_naming}"
         ),
     }
 
 
 def _torch_export(
-    module: torch.nn.Module, spec: UNetSpec, config: ExportConfig, path: Path, dtype: torch.dtype
+    module: torch.nn.Module, spec: GraphSpec, config: ExportConfig, path: Path, dtype: torch.dtype
 ) -> None:
     import torch
 
-    m = spec.latent_multiple
-    output_names = [spec.output_name]
-    if config.exporter == "torchscript":
+    pm = spec.pixel_multiple
+    if config.chosen_exporter == "torchscript":
         # The TorchScript exporter runs the model for real; fp16 on a CPU without fp16 units is
         # slow, so trace the smallest valid input. The graph stays dynamic through dynamic_axes.
-        side = max(8, m) * spec.vae_scale_factor
+        side = max(8 * spec.vae_scale_factor, pm)
         example = spec.sample_inputs(1, side, side, dtype=dtype)
         torch.onnx.export(
             module, tuple(example.values()), str(path), dynamo=False, opset_version=config.opset,
-            input_names=list(spec.input_names), output_names=output_names, dynamic_axes=spec.dynamic_axes(),
+            dynamic_axes=spec.dynamic_axes(), input_names=list(spec.input_names), output_names=list(spec.output_names),
         )  # fmt: skip
         return
     from torch.export import Dim
 
-    # Distinct height and width (and a batch above 1) keep torch.export from specialising them.
-    example = spec.sample_inputs(2, 2 * m * spec.vae_scale_factor, 3 * m * spec.vae_scale_factor, dtype=dtype)
-    batch, height, width = Dim("batch", min=1, max=1024), Dim("height", min=1, max=4096), Dim("width", min=1, max=4096)
+    # Distinct height and width (and a batch above 1) keep torch.export from specialising them;
+    # an axis on a grid is a multiple of a free dimension, so the graph keeps that constraint.
+    side = max(8 * spec.vae_scale_factor, pm)
+    example = spec.sample_inputs(2, 2 * side, 3 * side, dtype=dtype)
+    dims: dict[str, Any] = {}
+    for axis in {d for t in spec.inputs() for d in t.shape if isinstance(d, str)}:
+        multiple = getattr(spec, spec.grid[axis]) if axis in spec.grid else 1
+        dims[axis] = multiple * Dim(axis, min=1, max=1024 if axis == "batch" else 4096)
+    # torch's ONNX registry warns about every torchvision op it cannot register (sdtrt exports none).
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    # Keyed by the wrapper's one variadic parameter, ``inputs``.
     dynamic_shapes = {
-        "sample": {0: batch, 2: m * height, 3: m * width},
-        "timestep": {0: batch},
-        "encoder_hidden_states": {0: batch},
+        "inputs": tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs())
     }
     torch.onnx.export(
-        module, tuple(example.values()), str(path), dynamo=True, opset_version=config.opset,
-        input_names=list(spec.input_names), output_names=output_names, dynamic_shapes=dynamic_shapes,
+        module, tuple(example.values()), str(path), dynamo=True, opset_version=config.opset, verbose=False,
+        dynamic_shapes=dynamic_shapes, input_names=list(spec.input_names), output_names=list(spec.output_names),
     )  # fmt: skip

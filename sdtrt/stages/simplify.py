@@ -19,7 +19,6 @@ from ..validate import compare_graphs
 
 STAGE = "simplify"
 VERSION = 1
-ONNX_NAME = "unet.sim.onnx"
 
 
 def run(config: SimplifyConfig, source: Artifact, store: Store) -> Artifact:
@@ -32,7 +31,8 @@ def run(config: SimplifyConfig, source: Artifact, store: Store) -> Artifact:
 
 
 def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
-    out_path = out_dir / ONNX_NAME
+    spec = onnx_graph.artifact_spec(source)
+    out_path = out_dir / f"{spec.component}.sim.onnx"
     before = onnx_graph.op_counts(source.primary)
     timings: dict[str, float] = {}
     fallback_reason = None
@@ -56,7 +56,6 @@ def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[s
     onnx_graph.check(out_path)
     after = onnx_graph.op_counts(out_path)
 
-    spec = onnx_graph.artifact_spec(source)
     check = None
     if config.check:
         started = time.perf_counter()
@@ -69,7 +68,7 @@ def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[s
                 f"{config.check_min_cosine}); retry with --method {'fold' if method == 'onnxsim' else 'onnxsim'}"
             )
     return {
-        "primary": ONNX_NAME,
+        "primary": out_path.name,
         "io": spec.to_json(),
         "timings": timings,
         "details": {

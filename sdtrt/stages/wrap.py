@@ -44,7 +44,7 @@ def _wrap(engine: Artifact, out_dir: Path) -> dict[str, Any]:
         module = torch_tensorrt.ts.embed_engine_in_new_module(
             engine.primary.read_bytes(),
             input_binding_names=list(spec.input_names),
-            output_binding_names=[spec.output_name],
+            output_binding_names=list(spec.output_names),
         )
         torch.jit.save(module, str(out_dir / TS_NAME))
     return {
