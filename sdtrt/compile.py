@@ -119,10 +119,15 @@ def compile_model(
         simplified = simplify.run(simplify_config, exported, store)
         built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
         artifacts += [exported, simplified, built]
-        if chosen == "tensorrt":
+        if chosen == "tensorrt" and len(built.manifest["profiles"]) == 1:
             from .stages import wrap
 
             artifacts.append(wrap.run(WrapConfig(), built, store))
+        elif chosen == "tensorrt":
+            reason += (
+                f"; the engine has {len(built.manifest['profiles'])} optimization profiles, so it is not wrapped as "
+                "TorchScript (a wrapped engine runs profile 0 only): use the build-trt artifact"
+            )
         finals[component] = artifacts[-1]
     if len(components) > 1:
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store))

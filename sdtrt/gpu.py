@@ -7,6 +7,7 @@ into build keys and manifests, and ``engine_mismatch`` compares them before an e
 from __future__ import annotations
 
 import importlib.util
+import re
 from importlib import metadata
 from typing import Any
 
@@ -53,12 +54,24 @@ def gpu_environment() -> dict[str, Any]:
 
 
 def tensorrt_version() -> str:
-    try:
-        return metadata.version("tensorrt")
-    except metadata.PackageNotFoundError:
-        import tensorrt as trt
+    """The TensorRT an engine is built and run with: the module's own version, the one source both sides
+    share (pip's tensorrt-cu12/-cu13 install no `tensorrt` distribution; NGC images name theirs variously)."""
+    import tensorrt as trt
 
-        return str(trt.__version__)
+    return str(trt.__version__)
+
+
+# What the NVIDIA container ships and pip must never replace (docker/Dockerfile pins them).
+CONTAINER_PACKAGES = re.compile(r"^(torch|torch[-_]tensorrt|tensorrt([-_].*)?|nvidia[-_].*)$", re.IGNORECASE)
+
+
+def pinned_requirements() -> list[str]:
+    """``name==version`` for every installed distribution the container must keep, from importlib.metadata.
+
+    ``pip freeze`` lists NGC's own builds as ``torch @ file:///…``, which an ``==`` filter misses.
+    """
+    found = {d.metadata["Name"]: d.version for d in metadata.distributions() if d.metadata["Name"]}
+    return sorted(f"{name}=={version}" for name, version in found.items() if CONTAINER_PACKAGES.match(name))
 
 
 def engine_mismatch(built: dict[str, Any], here: dict[str, Any]) -> str | None:
@@ -74,3 +87,7 @@ def engine_mismatch(built: dict[str, Any], here: dict[str, Any]) -> str | None:
     if not problems:
         return None
     return "this engine was built for " + " and ".join(problems)
+
+
+if __name__ == "__main__":  # python -m sdtrt.gpu > constraints.txt (docker/Dockerfile)
+    print("\n".join(pinned_requirements()))

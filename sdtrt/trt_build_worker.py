@@ -11,15 +11,56 @@ every ``trt.`` name is checked against the published API in tests/test_tensorrt_
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import tensorrt as trt
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+
+def warn(message: str) -> None:
+    """Into the build log the parent keeps (this process's stdout and stderr)."""
+    print(f"[sdtrt] warning: {message}", file=sys.stderr, flush=True)
+
+
+def use_timing_cache(config: trt.IBuilderConfig, path: Path | None) -> None:
+    """Give the build the timing cache at ``path`` if it fits this device and TensorRT, else an empty one.
+
+    IBuilderConfig.set_timing_cache returns False when the cache does not match (pyCore.cpp,
+    pyCoreDoc.h "set_timing_cache"): a cache made on another GPU must not fail the build.
+    """
+    data = path.read_bytes() if path and path.is_file() else b""
+    if config.set_timing_cache(config.create_timing_cache(data), ignore_mismatch=False):
+        return
+    warn(f"timing cache {path} was made for another GPU or TensorRT version; building with an empty one")
+    if not config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False):
+        raise RuntimeError("TensorRT refused an empty timing cache")
+
+
+def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
+    """Write the build's timing cache atomically; a failure is a warning, never a lost engine.
+
+    IBuilderConfig.get_timing_cache returns None when no cache is set (pyCoreDoc.h "get_timing_cache").
+    """
+    cache = config.get_timing_cache()
+    if cache is None:
+        warn("TensorRT kept no timing cache for this build; nothing written")
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(bytes(cache.serialize()))
+        tmp.replace(path)
+    except OSError as exc:
+        warn(f"could not write the timing cache {path} ({exc.strerror}); the engine itself is built")
 
 
 def build(request: dict[str, Any]) -> dict[str, Any]:
+    import tensorrt as trt
+
     logger = trt.Logger(trt.Logger.INFO)
     builder: trt.Builder = trt.Builder(logger)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -38,12 +79,12 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         profile: trt.IOptimizationProfile = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
             profile.set_shape(name, lo, opt, hi)
-        config.add_optimization_profile(profile)
+        # add_optimization_profile returns the profile's index, -1 when the profile is invalid (pyCoreDoc.h).
+        if config.add_optimization_profile(profile) < 0:
+            raise RuntimeError(f"TensorRT rejected the optimization profile {shapes}")
 
     cache_path = Path(request["timing_cache"]) if request["timing_cache"] else None
-    cache_bytes = cache_path.read_bytes() if cache_path and cache_path.is_file() else b""
-    timing_cache: trt.ITimingCache = config.create_timing_cache(cache_bytes)
-    config.set_timing_cache(timing_cache, ignore_mismatch=False)
+    use_timing_cache(config, cache_path)
 
     started = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
@@ -51,8 +92,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("builder.build_serialized_network returned None; see the TensorRT messages above")
     Path(request["plan"]).write_bytes(plan)
     if cache_path:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_bytes(config.get_timing_cache().serialize())
+        save_timing_cache(config, cache_path)  # after the plan is safe on disk
     return {"build_s": time.perf_counter() - started, "tensorrt": trt.__version__, "layers": network.num_layers}
 
 

@@ -12,7 +12,7 @@ import torch
 
 from sdtrt.compile import build, compile_model
 from sdtrt.config import Range, ShapeProfile, TrtBuildConfig, WrapConfig
-from sdtrt.errors import EngineInputError, EnvironmentMismatchError
+from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError
 from sdtrt.models import load_unet
 from sdtrt.runtime import open_runtime
 from sdtrt.stages import wrap
@@ -36,6 +36,12 @@ def reference_unet(tiny):
     return load_unet(tiny).cuda()
 
 
+@pytest.fixture(scope="session")
+def reference_cpu(tiny):
+    """A CPU fp32 copy for compare_unet, so no test moves the shared CUDA reference."""
+    return load_unet(tiny)
+
+
 def test_manifest_records_tensorrt_and_gpu(trt_engine):
     env = trt_engine.manifest["environment"]
     assert env["tensorrt"] != "absent" and env["compute_capability"].count(".") == 1
@@ -43,12 +49,31 @@ def test_manifest_records_tensorrt_and_gpu(trt_engine):
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
-def test_engine_matches_pytorch(trt_engine, reference_unet, cuda_graph):
+def test_engine_matches_pytorch(trt_engine, reference_cpu, cuda_graph):
     runtime = open_runtime(trt_engine, cuda_graph=cuda_graph)
     for case in (TensorCase(2, 256, 256, 999.0, 0), TensorCase(4, 128, 384, 1.0, 1)):
-        first = compare_unet(runtime, reference_unet.cpu().float(), runtime.spec, case)
-        again = compare_unet(runtime, reference_unet.cpu().float(), runtime.spec, case)  # replays the graph
+        first = compare_unet(runtime, reference_cpu, runtime.spec, case)
+        again = compare_unet(runtime, reference_cpu, runtime.spec, case)  # replays the graph
         assert first["cosine"] >= 0.999 and again == first
+
+
+def test_cuda_graph_replays_an_older_shape_after_a_newer_capture(trt_engine):
+    """Issue 9, item 2: a graph must never replay against context state bound for another shape."""
+    graphed, eager = open_runtime(trt_engine, cuda_graph=True), open_runtime(trt_engine)
+    small, large = (graphed.spec.sample_inputs(b, h, w, seed=s) for b, h, w, s in ((2, 256, 256, 0), (4, 128, 384, 1)))
+    for feeds in (small, large, small, large):
+        got = graphed.run(feeds)["out_sample"].float()
+        expected = eager.run(feeds)["out_sample"].float()
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-3)
+
+
+def test_the_runtime_runs_on_its_own_stream(trt_engine):
+    """Issue 9, item 3: never the legacy default stream, and the caller's stream sees the result in order."""
+    runtime = open_runtime(trt_engine)
+    assert runtime._stream != torch.cuda.default_stream()
+    feeds = runtime.spec.sample_inputs(2, 256, 256)
+    out = runtime.run(feeds)["out_sample"]
+    assert torch.isfinite(out).all()  # read on the caller's stream, after it waited for the runtime's
 
 
 def test_out_of_profile_request_names_the_profiles(trt_engine):
@@ -78,7 +103,8 @@ def test_torchscript_round_trip(trt_engine, store, reference_unet):
     spec = open_runtime(trt_engine).spec
     feeds = spec.sample_inputs(2, 256, 256)
     inputs = [feeds[n].cuda().to(torch.float16 if n != "timestep" else torch.float32) for n in spec.input_names]
-    (out,) = module(inputs)
+    out = module(*inputs)  # one tensor argument per engine input; one output comes back as a tensor
+    assert isinstance(out, torch.Tensor)
     expected = reference_unet(*(feeds[n].cuda() for n in spec.input_names), return_dict=False)[0]
     assert torch.nn.functional.cosine_similarity(out.float().flatten(), expected.flatten(), dim=0) > 0.999
 
@@ -88,3 +114,16 @@ def test_compile_tensorrt_validates_the_wrapped_engine(tiny, store):
     assert [a.stage for a in result.artifacts] == ["export", "simplify", "build-trt", "wrap"]
     assert result.validation, result.validation.failures
     assert validate(tiny, result.artifacts[2], ValidationConfig(steps=4))
+
+
+def test_an_engine_with_two_profiles_is_kept_unwrapped(tiny, tiny_simplified, store):
+    """Issue 9, item 6: Torch-TensorRT's TRTEngine only ever runs profile 0."""
+    wide = ShapeProfile(Range(1, 1, 2), Range(384, 512, 768), Range(384, 512, 768))
+    config = TrtBuildConfig(profiles=(PROFILE, wide))
+    engine, _ = build(tiny_simplified, store, "tensorrt", trt_config=config)
+    with pytest.raises(ArtifactError, match="2 optimization profiles"):
+        wrap.run(WrapConfig(), engine, store)
+    runtime = open_runtime(engine)
+    assert runtime.run(runtime.spec.sample_inputs(2, 512, 512))["out_sample"].shape == (2, 4, 64, 64), "profile 1"
+    result = compile_model(tiny, store, "tensorrt", profile=PROFILE, trt_config=config, components=("unet",))
+    assert result.final.stage == "build-trt" and "not wrapped as TorchScript" in result.target_reason

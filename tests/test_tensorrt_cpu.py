@@ -78,3 +78,115 @@ def test_no_gpu_paths_fail_fast_with_the_container_hint(tiny_simplified, tiny_en
     with pytest.raises(ArtifactError, match="wrap takes a TensorRT engine"):
         wrap.run(wrap.WrapConfig(), tiny_engine, store)
     assert resolve_target("auto")[0] == "onnxruntime"
+
+
+# ---- issue 9: the logic of the TensorRT fixes, where it can run without a GPU -----------------------------------
+
+
+def test_wrapped_module_results_give_the_first_output():
+    from sdtrt.runtime.torchscript import first_output
+
+    out = torch.ones(2)
+    assert first_output(out) is out, "one engine output: the module returns the tensor itself"
+    assert first_output((out, torch.zeros(1))) is out, "several outputs: a tuple"
+
+
+def test_misaligned_tensors_are_copied_before_tensorrt_sees_them():
+    from sdtrt.errors import EngineInputError
+    from sdtrt.runtime.tensorrt import TENSOR_ALIGNMENT, aligned, require
+
+    base = torch.zeros(1024, dtype=torch.float16)
+    start = next(i for i in range(TENSOR_ALIGNMENT) if base[i:].data_ptr() % TENSOR_ALIGNMENT)
+    view = base[start:]
+    copy = aligned(view)
+    assert copy.data_ptr() != view.data_ptr() and torch.equal(copy, view)
+    whole = torch.zeros(8)
+    if whole.data_ptr() % TENSOR_ALIGNMENT == 0:
+        assert aligned(whole) is whole
+    with pytest.raises(EngineInputError, match="TensorRT refused to bind input 'sample'"):
+        require(False, "bind input 'sample'")
+
+
+class TimingCacheConfig:
+    """Stands in for trt.IBuilderConfig's timing-cache calls, as pyCoreDoc.h documents them: set_timing_cache
+    returns False for a cache from another device; get_timing_cache returns None when none is set."""
+
+    def __init__(self, foreign: bytes = b"other-gpu", keep: bool = True) -> None:
+        self.foreign, self.keep, self.cache = foreign, keep, None
+
+    def create_timing_cache(self, data: bytes) -> bytes:
+        return data
+
+    def set_timing_cache(self, cache: bytes, ignore_mismatch: bool) -> bool:
+        if cache == self.foreign and not ignore_mismatch:
+            return False
+        self.cache = cache
+        return True
+
+    def get_timing_cache(self):
+        class Cache:
+            def serialize(inner) -> bytes:
+                return b"tuned:" + self.cache
+
+        return Cache() if self.keep else None
+
+
+def test_a_timing_cache_from_another_gpu_falls_back_to_an_empty_one(tmp_path, capsys):
+    from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
+
+    path = tmp_path / "cache.bin"
+    path.write_bytes(b"other-gpu")
+    config = TimingCacheConfig()
+    use_timing_cache(config, path)
+    assert config.cache == b"" and "was made for another GPU" in capsys.readouterr().err
+    save_timing_cache(config, path)
+    assert path.read_bytes() == b"tuned:"
+    use_timing_cache(config, tmp_path / "none-yet.bin")
+    assert config.cache == b""
+
+
+def test_saving_the_timing_cache_never_fails_the_build(tmp_path, capsys):
+    from sdtrt.trt_build_worker import save_timing_cache
+
+    save_timing_cache(TimingCacheConfig(keep=False), tmp_path / "cache.bin")
+    assert not (tmp_path / "cache.bin").exists() and "kept no timing cache" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    save_timing_cache(TimingCacheConfig(), blocked / "cache.bin")  # its folder is a file: cannot be written
+    assert "could not write the timing cache" in capsys.readouterr().err
+
+
+def test_the_tensorrt_version_comes_from_the_module_not_a_distribution(monkeypatch):
+    import sys
+    import types
+    from importlib import metadata
+
+    from sdtrt.gpu import tensorrt_version
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.8.0.43"))
+    with pytest.raises(metadata.PackageNotFoundError):
+        metadata.version("tensorrt")  # as with only tensorrt-cu12 installed
+    assert tensorrt_version() == "10.8.0.43"
+
+
+def test_container_pins_come_from_installed_versions():
+    from sdtrt.gpu import pinned_requirements
+
+    pins = pinned_requirements()
+    assert f"torch=={torch.__version__}" in pins
+    assert all(not p.lower().startswith(("numpy", "diffusers", "onnx")) for p in pins)
+
+
+def test_an_engine_with_several_profiles_is_not_wrapped(tiny_simplified, tmp_path):
+    import json
+
+    from sdtrt.config import WrapConfig
+    from sdtrt.store import MANIFEST, Artifact, Store
+
+    folder = tmp_path / "build-trt"
+    folder.mkdir()
+    profiles = [ShapeProfile().to_json(), ShapeProfile.around(768, 64).to_json()]
+    manifest = dict(tiny_simplified.manifest, stage="build-trt", primary="unet.plan", files=[], profiles=profiles)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"2 optimization profiles.*runs profile 0 only"):
+        wrap.run(WrapConfig(), Artifact.open(folder), Store(tmp_path))  # refused before torch-tensorrt is needed

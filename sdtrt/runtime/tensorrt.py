@@ -1,9 +1,13 @@
-"""TensorRT: runs a serialized engine (``unet.plan``) on torch's current CUDA stream.
+"""TensorRT: runs a serialized engine (``unet.plan``) on a CUDA stream the runtime owns.
 
 IO buffers are torch tensors; each call sets input shapes and tensor addresses and enqueues
-``execute_async_v3`` without synchronising the host. A request runs on the first optimization
-profile that covers its shapes. With ``cuda_graph=True``, each distinct shape is captured once
-into a CUDA graph and replayed afterwards (for static-shape engines: it removes launch overhead).
+``execute_async_v3`` without synchronising the host. The runtime's stream waits for the caller's
+stream before it runs and the caller's stream waits for it afterwards (events, no host sync): on the
+legacy default stream, which diffusers pipelines run on, TensorRT would add device-wide syncs
+(``execute_async_v3`` in pyCoreDoc.h). A request runs on the first optimization profile that covers
+its shapes. With ``cuda_graph=True`` the engine call is captured into one CUDA graph and replayed;
+a new shape re-captures it, so a graph never replays against context state bound for another shape
+(trtexec captures "for the current execution context"; Torch-TensorRT re-records on a shape change).
 """
 
 from __future__ import annotations
@@ -59,6 +63,21 @@ def check_engine_environment(manifest: dict[str, Any], source: str) -> None:
         )
 
 
+# NvInferRuntime.h, IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment."
+TENSOR_ALIGNMENT = 256
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when TensorRT may address it, else an aligned copy (views can start anywhere)."""
+    return tensor if tensor.data_ptr() % TENSOR_ALIGNMENT == 0 else tensor.clone()
+
+
+def require(ok: bool, what: str) -> None:
+    """TensorRT's context setters report failure by returning False (pyCore.cpp); make that an error."""
+    if not ok:
+        raise EngineInputError(f"TensorRT refused to {what}; see the TensorRT messages above")
+
+
 class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
@@ -76,13 +95,21 @@ class TensorRTRuntime(CudaRuntime):
         if engine is None:
             raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `sdtrt build {source}`")
         self._engine = engine
-        self._context: trt.IExecutionContext = engine.create_execution_context()
+        # create_execution_context returns None when it cannot allocate the activation memory.
+        context: trt.IExecutionContext | None = engine.create_execution_context()
+        if context is None:
+            raise ArtifactError(f"TensorRT could not create an execution context for {plan} (GPU memory?)")
+        self._context = context
         self._profiles = [_engine_profile(engine, spec.input_names, i) for i in range(engine.num_optimization_profiles)]
         self._active_profile = 0
-        self._graphs: dict[tuple[Shape, ...], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self._stream = torch.cuda.Stream()  # never the legacy default stream
+        # CUDA graph mode: the one captured graph, the shapes it was captured for and its static buffers.
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_shapes: tuple[Shape, ...] | None = None
+        self._static: dict[str, torch.Tensor] = {}
 
-    def _bind(self, inputs: dict[str, torch.Tensor], stream: torch.cuda.Stream) -> torch.Tensor:
-        """Select the profile, set shapes and addresses; returns the output buffer it bound."""
+    def _bind(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Select the profile, set shapes and addresses (each checked); returns the output buffer it bound."""
         shapes = {name: tuple(t.shape) for name, t in inputs.items()}
         index = select_profile(self._profiles, shapes)
         if index is None:
@@ -92,52 +119,62 @@ class TensorRTRuntime(CudaRuntime):
                 f"({describe_profiles(self._profiles, sample)}); rebuild with --batch/--height/--width covering it"
             )
         if index != self._active_profile:
-            self._context.set_optimization_profile_async(index, stream.cuda_stream)
+            ok = self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
+            require(ok, f"switch to optimization profile {index}")
             self._active_profile = index
         for name, tensor in inputs.items():
-            self._context.set_input_shape(name, shapes[name])
-            self._context.set_tensor_address(name, tensor.data_ptr())
+            require(self._context.set_input_shape(name, shapes[name]), f"set input '{name}' to shape {shapes[name]}")
+            require(self._context.set_tensor_address(name, tensor.data_ptr()), f"bind input '{name}'")
         out_name = self.spec.output_name
-        out = torch.empty(tuple(self._context.get_tensor_shape(out_name)), dtype=self.dtype, device=self.device)
-        self._context.set_tensor_address(out_name, out.data_ptr())
+        out_shape = tuple(self._context.get_tensor_shape(out_name))
+        require(all(d >= 0 for d in out_shape), f"infer the shape of '{out_name}' (got {out_shape})")
+        out = torch.empty(out_shape, dtype=self.dtype, device=self.device)
+        require(self._context.set_tensor_address(out_name, out.data_ptr()), f"bind output '{out_name}'")
         return out
 
-    def _execute(self, stream: torch.cuda.Stream) -> None:
-        if not self._context.execute_async_v3(stream.cuda_stream):
-            raise EngineInputError("TensorRT's execute_async_v3 failed; see the TensorRT messages above")
+    def _execute(self) -> None:
+        require(self._context.execute_async_v3(self._stream.cuda_stream), "enqueue the engine (execute_async_v3)")
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, None, feeds)  # names, dtypes, grid; profiles are checked in _bind
-        inputs = typed_inputs(self.spec, feeds, self.device)
-        stream = torch.cuda.current_stream()
-        if not self.cuda_graph:
-            out = self._bind(inputs, stream)
-            self._execute(stream)
-            return {self.spec.output_name: out}
-        return {self.spec.output_name: self._replay(inputs)}
+        inputs = {name: aligned(t) for name, t in typed_inputs(self.spec, feeds, self.device).items()}
+        caller = torch.cuda.current_stream()
+        self._stream.wait_stream(caller)  # the inputs are written on the caller's stream
+        for tensor in inputs.values():
+            tensor.record_stream(self._stream)  # allocated on the caller's stream, read on ours
+        if self.cuda_graph:
+            out = self._replay(inputs)
+        else:
+            out = self._bind(inputs)
+            out.record_stream(self._stream)
+            self._execute()
+        caller.wait_stream(self._stream)
+        return {self.spec.output_name: out}
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        key = tuple(tuple(t.shape) for t in inputs.values())
-        if key not in self._graphs:
-            static = {name: t.clone() for name, t in inputs.items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                out = self._bind(static, side)
-                self._execute(side)  # one run outside capture: TensorRT allocates lazily
+        shapes = tuple(tuple(t.shape) for t in inputs.values())
+        if shapes != self._graph_shapes:
+            self._graph = None  # its context state is about to be re-bound: never replay it again
+            with torch.cuda.stream(self._stream):
+                static = {name: t.clone() for name, t in inputs.items()}
+                out = self._bind(static)
+                self._execute()  # one run outside capture: TensorRT allocates lazily
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=side):
-                    self._execute(side)
-            torch.cuda.current_stream().wait_stream(side)
-            self._graphs[key] = (graph, static | {self.spec.output_name: out})
-        graph, buffers = self._graphs[key]
-        for name, tensor in inputs.items():
-            buffers[name].copy_(tensor)
-        graph.replay()
-        # The graph writes into one static buffer; hand out a copy so the next call cannot change it.
-        return buffers[self.spec.output_name].clone()
+                with torch.cuda.graph(graph, stream=self._stream):
+                    self._execute()
+            self._graph, self._graph_shapes, self._static = graph, shapes, static | {self.spec.output_name: out}
+        assert self._graph is not None
+        with torch.cuda.stream(self._stream):
+            for name, tensor in inputs.items():
+                self._static[name].copy_(tensor)
+            self._graph.replay()
+            # The graph writes into one static buffer; hand out a copy so the next call cannot change it.
+            out = self._static[self.spec.output_name].clone()
+        out.record_stream(torch.cuda.current_stream())
+        return out
 
     def close(self) -> None:
-        self._graphs.clear()
+        self._graph = None
+        self._static = {}
         self._context = None
         self._engine = None

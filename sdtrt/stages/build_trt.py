@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import TrtBuildConfig
 from ..errors import BuildError
-from ..gpu import gpu_environment, require_tensorrt
+from ..gpu import gpu_environment, require_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
@@ -32,7 +32,9 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
-    env = environment("tensorrt", "torch") | gpu_environment()
+    # trt.__version__, not a distribution's: with only tensorrt-cu12/-cu13 installed there is no
+    # `tensorrt` distribution, and the runtime compares against trt.__version__.
+    env = environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
     request = StageRequest(STAGE, VERSION, config, [source.as_input()], env)
     artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store))
     return artifact

@@ -1,8 +1,12 @@
 """Wrap stage: embed a TensorRT engine in a TorchScript module (``unet.ts``) with torch-tensorrt.
 
-``torch.jit.load("unet.ts")`` (after ``import torch_tensorrt``) gives a module whose
-``forward(List[Tensor]) -> List[Tensor]`` runs the engine: inputs in the order sample, timestep,
-encoder_hidden_states; one output. EngineUNet adapts that call to the UNet's.
+``torch.jit.load("unet.ts")`` (after ``import torch_tensorrt``) gives a module called with one tensor
+per engine input — ``module(sample, timestep, encoder_hidden_states)`` — that returns the output
+tensor (a tuple only for engines with several outputs: pytorch/TensorRT core/compiler.cpp,
+``AddEngineToGraph``; the Python docstring's ``Tensor[]`` is misleading). EngineUNet adapts that call
+to the UNet's. The module runs optimization profile 0 only: Torch-TensorRT's TRTEngine never selects
+another before 2.13 (no ``setOptimizationProfileAsync`` in ``core/runtime`` on ``release/ngc/25.01``),
+so engines with several profiles are not wrapped.
 
 For engines exported with ``--io-naming indexed`` (input_0…, output_0) the equivalent command is
 ``torchtrtc unet.plan unet.ts --embed-engine --device-type=gpu``.
@@ -15,7 +19,7 @@ from typing import Any
 
 from ..config import WrapConfig
 from ..errors import ArtifactError
-from ..gpu import gpu_environment, require_torch_tensorrt
+from ..gpu import gpu_environment, require_torch_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
@@ -28,8 +32,13 @@ TS_NAME = "unet.ts"
 def run(config: WrapConfig, engine: Artifact, store: Store) -> Artifact:
     if engine.stage != "build-trt":
         raise ArtifactError(f"wrap takes a TensorRT engine (build-trt artifact), not a '{engine.stage}' artifact")
+    if (profiles := len(engine.manifest.get("profiles", []))) > 1:
+        raise ArtifactError(
+            f"{engine.path} has {profiles} optimization profiles, and a TorchScript-wrapped engine runs profile 0 "
+            "only (Torch-TensorRT selects no other); load the build-trt artifact directly, or build one profile"
+        )
     require_torch_tensorrt("wrap a TensorRT engine as TorchScript")
-    env = environment("torch-tensorrt", "tensorrt", "torch") | gpu_environment()
+    env = environment("torch-tensorrt", "torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
     request = StageRequest(STAGE, VERSION, config, [engine.as_input()], env)
     artifact, _ = store.produce(request, lambda out_dir: _wrap(engine, out_dir))
     return artifact
@@ -52,6 +61,6 @@ def _wrap(engine: Artifact, out_dir: Path) -> dict[str, Any]:
         "io": spec.to_json(),
         "profile": engine.manifest.get("profile"),
         "target": "tensorrt",
-        "details": {"call": "module([sample, timestep, encoder_hidden_states]) -> [out_sample]"},
+        "details": {"call": "module(sample, timestep, encoder_hidden_states) -> out_sample"},
         "reproduce": f"sdtrt wrap {engine.path}",
     }
