@@ -137,6 +137,6 @@ def compile_model(
 
 def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:
     """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images), else ``requested``."""
-    if component.startswith("vae") and model.component_config("vae")[0].get("force_upcast", True):
+    if component.startswith("vae") and model.component_config("vae").get("force_upcast", True):
         return "fp32"
     return requested

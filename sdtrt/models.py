@@ -52,12 +52,14 @@ class ModelSource:
             raise ModelNotFoundError(f"model '{self.name}' has no {folder}/ with a config.json ({self.path})")
         return path
 
-    def component_config(self, folder: str) -> tuple[dict[str, Any], str]:
-        """A sub-folder's config and the class that loads it (from model_index.json)."""
-        config = json.loads((self.component_dir(folder) / "config.json").read_text())
+    def component_config(self, folder: str) -> dict[str, Any]:
+        return json.loads((self.component_dir(folder) / "config.json").read_text())
+
+    def component_class(self, folder: str) -> tuple[str, str]:
+        """The library and class that load a sub-folder, as model_index.json names them."""
         index = json.loads((self.path / "model_index.json").read_text()) if self.is_pipeline else {}
-        library_and_class = index.get(folder) or [None, config.get("_class_name", "")]
-        return config, str(library_and_class[1])
+        library, class_name = index.get(folder) or ("diffusers", self.component_config(folder).get("_class_name", ""))
+        return str(library), str(class_name)
 
     def vae_scale_factor(self) -> int:
         """Pixels per latent; 8 for SD 1.x/2.x. A bare UNet folder is assumed to be SD-like."""
@@ -142,7 +144,7 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
-    """No loading bars from diffusers and transformers while sdtrt loads a model: it shows its own progress.
+    """No loading bars or notices from diffusers and transformers while sdtrt loads a model: it shows its own progress.
 
     Their switches are process-wide, so each is restored afterwards; SDTRT_DEBUG=1 keeps the bars.
     """
@@ -157,11 +159,15 @@ def quiet_loading() -> Iterator[None]:
         if lib.is_progress_bar_enabled():
             lib.disable_progress_bar()
             restore.append(lib.enable_progress_bar)
+        # Their loading notices (e.g. transformers' "requires torchvision … falling back") are not the user's to act on.
+        level = lib.get_verbosity()
+        lib.set_verbosity(lib.ERROR)
+        restore.append(lambda lib=lib, level=level: lib.set_verbosity(level))
     try:
         yield
     finally:
-        for enable in restore:
-            enable()
+        for undo in restore:
+            undo()
 
 
 def load_unet(source: ModelSource, dtype: Any = None) -> Any:
@@ -175,13 +181,17 @@ def load_unet(source: ModelSource, dtype: Any = None) -> Any:
 
 def load_folder(source: ModelSource, folder: str, dtype: Any = None) -> Any:
     """A pipeline sub-folder's network (UNet, text encoder, VAE) in eval mode, by the class model_index.json names."""
-    import diffusers
-    import transformers
+    import importlib
 
     if folder == "unet":
         return load_unet(source, dtype)
-    _, class_name = source.component_config(folder)
-    cls = getattr(diffusers, class_name, None) or getattr(transformers, class_name, None)
+    library, class_name = source.component_class(folder)
+    # Only the named library: asking diffusers for a transformers class makes it import (and warn about) a lot.
+    cls = (
+        getattr(importlib.import_module(library), class_name, None)
+        if library in ("diffusers", "transformers")
+        else None
+    )
     if cls is None:
         raise UnsupportedModelError(
             f"{folder}/ of '{source.name}' is a {class_name or 'class without a name'}, which sdtrt cannot load"
@@ -220,7 +230,8 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
-        PRESETS[name]().save_pretrained(tmp, safe_serialization=True)
+        with quiet_loading():
+            PRESETS[name]().save_pretrained(tmp, safe_serialization=True)
         try:
             tmp.rename(dest)
         except OSError:  # another process finished first; theirs is identical

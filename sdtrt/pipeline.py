@@ -47,7 +47,8 @@ def load_pipeline(
     stay PyTorch (one line on stderr says which). Without ``engine`` the pipeline is plain PyTorch:
     the reference engines are checked against.
     """
-    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
+    with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
+        from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
 
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     if not source.is_pipeline:
@@ -92,7 +93,7 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
         out["text_encoder"] = EngineTextEncoder(runtimes["text_encoder"], config, norm, dtype=dtype)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
-            source.component_config("vae")[0], runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
+            source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
             pytorch=(lambda: vae) if vae is not None else (lambda: load_folder(source, "vae")), dtype=dtype,
         )  # fmt: skip
     return out

@@ -378,10 +378,13 @@ def component_spec(
     if component == "unet":
         return UNetSpec.from_config(model.unet_config(), factor, precision, io_naming)
     if component == "text_encoder":
-        config, architecture = model.component_config(FOLDERS[component])
+        config, (_, architecture) = (
+            model.component_config(FOLDERS[component]),
+            model.component_class(FOLDERS[component]),
+        )
         return TextEncoderSpec.from_config(config, architecture, factor, precision, io_naming)
     if component in ("vae_decoder", "vae_encoder"):
-        config, _ = model.component_config(FOLDERS[component])
+        config = model.component_config(FOLDERS[component])
         cls = VaeDecoderSpec if component == "vae_decoder" else VaeEncoderSpec
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,

@@ -153,8 +153,11 @@ def text_encoder_config(source: ModelSource) -> Any:
     """The transformers config of the model's text encoder (pipelines read it, e.g. use_attention_mask)."""
     import transformers
 
-    _, class_name = source.component_config("text_encoder")
-    return getattr(transformers, class_name).config_class.from_pretrained(source.component_dir("text_encoder"))
+    from .models import quiet_loading
+
+    _, class_name = source.component_class("text_encoder")
+    with quiet_loading():
+        return getattr(transformers, class_name).config_class.from_pretrained(source.component_dir("text_encoder"))
 
 
 def final_layer_norm(source: ModelSource, config: Any) -> torch.nn.Module | None:

@@ -1,0 +1,54 @@
+"""``sdtrt debug``: which layer of an engine first leaves fp32 (Polygraphy, every tensor an output)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..progress import results, step
+from . import options as o
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="debug")(debug_command)
+
+
+def debug_command(
+    engine: Annotated[str, typer.Argument(help=f"{o.ENGINE_HELP}, or a bare .onnx.")],
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="For a bare .onnx that is no SD UNet: the model it is from.")
+    ] = None,
+    max_error: Annotated[
+        float, typer.Option(help="Normalised error (max |engine - fp32| / max |fp32|) past which a tensor diverges.")
+    ] = 0.05,
+    height: Annotated[
+        int | None, typer.Option(help="Input height in pixels (default: the profile's smallest).")
+    ] = None,
+    width: Annotated[int | None, typer.Option(help="Input width in pixels (default: the profile's smallest).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Find the first layer whose output diverges from fp32 or turns NaN/inf. Exits 3 when one does.
+
+    Runs the engine's graph and an fp32 replica of it with every intermediate tensor marked as an output
+    (ONNX graphs on ONNX Runtime; TensorRT engines rebuilt from their graph on the GPU).
+
+    Example: sdtrt debug engines/build-ort/2a06c39aaf814d52 --json debug.json
+    """
+    from ..debug import DebugConfig, debug
+    from ..models import resolve_model
+
+    artifact = o.find_engine(engine, engines)
+    source = resolve_model(model) if model else None
+    with step("Running the engine and its fp32 replica with every tensor an output"):
+        report = debug(artifact, DebugConfig(max_error=max_error, height=height, width=width), source)
+    results.print(f"{report.compared} tensors compared on {report.backend}; largest error {report.largest_error:.3g}")
+    for row in report.worst:
+        results.print(f"  {row['error']:.3g}  {row['op']:12s} {row['tensor']}")
+    if json_out:
+        json_out.write_text(json.dumps(report.to_json(), indent=2))
+    report.raise_for_status()
+    typer.echo(f"no layer diverges past {report.limit}")

@@ -1,0 +1,204 @@
+"""``sdtrt debug``: the first layer whose reduced-precision output leaves fp32's, or turns NaN/inf.
+
+The question every "fp16 gives black images" report asks. The engine's graph and an fp32 replica of
+the very same graph (every fp16 weight, cast and tensor widened to fp32, so node and tensor names
+match one to one and only the arithmetic differs) run on one seeded input with every intermediate
+tensor marked as an output — Polygraphy's ``ModifyOutputs`` / ``ModifyNetworkOutputs`` with
+``MARK_ALL`` and its ``Comparator`` — and the engine's tensors are checked in the graph's
+topological order. ONNX graphs run on ONNX Runtime; a TensorRT engine is rebuilt from the graph it
+was made from with every tensor an output (TensorRT cannot expose the layers of a built plan).
+
+A tensor diverges when its normalised error, max |engine − fp32| / max |fp32|, exceeds the limit
+(default 0.05; healthy fp16 graphs stay near 1e-3 per layer), or when it holds NaN/inf while the
+fp32 one does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import ArtifactError, ParityError
+
+if TYPE_CHECKING:
+    import onnx
+
+    from .models import ModelSource
+    from .spec import GraphSpec
+    from .store import Artifact
+
+ONNX_STAGES = ("export", "simplify", "build-ort", "external")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    max_error: float = 0.05  # normalised max abs error a tensor may have against the fp32 replica
+    seed: int = 0
+    # Default: the profile's smallest size. Every intermediate tensor is kept, twice: memory grows
+    # with the image (attention maps with its square).
+    height: int | None = None
+    width: int | None = None
+
+
+@dataclass
+class DebugReport:
+    engine: str
+    backend: str  # what ran the engine's graph: onnxruntime or tensorrt
+    limit: float  # the normalised error past which a tensor diverges
+    compared: int  # intermediate tensors compared
+    largest_error: float
+    first: dict[str, Any] | None = None  # the first divergent tensor: node, op, tensor, error, finite
+    worst: list[dict[str, Any]] = field(default_factory=list)  # the largest errors, for a healthy engine too
+
+    def __bool__(self) -> bool:
+        return self.first is None
+
+    def raise_for_status(self) -> None:
+        if self.first is not None:
+            what = "turns NaN/inf" if not self.first["finite"] else f"diverges (error {self.first['error']:.3g})"
+            raise ParityError(
+                f"{self.first['tensor']}, output of {self.first['op']} node '{self.first['node']}', {what} first; "
+                "look at that layer's weights and inputs, or build it in fp32"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": bool(self)}
+
+
+def fp32_replica(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph with every fp16 weight, cast target and tensor type widened to fp32."""
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    for tensor in graph.tensors().values():
+        if isinstance(tensor, gs.Constant) and tensor.values.dtype == np.float16:
+            tensor.values = tensor.values.astype(np.float32)
+        elif isinstance(tensor, gs.Variable) and tensor.dtype == np.float16:
+            tensor.dtype = np.float32
+    for node in graph.nodes:
+        if node.op == "Cast" and node.attrs.get("to") == onnx.TensorProto.FLOAT16:
+            node.attrs["to"] = onnx.TensorProto.FLOAT
+        for value in node.attrs.values():  # e.g. ConstantOfShape's value
+            if isinstance(value, gs.Constant) and value.values.dtype == np.float16:
+                value.values = value.values.astype(np.float32)
+    return gs.export_onnx(graph)
+
+
+@contextlib.contextmanager
+def quiet_polygraphy() -> Iterator[None]:
+    """Polygraphy logs every tensor it marks to stdout; keep stdout for results and its noise out."""
+    from polygraphy.logger import G_LOGGER
+
+    with G_LOGGER.verbosity(G_LOGGER.ERROR), contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSource | None = None) -> DebugReport:
+    """Find the first tensor where ``engine`` leaves the fp32 replica of its own graph."""
+    import onnx
+    from polygraphy import constants
+    from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator
+
+    from .onnx_graph import artifact_spec
+    from .runtime import artifact_profile
+
+    spec = artifact_spec(engine, model)
+    graph_artifact = _graph_of(engine)
+    candidate = onnx.load(str(graph_artifact.primary))
+    profile = artifact_profile(engine) or spec.default_profile()
+    size = (config.height or profile.height.min, config.width or profile.width.min)
+    feeds = _feeds(spec, profile.batch.min, *size, config.seed)
+
+    def session(graph: onnx.ModelProto) -> Any:
+        return SessionFromOnnx(BytesFromOnnx(ModifyOutputs(graph, outputs=constants.MARK_ALL)), providers=["cpu"])
+
+    reference = OnnxrtRunner(session(fp32_replica(candidate)), name="fp32")
+    if engine.stage == "build-trt":
+        runner, backend = _tensorrt_runner(graph_artifact, feeds), "tensorrt"
+    else:
+        runner, backend = OnnxrtRunner(session(candidate), name="engine"), "onnxruntime"
+    with quiet_polygraphy():
+        results = Comparator.run([runner, reference], data_loader=[feeds])
+    (_, [got]), (_, [expected]) = list(results.items())
+    return _compare(str(engine.path), backend, candidate, got, expected, config.max_error)
+
+
+def _graph_of(engine: Artifact) -> Artifact:
+    """The ONNX graph an engine runs: itself, or for a TensorRT plan the graph it was built from."""
+    if engine.stage in ONNX_STAGES:
+        return engine
+    if engine.stage == "build-trt":
+        return engine.lineage()[1]
+    raise ArtifactError(
+        f"debug takes an ONNX graph or a TensorRT engine, not a '{engine.stage}' artifact; pass the artifact "
+        "a `build` printed (or a set's member)"
+    )
+
+
+def _feeds(spec: GraphSpec, batch: int, height: int, width: int, seed: int) -> dict[str, np.ndarray]:
+    """One seeded input in the graph's own dtypes (the UNet's batch doubled, as guidance does)."""
+    from .spec import UNetSpec
+
+    batch = 2 * batch if isinstance(spec, UNetSpec) else batch
+    tensors = spec.sample_inputs(batch, height, width, seed=seed)
+    return {t.name: tensors[t.name].numpy().astype(t.dtype) for t in spec.inputs()}
+
+
+def _tensorrt_runner(graph: Artifact, feeds: dict[str, np.ndarray]) -> Any:
+    """A TensorRT engine of ``graph`` with every tensor an output, for exactly these input shapes.
+
+    Polygraphy's TRT backend: NetworkFromOnnxPath (strongly typed, as sdtrt builds), ModifyNetworkOutputs
+    with MARK_ALL, one static Profile, EngineFromNetwork, TrtRunner (tools/Polygraphy/polygraphy/backend/trt/).
+    """
+    from .gpu import require_tensorrt
+
+    require_tensorrt("debug a TensorRT engine")
+    from polygraphy import constants
+    from polygraphy.backend.trt import (
+        CreateConfig,
+        EngineFromNetwork,
+        ModifyNetworkOutputs,
+        NetworkFromOnnxPath,
+        Profile,
+        TrtRunner,
+    )
+
+    profile = Profile()
+    for name, array in feeds.items():
+        profile.add(name, min=array.shape, opt=array.shape, max=array.shape)
+    network = ModifyNetworkOutputs(
+        NetworkFromOnnxPath(str(graph.primary), strongly_typed=True), outputs=constants.MARK_ALL
+    )
+    return TrtRunner(EngineFromNetwork(network, config=CreateConfig(profiles=[profile])), name="engine")
+
+
+def _compare(engine: str, backend: str, graph: onnx.ModelProto, got: Any, expected: Any, limit: float) -> DebugReport:
+    """Walk the graph's nodes in order; the first output past ``limit`` (or newly non-finite) is the culprit."""
+    report = DebugReport(engine, backend, limit, compared=0, largest_error=0.0)
+    rows = []
+    for node in graph.graph.node:
+        for tensor in node.output:
+            if tensor not in got or tensor not in expected:
+                continue  # not an output of this backend (TensorRT fuses some layers away)
+            a, b = np.asarray(got[tensor]), np.asarray(expected[tensor])
+            if a.dtype.kind not in "fc" or a.size == 0 or a.shape != b.shape:
+                continue
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            finite = bool(np.isfinite(a).all())
+            error = float(np.abs(a - b).max() / (np.abs(b).max() + 1e-6)) if finite else float("inf")
+            row = {"node": node.name, "op": node.op_type, "tensor": tensor, "error": error, "finite": finite}
+            rows.append(row)
+            if report.first is None and np.isfinite(b).all() and (not finite or error > limit):
+                report.first = row
+    report.compared = len(rows)
+    report.largest_error = max((r["error"] for r in rows), default=0.0)
+    report.worst = sorted(rows, key=lambda r: r["error"], reverse=True)[:5]
+    return report

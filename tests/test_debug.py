@@ -1,0 +1,78 @@
+"""`sdtrt debug`: real ONNX Runtime runs of an engine and its fp32 replica, every tensor an output (Polygraphy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from sdtrt.config import ExportConfig
+from sdtrt.debug import debug, fp32_replica
+from sdtrt.errors import ParityError
+from sdtrt.stages import export
+from sdtrt.store import Artifact
+
+from .helpers import last_line, run_cli
+
+
+@pytest.fixture(scope="module")
+def overflowing(tiny_simplified, tmp_path_factory):
+    """A bare copy of the tiny fp16 UNet whose middle conv's weights are 60000: past fp16's range."""
+    model = onnx.load(str(tiny_simplified.primary))
+    weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16}
+    convs = [n for n in model.graph.node if n.op_type == "Conv" and n.input[1] in weights]
+    planted = convs[len(convs) // 2]
+    tensor = weights[planted.input[1]]
+    tensor.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(tensor), 60000.0), tensor.name))
+    path = tmp_path_factory.mktemp("broken") / "unet.onnx"
+    onnx.save(model, str(path))
+    return path, planted
+
+
+def test_a_healthy_fp16_engine_has_no_divergent_layer(tiny_simplified):
+    report = debug(tiny_simplified)
+    assert report, report.first
+    report.raise_for_status()
+    print(f"{report.compared} tensors, largest error {report.largest_error:.3g}")
+    assert report.compared > 300 and report.largest_error < 0.01 and report.backend == "onnxruntime"
+    assert json.loads(json.dumps(report.to_json()))["passed"] is True
+
+
+def test_a_planted_fp16_overflow_is_traced_to_its_layer(overflowing):
+    path, planted = overflowing
+    report = debug(Artifact.open(path))
+    assert not report
+    first = report.first
+    assert first["node"] == planted.name and first["op"] == "Conv" and first["tensor"] == planted.output[0]
+    assert first["finite"] is False, "the conv's own output is where inf first appears"
+    with pytest.raises(ParityError, match=f"output of Conv node '{planted.name}', turns NaN/inf first"):
+        report.raise_for_status()
+
+
+def test_the_replica_is_the_same_graph_in_fp32(tiny_simplified):
+    model = onnx.load(str(tiny_simplified.primary))
+    replica = fp32_replica(model)
+    assert [n.name for n in replica.graph.node] == [n.name for n in model.graph.node]
+    assert not [t for t in replica.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+    assert {i.type.tensor_type.elem_type for i in replica.graph.input} <= {onnx.TensorProto.FLOAT}
+
+
+def test_cli_exit_codes_and_one_line_errors(overflowing, tiny, tiny_simplified, tmp_path, store):
+    path, planted = overflowing
+    broken = run_cli("debug", str(path), "--json", str(tmp_path / "d.json"))
+    assert broken.returncode == 3 and broken.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert planted.name in broken.stderr and planted.output[0] in broken.stdout
+    assert json.loads((tmp_path / "d.json").read_text())["first"]["node"] == planted.name
+    healthy = run_cli("debug", f"simplify/{tiny_simplified.key[:10]}", "--engines", str(store.root), check=True)
+    assert last_line(healthy.stdout) == "no layer diverges past 0.05"
+    other = tmp_path / "other"
+    other.mkdir()
+    vae = export.run(ExportConfig(component="vae_decoder", precision="fp32"), tiny, store)
+    shutil.copy(vae.primary, other / "graph.onnx")  # without its manifest: not recognisably anything
+    bare = run_cli("debug", str(other / "graph.onnx"))
+    assert bare.returncode == 1 and bare.stderr.strip().count("\n") == 0
+    assert "does not look like an SD UNet graph" in bare.stderr
