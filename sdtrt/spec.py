@@ -308,17 +308,25 @@ class TextEncoderSpec(GraphSpec):
 
 
 @dataclass(frozen=True)
-class VaeDecoderSpec(GraphSpec):
+class _VaeSpec(GraphSpec):
+    """What both halves of a VAE know: channels on either side and the native image size."""
+
+    latent_channels: int = 4
+    image_channels: int = 3
+    native_px: int = 512
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile.around(self.native_px, self.vae_scale_factor)
+
+
+@dataclass(frozen=True)
+class VaeDecoderSpec(_VaeSpec):
     """Latents (already divided by the scaling factor, as pipelines pass them) → images in [-1, 1]."""
 
     component: ClassVar[Component] = "vae_decoder"
     label: ClassVar[str] = "VAE decoder"
     canonical_inputs: ClassVar[tuple[str, ...]] = ("latent_sample",)
     canonical_outputs: ClassVar[tuple[str, ...]] = ("sample",)
-
-    latent_channels: int = 4
-    image_channels: int = 3
-    native_px: int = 512
 
     def inputs(self) -> list[TensorSpec]:
         return [TensorSpec(self.input_names[0], self.dtype, ("batch", self.latent_channels, "height", "width"))]
@@ -327,12 +335,9 @@ class VaeDecoderSpec(GraphSpec):
         shape = ("batch", self.image_channels, "image_height", "image_width")
         return [TensorSpec(self.output_names[0], self.dtype, shape)]
 
-    def default_profile(self) -> ShapeProfile:
-        return ShapeProfile.around(self.native_px, self.vae_scale_factor)
-
 
 @dataclass(frozen=True)
-class VaeEncoderSpec(GraphSpec):
+class VaeEncoderSpec(_VaeSpec):
     """Images in [-1, 1] → the latent distribution's parameters (mean and log-variance, stacked)."""
 
     component: ClassVar[Component] = "vae_encoder"
@@ -341,10 +346,6 @@ class VaeEncoderSpec(GraphSpec):
     canonical_outputs: ClassVar[tuple[str, ...]] = ("latent_parameters",)
     grid: ClassVar[dict[str, str]] = {"image_height": "vae_scale_factor", "image_width": "vae_scale_factor"}
 
-    latent_channels: int = 4
-    image_channels: int = 3
-    native_px: int = 512
-
     def inputs(self) -> list[TensorSpec]:
         shape = ("batch", self.image_channels, "image_height", "image_width")
         return [TensorSpec(self.input_names[0], self.dtype, shape)]
@@ -352,9 +353,6 @@ class VaeEncoderSpec(GraphSpec):
     def outputs(self) -> list[TensorSpec]:
         shape = ("batch", 2 * self.latent_channels, "height", "width")
         return [TensorSpec(self.output_names[0], self.dtype, shape)]
-
-    def default_profile(self) -> ShapeProfile:
-        return ShapeProfile.around(self.native_px, self.vae_scale_factor)
 
 
 SPEC_CLASSES: dict[str, type[GraphSpec]] = {

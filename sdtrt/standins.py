@@ -19,6 +19,28 @@ if TYPE_CHECKING:
     from .models import ModelSource
 
 
+class EngineModule(torch.nn.Module):
+    """What pipelines read off every network: ``config``, ``dtype`` (the pipeline's), ``device`` (the engine's)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, runtimes: list[Runtime | None]) -> None:
+        super().__init__()
+        self._config = config
+        self._dtype = dtype  # fp16 engines still hand fp32 callers fp32 outputs
+        self._runtimes = [r for r in runtimes if r is not None]
+
+    @property
+    def config(self) -> Any:
+        return self._config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._runtimes[0].device if self._runtimes else torch.device("cpu")
+
+
 class PenultimateOnly(tuple):
     """``hidden_states`` of a text encoder engine: it has the penultimate layer's, the one ``clip_skip=1`` reads."""
 
@@ -44,31 +66,21 @@ class _TextModel(torch.nn.Module):
         return self.norm.to(hidden.device, hidden.dtype)(hidden)
 
 
-class EngineTextEncoder(torch.nn.Module):
+class EngineTextEncoder(EngineModule):
     """A CLIPTextModel / CLIPTextModelWithProjection stand-in backed by a text encoder engine."""
 
     def __init__(
         self, runtime: Runtime, config: Any, final_layer_norm: torch.nn.Module | None, dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__()
+        super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, TextEncoderSpec):
             raise ArtifactError(
                 f"this is a {runtime.spec.component} engine; a pipeline's text_encoder needs a text encoder engine"
             )
         self.spec = runtime.spec
         self.runtime = runtime
-        self.config = config
-        self._dtype = dtype or runtime.dtype
         # Pipelines apply the text model's final layer norm to hidden_states[-2] themselves (clip_skip).
         self.text_model = _TextModel(final_layer_norm)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.runtime.device
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -94,7 +106,7 @@ class EngineTextEncoder(torch.nn.Module):
         return out if return_dict else out.to_tuple()
 
 
-class EngineVAE(torch.nn.Module):
+class EngineVAE(EngineModule):
     """An AutoencoderKL stand-in: ``decode`` and ``encode`` on engines; a half the set lacks runs in PyTorch."""
 
     def __init__(
@@ -103,25 +115,10 @@ class EngineVAE(torch.nn.Module):
     ) -> None:  # fmt: skip
         from diffusers.configuration_utils import FrozenDict
 
-        super().__init__()
-        self._config = FrozenDict(config)
+        super().__init__(FrozenDict(config), dtype, [decoder, encoder])
         self.decoder_runtime, self.encoder_runtime = decoder, encoder
         self._pytorch_loader = pytorch
         self._pytorch: Any = None  # loaded on first use, only where the set lacks a half
-        self._dtype = dtype
-
-    @property
-    def config(self) -> Any:
-        return self._config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        runtime = self.decoder_runtime or self.encoder_runtime
-        return runtime.device if runtime else torch.device("cpu")
 
     def _fallback(self) -> Any:
         if self._pytorch is None:

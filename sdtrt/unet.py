@@ -16,6 +16,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from .errors import ArtifactError, EngineInputError
 from .runtime import Runtime
 from .spec import UNetSpec
+from .standins import EngineModule
 
 # Keyword inputs of UNet2DConditionModel.forward the exported graph has no input for.
 UNSUPPORTED_INPUTS = (
@@ -40,30 +41,15 @@ def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device:
     return t
 
 
-class EngineUNet(torch.nn.Module):
+class EngineUNet(EngineModule):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None) -> None:
-        super().__init__()
+        super().__init__(FrozenDict(config), dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, UNetSpec):
             raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
         self.spec = runtime.spec
         self.runtime = runtime
-        self._config = FrozenDict(config)
-        # What the pipeline sees; fp16 engines still hand fp32 callers fp32 outputs.
-        self._dtype = dtype or runtime.dtype
-
-    @property
-    def config(self) -> FrozenDict:
-        return self._config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.runtime.device
 
     def forward(
         self,
