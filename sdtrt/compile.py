@@ -1,7 +1,7 @@
 """The whole chain for one model and target.
 
 onnxruntime: export → simplify → build-ort          (per component)
-tensorrt:    export → simplify → build-trt → wrap  (the UNet)
+tensorrt:    export → simplify → build-trt → wrap  (per component; one-profile engines are wrapped)
 then, for several components, set: one artifact over their engines.
 Each stage is a cache hit when nothing it depends on changed; validation runs on the final artifact.
 """
@@ -24,7 +24,6 @@ from .config import (
     ValidationConfig,
     WrapConfig,
 )
-from .errors import ConfigError
 from .gpu import require_tensorrt, tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
@@ -97,17 +96,11 @@ def compile_model(
     """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
     One component gives its engine; several give an engine set over them. ``components`` defaults to
-    every one the model has — on TensorRT to the UNet alone, whose runtime is the only one written so
-    far. Precision comes from ``export_config``, except for a VAE that asks to be upcast: fp32.
+    every one the model has. Precision comes from ``export_config``, except for a VAE that asks to be
+    upcast: fp32.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
-    if components is None:
-        components = ("unet",) if chosen == "tensorrt" else model_components(model)
-    if chosen == "tensorrt" and set(components) != {"unet"}:
-        raise ConfigError(
-            "TensorRT runtimes for the text encoder and VAE are not written yet; build them with "
-            "--target onnxruntime, or pass --components unet for a TensorRT UNet"
-        )
+    components = components or model_components(model)
     profile = profile or component_spec(model, "unet").default_profile()  # one user profile for every member
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
@@ -123,10 +116,10 @@ def compile_model(
             from .stages import wrap
 
             artifacts.append(wrap.run(WrapConfig(), built, store))
-        elif chosen == "tensorrt":
+        elif chosen == "tensorrt" and "not wrapped" not in reason:
             reason += (
-                f"; the engine has {len(built.manifest['profiles'])} optimization profiles, so it is not wrapped as "
-                "TorchScript (a wrapped engine runs profile 0 only): use the build-trt artifact"
+                f"; the engines have {len(built.manifest['profiles'])} optimization profiles, so they are not "
+                "wrapped as TorchScript (a wrapped engine runs profile 0 only): use the build-trt artifacts"
             )
         finals[component] = artifacts[-1]
     if len(components) > 1:

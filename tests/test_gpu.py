@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from sdtrt.compile import build, compile_model
-from sdtrt.config import Range, ShapeProfile, TrtBuildConfig, WrapConfig
+from sdtrt.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, TrtBuildConfig, WrapConfig
 from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError
 from sdtrt.models import load_unet
 from sdtrt.runtime import open_runtime
-from sdtrt.stages import wrap
+from sdtrt.stages import export, simplify, wrap
 from sdtrt.store import MANIFEST, Artifact
 from sdtrt.validate import TensorCase, ValidationConfig, compare_unet, validate
 
@@ -110,7 +110,9 @@ def test_torchscript_round_trip(trt_engine, store, reference_unet):
 
 
 def test_compile_tensorrt_validates_the_wrapped_engine(tiny, store):
-    result = compile_model(tiny, store, "tensorrt", profile=PROFILE, validation=ValidationConfig(steps=4))
+    result = compile_model(
+        tiny, store, "tensorrt", profile=PROFILE, validation=ValidationConfig(steps=4), components=("unet",)
+    )
     assert [a.stage for a in result.artifacts] == ["export", "simplify", "build-trt", "wrap"]
     assert result.validation, result.validation.failures
     assert validate(tiny, result.artifacts[2], ValidationConfig(steps=4))
@@ -127,3 +129,44 @@ def test_an_engine_with_two_profiles_is_kept_unwrapped(tiny, tiny_simplified, st
     assert runtime.run(runtime.spec.sample_inputs(2, 512, 512))["out_sample"].shape == (2, 4, 64, 64), "profile 1"
     result = compile_model(tiny, store, "tensorrt", profile=PROFILE, trt_config=config, components=("unet",))
     assert result.final.stage == "build-trt" and "not wrapped as TorchScript" in result.target_reason
+
+
+# ---- issue 10: every component on TensorRT ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("component", ["text_encoder", "vae_decoder", "vae_encoder"])
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
+def test_component_engines_match_onnx_runtime(tiny, store, component, cuda_graph):
+    """Several outputs (the text encoder's three), int32 token ids and fp32 VAEs bind and run."""
+    from sdtrt.compile import component_precision
+
+    config = ExportConfig(component=component, precision=component_precision(tiny, component, "fp16"))
+    simplified = simplify.run(SimplifyConfig(), export.run(config, tiny, store), store)
+    engine, _ = build(simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,)))
+    assert engine.primary.name == f"{component}.plan"
+    runtime, reference = open_runtime(engine, cuda_graph=cuda_graph), open_runtime(simplified)
+    for batch, height, width, seed in ((1, 256, 256, 0), (2, 128, 384, 1)):
+        feeds = runtime.spec.sample_inputs(batch, height, width, seed=seed)
+        got, expected = runtime.run(feeds), reference.run(feeds)
+        assert list(got) == list(runtime.spec.output_names)
+        for name, value in got.items():
+            assert value.dtype == expected[name].dtype and value.shape == expected[name].shape, name
+            similarity = torch.nn.functional.cosine_similarity(
+                value.float().cpu().flatten(), expected[name].float().flatten(), dim=0
+            )
+            assert similarity > 0.999, (name, float(similarity))
+
+
+def test_compile_tensorrt_builds_validates_and_generates_with_the_whole_set(tiny, store):
+    from sdtrt.pipeline import load_pipeline
+
+    result = compile_model(tiny, store, "tensorrt", profile=PROFILE, validation=ValidationConfig(steps=4))
+    assert result.final.stage == "set"
+    assert sorted(a.primary.name for a in result.artifacts if a.stage == "wrap") == [
+        "text_encoder.ts", "unet.ts", "vae_decoder.ts", "vae_encoder.ts"
+    ]  # fmt: skip
+    assert result.validation, result.validation.failures
+    pipe = load_pipeline(tiny, engine=result.final)
+    assert type(pipe.text_encoder).__name__ == "EngineTextEncoder" and type(pipe.vae).__name__ == "EngineVAE"
+    image = pipe("a cat", num_inference_steps=2, height=256, width=256, output_type="np").images[0]
+    assert image.shape == (256, 256, 3) and float(image.std()) > 0

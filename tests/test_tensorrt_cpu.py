@@ -83,12 +83,17 @@ def test_no_gpu_paths_fail_fast_with_the_container_hint(tiny_simplified, tiny_en
 # ---- issue 9: the logic of the TensorRT fixes, where it can run without a GPU -----------------------------------
 
 
-def test_wrapped_module_results_give_the_first_output():
-    from sdtrt.runtime.torchscript import first_output
+def test_wrapped_module_results_are_named_in_binding_order(tiny):
+    from sdtrt.runtime.torchscript import named_outputs
+    from sdtrt.spec import component_spec
 
     out = torch.ones(2)
-    assert first_output(out) is out, "one engine output: the module returns the tensor itself"
-    assert first_output((out, torch.zeros(1))) is out, "several outputs: a tuple"
+    assert named_outputs(component_spec(tiny, "unet"), out) == {"out_sample": out}, "one output: the tensor itself"
+    text = component_spec(tiny, "text_encoder")
+    outs = (torch.ones(1), torch.ones(2), torch.ones(3))  # several outputs: a tuple
+    assert named_outputs(text, outs) == dict(zip(text.output_names, outs, strict=True))
+    with pytest.raises(ValueError):
+        named_outputs(text, outs[:2])
 
 
 def test_misaligned_tensors_are_copied_before_tensorrt_sees_them():

@@ -102,7 +102,7 @@ def build(
 
 
 def wrap(source: InputArg, engines: o.EnginesOpt = None) -> None:
-    """Embed a TensorRT engine in a TorchScript module (unet.ts) that torch.jit.load can load.
+    """Embed a TensorRT engine in a TorchScript module (<component>.ts) that torch.jit.load can load.
 
     Example: sdtrt wrap engines/build-trt/5c1f0e2a9b7d4e61
     """
@@ -133,8 +133,8 @@ def compile(
     components: Annotated[
         str | None,
         typer.Option(
-            help=f"Comma-separated, of {','.join(COMPONENTS)} (default: every one the model has; the UNet alone "
-            "on TensorRT); several give an engine set."
+            help=f"Comma-separated, of {','.join(COMPONENTS)} (default: every one the model has); "
+            "several give an engine set."
         ),
     ] = None,
     engines: o.EnginesOpt = None,

@@ -1,4 +1,4 @@
-"""Runtimes: one small interface over every backend that can run a UNet graph.
+"""Runtimes: one small interface over every backend that can run a component's graph.
 
 A runtime takes a dict of named torch tensors and returns a dict of named torch tensors. It knows
 its spec, device and compute dtype, and checks every request against the shapes it was built for
@@ -16,7 +16,7 @@ from ..errors import ArtifactError, EngineInputError
 
 if TYPE_CHECKING:
     from ..models import ModelSource
-    from ..spec import GraphSpec, UNetSpec
+    from ..spec import GraphSpec
     from ..store import Artifact
 
 
@@ -48,9 +48,9 @@ def typed_inputs(spec: GraphSpec, feeds: dict[str, torch.Tensor], device: torch.
 
 
 class CudaRuntime:
-    """Device and dtype of runtimes that run on the current CUDA device (TensorRT, TorchScript: UNets so far)."""
+    """Device and dtype of runtimes that run on the current CUDA device (TensorRT, TorchScript)."""
 
-    spec: UNetSpec
+    spec: GraphSpec
 
     @property
     def device(self) -> torch.device:
@@ -87,25 +87,19 @@ def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_grap
     replays TensorRT engines from CUDA graphs.
     """
     from ..onnx_graph import artifact_spec
-    from ..spec import UNetSpec
 
     artifact.require_intact()
     spec = artifact_spec(artifact, model)
-    if artifact.stage in ("build-trt", "wrap") and not isinstance(spec, UNetSpec):
-        raise ArtifactError(
-            f"the TensorRT runtimes run UNet engines only so far; this {spec.component} artifact runs on ONNX "
-            "Runtime: build it with --target onnxruntime"
-        )
     if artifact.stage in ("export", "simplify", "external", "build-ort"):
         from .onnxruntime import OnnxRuntime
 
         preoptimized = artifact.stage == "build-ort"
         return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
-    if artifact.stage == "build-trt" and isinstance(spec, UNetSpec):
+    if artifact.stage == "build-trt":
         from .tensorrt import TensorRTRuntime
 
         return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph)
-    if artifact.stage == "wrap" and isinstance(spec, UNetSpec):
+    if artifact.stage == "wrap":
         from .torchscript import TorchScriptRuntime
 
         return TorchScriptRuntime(artifact.primary, spec, artifact_profile(artifact))

@@ -1,6 +1,7 @@
-"""TensorRT: runs a serialized engine (``unet.plan``) on a CUDA stream the runtime owns.
+"""TensorRT: runs a serialized engine (``{component}.plan``) of any component on a CUDA stream it owns.
 
-IO buffers are torch tensors; each call sets input shapes and tensor addresses and enqueues
+IO buffers are torch tensors; each call sets input shapes and tensor addresses, binds one buffer per
+output (a text encoder has three) and enqueues
 ``execute_async_v3`` without synchronising the host. The runtime's stream waits for the caller's
 stream before it runs and the caller's stream waits for it afterwards (events, no host sync): on the
 legacy default stream, which diffusers pipelines run on, TensorRT would add device-wide syncs
@@ -19,8 +20,8 @@ import torch
 
 from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError
 from ..gpu import engine_mismatch, gpu_environment, require_tensorrt, tensorrt_version
-from ..spec import UNetSpec
-from . import CudaRuntime, check_feeds, typed_inputs
+from ..spec import GraphSpec
+from . import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -47,6 +48,27 @@ def _engine_profile(engine: trt.ICudaEngine, names: tuple[str, ...], index: int)
         lo, opt, hi = (tuple(int(d) for d in dims) for dims in engine.get_tensor_profile_shape(name, index))
         shapes[name] = (lo, opt, hi)
     return shapes
+
+
+def engine_io_problem(engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
+    """Why this engine's IO differs from the spec its manifest records (names, direction, dtype), or None."""
+    import numpy as np
+    import tensorrt as trt
+
+    names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+    expected = [(t, trt.TensorIOMode.INPUT) for t in spec.inputs()] + [
+        (t, trt.TensorIOMode.OUTPUT) for t in spec.outputs()
+    ]
+    if names != {t.name for t, _ in expected}:
+        return f"the engine's tensors are {sorted(names)}, its manifest says {[t.name for t, _ in expected]}"
+    for tensor, mode in expected:
+        if engine.get_tensor_mode(tensor.name) != mode:
+            return f"'{tensor.name}' is not an {mode.name.lower()} of the engine"
+        # trt.nptype maps a TensorRT DataType to numpy's (tensorrt/__init__.py); bf16/fp8 have none.
+        dtype = engine.get_tensor_dtype(tensor.name)
+        if np.dtype(trt.nptype(dtype)) != np.dtype(tensor.dtype):
+            return f"'{tensor.name}' is {dtype} in the engine, {tensor.dtype} in its manifest"
+    return None
 
 
 def describe_profiles(profiles: list[ProfileShapes], name: str) -> str:
@@ -81,7 +103,7 @@ def require(ok: bool, what: str) -> None:
 class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
-    def __init__(self, plan: Path, spec: UNetSpec, manifest: dict[str, Any], cuda_graph: bool = False) -> None:
+    def __init__(self, plan: Path, spec: GraphSpec, manifest: dict[str, Any], cuda_graph: bool = False) -> None:
         require_tensorrt("run a TensorRT engine")
         source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
         check_engine_environment(manifest, source)
@@ -95,6 +117,10 @@ class TensorRTRuntime(CudaRuntime):
         if engine is None:
             raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `sdtrt build {source}`")
         self._engine = engine
+        if problem := engine_io_problem(engine, spec):
+            raise ArtifactError(
+                f"{plan} does not match its manifest: {problem}; rebuild it with `sdtrt build {source}`"
+            )
         # create_execution_context returns None when it cannot allocate the activation memory.
         context: trt.IExecutionContext | None = engine.create_execution_context()
         if context is None:
@@ -108,8 +134,8 @@ class TensorRTRuntime(CudaRuntime):
         self._graph_shapes: tuple[Shape, ...] | None = None
         self._static: dict[str, torch.Tensor] = {}
 
-    def _bind(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Select the profile, set shapes and addresses (each checked); returns the output buffer it bound."""
+    def _bind(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Select the profile, set shapes and addresses (each checked); returns the output buffers it bound."""
         shapes = {name: tuple(t.shape) for name, t in inputs.items()}
         index = select_profile(self._profiles, shapes)
         if index is None:
@@ -125,12 +151,15 @@ class TensorRTRuntime(CudaRuntime):
         for name, tensor in inputs.items():
             require(self._context.set_input_shape(name, shapes[name]), f"set input '{name}' to shape {shapes[name]}")
             require(self._context.set_tensor_address(name, tensor.data_ptr()), f"bind input '{name}'")
-        out_name = self.spec.output_name
-        out_shape = tuple(self._context.get_tensor_shape(out_name))
-        require(all(d >= 0 for d in out_shape), f"infer the shape of '{out_name}' (got {out_shape})")
-        out = torch.empty(out_shape, dtype=self.dtype, device=self.device)
-        require(self._context.set_tensor_address(out_name, out.data_ptr()), f"bind output '{out_name}'")
-        return out
+        outputs = {}
+        for output in self.spec.outputs():
+            # get_tensor_shape gives -1 for dimensions it cannot infer yet (pyCoreDoc.h).
+            shape = tuple(self._context.get_tensor_shape(output.name))
+            require(all(d >= 0 for d in shape), f"infer the shape of '{output.name}' (got {shape})")
+            out = torch.empty(shape, dtype=TORCH_DTYPES[output.dtype], device=self.device)
+            require(self._context.set_tensor_address(output.name, out.data_ptr()), f"bind output '{output.name}'")
+            outputs[output.name] = out
+        return outputs
 
     def _execute(self) -> None:
         require(self._context.execute_async_v3(self._stream.cuda_stream), "enqueue the engine (execute_async_v3)")
@@ -143,35 +172,37 @@ class TensorRTRuntime(CudaRuntime):
         for tensor in inputs.values():
             tensor.record_stream(self._stream)  # allocated on the caller's stream, read on ours
         if self.cuda_graph:
-            out = self._replay(inputs)
+            outputs = self._replay(inputs)
         else:
-            out = self._bind(inputs)
-            out.record_stream(self._stream)
+            outputs = self._bind(inputs)
+            for out in outputs.values():
+                out.record_stream(self._stream)  # allocated on the caller's stream, written on ours
             self._execute()
         caller.wait_stream(self._stream)
-        return {self.spec.output_name: out}
+        return outputs
 
-    def _replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _replay(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         shapes = tuple(tuple(t.shape) for t in inputs.values())
         if shapes != self._graph_shapes:
             self._graph = None  # its context state is about to be re-bound: never replay it again
             with torch.cuda.stream(self._stream):
                 static = {name: t.clone() for name, t in inputs.items()}
-                out = self._bind(static)
+                outputs = self._bind(static)
                 self._execute()  # one run outside capture: TensorRT allocates lazily
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=self._stream):
                     self._execute()
-            self._graph, self._graph_shapes, self._static = graph, shapes, static | {self.spec.output_name: out}
+            self._graph, self._graph_shapes, self._static = graph, shapes, static | outputs
         assert self._graph is not None
         with torch.cuda.stream(self._stream):
             for name, tensor in inputs.items():
                 self._static[name].copy_(tensor)
             self._graph.replay()
-            # The graph writes into one static buffer; hand out a copy so the next call cannot change it.
-            out = self._static[self.spec.output_name].clone()
-        out.record_stream(torch.cuda.current_stream())
-        return out
+            # The graph writes into static buffers; hand out copies so the next call cannot change them.
+            outputs = {name: self._static[name].clone() for name in self.spec.output_names}
+        for out in outputs.values():
+            out.record_stream(torch.cuda.current_stream())
+        return outputs
 
     def close(self) -> None:
         self._graph = None

@@ -1,4 +1,4 @@
-"""Build stage, TensorRT target: ONNX → serialized engine (``unet.plan``), in a child process.
+"""Build stage, TensorRT target: ONNX → serialized engine (``{component}.plan``), in a child process.
 
 The engine is specific to the TensorRT version and the GPU's compute capability, so both enter the
 cache key and the manifest; the runtime refuses an engine built for anything else.
@@ -22,8 +22,7 @@ from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "build-trt"
-VERSION = 1
-PLAN_NAME = "unet.plan"
+VERSION = 2  # 2: the plan is named after its component
 LOG_NAME = "build.log"
 
 
@@ -43,10 +42,11 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
 def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
     """The JSON the child process gets: paths, settings and per-input (min, opt, max) shapes."""
     spec = artifact_spec(source)
+    plan = f"{spec.component}.plan"
     workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
     return {
         "onnx": str(source.primary),
-        "plan": str(out_dir / PLAN_NAME),
+        "plan": str(out_dir / plan),
         "result": str(out_dir / "result.json"),
         "profiles": [
             {name: [list(s) for s in shapes] for name, shapes in spec.profile_shapes(p).items()}
@@ -83,7 +83,7 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
     (out_dir / "result.json").unlink()
     spec = artifact_spec(source)
     return {
-        "primary": PLAN_NAME,
+        "primary": Path(request["plan"]).name,
         "io": spec.to_json(),
         "profile": config.effective_profiles()[0].to_json(),
         "profiles": [p.to_json() for p in config.effective_profiles()],

@@ -1,10 +1,11 @@
-"""Wrap stage: embed a TensorRT engine in a TorchScript module (``unet.ts``) with torch-tensorrt.
+"""Wrap stage: embed a TensorRT engine in a TorchScript module (``{component}.ts``) with torch-tensorrt.
 
 ``torch.jit.load("unet.ts")`` (after ``import torch_tensorrt``) gives a module called with one tensor
 per engine input — ``module(sample, timestep, encoder_hidden_states)`` — that returns the output
-tensor (a tuple only for engines with several outputs: pytorch/TensorRT core/compiler.cpp,
-``AddEngineToGraph``; the Python docstring's ``Tensor[]`` is misleading). EngineUNet adapts that call
-to the UNet's. The module runs optimization profile 0 only: Torch-TensorRT's TRTEngine never selects
+tensor, or a tuple in the manifest's output order for engines with several outputs (a text encoder's
+three: pytorch/TensorRT core/compiler.cpp, ``AddEngineToGraph``; the Python docstring's ``Tensor[]``
+is misleading). The stand-ins (EngineUNet, EngineTextEncoder, EngineVAE) adapt that call to the
+module's. The module runs optimization profile 0 only: Torch-TensorRT's TRTEngine never selects
 another before 2.13 (no ``setOptimizationProfileAsync`` in ``core/runtime`` on ``release/ngc/25.01``),
 so engines with several profiles are not wrapped.
 
@@ -25,8 +26,7 @@ from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "wrap"
-VERSION = 1
-TS_NAME = "unet.ts"
+VERSION = 2  # 2: the module is named after its component
 
 
 def run(config: WrapConfig, engine: Artifact, store: Store) -> Artifact:
@@ -49,18 +49,19 @@ def _wrap(engine: Artifact, out_dir: Path) -> dict[str, Any]:
     import torch_tensorrt
 
     spec = artifact_spec(engine)
+    name = f"{spec.component}.ts"
     with step("Embedding the engine in a TorchScript module"):
         module = torch_tensorrt.ts.embed_engine_in_new_module(
             engine.primary.read_bytes(),
             input_binding_names=list(spec.input_names),
             output_binding_names=list(spec.output_names),
         )
-        torch.jit.save(module, str(out_dir / TS_NAME))
+        torch.jit.save(module, str(out_dir / name))
     return {
-        "primary": TS_NAME,
+        "primary": name,
         "io": spec.to_json(),
         "profile": engine.manifest.get("profile"),
         "target": "tensorrt",
-        "details": {"call": "module(sample, timestep, encoder_hidden_states) -> out_sample"},
+        "details": {"call": f"module({', '.join(spec.input_names)}) -> {', '.join(spec.output_names)}"},
         "reproduce": f"sdtrt wrap {engine.path}",
     }
