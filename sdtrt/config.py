@@ -20,8 +20,9 @@ OrtOptimization = Literal["basic", "extended"]
 ConcreteTarget = Literal["onnxruntime", "tensorrt"]
 Target = Literal["auto", "onnxruntime", "tensorrt"]
 # The networks a pipeline calls, each exported and built as its own graph.
-Component = Literal["unet", "text_encoder", "vae_decoder", "vae_encoder"]
-COMPONENTS: tuple[Component, ...] = ("unet", "text_encoder", "vae_decoder", "vae_encoder")
+Component = Literal["unet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"]
+COMPONENTS: tuple[Component, ...] = ("unet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder")
+TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2")
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -124,8 +125,9 @@ class ShapeProfile:
         return cls(Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"])
 
     def unet_batch(self) -> Range:
+        """The UNet's batch: doubled by guidance, except at the minimum (guidance off, or LCM/Turbo, runs 1×)."""
         factor = 2 if self.guidance else 1
-        return Range(*(b * factor for b in self.batch))
+        return Range(self.batch.min, self.batch.opt * factor, self.batch.max * factor)
 
     def check(self, pixel_multiple: int) -> None:
         """Raise ConfigError unless every range is ordered, positive and on the model's grid."""
@@ -157,7 +159,7 @@ class ExportConfig:
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
         if self.exporter != "auto":
             return self.exporter
-        return "dynamo" if self.component == "text_encoder" and self.precision == "fp16" else "torchscript"
+        return "dynamo" if self.component in TEXT_ENCODERS and self.precision == "fp16" else "torchscript"
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
@@ -166,7 +168,7 @@ class ExportConfig:
             raise ConfigError(f"precision '{self.precision}' is not fp16 or fp32")
         if self.exporter not in ("auto", "dynamo", "torchscript"):
             raise ConfigError(f"exporter '{self.exporter}' is not auto, dynamo or torchscript")
-        if self.exporter == "torchscript" and self.component == "text_encoder" and self.precision == "fp16":
+        if self.exporter == "torchscript" and self.component in TEXT_ENCODERS and self.precision == "fp16":
             raise ConfigError(
                 "the TorchScript-based exporter writes an invalid fp16 text encoder graph (fp32 LayerNorm weights "
                 "on fp16 inputs); use --exporter dynamo (or auto)"

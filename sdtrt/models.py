@@ -1,8 +1,8 @@
 """Where models come from: a local diffusers folder, a Hugging Face hub id, or an offline preset.
 
-Presets are whole Stable Diffusion 1.x pipelines built from configs with a fixed seed (random
-weights), saved once under the models cache and loaded from there afterwards, so every later stage
-sees an ordinary diffusers folder.
+Presets (presets.py) are whole pipelines built from configs with a fixed seed (random weights),
+saved once under the models cache and loaded from there afterwards, so every later stage sees an
+ordinary diffusers folder.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +19,6 @@ from typing import Any, Literal
 from .errors import ModelNotFoundError, UnsupportedModelError
 
 SourceKind = Literal["preset", "folder", "hub"]
-PRESET_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,14 @@ class ModelSource:
             raise ModelNotFoundError(f"model '{self.name}' has no {folder}/ with a config.json ({self.path})")
         return path
 
+    def pipeline_class(self) -> str:
+        """The diffusers pipeline class ``model_index.json`` names."""
+        return str(json.loads((self.path / "model_index.json").read_text()).get("_class_name", ""))
+
+    def has(self, folder: str) -> bool:
+        """Whether this is a pipeline folder with that sub-folder (SDXL's refiner has no text_encoder/)."""
+        return self.is_pipeline and (self.path / folder / "config.json").is_file()
+
     def component_config(self, folder: str) -> dict[str, Any]:
         return json.loads((self.component_dir(folder) / "config.json").read_text())
 
@@ -60,6 +65,18 @@ class ModelSource:
         index = json.loads((self.path / "model_index.json").read_text()) if self.is_pipeline else {}
         library, class_name = index.get(folder) or ("diffusers", self.component_config(folder).get("_class_name", ""))
         return str(library), str(class_name)
+
+    def family(self) -> str:
+        """sd1, sd2, sdxl, sdxl-refiner (+ -inpaint, -lcm, -v): see families.family_name."""
+        from .families import family_name
+
+        scheduler = self.path / "scheduler" / "scheduler_config.json"
+        scheduler_config = json.loads(scheduler.read_text()) if self.is_pipeline and scheduler.is_file() else None
+        return family_name(self.unet_config(), scheduler_config, self.pooled_text_dim())
+
+    def pooled_text_dim(self) -> int | None:
+        """SDXL's pooled text embedding width: text_encoder_2's projection_dim (None without one)."""
+        return self.component_config("text_encoder_2").get("projection_dim") if self.has("text_encoder_2") else None
 
     def vae_scale_factor(self) -> int:
         """Pixels per latent; 8 for SD 1.x/2.x. A bare UNet folder is assumed to be SD-like."""
@@ -101,6 +118,8 @@ def models_cache_dir() -> Path:
 
 def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
     """Turn a --model value into a local diffusers folder, building or locating it as needed."""
+    from .presets import PRESETS, ensure_preset
+
     if model in PRESETS:
         return ModelSource(model, "preset", ensure_preset(model, cache_dir or models_cache_dir()))
     path = Path(model).expanduser()
@@ -199,145 +218,3 @@ def load_folder(source: ModelSource, folder: str, dtype: Any = None) -> Any:
     with quiet_loading():
         module = cls.from_pretrained(source.component_dir(folder), dtype=dtype, local_files_only=True)
     return module.eval()
-
-
-def check_supported_unet(config: dict[str, Any]) -> None:
-    """Refuse UNets whose extra conditioning inputs the exported graph would silently drop."""
-    extras = {
-        "addition_embed_type": "SDXL-style added conditioning (text_embeds, time_ids)",
-        "class_embed_type": "class-label conditioning",
-        "time_cond_proj_dim": "LCM timestep_cond",
-        "encoder_hid_dim_type": "projected encoder hidden states",
-    }
-    for key, what in extras.items():
-        if config.get(key) is not None:
-            raise UnsupportedModelError(
-                f"this UNet uses {what} ({key}={config[key]!r}); sdtrt exports SD 1.x/2.x UNets "
-                "(sample, timestep, encoder_hidden_states) only so far"
-            )
-
-
-# ---- presets ---------------------------------------------------------------------------------
-
-PRESET_VERSION = 2
-
-
-def ensure_preset(name: str, cache_dir: Path) -> Path:
-    """The preset's folder, built on first use; an interrupted build leaves nothing behind."""
-    dest = cache_dir / f"{name}-v{PRESET_VERSION}"
-    if (dest / "model_index.json").is_file():
-        return dest
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
-    try:
-        with quiet_loading():
-            PRESETS[name]().save_pretrained(tmp, safe_serialization=True)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process finished first; theirs is identical
-            if not (dest / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def _byte_level_tokenizer(folder: Path, max_length: int = 77) -> Any:
-    """A CLIP tokenizer over a byte-level vocabulary: every text tokenizes, nothing is downloaded.
-
-    transformers 5.x builds a 3-token vocabulary from CLIPTokenizer(vocab_file=…), so the files are
-    written to a folder and loaded with from_pretrained.
-    """
-    from transformers import CLIPTokenizer
-
-    byte_chars = _bytes_to_unicode()
-    tokens = byte_chars + [c + "</w>" for c in byte_chars]
-    merges = [("t", "h"), ("th", "e</w>"), ("a", "n"), ("an", "d</w>"), ("i", "n"), ("o", "n</w>")]
-    tokens += ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
-    return CLIPTokenizer.from_pretrained(folder, model_max_length=max_length)
-
-
-def _bytes_to_unicode() -> list[str]:
-    """The 256 printable stand-ins byte-level BPE uses for raw bytes (the GPT-2/CLIP table)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
-def _sd1_pipeline(unet_kwargs: dict[str, Any], vae_kwargs: dict[str, Any], text_kwargs: dict[str, Any]) -> Any:
-    import torch
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    torch.manual_seed(PRESET_SEED)
-    unet = UNet2DConditionModel(**unet_kwargs)
-    vae = AutoencoderKL(**vae_kwargs)
-    with tempfile.TemporaryDirectory() as tok_dir:
-        tokenizer = _byte_level_tokenizer(Path(tok_dir))
-    text_config = CLIPTextConfig(
-        vocab_size=max(len(tokenizer), text_kwargs.pop("vocab_size", 0)),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_position_embeddings=77,
-        **text_kwargs,
-    )
-    text_encoder = CLIPTextModel(text_config)
-    # Stable Diffusion 1.5's own scheduler config, including the clip_sample=False that other
-    # schedulers (DDIM) read from it when built with from_config.
-    scheduler = PNDMScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-        skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False,
-    )  # fmt: skip
-    scheduler.register_to_config(clip_sample=False)  # type: ignore[attr-defined]  # ConfigMixin API
-    return StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )  # fmt: skip
-
-
-def _tiny() -> Any:
-    """A complete SD 1.x pipeline small enough for tests on two CPU cores (~1 M parameters)."""
-    return _sd1_pipeline(
-        unet_kwargs=dict(
-            sample_size=32, in_channels=4, out_channels=4, layers_per_block=1,
-            block_out_channels=(32, 64), norm_num_groups=16, cross_attention_dim=32,
-            attention_head_dim=8,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        ),
-        # Four VAE blocks make the VAE scale factor 8, as in real SD, so pixel sizes are realistic.
-        vae_kwargs=dict(
-            in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
-            block_out_channels=(16, 16, 32, 32), norm_num_groups=16, sample_size=256,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        ),
-        text_kwargs=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
-    )  # fmt: skip
-
-
-def _sd15_random() -> Any:
-    """Stable Diffusion 1.5's architecture (UNet 859.5 M parameters) with random weights."""
-    return _sd1_pipeline(
-        unet_kwargs=dict(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
-        vae_kwargs=dict(
-            block_out_channels=(128, 256, 512, 512), latent_channels=4, layers_per_block=2, sample_size=512,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        ),
-        text_kwargs=dict(
-            vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-            num_attention_heads=12, projection_dim=768,
-        ),
-    )  # fmt: skip
-
-
-PRESETS: dict[str, Callable[[], Any]] = {"tiny": _tiny, "sd15-random": _sd15_random}

@@ -1,7 +1,8 @@
-"""Ready diffusers pipelines whose UNet is an engine: same call, same images."""
+"""Ready diffusers pipelines whose networks are engines: same class, same call, same images."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -9,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import COMPONENTS
+from .config import TEXT_ENCODERS
 from .errors import ModelNotFoundError
+from .families import Task, pipeline_class_name
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
 from .runtime import open_runtime
-from .spec import FOLDERS
+from .spec import FOLDERS, model_components
 from .standins import EngineTextEncoder, EngineVAE, final_layer_norm, text_encoder_config
 from .store import Artifact
 from .unet import EngineUNet
@@ -37,41 +39,49 @@ def load_pipeline(
     engine: str | os.PathLike[str] | Artifact | CompileResult | None = None,
     *,
     scheduler: str | None = None,
-    img2img: bool = False,
+    task: Task | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """A StableDiffusion(Img2Img)Pipeline for ``model``; with ``engine``, its networks run on engines.
+    """The diffusers pipeline ``model_index.json`` names (or its family's ``task`` variant); with ``engine``,
+    its networks run on engines.
 
-    ``engine`` is an artifact directory (or file inside one) from ``sdtrt compile``/``build`` — a UNet
-    engine or an engine set — an Artifact, or what ``compile_model`` returned. Components a set lacks
-    stay PyTorch (one line on stderr says which). Without ``engine`` the pipeline is plain PyTorch:
-    the reference engines are checked against.
+    ``task`` picks txt2img, img2img or inpaint within the model's family (StableDiffusion…,
+    StableDiffusionXL…, LatentConsistencyModel…). ``engine`` is an artifact directory (or file inside
+    one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
+    ``compile_model`` returned. Components a set lacks stay PyTorch (one line on stderr says which).
+    Without ``engine`` the pipeline is plain PyTorch: the reference engines are checked against.
     """
-    with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
-        from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionPipeline
+    import diffusers
 
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     if not source.is_pipeline:
         raise ModelNotFoundError(f"'{source.path}' is a bare UNet folder; a pipeline needs the whole model folder")
-    cls = StableDiffusionImg2ImgPipeline if img2img else StableDiffusionPipeline
+    with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
+        cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
     members = engine_members(_as_artifact(engine)) if engine is not None else {}
     # Skip loading what engines replace (3.4 GB for SD 1.5's UNet); diffusers type-checks components
     # given to from_pretrained, so the stand-ins go in through the constructor.
     skipped = {FOLDERS[c]: None for c in members if not (c == "vae_encoder" and "vae_decoder" not in members)}
+    no_checker = {"safety_checker": None, "requires_safety_checker": False}
     with quiet_loading():
         pipe = cls.from_pretrained(
-            source.path, dtype=dtype, local_files_only=True, safety_checker=None, requires_safety_checker=False,
-            **skipped,
-        )  # fmt: skip
+            source.path, dtype=dtype, local_files_only=True, **accepted(cls, no_checker), **skipped
+        )
     if members:
         pipe = with_components(pipe, standins(source, members, pipe.vae, dtype))
-        on_pytorch = [c for c in COMPONENTS if c not in members]
+        on_pytorch = [c for c in model_components(source) if c not in members]
         if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
             console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
     pipe.set_progress_bar_config(disable=True)
     if scheduler:
         set_scheduler(pipe, scheduler)
     return pipe
+
+
+def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``cls.__init__`` takes (SDXL pipelines have no safety checker)."""
+    parameters = inspect.signature(cls).parameters
+    return {k: v for k, v in kwargs.items() if k in parameters}
 
 
 def engine_members(artifact: Artifact) -> dict[str, Artifact]:
@@ -87,10 +97,11 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
     out: dict[str, Any] = {}
     if "unet" in runtimes:
         out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype)
-    if "text_encoder" in runtimes:
-        config = text_encoder_config(source)
-        norm = final_layer_norm(source, config)
-        out["text_encoder"] = EngineTextEncoder(runtimes["text_encoder"], config, norm, dtype=dtype)
+    for name in TEXT_ENCODERS:
+        if name in runtimes:
+            config = text_encoder_config(source, FOLDERS[name])
+            norm = final_layer_norm(source, config, FOLDERS[name])
+            out[name] = EngineTextEncoder(runtimes[name], config, norm, dtype=dtype)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
@@ -113,7 +124,9 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
     Built through the constructor, not by assigning ``pipe.unet``: pipelines derive state from
     their components' configs in ``__init__`` (e.g. whether ``sample_size`` is an int).
     """
-    replaced = type(pipe)(**pipe.components | replacements, requires_safety_checker=False)
+    # Settings registered beside the components (requires_aesthetics_score, force_zeros_for_empty_prompt, …).
+    settings = accepted(type(pipe), {k: v for k, v in pipe.config.items() if k not in pipe.components})
+    replaced = type(pipe)(**pipe.components | replacements, **settings)
     replaced.set_progress_bar_config(disable=True)
     return replaced
 
@@ -132,5 +145,6 @@ def generate(
         return kwargs
 
     request = request.sized_for(SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor))
+    kwargs = request.pipeline_kwargs(inspect.signature(pipe.__call__).parameters)
     with torch.no_grad():
-        return pipe(**request.pipeline_kwargs(), output_type=output_type, callback_on_step_end=callback)
+        return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)

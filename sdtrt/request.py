@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,8 @@ SCHEDULERS = {
     "dpm++": "DPMSolverMultistepScheduler",
     "lms": "LMSDiscreteScheduler",  # needs scipy, a dependency of sdtrt for this reason
     "unipc": "UniPCMultistepScheduler",
+    "lcm": "LCMScheduler",  # LCM-distilled UNets (LatentConsistencyModelPipeline)
+    "tcd": "TCDScheduler",
 }
 
 
@@ -80,6 +83,10 @@ class GenerateRequest:
     height: int | None = None  # None: the model's default
     width: int | None = None
     images: int = 1  # per prompt
+    # img2img / inpaint / refiner pipelines: the input image and mask (PIL images, arrays or tensors).
+    image: Any = None
+    mask_image: Any = None
+    strength: float = 0.6
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -96,10 +103,15 @@ class GenerateRequest:
         height, width = rule.resolve(self.height, self.width)
         return dataclasses.replace(self, height=height, width=width)
 
-    def pipeline_kwargs(self) -> dict[str, Any]:
+    def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
+        """Keyword arguments for a pipeline whose ``__call__`` takes ``accepts``; RequestError for what it lacks.
+
+        Pipelines differ: LCM's takes no negative prompt, img2img and inpaint ones need an image (and a
+        mask), and txt2img ones take no strength.
+        """
         import torch
 
-        return {
+        wanted: dict[str, Any] = {
             "prompt": self.prompt,
             "negative_prompt": self.negative_prompt,
             "num_inference_steps": self.steps,
@@ -107,5 +119,16 @@ class GenerateRequest:
             "height": self.height,
             "width": self.width,
             "num_images_per_prompt": self.images,
+            "image": self.image,
+            "mask_image": self.mask_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
+        for name, flag in (("image", "--image"), ("mask_image", "--mask")):
+            if name in accepts and wanted[name] is None:
+                raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
+        for name in ("negative_prompt", "image", "mask_image"):
+            if wanted[name] is not None and name not in accepts:
+                raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}")
+        if "strength" in accepts and self.image is not None:
+            wanted["strength"] = self.strength
+        return {k: v for k, v in wanted.items() if k in accepts}

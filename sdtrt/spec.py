@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from .config import COMPONENTS, Component, IONaming, Precision, Range, ShapeProfile
 from .errors import ArtifactError
-from .models import check_supported_unet
+from .families import UNetConditioning
 
 if TYPE_CHECKING:
     import torch
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .models import ModelSource
 
 # The pipeline sub-folder each component is loaded from.
-FOLDERS: dict[str, str] = {"unet": "unet", "text_encoder": "text_encoder", "vae_decoder": "vae",
-                                  "vae_encoder": "vae"}  # fmt: skip
+FOLDERS: dict[str, str] = {"unet": "unet", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
+                           "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77
@@ -187,9 +187,10 @@ class GraphSpec:
 
 @dataclass(frozen=True)
 class UNetSpec(GraphSpec):
+    """The UNet: sample, timestep, text embeddings, and the family's extras (SDXL, LCM) after them."""
+
     component: ClassVar[Component] = "unet"
     label: ClassVar[str] = "UNet"
-    canonical_inputs: ClassVar[tuple[str, ...]] = NAMED_INPUTS
     canonical_outputs: ClassVar[tuple[str, ...]] = (NAMED_OUTPUT,)
     grid: ClassVar[dict[str, str]] = {"height": "latent_multiple", "width": "latent_multiple"}
 
@@ -198,13 +199,16 @@ class UNetSpec(GraphSpec):
     cross_attention_dim: int = 768
     latent_sample_size: int = 64
     latent_multiple: int = 8  # latent H/W must be a multiple: 2 ** (down blocks - 1)
+    text_embeds_dim: int = 0  # SDXL's added conditioning (added_cond_kwargs), 0 when absent
+    time_ids_dim: int = 0
+    timestep_cond_dim: int = 0  # LCM's guidance embedding
 
     @classmethod
     def from_config(
         cls, unet_config: dict[str, Any], vae_scale_factor: int, precision: Precision = "fp16",
-        io_naming: IONaming = "named",
+        io_naming: IONaming = "named", text_embeds_dim: int | None = None,
     ) -> UNetSpec:  # fmt: skip
-        check_supported_unet(unet_config)
+        conditioning = UNetConditioning.of(unet_config, text_embeds_dim)
         sample_size = unet_config.get("sample_size", 64)
         return cls(
             precision=precision,
@@ -215,7 +219,18 @@ class UNetSpec(GraphSpec):
             cross_attention_dim=unet_config["cross_attention_dim"],
             latent_sample_size=sample_size if isinstance(sample_size, int) else sample_size[0],
             latent_multiple=2 ** (len(unet_config["down_block_types"]) - 1),
+            text_embeds_dim=conditioning.text_embeds_dim,
+            time_ids_dim=conditioning.time_ids_dim,
+            timestep_cond_dim=conditioning.timestep_cond_dim,
         )
+
+    @property
+    def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return NAMED_INPUTS + tuple(name for name, size in self._extras() if size)
+
+    def _extras(self) -> tuple[tuple[str, int], ...]:
+        return (("text_embeds", self.text_embeds_dim), ("time_ids", self.time_ids_dim),
+                ("timestep_cond", self.timestep_cond_dim))  # fmt: skip
 
     @property
     def output_name(self) -> str:
@@ -226,12 +241,13 @@ class UNetSpec(GraphSpec):
         return self.latent_multiple * self.vae_scale_factor
 
     def inputs(self) -> list[TensorSpec]:
-        sample, timestep, text = self.input_names
+        sample, timestep, text, *extras = self.input_names
+        sizes = [size for _, size in self._extras() if size]
         return [
             TensorSpec(sample, self.dtype, ("batch", self.in_channels, "height", "width")),
             TensorSpec(timestep, "float32", ("batch",)),  # the timestep stays fp32 in fp16 graphs
             TensorSpec(text, self.dtype, ("batch", TEXT_TOKENS, self.cross_attention_dim)),
-        ]
+        ] + [TensorSpec(name, self.dtype, ("batch", size)) for name, size in zip(extras, sizes, strict=True)]
 
     def outputs(self) -> list[TensorSpec]:
         return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]
@@ -240,7 +256,9 @@ class UNetSpec(GraphSpec):
         return profile.unet_batch()
 
     def default_profile(self) -> ShapeProfile:
-        return ShapeProfile.around(self.latent_sample_size * self.vae_scale_factor, self.pixel_multiple)
+        profile = ShapeProfile.around(self.latent_sample_size * self.vae_scale_factor, self.pixel_multiple)
+        # LCM embeds the guidance scale (timestep_cond) instead of running the UNet twice.
+        return dataclasses.replace(profile, guidance=not self.timestep_cond_dim)
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, timestep: float = 500.0,
@@ -308,6 +326,14 @@ class TextEncoderSpec(GraphSpec):
 
 
 @dataclass(frozen=True)
+class TextEncoder2Spec(TextEncoderSpec):
+    """SDXL's second text encoder (``text_encoder_2``, usually CLIPTextModelWithProjection)."""
+
+    component: ClassVar[Component] = "text_encoder_2"
+    label: ClassVar[str] = "second text encoder"
+
+
+@dataclass(frozen=True)
 class _VaeSpec(GraphSpec):
     """What both halves of a VAE know: channels on either side and the native image size."""
 
@@ -356,7 +382,7 @@ class VaeEncoderSpec(_VaeSpec):
 
 
 SPEC_CLASSES: dict[str, type[GraphSpec]] = {
-    cls.component: cls for cls in (UNetSpec, TextEncoderSpec, VaeDecoderSpec, VaeEncoderSpec)
+    cls.component: cls for cls in (UNetSpec, TextEncoderSpec, TextEncoder2Spec, VaeDecoderSpec, VaeEncoderSpec)
 }
 
 
@@ -374,13 +400,15 @@ def component_spec(
     """The contract of one of the model's networks, from its config."""
     factor = model.vae_scale_factor()
     if component == "unet":
-        return UNetSpec.from_config(model.unet_config(), factor, precision, io_naming)
-    if component == "text_encoder":
+        pooled = model.pooled_text_dim()
+        return UNetSpec.from_config(model.unet_config(), factor, precision, io_naming, text_embeds_dim=pooled)
+    if component in ("text_encoder", "text_encoder_2"):
         config, (_, architecture) = (
             model.component_config(FOLDERS[component]),
             model.component_class(FOLDERS[component]),
         )
-        return TextEncoderSpec.from_config(config, architecture, factor, precision, io_naming)
+        text_cls = TextEncoderSpec if component == "text_encoder" else TextEncoder2Spec
+        return text_cls.from_config(config, architecture, factor, precision, io_naming)
     if component in ("vae_decoder", "vae_encoder"):
         config = model.component_config(FOLDERS[component])
         cls = VaeDecoderSpec if component == "vae_decoder" else VaeEncoderSpec
@@ -394,5 +422,5 @@ def component_spec(
 
 
 def model_components(model: ModelSource) -> tuple[Component, ...]:
-    """The components a model has: all four for a pipeline folder, the UNet alone for a bare UNet folder."""
-    return tuple(c for c in COMPONENTS if c == "unet" or (model.is_pipeline and (model.path / FOLDERS[c]).is_dir()))
+    """The components a model has: those with a sub-folder in a pipeline folder, the UNet alone in a bare one."""
+    return tuple(c for c in COMPONENTS if c == "unet" or model.has(FOLDERS[c]))

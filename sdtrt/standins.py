@@ -146,25 +146,25 @@ class EngineVAE(EngineModule):
         return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
 
-def text_encoder_config(source: ModelSource) -> Any:
-    """The transformers config of the model's text encoder (pipelines read it, e.g. use_attention_mask)."""
+def text_encoder_config(source: ModelSource, folder: str = "text_encoder") -> Any:
+    """The transformers config of a text encoder (pipelines read it, e.g. use_attention_mask, projection_dim)."""
     import transformers
 
     from .models import quiet_loading
 
-    _, class_name = source.component_class("text_encoder")
+    _, class_name = source.component_class(folder)
     with quiet_loading():
-        return getattr(transformers, class_name).config_class.from_pretrained(source.component_dir("text_encoder"))
+        return getattr(transformers, class_name).config_class.from_pretrained(source.component_dir(folder))
 
 
-def final_layer_norm(source: ModelSource, config: Any) -> torch.nn.Module | None:
+def final_layer_norm(source: ModelSource, config: Any, folder: str = "text_encoder") -> torch.nn.Module | None:
     """The text model's final LayerNorm, read alone from the weights (clip_skip applies it in the pipeline).
 
     transformers 4 saved it as ``text_model.final_layer_norm.*``, transformers 5 as ``final_layer_norm.*``.
     """
     from safetensors import safe_open
 
-    path = source.component_dir("text_encoder") / "model.safetensors"
+    path = source.component_dir(folder) / "model.safetensors"
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as weights:

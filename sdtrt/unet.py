@@ -7,6 +7,7 @@ for instead of silently dropping them.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,8 +19,9 @@ from .runtime import Runtime
 from .spec import UNetSpec
 from .standins import EngineModule
 
-# Keyword inputs of UNet2DConditionModel.forward the exported graph has no input for.
-UNSUPPORTED_INPUTS = (
+# Keyword inputs of UNet2DConditionModel.forward; those an engine's graph has are fed to it, a given
+# one it lacks is refused.
+OPTIONAL_INPUTS = (
     "class_labels",
     "timestep_cond",
     "attention_mask",
@@ -50,6 +52,10 @@ class EngineUNet(EngineModule):
             raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
         self.spec = runtime.spec
         self.runtime = runtime
+        if "projection_class_embeddings_input_dim" in config:
+            # SDXL pipelines check their time ids against add_embedding.linear_1.in_features.
+            width = config["projection_class_embeddings_input_dim"]
+            self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(in_features=width))
 
     def forward(
         self,
@@ -63,24 +69,36 @@ class EngineUNet(EngineModule):
     ) -> UNet2DConditionOutput | tuple[torch.Tensor]:
         if args:
             raise EngineInputError(f"EngineUNet takes extra inputs by keyword only; got {len(args)} positional")
-        unknown = sorted(set(kwargs) - set(UNSUPPORTED_INPUTS))
+        unknown = sorted(set(kwargs) - set(OPTIONAL_INPUTS))
         if unknown:
             raise TypeError(f"EngineUNet.forward() got unexpected keyword arguments {unknown}")
-        given = sorted(k for k, v in kwargs.items() if v is not None)
-        if given:
-            raise EngineInputError(
-                f"this engine was built for sample, timestep and encoder_hidden_states only; it cannot take "
-                f"{given} (e.g. ControlNet residuals or SDXL conditioning) — use the PyTorch UNet for those"
-            )
         if cross_attention_kwargs and cross_attention_kwargs.get("scale", 1.0) != 1.0:
             raise EngineInputError("cross_attention_kwargs['scale'] (a LoRA scale) is baked into the engine's weights")
-
         spec = self.spec
-        sample_name, timestep_name, text_name = spec.input_names
+        sample_name, timestep_name, text_name, *extra_names = spec.input_names
         feeds = {
             sample_name: sample,
             timestep_name: normalise_timestep(timestep, sample.shape[0], sample.device),
             text_name: encoder_hidden_states,
-        }
+        } | dict(zip(extra_names, self._extras(kwargs), strict=True))
         out = self.runtime.run(feeds)[spec.output_name].to(sample.device, sample.dtype)
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
+
+    def _extras(self, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The graph's extra inputs, in its order, from the keywords the pipeline passed; refuses the rest."""
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        added = given.pop("added_cond_kwargs", None) or {}
+        values = {**added, **({"timestep_cond": given.pop("timestep_cond")} if "timestep_cond" in given else {})}
+        wanted = self.spec.canonical_inputs[3:]
+        if given:
+            problem = f"cannot take {sorted(given)}"
+        elif missing := [name for name in wanted if name not in values]:
+            problem = f"needs {missing}, which the pipeline did not pass"
+        elif extra := sorted(set(values) - set(wanted)):
+            problem = f"has no input for {extra}"
+        else:
+            return [values[name] for name in wanted]
+        raise EngineInputError(
+            f"this UNet engine takes {', '.join(self.spec.canonical_inputs)}; it {problem} (ControlNet residuals, "
+            "for one, are not supported yet)"
+        )

@@ -6,6 +6,7 @@ otherwise (the CLI exits 3). NaN/inf outputs and black or constant images always
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from .spec import GraphSpec, UNetSpec, component_spec
 
 if TYPE_CHECKING:
     from .models import ModelSource
+    from .request import GenerateRequest
     from .runtime import Runtime
     from .store import Artifact
 
@@ -83,11 +85,12 @@ def default_cases(profile: ShapeProfile) -> list[TensorCase]:
 
 
 def compare_unet(runtime: Runtime, reference: torch.nn.Module, spec: UNetSpec, case: TensorCase) -> dict[str, Any]:
-    """Run one case through the engine and the fp32 PyTorch UNet; stats of engine vs reference."""
+    """Run one case through the engine and the fp32 PyTorch UNet (through the graph's own wrapper)."""
+    from .stages.export import graph_module
+
     feeds = spec.sample_inputs(case.unet_batch, case.height, case.width, seed=case.seed, timestep=case.timestep)
-    sample, timestep, text = (feeds[name] for name in spec.input_names)
     with torch.no_grad():
-        expected = reference(sample, timestep, text, return_dict=False)[0]
+        expected = graph_module(spec, reference)(*(feeds[name] for name in spec.input_names))
     got = runtime.run(feeds)[spec.output_name]
     return {"case": case.label()} | tensor_stats(got, expected)
 
@@ -206,6 +209,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
         prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
         height=config.height or profile.height.opt, width=config.width or profile.width.opt,
     ).sized_for(SizeRule.for_model(model))  # fmt: skip
+    reference = load_pipeline(model, scheduler=config.scheduler)
+    request = with_input_images(request, reference)
     precisions = {c: r.spec.precision for c, r in runtimes.items()}
     # The image is as close as its least precise member allows.
     tol = Tolerances.of(config, "fp16" if "fp16" in precisions.values() else "fp32")
@@ -215,8 +220,6 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
         else ", ".join(f"{c} {p}" for c, p in precisions.items())
     )
     report = ValidationReport(str(engine.path), model.name, label, tol)
-
-    reference = load_pipeline(model, scheduler=config.scheduler)
     for component, runtime in runtimes.items():
         spec = runtime.spec
         member_tol = Tolerances.of(config, spec.precision)
@@ -247,6 +250,27 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     for runtime in runtimes.values():
         runtime.close()
     return report
+
+
+def with_input_images(request: GenerateRequest, pipe: Any) -> GenerateRequest:
+    """The request with a seeded input image (and a mask) where the pipeline needs them: img2img, inpaint, refiner."""
+    from PIL import Image
+
+    needs = inspect.signature(pipe.__call__).parameters
+    if "image" not in needs:
+        return request
+    assert request.height and request.width  # sized_for set them
+    rng = np.random.default_rng(request.seed)
+    ys, xs = np.mgrid[0 : request.height, 0 : request.width] / max(request.height, request.width)
+    smooth = np.stack([ys, xs, 1 - (ys + xs) / 2], axis=-1)  # a gradient, so the image has structure
+    pixels = np.clip(smooth + 0.1 * rng.standard_normal(smooth.shape), 0, 1)
+    image = Image.fromarray((pixels * 255).astype(np.uint8))
+    mask = None
+    if "mask_image" in needs:
+        box = np.zeros((request.height, request.width), np.uint8)
+        box[request.height // 4 : 3 * request.height // 4, request.width // 4 : 3 * request.width // 4] = 255
+        mask = Image.fromarray(box)
+    return replace(request, image=image, mask_image=mask)
 
 
 def compare_images(

@@ -183,7 +183,7 @@ def test_img2img_encodes_with_the_vae_encoder_engine(tiny, tiny_set):
 
     init = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(0))
     kwargs = dict(prompt="a watercolor", image=init, strength=0.6, num_inference_steps=5, output_type="np")
-    reference, engine = load_pipeline(tiny, img2img=True), load_pipeline(tiny, tiny_set, img2img=True)
+    reference, engine = load_pipeline(tiny, task="img2img"), load_pipeline(tiny, tiny_set, task="img2img")
     a = reference(**kwargs, generator=torch.Generator().manual_seed(1)).images[0]
     b = engine(**kwargs, generator=torch.Generator().manual_seed(1)).images[0]
     assert engine.vae.encoder_runtime is not None and psnr_db(b, a) >= 35

@@ -170,3 +170,14 @@ def test_compile_tensorrt_builds_validates_and_generates_with_the_whole_set(tiny
     assert type(pipe.text_encoder).__name__ == "EngineTextEncoder" and type(pipe.vae).__name__ == "EngineVAE"
     image = pipe("a cat", num_inference_steps=2, height=256, width=256, output_type="np").images[0]
     assert image.shape == (256, 256, 3) and float(image.std()) > 0
+
+
+# ---- issue 11: every family on TensorRT ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny-sd2", "tiny-sdxl", "tiny-sdxl-refiner", "tiny-inpaint", "tiny-lcm"])
+def test_every_family_builds_and_validates_on_tensorrt(store, preset):
+    from sdtrt.models import resolve_model
+
+    result = compile_model(resolve_model(preset), store, "tensorrt", validation=ValidationConfig(steps=4))
+    assert result.final.stage == "set" and result.validation, result.validation.failures

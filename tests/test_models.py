@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from sdtrt.errors import ModelNotFoundError, UnsupportedModelError
-from sdtrt.models import check_supported_unet, resolve_model
+from sdtrt.families import check_supported_unet
+from sdtrt.models import resolve_model
 
 
 def test_tiny_preset_is_a_complete_cached_pipeline(tiny):
@@ -56,7 +58,13 @@ def test_folder_that_is_not_diffusers(tmp_path):
         resolve_model(str(tmp_path))
 
 
-def test_unets_with_extra_conditioning_are_refused(tiny):
-    config = tiny.unet_config() | {"addition_embed_type": "text_time"}
-    with pytest.raises(UnsupportedModelError, match="SDXL"):
-        check_supported_unet(config)
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({"class_embed_type": "timestep"}, "class-label conditioning"),
+     ({"addition_embed_type": "image"}, "added conditioning of type 'image'"),
+     ({"encoder_hid_dim_type": "text_proj"}, "projected encoder hidden states"),
+     ({"_class_name": "SD3Transformer2DModel"}, "SD3Transformer2DModel")],
+)  # fmt: skip
+def test_unsupported_conditioning_is_refused_saying_what_is_supported(tiny, extra, named):
+    with pytest.raises(UnsupportedModelError, match=f"{re.escape(named)}.*; sdtrt supports SD 1.x and 2.x"):
+        check_supported_unet(tiny.unet_config() | extra)

@@ -40,8 +40,8 @@ def test_text2img_matches_pytorch_under_schedulers(tiny, tiny_engine, scheduler)
 
 
 def test_img2img_matches_pytorch(tiny, tiny_engine):
-    ref = load_pipeline(tiny, img2img=True)
-    eng = load_pipeline(tiny, tiny_engine, img2img=True)
+    ref = load_pipeline(tiny, task="img2img")
+    eng = load_pipeline(tiny, tiny_engine, task="img2img")
     init = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(0))
     kwargs = dict(prompt="a watercolor", image=init, strength=0.6, num_inference_steps=6, output_type="np")
     a = ref(**kwargs, generator=torch.Generator().manual_seed(1)).images[0]
@@ -92,7 +92,7 @@ def test_wrong_dtypes_and_shapes_are_clear_errors(engine_unet):
     text = torch.randn(2, 77, 32)
     with pytest.raises(EngineInputError, match="floating-point"):
         engine_unet(torch.ones(2, 4, 16, 16, dtype=torch.int64), 1, text)
-    with pytest.raises(EngineInputError, match=r"outside the engine's profile \(2, 4, 16, 16\) \.\. \(8, 4, 48, 48\)"):
+    with pytest.raises(EngineInputError, match=r"outside the engine's profile \(1, 4, 16, 16\) \.\. \(8, 4, 48, 48\)"):
         engine_unet(torch.randn(2, 4, 64, 64), 1, torch.randn(2, 77, 32))
     with pytest.raises(EngineInputError, match="latent height 17 must be a multiple of 2"):
         engine_unet(torch.randn(2, 4, 17, 17), 1, text)

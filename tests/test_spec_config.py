@@ -54,4 +54,4 @@ def test_profile_checks_order_and_grid():
         ShapeProfile(height=Range(512, 256, 768)).check(64)
     with pytest.raises(ConfigError, match=r"width 520 is not a positive multiple of 64 pixels.*use e\.g\. 512"):
         ShapeProfile(width=Range(256, 520, 768)).check(64)
-    assert ShapeProfile(batch=Range(1, 2, 4)).unet_batch() == Range(2, 4, 8)
+    assert ShapeProfile(batch=Range(1, 2, 4)).unet_batch() == Range(1, 4, 8)

@@ -17,13 +17,14 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the 
 
 
 def test_worker_request_has_cfg_doubled_latent_profiles(tiny_simplified, tmp_path):
+    """The UNet batch doubles with guidance, except at the minimum: guidance off (Turbo, LCM) runs one per image."""
     config = TrtBuildConfig(profiles=(ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384)),))
     request = build_trt.worker_request(config, tiny_simplified, tmp_path)
     assert request["onnx"] == str(tiny_simplified.primary) and request["optimization_level"] == 3
     (profile,) = request["profiles"]
-    assert profile["sample"] == [[2, 4, 16, 16], [2, 4, 32, 32], [4, 4, 48, 48]]
-    assert profile["timestep"] == [[2], [2], [4]]
-    assert profile["encoder_hidden_states"] == [[2, 77, 32], [2, 77, 32], [4, 77, 32]]
+    assert profile["sample"] == [[1, 4, 16, 16], [2, 4, 32, 32], [4, 4, 48, 48]]
+    assert profile["timestep"] == [[1], [2], [4]]
+    assert profile["encoder_hidden_states"] == [[1, 77, 32], [2, 77, 32], [4, 77, 32]]
 
 
 def test_static_shapes_pin_every_profile_to_its_optimum(tiny_simplified, tmp_path):

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ArtifactError, StoreError
-from ..store import Store
+from ..store import Artifact, Store
 from .options import EnginesOpt
 
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)
@@ -17,19 +17,28 @@ def _size_mb(files: list[dict[str, Any]]) -> float:
     return sum(f["size"] for f in files) / 1e6
 
 
+def _family(artifact: Artifact) -> str:
+    """The model family its export recorded ("?" where an ancestor is gone or predates families)."""
+    try:
+        return next((a.manifest["family"] for a in artifact.lineage() if "family" in a.manifest), "?")
+    except ArtifactError:
+        return "?"
+
+
 @app.command("ls")
 def ls(engines: EnginesOpt = None) -> None:
-    """List artifacts, one a line: stage, key, size, created, what it was made from, path.
+    """List artifacts, one a line: stage, key, component, model family, size, created, made from, path.
 
     Example: sdtrt cache ls --engines engines/ | grep build-ort
     """
     store = Store(engines)
-    rows = [("stage", "key", "size MB", "created", "from", "path")]
+    rows = [("stage", "key", "component", "family", "size MB", "created", "from", "path")]
     for a in store.artifacts():
         source = a.manifest["inputs"][0] if a.manifest.get("inputs") else {}
+        component = "set" if a.stage == "set" else a.manifest.get("io", {}).get("component", "unet")
         rows.append((
-            a.stage, a.key[:16], f"{_size_mb(a.manifest['files']):.1f}", a.manifest.get("created_at", "?"),
-            source.get("name") or source.get("stage", "?"), str(a.path),
+            a.stage, a.key[:16], component, _family(a), f"{_size_mb(a.manifest['files']):.1f}",
+            a.manifest.get("created_at", "?"), source.get("name") or source.get("stage", "?"), str(a.path),
         ))  # fmt: skip
     if len(rows) > 1:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

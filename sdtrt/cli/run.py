@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from ..config import ValidationConfig
+from ..errors import RequestError
 from ..progress import console, results, step
 from ..request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
 from . import options as o
@@ -21,6 +22,17 @@ if TYPE_CHECKING:
     from ..validate import ValidationReport
 
 SchedulerOpt = Annotated[str | None, typer.Option(help=f"Scheduler: {', '.join(SCHEDULERS)} (default: the model's).")]
+
+
+def _open_image(path: Path | None, mode: str) -> Any:
+    if path is None:
+        return None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path).convert(mode)
+    except (UnidentifiedImageError, OSError) as exc:
+        raise RequestError(f"cannot read {path} as an image: {exc}") from exc
 
 
 def register(app: typer.Typer) -> None:
@@ -39,17 +51,35 @@ def generate_command(
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,
+    image: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="Input image (img2img, inpainting, SDXL refiner).")
+    ] = None,
+    mask: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="Inpainting mask: white is repainted.")
+    ] = None,
+    strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
+    task: Annotated[
+        str | None, typer.Option(help="txt2img, img2img or inpaint (default: the model's own pipeline).")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Generate an image, with the UNet on an engine (or on PyTorch without --engine).
+    """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
 
-    Example: sdtrt generate --engine engines/build-ort/2a06c39aaf814d52 --prompt "a red fox" --out fox.png
+    Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --out fox.png
+    Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
+    from ..families import TASKS
     from ..models import resolve_model
 
+    if task is not None and task not in TASKS:
+        raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     source = resolve_model(model)
-    request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
+    pictures = {
+        name: _open_image(path, mode) for name, path, mode in (("image", image, "RGB"), ("mask_image", mask, "L"))
+    }
+    request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
+                              **pictures)  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
     if scheduler:
         check_scheduler(scheduler)
@@ -60,11 +90,11 @@ def generate_command(
     from ..pipeline import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch UNet'})"):
-        pipe = load_pipeline(source, artifact, scheduler=scheduler)
+        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task)
     columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("steps", total=steps)
-        result = generate(pipe, request, on_step=lambda i, total: progress.update(task, completed=i + 1, total=total))
+        bar = progress.add_task("steps", total=steps)
+        result = generate(pipe, request, on_step=lambda i, total: progress.update(bar, completed=i + 1, total=total))
     out.parent.mkdir(parents=True, exist_ok=True)
     result.images[0].save(out)
     typer.echo(out)

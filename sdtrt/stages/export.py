@@ -1,7 +1,9 @@
-"""Export stage: a diffusers UNet → ``unet.onnx`` (+ ``unet.onnx.data`` over 2 GB).
+"""Export stage: one of a diffusers model's networks → ``{component}.onnx`` (+ ``.onnx.data`` over 2 GB).
 
-Inputs ``sample``, ``timestep`` (float32 ``[2B]``), ``encoder_hidden_states``; output ``out_sample``;
-batch, height and width dynamic. Export-time patches are scoped and recorded in the manifest.
+IO as the component's spec says (the UNet: ``sample``, ``timestep`` (float32 ``[2B]``),
+``encoder_hidden_states``, then SDXL's ``text_embeds``/``time_ids`` or LCM's ``timestep_cond``;
+output ``out_sample``); batch, height and width dynamic. Export-time patches are scoped and recorded
+in the manifest, with the model's family.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     """The network with positional tensor inputs and tensor outputs, in the order its spec names them."""
     import torch
 
-    def unet(sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        return network(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+    def unet(
+        sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *extras: torch.Tensor
+    ) -> torch.Tensor:
+        return network(sample, timestep, encoder_hidden_states, **unet_extras(spec, extras), return_dict=False)[0]
 
     def text_encoder(input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = network(input_ids, output_hidden_states=True)
@@ -53,6 +57,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     forward: dict[str, Callable[..., Any]] = {
         "unet": unet,
         "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder,
         "vae_decoder": vae_decoder,
         "vae_encoder": vae_encoder,
     }
@@ -66,6 +71,27 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
             return forward[spec.component](*inputs)
 
     return Graph().eval()
+
+
+def unet_extras(spec: GraphSpec, extras: tuple[Any, ...]) -> dict[str, Any]:
+    """The UNet's keyword inputs from the graph's extra inputs (SDXL's added_cond_kwargs, LCM's timestep_cond)."""
+    given = dict(zip(spec.canonical_inputs[3:], extras, strict=True))
+    kwargs: dict[str, Any] = {"timestep_cond": given.get("timestep_cond")}
+    if "text_embeds" in given:
+        kwargs["added_cond_kwargs"] = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]}
+    return kwargs
+
+
+def keep_attention_upcast(unet: Any) -> None:
+    """Route attention through diffusers' AttnProcessor, which computes scores and softmax in fp32.
+
+    SD 2.x UNets set ``upcast_attention`` because fp16 attention scores overflow into NaN on their
+    weights; only AttnProcessor honours it (get_attention_scores), the default SDPA processor does
+    not, so without this the fp16 graph would compute attention in fp16.
+    """
+    from diffusers.models.attention_processor import AttnProcessor
+
+    unet.set_attn_processor(AttnProcessor())
 
 
 def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
@@ -96,7 +122,10 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     started = time.perf_counter()
     folder = FOLDERS[spec.component]
     with step(f"Loading the {spec.label} from {model.name}"):
-        module = graph_module(spec, load_folder(model, folder, dtype))
+        network = load_folder(model, folder, dtype)
+        if spec.component == "unet" and network.config.get("upcast_attention") and config.precision == "fp16":
+            keep_attention_upcast(network)
+        module = graph_module(spec, network)
     timings["load_s"] = round(time.perf_counter() - started, 3)
 
     raw_dir = out_dir / "raw"
@@ -139,6 +168,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
 
     return {
         "primary": onnx_name,
+        "family": model.family(),
         "io": spec.to_json(),
         "patches": patches,
         "timings": timings,

@@ -1,0 +1,109 @@
+"""Model families: which Stable Diffusion variant a folder holds, read from its configs alone.
+
+The UNet's config says what its graph takes beyond ``sample, timestep, encoder_hidden_states``:
+SDXL's added conditioning (``addition_embed_type: text_time`` → ``text_embeds`` and ``time_ids``),
+LCM's guidance embedding (``time_cond_proj_dim`` → ``timestep_cond``), inpainting's masked-image
+channels (``in_channels: 9``). ``model_index.json`` names the pipeline class, and with it the
+txt2img / img2img / inpaint classes of the same family. Light to import: no torch, no diffusers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import UnsupportedModelError
+
+Task = Literal["txt2img", "img2img", "inpaint"]
+TASKS: tuple[Task, ...] = ("txt2img", "img2img", "inpaint")
+
+# One row per family of diffusers pipelines: the class for each task.
+PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
+    {"txt2img": "StableDiffusionPipeline", "img2img": "StableDiffusionImg2ImgPipeline",
+     "inpaint": "StableDiffusionInpaintPipeline"},
+    {"txt2img": "StableDiffusionXLPipeline", "img2img": "StableDiffusionXLImg2ImgPipeline",
+     "inpaint": "StableDiffusionXLInpaintPipeline"},
+    {"txt2img": "LatentConsistencyModelPipeline", "img2img": "LatentConsistencyModelImg2ImgPipeline"},
+)  # fmt: skip
+SUPPORTED = (
+    "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
+    "(in_channels 9) and LCM-distilled UNets"
+)
+# SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
+# an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
+SDXL_TIME_IDS = (6, 5)
+
+
+@dataclass(frozen=True)
+class UNetConditioning:
+    """Sizes of the UNet graph's inputs beyond sample, timestep and encoder_hidden_states (0: absent)."""
+
+    text_embeds_dim: int = 0  # SDXL: the pooled text embedding of text_encoder_2
+    time_ids_dim: int = 0  # SDXL: 6 (base), 5 (refiner)
+    timestep_cond_dim: int = 0  # LCM: the guidance-scale embedding
+
+    @classmethod
+    def of(cls, unet_config: dict[str, Any], text_embeds_dim: int | None = None) -> UNetConditioning:
+        """From the UNet's config; ``text_embeds_dim`` (text_encoder_2's projection_dim) settles SDXL's split.
+
+        Without it (a bare UNet folder) 6 time ids (base) are tried before 5 (refiner).
+        """
+        check_supported_unet(unet_config)
+        timestep_cond = int(unet_config.get("time_cond_proj_dim") or 0)
+        if unet_config.get("addition_embed_type") != "text_time":
+            return cls(timestep_cond_dim=timestep_cond)
+        total = int(unet_config["projection_class_embeddings_input_dim"])
+        per_id = int(unet_config["addition_time_embed_dim"])
+        candidates = [text_embeds_dim] if text_embeds_dim else [total - n * per_id for n in SDXL_TIME_IDS]
+        text = next((t for t in candidates if t > 0 and (total - t) % per_id == 0), 0)
+        if not text:
+            raise UnsupportedModelError(
+                f"cannot split this SDXL UNet's added conditioning ({total} = text_embeds + time_ids × {per_id})"
+            )
+        return cls(text_embeds_dim=text, time_ids_dim=(total - text) // per_id, timestep_cond_dim=timestep_cond)
+
+
+def check_supported_unet(config: dict[str, Any]) -> None:
+    """Refuse UNets whose conditioning the exported graph would silently drop, saying what is supported."""
+    unsupported = {
+        "class_embed_type": "class-label conditioning",
+        "encoder_hid_dim_type": "projected encoder hidden states",
+    }
+    problems = [f"{what} ({key}={config[key]!r})" for key, what in unsupported.items() if config.get(key)]
+    added = config.get("addition_embed_type")
+    if added not in (None, "text_time"):
+        problems.append(f"added conditioning of type {added!r}")
+    if config.get("_class_name", "UNet2DConditionModel") != "UNet2DConditionModel":
+        problems.append(f"a {config['_class_name']} (not a UNet2DConditionModel)")
+    if problems:
+        raise UnsupportedModelError(f"this model uses {problems[0]}; sdtrt supports {SUPPORTED}")
+
+
+def family_name(
+    unet_config: dict[str, Any], scheduler_config: dict[str, Any] | None = None, text_embeds_dim: int | None = None
+) -> str:
+    """A short label: sd1, sd2, sdxl, sdxl-refiner, with -inpaint, -lcm and -v (v-prediction) suffixes."""
+    conditioning = UNetConditioning.of(unet_config, text_embeds_dim)
+    if conditioning.time_ids_dim:
+        name = "sdxl" if conditioning.time_ids_dim == 6 else "sdxl-refiner"
+    else:
+        name = "sd2" if unet_config.get("use_linear_projection") else "sd1"  # SD 2's transformer blocks
+    if unet_config.get("in_channels", 4) == 9:
+        name += "-inpaint"
+    if conditioning.timestep_cond_dim:
+        name += "-lcm"
+    if (scheduler_config or {}).get("prediction_type") == "v_prediction":
+        name += "-v"
+    return name
+
+
+def pipeline_class_name(index_class: str, task: Task | None) -> str:
+    """The diffusers class for ``task`` in the family of the pipeline ``model_index.json`` names."""
+    if task is None:
+        return index_class
+    row = next((r for r in PIPELINE_TASKS if index_class in r.values()), None)
+    if row is None:
+        raise UnsupportedModelError(f"'{index_class}' pipelines are not supported; sdtrt supports {SUPPORTED}")
+    if task not in row:
+        raise UnsupportedModelError(f"the {index_class} family has no {task} pipeline (it has {', '.join(row)})")
+    return row[task]

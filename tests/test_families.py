@@ -1,0 +1,135 @@
+"""Model families (issue 11): SD 2.x, SDXL base and refiner, inpainting, LCM — each end to end on tiny presets.
+
+Every family is compiled to an ONNX Runtime engine set, loaded into the family's own diffusers
+pipeline and compared with the PyTorch fp32 pipeline under two schedulers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from sdtrt.compile import compile_model
+from sdtrt.errors import EngineInputError, RequestError
+from sdtrt.models import resolve_model
+from sdtrt.pipeline import generate, load_pipeline
+from sdtrt.request import GenerateRequest
+from sdtrt.spec import component_spec, model_components
+from sdtrt.standins import EngineTextEncoder
+from sdtrt.unet import EngineUNet
+from sdtrt.validate import psnr_db, with_input_images
+
+from .helpers import last_line, run_cli
+
+# preset → (family, pipeline class, components, UNet inputs beyond sample/timestep/encoder_hidden_states)
+FAMILIES = {
+    "tiny-sd2": ("sd2-v", "StableDiffusionPipeline", 4, ()),
+    "tiny-inpaint": ("sd1-inpaint", "StableDiffusionInpaintPipeline", 4, ()),
+    "tiny-lcm": ("sd1-lcm", "LatentConsistencyModelPipeline", 4, ("timestep_cond",)),
+    "tiny-sdxl": ("sdxl", "StableDiffusionXLPipeline", 5, ("text_embeds", "time_ids")),
+    "tiny-sdxl-refiner": ("sdxl-refiner", "StableDiffusionXLImg2ImgPipeline", 4, ("text_embeds", "time_ids")),
+}
+SCHEDULERS = {"tiny-sd2": ("ddim", "euler"), "tiny-inpaint": ("pndm", "dpm++"), "tiny-lcm": ("lcm", "tcd"),
+              "tiny-sdxl": ("euler", "dpm++"), "tiny-sdxl-refiner": ("euler", "ddim")}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def family_sets(store):
+    """preset → its engine set (ONNX Runtime, fp16; VAEs fp32 as force_upcast asks), compiled on first use."""
+    built: dict[str, object] = {}
+
+    def get(preset: str):
+        if preset not in built:
+            built[preset] = compile_model(resolve_model(preset), store, target="onnxruntime").final
+        return built[preset]
+
+    return get
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_the_family_is_read_from_the_configs(preset):
+    family, pipeline, components, extras = FAMILIES[preset]
+    model = resolve_model(preset)
+    assert (model.family(), model.pipeline_class(), len(model_components(model))) == (family, pipeline, components)
+    spec = component_spec(model, "unet")
+    assert spec.input_names[3:] == extras
+    if "time_ids" in extras:  # SDXL base takes 6 time ids, the refiner 5 (aesthetic score)
+        assert spec.time_ids_dim == (5 if "refiner" in preset else 6)
+
+
+@pytest.mark.parametrize(("preset", "scheduler"), [(p, s) for p, pair in SCHEDULERS.items() for s in pair])
+def test_the_family_pipeline_on_engines_matches_pytorch(family_sets, preset, scheduler):
+    model = resolve_model(preset)
+    reference = load_pipeline(model, scheduler=scheduler)
+    engine = load_pipeline(model, family_sets(preset), scheduler=scheduler)
+    assert type(engine).__name__ == FAMILIES[preset][1] and isinstance(engine.unet, EngineUNet)
+    for name in ("text_encoder", "text_encoder_2"):
+        if model.has(name):
+            assert isinstance(getattr(engine, name), EngineTextEncoder), name
+    request = with_input_images(GenerateRequest("a lighthouse", steps=4, seed=3, height=128, width=128), reference)
+    images = [generate(pipe, request, output_type="np").images[0] for pipe in (reference, engine)]
+    psnr = psnr_db(images[1], images[0])
+    print(f"{preset} {scheduler}: PSNR {psnr:.1f} dB")
+    assert images[0].shape == (128, 128, 3) and float(np.std(images[0])) > 0.01
+    assert psnr >= 35.0
+
+
+def test_sd2_fp16_graph_keeps_attention_in_fp32(family_sets, tiny_engine):
+    """SD 2.x sets upcast_attention (fp16 attention overflows to NaN on its weights): softmax must run in fp32."""
+    from sdtrt.stages.engine_set import members
+
+    def softmax_input_types(artifact) -> set[int]:
+        graph = onnx.shape_inference.infer_shapes(onnx.load(str(artifact.lineage()[1].primary))).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input]}
+        return {types[node.input[0]] for node in graph.node if node.op_type == "Softmax"}
+
+    assert softmax_input_types(members(family_sets("tiny-sd2"))["unet"]) == {onnx.TensorProto.FLOAT}
+    assert softmax_input_types(tiny_engine) == {onnx.TensorProto.FLOAT16}, "SD 1.x (no upcast) stays fp16"
+
+
+def test_an_sdxl_engine_refuses_a_call_without_its_conditioning(family_sets):
+    model = resolve_model("tiny-sdxl")
+    pipe = load_pipeline(model, family_sets("tiny-sdxl"))
+    with pytest.raises(EngineInputError, match=r"takes sample, timestep, encoder_hidden_states, text_embeds, time_ids"):
+        pipe.unet(torch.randn(2, 4, 16, 16), 10, torch.randn(2, 77, 64))
+
+
+def test_pipelines_that_need_an_image_say_so(tiny):
+    inpaint = load_pipeline(resolve_model("tiny-inpaint"))
+    with pytest.raises(RequestError, match="needs an input image: pass --image"):
+        generate(inpaint, GenerateRequest(steps=1, height=64, width=64))
+    lcm = load_pipeline(resolve_model("tiny-lcm"))
+    with pytest.raises(RequestError, match="takes no negative prompt"):
+        generate(lcm, GenerateRequest(negative_prompt="blurry", steps=1, height=64, width=64))
+
+
+def test_cli_inpaints_with_a_mask_and_lists_the_family(family_sets, store, tmp_path):
+    from PIL import Image
+
+    family_sets("tiny-inpaint")
+    Image.new("RGB", (64, 64), (200, 120, 40)).save(tmp_path / "photo.png")
+    Image.new("L", (64, 64), 255).save(tmp_path / "mask.png")
+    out = tmp_path / "out.png"
+    result = run_cli(
+        "generate", "--model", "tiny-inpaint", "--image", str(tmp_path / "photo.png"), "--mask",
+        str(tmp_path / "mask.png"), "--steps", "2", "--height", "64", "--width", "64", "--out", str(out), check=True,
+    )  # fmt: skip
+    assert last_line(result.stdout) == str(out) and Image.open(out).size == (64, 64)
+    listing = run_cli("cache", "ls", "--engines", str(store.root), check=True).stdout
+    sets = [line for line in listing.splitlines() if line.startswith("set ")]
+    assert any(" sd1-inpaint " in line for line in sets), listing
+
+
+def test_the_tensorrt_build_profiles_every_sdxl_input(family_sets, tmp_path):
+    """The TensorRT worker gets min/opt/max shapes for the added conditioning too (built on GPUs only)."""
+    from sdtrt.config import Range, ShapeProfile, TrtBuildConfig
+    from sdtrt.stages import build_trt
+    from sdtrt.stages.engine_set import members
+
+    simplified = members(family_sets("tiny-sdxl"))["unet"].lineage()[1]
+    profile = ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384))
+    (shapes,) = build_trt.worker_request(TrtBuildConfig(profiles=(profile,)), simplified, tmp_path)["profiles"]
+    assert list(shapes) == ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
+    assert shapes["text_embeds"] == [[1, 32], [2, 32], [4, 32]] and shapes["time_ids"] == [[1, 6], [2, 6], [4, 6]]
