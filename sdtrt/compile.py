@@ -123,7 +123,7 @@ def compile_model(
             )
         finals[component] = artifacts[-1]
     if len(components) > 1:
-        artifacts.append(engine_set.run(EngineSetConfig(components), finals, store))
+        artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     report = validate(model, artifacts[-1], validation) if validation else None
     return CompileResult(chosen, reason, artifacts, report)
 

@@ -20,8 +20,10 @@ OrtOptimization = Literal["basic", "extended"]
 ConcreteTarget = Literal["onnxruntime", "tensorrt"]
 Target = Literal["auto", "onnxruntime", "tensorrt"]
 # The networks a pipeline calls, each exported and built as its own graph.
-Component = Literal["unet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"]
-COMPONENTS: tuple[Component, ...] = ("unet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder")
+Component = Literal["unet", "controlnet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"]
+COMPONENTS: tuple[Component, ...] = (
+    "unet", "controlnet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"
+)  # fmt: skip
 TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2")
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
@@ -125,9 +127,13 @@ class ShapeProfile:
         return cls(Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"])
 
     def unet_batch(self) -> Range:
-        """The UNet's batch: doubled by guidance, except at the minimum (guidance off, or LCM/Turbo, runs 1×)."""
+        """The UNet's batch: doubled by guidance, except at the minimum (guidance off, or LCM/Turbo, runs 1×).
+
+        A static batch (min = max) stays one shape: doubled throughout.
+        """
         factor = 2 if self.guidance else 1
-        return Range(self.batch.min, self.batch.opt * factor, self.batch.max * factor)
+        low = self.batch.min * factor if self.batch.min == self.batch.max else self.batch.min
+        return Range(low, self.batch.opt * factor, self.batch.max * factor)
 
     def check(self, pixel_multiple: int) -> None:
         """Raise ConfigError unless every range is ordered, positive and on the model's grid."""

@@ -24,10 +24,14 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "StableDiffusionXLPipeline", "img2img": "StableDiffusionXLImg2ImgPipeline",
      "inpaint": "StableDiffusionXLInpaintPipeline"},
     {"txt2img": "LatentConsistencyModelPipeline", "img2img": "LatentConsistencyModelImg2ImgPipeline"},
+    {"txt2img": "StableDiffusionControlNetPipeline", "img2img": "StableDiffusionControlNetImg2ImgPipeline",
+     "inpaint": "StableDiffusionControlNetInpaintPipeline"},
+    {"txt2img": "StableDiffusionXLControlNetPipeline", "img2img": "StableDiffusionXLControlNetImg2ImgPipeline",
+     "inpaint": "StableDiffusionXLControlNetInpaintPipeline"},
 )  # fmt: skip
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
-    "(in_channels 9) and LCM-distilled UNets"
+    "(in_channels 9), LCM-distilled UNets and ControlNet"
 )
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
@@ -73,16 +77,17 @@ def check_supported_unet(config: dict[str, Any]) -> None:
     added = config.get("addition_embed_type")
     if added not in (None, "text_time"):
         problems.append(f"added conditioning of type {added!r}")
-    if config.get("_class_name", "UNet2DConditionModel") != "UNet2DConditionModel":
-        problems.append(f"a {config['_class_name']} (not a UNet2DConditionModel)")
+    if config.get("_class_name", "UNet2DConditionModel") not in ("UNet2DConditionModel", "ControlNetModel"):
+        problems.append(f"a {config['_class_name']} (not a UNet2DConditionModel or ControlNetModel)")
     if problems:
         raise UnsupportedModelError(f"this model uses {problems[0]}; sdtrt supports {SUPPORTED}")
 
 
 def family_name(
-    unet_config: dict[str, Any], scheduler_config: dict[str, Any] | None = None, text_embeds_dim: int | None = None
-) -> str:
-    """A short label: sd1, sd2, sdxl, sdxl-refiner, with -inpaint, -lcm and -v (v-prediction) suffixes."""
+    unet_config: dict[str, Any], scheduler_config: dict[str, Any] | None = None, text_embeds_dim: int | None = None,
+    controlnet: bool = False,
+) -> str:  # fmt: skip
+    """A short label: sd1, sd2, sdxl, sdxl-refiner, with -inpaint, -lcm, -controlnet and -v (v-prediction)."""
     conditioning = UNetConditioning.of(unet_config, text_embeds_dim)
     if conditioning.time_ids_dim:
         name = "sdxl" if conditioning.time_ids_dim == 6 else "sdxl-refiner"
@@ -92,6 +97,8 @@ def family_name(
         name += "-inpaint"
     if conditioning.timestep_cond_dim:
         name += "-lcm"
+    if controlnet:
+        name += "-controlnet"
     if (scheduler_config or {}).get("prediction_type") == "v_prediction":
         name += "-v"
     return name

@@ -72,7 +72,7 @@ class ModelSource:
 
         scheduler = self.path / "scheduler" / "scheduler_config.json"
         scheduler_config = json.loads(scheduler.read_text()) if self.is_pipeline and scheduler.is_file() else None
-        return family_name(self.unet_config(), scheduler_config, self.pooled_text_dim())
+        return family_name(self.unet_config(), scheduler_config, self.pooled_text_dim(), self.has("controlnet"))
 
     def pooled_text_dim(self) -> int | None:
         """SDXL's pooled text embedding width: text_encoder_2's projection_dim (None without one)."""

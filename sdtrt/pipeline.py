@@ -97,6 +97,11 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
     out: dict[str, Any] = {}
     if "unet" in runtimes:
         out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype)
+    if "controlnet" in runtimes:
+        from .controlnet import EngineControlNet
+
+        config = source.component_config("controlnet")
+        out["controlnet"] = EngineControlNet(runtimes["controlnet"], config, dtype=dtype)
     for name in TEXT_ENCODERS:
         if name in runtimes:
             config = text_encoder_config(source, FOLDERS[name])

@@ -113,6 +113,7 @@ class Recipe:
     scheduler: tuple[str, dict[str, Any]] = ("PNDMScheduler", {})
     settings: dict[str, Any] = field(default_factory=dict)  # pipeline __init__ settings
     half: bool = False  # build in fp16 (multi-GB architectures: half the memory and disk)
+    controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
 
 
 def build(recipe: Recipe) -> Any:
@@ -144,6 +145,8 @@ def build(recipe: Recipe) -> Any:
                 **text,
             )  # fmt: skip
             parts |= {f"text_encoder{name}": cls(config), f"tokenizer{name}": tokenizer}
+        if recipe.controlnet is not None:
+            parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
     finally:
         torch.set_default_dtype(previous)
     scheduler_class, scheduler_kwargs = recipe.scheduler
@@ -157,6 +160,24 @@ def build(recipe: Recipe) -> Any:
 
 
 # fmt: off
+def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
+    """A ControlNet copied from the UNet, its zero-initialised output convolutions made random.
+
+    A fresh ControlNet adds exactly zero (its "zero convolutions"), so engines that dropped its
+    residuals would still match; random ones make every residual count.
+    """
+    import torch
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, **kwargs)
+    zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                  controlnet.controlnet_cond_embedding.conv_out]  # fmt: skip
+    with torch.no_grad():
+        for conv in zero_convs:
+            conv.weight.normal_(std=0.05)
+    return controlnet
+
+
 SD1_PNDM = ("PNDMScheduler", dict(skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False))
 SD2_DDIM_V = (
     "DDIMScheduler",
@@ -192,6 +213,10 @@ PRESETS: dict[str, Recipe] = {
         TINY_SDXL_CLIP,
         scheduler=SDXL_EULER,
         settings={"requires_aesthetics_score": True},
+    ),
+    "tiny-controlnet": Recipe(
+        "StableDiffusionControlNetPipeline", TINY_UNET, TINY_VAE, TINY_CLIP, scheduler=SD1_PNDM,
+        controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
     ),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(

@@ -29,8 +29,7 @@ SCHEDULERS = {
     "dpm++": "DPMSolverMultistepScheduler",
     "lms": "LMSDiscreteScheduler",  # needs scipy, a dependency of sdtrt for this reason
     "unipc": "UniPCMultistepScheduler",
-    "lcm": "LCMScheduler",  # LCM-distilled UNets (LatentConsistencyModelPipeline)
-    "tcd": "TCDScheduler",
+    "lcm": "LCMScheduler",  # the one LatentConsistencyModelPipeline steps with
 }
 
 

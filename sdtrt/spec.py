@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .models import ModelSource
 
 # The pipeline sub-folder each component is loaded from.
-FOLDERS: dict[str, str] = {"unet": "unet", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
-                           "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
+FOLDERS: dict[str, str] = {"unet": "unet", "controlnet": "controlnet", "text_encoder": "text_encoder",
+                           "text_encoder_2": "text_encoder_2", "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77
@@ -33,6 +33,36 @@ Shapes = dict[str, tuple[int, ...]]
 S = TypeVar("S", bound="GraphSpec")
 AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent width", "image_height": "image height",
                "image_width": "image width"}  # fmt: skip
+# ControlNet residuals come at the latent size divided by 2, 4, 8, …: axes "height_2", "width_4", ….
+RESIDUAL_SCALES = (2, 4, 8, 16, 32)
+for _k in RESIDUAL_SCALES:
+    AXIS_LABELS |= {f"height_{_k}": f"latent height / {_k}", f"width_{_k}": f"latent width / {_k}"}
+
+
+def scaled_axis(axis: str, scale: int) -> str:
+    return axis if scale == 1 else f"{axis}_{scale}"
+
+
+def residual_layout(unet_config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """(channels, downscale) of each ControlNet residual a UNet takes: one per down-block output, then the mid block's.
+
+    Down blocks yield conv_in's output, one per resnet layer, and one per downsampler (every block but
+    the last), as UNet2DConditionModel.forward collects ``down_block_res_samples``.
+    """
+    channels = list(unet_config["block_out_channels"])
+    layers = unet_config.get("layers_per_block", 2)
+    layout, scale = [(channels[0], 1)], 1
+    for i, width in enumerate(channels):
+        per_block = layers if isinstance(layers, int) else layers[i]
+        layout += [(width, scale)] * per_block
+        if i < len(channels) - 1:
+            scale *= 2
+            layout.append((width, scale))
+    return (*layout, (channels[-1], scale))
+
+
+def residual_names(count: int) -> tuple[str, ...]:
+    return (*(f"down_block_res_{i}" for i in range(count - 1)), "mid_block_res")
 
 
 @dataclass(frozen=True)
@@ -104,8 +134,9 @@ class GraphSpec:
 
     def axis_sizes(self, batch: int, height_px: int, width_px: int) -> dict[str, int]:
         f = self.vae_scale_factor
-        return {"batch": batch, "height": height_px // f, "width": width_px // f, "image_height": height_px,
-                "image_width": width_px}  # fmt: skip
+        sizes = {"batch": batch, "height": height_px // f, "width": width_px // f, "image_height": height_px,
+                 "image_width": width_px}  # fmt: skip
+        return sizes | {scaled_axis(a, k): sizes[a] // k for a in ("height", "width") for k in RESIDUAL_SCALES}
 
     def input_shapes(self, batch: int, height_px: int, width_px: int) -> Shapes:
         sizes = self.axis_sizes(batch, height_px, width_px)
@@ -118,6 +149,7 @@ class GraphSpec:
         for latent, image in (("height", "image_height"), ("width", "image_width")):
             named.setdefault(image, named.get(latent, 0) * f)
             named.setdefault(latent, named.get(image, 0) // f)
+            named |= {scaled_axis(latent, k): named[latent] // k for k in RESIDUAL_SCALES}
         return {t.name: tuple(named[d] if isinstance(d, str) else d for d in t.shape) for t in self.outputs()}
 
     def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -156,7 +188,8 @@ class GraphSpec:
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        """Seeded random inputs: floats in ``dtype`` (default float32), token ids over the vocabulary."""
+        """Seeded random inputs: floats in ``dtype`` (default float32) where the graph computes in its dtype,
+        float32 where it keeps float32; token ids over the vocabulary."""
         import torch
 
         gen = torch.Generator().manual_seed(seed)
@@ -165,8 +198,9 @@ class GraphSpec:
         for t in self.inputs():
             if t.dtype.startswith("int"):
                 out[t.name] = torch.randint(0, getattr(self, "vocab_size", 2), shapes[t.name], generator=gen).int()
-            else:
-                out[t.name] = torch.randn(shapes[t.name], generator=gen).to(dtype or torch.float32)
+            else:  # inputs the graph keeps fp32 (timestep, conditioning_scale) stay fp32
+                wanted = dtype if dtype is not None and t.dtype == self.dtype else torch.float32
+                out[t.name] = torch.randn(shapes[t.name], generator=gen).to(wanted)
         return out
 
     @classmethod
@@ -186,71 +220,65 @@ class GraphSpec:
 
 
 @dataclass(frozen=True)
-class UNetSpec(GraphSpec):
-    """The UNet: sample, timestep, text embeddings, and the family's extras (SDXL, LCM) after them."""
+class _DenoiserSpec(GraphSpec):
+    """What a UNet and its ControlNet share: latents, timestep, text, the family's conditioning, the grid."""
 
-    component: ClassVar[Component] = "unet"
-    label: ClassVar[str] = "UNet"
-    canonical_outputs: ClassVar[tuple[str, ...]] = (NAMED_OUTPUT,)
     grid: ClassVar[dict[str, str]] = {"height": "latent_multiple", "width": "latent_multiple"}
 
     in_channels: int = 4
-    out_channels: int = 4
     cross_attention_dim: int = 768
     latent_sample_size: int = 64
     latent_multiple: int = 8  # latent H/W must be a multiple: 2 ** (down blocks - 1)
     text_embeds_dim: int = 0  # SDXL's added conditioning (added_cond_kwargs), 0 when absent
     time_ids_dim: int = 0
     timestep_cond_dim: int = 0  # LCM's guidance embedding
+    # ControlNet residuals, (channels, downscale) each: the UNet's extra inputs, the ControlNet's outputs.
+    residuals: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "residuals", tuple(tuple(r) for r in self.residuals))  # lists from JSON
 
     @classmethod
-    def from_config(
-        cls, unet_config: dict[str, Any], vae_scale_factor: int, precision: Precision = "fp16",
-        io_naming: IONaming = "named", text_embeds_dim: int | None = None,
-    ) -> UNetSpec:  # fmt: skip
-        conditioning = UNetConditioning.of(unet_config, text_embeds_dim)
-        sample_size = unet_config.get("sample_size", 64)
-        return cls(
-            precision=precision,
-            io_naming=io_naming,
-            vae_scale_factor=vae_scale_factor,
-            in_channels=unet_config.get("in_channels", 4),
-            out_channels=unet_config.get("out_channels", 4),
-            cross_attention_dim=unet_config["cross_attention_dim"],
-            latent_sample_size=sample_size if isinstance(sample_size, int) else sample_size[0],
-            latent_multiple=2 ** (len(unet_config["down_block_types"]) - 1),
-            text_embeds_dim=conditioning.text_embeds_dim,
-            time_ids_dim=conditioning.time_ids_dim,
-            timestep_cond_dim=conditioning.timestep_cond_dim,
-        )
+    def config_fields(
+        cls, config: dict[str, Any], text_embeds_dim: int | None, sample_size: int | list[int] | None = None
+    ) -> dict[str, Any]:
+        """The fields a UNet or ControlNet config gives (a ControlNet has no sample_size: its UNet's is passed)."""
+        conditioning = UNetConditioning.of(config, text_embeds_dim)
+        size = sample_size or config.get("sample_size", 64)
+        return {
+            "in_channels": config.get("in_channels", 4),
+            "cross_attention_dim": config["cross_attention_dim"],
+            "latent_sample_size": size if isinstance(size, int) else size[0],
+            "latent_multiple": 2 ** (len(config["down_block_types"]) - 1),
+            "text_embeds_dim": conditioning.text_embeds_dim,
+            "time_ids_dim": conditioning.time_ids_dim,
+            "timestep_cond_dim": conditioning.timestep_cond_dim,
+        }
 
-    @property
-    def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
-        return NAMED_INPUTS + tuple(name for name, size in self._extras() if size)
+    def conditioning_tensors(self) -> list[tuple[str, tuple[int | str, ...]]]:
+        """(canonical name, shape) of the family's conditioning inputs: SDXL's, then LCM's."""
+        sizes = (("text_embeds", self.text_embeds_dim), ("time_ids", self.time_ids_dim),
+                 ("timestep_cond", self.timestep_cond_dim))  # fmt: skip
+        return [(name, ("batch", size)) for name, size in sizes if size]
 
-    def _extras(self) -> tuple[tuple[str, int], ...]:
-        return (("text_embeds", self.text_embeds_dim), ("time_ids", self.time_ids_dim),
-                ("timestep_cond", self.timestep_cond_dim))  # fmt: skip
+    def residual_tensors(self) -> list[tuple[str, tuple[int | str, ...]]]:
+        names = residual_names(len(self.residuals))
+        return [
+            (name, ("batch", channels, scaled_axis("height", k), scaled_axis("width", k)))
+            for name, (channels, k) in zip(names, self.residuals, strict=True)
+        ]
 
-    @property
-    def output_name(self) -> str:
-        return self.output_names[0]
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self.latent_multiple * self.vae_scale_factor
-
-    def inputs(self) -> list[TensorSpec]:
-        sample, timestep, text, *extras = self.input_names
-        sizes = [size for _, size in self._extras() if size]
+    def latent_inputs(self, names: tuple[str, ...]) -> list[TensorSpec]:
+        sample, timestep, text = names
         return [
             TensorSpec(sample, self.dtype, ("batch", self.in_channels, "height", "width")),
             TensorSpec(timestep, "float32", ("batch",)),  # the timestep stays fp32 in fp16 graphs
             TensorSpec(text, self.dtype, ("batch", TEXT_TOKENS, self.cross_attention_dim)),
-        ] + [TensorSpec(name, self.dtype, ("batch", size)) for name, size in zip(extras, sizes, strict=True)]
+        ]
 
-    def outputs(self) -> list[TensorSpec]:
-        return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]
+    @property
+    def pixel_multiple(self) -> int:
+        return self.latent_multiple * self.vae_scale_factor
 
     def batch_range(self, profile: ShapeProfile) -> Range:
         return profile.unet_batch()
@@ -270,6 +298,94 @@ class UNetSpec(GraphSpec):
         feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype)
         t_name = self.input_names[1]
         return feeds | {t_name: torch.full_like(feeds[t_name], float(timestep), dtype=torch.float32)}
+
+
+@dataclass(frozen=True)
+class UNetSpec(_DenoiserSpec):
+    """The UNet: sample, timestep, text embeddings, then the family's conditioning and ControlNet residuals."""
+
+    component: ClassVar[Component] = "unet"
+    label: ClassVar[str] = "UNet"
+    canonical_outputs: ClassVar[tuple[str, ...]] = (NAMED_OUTPUT,)
+
+    out_channels: int = 4
+
+    @classmethod
+    def from_config(
+        cls, unet_config: dict[str, Any], vae_scale_factor: int, precision: Precision = "fp16",
+        io_naming: IONaming = "named", text_embeds_dim: int | None = None, controlnet: bool = False,
+    ) -> UNetSpec:  # fmt: skip
+        """``controlnet``: the graph takes ControlNet residuals (fed zeros when no ControlNet runs)."""
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=vae_scale_factor,
+            out_channels=unet_config.get("out_channels", 4),
+            residuals=residual_layout(unet_config) if controlnet else (),
+            **cls.config_fields(unet_config, text_embeds_dim),
+        )  # fmt: skip
+
+    @property
+    def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return NAMED_INPUTS + tuple(name for name, _ in self.conditioning_tensors() + self.residual_tensors())
+
+    @property
+    def output_name(self) -> str:
+        return self.output_names[0]
+
+    def inputs(self) -> list[TensorSpec]:
+        extras = self.conditioning_tensors() + self.residual_tensors()
+        return self.latent_inputs(self.input_names[:3]) + [
+            TensorSpec(name, self.dtype, shape) for name, (_, shape) in zip(self.input_names[3:], extras, strict=True)
+        ]
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]
+
+
+@dataclass(frozen=True)
+class ControlNetSpec(_DenoiserSpec):
+    """A ControlNet: the UNet's inputs plus the control image and its scale → the residuals the UNet adds."""
+
+    component: ClassVar[Component] = "controlnet"
+    label: ClassVar[str] = "ControlNet"
+
+    conditioning_channels: int = 3
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], vae_scale_factor: int, precision: Precision = "fp16",
+        io_naming: IONaming = "named", text_embeds_dim: int | None = None, sample_size: int | None = None,
+    ) -> ControlNetSpec:  # fmt: skip
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=vae_scale_factor,
+            conditioning_channels=config.get("conditioning_channels", 3), residuals=residual_layout(config),
+            **cls.config_fields(config, text_embeds_dim, sample_size),
+        )  # fmt: skip
+
+    @property
+    def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        conditioning = tuple(name for name, _ in self.conditioning_tensors())
+        return (*NAMED_INPUTS, "controlnet_cond", "conditioning_scale", *conditioning)
+
+    @property
+    def canonical_outputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(name for name, _ in self.residual_tensors())
+
+    def inputs(self) -> list[TensorSpec]:
+        names = self.input_names
+        image = ("batch", self.conditioning_channels, "image_height", "image_width")
+        return self.latent_inputs(names[:3]) + [
+            TensorSpec(names[3], self.dtype, image),
+            TensorSpec(names[4], "float32", (1,)),  # one scale per ControlNet call
+        ] + [
+            TensorSpec(name, self.dtype, shape)
+            for name, (_, shape) in zip(names[5:], self.conditioning_tensors(), strict=True)
+        ]  # fmt: skip
+
+    def outputs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(name, self.dtype, shape)
+            for name, (_, shape) in zip(self.output_names, self.residual_tensors(), strict=True)
+        ]
 
 
 @dataclass(frozen=True)
@@ -382,7 +498,8 @@ class VaeEncoderSpec(_VaeSpec):
 
 
 SPEC_CLASSES: dict[str, type[GraphSpec]] = {
-    cls.component: cls for cls in (UNetSpec, TextEncoderSpec, TextEncoder2Spec, VaeDecoderSpec, VaeEncoderSpec)
+    cls.component: cls
+    for cls in (UNetSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, VaeDecoderSpec, VaeEncoderSpec)
 }
 
 
@@ -399,9 +516,13 @@ def component_spec(
 ) -> GraphSpec:
     """The contract of one of the model's networks, from its config."""
     factor = model.vae_scale_factor()
+    pooled = model.pooled_text_dim()
     if component == "unet":
-        pooled = model.pooled_text_dim()
-        return UNetSpec.from_config(model.unet_config(), factor, precision, io_naming, text_embeds_dim=pooled)
+        controlnet = model.has("controlnet")
+        return UNetSpec.from_config(model.unet_config(), factor, precision, io_naming, pooled, controlnet)
+    if component == "controlnet":
+        config, size = model.component_config("controlnet"), model.unet_config().get("sample_size")
+        return ControlNetSpec.from_config(config, factor, precision, io_naming, pooled, size)
     if component in ("text_encoder", "text_encoder_2"):
         config, (_, architecture) = (
             model.component_config(FOLDERS[component]),

@@ -16,7 +16,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
 from .errors import ArtifactError, EngineInputError
 from .runtime import Runtime
-from .spec import UNetSpec
+from .spec import UNetSpec, residual_names
 from .standins import EngineModule
 
 # Keyword inputs of UNet2DConditionModel.forward; those an engine's graph has are fed to it, a given
@@ -80,15 +80,19 @@ class EngineUNet(EngineModule):
             sample_name: sample,
             timestep_name: normalise_timestep(timestep, sample.shape[0], sample.device),
             text_name: encoder_hidden_states,
-        } | dict(zip(extra_names, self._extras(kwargs), strict=True))
+        } | dict(zip(extra_names, self._extras(sample, kwargs), strict=True))
         out = self.runtime.run(feeds)[spec.output_name].to(sample.device, sample.dtype)
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
 
-    def _extras(self, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    def _extras(self, sample: torch.Tensor, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """The graph's extra inputs, in its order, from the keywords the pipeline passed; refuses the rest."""
         given = {k: v for k, v in kwargs.items() if v is not None}
-        added = given.pop("added_cond_kwargs", None) or {}
-        values = {**added, **({"timestep_cond": given.pop("timestep_cond")} if "timestep_cond" in given else {})}
+        values = dict(given.pop("added_cond_kwargs", None) or {})
+        if "timestep_cond" in given:
+            values["timestep_cond"] = given.pop("timestep_cond")
+        if self.spec.residuals:
+            down = given.pop("down_block_additional_residuals", None)
+            values |= self._residuals(sample, down, given.pop("mid_block_additional_residual", None))
         wanted = self.spec.canonical_inputs[3:]
         if given:
             problem = f"cannot take {sorted(given)}"
@@ -99,6 +103,24 @@ class EngineUNet(EngineModule):
         else:
             return [values[name] for name in wanted]
         raise EngineInputError(
-            f"this UNet engine takes {', '.join(self.spec.canonical_inputs)}; it {problem} (ControlNet residuals, "
-            "for one, are not supported yet)"
+            f"this UNet engine takes {', '.join(wanted) or 'no inputs'} beyond sample, timestep and "
+            f"encoder_hidden_states; it {problem} (ControlNet residuals need a UNet engine compiled from a model "
+            "with a controlnet/ folder)"
         )
+
+    def _residuals(self, sample: torch.Tensor, down: Any, mid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """ControlNet residuals by input name; zeros when no ControlNet runs (adding zero changes nothing)."""
+        names = residual_names(len(self.spec.residuals))
+        if down is None and mid is None:
+            batch, _, height, width = sample.shape
+            return {
+                name: sample.new_zeros(batch, channels, height // k, width // k)
+                for name, (channels, k) in zip(names, self.spec.residuals, strict=True)
+            }
+        tensors = (*(down or ()), mid)
+        if len(tensors) != len(names) or mid is None:
+            raise EngineInputError(
+                f"this UNet engine takes {len(names) - 1} down-block residuals and a mid-block one; got "
+                f"{len(tensors) - 1 if mid is not None else len(tensors)} and {'one' if mid is not None else 'none'}"
+            )
+        return dict(zip(names, tensors, strict=True))

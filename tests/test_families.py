@@ -16,6 +16,7 @@ from sdtrt.errors import EngineInputError, RequestError
 from sdtrt.models import resolve_model
 from sdtrt.pipeline import generate, load_pipeline
 from sdtrt.request import GenerateRequest
+from sdtrt.runtime import open_runtime
 from sdtrt.spec import component_spec, model_components
 from sdtrt.standins import EngineTextEncoder
 from sdtrt.unet import EngineUNet
@@ -30,9 +31,12 @@ FAMILIES = {
     "tiny-lcm": ("sd1-lcm", "LatentConsistencyModelPipeline", 4, ("timestep_cond",)),
     "tiny-sdxl": ("sdxl", "StableDiffusionXLPipeline", 5, ("text_embeds", "time_ids")),
     "tiny-sdxl-refiner": ("sdxl-refiner", "StableDiffusionXLImg2ImgPipeline", 4, ("text_embeds", "time_ids")),
-}
-SCHEDULERS = {"tiny-sd2": ("ddim", "euler"), "tiny-inpaint": ("pndm", "dpm++"), "tiny-lcm": ("lcm", "tcd"),
-              "tiny-sdxl": ("euler", "dpm++"), "tiny-sdxl-refiner": ("euler", "ddim")}  # fmt: skip
+    "tiny-controlnet": ("sd1-controlnet", "StableDiffusionControlNetPipeline", 5,
+                        (*(f"down_block_res_{i}" for i in range(4)), "mid_block_res")),
+}  # fmt: skip
+SCHEDULERS = {"tiny-sd2": ("ddim", "euler"), "tiny-inpaint": ("pndm", "dpm++"), "tiny-lcm": ("lcm",),
+              "tiny-sdxl": ("euler", "dpm++"), "tiny-sdxl-refiner": ("euler", "ddim"),
+              "tiny-controlnet": ("pndm", "euler-a")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +137,51 @@ def test_the_tensorrt_build_profiles_every_sdxl_input(family_sets, tmp_path):
     (shapes,) = build_trt.worker_request(TrtBuildConfig(profiles=(profile,)), simplified, tmp_path)["profiles"]
     assert list(shapes) == ["sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids"]
     assert shapes["text_embeds"] == [[1, 32], [2, 32], [4, 32]] and shapes["time_ids"] == [[1, 6], [2, 6], [4, 6]]
+
+
+# ---- ControlNet -----------------------------------------------------------------------------------------------------
+
+
+def test_a_controlnet_unet_engine_takes_zeros_without_a_controlnet_and_residuals_with_one(family_sets):
+    from sdtrt.stages.engine_set import members
+
+    model = resolve_model("tiny-controlnet")
+    reference = load_pipeline(model)
+    unet = EngineUNet(open_runtime(members(family_sets("tiny-controlnet"))["unet"], model), model.unet_config())
+    gen = torch.Generator().manual_seed(0)
+    sample, text = torch.randn(2, 4, 16, 16, generator=gen), torch.randn(2, 77, 32, generator=gen)
+    residuals = tuple(torch.randn(2, c, 16 // k, 16 // k, generator=gen) for c, k in unet.spec.residuals)
+    with torch.no_grad():
+        for kwargs in (
+            {},
+            {"down_block_additional_residuals": residuals[:-1], "mid_block_additional_residual": residuals[-1]},
+        ):
+            got, want = unet(sample, 500, text, **kwargs).sample, reference.unet(sample, 500, text, **kwargs).sample
+            assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999, list(kwargs)
+    with pytest.raises(EngineInputError, match="takes 4 down-block residuals and a mid-block one; got 3"):
+        unet(
+            sample,
+            500,
+            text,
+            down_block_additional_residuals=residuals[:3],
+            mid_block_additional_residual=residuals[-1],
+        )
+
+
+def test_two_controlnets_sum_their_residuals_as_diffusers_does(family_sets):
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    from sdtrt.pipeline import with_components
+
+    model = resolve_model("tiny-controlnet")
+    reference, engine = load_pipeline(model), load_pipeline(model, family_sets("tiny-controlnet"))
+    reference = with_components(reference, {"controlnet": MultiControlNetModel([reference.controlnet] * 2)})
+    engine = with_components(engine, {"controlnet": MultiControlNetModel([engine.controlnet] * 2)})
+    request = with_input_images(GenerateRequest("a lighthouse", steps=4, seed=5, height=128, width=128), reference)
+    kwargs = dict(image=[request.image, request.image.transpose(0)], controlnet_conditioning_scale=[1.0, 0.5])
+    images = [
+        pipe("a lighthouse", num_inference_steps=4, height=128, width=128, output_type="np",
+             generator=torch.Generator().manual_seed(5), **kwargs).images[0]
+        for pipe in (reference, engine)
+    ]  # fmt: skip
+    assert psnr_db(images[1], images[0]) >= 35.0

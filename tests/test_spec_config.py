@@ -18,7 +18,7 @@ def test_sd15_spec_and_default_profile():
     profile = spec.default_profile()
     assert profile.height == Range(256, 512, 768) and profile.batch == Range(1, 1, 4)
     shapes = spec.profile_shapes(profile)
-    assert shapes["sample"] == ((2, 4, 32, 32), (2, 4, 64, 64), (8, 4, 96, 96))
+    assert shapes["sample"] == ((1, 4, 32, 32), (2, 4, 64, 64), (8, 4, 96, 96))
     assert shapes["timestep"] == ((2,), (2,), (8,))
     assert shapes["encoder_hidden_states"][2] == (8, 77, 768)
     assert spec.dynamic_axes()["sample"] == {0: "batch", 2: "height", 3: "width"}
@@ -29,7 +29,7 @@ def test_check_shapes_names_the_allowed_range():
     profile = spec.default_profile()
     assert spec.check_shapes(spec.input_shapes(2, 512, 512), profile) is None
     reason = spec.check_shapes(spec.input_shapes(2, 1024, 512), profile)
-    assert "outside the engine's profile (2, 4, 32, 32) .. (8, 4, 96, 96)" in reason
+    assert "outside the engine's profile (1, 4, 32, 32) .. (8, 4, 96, 96)" in reason
 
 
 def test_indexed_naming():
@@ -55,3 +55,4 @@ def test_profile_checks_order_and_grid():
     with pytest.raises(ConfigError, match=r"width 520 is not a positive multiple of 64 pixels.*use e\.g\. 512"):
         ShapeProfile(width=Range(256, 520, 768)).check(64)
     assert ShapeProfile(batch=Range(1, 2, 4)).unet_batch() == Range(1, 4, 8)
+    assert ShapeProfile(batch=Range(2, 2, 2)).unet_batch() == Range(4, 4, 4), "a static batch stays static"

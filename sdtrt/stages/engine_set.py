@@ -12,7 +12,9 @@ from typing import Any
 
 from ..config import COMPONENTS, Component
 from ..errors import ArtifactError, ConfigError
+from ..models import ModelSource
 from ..onnx_graph import artifact_spec
+from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "set"
@@ -37,8 +39,14 @@ def source_model(artifact: Artifact) -> dict[str, Any]:
     return first
 
 
-def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store) -> Artifact:
-    """The set of ``members`` (component → artifact), which must come from one model's weights."""
+def run(
+    config: EngineSetConfig, members: dict[str, Artifact], store: Store, model: ModelSource | None = None
+) -> Artifact:
+    """The set of ``members`` (component → artifact), which must come from one model's weights.
+
+    With ``model``, each member must have been made from that model's sub-folder contents (a VAE
+    shared by two models, exported once, belongs to both); without it, from one model folder.
+    """
     if sorted(members) != sorted(config.components):
         raise ConfigError(f"the set names {list(config.components)} but was given {list(members)}")
     for name, artifact in members.items():
@@ -46,14 +54,19 @@ def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store) -> 
         if component != name:
             raise ArtifactError(f"{artifact.path} is a {component} artifact, given as the set's {name}")
     sources = {c: source_model(a) for c, a in members.items()}
-    if len({s.get("path") for s in sources.values()}) > 1:
+    if model is not None:
+        foreign = [c for c, s in sources.items() if s["digest"] != model.folder_digest(FOLDERS[c])]
+    else:
+        foreign = list(members) if len({s.get("path") for s in sources.values()}) > 1 else []
+    if foreign:
         raise ArtifactError(
             "the set's members come from different models: "
             + ", ".join(f"{c} from {s.get('path')}" for c, s in sorted(sources.items()))
         )
+    described = model.describe() if model is not None else next(iter(sources.values()))
     inputs = [a.as_input() | {"component": c} for c, a in sorted(members.items())]
     request = StageRequest(STAGE, VERSION, config, inputs, environment())
-    artifact, _ = store.produce(request, lambda out_dir: _describe(members, next(iter(sources.values()))))
+    artifact, _ = store.produce(request, lambda out_dir: _describe(members, described))
     return artifact
 
 

@@ -43,6 +43,16 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     ) -> torch.Tensor:
         return network(sample, timestep, encoder_hidden_states, **unet_extras(spec, extras), return_dict=False)[0]
 
+    def controlnet(
+        sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        controlnet_cond: torch.Tensor, conditioning_scale: torch.Tensor, *extras: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        down, mid = network(
+            sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale,
+            **unet_extras(spec, extras, first=5), return_dict=False,
+        )  # fmt: skip
+        return (*down, mid)
+
     def text_encoder(input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = network(input_ids, output_hidden_states=True)
         # The penultimate layer is what `clip_skip=1` (and SDXL) read, before the final layer norm.
@@ -56,6 +66,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
 
     forward: dict[str, Callable[..., Any]] = {
         "unet": unet,
+        "controlnet": controlnet,
         "text_encoder": text_encoder,
         "text_encoder_2": text_encoder,
         "vae_decoder": vae_decoder,
@@ -73,12 +84,21 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     return Graph().eval()
 
 
-def unet_extras(spec: GraphSpec, extras: tuple[Any, ...]) -> dict[str, Any]:
-    """The UNet's keyword inputs from the graph's extra inputs (SDXL's added_cond_kwargs, LCM's timestep_cond)."""
-    given = dict(zip(spec.canonical_inputs[3:], extras, strict=True))
+def unet_extras(spec: GraphSpec, extras: tuple[Any, ...], first: int = 3) -> dict[str, Any]:
+    """The network's keyword inputs from the graph's inputs after the ``first`` positional ones.
+
+    SDXL's ``text_embeds``/``time_ids`` become ``added_cond_kwargs``, LCM's ``timestep_cond`` stays,
+    ControlNet residuals become ``down_block_additional_residuals`` + ``mid_block_additional_residual``.
+    """
+    given = dict(zip(spec.canonical_inputs[first:], extras, strict=True))
     kwargs: dict[str, Any] = {"timestep_cond": given.get("timestep_cond")}
     if "text_embeds" in given:
         kwargs["added_cond_kwargs"] = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]}
+    if "mid_block_res" in given:
+        kwargs["down_block_additional_residuals"] = tuple(
+            v for k, v in given.items() if k.startswith("down_block_res_")
+        )
+        kwargs["mid_block_additional_residual"] = given["mid_block_res"]
     return kwargs
 
 
