@@ -39,15 +39,21 @@ def generate_command(
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild."),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     engines: o.EnginesOpt = None,
 ) -> None:
     """Generate an image, with the UNet on an engine (or on PyTorch without --engine).
 
-    Example: sdtrt generate --engine engines/build-ort/2a06c39aaf814d52 --prompt "a red fox" --out fox.png
+    Example: sdtrt generate --engine engines/build-ort/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:0.8
     """
+    from ..lora import parse_lora_option
     from ..models import resolve_model
 
+    loras = [parse_lora_option(value) for value in lora or []]
     source = resolve_model(model)
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
     request = request.sized_for(SizeRule.for_model(source))
@@ -60,7 +66,7 @@ def generate_command(
     from ..pipeline import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch UNet'})"):
-        pipe = load_pipeline(source, artifact, scheduler=scheduler)
+        pipe = load_pipeline(source, artifact, scheduler=scheduler, loras=loras)
     columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("steps", total=steps)
