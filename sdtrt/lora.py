@@ -126,7 +126,11 @@ def read_lora(path: str | os.PathLike[str]) -> LoraFile:
     if other := next((k for k in state_dict if not k.startswith(UNET_PREFIX)), None):
         raise LoraError(f"{path}: '{other}' is not a UNet weight; sdtrt applies UNet LoRAs only")
     unet = convert_unet_state_dict_to_peft({k[len(UNET_PREFIX) :]: v for k, v in state_dict.items()})
-    return LoraFile(path, kind, _modules(path, unet, alphas or {}, metadata or {}))
+    # kohya's alphas come keyed by diffusers' intermediate names (`….processor.to_q_lora.down.weight.alpha`):
+    # the same renaming as the weights gives their module.
+    renamed = convert_unet_state_dict_to_peft({k[len(UNET_PREFIX) : -len(".alpha")]: v for k, v in (alphas or {}).items()})
+    module_alphas = {k.split(".lora_A.")[0]: float(v) for k, v in renamed.items()}
+    return LoraFile(path, kind, _modules(path, unet, module_alphas, metadata or {}))
 
 
 def _modules(
@@ -147,7 +151,7 @@ def _modules(
         if up is None:
             raise LoraError(f"{path}: '{module}' has a down (lora_A) weight but no up (lora_B) weight")
         down = unet[key]
-        alpha = alphas.get(f"{UNET_PREFIX}{module}.alpha")
+        alpha = alphas.get(module)
         if alpha is None:
             pattern = next((p for p in patterns if module == p or module.endswith("." + p)), None)
             alpha = patterns[pattern] if pattern else config.get("lora_alpha", down.shape[0])
@@ -256,6 +260,11 @@ def placement_problem(module: str, pair: LoraModule, weight_map: WeightMap) -> s
         return (f"'{module}' changes a {list(pair.shape)} weight, this UNet's is {list(place.shape)} "
                 "(a LoRA for another architecture?)")  # fmt: skip
     return None
+
+
+def coverage(lora: LoraFile, weight_map: WeightMap) -> dict[str, str]:
+    """module → 'ok', or why the engine's weight map cannot take it."""
+    return {module: placement_problem(module, pair, weight_map) or "ok" for module, pair in lora.modules.items()}
 
 
 def describe(lora: LoraFile) -> dict[str, Any]:
