@@ -128,7 +128,9 @@ def read_lora(path: str | os.PathLike[str]) -> LoraFile:
     unet = convert_unet_state_dict_to_peft({k[len(UNET_PREFIX) :]: v for k, v in state_dict.items()})
     # kohya's alphas come keyed by diffusers' intermediate names (`….processor.to_q_lora.down.weight.alpha`):
     # the same renaming as the weights gives their module.
-    renamed = convert_unet_state_dict_to_peft({k[len(UNET_PREFIX) : -len(".alpha")]: v for k, v in (alphas or {}).items()})
+    renamed = convert_unet_state_dict_to_peft(
+        {k[len(UNET_PREFIX) : -len(".alpha")]: v for k, v in (alphas or {}).items()}
+    )
     module_alphas = {k.split(".lora_A.")[0]: float(v) for k, v in renamed.items()}
     return LoraFile(path, kind, _modules(path, unet, module_alphas, metadata or {}))
 
@@ -144,7 +146,9 @@ def _modules(
     for key in unet:
         module, sep, part = key.rpartition(".lora_")
         if not sep or part not in ("A.weight", "B.weight"):
-            raise LoraError(f"{path}: '{key}' is not a LoRA up/down weight (DoRA, biases and LyCORIS are not supported)")
+            raise LoraError(
+                f"{path}: '{key}' is not a LoRA up/down weight (DoRA, biases and LyCORIS are not supported)"
+            )
         if part == "B.weight":
             continue
         up = unet.get(f"{module}.lora_B.weight")
@@ -170,7 +174,7 @@ class EngineLoras:
     _base: dict[str, np.ndarray] = field(default_factory=dict)  # base weights of what LoRAs touched so far
     _changed: set[str] = field(default_factory=set)  # initializers that differ from base now
 
-    def set(self, runtime: Any, loras: Sequence[LoraSpec]) -> None:
+    def apply(self, runtime: Any, loras: Sequence[LoraSpec]) -> None:
         if not callable(getattr(runtime, "set_weights", None)):
             raise LoraError(f"the {runtime.name} runtime cannot take new weights; load an ONNX Runtime or a "
                             "refittable TensorRT (build-trt --refittable) engine for LoRAs")  # fmt: skip
@@ -279,4 +283,3 @@ def describe(lora: LoraFile) -> dict[str, Any]:
         "alphas": alphas,
         "scales": sorted({round(m.scale, 6) for m in lora.modules.values()}),
     }
-

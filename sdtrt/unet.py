@@ -49,7 +49,11 @@ class EngineUNet(EngineModule):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(
-        self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None, loras: EngineLoras | None = None
+        self,
+        runtime: Runtime,
+        config: dict[str, Any],
+        dtype: torch.dtype | None = None,
+        loras: EngineLoras | None = None,
     ) -> None:
         super().__init__(FrozenDict(config), dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, UNetSpec):
@@ -65,7 +69,7 @@ class EngineUNet(EngineModule):
         """
         if self.loras is None:
             raise LoraError("this EngineUNet has no weight map; load it with sdtrt.pipeline.load_pipeline for LoRAs")
-        self.loras.set(self.runtime, loras)
+        self.loras.apply(self.runtime, loras)
 
     def clear_loras(self) -> None:
         """Back to the engine's base weights."""

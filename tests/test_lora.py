@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -138,7 +139,7 @@ def test_bad_input_is_one_line_and_the_engine_keeps_its_weights(loras, engine_pi
     engine_pipe.unet.set_loras([(loras["a"], 0.8)])
     with_a = image(engine_pipe)
     truncated = folder / "truncated.safetensors"
-    truncated.write_bytes(open(loras["a"], "rb").read()[:500])
+    truncated.write_bytes(Path(loras["a"]).read_bytes()[:500])
     text = folder / "notes.safetensors"
     text.write_text("not a tensor file\n")
     sdxl_like = "down_blocks.2.attentions.1.transformer_blocks.9.attn1.to_q"  # SDXL has 10 blocks there; tiny 1
@@ -171,7 +172,7 @@ def test_a_weight_the_map_cannot_place_is_refused_by_name(tiny, tiny_engine, lor
     assert list(made.unmapped) == [f"{TO_Q}.weight"]
     runtime = open_runtime(Artifact(tmp_path, {**tiny_engine.manifest, "primary": "unet.onnx", "files": []}), tiny)
     with pytest.raises(LoraError, match=f"cannot place {TO_Q}.weight: no initializer holds its value"):
-        EngineLoras(lambda: made).set(runtime, [(loras["a"], 1.0)])
+        EngineLoras(lambda: made).apply(runtime, [(loras["a"], 1.0)])
 
 
 def test_cli_inspect_and_generate_with_loras(tiny_engine, loras, tmp_path):

@@ -11,7 +11,9 @@ from ..errors import LoraError
 from ..progress import results
 from . import options as o
 
-app = typer.Typer(help="LoRA files: inspect what they change and whether an engine can take them.", no_args_is_help=True)
+app = typer.Typer(
+    help="LoRA files: inspect what they change and whether an engine can take them.", no_args_is_help=True
+)
 
 
 @app.command(name="inspect")

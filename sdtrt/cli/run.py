@@ -48,7 +48,7 @@ def generate_command(
 ) -> None:
     """Generate an image, with the UNet on an engine (or on PyTorch without --engine).
 
-    Example: sdtrt generate --engine engines/build-ort/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:0.8
+    Example: sdtrt generate --engine engines/build-ort/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     """
     from ..lora import parse_lora_option
     from ..models import resolve_model

@@ -118,7 +118,7 @@ class TensorRTRuntime(CudaRuntime):
         engine: trt.ICudaEngine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
         if engine is None:
             raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `sdtrt build {source}`")
-        self._engine = engine
+        self._engine: trt.ICudaEngine = engine
         if problem := engine_io_problem(engine, spec):
             raise ArtifactError(
                 f"{plan} does not match its manifest: {problem}; rebuild it with `sdtrt build {source}`"

@@ -67,9 +67,7 @@ class WeightMap:
 
     @classmethod
     def from_json(cls, graph: Path, data: dict[str, Any]) -> WeightMap:
-        mapped = {
-            k: Placement(v["initializer"], v["transpose"], tuple(v["shape"])) for k, v in data["mapped"].items()
-        }
+        mapped = {k: Placement(v["initializer"], v["transpose"], tuple(v["shape"])) for k, v in data["mapped"].items()}
         return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]))
 
     def to_json(self) -> dict[str, Any]:
@@ -116,7 +114,11 @@ def _produce(graph: Artifact, model: ModelSource, out_dir: Path) -> dict[str, An
     return {
         "primary": FILE,
         "timings": {"map_s": round(time.perf_counter() - started, 3)},
-        "details": {"graph": str(graph.primary), "mapped": len(weight_map.mapped), "unmapped": len(weight_map.unmapped)},
+        "details": {
+            "graph": str(graph.primary),
+            "mapped": len(weight_map.mapped),
+            "unmapped": len(weight_map.unmapped),
+        },
         "reproduce": f"sdtrt lora inspect LORA.safetensors --engine {graph.path}",
     }
 
