@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 STAGE = "weight-map"
 VERSION = 1
 FILE = "weight_map.json"
-ONNX_STAGES = ("export", "simplify", "build-ort", "external")
 
 
 @dataclass(frozen=True)
@@ -78,21 +77,13 @@ class WeightMap:
         return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped}
 
 
-def graph_artifact(engine: Artifact) -> Artifact:
-    """The ONNX graph whose initializers an engine holds: itself, or the graph a TensorRT plan was built from."""
-    if engine.stage in ONNX_STAGES:
-        return engine
-    if engine.stage == "build-trt":
-        return engine.lineage()[1]
-    raise ArtifactError(
-        f"a '{engine.stage}' engine cannot take new weights (a wrapped TorchScript engine has no refitter); "
-        "load its build-trt artifact (built with --refittable) or an ONNX Runtime engine for LoRAs"
-    )
-
-
 def for_engine(engine: Artifact, model: ModelSource) -> WeightMap:
     """The weight map of the graph ``engine`` runs, from the store that holds it (made on first use)."""
-    graph = graph_artifact(engine)
+    graph = onnx_graph.graph_of(
+        engine,
+        f"a '{engine.stage}' engine cannot take new weights (a wrapped TorchScript engine has no refitter); "
+        "load its build-trt artifact (built with --refittable) or an ONNX Runtime engine for LoRAs",
+    )
     if graph.stage == "external":  # outside any store: nothing to cache in
         return build(graph.primary, model)
     store = Store(graph.path.parents[1])
