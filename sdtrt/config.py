@@ -225,6 +225,7 @@ class TrtBuildConfig:
     static_shapes: bool = False
     workspace_gb: float | None = None  # None: TensorRT's default (the GPU's memory)
     optimization_level: int = 3  # TensorRT builder optimization level, 0..5
+    refittable: bool = False  # BuilderFlag.REFIT: LoRAs refit the weights in place (sdtrt.lora)
     # A timing cache makes rebuilds faster; it does not change what the engine computes.
     timing_cache: str | None = not_in_key(None)
 

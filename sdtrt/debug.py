@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ArtifactError, ParityError
+from .errors import ParityError
 
 if TYPE_CHECKING:
     import onnx
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
     from .models import ModelSource
     from .spec import GraphSpec
     from .store import Artifact
-
-ONNX_STAGES = ("export", "simplify", "build-ort", "external")
 
 
 @dataclass(frozen=True)
@@ -107,11 +105,15 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
 
-    from .onnx_graph import artifact_spec
+    from .onnx_graph import artifact_spec, graph_of
     from .runtime import artifact_profile
 
     spec = artifact_spec(engine, model)
-    graph_artifact = _graph_of(engine)
+    graph_artifact = graph_of(
+        engine,
+        f"debug takes an ONNX graph or a TensorRT engine, not a '{engine.stage}' artifact; pass the artifact "
+        "a `build` printed (or a set's member)",
+    )
     candidate = onnx.load(str(graph_artifact.primary))
     profile = artifact_profile(engine) or spec.default_profile()
     size = (config.height or profile.height.min, config.width or profile.width.min)
@@ -129,18 +131,6 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
         results = Comparator.run([runner, reference], data_loader=[feeds])
     (_, [got]), (_, [expected]) = list(results.items())
     return _compare(str(engine.path), backend, candidate, got, expected, config.max_error)
-
-
-def _graph_of(engine: Artifact) -> Artifact:
-    """The ONNX graph an engine runs: itself, or for a TensorRT plan the graph it was built from."""
-    if engine.stage in ONNX_STAGES:
-        return engine
-    if engine.stage == "build-trt":
-        return engine.lineage()[1]
-    raise ArtifactError(
-        f"debug takes an ONNX graph or a TensorRT engine, not a '{engine.stage}' artifact; pass the artifact "
-        "a `build` printed (or a set's member)"
-    )
 
 
 def _feeds(spec: GraphSpec, batch: int, height: int, width: int, seed: int) -> dict[str, np.ndarray]:

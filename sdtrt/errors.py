@@ -59,6 +59,13 @@ class EngineInputError(SdtrtError):
     """A request's shape, dtype or extra inputs do not fit what the engine was built for."""
 
 
+class LoraError(SdtrtError):
+    """A LoRA cannot be applied: unreadable file, another architecture, a weight the map cannot place, a bad scale.
+
+    Raised before the engine's weights change: the engine keeps serving the weights it had.
+    """
+
+
 class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 

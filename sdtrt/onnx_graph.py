@@ -17,6 +17,7 @@ from .models import ModelSource
 from .spec import NAMED_INPUTS, GraphSpec, TensorSpec, UNetSpec, spec_from_json
 from .store import Artifact
 
+ONNX_STAGES = ("export", "simplify", "build-ort", "external")  # artifacts whose primary file is an ONNX graph
 # Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
@@ -130,3 +131,15 @@ def artifact_spec(artifact: Artifact, model: ModelSource | None = None) -> Graph
         precision=precision, io_naming=io_naming, vae_scale_factor=8, in_channels=channels, out_channels=channels,
         cross_attention_dim=text_dim, latent_sample_size=64, latent_multiple=8,
     )  # fmt: skip
+
+
+def graph_of(engine: Artifact, refusal: str) -> Artifact:
+    """The ONNX graph an engine runs: itself, or for a TensorRT plan the graph it was built from.
+
+    Other artifacts raise ArtifactError(``refusal``), which says what the caller needs instead.
+    """
+    if engine.stage in ONNX_STAGES:
+        return engine
+    if engine.stage == "build-trt":
+        return engine.lineage()[1]
+    raise ArtifactError(refusal)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,11 +14,13 @@ import torch
 from .config import TEXT_ENCODERS
 from .errors import ModelNotFoundError
 from .families import Task, pipeline_class_name
+from .lora import EngineLoras, LoraSpec, fuse_loras
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
 from .runtime import open_runtime
 from .spec import FOLDERS, model_components
+from .stages import weight_map as weight_maps
 from .standins import EngineTextEncoder, EngineVAE, final_layer_norm, text_encoder_config
 from .store import Artifact
 from .unet import EngineUNet
@@ -41,6 +44,7 @@ def load_pipeline(
     scheduler: str | None = None,
     task: Task | None = None,
     dtype: torch.dtype = torch.float32,
+    loras: Sequence[LoraSpec] = (),
 ) -> Any:
     """The diffusers pipeline ``model_index.json`` names (or its family's ``task`` variant); with ``engine``,
     its networks run on engines.
@@ -50,6 +54,8 @@ def load_pipeline(
     one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
     ``compile_model`` returned. Components a set lacks stay PyTorch (one line on stderr says which).
     Without ``engine`` the pipeline is plain PyTorch: the reference engines are checked against.
+    ``loras``: (file, scale) pairs, put into the UNet engine's weights (``pipe.unet.set_loras``), or
+    fused by diffusers into a PyTorch UNet.
     """
     import diffusers
 
@@ -72,6 +78,10 @@ def load_pipeline(
         on_pytorch = [c for c in model_components(source) if c not in members]
         if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
             console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
+    if loras and "unet" in members:
+        pipe.unet.set_loras(loras)
+    elif loras:
+        fuse_loras(pipe, loras)
     pipe.set_progress_bar_config(disable=True)
     if scheduler:
         set_scheduler(pipe, scheduler)
@@ -96,7 +106,8 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
     runtimes = {c: open_runtime(a, source) for c, a in members.items()}
     out: dict[str, Any] = {}
     if "unet" in runtimes:
-        out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype)
+        weight_map = partial(weight_maps.for_engine, members["unet"], source)
+        out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype, loras=EngineLoras(weight_map))
     if "controlnet" in runtimes:
         from .controlnet import EngineControlNet
 

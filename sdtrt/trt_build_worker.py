@@ -73,6 +73,11 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
 
     config: trt.IBuilderConfig = builder.create_builder_config()
     config.builder_optimization_level = request["optimization_level"]
+    if request.get("refittable"):
+        # REFIT: every weight refittable with any new values (LoRAs). Not REFIT_IDENTICAL, which lets the
+        # builder assume refits bring the build's own values (for weight-stripped plans), nor STRIP_PLAN
+        # (pyCoreDoc.h BuilderFlagDoc; Polygraphy's --refittable sets REFIT the same way).
+        config.set_flag(trt.BuilderFlag.REFIT)
     if request["workspace_bytes"]:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request["workspace_bytes"])
     for shapes in request["profiles"]:

@@ -57,3 +57,23 @@ def f(engine: trt.ICudaEngine):
     assert "Builder.build_engine is removed" in text or "has no member 'build_engine'" in text
     assert "has no member 'create_execution_contxt'" in text
     assert "trt.OnnxParsr does not exist" in text
+
+
+def test_refit_calls_are_checked(api):
+    """The LoRA refit path (runtime/tensorrt.py set_weights, the worker's REFIT flag) is in the checked surface."""
+    runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
+    for call in ("refitter.set_named_weights(", "refitter.get_missing_weights()", "refitter.refit_cuda_engine()"):
+        assert call in runtime
+    assert "trt.BuilderFlag.REFIT)" in (REPO / "sdtrt/trt_build_worker.py").read_text()
+    source = """
+import tensorrt as trt
+def f(engine: trt.ICudaEngine, logger: trt.ILogger):
+    refitter: trt.Refitter = trt.Refitter(engine, logger)
+    refitter.set_named_weight("w", trt.Weights())
+    refitter.refit_cuda_engine(stream=0)
+    trt.BuilderFlag.REFITTABLE
+"""
+    text = "\n".join(check_source(source, api)[0])
+    assert "has no member 'set_named_weight'" in text
+    assert "refit_cuda_engine() has no parameter 'stream'" in text
+    assert "trt.BuilderFlag.REFITTABLE does not exist" in text

@@ -98,9 +98,18 @@ TimingCacheOpt = Annotated[
     Path | None, typer.Option(help="TensorRT: timing cache file, read if present and updated after the build.")
 ]
 
+RefittableOpt = Annotated[
+    bool, typer.Option("--refittable", help="TensorRT: weights refittable in place, so LoRAs need no rebuild.")
+]
+
 
 def trt_config(
-    profile: ShapeProfile, static: bool, workspace_gb: float | None, optimization_level: int, timing_cache: Path | None
+    profile: ShapeProfile,
+    static: bool,
+    workspace_gb: float | None,
+    optimization_level: int,
+    timing_cache: Path | None,
+    refittable: bool = False,
 ) -> TrtBuildConfig:
     return TrtBuildConfig(
         profiles=(profile,),
@@ -108,4 +117,5 @@ def trt_config(
         workspace_gb=workspace_gb,
         optimization_level=optimization_level,
         timing_cache=str(timing_cache.resolve()) if timing_cache else None,
+        refittable=refittable,
     )

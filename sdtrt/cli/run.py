@@ -61,25 +61,30 @@ def generate_command(
     task: Annotated[
         str | None, typer.Option(help="txt2img, img2img or inpaint (default: the model's own pipeline).")
     ] = None,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild."),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     engines: o.EnginesOpt = None,
 ) -> None:
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
 
-    Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --out fox.png
+    Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
     from ..families import TASKS
+    from ..lora import parse_lora_option
     from ..models import resolve_model
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
+    loras = [parse_lora_option(value) for value in lora or []]
     source = resolve_model(model)
-    pictures = {
-        name: _open_image(path, mode) for name, path, mode in (("image", image, "RGB"), ("mask_image", mask, "L"))
-    }
-    request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-                              **pictures)  # fmt: skip
+    request = GenerateRequest(
+        prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
+        image=_open_image(image, "RGB"), mask_image=_open_image(mask, "L"),
+    )  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
     if scheduler:
         check_scheduler(scheduler)
@@ -90,7 +95,7 @@ def generate_command(
     from ..pipeline import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch UNet'})"):
-        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task)
+        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras)
     columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("steps", total=steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,14 +58,36 @@ class OnnxRuntime:
 
         self.spec = spec
         self.profile = profile
+        self._path, self._threads, self._preoptimized = path, threads, preoptimized
         self._providers = list(providers or default_providers())
-        options = session_options(threads, preoptimized)
+        self._overrides: dict[str, ort.OrtValue] = {}  # replaced initializers; ORT reads them in place
+        self._session = self._open(self._overrides)
+
+    def _open(self, overrides: dict[str, Any]) -> Any:  # -> ort.InferenceSession
+        import onnxruntime as ort
+
+        options = session_options(self._threads, self._preoptimized)
+        for name, value in overrides.items():
+            options.add_initializer(name, value)
         try:
-            self._session = ort.InferenceSession(str(path), options, providers=self._providers)
+            return ort.InferenceSession(str(self._path), options, providers=self._providers)
         except Exception as exc:  # ORT raises its own Fail/InvalidProtobuf/… types for unreadable graphs
             raise ArtifactError(
-                f"ONNX Runtime cannot load {path}: {one_line(exc)}; rebuild the artifact that holds it"
+                f"ONNX Runtime cannot load {self._path}: {one_line(exc)}; rebuild the artifact that holds it"
             ) from exc
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Replace the named initializers (the others keep their values) in a new session, swapped in once it loads.
+
+        ``SessionOptions.add_initializer`` overrides a graph initializer by name; ORT uses the OrtValue's
+        buffer without copying, so the values are kept as long as the session. A failure leaves the old session.
+        """
+        import onnxruntime as ort
+
+        values = {name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)) for name, a in weights.items()}
+        overrides = self._overrides | values
+        self._session = self._open(overrides)
+        self._overrides = overrides
 
     @property
     def device(self) -> torch.device:

@@ -16,9 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError
+from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError, LoraError
 from ..gpu import engine_mismatch, gpu_environment, require_tensorrt, tensorrt_version
 from ..spec import GraphSpec
 from . import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
@@ -111,12 +112,13 @@ class TensorRTRuntime(CudaRuntime):
 
         self.spec = spec
         self.cuda_graph = cuda_graph
+        self._source = source  # the simplify artifact the plan was parsed from: its initializers name the weights
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime: trt.Runtime = trt.Runtime(self._logger)
         engine: trt.ICudaEngine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
         if engine is None:
             raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `sdtrt build {source}`")
-        self._engine = engine
+        self._engine: trt.ICudaEngine = engine
         if problem := engine_io_problem(engine, spec):
             raise ArtifactError(
                 f"{plan} does not match its manifest: {problem}; rebuild it with `sdtrt build {source}`"
@@ -203,6 +205,45 @@ class TensorRTRuntime(CudaRuntime):
         for out in outputs.values():
             out.record_stream(torch.cuda.current_stream())
         return outputs
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """Refit the named weights in place (an engine built with --refittable); the others keep their values.
+
+        The calls as TensorRT 10/11 bind them (python/src/infer/pyCore.cpp "Refitter", pyCoreDoc.h
+        RefitterDoc): set_named_weights returns False for a name that is not refittable, or a size or
+        dtype unlike get_weights_prototype's; get_missing_weights names the weights TensorRT combined
+        with one that was set, which must be supplied too — with their current (graph) values, as
+        demo/Diffusion's Engine.refit does; refit_cuda_engine is undefined while work is enqueued (so
+        the stream is drained first) and returns False when validation fails. Execution contexts stay
+        valid after a refit; a captured CUDA graph is dropped and re-captured on the next call.
+        """
+        import tensorrt as trt
+
+        from ..stages.weight_map import read_initializers
+        from ..store import Artifact
+
+        if not self._engine.refittable:
+            raise LoraError(
+                f"this TensorRT engine was built without --refittable; rebuild it with "
+                f"`sdtrt build {self._source} --target tensorrt --refittable` to take LoRAs"
+            )
+        refitter: trt.Refitter = trt.Refitter(self._engine, self._logger)
+        held = []  # TensorRT reads the host buffers until refit_cuda_engine returns
+
+        def put(name: str, array: np.ndarray) -> None:
+            held.append(np.ascontiguousarray(array))
+            if not refitter.set_named_weights(name, trt.Weights(held[-1])):
+                raise LoraError(f"TensorRT refused new weights for '{name}' (not refittable, or another size/dtype)")
+
+        for name, array in weights.items():
+            put(name, array)
+        if missing := set(refitter.get_missing_weights()) - set(weights):
+            for name, array in read_initializers(Artifact.open(self._source).primary, missing).items():
+                put(name, array)
+        self._stream.synchronize()
+        if not refitter.refit_cuda_engine():
+            raise LoraError("TensorRT could not refit the engine (refit_cuda_engine returned False); see its messages")
+        self._graph, self._graph_shapes = None, None
 
     def close(self) -> None:
         self._graph = None

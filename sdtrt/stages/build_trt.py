@@ -55,6 +55,7 @@ def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path) -> d
         "optimization_level": config.optimization_level,
         "workspace_bytes": workspace,
         "timing_cache": config.timing_cache,
+        "refittable": config.refittable,
     }
 
 
@@ -90,5 +91,6 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
         "target": "tensorrt",
         "timings": {"build_s": round(time.perf_counter() - started, 3)},
         "details": {"tensorrt": result["tensorrt"], "network_layers": result["layers"], "worker_request": request},
-        "reproduce": f"sdtrt build {source.path} --target tensorrt --optimization-level {config.optimization_level}",
+        "reproduce": f"sdtrt build {source.path} --target tensorrt --optimization-level {config.optimization_level}"
+        + (" --refittable" if config.refittable else ""),
     }

@@ -1,0 +1,56 @@
+"""`sdtrt lora inspect`: what a LoRA file holds, and whether an engine's weight map can take it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import LoraError
+from ..progress import results
+from . import options as o
+
+app = typer.Typer(
+    help="LoRA files: inspect what they change and whether an engine can take them.", no_args_is_help=True
+)
+
+
+@app.command(name="inspect")
+def inspect_command(
+    file: Annotated[Path, typer.Argument(help="A LoRA .safetensors file (diffusers/PEFT or kohya/A1111).")],
+    engine: Annotated[str | None, typer.Option(help=f"{o.ENGINE_HELP}; check its weight map covers the LoRA.")] = None,
+    model: o.ModelOpt = "tiny",
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Format, rank, alpha and scale, the UNet modules a LoRA touches, and (with --engine) whether it fits.
+
+    Example: sdtrt lora inspect style.safetensors --engine engines/build-ort/2a06c39aaf814d52
+    """
+    from rich.table import Table
+
+    from ..lora import coverage, describe, read_lora
+
+    lora = read_lora(file)
+    summary = describe(lora)
+    for key in ("file", "format", "modules", "ranks", "alphas", "scales"):
+        results.print(f"{key}: {summary[key]}")
+    fits = None
+    if engine:
+        from ..models import resolve_model
+        from ..stages.weight_map import for_engine
+
+        fits = coverage(lora, for_engine(o.find_engine(engine, engines), resolve_model(model)))
+    table = Table(title="UNet modules (scale = alpha / rank, times the scale you give)", title_justify="left")
+    for column in ("module", "rank", "alpha", "scale", *(["engine"] if fits else [])):
+        table.add_column(column, justify="left" if column in ("module", "engine") else "right")
+    for name, pair in lora.modules.items():
+        row = [name, str(pair.rank), f"{pair.alpha:g}", f"{pair.scale:g}"]
+        table.add_row(*row, *([fits[name]] if fits else []))
+    results.print(table)
+    if fits is not None:
+        bad = {k: v for k, v in fits.items() if v != "ok"}
+        results.print(f"engine: covers {len(fits) - len(bad)}/{len(fits)} modules")
+        if bad:
+            first = next(iter(bad))
+            raise LoraError(f"the engine cannot take {len(bad)} of the LoRA's modules, first '{first}': {bad[first]}")

@@ -1,0 +1,189 @@
+"""Weight-map stage: which graph initializer holds each UNet weight a LoRA can touch, and how.
+
+Export and simplify rename and transform weights: a ``Linear`` weight ``[out, in]`` becomes an
+anonymous, transposed MatMul initializer ``[in, out]``, in the graph's dtype (fp16: a cast), and
+constant folding makes new initializers. Names are no guide, so the map is derived from values:
+every Linear and Conv weight of the model's UNet, loaded in the graph's dtype exactly as export
+loads it, is looked up among the graph's initializers by content hash, as it is and transposed.
+A parameter found nowhere (folded into something else), found twice (ambiguous), or sharing its
+initializer with another parameter (deduplicated constants) is listed as unmapped with the
+reason, and a LoRA touching it is refused by name (sdtrt.lora).
+
+The map is its own small artifact, ``weight-map/<key>/weight_map.json``, not part of the simplify
+artifact: it needs the PyTorch UNet (3.4 GB fp32 for SD 1.5), which only engines that take LoRAs
+should pay for, and it maps the graph the engine actually runs — ONNX Runtime's optimized graph
+for ``build-ort`` (its optimizer could rename or fuse initializers), the simplified graph a
+TensorRT plan was parsed from (the ONNX parser names refittable weights after initializers). Its
+key follows from that graph's key and the model's UNet digest: made once per graph, on the first
+LoRA, a cache hit after.
+
+weight_map.json: ``{"graph_dtype": "float16", "mapped": {param: {"initializer", "transpose", "shape"}},
+"unmapped": {param: reason}}``; a param is the UNet's state-dict name (``….attn1.to_q.weight``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import onnx_graph
+from ..errors import ArtifactError
+from ..progress import step
+from ..store import Artifact, StageRequest, Store, environment
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..models import ModelSource
+
+STAGE = "weight-map"
+VERSION = 1
+FILE = "weight_map.json"
+
+
+@dataclass(frozen=True)
+class WeightMapConfig:
+    """No settings: the map follows from the graph and the model."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    initializer: str
+    transpose: bool  # the initializer holds the parameter transposed (a Linear weight as MatMul's B)
+    shape: tuple[int, ...]  # the parameter's shape in PyTorch
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    graph: Path  # the ONNX graph whose initializers it names
+    graph_dtype: str
+    mapped: dict[str, Placement]
+    unmapped: dict[str, str]  # parameter → why it could not be placed
+
+    @classmethod
+    def from_json(cls, graph: Path, data: dict[str, Any]) -> WeightMap:
+        mapped = {k: Placement(v["initializer"], v["transpose"], tuple(v["shape"])) for k, v in data["mapped"].items()}
+        return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]))
+
+    def to_json(self) -> dict[str, Any]:
+        mapped = {
+            k: {"initializer": p.initializer, "transpose": p.transpose, "shape": list(p.shape)}
+            for k, p in self.mapped.items()
+        }
+        return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped}
+
+
+def for_engine(engine: Artifact, model: ModelSource) -> WeightMap:
+    """The weight map of the graph ``engine`` runs, from the store that holds it (made on first use)."""
+    graph = onnx_graph.graph_of(
+        engine,
+        f"a '{engine.stage}' engine cannot take new weights (a wrapped TorchScript engine has no refitter); "
+        "load its build-trt artifact (built with --refittable) or an ONNX Runtime engine for LoRAs",
+    )
+    if graph.stage == "external":  # outside any store: nothing to cache in
+        return build(graph.primary, model)
+    store = Store(graph.path.parents[1])
+    request = StageRequest(
+        STAGE,
+        VERSION,
+        WeightMapConfig(),
+        [graph.as_input(), {"kind": "model", "digest": model.folder_digest("unet"), **model.describe()}],
+        environment("diffusers"),
+    )
+    artifact, _ = store.produce(request, lambda out_dir: _produce(graph, model, out_dir))
+    return WeightMap.from_json(graph.primary, json.loads((artifact.path / FILE).read_text()))
+
+
+def _produce(graph: Artifact, model: ModelSource, out_dir: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    weight_map = build(graph.primary, model)
+    (out_dir / FILE).write_text(json.dumps(weight_map.to_json(), indent=1))
+    return {
+        "primary": FILE,
+        "timings": {"map_s": round(time.perf_counter() - started, 3)},
+        "details": {
+            "graph": str(graph.primary),
+            "mapped": len(weight_map.mapped),
+            "unmapped": len(weight_map.unmapped),
+        },
+        "reproduce": f"sdtrt lora inspect LORA.safetensors --engine {graph.path}",
+    }
+
+
+def lora_parameters(unet: Any) -> dict[str, Any]:
+    """The weights a LoRA can touch: every Linear and Conv2d weight, by state-dict name."""
+    import torch
+
+    return {
+        f"{name}.weight": module.weight.detach()
+        for name, module in unet.named_modules()
+        if isinstance(module, torch.nn.Linear | torch.nn.Conv2d)
+    }
+
+
+def _content_key(array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
+    import numpy as np
+
+    data = np.ascontiguousarray(array)
+    return data.dtype.str, data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).hexdigest()
+
+
+def build(graph_path: Path, model: ModelSource) -> WeightMap:
+    """Match the UNet's LoRA-touchable weights against ``graph_path``'s initializers by value."""
+    import torch
+    from onnx import numpy_helper
+
+    from ..models import load_folder
+
+    with step(f"Mapping UNet weights onto the initializers of {graph_path.name}"):
+        proto = onnx_graph.load_graph(graph_path, with_weights=True)
+        by_content: dict[tuple[str, tuple[int, ...], str], list[str]] = {}
+        dtypes = set()
+        for init in proto.graph.initializer:
+            if len(init.dims) >= 2:  # weights; biases, scalars and shape constants are never LoRA targets
+                array = numpy_helper.to_array(init)
+                dtypes.add(array.dtype.name)
+                by_content.setdefault(_content_key(array), []).append(init.name)
+        del proto
+        graph_dtype = "float16" if "float16" in dtypes else "float32"
+        unet = load_folder(model, "unet", torch.float16 if graph_dtype == "float16" else torch.float32)
+        params = lora_parameters(unet)
+        found: dict[str, list[tuple[str, bool]]] = {}
+        for param, weight in params.items():
+            candidates = [(weight, False)] + ([(weight.T, True)] if weight.ndim == 2 else [])
+            found[param] = [
+                (name, transposed)
+                for tensor, transposed in candidates
+                for name in by_content.get(_content_key(tensor.contiguous().numpy()), [])
+            ]
+    holders: dict[str, list[str]] = {}
+    for param, hits in found.items():
+        for name, _ in hits:
+            holders.setdefault(name, []).append(param)
+    mapped, unmapped = {}, {}
+    for param, hits in found.items():
+        if not hits:
+            unmapped[param] = "no initializer holds its value (folded into another constant?)"
+        elif len(hits) > 1:
+            unmapped[param] = f"its value is in {len(hits)} initializers ({', '.join(n for n, _ in hits[:3])})"
+        elif len(holders[hits[0][0]]) > 1:
+            others = [p for p in holders[hits[0][0]] if p != param]
+            unmapped[param] = f"initializer {hits[0][0]} also holds {others[0]} (identical values, deduplicated)"
+        else:
+            mapped[param] = Placement(hits[0][0], hits[0][1], tuple(params[param].shape))
+    return WeightMap(graph_path, graph_dtype, mapped, unmapped)
+
+
+def read_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
+    """The named initializers' values (the engine's base weights), read from the graph."""
+    from onnx import numpy_helper
+
+    proto = onnx_graph.load_graph(graph_path, with_weights=True)
+    out = {init.name: numpy_helper.to_array(init) for init in proto.graph.initializer if init.name in names}
+    if missing := sorted(names - set(out)):
+        raise ArtifactError(f"{graph_path} has no initializer '{missing[0]}'; its weight map is stale, rebuild it")
+    return out

@@ -1,0 +1,190 @@
+"""LoRAs on the ONNX Runtime engine without a rebuild, checked against diffusers' own fused PyTorch UNet.
+
+The LoRA files are made here with random weights: two in diffusers/PEFT format (PEFT's LoraConfig on
+the tiny UNet, saved by diffusers) and one kohya/A1111 file written key by key.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from sdtrt.errors import LoraError
+from sdtrt.lora import EngineLoras
+from sdtrt.models import load_folder
+from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
+from sdtrt.runtime import open_runtime
+from sdtrt.stages import weight_map
+from sdtrt.store import Artifact
+from sdtrt.validate import psnr_db
+
+from .helpers import last_line, run_cli
+
+REQUEST = GenerateRequest(prompt="a lighthouse at dusk", steps=4, seed=3)
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
+TO_Q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+
+
+def peft_lora(tiny, folder, seed: int, rank: int, alpha: int) -> str:
+    from diffusers import StableDiffusionPipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    torch.manual_seed(seed)
+    unet = load_folder(tiny, "unet")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
+    unet.add_adapter(config)
+    StableDiffusionPipeline.save_lora_weights(
+        folder, unet_lora_layers=get_peft_model_state_dict(unet), unet_lora_adapter_metadata=config.to_dict()
+    )
+    return str(folder / "pytorch_lora_weights.safetensors")
+
+
+def kohya_lora(tiny, path) -> str:
+    """kohya/A1111 naming (lora_unet_…, lora_down/lora_up, a per-module alpha), as its trainers write it."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, module in load_folder(tiny, "unet").named_modules():
+        if name.split(".")[-1] not in ("to_q", "to_v", "proj_in") or "attentions" not in name:
+            continue
+        weight = module.weight
+        key = "lora_unet_" + name.replace(".", "_")
+        tensors[f"{key}.lora_down.weight"] = torch.randn(8, *weight.shape[1:], generator=generator) * 0.3
+        tensors[f"{key}.lora_up.weight"] = torch.randn(weight.shape[0], 8, *([1, 1] if weight.ndim == 4 else []),
+                                                       generator=generator) * 0.3  # fmt: skip
+        tensors[f"{key}.alpha"] = torch.tensor(4.0)
+    save_file(tensors, str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def loras(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    return {
+        "a": peft_lora(tiny, folder / "a", seed=1, rank=4, alpha=8),
+        "b": peft_lora(tiny, folder / "b", seed=2, rank=2, alpha=1),
+        "kohya": kohya_lora(tiny, folder / "kohya.safetensors"),
+        "folder": folder,
+    }
+
+
+@pytest.fixture(scope="module")
+def engine_pipe(tiny, tiny_engine):
+    return load_pipeline(tiny, tiny_engine)
+
+
+def image(pipe) -> np.ndarray:
+    return np.asarray(generate(pipe, REQUEST).images[0], dtype=np.float64) / 255
+
+
+def test_weight_map_places_every_lora_weight_by_value(tiny, tiny_engine):
+    made = weight_map.for_engine(tiny_engine, tiny)
+    assert made.unmapped == {}
+    assert len(made.mapped) == len(weight_map.lora_parameters(load_folder(tiny, "unet")))
+    place = made.mapped[f"{TO_Q}.weight"]
+    assert place.transpose and place.shape == (32, 32)  # a Linear weight: MatMul's B, transposed
+    value = weight_map.read_initializers(made.graph, {place.initializer})[place.initializer]
+    expected = dict(load_folder(tiny, "unet", torch.float16).named_parameters())[f"{TO_Q}.weight"]
+    assert np.array_equal(value, expected.detach().T.numpy())
+    again = weight_map.for_engine(tiny_engine, tiny)  # one map per graph: a cache hit
+    assert again == made
+
+
+def test_loras_match_diffusers_fused_pytorch(tiny, loras, engine_pipe):
+    engine_pipe.unet.clear_loras()
+    base = image(engine_pipe)
+    for case in ([(loras["a"], 0.8)], [(loras["a"], 0.8), (loras["b"], 0.5)], [(loras["kohya"], 1.0)]):
+        engine_pipe.unet.set_loras(case)
+        got = image(engine_pipe)
+        reference = image(load_pipeline(tiny, loras=case))  # diffusers: load_lora_weights + fuse_lora(lora_scale=…)
+        assert psnr_db(got, reference) >= 35, case
+        assert psnr_db(got, base) < 30, case  # the LoRA changes the image: the comparison means something
+
+
+def test_switching_starts_from_the_base_weights(loras, engine_pipe):
+    engine_pipe.unet.clear_loras()
+    base = image(engine_pipe)
+    engine_pipe.unet.set_loras([(loras["a"], 0.8)])
+    with_a = image(engine_pipe)
+    engine_pipe.unet.set_loras([(loras["b"], 1.0)])
+    with_b = image(engine_pipe)
+    engine_pipe.unet.set_loras([(loras["a"], 0.8)])
+    assert np.array_equal(image(engine_pipe), with_a)  # A → B → A: A, not a blend
+    assert not np.array_equal(with_a, with_b)
+    engine_pipe.unet.clear_loras()
+    assert np.array_equal(image(engine_pipe), base)
+    assert engine_pipe.unet.loras.active == [] and engine_pipe.unet.loras.last_swap_s < 30
+
+
+def foreign_lora(path, module: str, shape_in: int) -> str:
+    from safetensors.torch import save_file
+
+    save_file(
+        {f"unet.{module}.lora_A.weight": torch.ones(4, shape_in), f"unet.{module}.lora_B.weight": torch.ones(32, 4)},
+        str(path),
+    )
+    return str(path)
+
+
+def test_bad_input_is_one_line_and_the_engine_keeps_its_weights(loras, engine_pipe):
+    folder = loras["folder"]
+    engine_pipe.unet.set_loras([(loras["a"], 0.8)])
+    with_a = image(engine_pipe)
+    truncated = folder / "truncated.safetensors"
+    truncated.write_bytes(Path(loras["a"]).read_bytes()[:500])
+    text = folder / "notes.safetensors"
+    text.write_text("not a tensor file\n")
+    sdxl_like = "down_blocks.2.attentions.1.transformer_blocks.9.attn1.to_q"  # SDXL has 10 blocks there; tiny 1
+    cases = [
+        ([(foreign_lora(folder / "wide.safetensors", TO_Q, 640), 1.0)], "another architecture"),
+        ([(foreign_lora(folder / "sdxl.safetensors", sdxl_like, 32), 1.0)], f"'{sdxl_like}' is not in this UNet"),
+        ([(str(truncated), 1.0)], "not a readable safetensors file"),
+        ([(str(text), 1.0)], "not a readable safetensors file"),
+        ([(loras["b"], 0.5), (loras["a"], -0.5)], "must be a finite number ≥ 0"),
+        ([(loras["a"], math.nan)], "must be a finite number ≥ 0"),
+        ([(str(folder / "missing.safetensors"), 1.0)], "does not exist"),
+    ]
+    for case, message in cases:
+        with pytest.raises(LoraError, match=message) as caught:
+            engine_pipe.unet.set_loras(case)
+        assert "\n" not in str(caught.value)
+    assert np.array_equal(image(engine_pipe), with_a)
+    assert engine_pipe.unet.loras.active[0][1] == 0.8
+
+
+def test_a_weight_the_map_cannot_place_is_refused_by_name(tiny, tiny_engine, loras, tmp_path):
+    """A graph whose to_q weight was changed (as a fold into another constant would) has it unmapped."""
+    graph = onnx.load(str(tiny_engine.primary))
+    place = weight_map.for_engine(tiny_engine, tiny).mapped[f"{TO_Q}.weight"]
+    init = next(i for i in graph.graph.initializer if i.name == place.initializer)
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 2, init.name))
+    onnx.save(graph, str(tmp_path / "unet.onnx"))
+    shutil.copy(tiny_engine.path / "manifest.json", tmp_path / "manifest.json")
+    made = weight_map.build(tmp_path / "unet.onnx", tiny)
+    assert list(made.unmapped) == [f"{TO_Q}.weight"]
+    runtime = open_runtime(Artifact(tmp_path, {**tiny_engine.manifest, "primary": "unet.onnx", "files": []}), tiny)
+    with pytest.raises(LoraError, match=f"cannot place {TO_Q}.weight: no initializer holds its value"):
+        EngineLoras(lambda: made).apply(runtime, [(loras["a"], 1.0)])
+
+
+def test_cli_inspect_and_generate_with_loras(tiny_engine, loras, tmp_path):
+    inspected = run_cli("lora", "inspect", loras["a"], "--engine", str(tiny_engine.path), check=True)
+    assert "format: diffusers (PEFT)" in inspected.stdout and "ranks: [4]" in inspected.stdout
+    assert "scales: [2.0]" in inspected.stdout and "engine: covers 48/48 modules" in inspected.stdout
+    kohya = run_cli("lora", "inspect", loras["kohya"], check=True)
+    assert "format: kohya" in kohya.stdout and "scales: [0.5]" in kohya.stdout
+    out = tmp_path / "fox.png"
+    args = ["generate", "--engine", str(tiny_engine.path), "--steps", "2", "--out", str(out)]
+    made = run_cli(*args, "--lora", f"{loras['a']}:0.8", "--lora", loras["b"], check=True)
+    assert last_line(made.stdout) == str(out) and out.is_file()
+    refused = run_cli(*args, "--lora", f"{loras['a']}:-1")
+    assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0
+    assert "must be a finite number ≥ 0" in refused.stderr
