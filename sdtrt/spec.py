@@ -62,7 +62,8 @@ def residual_layout(unet_config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
 
 
 def residual_names(count: int) -> tuple[str, ...]:
-    return (*(f"down_block_res_{i}" for i in range(count - 1)), "mid_block_res")
+    """Input (UNet) / output (ControlNet) names of ``count`` residuals: the down blocks', then the mid block's."""
+    return (*(f"down_block_res_{i}" for i in range(count - 1)), "mid_block_res") if count else ()
 
 
 @dataclass(frozen=True)
