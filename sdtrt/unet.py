@@ -126,10 +126,10 @@ class EngineUNet(EngineModule):
             problem = f"has no input for {extra}"
         else:
             return [values[name] for name in wanted]
+        hint = " (ControlNet residuals need a UNet compiled from a model with a controlnet/ folder)"
         raise EngineInputError(
             f"this UNet engine takes {', '.join(wanted) or 'no inputs'} beyond sample, timestep and "
-            f"encoder_hidden_states; it {problem} (ControlNet residuals need a UNet engine compiled from a model "
-            "with a controlnet/ folder)"
+            f"encoder_hidden_states; it {problem}{hint if 'residual' in problem else ''}"
         )
 
     def _residuals(self, sample: torch.Tensor, down: Any, mid: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ def test_sd15_spec_and_default_profile():
     assert profile.height == Range(256, 512, 768) and profile.batch == Range(1, 1, 4)
     shapes = spec.profile_shapes(profile)
     assert shapes["sample"] == ((1, 4, 32, 32), (2, 4, 64, 64), (8, 4, 96, 96))
-    assert shapes["timestep"] == ((2,), (2,), (8,))
+    assert shapes["timestep"] == ((1,), (2,), (8,))
     assert shapes["encoder_hidden_states"][2] == (8, 77, 768)
     assert spec.dynamic_axes()["sample"] == {0: "batch", 2: "height", 3: "width"}
 

@@ -25,13 +25,13 @@ from ..errors import ExportError, one_line
 from ..models import ModelSource, load_folder
 from ..progress import step
 from ..spec import FOLDERS, GraphSpec, component_spec
-from ..store import Artifact, StageRequest, Store, environment
+from ..store import Artifact, StageRequest, Store, digest, environment
 
 if TYPE_CHECKING:
     import torch
 
 STAGE = "export"
-VERSION = 2  # 2: any component, named {component}.onnx
+VERSION = 3  # 3: the graph spec is part of the key
 
 
 def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
@@ -125,7 +125,12 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
         stage=STAGE,
         version=VERSION,
         config=config,
-        inputs=[{"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()}],
+        # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
+        # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
+        inputs=[
+            {"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()},
+            {"kind": "graph", "digest": digest(spec.to_json())},
+        ],
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
     artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))
