@@ -59,6 +59,10 @@ class EngineInputError(SdtrtError):
     """A request's shape, dtype or extra inputs do not fit what the engine was built for."""
 
 
+class ServeError(SdtrtError):
+    """Triton Inference Server did not start, stopped, or answered a request with an error."""
+
+
 class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 
