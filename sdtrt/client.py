@@ -48,15 +48,19 @@ def txt2img(url: str, request: GenerateRequest, model: str = TritonDeployConfig.
 
     ServeError with the server's message when it refuses the request or cannot be reached.
     """
+    from http.client import HTTPException
+
     import tritonclient.http as http
     from tritonclient.utils import InferenceServerException
 
     address = url.removeprefix("http://").rstrip("/")
+    client = http.InferenceServerClient(address, connection_timeout=timeout_s, network_timeout=timeout_s)
     try:
-        client = http.InferenceServerClient(address, connection_timeout=timeout_s, network_timeout=timeout_s)
         result = client.infer(model, request_inputs(request))
     except InferenceServerException as exc:
         raise ServeError(f"the server at {address} answered: {one_line(exc)}") from exc
-    except OSError as exc:
-        raise ServeError(f"cannot reach Triton at {address}: {one_line(exc)}; is `sdtrt serve` running?") from exc
+    except (OSError, HTTPException) as exc:  # refused, reset, or closed mid-request (geventhttpclient)
+        raise ServeError(f"lost Triton at {address}: {one_line(exc)}; is `sdtrt serve` running?") from exc
+    finally:
+        client.close()  # an open connection holds a stopping server up to its exit timeout
     return np.asarray(result.as_numpy("image"))[0]

@@ -87,12 +87,8 @@ class TritonPythonModel:
                 columns[name] = list(tensor.as_numpy().reshape(-1))
         if "prompt" not in columns:
             raise RequestError("the request has no 'prompt' input; send one BYTES prompt per image")
-        count = len(columns["prompt"])
-        for name, values in columns.items():
-            if len(values) != count:
-                raise RequestError(f"input '{name}' has {len(values)} rows but 'prompt' has {count}; send one per image")
         rows = []
-        for i in range(count):
+        for i in range(len(columns["prompt"])):  # Triton checked that every input has as many rows
             value = {name: values[i] for name, values in columns.items()}
             row = GenerateRequest(
                 prompt=_text(value["prompt"], "prompt"),

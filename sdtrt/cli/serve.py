@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -77,6 +78,11 @@ def serve_command(
     from ..progress import console
     from ..serve import ServeConfig, start_server
 
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (docker stop, Kubernetes) stops the server like Ctrl-C
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     config = ServeConfig(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     with start_server(repository, config) as server:
         console.print(f"[green]✓[/] serving {repository}: http://{config.http_url}, metrics {config.metrics_url}")
