@@ -40,7 +40,9 @@ def summary(name: str, concurrency: int, latencies: list[float], wall_s: float) 
     }
 
 
-def timed(call: Callable[[GenerateRequest], object], requests: list[GenerateRequest], concurrency: int) -> tuple[list[float], float]:
+def timed(
+    call: Callable[[GenerateRequest], object], requests: list[GenerateRequest], concurrency: int
+) -> tuple[list[float], float]:
     def one(request: GenerateRequest) -> float:
         started = time.perf_counter()
         call(request)
@@ -73,7 +75,6 @@ def main() -> None:
     pipe = load_pipeline(model, engine)
     generate(pipe, requests[0])  # warm-up
     rows.append(summary("in-process generate", 1, *timed(lambda r: generate(pipe, r), requests, 1)))
-    del pipe
     with tempfile.TemporaryDirectory() as folder:
         repository = Path(folder) / "repository"
         for name, batching in (("batched", True), ("unbatched", False)):

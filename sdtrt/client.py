@@ -43,7 +43,9 @@ def request_inputs(request: GenerateRequest) -> list[Any]:
     return inputs
 
 
-def txt2img(url: str, request: GenerateRequest, model: str = TritonDeployConfig.name, timeout_s: float = 600.0) -> np.ndarray:
+def txt2img(
+    url: str, request: GenerateRequest, model: str = TritonDeployConfig.name, timeout_s: float = 600.0
+) -> np.ndarray:
     """One image (UINT8 ``[height, width, 3]``) from the server at ``url`` (``host:port``, ``http://`` optional).
 
     ServeError with the server's message when it refuses the request or cannot be reached.

@@ -119,7 +119,7 @@ def deploy_triton(
     if folder.exists():
         shutil.rmtree(folder)
     version = folder / VERSION_DIR
-    for artifact in [engine, *members.values()]:
+    for artifact in {a.path: a for a in [engine, *members.values()]}.values():  # a lone UNet is its own member
         artifact.require_intact()
         _link_tree(artifact.path, version / ENGINES_DIR / artifact.stage / artifact.path.name)
     skip = frozenset({FOLDERS["unet"]} if "unet" in members else ())
@@ -128,7 +128,11 @@ def deploy_triton(
     (folder / "config.pbtxt").write_text(config_pbtxt(config, kind))
     record = {
         "sdtrt_version": __version__,
-        "engine": {"stage": engine.stage, "key": engine.key, "path": f"{ENGINES_DIR}/{engine.stage}/{engine.path.name}"},
+        "engine": {
+            "stage": engine.stage,
+            "key": engine.key,
+            "path": f"{ENGINES_DIR}/{engine.stage}/{engine.path.name}",
+        },
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},
         "model": {"name": source.name, "kind": source.kind, "pipeline": source.pipeline_class()},
         "profile": profile.to_json(),

@@ -127,8 +127,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServeError(
-                    f"tritonserver exited with code {self.process.returncode} before it was ready "
-                    f"({self._log_hint()})"
+                    f"tritonserver exited with code {self.process.returncode} before it was ready ({self._log_hint()})"
                 )
             if self.ready():
                 return

@@ -90,9 +90,10 @@ class TritonPythonModel:
         rows = []
         for i in range(len(columns["prompt"])):  # Triton checked that every input has as many rows
             value = {name: values[i] for name, values in columns.items()}
+            negative = value.get("negative_prompt")
             row = GenerateRequest(
                 prompt=_text(value["prompt"], "prompt"),
-                negative_prompt=_text(value["negative_prompt"], "negative_prompt") if "negative_prompt" in value else None,
+                negative_prompt=None if negative is None else _text(negative, "negative_prompt"),
                 steps=int(value.get("steps", DEFAULTS.steps)),
                 guidance=float(value.get("guidance", DEFAULTS.guidance)),
                 seed=int(value.get("seed", DEFAULTS.seed)),

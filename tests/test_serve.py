@@ -103,6 +103,18 @@ def test_deploy_records_what_it_serves(repository, engine_set):
     assert (model / "1" / "diffusers" / "text_encoder" / "model.safetensors").is_file()
 
 
+def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_path):
+    from sdtrt.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.errors import ConfigError
+
+    deployment = deploy_triton(tiny_engine, tmp_path, TritonDeployConfig(name="unet_only", kind="cpu"))
+    assert set(deployment.record["members"]) == {"unet"} and deployment.engine.is_dir()
+    assert (deployment.model / "text_encoder" / "model.safetensors").is_file(), "PyTorch runs the text encoder"
+    assert not list((deployment.model / "unet").glob("*.safetensors"))
+    with pytest.raises(ConfigError, match="max batch 5 is more than the engine's profile takes"):
+        deploy_triton(tiny_engine, tmp_path, TritonDeployConfig(max_batch=5))
+
+
 def test_server_image_equals_in_process_generate(server, tiny, engine_set):
     from sdtrt.client import txt2img
     from sdtrt.pipeline import generate, load_pipeline
@@ -138,8 +150,9 @@ PROMPT = {"prompt": np.array([[b"a fox"]], dtype=object)}
         ({"steps": np.array([[2]], dtype=np.int32)}, "no 'prompt' input"),
         (PROMPT | {"height": np.array([[100]], dtype=np.int32)}, "height 100 is not a positive multiple of 16"),
         (PROMPT | {"steps": np.array([[0]], dtype=np.int32)}, "steps 0 must be at least 1"),
-        (PROMPT | {"width": np.array([[512]], dtype=np.int32)}, "width 512 is outside the engine's profile (128..384 px)"),
-        (PROMPT | {"steps": np.array([[2.0]], dtype=np.float32)}, "data-type is 'FP32', but model 'stable_diffusion' expects 'INT32'"),
+        (PROMPT | {"width": np.array([[512]], dtype=np.int32)}, "width 512 is outside the engine's profile (128..384"),
+        (PROMPT | {"steps": np.array([[2.0]], dtype=np.float32)}, "'steps' data-type is 'FP32', but model 'stable_"
+                                                                  "diffusion' expects 'INT32'"),
         (PROMPT | {"seed": np.array([[1], [2]], dtype=np.uint64)}, "batch size does not match other inputs"),
     ],
     ids=["no-prompt", "off-grid", "steps-0", "outside-profile", "wrong-dtype", "ragged"],
@@ -191,7 +204,8 @@ def test_cli_deploy_and_client(server, engine_set, store, tmp_path):
     config = (folder / "config.pbtxt").read_text()
     assert "max_batch_size: 2" in config and "dynamic_batching" not in config
     too_big = run_cli("deploy", "triton", "--engine", str(engine_set.path), "--out", str(tmp_path), "--max-batch", "8")
-    assert too_big.returncode == 1 and "max batch 8 is more than the engine's profile takes (4 images)" in too_big.stderr
+    assert too_big.returncode == 1
+    assert "max batch 8 is more than the engine's profile takes (4 images)" in too_big.stderr
     out = tmp_path / "fox.png"
     asked = run_cli(
         "client", "--url", f"http://{server.config.http_url}", "--prompt", FAST.prompt, "--steps", str(FAST.steps),
