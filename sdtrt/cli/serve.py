@@ -95,11 +95,11 @@ def serve_command(
 
 def client_command(
     url: Annotated[str, typer.Option(help="The server's HTTP address, host:port.")] = "127.0.0.1:8000",
-    prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
-    negative_prompt: Annotated[str | None, typer.Option(help="What to steer away from.")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Denoising steps.")] = 20,
-    guidance: Annotated[float, typer.Option(help="Classifier-free guidance scale.")] = 7.5,
-    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same image.")] = 0,
+    prompt: o.PromptOpt = GenerateRequest.prompt,
+    negative_prompt: o.NegativePromptOpt = None,
+    steps: o.StepsOpt = GenerateRequest.steps,
+    guidance: o.GuidanceOpt = GenerateRequest.guidance,
+    seed: o.SeedOpt = GenerateRequest.seed,
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     model_name: ModelNameOpt = TritonDeployConfig.name,
