@@ -9,7 +9,14 @@ MODEL ?= tiny
 TARGET ?= auto
 ENGINES ?= engines
 IMAGE ?= sdtrt:latest
+TRITON_IMAGE ?= sdtrt-triton:latest
 NGC_TAG ?= 25.01-py3
+# `make serve`: the Triton model repository it writes and the address it serves on.
+REPO ?= model_repository
+HOST ?= 127.0.0.1
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
 # A local model folder is mounted read-only at /model; presets and hub ids pass through as they are.
 MODEL_DIR := $(shell test -d "$(MODEL)" && cd "$(MODEL)" && pwd)
 DOCKER_MODEL := $(if $(MODEL_DIR),/model,$(MODEL))
@@ -19,7 +26,7 @@ DOCKER_MOUNTS := -v "$(abspath $(ENGINES))":/workspace/sdtrt/engines \
 # Inside the NVIDIA container there is no venv: use the image's Python, which has sdtrt installed.
 PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 
-.PHONY: setup test test-slow lint demo engine docker-build docker-engine clean
+.PHONY: setup test test-slow lint demo engine serve docker-build docker-engine docker-serve clean
 
 setup: $(VENV)/.installed
 
@@ -56,12 +63,26 @@ demo: setup
 engine:
 	$(PYTHON) -m sdtrt compile --model "$(MODEL)" --target $(TARGET) --engines "$(ENGINES)"
 
+# Compile MODEL (a cache hit when built), deploy it into REPO and serve it on Triton until Ctrl-C.
+# On a CPU machine run `make setup` first (the test tools include the serve extra); `sdtrt client` asks it.
+serve:
+	@set -e; engine=$$($(PYTHON) -m sdtrt compile --model "$(MODEL)" --target $(TARGET) --engines "$(ENGINES)"); \
+	$(PYTHON) -m sdtrt deploy triton --engine "$$engine" --out "$(REPO)" --engines "$(ENGINES)"; \
+	$(PYTHON) -m sdtrt serve "$(REPO)" --host $(HOST) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
 docker-build:
 	docker build -f docker/Dockerfile --build-arg NGC_TAG=$(NGC_TAG) -t $(IMAGE) .
 
 docker-engine:
 	mkdir -p "$(ENGINES)" "$(HOME)/.cache/sdtrt" "$(HOME)/.cache/huggingface"
 	docker run --rm --gpus all $(DOCKER_MOUNTS) $(IMAGE) make engine MODEL="$(DOCKER_MODEL)" TARGET=$(TARGET) ENGINES=/workspace/sdtrt/engines
+
+# `make serve` inside NGC's tritonserver image (docker/Dockerfile.triton) on the GPUs, ports 8000-8002.
+docker-serve:
+	docker build -f docker/Dockerfile.triton --build-arg TRITON_TAG=$(NGC_TAG) -t $(TRITON_IMAGE) .
+	mkdir -p "$(ENGINES)" "$(HOME)/.cache/sdtrt" "$(HOME)/.cache/huggingface"
+	docker run --rm --gpus all -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 $(DOCKER_MOUNTS) $(TRITON_IMAGE) \
+		make serve MODEL="$(DOCKER_MODEL)" TARGET=tensorrt ENGINES=/workspace/sdtrt/engines HOST=0.0.0.0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

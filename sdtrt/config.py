@@ -135,6 +135,16 @@ class ShapeProfile:
         low = self.batch.min * factor if self.batch.min == self.batch.max else self.batch.min
         return Range(low, self.batch.opt * factor, self.batch.max * factor)
 
+    def size_problem(self, height: int, width: int) -> str | None:
+        """Why an image of this size is outside the profile, or None."""
+        for name, value, rng in (("height", height, self.height), ("width", width, self.width)):
+            if not rng.min <= value <= rng.max:
+                return (
+                    f"{name} {value} is outside the engine's profile ({rng.min}..{rng.max} px); use a size inside "
+                    f"it or rebuild the engine with `sdtrt compile --{name} MIN:OPT:MAX` covering it"
+                )
+        return None
+
     def check(self, pixel_multiple: int) -> None:
         """Raise ConfigError unless every range is ordered, positive and on the model's grid."""
         for name, rng in (("batch", self.batch), ("height", self.height), ("width", self.width)):

@@ -66,6 +66,10 @@ class LoraError(SdtrtError):
     """
 
 
+class ServeError(SdtrtError):
+    """Triton Inference Server did not start, stopped, or answered a request with an error."""
+
+
 class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 

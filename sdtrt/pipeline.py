@@ -17,7 +17,7 @@ from .families import Task, pipeline_class_name
 from .lora import EngineLoras, LoraSpec, fuse_loras
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
-from .request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
+from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler
 from .runtime import open_runtime
 from .spec import FOLDERS, model_components
 from .stages import weight_map as weight_maps
@@ -148,11 +148,16 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
 
 
 def generate(
-    pipe: Any, request: GenerateRequest, on_step: Callable[[int, int], None] | None = None, output_type: str = "pil"
+    pipe: Any,
+    request: GenerateRequest | Sequence[GenerateRequest],
+    on_step: Callable[[int, int], None] | None = None,
+    output_type: str = "pil",
 ) -> Any:
     """Run the pipeline once; ``on_step(step_index, total_steps)`` is called after every denoising step.
 
-    The total comes from the scheduler: some (PNDM) run more UNet steps than ``request.steps``.
+    Several text-to-image requests that share size, steps and guidance run as one batch, an image
+    each, in order (``batch_kwargs``). The total comes from the scheduler: some (PNDM) run more UNet
+    steps than ``request.steps``.
     """
 
     def callback(_pipe: Any, step: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +165,8 @@ def generate(
             on_step(step, len(_pipe.scheduler.timesteps))
         return kwargs
 
-    request = request.sized_for(SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor))
-    kwargs = request.pipeline_kwargs(inspect.signature(pipe.__call__).parameters)
+    rule = SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor)
+    requests = [request] if isinstance(request, GenerateRequest) else request
+    kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
     with torch.no_grad():
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)

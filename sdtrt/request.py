@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +97,11 @@ class GenerateRequest:
         if not math.isfinite(self.guidance):
             raise RequestError(f"guidance {self.guidance} must be a finite number")
 
+    @property
+    def batch_key(self) -> tuple[int, float, int, int]:
+        """What text-to-image requests must share to run as one pipeline call (sized requests)."""
+        return self.steps, self.guidance, self.height or 0, self.width or 0
+
     def sized_for(self, rule: SizeRule) -> GenerateRequest:
         """This request with both sides set and on the model's grid (diffusers would reset a lone side)."""
         height, width = rule.resolve(self.height, self.width)
@@ -131,3 +136,21 @@ class GenerateRequest:
         if "strength" in accepts and self.image is not None:
             wanted["strength"] = self.strength
         return {k: v for k, v in wanted.items() if k in accepts}
+
+
+def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:
+    """Keyword arguments for one pipeline call that serves every request: one image each, in order.
+
+    Text-to-image requests that share size, steps and guidance batch; prompts, negative prompts and
+    generators become lists (diffusers draws each image's noise from its own generator, so an image
+    depends on its seed, not on the batch it ran in). One request gives ``pipeline_kwargs`` unchanged.
+    """
+    each = [r.pipeline_kwargs(accepts) for r in requests]
+    if len(each) == 1:
+        return each[0]
+    if len({r.batch_key for r in requests}) > 1 or any(r.images != 1 or r.image is not None for r in requests):
+        raise RequestError("only text-to-image requests of one image that share size, steps and guidance batch")
+    merged = each[0] | {"prompt": [k["prompt"] for k in each], "generator": [k["generator"] for k in each]}
+    if any(r.negative_prompt is not None for r in requests):
+        merged["negative_prompt"] = [r.negative_prompt or "" for r in requests]  # "" is what None means
+    return merged

@@ -42,7 +42,7 @@ from ..progress import console  # noqa: E402
 
 # Command modules import torch, diffusers and onnx inside their commands only, so that `--help`,
 # `cache` and cache hits start in a fraction of a second.
-from . import cache, debug, lora, perf, run, stages  # noqa: E402
+from . import cache, debug, lora, perf, run, serve, stages  # noqa: E402
 
 app = typer.Typer(
     name="sdtrt",
@@ -73,6 +73,7 @@ stages.register(app)
 run.register(app)
 perf.register(app)
 debug.register(app)
+serve.register(app)
 app.add_typer(cache.app, name="cache")
 app.add_typer(lora.app, name="lora")
 

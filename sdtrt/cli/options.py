@@ -35,6 +35,12 @@ ENGINE_HELP = "Engine artifact: a directory or file a stage printed, or a key fr
 EngineOpt = Annotated[str | None, typer.Option(help=f"{ENGINE_HELP}; omit for plain PyTorch.")]
 HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
 WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
+# What to generate (`generate`, `client`).
+PromptOpt = Annotated[str, typer.Option(help="What to draw.")]
+NegativePromptOpt = Annotated[str | None, typer.Option(help="What to steer away from.")]
+StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
+GuidanceOpt = Annotated[float, typer.Option(help="Classifier-free guidance scale.")]
+SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 
 
 PrecisionOpt = Annotated[Precision, typer.Option(help="Graph precision.")]

@@ -13,8 +13,6 @@ from ..progress import console, results, step
 from ..request import GenerateRequest, SizeRule
 from . import options as o
 
-StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
-
 
 def register(app: typer.Typer) -> None:
     app.command()(bench)
@@ -26,7 +24,7 @@ def bench(
     backends: Annotated[
         str, typer.Option(help=f"Comma-separated, in order: {','.join(BENCH_BACKENDS)}.")
     ] = "torch,onnxruntime",
-    steps: StepsOpt = 20,
+    steps: o.StepsOpt = 20,
     batch: Annotated[int, typer.Option(min=1, help="Images per prompt (the UNet sees twice as many).")] = 1,
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
@@ -116,7 +114,7 @@ def profile_command(
     trace: Annotated[
         list[str] | None, typer.Option(help="Function or method to wrap in spans, as package.module.Class.method.")
     ] = None,
-    steps: StepsOpt = 20,
+    steps: o.StepsOpt = 20,
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untraced generations first (0: see first-run effects).")] = 0,

@@ -41,13 +41,13 @@ def register(app: typer.Typer) -> None:
 
 
 def generate_command(
-    prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
+    prompt: o.PromptOpt = GenerateRequest.prompt,
     model: o.ModelOpt = "tiny",
     engine: o.EngineOpt = None,
-    negative_prompt: Annotated[str | None, typer.Option(help="What to steer away from.")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Denoising steps.")] = 20,
-    guidance: Annotated[float, typer.Option(help="Classifier-free guidance scale.")] = 7.5,
-    seed: Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")] = 0,
+    negative_prompt: o.NegativePromptOpt = None,
+    steps: o.StepsOpt = GenerateRequest.steps,
+    guidance: o.GuidanceOpt = GenerateRequest.guidance,
+    seed: o.SeedOpt = GenerateRequest.seed,
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,

@@ -1,0 +1,120 @@
+"""``sdtrt deploy triton``, ``sdtrt serve`` and ``sdtrt client``: engines on Triton Inference Server."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..deploy import InstanceKind, TritonDeployConfig
+from ..request import GenerateRequest
+from . import options as o
+
+deploy_app = typer.Typer(help="Write a serving deployment of an engine.", no_args_is_help=True)
+
+ModelNameOpt = Annotated[str, typer.Option("--model-name", help="The model's name in the Triton repository.")]
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(deploy_app, name="deploy")
+    app.command(name="serve")(serve_command)
+    app.command(name="client")(client_command)
+
+
+@deploy_app.command("triton")
+def deploy_triton_command(
+    engine: Annotated[str, typer.Option(help=f"{o.ENGINE_HELP}; an engine set serves every network on engines.")],
+    out: Annotated[Path, typer.Option(help="The Triton model repository to write the model into.")],
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="The engine's model, where its manifest names none here.")
+    ] = None,
+    name: ModelNameOpt = TritonDeployConfig.name,
+    instances: Annotated[
+        int, typer.Option(min=1, help="Model instances (per GPU with KIND_GPU).")
+    ] = TritonDeployConfig.instances,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Images per execution (at most the engine's batch).")
+    ] = TritonDeployConfig.max_batch,
+    dynamic_batching: Annotated[
+        bool, typer.Option(help="Batch requests that share size, steps and guidance.")
+    ] = TritonDeployConfig.dynamic_batching,
+    queue_delay_us: Annotated[
+        int, typer.Option(min=0, help="How long a request waits to be batched (µs).")
+    ] = TritonDeployConfig.max_queue_delay_us,
+    kind: Annotated[
+        InstanceKind, typer.Option(help="auto (GPU for TensorRT engines), cpu or gpu.")
+    ] = TritonDeployConfig.kind,
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Write a Triton model repository: a Python-backend model serving text-to-image on the engine.
+
+    Example: sdtrt deploy triton --engine engines/set/2a06c39aaf814d52 --out model_repository
+    """
+    from ..deploy import deploy_triton
+    from ..models import resolve_model
+
+    config = TritonDeployConfig(
+        name=name, instances=instances, max_batch=max_batch, dynamic_batching=dynamic_batching,
+        max_queue_delay_us=queue_delay_us, kind=kind,
+    )  # fmt: skip
+    source = resolve_model(model) if model else None
+    deployment = deploy_triton(o.find_engine(engine, engines), out, config, source)
+    typer.echo(deployment.folder)
+
+
+def serve_command(
+    repository: Annotated[Path, typer.Argument(help="A model repository `sdtrt deploy triton` wrote.")],
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).")] = "127.0.0.1",
+    http_port: Annotated[int, typer.Option(help="HTTP/REST port.")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="gRPC port.")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
+) -> None:
+    """Run Triton Inference Server on a model repository until interrupted (Ctrl-C stops it).
+
+    Example: sdtrt serve model_repository --http-port 8000
+    """
+    from ..progress import console
+    from ..serve import ServeConfig, start_server
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM (docker stop, Kubernetes) stops the server like Ctrl-C
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
+    config = ServeConfig(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
+    with start_server(repository, config) as server:
+        console.print(f"[green]✓[/] serving {repository}: http://{config.http_url}, metrics {config.metrics_url}")
+        try:
+            code = server.process.wait()
+        except KeyboardInterrupt:
+            code = server.stop()
+    raise typer.Exit(code)
+
+
+def client_command(
+    url: Annotated[str, typer.Option(help="The server's HTTP address, host:port.")] = "127.0.0.1:8000",
+    prompt: o.PromptOpt = GenerateRequest.prompt,
+    negative_prompt: o.NegativePromptOpt = None,
+    steps: o.StepsOpt = GenerateRequest.steps,
+    guidance: o.GuidanceOpt = GenerateRequest.guidance,
+    seed: o.SeedOpt = GenerateRequest.seed,
+    height: o.HeightPxOpt = None,
+    width: o.WidthPxOpt = None,
+    model_name: ModelNameOpt = TritonDeployConfig.name,
+    out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
+) -> None:
+    """Ask a Triton server for an image and save it as a PNG.
+
+    Example: sdtrt client --url 127.0.0.1:8000 --prompt "a red fox" --seed 1 --out fox.png
+    """
+    from PIL import Image
+
+    from ..client import txt2img
+
+    request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
+    image = txt2img(url, request, model_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(out)
+    typer.echo(out)

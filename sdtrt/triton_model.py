@@ -1,0 +1,123 @@
+"""The model ``sdtrt deploy triton`` writes, run by Triton's Python backend: text-to-image on engines.
+
+Triton hands ``execute`` the requests its dynamic batcher gathered. Each row of each request becomes
+a ``GenerateRequest``, checked as the CLI checks one (steps, seed, size on the model's grid and inside
+the engine's profile): a bad request gets a Triton error of one line and never fails the others.
+Rows that share size, steps and guidance run as one pipeline call of at most ``max_batch`` images.
+Imported only inside Triton, where ``triton_python_backend_utils`` exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .errors import RequestError, SdtrtError, one_line
+from .request import GenerateRequest, SizeRule
+
+OPTIONAL = ("negative_prompt", "steps", "guidance", "seed", "height", "width")
+DEFAULTS = GenerateRequest()
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        import torch
+        import triton_python_backend_utils as pb_utils
+
+        from .deploy import Deployment
+        from .models import resolve_model
+        from .pipeline import load_pipeline
+
+        self.deployment = Deployment.open(Path(args["model_repository"]))
+        recorded = self.deployment.record["sdtrt_version"]
+        if recorded != __version__:
+            pb_utils.Logger.log_warn(f"repository written by sdtrt {recorded}, served by sdtrt {__version__}")
+        gpu = args["model_instance_kind"] == "GPU"
+        pipe = load_pipeline(
+            resolve_model(str(self.deployment.model)), self.deployment.engine, task="txt2img",
+            dtype=torch.float16 if gpu else torch.float32,
+        )  # fmt: skip
+        self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
+        self.rule = SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor)
+        self.max_batch = int(self.deployment.record["config"]["max_batch"])
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        import triton_python_backend_utils as pb_utils
+
+        from .pipeline import generate
+
+        errors: dict[int, Any] = {}  # request index → TritonError: INVALID_ARG (HTTP 400) for a bad request
+        rows: list[tuple[int, GenerateRequest]] = []
+        for index, request in enumerate(requests):
+            try:
+                rows += [(index, row) for row in self.parse(request)]
+            except SdtrtError as exc:
+                errors[index] = _error(exc)
+        images: dict[int, list[np.ndarray]] = {}
+        rows.sort(key=lambda row: row[1].batch_key)  # stable: a request's rows stay in order
+        for _, grouped in itertools.groupby(rows, key=lambda row: row[1].batch_key):
+            group = list(grouped)
+            for chunk in (group[i : i + self.max_batch] for i in range(0, len(group), self.max_batch)):
+                try:
+                    result = generate(self.pipe, [row for _, row in chunk])
+                except SdtrtError as exc:
+                    errors.update((index, _error(exc)) for index, _ in chunk)
+                    continue
+                for (index, _), image in zip(chunk, result.images, strict=True):
+                    images.setdefault(index, []).append(np.asarray(image, dtype=np.uint8))
+        return [
+            pb_utils.InferenceResponse(error=errors[i])
+            if i in errors
+            else pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))])
+            for i in range(len(requests))
+        ]
+
+    def parse(self, request: Any) -> list[GenerateRequest]:
+        """The request's rows as checked GenerateRequests; RequestError for the first problem."""
+        import triton_python_backend_utils as pb_utils
+
+        columns: dict[str, list[Any]] = {}
+        for name in ("prompt", *OPTIONAL):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                columns[name] = list(tensor.as_numpy().reshape(-1))
+        if "prompt" not in columns:
+            raise RequestError("the request has no 'prompt' input; send one BYTES prompt per image")
+        rows = []
+        for i in range(len(columns["prompt"])):  # Triton checked that every input has as many rows
+            value = {name: values[i] for name, values in columns.items()}
+            negative = value.get("negative_prompt")
+            row = GenerateRequest(
+                prompt=_text(value["prompt"], "prompt"),
+                negative_prompt=None if negative is None else _text(negative, "negative_prompt"),
+                steps=int(value.get("steps", DEFAULTS.steps)),
+                guidance=float(value.get("guidance", DEFAULTS.guidance)),
+                seed=int(value.get("seed", DEFAULTS.seed)),
+                height=int(value["height"]) if "height" in value else None,
+                width=int(value["width"]) if "width" in value else None,
+            ).sized_for(self.rule)
+            assert row.height is not None and row.width is not None  # sized_for sets both
+            if problem := self.deployment.profile.size_problem(row.height, row.width):
+                raise RequestError(problem)
+            rows.append(row)
+        if len({row.batch_key for row in rows}) > 1:
+            raise RequestError("the rows of one request must share height, width, steps and guidance")
+        return rows
+
+
+def _error(exc: SdtrtError) -> Any:
+    import triton_python_backend_utils as pb_utils
+
+    code = pb_utils.TritonError.INVALID_ARG if isinstance(exc, RequestError) else pb_utils.TritonError.INTERNAL
+    return pb_utils.TritonError(one_line(exc), code)
+
+
+def _text(value: Any, name: str) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"input '{name}' is not UTF-8 text ({exc.reason}); send it as UTF-8 BYTES") from exc

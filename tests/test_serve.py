@@ -1,0 +1,219 @@
+"""Serving on a real Triton Inference Server (nvidia-pytriton's tritonserver), loopback only, bounded.
+
+One server per module serves the tiny model's engine set from a repository that was moved after
+it was written; every test that stops a server starts its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sdtrt.request import GenerateRequest
+
+from .helpers import last_line, run_cli
+
+pytest.importorskip("pytriton", reason="needs the serve extra: pip install 'sdtrt[serve]'")
+
+SIZE = 128  # the tiny engine profile's smallest side: the cheapest image
+FAST = GenerateRequest(prompt="a lighthouse at dusk", steps=2, seed=7, height=SIZE, width=SIZE)
+
+
+@pytest.fixture(scope="module")
+def engine_set(tiny, store):
+    from sdtrt.compile import compile_model
+
+    return compile_model(tiny, store, target="onnxruntime").final
+
+
+@pytest.fixture(scope="module")
+def repository(engine_set, tmp_path_factory):
+    """The deployment, written and then moved: the server must need nothing outside it."""
+    from sdtrt.deploy import deploy_triton
+
+    written = tmp_path_factory.mktemp("written") / "repo"
+    deploy_triton(engine_set, written)
+    moved = tmp_path_factory.mktemp("moved") / "repo"
+    written.rename(moved)
+    return moved
+
+
+def _serve(repository: Path, log_dir: Path):
+    from sdtrt.serve import ServeConfig, free_ports, start_server
+
+    http, grpc, metrics = free_ports(3)
+    config = ServeConfig(http_port=http, grpc_port=grpc, metrics_port=metrics, start_timeout_s=120)
+    log = (log_dir / f"tritonserver-{http}.log").open("w")
+    return start_server(repository, config, log)
+
+
+@pytest.fixture(scope="module")
+def server(repository, tmp_path_factory):
+    started = time.perf_counter()
+    with _serve(repository, tmp_path_factory.mktemp("logs")) as running:
+        print(f"tritonserver ready in {time.perf_counter() - started:.1f} s")
+        yield running
+    assert running.process.returncode == 0, "SIGTERM stops Triton cleanly"
+
+
+def _metric(server, name: str) -> float:
+    with urllib.request.urlopen(server.config.metrics_url, timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.search(rf'^{name}{{model="stable_diffusion",version="1"}} (\S+)$', text, re.MULTILINE)
+    assert found, f"{name} not in the metrics"
+    return float(found.group(1))
+
+
+def _raw_infer(server, **inputs: np.ndarray):
+    """A request as any Triton client could send it, bypassing sdtrt's client checks."""
+    import tritonclient.http as http
+
+    tensors = []
+    for name, value in inputs.items():
+        datatype = "BYTES" if value.dtype == object else http.np_to_triton_dtype(value.dtype)
+        tensor = http.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    client = http.InferenceServerClient(server.config.http_url, network_timeout=120)
+    try:
+        return client.infer("stable_diffusion", tensors)
+    finally:
+        client.close()
+
+
+def test_deploy_records_what_it_serves(repository, engine_set):
+    model = repository / "stable_diffusion"
+    record = json.loads((model / "sdtrt.json").read_text())
+    assert record["sdtrt_version"] and record["engine"]["key"] == engine_set.key
+    assert set(record["members"]) == {"unet", "text_encoder", "vae_decoder", "vae_encoder"}
+    assert record["model"]["name"] == "tiny" and record["kind"] == "cpu"
+    config = (model / "config.pbtxt").read_text()
+    for line in ('backend: "python"', "max_batch_size: 4", "KIND_CPU", "dynamic_batching", 'name: "image"'):
+        assert line in config
+    assert "from sdtrt.triton_model import TritonPythonModel" in (model / "1" / "model.py").read_text()
+    assert not list((model / "1" / "diffusers" / "unet").glob("*.safetensors")), "the UNet engine replaces them"
+    assert (model / "1" / "diffusers" / "text_encoder" / "model.safetensors").is_file()
+
+
+def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_path):
+    from sdtrt.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.errors import ConfigError
+
+    deployment = deploy_triton(tiny_engine, tmp_path, TritonDeployConfig(name="unet_only", kind="cpu"))
+    assert set(deployment.record["members"]) == {"unet"} and deployment.engine.is_dir()
+    assert (deployment.model / "text_encoder" / "model.safetensors").is_file(), "PyTorch runs the text encoder"
+    assert not list((deployment.model / "unet").glob("*.safetensors"))
+    with pytest.raises(ConfigError, match="max batch 5 is more than the engine's profile takes"):
+        deploy_triton(tiny_engine, tmp_path, TritonDeployConfig(max_batch=5))
+
+
+def test_server_image_equals_in_process_generate(server, tiny, engine_set):
+    from sdtrt.client import txt2img
+    from sdtrt.pipeline import generate, load_pipeline
+
+    served = txt2img(server.config.http_url, FAST)
+    local = np.asarray(generate(load_pipeline(tiny, engine_set), FAST).images[0])
+    assert served.dtype == np.uint8 and served.shape == (SIZE, SIZE, 3)
+    np.testing.assert_array_equal(served, local)
+
+
+def test_concurrent_requests_all_succeed_are_batched_and_counted(server):
+    from sdtrt.client import txt2img
+
+    requests = [GenerateRequest(prompt=f"request {i}", steps=2, seed=i, height=SIZE, width=SIZE) for i in range(8)]
+    before = {m: _metric(server, m) for m in ("nv_inference_request_success", "nv_inference_exec_count")}
+    with ThreadPoolExecutor(8) as pool:
+        images = list(pool.map(lambda r: txt2img(server.config.http_url, r), requests))
+    success = _metric(server, "nv_inference_request_success") - before["nv_inference_request_success"]
+    executions = _metric(server, "nv_inference_exec_count") - before["nv_inference_exec_count"]
+    print(f"8 concurrent requests: {executions:.0f} executions")
+    assert success == 8 and 2 <= executions <= 8, "8 requests in batches of at most max_batch=4"
+    assert all(i.shape == (SIZE, SIZE, 3) for i in images)
+    # An image depends on its seed, not on the batch it ran in.
+    np.testing.assert_array_equal(images[3], txt2img(server.config.http_url, requests[3]))
+
+
+PROMPT = {"prompt": np.array([[b"a fox"]], dtype=object)}
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"steps": np.array([[2]], dtype=np.int32)}, "no 'prompt' input"),
+        (PROMPT | {"height": np.array([[100]], dtype=np.int32)}, "height 100 is not a positive multiple of 16"),
+        (PROMPT | {"steps": np.array([[0]], dtype=np.int32)}, "steps 0 must be at least 1"),
+        (PROMPT | {"width": np.array([[512]], dtype=np.int32)}, "width 512 is outside the engine's profile (128..384"),
+        (PROMPT | {"steps": np.array([[2.0]], dtype=np.float32)}, "'steps' data-type is 'FP32', but model 'stable_"
+                                                                  "diffusion' expects 'INT32'"),
+        (PROMPT | {"seed": np.array([[1], [2]], dtype=np.uint64)}, "batch size does not match other inputs"),
+    ],
+    ids=["no-prompt", "off-grid", "steps-0", "outside-profile", "wrong-dtype", "ragged"],
+)  # fmt: skip
+def test_bad_request_gets_a_clear_error_and_the_next_succeeds(server, inputs, message):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as failed:
+        _raw_infer(server, **inputs)
+    assert failed.value.status() == "400" and message in failed.value.message()
+    size = np.array([[SIZE]], dtype=np.int32)
+    good = _raw_infer(server, **PROMPT, steps=np.array([[1]], dtype=np.int32), height=size, width=size)
+    assert good.as_numpy("image").shape == (1, SIZE, SIZE, 3)
+
+
+def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(repository, tmp_path):
+    from sdtrt.client import txt2img
+    from sdtrt.errors import ServeError
+
+    outcome: dict[str, BaseException | np.ndarray] = {}
+    slow = GenerateRequest(prompt="slow", steps=500, height=SIZE, width=SIZE)
+
+    def ask(url: str) -> None:
+        try:
+            outcome["result"] = txt2img(url, slow)
+        except BaseException as exc:
+            outcome["result"] = exc
+
+    with _serve(repository, tmp_path) as doomed:
+        client = threading.Thread(target=ask, args=(doomed.config.http_url,))
+        client.start()
+        time.sleep(2)  # the request is executing: 500 steps take far longer
+        doomed.process.kill()
+        client.join(60)
+    assert isinstance(outcome["result"], ServeError), outcome["result"]
+    with _serve(repository, tmp_path) as restarted:
+        assert txt2img(restarted.config.http_url, FAST).shape == (SIZE, SIZE, 3)
+
+
+def test_cli_deploy_and_client(server, engine_set, store, tmp_path):
+    from PIL import Image
+
+    deployed = run_cli(
+        "deploy", "triton", "--engine", engine_set.key[:12], "--engines", str(store.root), "--out", str(tmp_path),
+        "--model-name", "sd", "--max-batch", "2", "--no-dynamic-batching", check=True,
+    )  # fmt: skip
+    folder = Path(last_line(deployed.stdout))
+    assert folder == tmp_path / "sd"
+    config = (folder / "config.pbtxt").read_text()
+    assert "max_batch_size: 2" in config and "dynamic_batching" not in config
+    too_big = run_cli("deploy", "triton", "--engine", str(engine_set.path), "--out", str(tmp_path), "--max-batch", "8")
+    assert too_big.returncode == 1
+    assert "max batch 8 is more than the engine's profile takes (4 images)" in too_big.stderr
+    out = tmp_path / "fox.png"
+    asked = run_cli(
+        "client", "--url", f"http://{server.config.http_url}", "--prompt", FAST.prompt, "--steps", str(FAST.steps),
+        "--seed", str(FAST.seed), "--height", str(SIZE), "--width", str(SIZE), "--out", str(out), check=True,
+    )  # fmt: skip
+    assert last_line(asked.stdout) == str(out)
+    from sdtrt.client import txt2img
+
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), txt2img(server.config.http_url, FAST))
+    refused = run_cli("client", "--url", server.config.http_url, "--height", "100", "--out", str(out))
+    assert refused.returncode == 1 and "answered: [400] height 100 is not a positive multiple" in refused.stderr
