@@ -35,6 +35,10 @@ class EngineControlNet(ControlNetModel):
         self._engine_dtype = dtype or runtime.dtype
         self.spec = runtime.spec
         self.runtime = runtime
+        # An empty buffer: MultiControlNetModel (a ModelMixin) reads device and dtype from its nets' tensors.
+        self.register_buffer(
+            "anchor", torch.empty(0, dtype=self._engine_dtype, device=runtime.device), persistent=False
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -196,7 +196,7 @@ def test_a_set_without_some_members_keeps_pytorch_for_them(tiny, store, tiny_set
 
     members = engine_set.members(tiny_set.final)
     partial = engine_set.run(
-        EngineSetConfig(("unet", "vae_decoder")), {c: members[c] for c in ("unet", "vae_decoder")}, store
+        EngineSetConfig(("unet", "vae_decoder")), {c: members[c] for c in ("unet", "vae_decoder")}, store, tiny
     )
     pipe = load_pipeline(tiny, partial)
     assert type(pipe.text_encoder).__name__ == "CLIPTextModel" and isinstance(pipe.unet, EngineUNet)
@@ -227,8 +227,8 @@ def test_members_from_different_models_are_refused(tiny, store, tiny_set, tmp_pa
     decoder = export.run(ExportConfig(component="vae_decoder", precision="fp32"), resolve_model(str(other)), store)
     unet = engine_set.members(tiny_set.final)["unet"]
     before = len(store.artifacts())
-    with pytest.raises(ArtifactError, match="members come from different models"):
-        engine_set.run(EngineSetConfig(("unet", "vae_decoder")), {"unet": unet, "vae_decoder": decoder}, store)
+    with pytest.raises(ArtifactError, match=r"members come from different models: vae_decoder not from tiny's"):
+        engine_set.run(EngineSetConfig(("unet", "vae_decoder")), {"unet": unet, "vae_decoder": decoder}, store, tiny)
     assert len(store.artifacts()) == before, "nothing half-written"
 
 

@@ -39,13 +39,11 @@ def source_model(artifact: Artifact) -> dict[str, Any]:
     return first
 
 
-def run(
-    config: EngineSetConfig, members: dict[str, Artifact], store: Store, model: ModelSource | None = None
-) -> Artifact:
-    """The set of ``members`` (component → artifact), which must come from one model's weights.
+def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store, model: ModelSource) -> Artifact:
+    """The set of ``members`` (component → artifact), made from ``model``'s weights.
 
-    With ``model``, each member must have been made from that model's sub-folder contents (a VAE
-    shared by two models, exported once, belongs to both); without it, from one model folder.
+    Each member must come from that model's sub-folder contents: a VAE shared by two models, exported
+    once, belongs to both.
     """
     if sorted(members) != sorted(config.components):
         raise ConfigError(f"the set names {list(config.components)} but was given {list(members)}")
@@ -54,19 +52,16 @@ def run(
         if component != name:
             raise ArtifactError(f"{artifact.path} is a {component} artifact, given as the set's {name}")
     sources = {c: source_model(a) for c, a in members.items()}
-    if model is not None:
-        foreign = [c for c, s in sources.items() if s["digest"] != model.folder_digest(FOLDERS[c])]
-    else:
-        foreign = list(members) if len({s.get("path") for s in sources.values()}) > 1 else []
+    foreign = [c for c, s in sorted(sources.items()) if s["digest"] != model.folder_digest(FOLDERS[c])]
     if foreign:
         raise ArtifactError(
-            "the set's members come from different models: "
-            + ", ".join(f"{c} from {s.get('path')}" for c, s in sorted(sources.items()))
+            f"the set's members come from different models: {', '.join(foreign)} not from {model.name}'s weights ("
+            + ", ".join(f"{c} from {sources[c].get('path')}" for c in foreign)
+            + ")"
         )
-    described = model.describe() if model is not None else next(iter(sources.values()))
     inputs = [a.as_input() | {"component": c} for c, a in sorted(members.items())]
     request = StageRequest(STAGE, VERSION, config, inputs, environment())
-    artifact, _ = store.produce(request, lambda out_dir: _describe(members, described))
+    artifact, _ = store.produce(request, lambda out_dir: _describe(members, model.describe()))
     return artifact
 
 
