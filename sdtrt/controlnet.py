@@ -36,9 +36,8 @@ class EngineControlNet(ControlNetModel):
         self.spec = runtime.spec
         self.runtime = runtime
         # An empty buffer: MultiControlNetModel (a ModelMixin) reads device and dtype from its nets' tensors.
-        self.register_buffer(
-            "anchor", torch.empty(0, dtype=self._engine_dtype, device=runtime.device), persistent=False
-        )
+        anchor = torch.empty(0, dtype=self._engine_dtype, device=runtime.device)
+        self.register_buffer("anchor", anchor, persistent=False)  # type: ignore[attr-defined]
 
     @property
     def dtype(self) -> torch.dtype:
