@@ -178,6 +178,17 @@ def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
     return controlnet
 
 
+def _clip(hidden: int, layers: int, heads: int, projection: int, act: str = "quick_gelu") -> dict[str, Any]:
+    """A full-size CLIP text tower: 49,408 tokens, a 4× MLP."""
+    return dict(vocab_size=49408, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, projection_dim=projection, hidden_act=act)  # fmt: skip
+
+
+CLIP_L = _clip(768, 12, 12, 768)  # SD 1.x, SDXL's first
+OPENCLIP_H = _clip(1024, 23, 16, 512, "gelu")  # SD 2.x
+OPENCLIP_BIGG = _clip(1280, 32, 20, 1280, "gelu")  # SDXL's second
+
+
 SD1_PNDM = ("PNDMScheduler", dict(skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False))
 SD2_DDIM_V = (
     "DDIMScheduler",
@@ -223,14 +234,7 @@ PRESETS: dict[str, Recipe] = {
         "StableDiffusionPipeline",
         dict(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
         SD_VAE,
-        dict(
-            vocab_size=49408,
-            hidden_size=768,
-            intermediate_size=3072,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            projection_dim=768,
-        ),
+        CLIP_L,
         scheduler=SD1_PNDM,
     ),
     # Stable Diffusion 2.1 (768, v-prediction): OpenCLIP-H text encoder, linear projections, upcast attention.
@@ -244,15 +248,7 @@ PRESETS: dict[str, Recipe] = {
             upcast_attention=True,
         ),
         SD_VAE,
-        dict(
-            vocab_size=49408,
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=23,
-            num_attention_heads=16,
-            projection_dim=512,
-            hidden_act="gelu",
-        ),
+        OPENCLIP_H,
         scheduler=SD2_DDIM_V,
     ),
     # SDXL base 1.0 (UNet 2.6 B parameters): CLIP-L + OpenCLIP-bigG, built in fp16.
@@ -272,23 +268,8 @@ PRESETS: dict[str, Recipe] = {
             projection_class_embeddings_input_dim=2816,
         ),
         dict(SD_VAE, sample_size=1024, scaling_factor=0.13025),
-        dict(
-            vocab_size=49408,
-            hidden_size=768,
-            intermediate_size=3072,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            projection_dim=768,
-        ),
-        dict(
-            vocab_size=49408,
-            hidden_size=1280,
-            intermediate_size=5120,
-            num_hidden_layers=32,
-            num_attention_heads=20,
-            projection_dim=1280,
-            hidden_act="gelu",
-        ),
+        CLIP_L,
+        OPENCLIP_BIGG,
         scheduler=SDXL_EULER,
         half=True,
     ),
