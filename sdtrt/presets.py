@@ -229,6 +229,10 @@ PRESETS: dict[str, Recipe] = {
         "StableDiffusionControlNetPipeline", TINY_UNET, TINY_VAE, TINY_CLIP, scheduler=SD1_PNDM,
         controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
     ),
+    "tiny-sdxl-controlnet": Recipe(
+        "StableDiffusionXLControlNetPipeline", TINY_SDXL_UNET, TINY_VAE, TINY_CLIP, TINY_SDXL_CLIP,
+        scheduler=SDXL_EULER, controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
+    ),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(
         "StableDiffusionPipeline",

@@ -33,10 +33,12 @@ FAMILIES = {
     "tiny-sdxl-refiner": ("sdxl-refiner", "StableDiffusionXLImg2ImgPipeline", 4, ("text_embeds", "time_ids")),
     "tiny-controlnet": ("sd1-controlnet", "StableDiffusionControlNetPipeline", 5,
                         (*(f"down_block_res_{i}" for i in range(4)), "mid_block_res")),
+    "tiny-sdxl-controlnet": ("sdxl-controlnet", "StableDiffusionXLControlNetPipeline", 6,
+                             ("text_embeds", "time_ids", *(f"down_block_res_{i}" for i in range(4)), "mid_block_res")),
 }  # fmt: skip
 SCHEDULERS = {"tiny-sd2": ("ddim", "euler"), "tiny-inpaint": ("pndm", "dpm++"), "tiny-lcm": ("lcm",),
               "tiny-sdxl": ("euler", "dpm++"), "tiny-sdxl-refiner": ("euler", "ddim"),
-              "tiny-controlnet": ("pndm", "euler-a")}  # fmt: skip
+              "tiny-controlnet": ("pndm", "euler-a"), "tiny-sdxl-controlnet": ("euler", "dpm++")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -186,4 +188,21 @@ def test_two_controlnets_sum_their_residuals_as_diffusers_does(family_sets):
              generator=torch.Generator().manual_seed(5), **kwargs).images[0]
         for pipe in (reference, engine)
     ]  # fmt: skip
+    assert psnr_db(images[1], images[0]) >= 35.0
+
+
+@pytest.mark.parametrize(
+    ("task", "scheduler", "guidance", "steps"),
+    [(None, "euler-a", 0.0, 1), ("inpaint", "euler", 5.0, 4)],
+    ids=["turbo-style-no-guidance", "sdxl-inpaint"],
+)
+def test_the_sdxl_set_serves_turbo_style_calls_and_the_inpaint_pipeline(family_sets, task, scheduler, guidance, steps):
+    """SDXL Turbo runs the base architecture without guidance (UNet batch 1); SDXL inpainting reuses the set."""
+    model = resolve_model("tiny-sdxl")
+    reference = load_pipeline(model, scheduler=scheduler, task=task)
+    engine = load_pipeline(model, family_sets("tiny-sdxl"), scheduler=scheduler, task=task)
+    assert type(engine).__name__ == type(reference).__name__
+    request = GenerateRequest("a fox", steps=steps, guidance=guidance, seed=2, height=128, width=128)
+    request = with_input_images(request, reference)
+    images = [generate(pipe, request, output_type="np").images[0] for pipe in (reference, engine)]
     assert psnr_db(images[1], images[0]) >= 35.0
