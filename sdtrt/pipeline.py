@@ -5,14 +5,14 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import TEXT_ENCODERS
-from .errors import ModelNotFoundError
+from .errors import ModelNotFoundError, RequestError
 from .families import Task, pipeline_class_name
 from .lora import EngineLoras, LoraSpec, fuse_loras
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
@@ -34,7 +34,31 @@ __all__ = ["SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_sc
 def set_scheduler(pipe: Any, name: str) -> None:
     import diffusers
 
-    pipe.scheduler = getattr(diffusers, check_scheduler(name)).from_config(pipe.scheduler.config)
+    scheduler = getattr(diffusers, check_scheduler(name))
+    if type(pipe).__name__.startswith("LatentConsistencyModel"):
+        scheduler = consistency_scheduler(scheduler, name)
+    pipe.scheduler = scheduler.from_config(pipe.scheduler.config)
+
+
+def consistency_scheduler(scheduler: type, name: str) -> type:
+    """``scheduler`` fit for the LatentConsistencyModel pipelines, which step with a consistency scheduler.
+
+    They pass ``original_inference_steps`` to ``set_timesteps`` (only LCM and TCD take it) and hand
+    ``step`` eta=None (diffusers' pipeline_latent_consistency_text2img.py: prepare_extra_step_kwargs(
+    generator, None)), which TCD cannot take: there None means TCD's own default eta.
+    """
+    if "original_inference_steps" not in inspect.signature(scheduler.set_timesteps).parameters:
+        consistency = [n for n, c in SCHEDULERS.items() if c in ("LCMScheduler", "TCDScheduler")]
+        raise RequestError(f"the LatentConsistencyModel pipelines step only with {' or '.join(consistency)}, not {name}")
+    takes_eta = inspect.signature(scheduler.step).parameters.get("eta")
+    if takes_eta is None:
+        return scheduler
+
+    @wraps(scheduler.step)  # the pipeline reads step's signature to decide what to pass (generator, eta)
+    def step(self: Any, *args: Any, eta: float | None = None, **kwargs: Any) -> Any:
+        return scheduler.step(self, *args, eta=takes_eta.default if eta is None else eta, **kwargs)
+
+    return type(scheduler.__name__, (scheduler,), {"step": step})
 
 
 def load_pipeline(

@@ -29,7 +29,8 @@ SCHEDULERS = {
     "dpm++": "DPMSolverMultistepScheduler",
     "lms": "LMSDiscreteScheduler",  # needs scipy, a dependency of sdtrt for this reason
     "unipc": "UniPCMultistepScheduler",
-    "lcm": "LCMScheduler",  # the one LatentConsistencyModelPipeline steps with
+    "lcm": "LCMScheduler",  # consistency schedulers: the ones LatentConsistencyModelPipeline steps with
+    "tcd": "TCDScheduler",
 }
 
 

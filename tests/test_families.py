@@ -36,7 +36,7 @@ FAMILIES = {
     "tiny-sdxl-controlnet": ("sdxl-controlnet", "StableDiffusionXLControlNetPipeline", 6,
                              ("text_embeds", "time_ids", *(f"down_block_res_{i}" for i in range(4)), "mid_block_res")),
 }  # fmt: skip
-SCHEDULERS = {"tiny-sd2": ("ddim", "euler"), "tiny-inpaint": ("pndm", "dpm++"), "tiny-lcm": ("lcm",),
+SCHEDULERS = {"tiny-sd2": ("ddim", "euler"), "tiny-inpaint": ("pndm", "dpm++"), "tiny-lcm": ("lcm", "tcd"),
               "tiny-sdxl": ("euler", "dpm++"), "tiny-sdxl-refiner": ("euler", "ddim"),
               "tiny-controlnet": ("pndm", "euler-a"), "tiny-sdxl-controlnet": ("euler", "dpm++")}  # fmt: skip
 
@@ -104,13 +104,15 @@ def test_an_sdxl_engine_refuses_a_call_without_its_conditioning(family_sets):
         pipe.unet(torch.randn(2, 4, 16, 16), 10, torch.randn(2, 77, 64))
 
 
-def test_pipelines_that_need_an_image_say_so(tiny):
+def test_pipelines_say_what_they_need(tiny):
     inpaint = load_pipeline(resolve_model("tiny-inpaint"))
     with pytest.raises(RequestError, match="needs an input image: pass --image"):
         generate(inpaint, GenerateRequest(steps=1, height=64, width=64))
     lcm = load_pipeline(resolve_model("tiny-lcm"))
     with pytest.raises(RequestError, match="takes no negative prompt"):
         generate(lcm, GenerateRequest(negative_prompt="blurry", steps=1, height=64, width=64))
+    with pytest.raises(RequestError, match="step only with lcm or tcd, not euler"):
+        load_pipeline(resolve_model("tiny-lcm"), scheduler="euler")
 
 
 def test_cli_inpaints_with_a_mask_and_lists_the_family(family_sets, store, tmp_path):
