@@ -1,18 +1,19 @@
 """LoRAs on engines without a rebuild: base + Σ scale·ΔW, always from the base weights.
 
 A LoRA file (diffusers/PEFT or kohya/A1111 safetensors) is read with diffusers' own loader
-(``StableDiffusionPipeline.lora_state_dict``, which converts kohya names) and normalised to PEFT's
-``<module>.lora_A/lora_B`` (``convert_unet_state_dict_to_peft``), so PEFT-injected names
-(``….base_layer.weight``) never reach the engine: each module's ΔW = (alpha / rank)·B·A is placed
+(``StableDiffusionPipeline.lora_state_dict``, which converts kohya names) and split by network: the
+UNet and the text encoders (``text_encoder``, SDXL's ``text_encoder_2``). Each part is renamed to
+PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it, so PEFT-injected names
+(``….base_layer.weight``) never reach an engine: each module's ΔW = (alpha / rank)·B·A is placed
 through the engine graph's weight map (sdtrt.stages.weight_map) onto the initializer that holds the
 weight, transposed and cast as the map says. The alpha comes as diffusers takes it: kohya's
 ``.alpha`` keys, else the adapter metadata diffusers saves (``lora_alpha``, ``alpha_pattern``,
 ``use_rslora``), else alpha = rank.
 
-Every ``set_loras`` recomputes each touched weight from the base weights read from the graph, and
-weights a previous LoRA touched but the new set does not go back to base: LoRA B after LoRA A is B,
-never a blend (NVIDIA/TensorRT#3628). Files, scales and shapes are all checked before the engine
-changes, so a bad LoRA leaves it serving what it had.
+Every swap recomputes each touched weight from the base weights read from the graph, and weights a
+previous LoRA touched but the new set does not go back to base: LoRA B after LoRA A is B, never a
+blend (NVIDIA/TensorRT#3628). Files, scales, shapes and which networks a file changes are all checked
+before any engine changes, so a bad LoRA leaves every engine serving what it had.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ if TYPE_CHECKING:
     from .stages.weight_map import WeightMap
 
 LoraSpec = tuple["str | os.PathLike[str]", float]
-UNET_PREFIX = "unet."
+# The networks LoRA files change, by the state-dict prefix diffusers gives each (and the pipeline attribute).
+LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
@@ -84,7 +86,7 @@ class LoraModule:
 class LoraFile:
     path: Path
     format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya"
-    modules: dict[str, LoraModule]  # UNet module name (``down_blocks.0.….to_q``) → its low-rank pair
+    parts: dict[str, dict[str, LoraModule]]  # network (LORA_COMPONENTS) → module name → its low-rank pair
 
 
 def _format(keys: list[str]) -> str | None:
@@ -98,7 +100,7 @@ def _format(keys: list[str]) -> str | None:
 
 
 def read_lora(path: str | os.PathLike[str]) -> LoraFile:
-    """The UNet part of a LoRA file, in PEFT form; LoraError naming the first thing sdtrt cannot use."""
+    """A LoRA file's UNet and text encoder parts, in PEFT form; LoraError naming the first thing sdtrt cannot use."""
     import safetensors
 
     from .models import quiet_loading
@@ -116,34 +118,64 @@ def read_lora(path: str | os.PathLike[str]) -> LoraFile:
         raise LoraError(f"{path} is not a LoRA file sdtrt knows (first key '{keys[0] if keys else '(none)'}')")
     with quiet_loading():
         from diffusers import StableDiffusionPipeline
-        from diffusers.utils import convert_unet_state_dict_to_peft
     try:
         state_dict, alphas, metadata = StableDiffusionPipeline.lora_state_dict(
             str(path), use_safetensors=True, local_files_only=True, return_lora_metadata=True
         )
     except Exception as exc:  # diffusers raises ValueError for names it cannot convert
         raise LoraError(f"diffusers cannot read the LoRA {path}: {one_line(exc)}") from exc
-    if other := next((k for k in state_dict if not k.startswith(UNET_PREFIX)), None):
-        raise LoraError(f"{path}: '{other}' is not a UNet weight; sdtrt applies UNet LoRAs only")
-    unet = convert_unet_state_dict_to_peft({k[len(UNET_PREFIX) :]: v for k, v in state_dict.items()})
-    # kohya's alphas come keyed by diffusers' intermediate names (`….processor.to_q_lora.down.weight.alpha`):
-    # the same renaming as the weights gives their module.
-    renamed = convert_unet_state_dict_to_peft(
-        {k[len(UNET_PREFIX) : -len(".alpha")]: v for k, v in (alphas or {}).items()}
+    prefixes = tuple(f"{c}." for c in LORA_COMPONENTS)
+    if other := next((k for k in state_dict if not k.startswith(prefixes)), None):
+        raise LoraError(
+            f"{path}: '{other}' is not a weight of the {', '.join(LORA_COMPONENTS)} networks sdtrt applies LoRAs to"
+        )
+    parts = {}
+    for component in LORA_COMPONENTS:
+        prefix = f"{component}."
+        weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if not weights:
+            continue
+        # kohya's alphas come keyed by diffusers' intermediate weight names (`….to_q_lora.down.weight.alpha`):
+        # the renaming that gives the weights their modules gives the alphas theirs.
+        alpha_keys = {k[len(prefix) : -len(".alpha")]: v for k, v in (alphas or {}).items() if k.startswith(prefix)}
+        try:
+            module_alphas = {k.split(".lora_A.")[0]: float(v) for k, v in peft_names(component, alpha_keys).items()}
+            renamed = peft_names(component, weights)
+        except ValueError as exc:  # diffusers' converters: "Could not automatically infer state dict type"
+            raise LoraError(f"diffusers cannot convert the {component} part of {path}: {one_line(exc)}") from exc
+        config = {k[len(prefix) :]: v for k, v in (metadata or {}).items() if k.startswith(prefix)}
+        parts[component] = _modules(path, renamed, module_alphas, config)
+    return LoraFile(path, kind, parts)
+
+
+def peft_names(component: str, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Keys renamed to PEFT's ``<module>.lora_A/B.weight`` the way diffusers' loaders rename them.
+
+    The UNet as ``load_lora_into_unet`` does; text encoders as ``_load_lora_into_text_encoder`` does
+    (diffusers loaders/lora_base.py), with CLIP's ``text_model.`` prefix dropped: recent transformers
+    flatten CLIPTextModel, and weight maps name text encoder weights without it (weight_map.lora_parameters).
+    """
+    from diffusers.utils import (
+        convert_state_dict_to_diffusers,
+        convert_state_dict_to_peft,
+        convert_unet_state_dict_to_peft,
     )
-    module_alphas = {k.split(".lora_A.")[0]: float(v) for k, v in renamed.items()}
-    return LoraFile(path, kind, _modules(path, unet, module_alphas, metadata or {}))
+
+    if component == "unet":
+        return convert_unet_state_dict_to_peft(state_dict)
+    renamed = convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict)) if state_dict else {}
+    return {k.removeprefix("text_model."): v for k, v in renamed.items()}
 
 
 def _modules(
-    path: Path, unet: dict[str, torch.Tensor], alphas: dict[str, float], metadata: dict[str, Any]
+    path: Path, weights: dict[str, torch.Tensor], alphas: dict[str, float], config: dict[str, Any]
 ) -> dict[str, LoraModule]:
-    config = {k[len(UNET_PREFIX) :]: v for k, v in metadata.items() if k.startswith(UNET_PREFIX)}
+    """One network's modules; ``config`` is its adapter metadata (lora_alpha, alpha_pattern, use_rslora, …)."""
     if config.get("use_dora"):
         raise LoraError(f"{path} is a DoRA adapter; sdtrt applies plain LoRAs only")
     patterns = config.get("alpha_pattern") or {}
     modules = {}
-    for key in unet:
+    for key in weights:
         module, sep, part = key.rpartition(".lora_")
         if not sep or part not in ("A.weight", "B.weight"):
             raise LoraError(
@@ -151,10 +183,10 @@ def _modules(
             )
         if part == "B.weight":
             continue
-        up = unet.get(f"{module}.lora_B.weight")
+        up = weights.get(f"{module}.lora_B.weight")
         if up is None:
             raise LoraError(f"{path}: '{module}' has a down (lora_A) weight but no up (lora_B) weight")
-        down = unet[key]
+        down = weights[key]
         alpha = alphas.get(module)
         if alpha is None:
             pattern = next((p for p in patterns if module == p or module.endswith("." + p)), None)
@@ -163,28 +195,21 @@ def _modules(
     return modules
 
 
+NETWORK_NAMES = {"unet": "UNet", "text_encoder": "text encoder", "text_encoder_2": "second text encoder"}
+
+
 @dataclass
 class EngineLoras:
-    """The LoRAs on one engine, and the weight map and base weights that apply new ones."""
+    """The LoRAs on one engine network, and the weight map and base weights that apply new ones."""
 
+    component: str  # which part of a LoRA file it takes (LORA_COMPONENTS)
+    runtime: Any  # the Runtime whose weights change
     weight_map: Callable[[], WeightMap]  # made (or found in the store) on the first LoRA
     active: list[tuple[Path, float]] = field(default_factory=list)
-    last_swap_s: float | None = None  # compute + engine swap time of the last set_loras
+    last_swap_s: float | None = None  # read + compute + engine swap time of the last set of LoRAs
     _map: WeightMap | None = None
     _base: dict[str, np.ndarray] = field(default_factory=dict)  # base weights of what LoRAs touched so far
     _changed: set[str] = field(default_factory=set)  # initializers that differ from base now
-
-    def apply(self, runtime: Any, loras: Sequence[LoraSpec]) -> None:
-        if not callable(getattr(runtime, "set_weights", None)):
-            raise LoraError(f"the {runtime.name} runtime cannot take new weights; load an ONNX Runtime or a "
-                            "refittable TensorRT (build-trt --refittable) engine for LoRAs")  # fmt: skip
-        started = time.perf_counter()
-        checked = [(Path(path), check_scale(scale, path)) for path, scale in loras]
-        files = [(read_lora(path), scale) for path, scale in checked]
-        weights, changed = self.weights(files)
-        runtime.set_weights(weights)
-        self._changed, self.active = changed, checked
-        self.last_swap_s = time.perf_counter() - started
 
     def weights(self, files: Sequence[tuple[LoraFile, float]]) -> tuple[dict[str, np.ndarray], set[str]]:
         """Engine weights for these LoRAs, and which of them differ from base.
@@ -197,26 +222,43 @@ class EngineLoras:
 
         weight_map = self._map_or_make()
         deltas = self._deltas(files)
-        touched = {weight_map.mapped[param].initializer: param for param in deltas}
+        touched: dict[str, list[str]] = {}  # initializer → the parameters it holds that LoRAs change
+        for param in deltas:
+            touched.setdefault(weight_map.mapped[param].initializer, []).append(param)
         names = set(touched) | self._changed
         self._load_base(names)
         weights = {}
         for name in names:
             base = self._base[name]
-            if (param := touched.get(name)) is None:
+            if name not in touched:
                 weights[name] = base
                 continue
-            delta = deltas[param].T if weight_map.mapped[param].transpose else deltas[param]
-            weights[name] = (torch.from_numpy(base.astype(np.float32)) + delta).numpy().astype(base.dtype)
+            weight = torch.from_numpy(base.astype(np.float32))
+            for param in touched[name]:
+                place = weight_map.mapped[param]
+                delta = deltas[param].T if place.transpose else deltas[param]
+                start, stop = place.columns or (0, weight.shape[-1])
+                weight[..., start:stop] += delta
+            weights[name] = weight.numpy().astype(base.dtype)
         return weights, set(touched)
+
+    def swap(self, weights: dict[str, np.ndarray], changed: set[str], active: list[tuple[Path, float]]) -> None:
+        try:
+            self.runtime.set_weights(weights)
+        except LoraError:
+            # A refit that fails may have changed some weights (pyCoreDoc.h, refit_cuda_engine): count them
+            # all as changed, so the next swap rewrites each from base.
+            self._changed |= set(weights)
+            raise
+        self._changed, self.active = changed, active
 
     def _deltas(self, files: Sequence[tuple[LoraFile, float]]) -> dict[str, torch.Tensor]:
         """param → Σ scale·ΔW; LoraError for the first module the map cannot place or whose shape differs."""
         weight_map = self._map_or_make()
         out: dict[str, torch.Tensor] = {}
         for lora, scale in files:
-            for module, pair in lora.modules.items():
-                if problem := placement_problem(module, pair, weight_map):
+            for module, pair in lora.parts.get(self.component, {}).items():
+                if problem := placement_problem(module, pair, weight_map, self.component):
                     raise LoraError(f"{lora.path}: {problem}")
                 param = f"{module}.weight"
                 delta = pair.delta() * scale
@@ -235,8 +277,63 @@ class EngineLoras:
             self._base |= read_initializers(self._map_or_make().graph, missing)
 
 
+def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsewhere: str) -> None:
+    """Put ``loras`` into each target engine, every weight computed from base before any engine changes.
+
+    A LoRA that changes a network none of ``targets`` holds is refused: "<file> changes <network>"
+    followed by ``elsewhere`` (where that network's LoRAs go instead).
+    """
+    for target in targets:
+        if not callable(getattr(target.runtime, "set_weights", None)):
+            raise LoraError(f"the {target.runtime.name} runtime cannot take new weights; load an ONNX Runtime or a "
+                            "refittable TensorRT (build-trt --refittable) engine for LoRAs")  # fmt: skip
+    started = time.perf_counter()
+    checked = [(Path(path), check_scale(scale, path)) for path, scale in loras]
+    files = [(read_lora(path), scale) for path, scale in checked]
+    held = {t.component for t in targets}
+    for lora, _ in files:
+        if other := next((c for c in lora.parts if c not in held), None):
+            raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[other]} ({other}){elsewhere}")
+    computed = [(target, *target.weights(files)) for target in targets]
+    swapped: list[str] = []
+    for target, weights, changed in computed:
+        try:
+            target.swap(weights, changed, checked)
+        except LoraError as exc:
+            if swapped:  # the networks before it already run the new LoRAs: say so, not "unchanged"
+                raise LoraError(f"{one_line(exc)} (the {', '.join(swapped)} already took the new LoRAs)") from exc
+            raise
+        swapped.append(NETWORK_NAMES[target.component])
+    for target in targets:
+        target.last_swap_s = time.perf_counter() - started
+
+
+class LoraNetwork:
+    """``set_loras`` / ``clear_loras`` on an engine stand-in whose weights LoRAs change (UNet, text encoders)."""
+
+    loras: EngineLoras | None
+
+    def set_loras(self, loras: Sequence[LoraSpec]) -> None:
+        """Apply these (file, scale) LoRAs to this network, from its base weights (any earlier set is undone).
+
+        LoraError, with the engine unchanged, for a bad file or scale, a weight the engine cannot take, or
+        a file that changes other networks too (``sdtrt.pipeline.set_loras(pipe, loras)`` changes them all).
+        """
+        if self.loras is None:
+            raise LoraError(
+                f"this {type(self).__name__} has no weight map; load it with sdtrt.pipeline.load_pipeline for LoRAs"
+            )
+        apply_loras(
+            [self.loras], loras, " too: apply it to every network at once with sdtrt.pipeline.set_loras(pipe, loras)"
+        )
+
+    def clear_loras(self) -> None:
+        """Back to the engine's base weights."""
+        self.set_loras([])
+
+
 def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
-    """A PyTorch UNet: diffusers loads each LoRA and fuses it at its scale (the reference engines match).
+    """PyTorch networks: diffusers loads each LoRA and fuses it at its scale (the reference engines match).
 
     The files pass the same checks as for engines first, so both paths refuse the same input alike.
     """
@@ -245,41 +342,50 @@ def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     checked = [(path, check_scale(scale, path)) for path, scale in loras]
     for path, _ in checked:
         read_lora(path)
+    networks = [c for c in LORA_COMPONENTS if getattr(pipe, c, None) is not None]
     for path, scale in checked:  # one at a time: loading an adapter unmerges those fused before it
         with quiet_loading():
             pipe.load_lora_weights(str(path))
-        pipe.fuse_lora(components=["unet"], lora_scale=scale)
+        pipe.fuse_lora(components=networks, lora_scale=scale)
         pipe.unload_lora_weights()  # keeps the fused weights, drops PEFT's layers
 
 
-def placement_problem(module: str, pair: LoraModule, weight_map: WeightMap) -> str | None:
+def placement_problem(module: str, pair: LoraModule, weight_map: WeightMap, component: str) -> str | None:
     """Why the engine's weight map cannot take this module's ΔW, or None."""
     param = f"{module}.weight"
+    network = NETWORK_NAMES[component]
     if param in weight_map.unmapped:
-        return f"the engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
+        return f"the {network} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
     place = weight_map.mapped.get(param)
     if place is None:
-        return f"'{module}' is not in this UNet (a LoRA for another architecture?)"
+        return f"'{module}' is not in this {network} (a LoRA for another architecture?)"
     if place.shape != pair.shape:
-        return (f"'{module}' changes a {list(pair.shape)} weight, this UNet's is {list(place.shape)} "
+        return (f"'{module}' changes a {list(pair.shape)} weight, this {network}'s is {list(place.shape)} "
                 "(a LoRA for another architecture?)")  # fmt: skip
     return None
 
 
-def coverage(lora: LoraFile, weight_map: WeightMap) -> dict[str, str]:
-    """module → 'ok', or why the engine's weight map cannot take it."""
-    return {module: placement_problem(module, pair, weight_map) or "ok" for module, pair in lora.modules.items()}
+def coverage(lora: LoraFile, maps: dict[str, WeightMap]) -> dict[str, dict[str, str]]:
+    """network → module → 'ok', or why the engine's weight map cannot take it (no engine for that network)."""
+    return {
+        component: {
+            module: (placement_problem(module, pair, maps[component], component) or "ok")
+            if component in maps
+            else f"no {NETWORK_NAMES[component]} engine given"
+            for module, pair in modules.items()
+        }
+        for component, modules in lora.parts.items()
+    }
 
 
 def describe(lora: LoraFile) -> dict[str, Any]:
-    """What `sdtrt lora inspect` prints: format, ranks, alphas, scales, modules."""
-    ranks = sorted({m.rank for m in lora.modules.values()})
-    alphas = sorted({m.alpha for m in lora.modules.values()})
+    """What `sdtrt lora inspect` prints: format, networks, modules, ranks, alphas, scales."""
+    pairs = [pair for modules in lora.parts.values() for pair in modules.values()]
     return {
         "file": str(lora.path),
         "format": lora.format,
-        "modules": len(lora.modules),
-        "ranks": ranks,
-        "alphas": alphas,
-        "scales": sorted({round(m.scale, 6) for m in lora.modules.values()}),
+        "networks": ", ".join(f"{c} ({len(m)} modules)" for c, m in lora.parts.items()),
+        "ranks": sorted({m.rank for m in pairs}),
+        "alphas": sorted({m.alpha for m in pairs}),
+        "scales": sorted({round(m.scale, 6) for m in pairs}),
     }

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import TEXT_ENCODERS
-from .errors import ModelNotFoundError, RequestError
+from .errors import LoraError, ModelNotFoundError, RequestError
 from .families import Task, pipeline_class_name
-from .lora import EngineLoras, LoraSpec, fuse_loras
+from .lora import LORA_COMPONENTS, EngineLoras, LoraNetwork, LoraSpec, apply_loras, fuse_loras
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler
@@ -28,7 +28,9 @@ from .unet import EngineUNet
 if TYPE_CHECKING:
     from .compile import CompileResult
 
-__all__ = ["SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_scheduler", "with_components"]
+__all__ = [
+    "SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_loras", "set_scheduler", "with_components"
+]  # fmt: skip
 
 
 def set_scheduler(pipe: Any, name: str) -> None:
@@ -40,7 +42,7 @@ def set_scheduler(pipe: Any, name: str) -> None:
     pipe.scheduler = scheduler.from_config(pipe.scheduler.config)
 
 
-def consistency_scheduler(scheduler: type, name: str) -> type:
+def consistency_scheduler(scheduler: Any, name: str) -> Any:
     """``scheduler`` fit for the LatentConsistencyModel pipelines, which step with a consistency scheduler.
 
     They pass ``original_inference_steps`` to ``set_timesteps`` (only LCM and TCD take it) and hand
@@ -49,7 +51,9 @@ def consistency_scheduler(scheduler: type, name: str) -> type:
     """
     if "original_inference_steps" not in inspect.signature(scheduler.set_timesteps).parameters:
         consistency = [n for n, c in SCHEDULERS.items() if c in ("LCMScheduler", "TCDScheduler")]
-        raise RequestError(f"the LatentConsistencyModel pipelines step only with {' or '.join(consistency)}, not {name}")
+        raise RequestError(
+            f"the LatentConsistencyModel pipelines step only with {' or '.join(consistency)}, not {name}"
+        )
     takes_eta = inspect.signature(scheduler.step).parameters.get("eta")
     if takes_eta is None:
         return scheduler
@@ -78,8 +82,8 @@ def load_pipeline(
     one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
     ``compile_model`` returned. Components a set lacks stay PyTorch (one line on stderr says which).
     Without ``engine`` the pipeline is plain PyTorch: the reference engines are checked against.
-    ``loras``: (file, scale) pairs, put into the UNet engine's weights (``pipe.unet.set_loras``), or
-    fused by diffusers into a PyTorch UNet.
+    ``loras``: (file, scale) pairs, put into the engines' weights (``set_loras``), or fused by diffusers
+    into PyTorch networks when no network is an engine.
     """
     import diffusers
 
@@ -102,14 +106,36 @@ def load_pipeline(
         on_pytorch = [c for c in model_components(source) if c not in members]
         if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
             console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
-    if loras and "unet" in members:
-        pipe.unet.set_loras(loras)
+    if loras and lora_networks(pipe):
+        set_loras(pipe, loras)
     elif loras:
         fuse_loras(pipe, loras)
     pipe.set_progress_bar_config(disable=True)
     if scheduler:
         set_scheduler(pipe, scheduler)
     return pipe
+
+
+def lora_networks(pipe: Any) -> list[EngineLoras]:
+    """The LoRAs of each engine network in ``pipe`` that takes them (UNet, text encoders)."""
+    networks = (getattr(pipe, c, None) for c in LORA_COMPONENTS)
+    return [n.loras for n in networks if isinstance(n, LoraNetwork) and n.loras is not None]
+
+
+def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
+    """Put these (file, scale) LoRAs into every engine network of ``pipe``: UNet and text encoders alike.
+
+    Each weight is computed from the engine's base weights (any earlier set is undone); all files are
+    checked before any engine changes, so LoraError leaves the pipeline as it was. ``[]`` clears them.
+    """
+    networks = lora_networks(pipe)
+    if not networks:
+        raise LoraError(
+            "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
+        )
+    apply_loras(
+        networks, loras, ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
+    )
 
 
 def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -129,9 +155,14 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
     """The pipeline components that replace PyTorch modules: EngineUNet, EngineTextEncoder, EngineVAE."""
     runtimes = {c: open_runtime(a, source) for c, a in members.items()}
     out: dict[str, Any] = {}
+
+    def loras(component: str) -> EngineLoras:
+        return EngineLoras(
+            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component)
+        )
+
     if "unet" in runtimes:
-        weight_map = partial(weight_maps.for_engine, members["unet"], source)
-        out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype, loras=EngineLoras(weight_map))
+        out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype, loras=loras("unet"))
     if "controlnet" in runtimes:
         from .controlnet import EngineControlNet
 
@@ -141,7 +172,7 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
         if name in runtimes:
             config = text_encoder_config(source, FOLDERS[name])
             norm = final_layer_norm(source, config, FOLDERS[name])
-            out[name] = EngineTextEncoder(runtimes[name], config, norm, dtype=dtype)
+            out[name] = EngineTextEncoder(runtimes[name], config, norm, dtype=dtype, loras=loras(name))
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

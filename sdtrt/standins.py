@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ArtifactError, EngineInputError
+from .lora import LoraNetwork
 from .runtime import Runtime
 from .spec import TextEncoderSpec
 
 if TYPE_CHECKING:
+    from .lora import EngineLoras
     from .models import ModelSource
 
 
@@ -66,12 +68,13 @@ class _TextModel(torch.nn.Module):
         return self.norm.to(hidden.device, hidden.dtype)(hidden)
 
 
-class EngineTextEncoder(EngineModule):
+class EngineTextEncoder(EngineModule, LoraNetwork):
     """A CLIPTextModel / CLIPTextModelWithProjection stand-in backed by a text encoder engine."""
 
     def __init__(
-        self, runtime: Runtime, config: Any, final_layer_norm: torch.nn.Module | None, dtype: torch.dtype | None = None
-    ) -> None:
+        self, runtime: Runtime, config: Any, final_layer_norm: torch.nn.Module | None,
+        dtype: torch.dtype | None = None, loras: EngineLoras | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, TextEncoderSpec):
             raise ArtifactError(
@@ -81,6 +84,7 @@ class EngineTextEncoder(EngineModule):
         self.runtime = runtime
         # Pipelines apply the text model's final layer norm to hidden_states[-2] themselves (clip_skip).
         self.text_model = _TextModel(final_layer_norm)
+        self.loras = loras
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -7,7 +7,6 @@ for instead of silently dropping them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -15,13 +14,14 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from .errors import ArtifactError, EngineInputError, LoraError
+from .errors import ArtifactError, EngineInputError
+from .lora import LoraNetwork
 from .runtime import Runtime
 from .spec import UNetSpec, residual_names
 from .standins import EngineModule
 
 if TYPE_CHECKING:
-    from .lora import EngineLoras, LoraSpec
+    from .lora import EngineLoras
 
 # Keyword inputs of UNet2DConditionModel.forward; those an engine's graph has are fed to it, a given
 # one it lacks is refused.
@@ -47,7 +47,7 @@ def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device:
     return t
 
 
-class EngineUNet(EngineModule):
+class EngineUNet(EngineModule, LoraNetwork):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(
@@ -67,19 +67,6 @@ class EngineUNet(EngineModule):
             width = config["projection_class_embeddings_input_dim"]
             self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(in_features=width))
         self.loras = loras
-
-    def set_loras(self, loras: Sequence[LoraSpec]) -> None:
-        """Apply these (file, scale) LoRAs, computed from the engine's base weights (any earlier set is undone).
-
-        LoraError, with the engine unchanged, for a bad file, scale or a weight the engine cannot take.
-        """
-        if self.loras is None:
-            raise LoraError("this EngineUNet has no weight map; load it with sdtrt.pipeline.load_pipeline for LoRAs")
-        self.loras.apply(self.runtime, loras)
-
-    def clear_loras(self) -> None:
-        """Back to the engine's base weights."""
-        self.set_loras([])
 
     def forward(
         self,

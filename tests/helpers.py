@@ -1,4 +1,4 @@
-"""Helpers for tests that drive the CLI as a user would."""
+"""Helpers for tests: drive the CLI as a user would, read graphs."""
 
 from __future__ import annotations
 
@@ -33,3 +33,12 @@ def run_cli(
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def softmax_input_types(graph_path: Path) -> set[int]:
+    """The ONNX element types Softmax nodes take in a graph (weights not loaded)."""
+    import onnx
+
+    graph = onnx.shape_inference.infer_shapes(onnx.load(str(graph_path), load_external_data=False)).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input]}
+    return {types[node.input[0]] for node in graph.node if node.op_type == "Softmax"}

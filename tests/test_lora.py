@@ -16,10 +16,11 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from sdtrt.compile import compile_model
 from sdtrt.errors import LoraError
-from sdtrt.lora import EngineLoras
-from sdtrt.models import load_folder
-from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
+from sdtrt.lora import EngineLoras, apply_loras
+from sdtrt.models import load_folder, resolve_model
+from sdtrt.pipeline import GenerateRequest, generate, load_pipeline, set_loras
 from sdtrt.runtime import open_runtime
 from sdtrt.stages import weight_map
 from sdtrt.store import Artifact
@@ -28,35 +29,51 @@ from sdtrt.validate import psnr_db
 from .helpers import last_line, run_cli
 
 REQUEST = GenerateRequest(prompt="a lighthouse at dusk", steps=4, seed=3)
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"]
+CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+TARGETS = {
+    "unet": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"],
+    "text_encoder": CLIP_TARGETS,
+    "text_encoder_2": CLIP_TARGETS,
+}
 TO_Q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
 
 
-def peft_lora(tiny, folder, seed: int, rank: int, alpha: int) -> str:
-    from diffusers import StableDiffusionPipeline
+def peft_lora(model, folder, seed: int, rank: int, alpha: int, networks=("unet",)) -> str:
+    """PEFT adapters with random weights on ``networks``, saved by diffusers (SDXL's saver knows all three)."""
+    from diffusers import StableDiffusionXLPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
     torch.manual_seed(seed)
-    unet = load_folder(tiny, "unet")
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
-    unet.add_adapter(config)
-    StableDiffusionPipeline.save_lora_weights(
-        folder, unet_lora_layers=get_peft_model_state_dict(unet), unet_lora_adapter_metadata=config.to_dict()
-    )
+    layers = {}
+    for network in networks:
+        module = load_folder(model, network)
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[network], init_lora_weights=False)
+        module.add_adapter(config)
+        layers[f"{network}_lora_layers"] = get_peft_model_state_dict(module)
+        layers[f"{network}_lora_adapter_metadata"] = config.to_dict()
+    StableDiffusionXLPipeline.save_lora_weights(folder, **layers)
     return str(folder / "pytorch_lora_weights.safetensors")
 
 
-def kohya_lora(tiny, path) -> str:
-    """kohya/A1111 naming (lora_unet_…, lora_down/lora_up, a per-module alpha), as its trainers write it."""
+KOHYA = {  # network → key prefix, module names a kohya trainer targets (attention projections)
+    "unet": ("lora_unet_", ("to_q", "to_v", "proj_in")),
+    "text_encoder": ("lora_te_text_model_", ("q_proj", "k_proj", "v_proj", "out_proj")),
+}
+
+
+def kohya_lora(model, path, network: str = "unet") -> str:
+    """kohya/A1111 naming (lora_unet_… / lora_te_text_model_…, lora_down/lora_up, a per-module alpha), as
+    its trainers write it: attention projections only."""
     from safetensors.torch import save_file
 
+    prefix, leaves = KOHYA[network]
     generator = torch.Generator().manual_seed(7)
     tensors = {}
-    for name, module in load_folder(tiny, "unet").named_modules():
-        if name.split(".")[-1] not in ("to_q", "to_v", "proj_in") or "attentions" not in name:
+    for name, module in load_folder(model, network).named_modules():
+        if name.split(".")[-1] not in leaves or (network == "unet" and "attentions" not in name):
             continue
         weight = module.weight
-        key = "lora_unet_" + name.replace(".", "_")
+        key = prefix + name.removeprefix("text_model.").replace(".", "_")
         tensors[f"{key}.lora_down.weight"] = torch.randn(8, *weight.shape[1:], generator=generator) * 0.3
         tensors[f"{key}.lora_up.weight"] = torch.randn(weight.shape[0], 8, *([1, 1] if weight.ndim == 4 else []),
                                                        generator=generator) * 0.3  # fmt: skip
@@ -72,6 +89,9 @@ def loras(tiny, tmp_path_factory):
         "a": peft_lora(tiny, folder / "a", seed=1, rank=4, alpha=8),
         "b": peft_lora(tiny, folder / "b", seed=2, rank=2, alpha=1),
         "kohya": kohya_lora(tiny, folder / "kohya.safetensors"),
+        "text": peft_lora(tiny, folder / "text", seed=3, rank=4, alpha=4, networks=("text_encoder",)),
+        "both": peft_lora(tiny, folder / "both", seed=4, rank=4, alpha=8, networks=("unet", "text_encoder")),
+        "kohya_text": kohya_lora(tiny, folder / "kohya_text.safetensors", "text_encoder"),
         "folder": folder,
     }
 
@@ -124,6 +144,61 @@ def test_switching_starts_from_the_base_weights(loras, engine_pipe):
     assert engine_pipe.unet.loras.active == [] and engine_pipe.unet.loras.last_swap_s < 30
 
 
+@pytest.fixture(scope="module")
+def tiny_set(tiny, store):
+    """The tiny model's whole engine set: its text encoder is an engine too."""
+    return compile_model(tiny, store, "onnxruntime").final
+
+
+@pytest.fixture(scope="module")
+def set_pipe(tiny, tiny_set):
+    return load_pipeline(tiny, tiny_set)
+
+
+def test_text_encoder_loras_on_an_engine_set_match_diffusers(tiny, loras, set_pipe):
+    set_loras(set_pipe, [])
+    base = image(set_pipe)
+    for case in ([(loras["text"], 0.8)], [(loras["both"], 1.0), (loras["b"], 0.5)], [(loras["kohya_text"], 1.0)]):
+        set_loras(set_pipe, case)
+        got = image(set_pipe)
+        assert psnr_db(got, image(load_pipeline(tiny, loras=case))) >= 35, case
+        assert psnr_db(got, base) < 30, case
+    mapped = set_pipe.text_encoder.loras._map_or_make()
+    assert mapped.unmapped == {} and mapped.mapped["encoder.layers.0.self_attn.k_proj.weight"].columns is not None
+    set_loras(set_pipe, [(loras["text"], 0.8)])
+    with_text = image(set_pipe)
+    set_loras(set_pipe, [(loras["both"], 1.0)])
+    set_loras(set_pipe, [(loras["text"], 0.8)])
+    assert np.array_equal(image(set_pipe), with_text)  # A → B → A on both networks
+    set_loras(set_pipe, [])
+    assert np.array_equal(image(set_pipe), base)
+    assert set_pipe.text_encoder.loras.active == [] == set_pipe.unet.loras.active
+
+
+def test_a_text_encoder_lora_needs_the_text_encoder_on_an_engine(loras, set_pipe, engine_pipe):
+    set_loras(set_pipe, [(loras["a"], 0.8)])
+    before = [image(pipe) for pipe in (set_pipe, engine_pipe)]
+    with pytest.raises(LoraError, match=r"changes the text encoder \(text_encoder\) too: .* sdtrt.pipeline.set_loras"):
+        set_pipe.unet.set_loras([(loras["both"], 1.0)])
+    with pytest.raises(LoraError, match=r"changes the text encoder \(text_encoder\), which runs on PyTorch in this"):
+        set_loras(engine_pipe, [(loras["text"], 1.0)])  # a UNet engine: the text encoder is PyTorch's
+    after = [image(pipe) for pipe in (set_pipe, engine_pipe)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))  # refused: nothing changed
+
+
+def test_sdxl_loras_change_the_unet_and_both_text_encoders(store, tmp_path):
+    model = resolve_model("tiny-sdxl")
+    lora = peft_lora(model, tmp_path, seed=5, rank=4, alpha=4, networks=("unet", "text_encoder", "text_encoder_2"))
+    pipe = load_pipeline(model, compile_model(model, store, "onnxruntime").final, loras=[(lora, 0.8)])
+    request = GenerateRequest(prompt="a lighthouse at dusk", steps=4, seed=3, height=128, width=128)
+    got = np.asarray(generate(pipe, request).images[0], dtype=np.float64) / 255
+    reference = np.asarray(generate(load_pipeline(model, loras=[(lora, 0.8)]), request).images[0], dtype=np.float64)
+    assert psnr_db(got, reference / 255) >= 35
+    assert all(
+        network.loras.active == [(Path(lora), 0.8)] for network in (pipe.unet, pipe.text_encoder, pipe.text_encoder_2)
+    )
+
+
 def foreign_lora(path, module: str, shape_in: int) -> str:
     from safetensors.torch import save_file
 
@@ -172,13 +247,19 @@ def test_a_weight_the_map_cannot_place_is_refused_by_name(tiny, tiny_engine, lor
     assert list(made.unmapped) == [f"{TO_Q}.weight"]
     runtime = open_runtime(Artifact(tmp_path, {**tiny_engine.manifest, "primary": "unet.onnx", "files": []}), tiny)
     with pytest.raises(LoraError, match=f"cannot place {TO_Q}.weight: no initializer holds its value"):
-        EngineLoras(lambda: made).apply(runtime, [(loras["a"], 1.0)])
+        apply_loras([EngineLoras("unet", runtime, lambda: made)], [(loras["a"], 1.0)], "")
 
 
-def test_cli_inspect_and_generate_with_loras(tiny_engine, loras, tmp_path):
+def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_path):
     inspected = run_cli("lora", "inspect", loras["a"], "--engine", str(tiny_engine.path), check=True)
     assert "format: diffusers (PEFT)" in inspected.stdout and "ranks: [4]" in inspected.stdout
     assert "scales: [2.0]" in inspected.stdout and "engine: covers 48/48 modules" in inspected.stdout
+    both = run_cli("lora", "inspect", loras["both"], "--engine", str(tiny_set.path), check=True)
+    assert "networks: unet (48 modules), text_encoder (12 modules)" in both.stdout
+    assert "engine: covers 60/60 modules" in both.stdout
+    unet_only = run_cli("lora", "inspect", loras["both"], "--engine", str(tiny_engine.path))
+    assert unet_only.returncode == 1 and "first 'text_encoder: encoder.layers.0" in unet_only.stderr
+    assert "no text encoder engine given" in unet_only.stderr
     kohya = run_cli("lora", "inspect", loras["kohya"], check=True)
     assert "format: kohya" in kohya.stdout and "scales: [0.5]" in kohya.stdout
     out = tmp_path / "fox.png"

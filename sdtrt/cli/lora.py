@@ -23,9 +23,10 @@ def inspect_command(
     model: o.ModelOpt = "tiny",
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Format, rank, alpha and scale, the UNet modules a LoRA touches, and (with --engine) whether it fits.
+    """Format, rank, alpha and scale, the modules a LoRA touches in the UNet and text encoders, and (with
+    --engine, a UNet engine or an engine set) whether the engine's weight maps take them.
 
-    Example: sdtrt lora inspect style.safetensors --engine engines/build-ort/2a06c39aaf814d52
+    Example: sdtrt lora inspect style.safetensors --engine engines/set/2a06c39aaf814d52
     """
     from rich.table import Table
 
@@ -33,24 +34,28 @@ def inspect_command(
 
     lora = read_lora(file)
     summary = describe(lora)
-    for key in ("file", "format", "modules", "ranks", "alphas", "scales"):
+    for key in ("file", "format", "networks", "ranks", "alphas", "scales"):
         results.print(f"{key}: {summary[key]}")
     fits = None
     if engine:
         from ..models import resolve_model
+        from ..pipeline import engine_members
         from ..stages.weight_map import for_engine
 
-        fits = coverage(lora, for_engine(o.find_engine(engine, engines), resolve_model(model)))
-    table = Table(title="UNet modules (scale = alpha / rank, times the scale you give)", title_justify="left")
-    for column in ("module", "rank", "alpha", "scale", *(["engine"] if fits else [])):
-        table.add_column(column, justify="left" if column in ("module", "engine") else "right")
-    for name, pair in lora.modules.items():
-        row = [name, str(pair.rank), f"{pair.alpha:g}", f"{pair.scale:g}"]
-        table.add_row(*row, *([fits[name]] if fits else []))
+        members, source = engine_members(o.find_engine(engine, engines)), resolve_model(model)
+        fits = coverage(lora, {c: for_engine(members[c], source, c) for c in lora.parts if c in members})
+    table = Table(title="Modules (scale = alpha / rank, times the scale you give)", title_justify="left")
+    for column in ("network", "module", "rank", "alpha", "scale", *(["engine"] if fits else [])):
+        table.add_column(column, justify="left" if column in ("network", "module", "engine") else "right")
+    for component, modules in lora.parts.items():
+        for name, pair in modules.items():
+            row = [component, name, str(pair.rank), f"{pair.alpha:g}", f"{pair.scale:g}"]
+            table.add_row(*row, *([fits[component][name]] if fits else []))
     results.print(table)
     if fits is not None:
-        bad = {k: v for k, v in fits.items() if v != "ok"}
-        results.print(f"engine: covers {len(fits) - len(bad)}/{len(fits)} modules")
+        verdicts = {f"{c}: {m}": v for c, modules in fits.items() for m, v in modules.items()}
+        bad = {k: v for k, v in verdicts.items() if v != "ok"}
+        results.print(f"engine: covers {len(verdicts) - len(bad)}/{len(verdicts)} modules")
         if bad:
             first = next(iter(bad))
             raise LoraError(f"the engine cannot take {len(bad)} of the LoRA's modules, first '{first}': {bad[first]}")
