@@ -30,12 +30,17 @@ def use_timing_cache(config: trt.IBuilderConfig, path: Path | None) -> None:
     """Give the build the timing cache at ``path`` if it fits this device and TensorRT, else an empty one.
 
     IBuilderConfig.set_timing_cache returns False when the cache does not match (pyCore.cpp,
-    pyCoreDoc.h "set_timing_cache"): a cache made on another GPU must not fail the build.
+    pyCoreDoc.h "set_timing_cache"): a cache made on another GPU must not fail the build. An unreadable
+    file may give no cache at all (create_timing_cache → None; TensorRT's samples check for nullptr,
+    shared/utils/cacheUtils.cpp).
     """
     data = path.read_bytes() if path and path.is_file() else b""
-    if config.set_timing_cache(config.create_timing_cache(data), ignore_mismatch=False):
+    cache = config.create_timing_cache(data)
+    if cache is not None and config.set_timing_cache(cache, ignore_mismatch=False):
         return
-    warn(f"timing cache {path} was made for another GPU or TensorRT version; building with an empty one")
+    warn(
+        f"timing cache {path} is unreadable or was made for another GPU or TensorRT version; building with an empty one"
+    )
     if not config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False):
         raise RuntimeError("TensorRT refused an empty timing cache")
 

@@ -49,6 +49,15 @@ def f(engine: trt.ICudaEngine):
     builder.build_engine(None, config)
     engine.create_execution_contxt()
     trt.OnnxParsr
+
+class Runner:
+    def __init__(self, engine: trt.ICudaEngine):
+        context: trt.IExecutionContext | None = engine.create_execution_context()
+        self._context = context
+
+    def run(self):
+        self._context.execute_async_v2([], 0)
+        self._context.set_binding_shape(0, (1,))
 """
     problems, _ = check_source(source, api)
     text = "\n".join(problems)
@@ -57,6 +66,9 @@ def f(engine: trt.ICudaEngine):
     assert "Builder.build_engine is removed" in text or "has no member 'build_engine'" in text
     assert "has no member 'create_execution_contxt'" in text
     assert "trt.OnnxParsr does not exist" in text
+    # an optional annotation, handed on to an attribute: the execution context's hot path is checked
+    assert "IExecutionContext.execute_async_v2 is removed" in text or "has no member 'execute_async_v2'" in text
+    assert "has no member 'set_binding_shape'" in text or "set_binding_shape is removed" in text
 
 
 def test_refit_calls_are_checked(api):

@@ -115,6 +115,8 @@ def check_source(source: str, api: Api, alias: str = "trt") -> tuple[list[str], 
     typed: dict[str, str] = {}
 
     def record_type(target: ast.AST, type_node: ast.AST | None) -> None:
+        if isinstance(type_node, ast.BinOp) and isinstance(type_node.op, ast.BitOr):  # `trt.X | None`
+            type_node = type_node.left
         chain = _trt_chain(type_node, alias) if type_node is not None else None
         name = _target_name(target)
         if name and chain and len(chain) == 1:
@@ -127,6 +129,12 @@ def check_source(source: str, api: Api, alias: str = "trt") -> tuple[list[str], 
             record_type(ast.Name(node.arg), node.annotation)
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and len(node.targets) == 1:
             record_type(node.targets[0], node.value.func)
+
+    for node in ast.walk(tree):  # `self._context = context`: the attribute takes the name's type
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Name)):
+            continue
+        if (name := _target_name(node.targets[0])) and node.value.id in typed:
+            typed[name] = typed[node.value.id]
 
     for node in ast.walk(tree):  # pass 2: check every use
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == alias:

@@ -65,9 +65,12 @@ def engine_io_problem(engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
     for tensor, mode in expected:
         if engine.get_tensor_mode(tensor.name) != mode:
             return f"'{tensor.name}' is not an {mode.name.lower()} of the engine"
-        # trt.nptype maps a TensorRT DataType to numpy's (tensorrt/__init__.py); bf16/fp8 have none.
         dtype = engine.get_tensor_dtype(tensor.name)
-        if np.dtype(trt.nptype(dtype)) != np.dtype(tensor.dtype):
+        try:  # trt.nptype maps a TensorRT DataType to numpy's; TypeError for bf16/fp8/int4/fp4 (tensorrt/__init__.py)
+            same = np.dtype(trt.nptype(dtype)) == np.dtype(tensor.dtype)
+        except TypeError:
+            same = False
+        if not same:
             return f"'{tensor.name}' is {dtype} in the engine, {tensor.dtype} in its manifest"
     return None
 
@@ -96,7 +99,7 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def require(ok: bool, what: str) -> None:
-    """TensorRT's context setters report failure by returning False (pyCore.cpp); make that an error."""
+    """set_input_shape, set_tensor_address and execute_async_v3 report failure by returning False (pyCore.cpp)."""
     if not ok:
         raise EngineInputError(f"TensorRT refused to {what}; see the TensorRT messages above")
 
@@ -147,8 +150,11 @@ class TensorRTRuntime(CudaRuntime):
                 f"({describe_profiles(self._profiles, sample)}); rebuild with --batch/--height/--width covering it"
             )
         if index != self._active_profile:
-            ok = self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
-            require(ok, f"switch to optimization profile {index}")
+            # Its binding raises RuntimeError where the C++ call returns false (pyCore.cpp, PY_ASSERT_RUNTIME_ERROR).
+            try:
+                self._context.set_optimization_profile_async(index, self._stream.cuda_stream)
+            except RuntimeError as exc:
+                raise EngineInputError(f"TensorRT refused to switch to optimization profile {index} ({exc})") from exc
             self._active_profile = index
         for name, tensor in inputs.items():
             require(self._context.set_input_shape(name, shapes[name]), f"set input '{name}' to shape {shapes[name]}")
@@ -246,6 +252,8 @@ class TensorRTRuntime(CudaRuntime):
         self._graph, self._graph_shapes = None, None
 
     def close(self) -> None:
+        # Memory bound to the context must outlive the work queued on it (pyCoreDoc.h, execute_async_v3).
+        self._stream.synchronize()
         self._graph = None
         self._static = {}
         self._context = None

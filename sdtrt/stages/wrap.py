@@ -5,9 +5,9 @@ per engine input — ``module(sample, timestep, encoder_hidden_states)`` — tha
 tensor, or a tuple in the manifest's output order for engines with several outputs (a text encoder's
 three: pytorch/TensorRT core/compiler.cpp, ``AddEngineToGraph``; the Python docstring's ``Tensor[]``
 is misleading). The stand-ins (EngineUNet, EngineTextEncoder, EngineVAE) adapt that call to the
-module's. The module runs optimization profile 0 only: Torch-TensorRT's TRTEngine never selects
-another before 2.13 (no ``setOptimizationProfileAsync`` in ``core/runtime`` on ``release/ngc/25.01``),
-so engines with several profiles are not wrapped.
+module's. The module runs optimization profile 0 only: Torch-TensorRT's TRTEngine selects no other
+through 2.13 (no ``setOptimizationProfileAsync`` in ``core/runtime`` on ``release/2.13`` or
+``release/ngc/25.01``; selection came in 2.14), so engines with several profiles are not wrapped.
 
 For engines exported with ``--io-naming indexed`` (input_0…, output_0) the equivalent command is
 ``torchtrtc unet.plan unet.ts --embed-engine --device-type=gpu``.
@@ -55,6 +55,8 @@ def _wrap(engine: Artifact, out_dir: Path) -> dict[str, Any]:
             engine.primary.read_bytes(),
             input_binding_names=list(spec.input_names),
             output_binding_names=list(spec.output_names),
+            # The default is Device._current_device(), evaluated once at import (ts/_compiler.py): name it.
+            device=torch_tensorrt.Device(gpu_id=torch.cuda.current_device()),
         )
         torch.jit.save(module, str(out_dir / name))
     return {
