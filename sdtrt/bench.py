@@ -11,11 +11,15 @@ JSON format (stable; other tools read it)::
       {"name", "status": "ok" | "skipped" | "failed", "reason", "load_s", "warmup_s",
        "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
        "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
-       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy"}]}
+       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy", "lora_apply_s", "lora_swap_s": STATS}]}
 
 STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); speed-ups are
 ratios of median totals against the first backend that ran; ``noisy`` is true where the slowest
 timed run took over NOISY_RATIO times the fastest (a busy machine: do not read ratios from it).
+With LoRAs (``config.loras``), ``lora_apply_s`` is putting them in the first time (engines: weight
+maps made or read, base weights read, the new weights swapped in — a refit on TensorRT; PyTorch:
+diffusers' load + fuse) and ``lora_swap_s`` each later swap (clear, then the LoRAs again; engines
+only); the timed runs generate with the LoRAs in.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .config import BenchConfig, ExportConfig, Precision, Range, ShapeProfile, Target
+from .config import BenchConfig, ExportConfig, Precision, Range, ShapeProfile, Target, TrtBuildConfig
 from .errors import one_line
 from .models import ModelSource
 from .pipeline import generate, load_pipeline
@@ -62,6 +66,8 @@ class BackendResult:
     peak_gpu_mb: float | None = None
     speedup_vs_first: float | None = None
     noisy: bool = False  # slowest / fastest timed run > NOISY_RATIO
+    lora_apply_s: float | None = None
+    lora_swap_s: dict[str, float] | None = None
 
 
 def breakdown(spans: list[Span]) -> dict[str, float]:
@@ -130,7 +136,7 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     device = _device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if name.startswith("torch"):
-        pipe = load_pipeline(model, dtype=dtype).to(device)
+        pipe = load_pipeline(model, dtype=dtype).to(device)  # LoRAs go in (and are timed) after loading
         if name == "torch-sdpa-off":
             from diffusers.models.attention_processor import AttnProcessor
 
@@ -144,8 +150,30 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     chosen: Precision = "fp32" if precision == "fp32" else "fp16" if precision == "fp16" else config.precision
     export_config = ExportConfig(precision=chosen)
     # compile's default: every component on the engine target (TensorRT: the UNet), each stage on its engine.
-    result = compile_model(model, store, target, export_config, profile=_bench_profile(model, config))
+    trt_config = TrtBuildConfig(profiles=(_bench_profile(model, config),), refittable=True) if config.loras else None
+    result = compile_model(
+        model, store, target, export_config, profile=_bench_profile(model, config), trt_config=trt_config
+    )
     return load_pipeline(model, result.final, dtype=dtype).to(device)
+
+
+def time_loras(pipe: Any, loras: tuple[tuple[str, float], ...], swaps: int) -> tuple[float, dict[str, float] | None]:
+    """Seconds to put ``loras`` in the first time, and Stats of ``swaps`` later swaps (clear, then them again)."""
+    from .lora import fuse_loras
+    from .pipeline import lora_networks, set_loras
+
+    started = time.perf_counter()
+    if not lora_networks(pipe):  # PyTorch: diffusers fuses them, once
+        fuse_loras(pipe, loras)
+        return time.perf_counter() - started, None
+    set_loras(pipe, loras)
+    first, timed = time.perf_counter() - started, []
+    for _ in range(swaps):
+        for each in ((), loras):
+            started = time.perf_counter()
+            set_loras(pipe, each)
+            timed.append(time.perf_counter() - started)
+    return first, Stats.of(timed).to_json()
 
 
 class _Skip(Exception):
@@ -166,6 +194,8 @@ def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store
             started = time.perf_counter()
             pipe = load_backend(name, model, config, store)
             result.load_s = time.perf_counter() - started
+            if config.loras:
+                result.lora_apply_s, result.lora_swap_s = time_loras(pipe, config.loras, config.repeats)
             started = time.perf_counter()
             for _ in range(config.warmup):  # torch.compile compiles here, on its first call
                 generate(pipe, request, output_type="np")
@@ -205,9 +235,14 @@ def run_bench(
 ) -> dict[str, Any]:
     """Every backend in turn, on this machine, in this process: the side-by-side comparison.
 
-    A size no backend could serve is a RequestError before anything is loaded.
+    A size no backend could serve is a RequestError, and a LoRA file sdtrt cannot use a LoraError,
+    before anything is loaded.
     """
+    from .lora import read_lora
+
     height, width = SizeRule.for_model(model).resolve(config.height, config.width)
+    for path, _ in config.loras:
+        read_lora(path)
     config = dataclasses.replace(config, height=height, width=width)
     results = []
     for name in config.backends:

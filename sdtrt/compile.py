@@ -95,7 +95,8 @@ def compile_model(
 ) -> CompileResult:
     """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
-    One component gives its engine; several give an engine set over them. ``components`` defaults to
+    One component gives its engine; several give an engine set over them (for TensorRT the TorchScript
+    wraps, or the plans when ``trt_config.refittable``: LoRAs refit plans). ``components`` defaults to
     every one the model has. Precision comes from ``export_config``, except for a VAE that asks to be
     upcast: fp32.
     """
@@ -121,7 +122,8 @@ def compile_model(
                 f"; the engines have {len(built.manifest['profiles'])} optimization profiles, so they are not "
                 "wrapped as TorchScript (a wrapped engine runs profile 0 only): use the build-trt artifacts"
             )
-        finals[component] = artifacts[-1]
+        # A wrapped engine cannot be refit: a refittable build's set holds the plans, LoRAs' way in.
+        finals[component] = built if trt_config is not None and trt_config.refittable else artifacts[-1]
     if len(components) > 1:
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     report = validate(model, artifacts[-1], validation) if validation else None

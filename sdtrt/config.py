@@ -304,6 +304,8 @@ class BenchConfig:
     guidance: float = 7.5
     seed: int = 0
     precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
+    # (file, scale) LoRAs put into each backend before its runs: how long that and a swap take is reported.
+    loras: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for spec in self.backends:

@@ -42,3 +42,31 @@ def softmax_input_types(graph_path: Path) -> set[int]:
     graph = onnx.shape_inference.infer_shapes(onnx.load(str(graph_path), load_external_data=False)).graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input]}
     return {types[node.input[0]] for node in graph.node if node.op_type == "Softmax"}
+
+
+CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+TARGETS = {
+    "unet": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"],
+    "text_encoder": CLIP_TARGETS,
+    "text_encoder_2": CLIP_TARGETS,
+}
+
+
+def peft_lora(model, folder, seed: int, rank: int, alpha: int, networks=("unet",)) -> str:
+    """PEFT adapters with random weights on ``networks``, saved by diffusers (SDXL's saver knows all three)."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from sdtrt.models import load_folder
+
+    torch.manual_seed(seed)
+    layers = {}
+    for network in networks:
+        module = load_folder(model, network)
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[network], init_lora_weights=False)
+        module.add_adapter(config)
+        layers[f"{network}_lora_layers"] = get_peft_model_state_dict(module)
+        layers[f"{network}_lora_adapter_metadata"] = config.to_dict()
+    StableDiffusionXLPipeline.save_lora_weights(folder, **layers)
+    return str(folder / "pytorch_lora_weights.safetensors")

@@ -13,7 +13,7 @@ from sdtrt.profile import profile_generation
 from sdtrt.request import GenerateRequest
 from sdtrt.trace import Span, Tracer, resolve_qualified, trace_qualified
 
-from .helpers import last_line, run_cli
+from .helpers import last_line, peft_lora, run_cli
 
 PNDM_STEP = "diffusers.schedulers.scheduling_pndm.PNDMScheduler.step"
 ENGINE_FORWARD = "sdtrt.unet.EngineUNet.forward"
@@ -49,6 +49,21 @@ def test_bench_cli_json_time_file_and_chart(tmp_path):
     assert lines[0].startswith("torch ") and float(lines[1].split()[1]) > 0
     with Image.open(files["chart"]) as chart:
         assert chart.format == "PNG" and chart.width >= 800
+
+
+def test_bench_times_putting_loras_in_and_swapping_them(tiny, tmp_path):
+    lora = peft_lora(tiny, tmp_path / "style", seed=1, rank=4, alpha=8, networks=("unet", "text_encoder"))
+    report_file = tmp_path / "b.json"
+    args = ["bench", "--backends", "torch,onnxruntime", "--steps", "2", "--warmup", "0", "--repeats", "2"]
+    result = run_cli(*args, "--lora", f"{lora}:0.8", "--json", str(report_file), "--engines", str(tmp_path / "e"))
+    assert result.returncode == 0, result.stderr
+    torch_run, engine_run = json.loads(report_file.read_text())["backends"]
+    assert torch_run["lora_apply_s"] > 0 and torch_run["lora_swap_s"] is None  # diffusers fuses, once
+    swap = engine_run["lora_swap_s"]
+    assert engine_run["status"] == "ok" and engine_run["lora_apply_s"] > 0 and 0 < swap["min"] <= swap["max"]
+    assert "onnxruntime LoRAs: first" in result.stdout and "a swap" in result.stdout
+    refused = run_cli(*args, "--lora", str(tmp_path / "missing.safetensors"))
+    assert refused.returncode == 1 and "does not exist" in refused.stderr and "torch…" not in refused.stderr
 
 
 def test_breakdown_parts_of_one_run():

@@ -26,33 +26,10 @@ from sdtrt.stages import weight_map
 from sdtrt.store import Artifact
 from sdtrt.validate import psnr_db
 
-from .helpers import last_line, run_cli
+from .helpers import last_line, peft_lora, run_cli
 
 REQUEST = GenerateRequest(prompt="a lighthouse at dusk", steps=4, seed=3)
-CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
-TARGETS = {
-    "unet": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"],
-    "text_encoder": CLIP_TARGETS,
-    "text_encoder_2": CLIP_TARGETS,
-}
 TO_Q = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
-
-
-def peft_lora(model, folder, seed: int, rank: int, alpha: int, networks=("unet",)) -> str:
-    """PEFT adapters with random weights on ``networks``, saved by diffusers (SDXL's saver knows all three)."""
-    from diffusers import StableDiffusionXLPipeline
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    layers = {}
-    for network in networks:
-        module = load_folder(model, network)
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS[network], init_lora_weights=False)
-        module.add_adapter(config)
-        layers[f"{network}_lora_layers"] = get_peft_model_state_dict(module)
-        layers[f"{network}_lora_adapter_metadata"] = config.to_dict()
-    StableDiffusionXLPipeline.save_lora_weights(folder, **layers)
-    return str(folder / "pytorch_lora_weights.safetensors")
 
 
 KOHYA = {  # network → key prefix, module names a kohya trainer targets (attention projections)

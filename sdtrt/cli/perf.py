@@ -34,21 +34,30 @@ def bench(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the full results (documented format).")] = None,
     time_file: Annotated[Path | None, typer.Option(help="Write '<backend> <median seconds>' lines.")] = None,
     chart: Annotated[Path | None, typer.Option(help="Write a PNG bar chart of the breakdown.")] = None,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A LoRA as FILE[:SCALE], put into every backend first (engine builds: refittable); "
+            "reports how long that and a swap take. Repeat for several."
+        ),
+    ] = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Time whole generations per backend, side by side, broken down by stage.
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
     """
+    from ..lora import parse_lora_option
     from ..models import resolve_model
 
+    loras = tuple(parse_lora_option(value) for value in lora or [])
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     from ..bench import run_bench, write_chart
 
     config = BenchConfig(
         backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch, height=height,
-        width=width, warmup=warmup, repeats=repeats, precision=precision,
+        width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras,
     )  # fmt: skip
     report = run_bench(
         source, config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
@@ -99,6 +108,11 @@ def print_bench(report: dict) -> None:
     for b in report["backends"]:
         if b["status"] != "ok":
             results.print(f"[yellow]{b['name']} {b['status']}:[/] {b['reason']}")
+    for b in report["backends"]:
+        if b.get("lora_apply_s") is not None:
+            swap = b["lora_swap_s"]
+            swaps = f"; a swap {swap['median']:.3f} s (median, {swap['min']:.3f}–{swap['max']:.3f})" if swap else ""
+            results.print(f"{b['name']} LoRAs: first {b['lora_apply_s']:.3f} s{swaps}")
     noisy = [b["name"] for b in report["backends"] if b.get("noisy")]
     if noisy:
         results.print(
