@@ -101,7 +101,8 @@ def test_sdxl_fp16_unet_export_and_simplify_fit_in_20_gb(tmp_path):
     details = simplified.manifest["details"]
     print(
         f"\nsdxl-random fp16 UNet: {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}; "
-        f"nodes {details['nodes_before']} -> {details['nodes_after']} ({details['method']}); peak RSS {peak_rss_gb():.1f} GB"
+        f"nodes {details['nodes_before']} -> {details['nodes_after']} ({details['method']}); "
+        f"peak RSS {peak_rss_gb():.1f} GB"
     )
     assert exported.manifest["family"] == "sdxl" and exported.manifest["details"]["external_data"]
     assert peak_rss_gb() <= 20.0
