@@ -76,10 +76,16 @@ class LoraModule:
         """The shape of the weight it changes, in PyTorch's layout."""
         return (int(self.up.shape[0]), *(int(d) for d in self.down.shape[1:]))
 
-    def delta(self) -> torch.Tensor:
-        """ΔW = scale·B·A in fp32, shaped like the weight (Linear or Conv)."""
-        product = self.up.flatten(1).float() @ self.down.flatten(1).float()
-        return (product * self.scale).reshape(self.shape)
+    def add_to(self, weight: torch.Tensor, scale: float, transposed: bool) -> None:
+        """weight += scale·ΔW, ΔW = (alpha/rank)·B·A, in place in one matrix product (no ΔW is made).
+
+        ``weight`` is fp32 and 2-D: [out, in·kernel], or [in, out] where the graph holds it transposed.
+        """
+        up, down = self.up.flatten(1).float(), self.down.flatten(1).float()
+        if transposed:
+            weight.addmm_(down.T, up.T, alpha=scale * self.scale)
+        else:
+            weight.addmm_(up, down, alpha=scale * self.scale)
 
 
 @dataclass(frozen=True)
@@ -217,14 +223,12 @@ class EngineLoras:
         Base + Σ scale·ΔW where the LoRAs touch, in fp32, cast to the graph's dtype; base where only
         the previous set touched.
         """
-        import numpy as np
         import torch
 
         weight_map = self._map_or_make()
-        deltas = self._deltas(files)
-        touched: dict[str, list[str]] = {}  # initializer → the parameters it holds that LoRAs change
-        for param in deltas:
-            touched.setdefault(weight_map.mapped[param].initializer, []).append(param)
+        touched: dict[str, list[tuple[str, LoraModule, float]]] = {}  # initializer → what LoRAs add to it
+        for param, pair, scale in self._placed(files):
+            touched.setdefault(weight_map.mapped[param].initializer, []).append((param, pair, scale))
         names = set(touched) | self._changed
         self._load_base(names)
         weights = {}
@@ -233,13 +237,15 @@ class EngineLoras:
             if name not in touched:
                 weights[name] = base
                 continue
-            weight = torch.from_numpy(base.astype(np.float32))
-            for param in touched[name]:
+            stored = torch.from_numpy(base)
+            weight = stored.float()  # a copy, cast on all cores (numpy's astype uses one)
+            for param, pair, scale in touched[name]:
                 place = weight_map.mapped[param]
-                delta = deltas[param].T if place.transpose else deltas[param]
-                start, stop = place.columns or (0, weight.shape[-1])
-                weight[..., start:stop] += delta
-            weights[name] = weight.numpy().astype(base.dtype)
+                if place.columns:  # a packed q/k/v MatMul: this projection's columns
+                    pair.add_to(weight[:, slice(*place.columns)], scale, place.transpose)
+                else:
+                    pair.add_to(weight.view(len(weight), -1), scale, place.transpose)
+            weights[name] = weight.to(stored.dtype).numpy()
         return weights, set(touched)
 
     def swap(self, weights: dict[str, np.ndarray], changed: set[str], active: list[tuple[Path, float]]) -> None:
@@ -252,18 +258,17 @@ class EngineLoras:
             raise
         self._changed, self.active = changed, active
 
-    def _deltas(self, files: Sequence[tuple[LoraFile, float]]) -> dict[str, torch.Tensor]:
-        """param → Σ scale·ΔW; LoraError for the first module the map cannot place or whose shape differs."""
+    def _placed(self, files: Sequence[tuple[LoraFile, float]]) -> list[tuple[str, LoraModule, float]]:
+        """(parameter, low-rank pair, scale) of every module in ``files`` for this network; LoraError for the
+        first module the map cannot place or whose shape differs."""
         weight_map = self._map_or_make()
-        out: dict[str, torch.Tensor] = {}
+        placed = []
         for lora, scale in files:
             for module, pair in lora.parts.get(self.component, {}).items():
                 if problem := placement_problem(module, pair, weight_map, self.component):
                     raise LoraError(f"{lora.path}: {problem}")
-                param = f"{module}.weight"
-                delta = pair.delta() * scale
-                out[param] = out[param] + delta if param in out else delta
-        return out
+                placed.append((f"{module}.weight", pair, scale))
+        return placed
 
     def _map_or_make(self) -> WeightMap:
         if self._map is None:

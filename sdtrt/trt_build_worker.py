@@ -5,7 +5,8 @@
 A crash or out-of-memory kill here cannot take the caller down with it: the parent turns a
 non-zero exit into a BuildError that points at this process's log. Only documented TensorRT 10
 Python API calls are used, with a strongly typed network (TensorRT 11 drops weak typing), and
-every ``trt.`` name is checked against the published API in tests/test_tensorrt_api.py.
+every ``trt.`` name is checked in tests/test_tensorrt_api.py against TensorRT 10.13's published stubs and a
+list of the APIs TensorRT 10 and 11 removed (no TensorRT 11 stubs are published to check against).
 """
 
 from __future__ import annotations
@@ -46,19 +47,32 @@ def use_timing_cache(config: trt.IBuilderConfig, path: Path | None) -> None:
 
 
 def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
-    """Write the build's timing cache atomically; a failure is a warning, never a lost engine.
+    """Add the build's timings to the cache file, atomically; a failure is a warning, never a lost engine.
 
-    IBuilderConfig.get_timing_cache returns None when no cache is set (pyCoreDoc.h "get_timing_cache").
+    Builds sharing one file take turns under a lock, and each combines what the file holds now into its own
+    cache before writing it, so no build's entries are lost (TensorRT's samples do the same in
+    shared/utils/cacheUtils.cpp updateTimingCacheFile; Polygraphy's trt loader likewise).
+    IBuilderConfig.get_timing_cache returns None when no cache is set (pyCoreDoc.h "get_timing_cache");
+    ITimingCache.combine returns False, skipping everything, for a cache of another TensorRT version, or
+    of another GPU with ignore_mismatch=False (pyCoreDoc.h ITimingCacheDoc "combine").
     """
-    cache = config.get_timing_cache()
+    import fcntl
+
+    cache: trt.ITimingCache | None = config.get_timing_cache()
     if cache is None:
         warn("TensorRT kept no timing cache for this build; nothing written")
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(bytes(cache.serialize()))
-        tmp.replace(path)
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if path.is_file():
+                on_file: trt.ITimingCache | None = config.create_timing_cache(path.read_bytes())
+                if on_file is None or not cache.combine(on_file, ignore_mismatch=False):
+                    warn(f"timing cache {path} was made for another GPU or TensorRT version; this build's replaces it")
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(bytes(cache.serialize()))
+            tmp.replace(path)
     except OSError as exc:
         warn(f"could not write the timing cache {path} ({exc.strerror}); the engine itself is built")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def test_tensorrt_names_exist_in_the_published_api(api):
     assert total >= 40, f"only {total} TensorRT uses seen: is the checker still finding them?"
 
 
-def test_checker_catches_misspelt_removed_and_wrong_keyword_calls(api):
+def test_checker_catches_misspelt_removed_and_wrongly_called_names(api):
     source = """
 import tensorrt as trt
 def f(engine: trt.ICudaEngine):
@@ -58,6 +59,9 @@ class Runner:
     def run(self):
         self._context.execute_async_v2([], 0)
         self._context.set_binding_shape(0, (1,))
+        self._context.set_optimization_profile_async(0)
+        self._context.set_tensor_address("x", 0, name="y")
+        trt.Refitter(self._context, None, None)
 """
     problems, _ = check_source(source, api)
     text = "\n".join(problems)
@@ -69,6 +73,10 @@ class Runner:
     # an optional annotation, handed on to an attribute: the execution context's hot path is checked
     assert "IExecutionContext.execute_async_v2 is removed" in text or "has no member 'execute_async_v2'" in text
     assert "has no member 'set_binding_shape'" in text or "set_binding_shape is removed" in text
+    # argument counts and required parameters, constructors included
+    assert "set_optimization_profile_async() misses 'stream_handle'" in text
+    assert "set_tensor_address() gets 'name' twice" in text
+    assert "Refitter() takes 2 arguments, not 3" in text
 
 
 def test_refit_calls_are_checked(api):
@@ -89,3 +97,57 @@ def f(engine: trt.ICudaEngine, logger: trt.ILogger):
     assert "has no member 'set_named_weight'" in text
     assert "refit_cuda_engine() has no parameter 'stream'" in text
     assert "trt.BuilderFlag.REFITTABLE does not exist" in text
+
+
+# torch-tensorrt has no stubs and no wheel that installs here: its calls are pinned to the signatures read in
+# pytorch/TensorRT py/torch_tensorrt (ts/_compiler.py embed_engine_in_new_module; _Device.py Device.__init__,
+# whose keywords are gpu_id, dla_core, allow_gpu_fallback). A new call fails here until it is read and added.
+TORCH_TENSORRT_CALLS = {
+    "ts.embed_engine_in_new_module": ("serialized_engine", "input_binding_names", "output_binding_names", "device"),
+    "Device": ("gpu_id", "dla_core", "allow_gpu_fallback"),
+}
+
+
+def torch_tensorrt_call_problems(source: str) -> tuple[list[str], int]:
+    problems, checked = [], 0
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        parts: list[str] = []
+        func = node.func
+        while isinstance(func, ast.Attribute):
+            parts.insert(0, func.attr)
+            func = func.value
+        if not (isinstance(func, ast.Name) and func.id == "torch_tensorrt"):
+            continue
+        checked += 1
+        name = ".".join(parts)
+        if name not in TORCH_TENSORRT_CALLS:
+            problems.append(f"line {node.lineno}: torch_tensorrt.{name} is not a call whose signature was read")
+            continue
+        params = TORCH_TENSORRT_CALLS[name]
+        if name != "Device" and len(node.args) > len(params):
+            problems.append(f"line {node.lineno}: torch_tensorrt.{name} takes at most {len(params)} arguments")
+        for kw in node.keywords:
+            if kw.arg not in params or (name != "Device" and params.index(kw.arg) < len(node.args)):
+                problems.append(f"line {node.lineno}: torch_tensorrt.{name}() has no free parameter '{kw.arg}'")
+    return problems, checked
+
+
+def test_torch_tensorrt_calls_match_the_signatures_read():
+    problems, checked = [], 0
+    for module in (REPO / "sdtrt").rglob("*.py"):
+        found, count = torch_tensorrt_call_problems(module.read_text())
+        problems += [f"{module.relative_to(REPO)}: {p}" for p in found]
+        checked += count
+    assert problems == [] and checked >= 2  # wrap.py: embed_engine_in_new_module and its Device
+    wrong = """
+import torch_tensorrt
+torch_tensorrt.ts.embed_engine_in_new_module(b"", ["x"], input_binding_names=["x"], device_id=0)
+torch_tensorrt.Device(gpu=0)
+torch_tensorrt.ts.compile(None)
+"""
+    text = "\n".join(torch_tensorrt_call_problems(wrong)[0])
+    assert "no free parameter 'input_binding_names'" in text and "no free parameter 'device_id'" in text
+    assert "Device() has no free parameter 'gpu'" in text
+    assert "torch_tensorrt.ts.compile is not a call whose signature was read" in text

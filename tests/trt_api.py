@@ -7,7 +7,8 @@ parameter names. It then walks sdtrt's source and checks
 - every ``trt.X`` / ``trt.X.Y`` chain (classes, enum members, constants);
 - every attribute used on a variable typed as a TensorRT class, by annotation (``x: trt.Builder``,
   parameters too) or by construction (``x = trt.Builder(...)``);
-- every keyword argument passed to such a method;
+- every call of such a method, and of a ``trt.X(...)`` constructor, against the stub's parameters: keyword
+  names, how many positional arguments, required parameters given, none given twice (some overload must fit);
 - that nothing on the REMOVED list is used (weak-typing and pre-10 APIs that TensorRT 10/11 dropped).
 """
 
@@ -36,11 +37,56 @@ REMOVED = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Signature:
+    params: tuple[str, ...]  # in order, without self
+    required: frozenset[str]  # those without a default
+    variadic: bool  # *args or **kwargs: any call fits
+
+    @classmethod
+    def parse(cls, text: str) -> Signature:
+        params, required, variadic = [], set(), False
+        for part in _top_level_split(text):
+            name = part.split(":")[0].split("=")[0].strip()
+            if name.startswith("*"):
+                variadic = True
+            elif name and name != "self":
+                params.append(name)
+                if "=" not in part:
+                    required.add(name)
+        return cls(tuple(params), frozenset(required), variadic)
+
+    def problem(self, positional: int, keywords: list[str]) -> str | None:
+        """Why a call with this many positional arguments and these keywords does not fit, or None."""
+        if self.variadic:
+            return None
+        if unknown := next((k for k in keywords if k not in self.params), None):
+            return f"has no parameter '{unknown}'"
+        if positional > len(self.params):
+            return f"takes {len(self.params)} arguments, not {positional}"
+        if twice := next((k for k in keywords if self.params.index(k) < positional), None):
+            return f"gets '{twice}' twice"
+        if missing := sorted(self.required - set(self.params[:positional]) - set(keywords)):
+            return f"misses {', '.join(repr(m) for m in missing)}"
+        return None
+
+
+def _top_level_split(text: str) -> list[str]:
+    """Split a parameter list at the commas outside brackets (``dict[str, int]`` stays whole)."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "[(") - (char in "])")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 @dataclass
 class StubClass:
     bases: list[str]
     members: set[str] = field(default_factory=set)
-    params: dict[str, set[str]] = field(default_factory=dict)
+    signatures: dict[str, list[Signature]] = field(default_factory=dict)  # method → its overloads
 
 
 @dataclass
@@ -58,15 +104,23 @@ class Api:
                 todo += stub.bases
         return found
 
-    def params(self, cls: str, method: str) -> set[str] | None:
+    def signatures(self, cls: str, method: str) -> list[Signature]:
         todo = [cls]
         while todo:
             stub = self.classes.get(todo.pop())
             if stub:
-                if method in stub.params:
-                    return stub.params[method]
+                if method in stub.signatures:
+                    return stub.signatures[method]
                 todo += stub.bases
-        return None
+        return []
+
+    def call_problem(self, cls: str, method: str, call: ast.Call) -> str | None:
+        """Why ``call`` fits none of the method's overloads (the first overload's reason), or None."""
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            return None  # *args / **kwargs at the call: nothing to count
+        keywords = [k.arg for k in call.keywords if k.arg]
+        problems = [sig.problem(len(call.args), keywords) for sig in self.signatures(cls, method)]
+        return None if not problems or None in problems else problems[0]
 
 
 def load_api(stub_root: Path) -> Api:
@@ -79,8 +133,7 @@ def load_api(stub_root: Path) -> Api:
             current = classes.setdefault(m.group(1), StubClass(bases))
         elif current and (m := re.match(r"^    def (\w+)\((.*?)\)\s*(->|:)", line)):
             current.members.add(m.group(1))
-            names = {p.split(":")[0].split("=")[0].strip().lstrip("*") for p in m.group(2).split(",")}
-            current.params.setdefault(m.group(1), set()).update(names - {"self", ""})
+            current.signatures.setdefault(m.group(1), []).append(Signature.parse(m.group(2)))
         elif current and (m := re.match(r"^    (?:class )?(\w+)\s*[:=(]", line)):
             current.members.add(m.group(1))  # attributes, enum members, nested classes
     init = (stub_root / "tensorrt" / "__init__.pyi").read_text()
@@ -104,6 +157,17 @@ def _target_name(node: ast.AST) -> str | None:
         return node.id
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
         return f"self.{node.attr}"
+    return None
+
+
+def _called(call: ast.Call, typed: dict[str, str], alias: str) -> tuple[str, str] | None:
+    """(class, method) a call runs: ``typed_name.method(...)``, or ``trt.X(...)`` (X's __init__)."""
+    if not isinstance(call.func, ast.Attribute):
+        return None
+    if (owner := _target_name(call.func.value)) in typed:
+        return typed[owner], call.func.attr
+    if (chain := _trt_chain(call.func, alias)) and len(chain) == 1:
+        return chain[0], "__init__"
     return None
 
 
@@ -155,14 +219,10 @@ def check_source(source: str, api: Api, alias: str = "trt") -> tuple[list[str], 
                 problems.append(f"line {node.lineno}: {owner}.{node.attr}: {cls} has no member '{node.attr}'")
             if f"{cls}.{node.attr}" in REMOVED:
                 problems.append(f"line {node.lineno}: {cls}.{node.attr} is removed in TensorRT 10/11")
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = _target_name(node.func.value)
-            if owner in typed and node.keywords:
-                allowed = api.params(typed[owner], node.func.attr) or set()
-                for kw in node.keywords:
-                    checked += 1
-                    if kw.arg not in allowed:
-                        problems.append(
-                            f"line {node.lineno}: {typed[owner]}.{node.func.attr}() has no parameter '{kw.arg}'"
-                        )
+        if isinstance(node, ast.Call) and (called := _called(node, typed, alias)):
+            cls, method = called
+            checked += 1
+            if problem := api.call_problem(cls, method, node):
+                shown = f"{cls}()" if method == "__init__" else f"{cls}.{method}()"
+                problems.append(f"line {node.lineno}: {shown} {problem}")
     return problems, checked

@@ -133,7 +133,9 @@ class TensorRTRuntime(CudaRuntime):
         self._context = context
         self._profiles = [_engine_profile(engine, spec.input_names, i) for i in range(engine.num_optimization_profiles)]
         self._active_profile = 0
-        self._stream = torch.cuda.Stream()  # never the legacy default stream
+        # The engine, its context and stream belong to the device current now; run() makes it current again.
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._stream = torch.cuda.Stream(self._device)  # never the legacy default stream
         # CUDA graph mode: the one captured graph, the shapes it was captured for and its static buffers.
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_shapes: tuple[Shape, ...] | None = None
@@ -172,7 +174,15 @@ class TensorRTRuntime(CudaRuntime):
     def _execute(self) -> None:
         require(self._context.execute_async_v3(self._stream.cuda_stream), "enqueue the engine (execute_async_v3)")
 
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.cuda.device(self._device):  # streams and output buffers on the engine's device
+            return self._run(feeds)
+
+    def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, None, feeds)  # names, dtypes, grid; profiles are checked in _bind
         inputs = {name: aligned(t) for name, t in typed_inputs(self.spec, feeds, self.device).items()}
         caller = torch.cuda.current_stream()
