@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,7 +238,9 @@ class EngineLoras:
             if name not in touched:
                 weights[name] = base
                 continue
-            stored = torch.from_numpy(base)
+            with warnings.catch_warnings():  # base is read-only (onnx's to_array); it is only read here
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                stored = torch.from_numpy(base)
             weight = stored.float()  # a copy, cast on all cores (numpy's astype uses one)
             for param, pair, scale in touched[name]:
                 place = weight_map.mapped[param]

@@ -38,25 +38,44 @@ KOHYA = {  # network → key prefix, module names a kohya trainer targets (atten
 }
 
 
-def kohya_lora(model, path, network: str = "unet") -> str:
+def kohya_key(network: str, module: str) -> str:
+    return KOHYA[network][0] + module.removeprefix("text_model.").replace(".", "_")
+
+
+def kohya_lora(model, path, network: str = "unet", alphas: tuple[float, ...] = (8.0, 4.0)) -> str:
     """kohya/A1111 naming (lora_unet_… / lora_te_text_model_…, lora_down/lora_up, a per-module alpha), as
-    its trainers write it: attention projections only."""
+    its trainers write it: attention projections only, rank 8, the alphas taken in turn module by module."""
     from safetensors.torch import save_file
 
-    prefix, leaves = KOHYA[network]
+    leaves = KOHYA[network][1]
     generator = torch.Generator().manual_seed(7)
+    modules = [
+        (name, module)
+        for name, module in load_folder(model, network).named_modules()
+        if name.split(".")[-1] in leaves and (network != "unet" or "attentions" in name)
+    ]
     tensors = {}
-    for name, module in load_folder(model, network).named_modules():
-        if name.split(".")[-1] not in leaves or (network == "unet" and "attentions" not in name):
-            continue
-        weight = module.weight
-        key = prefix + name.removeprefix("text_model.").replace(".", "_")
+    for index, (name, module) in enumerate(modules):
+        weight, key = module.weight, kohya_key(network, name)
         tensors[f"{key}.lora_down.weight"] = torch.randn(8, *weight.shape[1:], generator=generator) * 0.3
         tensors[f"{key}.lora_up.weight"] = torch.randn(weight.shape[0], 8, *([1, 1] if weight.ndim == 4 else []),
                                                        generator=generator) * 0.3  # fmt: skip
-        tensors[f"{key}.alpha"] = torch.tensor(4.0)
+        tensors[f"{key}.alpha"] = torch.tensor(alphas[index % len(alphas)])
     save_file(tensors, str(path))
     return str(path)
+
+
+def merge_kohya_by_hand(pipe, path: str, network: str) -> None:
+    """W += (alpha/rank)·up·down for every module of a kohya file, straight from its tensors."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    with torch.no_grad():
+        for name, module in getattr(pipe, network).named_modules():
+            if (key := kohya_key(network, name)) + ".alpha" in tensors:
+                down, up = tensors[f"{key}.lora_down.weight"], tensors[f"{key}.lora_up.weight"]
+                delta = up.flatten(1) @ down.flatten(1) * (float(tensors[f"{key}.alpha"]) / down.shape[0])
+                module.weight += delta.reshape(module.weight.shape)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +87,8 @@ def loras(tiny, tmp_path_factory):
         "kohya": kohya_lora(tiny, folder / "kohya.safetensors"),
         "text": peft_lora(tiny, folder / "text", seed=3, rank=4, alpha=4, networks=("text_encoder",)),
         "both": peft_lora(tiny, folder / "both", seed=4, rank=4, alpha=8, networks=("unet", "text_encoder")),
-        "kohya_text": kohya_lora(tiny, folder / "kohya_text.safetensors", "text_encoder"),
+        "kohya_text": kohya_lora(tiny, folder / "kohya_text.safetensors", "text_encoder", alphas=(4.0,)),
+        "kohya_text_alphas": kohya_lora(tiny, folder / "kohya_text_alphas.safetensors", "text_encoder"),
         "folder": folder,
     }
 
@@ -150,6 +170,17 @@ def test_text_encoder_loras_on_an_engine_set_match_diffusers(tiny, loras, set_pi
     set_loras(set_pipe, [])
     assert np.array_equal(image(set_pipe), base)
     assert set_pipe.text_encoder.loras.active == [] == set_pipe.unet.loras.active
+
+
+def test_kohya_alphas_count_per_text_encoder_module(tiny, loras, set_pipe):
+    """Each module's own alpha/rank. The reference is merged by hand: diffusers 0.42.1 gives every text
+    encoder module the most common alpha (utils/peft_utils.py get_peft_kwargs keys the text encoder's
+    alpha_pattern by the attention block, "…self_attn", which matches no projection)."""
+    set_loras(set_pipe, [(loras["kohya_text_alphas"], 1.0)])
+    reference = load_pipeline(tiny)
+    merge_kohya_by_hand(reference, loras["kohya_text_alphas"], "text_encoder")
+    assert psnr_db(image(set_pipe), image(reference)) >= 35
+    set_loras(set_pipe, [])
 
 
 def test_a_text_encoder_lora_needs_the_text_encoder_on_an_engine(loras, set_pipe, engine_pipe):
@@ -238,7 +269,7 @@ def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_p
     assert unet_only.returncode == 1 and "first 'text_encoder: encoder.layers.0" in unet_only.stderr
     assert "no text encoder engine given" in unet_only.stderr
     kohya = run_cli("lora", "inspect", loras["kohya"], check=True)
-    assert "format: kohya" in kohya.stdout and "scales: [0.5]" in kohya.stdout
+    assert "format: kohya" in kohya.stdout and "scales: [0.5, 1.0]" in kohya.stdout
     out = tmp_path / "fox.png"
     args = ["generate", "--engine", str(tiny_engine.path), "--steps", "2", "--out", str(out)]
     made = run_cli(*args, "--lora", f"{loras['a']}:0.8", "--lora", loras["b"], check=True)
