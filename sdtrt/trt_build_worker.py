@@ -69,7 +69,7 @@ def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
             if path.is_file():
                 on_file: trt.ITimingCache | None = config.create_timing_cache(path.read_bytes())
                 if on_file is None or not cache.combine(on_file, ignore_mismatch=False):
-                    warn(f"timing cache {path} was made for another GPU or TensorRT version; this build's replaces it")
+                    warn(f"timing cache {path} is unreadable or from another GPU or TensorRT; this build's replaces it")
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(bytes(cache.serialize()))
             tmp.replace(path)

@@ -113,52 +113,93 @@ def test_misaligned_tensors_are_copied_before_tensorrt_sees_them():
         require(False, "bind input 'sample'")
 
 
+class StandInCache:
+    """trt.ITimingCache as pyCoreDoc.h documents it: combine adds the other cache's entries, and skips them all
+    (returning False) for a cache of another device unless ignore_mismatch."""
+
+    def __init__(self, device: str, entries: set[str]) -> None:
+        self.device, self.entries = device, entries
+
+    def serialize(self) -> bytes:
+        return f"{self.device}:{','.join(sorted(self.entries))}".encode()
+
+    def combine(self, other: StandInCache, ignore_mismatch: bool) -> bool:
+        if other.device != self.device and not ignore_mismatch:
+            return False
+        self.entries |= other.entries
+        return True
+
+
 class TimingCacheConfig:
-    """Stands in for trt.IBuilderConfig's timing-cache calls, as pyCoreDoc.h documents them: set_timing_cache
-    returns False for a cache from another device; get_timing_cache returns None when none is set."""
+    """Stands in for trt.IBuilderConfig's timing-cache calls (pyCoreDoc.h): create_timing_cache gives None for
+    bytes it cannot read; set_timing_cache returns False for another device's cache; get_timing_cache returns
+    the cache the build filled (here: with ``tuned``), None when none is set."""
 
-    def __init__(self, foreign: bytes = b"other-gpu", keep: bool = True) -> None:
-        self.foreign, self.keep, self.cache = foreign, keep, None
+    device = "this-gpu"
 
-    def create_timing_cache(self, data: bytes) -> bytes:
-        return data
+    def __init__(self, keep: bool = True, tuned: str = "conv") -> None:
+        self.keep, self.tuned, self.cache = keep, tuned, None
 
-    def set_timing_cache(self, cache: bytes, ignore_mismatch: bool) -> bool:
-        if cache == self.foreign and not ignore_mismatch:
+    def create_timing_cache(self, data: bytes) -> StandInCache | None:
+        device, sep, entries = data.decode().partition(":")
+        if data and not sep:
+            return None
+        return StandInCache(device or self.device, set(filter(None, entries.split(","))))
+
+    def set_timing_cache(self, cache: StandInCache, ignore_mismatch: bool) -> bool:
+        if cache.device != self.device and not ignore_mismatch:
             return False
         self.cache = cache
         return True
 
-    def get_timing_cache(self):
-        class Cache:
-            def serialize(inner) -> bytes:
-                return b"tuned:" + self.cache
-
-        return Cache() if self.keep else None
+    def get_timing_cache(self) -> StandInCache | None:
+        if not self.keep or self.cache is None:
+            return None
+        self.cache.entries.add(self.tuned)
+        return self.cache
 
 
 def test_a_timing_cache_from_another_gpu_falls_back_to_an_empty_one(tmp_path, capsys):
     from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
 
     path = tmp_path / "cache.bin"
-    path.write_bytes(b"other-gpu")
+    path.write_bytes(b"other-gpu:gemm")
     config = TimingCacheConfig()
     use_timing_cache(config, path)
-    assert config.cache == b"" and "was made for another GPU" in capsys.readouterr().err
+    assert config.cache.entries == set() and "was made for another GPU" in capsys.readouterr().err
     save_timing_cache(config, path)
-    assert path.read_bytes() == b"tuned:"
+    assert path.read_bytes() == b"this-gpu:conv" and "this build's replaces it" in capsys.readouterr().err
     use_timing_cache(config, tmp_path / "none-yet.bin")
-    assert config.cache == b""
+    assert config.cache.entries == set()
+
+
+def test_builds_sharing_a_timing_cache_keep_each_others_entries(tmp_path, capsys):
+    from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
+
+    path = tmp_path / "cache.bin"
+    first, second = TimingCacheConfig(tuned="conv"), TimingCacheConfig(tuned="matmul")
+    use_timing_cache(first, path)
+    use_timing_cache(second, path)  # both start before either saves
+    save_timing_cache(first, path)
+    save_timing_cache(second, path)
+    assert path.read_bytes() == b"this-gpu:conv,matmul" and capsys.readouterr().err == ""
+    path.write_bytes(b"unreadable")
+    third = TimingCacheConfig(tuned="pool")
+    use_timing_cache(third, path)
+    save_timing_cache(third, path)
+    assert path.read_bytes() == b"this-gpu:pool"
 
 
 def test_saving_the_timing_cache_never_fails_the_build(tmp_path, capsys):
-    from sdtrt.trt_build_worker import save_timing_cache
+    from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
 
     save_timing_cache(TimingCacheConfig(keep=False), tmp_path / "cache.bin")
     assert not (tmp_path / "cache.bin").exists() and "kept no timing cache" in capsys.readouterr().err
     blocked = tmp_path / "file"
     blocked.write_text("")
-    save_timing_cache(TimingCacheConfig(), blocked / "cache.bin")  # its folder is a file: cannot be written
+    config = TimingCacheConfig()
+    use_timing_cache(config, blocked / "cache.bin")
+    save_timing_cache(config, blocked / "cache.bin")  # its folder is a file: cannot be written
     assert "could not write the timing cache" in capsys.readouterr().err
 
 
