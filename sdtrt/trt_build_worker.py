@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import one_line
+
 if TYPE_CHECKING:
     import tensorrt as trt
 
@@ -56,13 +58,13 @@ def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
     ITimingCache.combine returns False, skipping everything, for a cache of another TensorRT version, or
     of another GPU with ignore_mismatch=False (pyCoreDoc.h ITimingCacheDoc "combine").
     """
-    import fcntl
-
     cache: trt.ITimingCache | None = config.get_timing_cache()
     if cache is None:
         warn("TensorRT kept no timing cache for this build; nothing written")
         return
     try:
+        import fcntl  # POSIX only: elsewhere the cache is simply not saved, with the warning below
+
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(f".{path.name}.lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -70,11 +72,14 @@ def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
                 on_file: trt.ITimingCache | None = config.create_timing_cache(path.read_bytes())
                 if on_file is None or not cache.combine(on_file, ignore_mismatch=False):
                     warn(f"timing cache {path} is unreadable or from another GPU or TensorRT; this build's replaces it")
+            # serialize may give no memory (TensorRT's shared/utils/cacheUtils.cpp checks for it)
+            if (data := cache.serialize()) is None:
+                raise RuntimeError("ITimingCache.serialize returned nothing")
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(bytes(cache.serialize()))
+            tmp.write_bytes(bytes(data))
             tmp.replace(path)
-    except OSError as exc:
-        warn(f"could not write the timing cache {path} ({exc.strerror}); the engine itself is built")
+    except Exception as exc:  # the plan is on disk already: whatever fails here must not fail the build
+        warn(f"could not write the timing cache {path} ({one_line(exc)}); the engine itself is built")
 
 
 def build(request: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import REPO
-from .trt_api import check_source, load_api
+from .trt_api import Signature, check_source, load_api
 
 STUBS = Path(os.environ.get("SDTRT_TRT_STUBS", REPO / ".cache" / "trt-stubs"))
 TRT_MODULES = ["sdtrt/gpu.py", "sdtrt/runtime/tensorrt.py", "sdtrt/trt_build_worker.py"]
@@ -49,6 +49,7 @@ def f(engine: trt.ICudaEngine):
     config.set_timing_cache(None, ignore_mismatches=False)
     builder.build_engine(None, config)
     engine.create_execution_contxt()
+    engine.serialize_with_config(arg0=None)
     trt.OnnxParsr
 
 class Runner:
@@ -62,6 +63,7 @@ class Runner:
         self._context.set_optimization_profile_async(0)
         self._context.set_tensor_address("x", 0, name="y")
         trt.Refitter(self._context, None, None)
+        trt.ICudaEngine()
 """
     problems, _ = check_source(source, api)
     text = "\n".join(problems)
@@ -77,6 +79,8 @@ class Runner:
     assert "set_optimization_profile_async() misses 'stream_handle'" in text
     assert "set_tensor_address() gets 'name' twice" in text
     assert "Refitter() takes 2 arguments, not 3" in text
+    assert "ICudaEngine() has no Python constructor" in text
+    assert "serialize_with_config() has no parameter 'arg0'" in text  # pybind11's unnamed arguments
 
 
 def test_refit_calls_are_checked(api):
@@ -100,11 +104,16 @@ def f(engine: trt.ICudaEngine, logger: trt.ILogger):
 
 
 # torch-tensorrt has no stubs and no wheel that installs here: its calls are pinned to the signatures read in
-# pytorch/TensorRT py/torch_tensorrt (ts/_compiler.py embed_engine_in_new_module; _Device.py Device.__init__,
-# whose keywords are gpu_id, dla_core, allow_gpu_fallback). A new call fails here until it is read and added.
+# pytorch/TensorRT py/torch_tensorrt (ts/_compiler.py embed_engine_in_new_module, the same from 2.4 to HEAD;
+# _Device.py Device.__init__(*args, **kwargs), whose keywords are these four; sdtrt passes keywords only).
+# A new call fails here until it is read and added.
 TORCH_TENSORRT_CALLS = {
-    "ts.embed_engine_in_new_module": ("serialized_engine", "input_binding_names", "output_binding_names", "device"),
-    "Device": ("gpu_id", "dla_core", "allow_gpu_fallback"),
+    "ts.embed_engine_in_new_module": Signature(
+        ("serialized_engine", "input_binding_names", "output_binding_names", "device"),
+        frozenset({"serialized_engine"}),
+        variadic=False,
+    ),
+    "Device": Signature(("gpu_id", "dla_core", "allow_gpu_fallback", "device_type"), frozenset(), variadic=False),
 }
 
 
@@ -124,13 +133,10 @@ def torch_tensorrt_call_problems(source: str) -> tuple[list[str], int]:
         name = ".".join(parts)
         if name not in TORCH_TENSORRT_CALLS:
             problems.append(f"line {node.lineno}: torch_tensorrt.{name} is not a call whose signature was read")
-            continue
-        params = TORCH_TENSORRT_CALLS[name]
-        if name != "Device" and len(node.args) > len(params):
-            problems.append(f"line {node.lineno}: torch_tensorrt.{name} takes at most {len(params)} arguments")
-        for kw in node.keywords:
-            if kw.arg not in params or (name != "Device" and params.index(kw.arg) < len(node.args)):
-                problems.append(f"line {node.lineno}: torch_tensorrt.{name}() has no free parameter '{kw.arg}'")
+        elif name == "Device" and node.args:
+            problems.append(f"line {node.lineno}: torch_tensorrt.Device() takes keywords here (gpu_id=…)")
+        elif problem := TORCH_TENSORRT_CALLS[name].problem(len(node.args), [k.arg for k in node.keywords if k.arg]):
+            problems.append(f"line {node.lineno}: torch_tensorrt.{name}() {problem}")
     return problems, checked
 
 
@@ -143,11 +149,15 @@ def test_torch_tensorrt_calls_match_the_signatures_read():
     assert problems == [] and checked >= 2  # wrap.py: embed_engine_in_new_module and its Device
     wrong = """
 import torch_tensorrt
-torch_tensorrt.ts.embed_engine_in_new_module(b"", ["x"], input_binding_names=["x"], device_id=0)
+torch_tensorrt.ts.embed_engine_in_new_module(b"", ["x"], input_binding_names=["x"])
+torch_tensorrt.ts.embed_engine_in_new_module(device_id=0)
+torch_tensorrt.ts.embed_engine_in_new_module(input_binding_names=["x"])
 torch_tensorrt.Device(gpu=0)
+torch_tensorrt.Device(0)
 torch_tensorrt.ts.compile(None)
 """
     text = "\n".join(torch_tensorrt_call_problems(wrong)[0])
-    assert "no free parameter 'input_binding_names'" in text and "no free parameter 'device_id'" in text
-    assert "Device() has no free parameter 'gpu'" in text
+    assert "gets 'input_binding_names' twice" in text and "has no parameter 'device_id'" in text
+    assert "misses 'serialized_engine'" in text
+    assert "Device() has no parameter 'gpu'" in text and "Device() takes keywords here" in text
     assert "torch_tensorrt.ts.compile is not a call whose signature was read" in text

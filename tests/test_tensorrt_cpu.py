@@ -138,7 +138,8 @@ class TimingCacheConfig:
     device = "this-gpu"
 
     def __init__(self, keep: bool = True, tuned: str = "conv") -> None:
-        self.keep, self.tuned, self.cache = keep, tuned, None
+        self.keep, self.tuned = keep, tuned
+        self.cache: StandInCache | None = None
 
     def create_timing_cache(self, data: bytes) -> StandInCache | None:
         device, sep, entries = data.decode().partition(":")
@@ -201,6 +202,9 @@ def test_saving_the_timing_cache_never_fails_the_build(tmp_path, capsys):
     use_timing_cache(config, blocked / "cache.bin")
     save_timing_cache(config, blocked / "cache.bin")  # its folder is a file: cannot be written
     assert "could not write the timing cache" in capsys.readouterr().err
+    config.cache.serialize = lambda: None  # no memory for the serialized cache
+    save_timing_cache(config, tmp_path / "cache.bin")
+    assert not (tmp_path / "cache.bin").exists() and "serialize returned nothing" in capsys.readouterr().err
 
 
 def test_the_tensorrt_version_comes_from_the_module_not_a_distribution(monkeypatch):

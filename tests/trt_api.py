@@ -42,28 +42,33 @@ class Signature:
     params: tuple[str, ...]  # in order, without self
     required: frozenset[str]  # those without a default
     variadic: bool  # *args or **kwargs: any call fits
+    positional: int | None = None  # how many may be given positionally, where a bare * ends them
 
     @classmethod
     def parse(cls, text: str) -> Signature:
-        params, required, variadic = [], set(), False
+        params: list[str] = []
+        required, variadic, positional = set(), False, None
         for part in _top_level_split(text):
             name = part.split(":")[0].split("=")[0].strip()
-            if name.startswith("*"):
+            if name == "*":
+                positional = len(params)
+            elif name.startswith("*"):
                 variadic = True
-            elif name and name != "self":
+            elif name and name not in ("self", "/"):
                 params.append(name)
                 if "=" not in part:
                     required.add(name)
-        return cls(tuple(params), frozenset(required), variadic)
+        return cls(tuple(params), frozenset(required), variadic, positional)
 
     def problem(self, positional: int, keywords: list[str]) -> str | None:
         """Why a call with this many positional arguments and these keywords does not fit, or None."""
         if self.variadic:
             return None
-        if unknown := next((k for k in keywords if k not in self.params), None):
+        # pybind11 names unnamed arguments arg0, arg1, …: those cannot be given by keyword
+        if unknown := next((k for k in keywords if k not in self.params or re.fullmatch(r"arg\d+", k)), None):
             return f"has no parameter '{unknown}'"
-        if positional > len(self.params):
-            return f"takes {len(self.params)} arguments, not {positional}"
+        if positional > (most := len(self.params) if self.positional is None else self.positional):
+            return f"takes {most} arguments, not {positional}"
         if twice := next((k for k in keywords if self.params.index(k) < positional), None):
             return f"gets '{twice}' twice"
         if missing := sorted(self.required - set(self.params[:positional]) - set(keywords)):
@@ -119,7 +124,10 @@ class Api:
         if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
             return None  # *args / **kwargs at the call: nothing to count
         keywords = [k.arg for k in call.keywords if k.arg]
-        problems = [sig.problem(len(call.args), keywords) for sig in self.signatures(cls, method)]
+        signatures = self.signatures(cls, method)
+        if not signatures and method == "__init__" and cls in self.classes:
+            return "has no Python constructor"  # pybind11: "No constructor defined"
+        problems = [sig.problem(len(call.args), keywords) for sig in signatures]
         return None if not problems or None in problems else problems[0]
 
 

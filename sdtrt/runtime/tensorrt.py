@@ -185,8 +185,8 @@ class TensorRTRuntime(CudaRuntime):
     def _run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, None, feeds)  # names, dtypes, grid; profiles are checked in _bind
         inputs = {name: aligned(t) for name, t in typed_inputs(self.spec, feeds, self.device).items()}
-        caller = torch.cuda.current_stream()
-        self._stream.wait_stream(caller)  # the inputs are written on the caller's stream
+        caller = torch.cuda.current_stream()  # on the engine's device: inputs were made or copied there on it
+        self._stream.wait_stream(caller)
         for tensor in inputs.values():
             tensor.record_stream(self._stream)  # allocated on the caller's stream, read on ours
         if self.cuda_graph:
@@ -233,6 +233,10 @@ class TensorRTRuntime(CudaRuntime):
         the stream is drained first) and returns False when validation fails. Execution contexts stay
         valid after a refit; a captured CUDA graph is dropped and re-captured on the next call.
         """
+        with torch.cuda.device(self._device):  # the Refitter works on the current device's engine
+            self._refit(weights)
+
+    def _refit(self, weights: dict[str, np.ndarray]) -> None:
         import tensorrt as trt
 
         from ..stages.weight_map import read_initializers
@@ -263,7 +267,8 @@ class TensorRTRuntime(CudaRuntime):
 
     def close(self) -> None:
         # Memory bound to the context must outlive the work queued on it (pyCoreDoc.h, execute_async_v3).
-        self._stream.synchronize()
+        with torch.cuda.device(self._device):
+            self._stream.synchronize()
         self._graph = None
         self._static = {}
         self._context = None
