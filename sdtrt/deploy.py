@@ -15,7 +15,6 @@ the repository holds everything it serves and can be moved to another machine of
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from . import __version__
 from .config import ShapeProfile, as_dict
 from .errors import ArtifactError, ConfigError
 from .families import pipeline_class_name
-from .models import ModelSource, resolve_model
+from .models import ModelSource
 from .spec import FOLDERS
 from .store import Artifact
 
@@ -98,9 +97,10 @@ def deploy_triton(
     """
     from .pipeline import engine_members
     from .runtime import artifact_profile
+    from .stages.engine_set import recorded_model
 
     members = engine_members(engine)
-    source = model or _recorded_model(engine)
+    source = model or recorded_model(engine)
     pipeline_class_name(source.pipeline_class(), "txt2img")  # UnsupportedModelError for refiners and the like
     profile = artifact_profile(members.get("unet", engine))
     if profile is None:
@@ -141,17 +141,6 @@ def deploy_triton(
     }
     (folder / DEPLOYMENT).write_text(json.dumps(record, indent=2) + "\n")
     return Deployment(folder, record)
-
-
-def _recorded_model(engine: Artifact) -> ModelSource:
-    from .stages.engine_set import source_model
-
-    recorded = source_model(engine)
-    if not Path(recorded["path"]).is_dir():
-        raise ArtifactError(
-            f"the model {engine.path} was made from ({recorded['path']}) is not on this machine; pass --model"
-        )
-    return dataclasses.replace(resolve_model(recorded["path"]), name=recorded["name"], kind=recorded["kind"])
 
 
 def _link_tree(src: Path, dst: Path, skip_weights_in: frozenset[str] = frozenset()) -> None:

@@ -36,24 +36,41 @@ if TYPE_CHECKING:
     from .stages.weight_map import WeightMap
 
 LoraSpec = tuple["str | os.PathLike[str]", float]
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights gives
 # The networks LoRA files change, by the state-dict prefix diffusers gives each (and the pipeline attribute).
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
-    if not isinstance(scale, int | float) or math.isnan(scale) or math.isinf(scale) or scale < 0:
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise LoraError(f"LoRA scale {scale!r} for {path} is a {type(scale).__name__}, not a number (e.g. 0.8)")
+    if math.isnan(scale) or math.isinf(scale) or scale < 0:
         raise LoraError(f"LoRA scale {scale} for {path} must be a finite number ≥ 0 (e.g. 0.8)")
     return float(scale)
+
+
+def checked_loras(loras: Sequence[LoraSpec]) -> list[tuple[Path, float]]:
+    """(file, scale) pairs with their scales checked; LoraError for anything else, such as a bare path."""
+    if isinstance(loras, str | os.PathLike):
+        loras = [loras]  # type: ignore[list-item]  # reported below, item by item
+    checked = []
+    for item in loras:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise LoraError(f'LoRAs are (file, scale) pairs, e.g. [("style.safetensors", 0.8)]; got {item!r}')
+        checked.append((Path(item[0]), check_scale(item[1], item[0])))
+    return checked
 
 
 def parse_lora_option(value: str) -> tuple[str, float]:
     """``FILE[:SCALE]`` → (file, scale); the scale defaults to 1.0 and is checked."""
     path, sep, tail = value.rpartition(":")
+    if not sep or not path or Path(value).exists():  # no scale, or a colon that is part of the file's name
+        return value, 1.0
     try:
-        scale = float(tail) if sep else 1.0
+        scale = float(tail)
     except ValueError:
-        path, scale = value, 1.0  # a colon that is part of the path
-    path = path if sep and path else value
+        message = f"--lora {value}: '{tail}' is not a scale; write FILE[:SCALE], e.g. style.safetensors:0.8"
+        raise LoraError(message) from None
     return path, check_scale(scale, path)
 
 
@@ -113,6 +130,10 @@ def read_lora(path: str | os.PathLike[str]) -> LoraFile:
     from .models import quiet_loading
 
     path = Path(path)
+    if path.is_dir():  # a folder save_lora_weights wrote: its file, as diffusers' load_lora_weights finds it
+        if not (path / DIFFUSERS_LORA_FILE).is_file():
+            raise LoraError(f"{path} is a folder without {DIFFUSERS_LORA_FILE}; pass the LoRA's .safetensors file")
+        path = path / DIFFUSERS_LORA_FILE
     if not path.is_file():
         raise LoraError(f"LoRA file {path} does not exist")
     try:
@@ -296,7 +317,7 @@ def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsew
             raise LoraError(f"the {target.runtime.name} runtime cannot take new weights; load an ONNX Runtime or a "
                             "refittable TensorRT (build-trt --refittable) engine for LoRAs")  # fmt: skip
     started = time.perf_counter()
-    checked = [(Path(path), check_scale(scale, path)) for path, scale in loras]
+    checked = checked_loras(loras)
     files = [(read_lora(path), scale) for path, scale in checked]
     held = {t.component for t in targets}
     for lora, _ in files:
@@ -347,7 +368,7 @@ def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     """
     from .models import quiet_loading
 
-    checked = [(path, check_scale(scale, path)) for path, scale in loras]
+    checked = checked_loras(loras)
     for path, _ in checked:
         read_lora(path)
     networks = [c for c in LORA_COMPONENTS if getattr(pipe, c, None) is not None]

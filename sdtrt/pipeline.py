@@ -106,6 +106,7 @@ def load_pipeline(
         on_pytorch = [c for c in model_components(source) if c not in members]
         if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
             console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
+        refuse_diffusers_loras(pipe)
     if loras and lora_networks(pipe):
         set_loras(pipe, loras)
     elif loras:
@@ -114,6 +115,31 @@ def load_pipeline(
     if scheduler:
         set_scheduler(pipe, scheduler)
     return pipe
+
+
+# diffusers' LoRA methods change PyTorch modules: on engines they would fail deep inside diffusers
+# (load_lora_weights) or silently do nothing (fuse_lora).
+DIFFUSERS_LORA_METHODS = (
+    "load_lora_weights", "fuse_lora", "unfuse_lora", "set_adapters", "unload_lora_weights", "delete_adapters",
+    "enable_lora", "disable_lora",
+)  # fmt: skip
+
+
+def refuse_diffusers_loras(pipe: Any) -> None:
+    """Make diffusers' LoRA methods on an engine pipeline raise a LoraError that says what to call instead."""
+
+    def refusal(name: str) -> Callable[..., None]:
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise LoraError(
+                f"pipe.{name} works on PyTorch networks, and this pipeline's run on engines: use "
+                "sdtrt.pipeline.set_loras(pipe, [(file, scale)]) or load_pipeline(..., loras=[(file, scale)])"
+            )
+
+        return refuse
+
+    for name in DIFFUSERS_LORA_METHODS:
+        if hasattr(pipe, name):
+            setattr(pipe, name, refusal(name))
 
 
 def lora_networks(pipe: Any) -> list[EngineLoras]:

@@ -116,17 +116,18 @@ def test_pipelines_say_what_they_need(tiny):
 
 
 def test_cli_inpaints_with_a_mask_and_lists_the_family(family_sets, store, tmp_path):
+    """The engine set alone names its model: --model defaults to the one the set was made from."""
     from PIL import Image
 
-    family_sets("tiny-inpaint")
-    Image.new("RGB", (64, 64), (200, 120, 40)).save(tmp_path / "photo.png")
-    Image.new("L", (64, 64), 255).save(tmp_path / "mask.png")
+    engines = family_sets("tiny-inpaint")
+    Image.new("RGB", (128, 128), (200, 120, 40)).save(tmp_path / "photo.png")
+    Image.new("L", (128, 128), 255).save(tmp_path / "mask.png")
     out = tmp_path / "out.png"
     result = run_cli(
-        "generate", "--model", "tiny-inpaint", "--image", str(tmp_path / "photo.png"), "--mask",
-        str(tmp_path / "mask.png"), "--steps", "2", "--height", "64", "--width", "64", "--out", str(out), check=True,
+        "generate", "--engine", str(engines.path), "--image", str(tmp_path / "photo.png"), "--mask",
+        str(tmp_path / "mask.png"), "--steps", "2", "--height", "128", "--width", "128", "--out", str(out), check=True,
     )  # fmt: skip
-    assert last_line(result.stdout) == str(out) and Image.open(out).size == (64, 64)
+    assert last_line(result.stdout) == str(out) and Image.open(out).size == (128, 128)
     listing = run_cli("cache", "ls", "--engines", str(store.root), check=True).stdout
     sets = [line for line in listing.splitlines() if line.startswith("set ")]
     assert any(" sd1-inpaint " in line for line in sets), listing

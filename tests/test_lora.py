@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from sdtrt.compile import compile_model
 from sdtrt.errors import LoraError
-from sdtrt.lora import EngineLoras, apply_loras
+from sdtrt.lora import EngineLoras, apply_loras, parse_lora_option
 from sdtrt.models import load_folder, resolve_model
 from sdtrt.pipeline import GenerateRequest, generate, load_pipeline, set_loras
 from sdtrt.runtime import open_runtime
@@ -234,6 +234,9 @@ def test_bad_input_is_one_line_and_the_engine_keeps_its_weights(loras, engine_pi
         ([(loras["b"], 0.5), (loras["a"], -0.5)], "must be a finite number ≥ 0"),
         ([(loras["a"], math.nan)], "must be a finite number ≥ 0"),
         ([(str(folder / "missing.safetensors"), 1.0)], "does not exist"),
+        ([(str(folder), 1.0)], "is a folder without pytorch_lora_weights.safetensors"),
+        ([loras["a"]], r"LoRAs are \(file, scale\) pairs"),
+        ([(loras["a"], "0.8")], "is a str, not a number"),
     ]
     for case, message in cases:
         with pytest.raises(LoraError, match=message) as caught:
@@ -241,6 +244,22 @@ def test_bad_input_is_one_line_and_the_engine_keeps_its_weights(loras, engine_pi
         assert "\n" not in str(caught.value)
     assert np.array_equal(image(engine_pipe), with_a)
     assert engine_pipe.unet.loras.active[0][1] == 0.8
+    for call in (lambda: engine_pipe.load_lora_weights(loras["b"]), lambda: engine_pipe.fuse_lora(lora_scale=0.5)):
+        with pytest.raises(LoraError, match=r"works on PyTorch networks.*use sdtrt.pipeline.set_loras"):
+            call()  # diffusers' own LoRA methods: a pointer to set_loras, not a deep AttributeError or a no-op
+    engine_pipe.unet.set_loras([(Path(loras["a"]).parent, 0.8)])  # the folder save_lora_weights wrote
+    assert np.array_equal(image(engine_pipe), with_a)
+
+
+def test_lora_options_name_the_file_then_the_scale(tmp_path):
+    assert parse_lora_option("style.safetensors:0.5") == ("style.safetensors", 0.5)
+    assert parse_lora_option("style.safetensors") == ("style.safetensors", 1.0)
+    odd = tmp_path / "v2:final.safetensors"  # a colon in an existing file's name is part of it
+    odd.write_bytes(b"")
+    assert parse_lora_option(str(odd)) == (str(odd), 1.0)
+    for bad in ("style.safetensors:abc", "style.safetensors:", "style.safetensors:0,8"):
+        with pytest.raises(LoraError, match="is not a scale; write FILE\\[:SCALE\\]"):
+            parse_lora_option(bad)
 
 
 def test_a_weight_the_map_cannot_place_is_refused_by_name(tiny, tiny_engine, loras, tmp_path):

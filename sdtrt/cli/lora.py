@@ -20,7 +20,7 @@ app = typer.Typer(
 def inspect_command(
     file: Annotated[Path, typer.Argument(help="A LoRA .safetensors file (diffusers/PEFT or kohya/A1111).")],
     engine: Annotated[str | None, typer.Option(help=f"{o.ENGINE_HELP}; check its weight map covers the LoRA.")] = None,
-    model: o.ModelOpt = "tiny",
+    model: o.EngineModelOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Format, rank, alpha and scale, the modules a LoRA touches in the UNet and text encoders, and (with
@@ -38,11 +38,11 @@ def inspect_command(
         results.print(f"{key}: {summary[key]}")
     fits = None
     if engine:
-        from ..models import resolve_model
         from ..pipeline import engine_members
         from ..stages.weight_map import for_engine
 
-        members, source = engine_members(o.find_engine(engine, engines)), resolve_model(model)
+        artifact = o.find_engine(engine, engines)
+        members, source = engine_members(artifact), o.model_for(model, artifact)
         fits = coverage(lora, {c: for_engine(members[c], source, c) for c in lora.parts if c in members})
     table = Table(title="Modules (scale = alpha / rank, times the scale you give)", title_justify="left")
     for column in ("network", "module", "rank", "alpha", "scale", *(["engine"] if fits else [])):

@@ -21,11 +21,22 @@ from ..config import (
     Target,
     TrtBuildConfig,
 )
+from ..models import ModelSource
 from ..store import Artifact, Store
 
 ModelOpt = Annotated[
     str,
     typer.Option("--model", "-m", help="Preset (tiny, sd15-random), local diffusers folder, or hub id."),
+]
+# Commands that take an engine: the model defaults to the one the engine was made from.
+EngineModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Preset, local diffusers folder, or hub id (default: the model the engine was made from; "
+        "tiny without --engine).",
+    ),
 ]
 EnginesOpt = Annotated[
     Path | None,
@@ -125,3 +136,13 @@ def trt_config(
         timing_cache=str(timing_cache.resolve()) if timing_cache else None,
         refittable=refittable,
     )
+
+
+def model_for(model: str | None, engine: Artifact | None) -> ModelSource:
+    """``--model`` when given, else the model ``engine`` was made from, else the tiny preset."""
+    from ..models import resolve_model
+    from ..stages.engine_set import recorded_model
+
+    if model:
+        return resolve_model(model)
+    return recorded_model(engine) if engine is not None else resolve_model("tiny")

@@ -123,7 +123,7 @@ def print_bench(report: dict) -> None:
 
 def profile_command(
     out: Annotated[Path, typer.Option(help="Folder for trace.json, flame.speedscope.json and steps.json.")],
-    model: o.ModelOpt = "tiny",
+    model: o.EngineModelOpt = None,
     engine: o.EngineOpt = None,
     trace: Annotated[
         list[str] | None, typer.Option(help="Function or method to wrap in spans, as package.module.Class.method.")
@@ -139,12 +139,10 @@ def profile_command(
 
     Example: sdtrt profile --model tiny --out prof --trace diffusers.schedulers.scheduling_pndm.PNDMScheduler.step
     """
-    from ..models import resolve_model
-
-    source = resolve_model(model)
+    artifact = o.find_engine(engine, engines) if engine else None
+    source = o.model_for(model, artifact)
     request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
     request = request.sized_for(SizeRule.for_model(source))
-    artifact = o.find_engine(engine, engines) if engine else None
 
     from rich.table import Table
 

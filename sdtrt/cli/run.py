@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
 
 def generate_command(
     prompt: o.PromptOpt = GenerateRequest.prompt,
-    model: o.ModelOpt = "tiny",
+    model: o.EngineModelOpt = None,
     engine: o.EngineOpt = None,
     negative_prompt: o.NegativePromptOpt = None,
     steps: o.StepsOpt = GenerateRequest.steps,
@@ -75,12 +75,12 @@ def generate_command(
     """
     from ..families import TASKS
     from ..lora import parse_lora_option
-    from ..models import resolve_model
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = [parse_lora_option(value) for value in lora or []]
-    source = resolve_model(model)
+    artifact = o.find_engine(engine, engines) if engine else None
+    source = o.model_for(model, artifact)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
         image=_open_image(image, "RGB"), mask_image=_open_image(mask, "L"),
@@ -88,7 +88,6 @@ def generate_command(
     request = request.sized_for(SizeRule.for_model(source))
     if scheduler:
         check_scheduler(scheduler)
-    artifact = o.find_engine(engine, engines) if engine else None
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -107,7 +106,7 @@ def generate_command(
 
 def validate_command(
     engine: Annotated[str, typer.Option(help=f"{o.ENGINE_HELP}.")],
-    model: o.ModelOpt = "tiny",
+    model: o.EngineModelOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Denoising steps for the image comparison.")] = 10,
     scheduler: SchedulerOpt = None,
     images: Annotated[bool, typer.Option("--images/--no-images", help="Also compare generated images.")] = True,
@@ -123,14 +122,12 @@ def validate_command(
 
     Example: sdtrt validate --model tiny --engine engines/build-ort/2a06c39aaf814d52 --json report.json
     """
-    from ..models import resolve_model
-
-    source = resolve_model(model)
+    artifact = o.find_engine(engine, engines)
+    source = o.model_for(model, artifact)
     if height is not None or width is not None:
         SizeRule.for_model(source).resolve(height, width)
     if scheduler:
         check_scheduler(scheduler)
-    artifact = o.find_engine(engine, engines)
 
     from ..validate import validate
 

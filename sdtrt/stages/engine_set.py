@@ -6,13 +6,13 @@ store, and its key derives from theirs, so a set of unchanged members is a cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import COMPONENTS, Component
 from ..errors import ArtifactError, ConfigError
-from ..models import ModelSource
+from ..models import ModelSource, resolve_model
 from ..onnx_graph import artifact_spec
 from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
@@ -37,6 +37,16 @@ def source_model(artifact: Artifact) -> dict[str, Any]:
     if "path" not in first or "digest" not in first:
         raise ArtifactError(f"{artifact.path} does not record the model it was made from; rebuild it with sdtrt")
     return first
+
+
+def recorded_model(engine: Artifact) -> ModelSource:
+    """The model ``engine`` was made from, resolved here; ArtifactError when it is not on this machine."""
+    recorded = source_model(engine)
+    if not Path(recorded["path"]).is_dir():
+        raise ArtifactError(
+            f"the model {engine.path} was made from ({recorded['path']}) is not on this machine; pass --model"
+        )
+    return replace(resolve_model(recorded["path"]), name=recorded["name"], kind=recorded["kind"])
 
 
 def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store, model: ModelSource) -> Artifact:
