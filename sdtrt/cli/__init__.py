@@ -46,7 +46,7 @@ from . import cache, debug, lora, perf, run, serve, stages  # noqa: E402
 
 app = typer.Typer(
     name="sdtrt",
-    help="Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate UNet engines.",
+    help="Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -66,7 +66,7 @@ def _root(
         bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    """Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate UNet engines."""
+    """Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network."""
 
 
 stages.register(app)

@@ -118,7 +118,7 @@ def validate_command(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Compare an engine with the PyTorch fp32 UNet: tensors, latents and images. Exits 3 on a mismatch.
+    """Compare an engine (or every member of a set) with PyTorch fp32: tensors, latents, images. Exits 3 on a mismatch.
 
     Example: sdtrt validate --model tiny --engine engines/build-ort/2a06c39aaf814d52 --json report.json
     """
