@@ -183,7 +183,10 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
         ),
         (["generate", "--seed", "-1"], "seed -1 is outside 0..18446744073709551615"),
         (["generate", "--scheduler", "nope"], "scheduler 'nope' is not one of pndm"),
-        (["validate", "--engine", "0123abcd", "--height", "300"], "height 300 is not a positive multiple of 16"),
+        (
+            ["validate", "--model", "tiny", "--engine", "0123abcd", "--height", "300"],
+            "height 300 is not a positive multiple of 16",
+        ),
         (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
     ],

@@ -122,12 +122,13 @@ def validate_command(
 
     Example: sdtrt validate --model tiny --engine engines/build-ort/2a06c39aaf814d52 --json report.json
     """
-    artifact = o.find_engine(engine, engines)
+    artifact = None if model else o.find_engine(engine, engines)  # a given --model is checked first
     source = o.model_for(model, artifact)
     if height is not None or width is not None:
         SizeRule.for_model(source).resolve(height, width)
     if scheduler:
         check_scheduler(scheduler)
+    artifact = artifact or o.find_engine(engine, engines)
 
     from ..validate import validate
 
