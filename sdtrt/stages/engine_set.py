@@ -35,7 +35,9 @@ def source_model(artifact: Artifact) -> dict[str, Any]:
     """The model an artifact was made from (name, kind, path, digest), as its first stage recorded it."""
     first = (artifact.lineage()[-1].manifest.get("inputs") or [{}])[0]
     if "path" not in first or "digest" not in first:
-        raise ArtifactError(f"{artifact.path} does not record the model it was made from; rebuild it with sdtrt")
+        raise ArtifactError(
+            f"{artifact.path} does not record the model it was made from; pass --model, or rebuild it with sdtrt"
+        )
     return first
 
 
