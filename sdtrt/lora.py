@@ -247,6 +247,8 @@ class EngineLoras:
         """
         import torch
 
+        if not self._changed and not any(self.component in lora.parts for lora, _ in files):
+            return {}, set()  # at base and staying there: no weight map to make, nothing to swap
         weight_map = self._map_or_make()
         touched: dict[str, list[tuple[str, LoraModule, float]]] = {}  # initializer → what LoRAs add to it
         for param, pair, scale in self._placed(files):
@@ -274,7 +276,8 @@ class EngineLoras:
 
     def swap(self, weights: dict[str, np.ndarray], changed: set[str], active: list[tuple[Path, float]]) -> None:
         try:
-            self.runtime.set_weights(weights)
+            if weights:  # an unchanged engine keeps its session (ONNX Runtime) or skips a refit (TensorRT)
+                self.runtime.set_weights(weights)
         except LoraError:
             # A refit that fails may have changed some weights (pyCoreDoc.h, refit_cuda_engine): count them
             # all as changed, so the next swap rewrites each from base.

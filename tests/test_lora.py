@@ -183,7 +183,9 @@ def test_kohya_alphas_count_per_text_encoder_module(tiny, loras, set_pipe):
     set_loras(set_pipe, [])
 
 
-def test_a_text_encoder_lora_needs_the_text_encoder_on_an_engine(loras, set_pipe, engine_pipe):
+def test_a_text_encoder_lora_needs_the_text_encoder_on_an_engine(tiny, tiny_set, loras, set_pipe, engine_pipe):
+    fresh = load_pipeline(tiny, tiny_set, loras=[(loras["a"], 0.8)])  # a UNet-only LoRA on a whole set
+    assert fresh.unet.loras._map is not None and fresh.text_encoder.loras._map is None  # no text encoder map made
     set_loras(set_pipe, [(loras["a"], 0.8)])
     before = [image(pipe) for pipe in (set_pipe, engine_pipe)]
     with pytest.raises(LoraError, match=r"changes the text encoder \(text_encoder\) too: .* sdtrt.pipeline.set_loras"):
