@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PYTHON_BOOT ?= python3
 VENV ?= .venv
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU box.
+# scripts/install_torch.py takes it from PyTorch's CPU index on a machine without an NVIDIA GPU.
 TORCH_SPEC ?= torch==2.13.0
 TRT_STUBS ?= tensorrt-stubs==10.13.0.35.1
 MODEL ?= tiny
@@ -33,12 +34,13 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/python scripts/install_torch.py "$(TORCH_SPEC)"
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	@# TensorRT's published Python API, for tests/test_tensorrt_api.py. Unpacked beside, not into,
 	@# site-packages: a stub-only tensorrt/ folder would import as an empty package.
 	$(VENV)/bin/pip download -q --no-deps --dest .cache "$(TRT_STUBS)"
 	rm -rf .cache/trt-stubs && $(VENV)/bin/python -m zipfile -e .cache/tensorrt_stubs-*.whl .cache/trt-stubs
+	@$(VENV)/bin/python -c 'import torch; print("installed: torch", torch.__version__, "with CUDA " + torch.version.cuda if torch.version.cuda else "(CPU build, no CUDA)")'
 	touch $@
 
 test: setup
