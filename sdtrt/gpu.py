@@ -39,10 +39,14 @@ def require_tensorrt(what: str = "build a TensorRT engine") -> None:
         raise MissingDependencyError(f"cannot {what} here: {missing}; {CONTAINER_HINT}")
 
 
+def torch_tensorrt_missing() -> str | None:
+    """What stops wrapping an engine as TorchScript (torch-tensorrt's frontend), or None when nothing does."""
+    return tensorrt_missing() or (None if _installed("torch_tensorrt") else "torch-tensorrt is not installed")
+
+
 def require_torch_tensorrt(what: str) -> None:
-    require_tensorrt(what)
-    if not _installed("torch_tensorrt"):
-        raise MissingDependencyError(f"cannot {what} here: torch-tensorrt is not installed; {CONTAINER_HINT}")
+    if missing := torch_tensorrt_missing():
+        raise MissingDependencyError(f"cannot {what} here: {missing}; {CONTAINER_HINT}")
 
 
 def gpu_environment() -> dict[str, Any]:

@@ -226,12 +226,23 @@ def _packed(graph_path: Path, unplaced: dict[str, Any], taken: set[str]) -> dict
     return out
 
 
+def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
+    """The values of those named initializers the graph has, reading only their bytes of its external data."""
+    from onnx import external_data_helper, numpy_helper
+
+    proto = onnx_graph.load_graph(graph_path, with_weights=False)
+    out = {}
+    for init in proto.graph.initializer:
+        if init.name in names:
+            if external_data_helper.uses_external_data(init):
+                external_data_helper.load_external_data_for_tensor(init, str(graph_path.parent))
+            out[init.name] = numpy_helper.to_array(init)
+    return out
+
+
 def read_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
     """The named initializers' values (the engine's base weights), read from the graph."""
-    from onnx import numpy_helper
-
-    proto = onnx_graph.load_graph(graph_path, with_weights=True)
-    out = {init.name: numpy_helper.to_array(init) for init in proto.graph.initializer if init.name in names}
+    out = read_named_initializers(graph_path, names)
     if missing := sorted(names - set(out)):
         raise ArtifactError(f"{graph_path} has no initializer '{missing[0]}'; its weight map is stale, rebuild it")
     return out

@@ -38,6 +38,10 @@ def run(config: WrapConfig, engine: Artifact, store: Store) -> Artifact:
             "only (Torch-TensorRT selects no other); load the build-trt artifact directly, or build one profile"
         )
     require_torch_tensorrt("wrap a TensorRT engine as TorchScript")
+    from ..runtime.tensorrt import check_engine_environment
+
+    # A plan from another GPU or TensorRT would fail inside torch-tensorrt ("Unable to deserialize"): say why.
+    check_engine_environment(engine.manifest)
     env = environment("torch-tensorrt", "torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
     request = StageRequest(STAGE, VERSION, config, [engine.as_input()], env)
     artifact, _ = store.produce(request, lambda out_dir: _wrap(engine, out_dir))
