@@ -297,7 +297,7 @@ def test_debug_rebuilds_with_the_engines_own_tf32():
 
 def test_the_rebuild_advice_repeats_every_setting():
     """Item 6: rebuilding must keep --refittable, the optimization level, the profile and TF32."""
-    from sdtrt.runtime.tensorrt import rebuild_command
+    from sdtrt.gpu import rebuild_command
 
     config = TrtBuildConfig(
         profiles=(ShapeProfile(Range(1, 1, 2), Range(256, 512, 768), Range(256, 512, 768)),),

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError, LoraError
-from ..gpu import engine_mismatch, gpu_environment, require_tensorrt, tensorrt_version
+from ..errors import ArtifactError, EngineInputError, LoraError
+from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from . import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
@@ -94,22 +94,6 @@ def engine_io_problem(engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
 
 def describe_profiles(profiles: list[ProfileShapes], name: str) -> str:
     return "; ".join(f"profile {i}: {p[name][0]} .. {p[name][2]}" for i, p in enumerate(profiles))
-
-
-def rebuild_command(manifest: dict[str, Any]) -> str:
-    """The command that builds this engine again with its own settings (the manifest's ``reproduce``)."""
-    source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
-    return str(manifest.get("reproduce") or f"sdtrt build {source} --target tensorrt")
-
-
-def check_engine_environment(manifest: dict[str, Any]) -> None:
-    """Refuse an engine built with another TensorRT or for another GPU, saying how to rebuild."""
-    here = {"tensorrt": tensorrt_version()} | gpu_environment()
-    reason = engine_mismatch(manifest.get("environment", {}), here)
-    if reason:
-        raise EnvironmentMismatchError(
-            f"{reason}; engines are not portable: rebuild it here with `{rebuild_command(manifest)}`"
-        )
 
 
 # NvInferRuntime.h, IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment."
