@@ -372,3 +372,30 @@ def test_compile_knows_before_building_whether_it_can_wrap():
     )
     two = TrtBuildConfig(profiles=(ShapeProfile(), ShapeProfile.around(768, 64)))
     assert "2 optimization profiles" in wrap_problem(two, None)
+
+
+def test_base_weights_read_with_the_onnx_of_the_container(tiny_simplified, tmp_path, monkeypatch):
+    """Review of issue 24: older onnx (1.17 included; pyproject allows >=1.16) loads a tensor's external data
+    without marking it loaded, and its to_array then reads the data again relative to the working directory."""
+    import onnx
+    from onnx import external_data_helper, numpy_helper
+
+    from sdtrt.stages.weight_map import read_initializers
+
+    def load_as_onnx_117(tensor: onnx.TensorProto, base_dir: str) -> None:  # onnx 1.17 external_data_helper.py
+        with open(Path(base_dir) / external_data_helper.ExternalDataInfo(tensor).location, "rb") as data_file:
+            info = external_data_helper.ExternalDataInfo(tensor)
+            data_file.seek(info.offset or 0)
+            tensor.raw_data = data_file.read(info.length) if info.length else data_file.read()
+
+    graph = tmp_path / "graph" / "unet.onnx"  # as a real UNet's: its weights in external data
+    graph.parent.mkdir()
+    full = onnx.load(str(tiny_simplified.primary))
+    expected = {i.name: numpy_helper.to_array(i) for i in full.graph.initializer}
+    onnx.save_model(full, str(graph), save_as_external_data=True, location="unet.onnx.data", size_threshold=0)
+    model = onnx.load(str(graph), load_external_data=False)
+    external = [i.name for i in model.graph.initializer if external_data_helper.uses_external_data(i)]
+    monkeypatch.chdir(tmp_path)  # not the graph's folder: a path relative to it must not resolve here
+    monkeypatch.setattr(external_data_helper, "load_external_data_for_tensor", load_as_onnx_117)
+    got = read_initializers(graph, set(external[:3]))
+    assert all(np.array_equal(got[name], expected[name]) for name in external[:3])
