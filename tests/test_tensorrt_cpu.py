@@ -399,3 +399,26 @@ def test_base_weights_read_with_the_onnx_of_the_container(tiny_simplified, tmp_p
     monkeypatch.setattr(external_data_helper, "load_external_data_for_tensor", load_as_onnx_117)
     got = read_initializers(graph, set(external[:3]))
     assert all(np.array_equal(got[name], expected[name]) for name in external[:3])
+
+
+def test_the_reproduce_command_parses_with_the_cli(tmp_path):
+    """Review of issue 24: the manifest's `reproduce` is advice users paste: it must parse, path spaces and all."""
+    import shlex
+
+    from typer.main import get_command
+
+    from sdtrt.cli import app
+
+    source = tmp_path / "my engines" / "simplify" / "abc"
+    profile = ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384))
+    config = TrtBuildConfig(
+        profiles=(profile,), static_shapes=True, workspace_gb=2.5, refittable=True, tf32=False, optimization_level=5
+    )
+    words = shlex.split(build_trt.reproduce_command(config, source))
+    assert words[:3] == ["sdtrt", "build", str(source)]
+    group = get_command(app)
+    build = group.get_command(group.make_context("sdtrt", ["build", "x"]), "build")
+    params = build.make_context("build", words[2:]).params
+    assert params["source"] == str(source) and (params["batch"], params["height"]) == ("1:1:2", "128:256:384")
+    assert params["static"] and params["refittable"] and params["tf32"] is False
+    assert (params["workspace_gb"], params["optimization_level"], params["target"]) == (2.5, 5, "tensorrt")

@@ -7,6 +7,7 @@ cache key and the manifest; the runtime refuses an engine built for anything els
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -73,9 +74,9 @@ def built_with_tf32(manifest: dict[str, Any]) -> bool:
 
 def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
     """`sdtrt build` with every setting of this engine: what a rebuild must repeat (several profiles: the first,
-    as the CLI takes one)."""
+    as the CLI takes one). Shell-quoted: users paste it."""
     profile = config.profiles[0]
-    words = [f"sdtrt build {source} --target tensorrt"]
+    words = [f"sdtrt build {shlex.quote(str(source))} --target tensorrt"]
     words += [f"--batch {profile.batch}", f"--height {profile.height}", f"--width {profile.width}"]
     words.append(f"--optimization-level {config.optimization_level}")
     words += ["--static"] if config.static_shapes else []
