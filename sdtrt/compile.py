@@ -24,7 +24,7 @@ from .config import (
     ValidationConfig,
     WrapConfig,
 )
-from .gpu import require_tensorrt, tensorrt_missing
+from .gpu import require_tensorrt, tensorrt_missing, torch_tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
 from .spec import component_spec, model_components
@@ -101,6 +101,8 @@ def compile_model(
     upcast: fp32.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
+    if chosen == "tensorrt" and (unwrapped := wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing())):
+        reason += f"; {unwrapped}"  # known before any plan is built
     components = components or model_components(model)
     profile = profile or component_spec(model, "unet").default_profile()  # one user profile for every member
     artifacts: list[Artifact] = []
@@ -113,21 +115,28 @@ def compile_model(
         simplified = simplify.run(simplify_config, exported, store)
         built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
         artifacts += [exported, simplified, built]
-        if chosen == "tensorrt" and len(built.manifest["profiles"]) == 1:
+        if chosen == "tensorrt" and "not wrapped" not in reason:
             from .stages import wrap
 
             artifacts.append(wrap.run(WrapConfig(), built, store))
-        elif chosen == "tensorrt" and "not wrapped" not in reason:
-            reason += (
-                f"; the engines have {len(built.manifest['profiles'])} optimization profiles, so they are not "
-                "wrapped as TorchScript (a wrapped engine runs profile 0 only): use the build-trt artifacts"
-            )
         # A wrapped engine cannot be refit: a refittable build's set holds the plans, LoRAs' way in.
         finals[component] = built if trt_config is not None and trt_config.refittable else artifacts[-1]
     if len(components) > 1:
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     report = validate(model, artifacts[-1], validation) if validation else None
     return CompileResult(chosen, reason, artifacts, report)
+
+
+def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:
+    """Why the TensorRT engines will not be wrapped as TorchScript, or None when they will be."""
+    if torch_tensorrt_missing:
+        return f"{torch_tensorrt_missing}, so the engines are not wrapped as TorchScript: use the build-trt artifacts"
+    if (profiles := len(config.effective_profiles())) > 1:
+        return (
+            f"the engines have {profiles} optimization profiles, so they are not wrapped as TorchScript "
+            "(a wrapped engine runs profile 0 only): use the build-trt artifacts"
+        )
+    return None
 
 
 def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:

@@ -34,11 +34,19 @@ def not_in_key(default: Any) -> Any:
     return field(default=default, metadata={"in_key": False})
 
 
+def in_key_unless(default: Any, value: Any) -> Any:
+    """A config field that enters the key only when it is not ``value`` (what every earlier build did), so
+    adding the field changes no existing key."""
+    return field(default=default, metadata={"key_unless": value})
+
+
 def cache_key(config: Any) -> dict[str, Any]:
     """The fields of a config dataclass that change its stage's output, as plain JSON data."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         if not f.metadata.get("in_key", True):
+            continue
+        if "key_unless" in f.metadata and getattr(config, f.name) == f.metadata["key_unless"]:
             continue
         out[f.name] = _plain(getattr(config, f.name))
     return out
@@ -236,6 +244,10 @@ class TrtBuildConfig:
     workspace_gb: float | None = None  # None: TensorRT's default (the GPU's memory)
     optimization_level: int = 3  # TensorRT builder optimization level, 0..5
     refittable: bool = False  # BuilderFlag.REFIT: LoRAs refit the weights in place (sdtrt.lora)
+    # BuilderFlag.TF32, on in TensorRT by default: fp32 convolutions and matmuls in TF32 (10-bit mantissa).
+    # None: off for fp32 graphs ("fp32" means fp32), on for fp16 ones (their few fp32 layers, as before);
+    # the build stage resolves it (tf32_for). Keyed only when off, so the keys of earlier builds stay.
+    tf32: bool | None = in_key_unless(None, True)
     # A timing cache makes rebuilds faster; it does not change what the engine computes.
     timing_cache: str | None = not_in_key(None)
 
@@ -246,6 +258,10 @@ class TrtBuildConfig:
             raise ConfigError(f"builder optimization level {self.optimization_level} is outside 0..5")
         if self.workspace_gb is not None and self.workspace_gb <= 0:
             raise ConfigError(f"workspace {self.workspace_gb} GB must be positive")
+
+    def tf32_for(self, precision: str) -> bool:
+        """Whether TF32 is on for a graph of this precision ("fp32", "fp16")."""
+        return self.tf32 if self.tf32 is not None else precision != "fp32"
 
     def effective_profiles(self) -> tuple[ShapeProfile, ...]:
         if not self.static_shapes:

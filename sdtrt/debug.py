@@ -124,7 +124,9 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
 
     reference = OnnxrtRunner(session(fp32_replica(candidate)), name="fp32")
     if engine.stage == "build-trt":
-        runner, backend = _tensorrt_runner(graph_artifact, feeds), "tensorrt"
+        from .stages.build_trt import built_with_tf32
+
+        runner, backend = _tensorrt_runner(graph_artifact, feeds, built_with_tf32(engine.manifest)), "tensorrt"
     else:
         runner, backend = OnnxrtRunner(session(candidate), name="engine"), "onnxruntime"
     with quiet_polygraphy():
@@ -142,11 +144,13 @@ def _feeds(spec: GraphSpec, batch: int, height: int, width: int, seed: int) -> d
     return {t.name: tensors[t.name].numpy().astype(t.dtype) for t in spec.inputs()}
 
 
-def _tensorrt_runner(graph: Artifact, feeds: dict[str, np.ndarray]) -> Any:
+def _tensorrt_runner(graph: Artifact, feeds: dict[str, np.ndarray], tf32: bool) -> Any:
     """A TensorRT engine of ``graph`` with every tensor an output, for exactly these input shapes.
 
     Polygraphy's TRT backend: NetworkFromOnnxPath (strongly typed, as sdtrt builds), ModifyNetworkOutputs
     with MARK_ALL, one static Profile, EngineFromNetwork, TrtRunner (tools/Polygraphy/polygraphy/backend/trt/).
+    ``tf32`` as the engine was built: CreateConfig clears BuilderFlag.TF32 unless told (its tf32=None means
+    off, backend/trt/config.py), TensorRT's own default is on.
     """
     from .gpu import require_tensorrt
 
@@ -167,7 +171,7 @@ def _tensorrt_runner(graph: Artifact, feeds: dict[str, np.ndarray]) -> Any:
     network = ModifyNetworkOutputs(
         NetworkFromOnnxPath(str(graph.primary), strongly_typed=True), outputs=constants.MARK_ALL
     )
-    return TrtRunner(EngineFromNetwork(network, config=CreateConfig(profiles=[profile])), name="engine")
+    return TrtRunner(EngineFromNetwork(network, config=CreateConfig(tf32=tf32, profiles=[profile])), name="engine")
 
 
 def _compare(engine: str, backend: str, graph: onnx.ModelProto, got: Any, expected: Any, limit: float) -> DebugReport:

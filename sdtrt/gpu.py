@@ -11,7 +11,7 @@ import re
 from importlib import metadata
 from typing import Any
 
-from .errors import MissingDependencyError
+from .errors import EnvironmentMismatchError, MissingDependencyError
 
 CONTAINER_HINT = "build and run engines in the NVIDIA container: `make docker-build && make docker-engine MODEL=…`"
 
@@ -39,10 +39,14 @@ def require_tensorrt(what: str = "build a TensorRT engine") -> None:
         raise MissingDependencyError(f"cannot {what} here: {missing}; {CONTAINER_HINT}")
 
 
+def torch_tensorrt_missing() -> str | None:
+    """What stops wrapping an engine as TorchScript (torch-tensorrt's frontend), or None when nothing does."""
+    return tensorrt_missing() or (None if _installed("torch_tensorrt") else "torch-tensorrt is not installed")
+
+
 def require_torch_tensorrt(what: str) -> None:
-    require_tensorrt(what)
-    if not _installed("torch_tensorrt"):
-        raise MissingDependencyError(f"cannot {what} here: torch-tensorrt is not installed; {CONTAINER_HINT}")
+    if missing := torch_tensorrt_missing():
+        raise MissingDependencyError(f"cannot {what} here: {missing}; {CONTAINER_HINT}")
 
 
 def gpu_environment() -> dict[str, Any]:
@@ -87,6 +91,22 @@ def engine_mismatch(built: dict[str, Any], here: dict[str, Any]) -> str | None:
     if not problems:
         return None
     return "this engine was built for " + " and ".join(problems)
+
+
+def rebuild_command(manifest: dict[str, Any]) -> str:
+    """The command that builds this engine again with its own settings (the manifest's ``reproduce``)."""
+    source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
+    return str(manifest.get("reproduce") or f"sdtrt build {source} --target tensorrt")
+
+
+def check_engine_environment(manifest: dict[str, Any]) -> None:
+    """Refuse an engine built with another TensorRT or for another GPU, saying how to rebuild."""
+    here = {"tensorrt": tensorrt_version()} | gpu_environment()
+    reason = engine_mismatch(manifest.get("environment", {}), here)
+    if reason:
+        raise EnvironmentMismatchError(
+            f"{reason}; engines are not portable: rebuild it here with `{rebuild_command(manifest)}`"
+        )
 
 
 if __name__ == "__main__":  # python -m sdtrt.gpu > constraints.txt (docker/Dockerfile)

@@ -82,9 +82,18 @@ def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
         warn(f"could not write the timing cache {path} ({one_line(exc)}); the engine itself is built")
 
 
+def select_device(index: int) -> None:
+    """Build on the CUDA device the parent recorded: TensorRT builds for the calling thread's current CUDA
+    device, device 0 in a fresh process (trtexec's --device does this cudaSetDevice, samples/common/sampleDevice.h)."""
+    import torch
+
+    torch.cuda.set_device(index)
+
+
 def build(request: dict[str, Any]) -> dict[str, Any]:
     import tensorrt as trt
 
+    select_device(request.get("device", 0))
     logger = trt.Logger(trt.Logger.INFO)
     builder: trt.Builder = trt.Builder(logger)
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
@@ -102,6 +111,10 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         # builder assume refits bring the build's own values (for weight-stripped plans), nor STRIP_PLAN
         # (pyCoreDoc.h BuilderFlagDoc; Polygraphy's --refittable sets REFIT the same way).
         config.set_flag(trt.BuilderFlag.REFIT)
+    if not request.get("tf32", True):
+        # TF32 is on by default (pyCoreDoc.h BuilderFlagDoc, TF32: "Enabled by default."):
+        # an fp32 engine computes in fp32 only with it cleared, as Polygraphy's CreateConfig(tf32=False) does.
+        config.clear_flag(trt.BuilderFlag.TF32)
     if request["workspace_bytes"]:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request["workspace_bytes"])
     for shapes in request["profiles"]:

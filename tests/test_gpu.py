@@ -181,3 +181,93 @@ def test_every_family_builds_and_validates_on_tensorrt(store, preset):
 
     result = compile_model(resolve_model(preset), store, "tensorrt", validation=ValidationConfig(steps=4))
     assert result.final.stage == "set" and result.validation, result.validation.failures
+
+
+# ---- issue 24: runtime, build, wrap and debug defects ------------------------------------------------------------
+
+
+def test_a_refused_request_does_not_poison_the_captured_shape(trt_engine):
+    """Item 2: capture, send an out-of-profile request, then repeat the first shape."""
+    graphed, eager = open_runtime(trt_engine, cuda_graph=True), open_runtime(trt_engine)
+    small = graphed.spec.sample_inputs(2, 256, 256)
+    first = graphed.run(small)["out_sample"]
+    with pytest.raises(EngineInputError, match="outside every optimization profile"):
+        graphed.run(graphed.spec.sample_inputs(2, 512, 512))
+    again = graphed.run(small)["out_sample"]  # re-captured, never an assert
+    assert torch.equal(again, first) and torch.allclose(
+        again.float(), eager.run(small)["out_sample"].float(), atol=1e-3
+    )
+
+
+def test_an_fp32_engine_computes_in_fp32(tiny, store):
+    """Item 3: an fp32 VAE is built without TF32 (keyed so), and matches ONNX Runtime fp32 to fp32 tolerances."""
+    config = ExportConfig(component="vae_decoder", precision="fp32")
+    simplified = simplify.run(SimplifyConfig(), export.run(config, tiny, store), store)
+    engine, _ = build(simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,)))
+    assert engine.manifest["config"]["tf32"] is False and "--no-tf32" in engine.manifest["reproduce"]
+    runtime, reference = open_runtime(engine), open_runtime(simplified)
+    feeds = runtime.spec.sample_inputs(1, 256, 256)
+    (name,) = runtime.spec.output_names
+    got, expected = runtime.run(feeds)[name].float().cpu(), reference.run(feeds)[name].float()
+    assert float((got - expected).abs().max()) < 1e-3
+
+
+def test_a_refittable_engine_refits_a_b_a_bit_exact(tiny, tiny_simplified, store, tmp_path):
+    """Item 7: build with --refittable, refit LoRA A, then B, then A again: A's output bit for bit."""
+    from sdtrt.pipeline import load_pipeline
+
+    from .helpers import peft_lora
+
+    engine, _ = build(
+        tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), refittable=True)
+    )
+    assert "--refittable" in engine.manifest["reproduce"]
+    pipe = load_pipeline(tiny, engine)
+    a = peft_lora(tiny, tmp_path / "a", seed=1, rank=4, alpha=8)
+    b = peft_lora(tiny, tmp_path / "b", seed=2, rank=2, alpha=1)
+    feeds = pipe.unet.runtime.spec.sample_inputs(2, 256, 256)
+
+    def out() -> torch.Tensor:
+        return pipe.unet.runtime.run(feeds)["out_sample"].clone()
+
+    base = out()
+    pipe.unet.set_loras([(a, 0.8)])
+    with_a = out()
+    pipe.unet.set_loras([(b, 1.0)])
+    with_b = out()
+    pipe.unet.set_loras([(a, 0.8)])
+    assert torch.equal(out(), with_a) and not torch.equal(with_a, with_b) and not torch.equal(with_a, base)
+    pipe.unet.clear_loras()
+    assert torch.equal(out(), base)
+
+
+def test_debug_runs_on_a_tensorrt_engine(trt_engine):
+    """Item 7: `sdtrt debug` rebuilds the engine's graph with every tensor an output, TF32 as the engine has it."""
+    import math
+
+    from sdtrt.debug import debug
+
+    report = debug(trt_engine)
+    assert report.backend == "tensorrt" and report.compared > 10 and math.isfinite(report.largest_error)
+
+
+def test_wrap_refuses_an_engine_from_another_gpu(trt_engine, store, tmp_path):
+    """Item 6: not torch-tensorrt's "Unable to deserialize", but what differs and the command that rebuilds it."""
+    import shutil
+
+    copy = tmp_path / "engine"
+    shutil.copytree(trt_engine.path, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["environment"]["compute_capability"] = "5.0"
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(EnvironmentMismatchError, match=r"compute capability 5\.0.*sdtrt build .* --optimization-level"):
+        wrap.run(WrapConfig(), Artifact.open(copy), store)
+
+
+def test_the_torchscript_runtime_keeps_its_gpu_and_drains_on_close(trt_engine, store):
+    """Item 6: the wrapped engine runs on the device it was loaded on, and close() waits for its work."""
+    runtime = open_runtime(wrap.run(WrapConfig(), trt_engine, store))
+    assert runtime.device == torch.device("cuda", torch.cuda.current_device())
+    out = runtime.run(runtime.spec.sample_inputs(2, 256, 256))["out_sample"]
+    runtime.close()
+    assert out.device == runtime.device and torch.isfinite(out).all()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -241,3 +244,181 @@ def test_an_engine_with_several_profiles_is_not_wrapped(tiny_simplified, tmp_pat
     (folder / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=r"2 optimization profiles.*runs profile 0 only"):
         wrap.run(WrapConfig(), Artifact.open(folder), Store(tmp_path))  # refused before torch-tensorrt is needed
+
+
+# ---- issue 24: runtime, build, wrap and debug defects ------------------------------------------------------------
+
+
+def test_a_refused_capture_leaves_no_graph_for_the_old_shape():
+    """Item 2: a request that fails to bind (out of profile) must not leave the old shape marked as captured."""
+    from sdtrt.errors import EngineInputError
+    from sdtrt.runtime.tensorrt import CapturedGraph
+
+    captures = []
+
+    def capture(fails: bool = False):
+        captures.append(fails)
+        if fails:  # _bind raises before capture: the context is already re-bound for the new shape
+            raise EngineInputError("input 'sample' has shape (2, 4, 64, 64), outside every optimization profile")
+        return f"graph {len(captures)}", {"out_sample": torch.zeros(1)}
+
+    graph, small, large = CapturedGraph(), ((2, 4, 32, 32),), ((2, 4, 64, 64),)
+    graph.capture(small, capture)
+    graph.capture(small, capture)  # replayed, not re-captured
+    assert captures == [False] and graph.graph == "graph 1"
+    with pytest.raises(EngineInputError):
+        graph.capture(large, lambda: capture(fails=True))
+    assert graph.graph is None and not graph.replayable(small)
+    graph.capture(small, capture)  # captured again for the context's new binding
+    assert captures == [False, True, False] and graph.graph == "graph 3" and graph.replayable(small)
+
+
+def test_fp32_means_fp32_and_only_tf32_off_enters_the_key(tiny_simplified, tmp_path):
+    """Item 3: TF32 is off for fp32 graphs unless asked; engines keyed as before keep their keys."""
+    from sdtrt.config import cache_key
+
+    assert TrtBuildConfig().tf32_for("fp32") is False and TrtBuildConfig().tf32_for("fp16") is True
+    assert TrtBuildConfig(tf32=True).tf32_for("fp32") is True and TrtBuildConfig(tf32=False).tf32_for("fp16") is False
+    # The build stage keys the resolved value. TF32 on is what every earlier build did: those keys stay.
+    off = cache_key(TrtBuildConfig(tf32=False))
+    assert off.pop("tf32") is False and cache_key(TrtBuildConfig(tf32=True)) == off
+    assert build_trt.worker_request(TrtBuildConfig(), tiny_simplified, tmp_path)["tf32"] is True  # an fp16 graph
+    request = build_trt.worker_request(TrtBuildConfig(tf32=False), tiny_simplified, tmp_path, device=1)
+    assert request["tf32"] is False and request["device"] == 1  # item 6: the child builds on the recorded GPU
+
+
+def test_debug_rebuilds_with_the_engines_own_tf32():
+    """Item 3: `sdtrt debug` checks the arithmetic the engine ships with; engines older than the setting had TF32."""
+    from sdtrt.stages.build_trt import built_with_tf32
+
+    assert built_with_tf32({"config": {"optimization_level": 3}}) is True
+    assert built_with_tf32({"config": {"tf32": False}}) is False and built_with_tf32({"config": {"tf32": True}})
+
+
+def test_the_rebuild_advice_repeats_every_setting():
+    """Item 6: rebuilding must keep --refittable, the optimization level, the profile and TF32."""
+    from sdtrt.gpu import rebuild_command
+
+    config = TrtBuildConfig(
+        profiles=(ShapeProfile(Range(1, 1, 2), Range(256, 512, 768), Range(256, 512, 768)),),
+        optimization_level=5,
+        refittable=True,
+        tf32=False,
+        workspace_gb=8.0,
+    )
+    command = build_trt.reproduce_command(config, Path("engines/simplify/abc"))
+    assert command == (
+        "sdtrt build engines/simplify/abc --target tensorrt --batch 1:1:2 --height 256:512:768 --width 256:512:768 "
+        "--optimization-level 5 --workspace-gb 8.0 --refittable --no-tf32"
+    )
+    assert rebuild_command({"reproduce": command, "inputs": [{"path": "x"}]}) == command
+    assert rebuild_command({"inputs": [{"path": "engines/simplify/abc"}]}).startswith(
+        "sdtrt build engines/simplify/abc"
+    )
+
+
+def test_the_out_of_profile_error_names_the_input_out_of_range():
+    """Item 6: a ControlNet's control image may be the one out of range, not the first input."""
+    from sdtrt.runtime.tensorrt import out_of_profile
+
+    profile = {
+        "sample": ((2, 4, 32, 32), (2, 4, 64, 64), (2, 4, 96, 96)),
+        "controlnet_cond": ((2, 3, 256, 256), (2, 3, 512, 512), (2, 3, 768, 768)),
+    }
+    message = out_of_profile([profile], {"sample": (2, 4, 64, 64), "controlnet_cond": (2, 3, 1024, 512)})
+    assert message.startswith("input 'controlnet_cond' has shape (2, 3, 1024, 512)")
+    assert "profile 0: (2, 3, 256, 256) .. (2, 3, 768, 768)" in message
+    small = {name: (lo, lo, lo) for name, (lo, _, _) in profile.items()}
+    large = {name: (hi, hi, hi) for name, (_, _, hi) in profile.items()}
+    both = {"sample": (2, 4, 32, 32), "controlnet_cond": (2, 3, 768, 768)}  # each fits one profile, none fits both
+    assert select_profile([small, large], both) is None
+    assert "fit no single optimization profile" in out_of_profile([small, large], both)
+
+
+def test_refit_base_weights_are_read_by_name_and_once(tiny_simplified, tmp_path):
+    """Item 4: the weights a refit must supply come from the graph's named tensors only, each read once."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from sdtrt.errors import LoraError
+    from sdtrt.runtime.tensorrt import BaseWeights
+
+    folder = tmp_path / "graph"
+    shutil.copytree(tiny_simplified.path, folder)
+    graph = folder / tiny_simplified.primary.name
+    everything = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(graph)).graph.initializer}
+    names = {name for name, value in everything.items() if value.ndim == 1}  # biases: what a fused layer misses
+    names = set(sorted(names)[:3])
+    base = BaseWeights(graph)
+    got = base(names)
+    assert set(got) == names and all(np.array_equal(got[n], everything[n]) for n in names)
+    for data in folder.glob("*.data"):
+        data.unlink()  # a second refit reads nothing: the graph's weights are not needed again
+    assert all(np.array_equal(base(names)[n], everything[n]) for n in names)
+    with pytest.raises(LoraError, match="no initializer of that name: the engine was not built from this graph") as e:
+        base(names | {"onnx::Conv_fused_bias"})
+    assert "weight map" not in str(e.value)
+
+
+def test_compile_knows_before_building_whether_it_can_wrap():
+    """Item 6: a missing torch-tensorrt is found before any plan is built, and the plans are kept unwrapped."""
+    from sdtrt.compile import wrap_problem
+
+    assert wrap_problem(TrtBuildConfig(), None) is None
+    assert "torch-tensorrt is not installed, so the engines are not wrapped" in wrap_problem(
+        TrtBuildConfig(), "torch-tensorrt is not installed"
+    )
+    two = TrtBuildConfig(profiles=(ShapeProfile(), ShapeProfile.around(768, 64)))
+    assert "2 optimization profiles" in wrap_problem(two, None)
+
+
+def test_base_weights_read_with_the_onnx_of_the_container(tiny_simplified, tmp_path, monkeypatch):
+    """Review of issue 24: older onnx (1.17 included; pyproject allows >=1.16) loads a tensor's external data
+    without marking it loaded, and its to_array then reads the data again relative to the working directory."""
+    import onnx
+    from onnx import external_data_helper, numpy_helper
+
+    from sdtrt.stages.weight_map import read_initializers
+
+    def load_as_onnx_117(tensor: onnx.TensorProto, base_dir: str) -> None:  # onnx 1.17 external_data_helper.py
+        with open(Path(base_dir) / external_data_helper.ExternalDataInfo(tensor).location, "rb") as data_file:
+            info = external_data_helper.ExternalDataInfo(tensor)
+            data_file.seek(info.offset or 0)
+            tensor.raw_data = data_file.read(info.length) if info.length else data_file.read()
+
+    graph = tmp_path / "graph" / "unet.onnx"  # as a real UNet's: its weights in external data
+    graph.parent.mkdir()
+    full = onnx.load(str(tiny_simplified.primary))
+    expected = {i.name: numpy_helper.to_array(i) for i in full.graph.initializer}
+    onnx.save_model(full, str(graph), save_as_external_data=True, location="unet.onnx.data", size_threshold=0)
+    model = onnx.load(str(graph), load_external_data=False)
+    external = [i.name for i in model.graph.initializer if external_data_helper.uses_external_data(i)]
+    monkeypatch.chdir(tmp_path)  # not the graph's folder: a path relative to it must not resolve here
+    monkeypatch.setattr(external_data_helper, "load_external_data_for_tensor", load_as_onnx_117)
+    got = read_initializers(graph, set(external[:3]))
+    assert all(np.array_equal(got[name], expected[name]) for name in external[:3])
+
+
+def test_the_reproduce_command_parses_with_the_cli(tmp_path):
+    """Review of issue 24: the manifest's `reproduce` is advice users paste: it must parse, path spaces and all."""
+    import shlex
+
+    from typer.main import get_command
+
+    from sdtrt.cli import app
+
+    source = tmp_path / "my engines" / "simplify" / "abc"
+    profile = ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384))
+    config = TrtBuildConfig(
+        profiles=(profile,), static_shapes=True, workspace_gb=2.5, refittable=True, tf32=False, optimization_level=5
+    )
+    words = shlex.split(build_trt.reproduce_command(config, source))
+    assert words[:3] == ["sdtrt", "build", str(source)]
+    group = get_command(app)
+    build = group.get_command(group.make_context("sdtrt", ["build", "x"]), "build")
+    params = build.make_context("build", words[2:]).params
+    assert params["source"] == str(source) and (params["batch"], params["height"]) == ("1:1:2", "128:256:384")
+    assert params["static"] and params["refittable"] and params["tf32"] is False
+    assert (params["workspace_gb"], params["optimization_level"], params["target"]) == (2.5, 5, "tensorrt")

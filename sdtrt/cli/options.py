@@ -119,6 +119,14 @@ RefittableOpt = Annotated[
     bool, typer.Option("--refittable", help="TensorRT: weights refittable in place, so LoRAs need no rebuild.")
 ]
 
+TF32Opt = Annotated[
+    bool | None,
+    typer.Option(
+        "--tf32/--no-tf32",
+        help="TensorRT: fp32 layers may compute in TF32 (default: off for fp32 graphs, on for fp16 ones).",
+    ),
+]
+
 
 def trt_config(
     profile: ShapeProfile,
@@ -127,6 +135,7 @@ def trt_config(
     optimization_level: int,
     timing_cache: Path | None,
     refittable: bool = False,
+    tf32: bool | None = None,
 ) -> TrtBuildConfig:
     return TrtBuildConfig(
         profiles=(profile,),
@@ -135,6 +144,7 @@ def trt_config(
         optimization_level=optimization_level,
         timing_cache=str(timing_cache.resolve()) if timing_cache else None,
         refittable=refittable,
+        tf32=tf32,
     )
 
 

@@ -84,6 +84,7 @@ def build(
     optimization_level: o.OptLevelOpt = 3,
     timing_cache: o.TimingCacheOpt = None,
     refittable: o.RefittableOpt = False,
+    tf32: o.TF32Opt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Build an engine from a simplified (or exported) graph for the shapes given.
@@ -96,7 +97,7 @@ def build(
     store = o.open_store(engines)
     artifact = store.find(source)
     profile = o.shape_profile(artifact_spec(artifact).default_profile(), batch, height, width)
-    trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable)
+    trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32)
     built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
     console.print(f"target: {reason}")
     typer.echo(built.path)
@@ -129,6 +130,7 @@ def compile(
     optimization_level: o.OptLevelOpt = 3,
     timing_cache: o.TimingCacheOpt = None,
     refittable: o.RefittableOpt = False,
+    tf32: o.TF32Opt = None,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
     ] = True,
@@ -165,7 +167,7 @@ def compile(
         export_config=export_config,
         simplify_config=o.simplify_config(method, check=True),
         profile=profile,
-        trt_config=o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable),
+        trt_config=o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32),
         validation=ValidationConfig() if validate else None,
         components=chosen_components,
     )

@@ -9,18 +9,23 @@ legacy default stream, which diffusers pipelines run on, TensorRT would add devi
 its shapes. With ``cuda_graph=True`` the engine call is captured into one CUDA graph and replayed;
 a new shape re-captures it, so a graph never replays against context state bound for another shape
 (trtexec captures "for the current execution context"; Torch-TensorRT re-records on a shape change).
+A re-capture costs a stream sync and two engine runs (one outside capture, as trtexec's
+``sampleInference.cpp`` does, so TensorRT allocates lazily before capture): CUDA graphs pay off in
+loops at one shape, such as a denoising loop, not for requests whose shapes keep changing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError, LoraError
-from ..gpu import engine_mismatch, gpu_environment, require_tensorrt, tensorrt_version
+from ..errors import ArtifactError, EngineInputError, LoraError
+from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from . import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
@@ -40,6 +45,18 @@ def select_profile(profiles: list[ProfileShapes], shapes: dict[str, Shape]) -> i
         ):
             return index
     return None
+
+
+def out_of_profile(profiles: list[ProfileShapes], shapes: dict[str, Shape]) -> str:
+    """Why no profile covers ``shapes``: the first input no profile covers (a ControlNet's control image may
+    be the one out of range, not the latents), or that each fits some profile but no one profile fits all."""
+    for name, shape in shapes.items():
+        if select_profile([{name: p[name]} for p in profiles], {name: shape}) is None:
+            return (
+                f"input '{name}' has shape {shape}, outside every optimization profile of this engine "
+                f"({describe_profiles(profiles, name)})"
+            )
+    return f"the input shapes {shapes} fit no single optimization profile of this engine together"
 
 
 def _engine_profile(engine: trt.ICudaEngine, names: tuple[str, ...], index: int) -> ProfileShapes:
@@ -79,16 +96,6 @@ def describe_profiles(profiles: list[ProfileShapes], name: str) -> str:
     return "; ".join(f"profile {i}: {p[name][0]} .. {p[name][2]}" for i, p in enumerate(profiles))
 
 
-def check_engine_environment(manifest: dict[str, Any], source: str) -> None:
-    """Refuse an engine built with another TensorRT or for another GPU, saying how to rebuild."""
-    here = {"tensorrt": tensorrt_version()} | gpu_environment()
-    reason = engine_mismatch(manifest.get("environment", {}), here)
-    if reason:
-        raise EnvironmentMismatchError(
-            f"{reason}; engines are not portable: rebuild it here with `sdtrt build {source} --target tensorrt`"
-        )
-
-
 # NvInferRuntime.h, IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment."
 TENSOR_ALIGNMENT = 256
 
@@ -104,28 +111,81 @@ def require(ok: bool, what: str) -> None:
         raise EngineInputError(f"TensorRT refused to {what}; see the TensorRT messages above")
 
 
+@dataclass
+class CapturedGraph:
+    """The one CUDA graph of an execution context, the input shapes it was captured for and its static buffers.
+
+    They are dropped together before the context is re-bound, so a capture that fails (a request outside
+    every profile) leaves nothing that a later request at the old shape could replay.
+    """
+
+    graph: Any = None  # a torch.cuda.CUDAGraph
+    shapes: tuple[Shape, ...] | None = None
+    static: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def replayable(self, shapes: tuple[Shape, ...]) -> bool:
+        return self.graph is not None and shapes == self.shapes
+
+    def drop(self) -> None:
+        self.graph, self.shapes, self.static = None, None, {}
+
+    def capture(self, shapes: tuple[Shape, ...], capture: Callable[[], tuple[Any, dict[str, torch.Tensor]]]) -> None:
+        """Re-capture for ``shapes`` unless the graph held is for them; ``capture`` gives (graph, static buffers)."""
+        if self.replayable(shapes):
+            return
+        self.drop()  # its context state is about to be re-bound: never replay it again, even if capture fails
+        self.graph, self.static = capture()
+        self.shapes = shapes
+
+
+class BaseWeights:
+    """Base values of the weights a refit must supply although no LoRA changed them (TensorRT's missing weights).
+
+    Read from the graph the plan was parsed from, only the named initializers (never the whole 1.7–5 GB
+    graph), and each once: the same names are missing on every refit.
+    """
+
+    def __init__(self, graph: Path) -> None:
+        self.graph = graph
+        self._held: dict[str, np.ndarray] = {}
+
+    def __call__(self, names: set[str]) -> dict[str, np.ndarray]:
+        from ..stages.weight_map import read_named_initializers
+
+        if unread := names - set(self._held):
+            self._held |= read_named_initializers(self.graph, unread)
+        if absent := sorted(names - set(self._held)):
+            # The ONNX parser names refittable weights after the graph's initializers: a name the graph does
+            # not hold means the plan was not parsed from this graph (no weight map can change that).
+            raise LoraError(
+                f"TensorRT needs the weight '{absent[0]}' to refit, and {self.graph} has no initializer of that "
+                "name: the engine was not built from this graph; rebuild it from the graph"
+            )
+        return {name: self._held[name] for name in names}
+
+
 class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
     def __init__(self, plan: Path, spec: GraphSpec, manifest: dict[str, Any], cuda_graph: bool = False) -> None:
         require_tensorrt("run a TensorRT engine")
-        source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
-        check_engine_environment(manifest, source)
+        check_engine_environment(manifest)
         import tensorrt as trt
 
         self.spec = spec
         self.cuda_graph = cuda_graph
-        self._source = source  # the simplify artifact the plan was parsed from: its initializers name the weights
+        self._rebuild = rebuild_command(manifest)
+        # The simplify artifact the plan was parsed from: its initializers name the weights.
+        self._source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
+        self._base: BaseWeights | None = None  # made on the first refit
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime: trt.Runtime = trt.Runtime(self._logger)
         engine: trt.ICudaEngine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
         if engine is None:
-            raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `sdtrt build {source}`")
+            raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `{self._rebuild}`")
         self._engine: trt.ICudaEngine = engine
         if problem := engine_io_problem(engine, spec):
-            raise ArtifactError(
-                f"{plan} does not match its manifest: {problem}; rebuild it with `sdtrt build {source}`"
-            )
+            raise ArtifactError(f"{plan} does not match its manifest: {problem}; rebuild it with `{self._rebuild}`")
         # create_execution_context returns None when it cannot allocate the activation memory.
         context: trt.IExecutionContext | None = engine.create_execution_context()
         if context is None:
@@ -136,20 +196,16 @@ class TensorRTRuntime(CudaRuntime):
         # The engine, its context and stream belong to the device current now; run() makes it current again.
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._stream = torch.cuda.Stream(self._device)  # never the legacy default stream
-        # CUDA graph mode: the one captured graph, the shapes it was captured for and its static buffers.
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._graph_shapes: tuple[Shape, ...] | None = None
-        self._static: dict[str, torch.Tensor] = {}
+        self._graph = CapturedGraph()  # CUDA graph mode
 
     def _bind(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Select the profile, set shapes and addresses (each checked); returns the output buffers it bound."""
         shapes = {name: tuple(t.shape) for name, t in inputs.items()}
         index = select_profile(self._profiles, shapes)
         if index is None:
-            sample = self.spec.input_names[0]
             raise EngineInputError(
-                f"input '{sample}' has shape {shapes[sample]}, outside every optimization profile of this engine "
-                f"({describe_profiles(self._profiles, sample)}); rebuild with --batch/--height/--width covering it"
+                f"{out_of_profile(self._profiles, shapes)}; rebuild the engine with --batch/--height/--width "
+                f"covering it, changed from `{self._rebuild}`"
             )
         if index != self._active_profile:
             # Its binding raises RuntimeError where the C++ call returns false (pyCore.cpp, PY_ASSERT_RUNTIME_ERROR).
@@ -200,27 +256,32 @@ class TensorRTRuntime(CudaRuntime):
         return outputs
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        shapes = tuple(tuple(t.shape) for t in inputs.values())
-        if shapes != self._graph_shapes:
-            self._graph = None  # its context state is about to be re-bound: never replay it again
-            with torch.cuda.stream(self._stream):
-                static = {name: t.clone() for name, t in inputs.items()}
-                outputs = self._bind(static)
-                self._execute()  # one run outside capture: TensorRT allocates lazily
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=self._stream):
-                    self._execute()
-            self._graph, self._graph_shapes, self._static = graph, shapes, static | outputs
-        assert self._graph is not None
+        self._graph.capture(tuple(tuple(t.shape) for t in inputs.values()), lambda: self._capture(inputs))
+        static = self._graph.static
         with torch.cuda.stream(self._stream):
             for name, tensor in inputs.items():
-                self._static[name].copy_(tensor)
-            self._graph.replay()
+                static[name].copy_(tensor)
+            self._graph.graph.replay()
             # The graph writes into static buffers; hand out copies so the next call cannot change them.
-            outputs = {name: self._static[name].clone() for name in self.spec.output_names}
+            outputs = {name: static[name].clone() for name in self.spec.output_names}
         for out in outputs.values():
             out.record_stream(torch.cuda.current_stream())
         return outputs
+
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
+        """Bind static copies of ``inputs``, run once, then capture the engine call: (graph, static buffers).
+
+        The run outside capture lets TensorRT allocate lazily first, as trtexec does before capturing
+        (samples/common/sampleInference.cpp); torch.cuda.graph synchronises the device around capture.
+        """
+        with torch.cuda.stream(self._stream):
+            static = {name: t.clone() for name, t in inputs.items()}
+            outputs = self._bind(static)
+            self._execute()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream):
+                self._execute()
+        return graph, static | outputs
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         """Refit the named weights in place (an engine built with --refittable); the others keep their values.
@@ -239,13 +300,12 @@ class TensorRTRuntime(CudaRuntime):
     def _refit(self, weights: dict[str, np.ndarray]) -> None:
         import tensorrt as trt
 
-        from ..stages.weight_map import read_initializers
         from ..store import Artifact
 
         if not self._engine.refittable:
             raise LoraError(
                 f"this TensorRT engine was built without --refittable; rebuild it with "
-                f"`sdtrt build {self._source} --target tensorrt --refittable` to take LoRAs"
+                f"`{self._rebuild} --refittable` to take LoRAs"
             )
         refitter: trt.Refitter = trt.Refitter(self._engine, self._logger)
         held = []  # TensorRT reads the host buffers until refit_cuda_engine returns
@@ -258,18 +318,18 @@ class TensorRTRuntime(CudaRuntime):
         for name, array in weights.items():
             put(name, array)
         if missing := set(refitter.get_missing_weights()) - set(weights):
-            for name, array in read_initializers(Artifact.open(self._source).primary, missing).items():
+            self._base = self._base or BaseWeights(Artifact.open(self._source).primary)
+            for name, array in self._base(missing).items():
                 put(name, array)
         self._stream.synchronize()
         if not refitter.refit_cuda_engine():
             raise LoraError("TensorRT could not refit the engine (refit_cuda_engine returned False); see its messages")
-        self._graph, self._graph_shapes = None, None
+        self._graph.drop()
 
     def close(self) -> None:
         # Memory bound to the context must outlive the work queued on it (pyCoreDoc.h, execute_async_v3).
         with torch.cuda.device(self._device):
             self._stream.synchronize()
-        self._graph = None
-        self._static = {}
+        self._graph.drop()
         self._context = None
         self._engine = None

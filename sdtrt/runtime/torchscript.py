@@ -34,12 +34,22 @@ class TorchScriptRuntime(CudaRuntime):
 
         self.spec = spec
         self.profile = profile
-        self._module = torch.jit.load(str(path), map_location="cuda")
+        # The engine is loaded onto the device current now and runs there: run() makes it current again, so the
+        # inputs and the engine's work land on it whatever device the caller has made current since.
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._module = torch.jit.load(str(path), map_location=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feeds(self.spec, self.profile, feeds)
-        typed = typed_inputs(self.spec, feeds, self.device)
-        return named_outputs(self.spec, self._module(*(typed[name] for name in self.spec.input_names)))
+        with torch.cuda.device(self._device):
+            typed = typed_inputs(self.spec, feeds, self._device)
+            return named_outputs(self.spec, self._module(*(typed[name] for name in self.spec.input_names)))
 
     def close(self) -> None:
+        # The engine's memory must outlive the work queued on it (pyCoreDoc.h, execute_async_v3): drain first.
+        torch.cuda.synchronize(self._device)
         self._module = None

@@ -7,10 +7,12 @@ cache key and the manifest; the runtime refuses an engine built for anything els
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
+    config = replace(config, tf32=config.tf32_for(spec.precision))  # the key and manifest say what was built
     # trt.__version__, not a distribution's: with only tensorrt-cu12/-cu13 installed there is no
     # `tensorrt` distribution, and the runtime compares against trt.__version__.
     env = environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
@@ -39,8 +42,9 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     return artifact
 
 
-def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
-    """The JSON the child process gets: paths, settings and per-input (min, opt, max) shapes."""
+def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, device: int = 0) -> dict[str, Any]:
+    """The JSON the child process gets: paths, settings, per-input (min, opt, max) shapes and the CUDA device
+    whose GPU the manifest records (the current one here; the child would otherwise build on device 0)."""
     spec = artifact_spec(source)
     plan = f"{spec.component}.plan"
     workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
@@ -56,11 +60,36 @@ def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path) -> d
         "workspace_bytes": workspace,
         "timing_cache": config.timing_cache,
         "refittable": config.refittable,
+        "tf32": config.tf32_for(spec.precision),
+        "device": device,
     }
 
 
+def built_with_tf32(manifest: dict[str, Any]) -> bool:
+    """Whether this engine's fp32 layers compute in TF32: its config says, and engines built before sdtrt
+    set the flag kept TensorRT's default, on."""
+    tf32 = manifest.get("config", {}).get("tf32")
+    return True if tf32 is None else bool(tf32)
+
+
+def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
+    """`sdtrt build` with every setting of this engine: what a rebuild must repeat (several profiles: the first,
+    as the CLI takes one). Shell-quoted: users paste it."""
+    profile = config.profiles[0]
+    words = [f"sdtrt build {shlex.quote(str(source))} --target tensorrt"]
+    words += [f"--batch {profile.batch}", f"--height {profile.height}", f"--width {profile.width}"]
+    words.append(f"--optimization-level {config.optimization_level}")
+    words += ["--static"] if config.static_shapes else []
+    words += [f"--workspace-gb {config.workspace_gb}"] if config.workspace_gb else []
+    words += ["--refittable"] if config.refittable else []
+    words += [] if config.tf32 is None else ["--tf32" if config.tf32 else "--no-tf32"]
+    return " ".join(words)
+
+
 def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store) -> dict[str, Any]:
-    request = worker_request(config, source, out_dir)
+    import torch
+
+    request = worker_request(config, source, out_dir, torch.cuda.current_device())
     request_path = out_dir / "request.json"
     request_path.write_text(json.dumps(request, indent=2))
     log_path = out_dir / LOG_NAME
@@ -91,6 +120,5 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
         "target": "tensorrt",
         "timings": {"build_s": round(time.perf_counter() - started, 3)},
         "details": {"tensorrt": result["tensorrt"], "network_layers": result["layers"], "worker_request": request},
-        "reproduce": f"sdtrt build {source.path} --target tensorrt --optimization-level {config.optimization_level}"
-        + (" --refittable" if config.refittable else ""),
+        "reproduce": reproduce_command(config, source.path),
     }

@@ -226,12 +226,24 @@ def _packed(graph_path: Path, unplaced: dict[str, Any], taken: set[str]) -> dict
     return out
 
 
-def read_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
-    """The named initializers' values (the engine's base weights), read from the graph."""
+def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
+    """The values of those named initializers the graph has, reading only their bytes of its external data."""
     from onnx import numpy_helper
 
-    proto = onnx_graph.load_graph(graph_path, with_weights=True)
-    out = {init.name: numpy_helper.to_array(init) for init in proto.graph.initializer if init.name in names}
+    proto = onnx_graph.load_graph(graph_path, with_weights=False)
+    # to_array reads a tensor's external data itself, relative to base_dir. Loading it first breaks with older onnx
+    # (1.17 included; pyproject allows >=1.16): its load_external_data_for_tensor leaves the tensor marked external,
+    # and to_array then reads it again relative to the working directory (onnx numpy_helper.py, to_array).
+    return {
+        init.name: numpy_helper.to_array(init, base_dir=str(graph_path.parent))
+        for init in proto.graph.initializer
+        if init.name in names
+    }
+
+
+def read_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
+    """The named initializers' values (the engine's base weights), read from the graph."""
+    out = read_named_initializers(graph_path, names)
     if missing := sorted(names - set(out)):
         raise ArtifactError(f"{graph_path} has no initializer '{missing[0]}'; its weight map is stale, rebuild it")
     return out

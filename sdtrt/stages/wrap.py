@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import WrapConfig
 from ..errors import ArtifactError
-from ..gpu import gpu_environment, require_torch_tensorrt, tensorrt_version
+from ..gpu import check_engine_environment, gpu_environment, require_torch_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
@@ -38,6 +38,8 @@ def run(config: WrapConfig, engine: Artifact, store: Store) -> Artifact:
             "only (Torch-TensorRT selects no other); load the build-trt artifact directly, or build one profile"
         )
     require_torch_tensorrt("wrap a TensorRT engine as TorchScript")
+    # A plan from another GPU or TensorRT would fail inside torch-tensorrt ("Unable to deserialize"): say why.
+    check_engine_environment(engine.manifest)
     env = environment("torch-tensorrt", "torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
     request = StageRequest(STAGE, VERSION, config, [engine.as_input()], env)
     artifact, _ = store.produce(request, lambda out_dir: _wrap(engine, out_dir))
