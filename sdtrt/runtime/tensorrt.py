@@ -22,7 +22,7 @@ import torch
 from ..errors import ArtifactError, EngineInputError, EnvironmentMismatchError, LoraError
 from ..gpu import engine_mismatch, gpu_environment, require_tensorrt, tensorrt_version
 from ..spec import GraphSpec
-from . import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
+from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
     import tensorrt as trt

@@ -14,14 +14,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from .config import COMPONENTS, Component, IONaming, Precision, Range, ShapeProfile
-from .errors import ArtifactError
-from .families import UNetConditioning
+from ..config import COMPONENTS, Component, IONaming, Precision, Range, ShapeProfile
+from ..errors import ArtifactError
+from ..families import UNetConditioning
 
 if TYPE_CHECKING:
     import torch
 
-    from .models import ModelSource
+    from ..models import ModelSource
 
 # The pipeline sub-folder each component is loaded from.
 FOLDERS: dict[str, str] = {"unet": "unet", "controlnet": "controlnet", "text_encoder": "text_encoder",
