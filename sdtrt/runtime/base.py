@@ -1,4 +1,4 @@
-"""Runtimes: one small interface over every backend that can run a component's graph.
+"""The runtime contract: one small interface over every backend that can run a component's graph.
 
 A runtime takes a dict of named torch tensors and returns a dict of named torch tensors. It knows
 its spec, device and compute dtype, and checks every request against the shapes it was built for
@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ..config import ShapeProfile
-from ..errors import ArtifactError, EngineInputError
+from ..errors import EngineInputError
 
 if TYPE_CHECKING:
-    from ..models import ModelSource
     from ..spec import GraphSpec
-    from ..store import Artifact
 
 
 class Runtime(Protocol):
@@ -73,36 +71,3 @@ def check_feeds(spec: GraphSpec, profile: ShapeProfile | None, feeds: dict[str, 
     reason = spec.check_shapes({name: tuple(t.shape) for name, t in feeds.items()}, profile)
     if reason:
         raise EngineInputError(f"{reason}; rebuild the engine with --batch/--height/--width covering it")
-
-
-def artifact_profile(artifact: Artifact) -> ShapeProfile | None:
-    data = artifact.manifest.get("profile")
-    return ShapeProfile.from_json(data) if data else None
-
-
-def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False) -> Runtime:
-    """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT; .ts on torch.
-
-    ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest; ``cuda_graph``
-    replays TensorRT engines from CUDA graphs.
-    """
-    from ..onnx_graph import artifact_spec
-
-    artifact.require_intact()
-    spec = artifact_spec(artifact, model)
-    if artifact.stage in ("export", "simplify", "external", "build-ort"):
-        from .onnxruntime import OnnxRuntime
-
-        preoptimized = artifact.stage == "build-ort"
-        return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
-    if artifact.stage == "build-trt":
-        from .tensorrt import TensorRTRuntime
-
-        return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph)
-    if artifact.stage == "wrap":
-        from .torchscript import TorchScriptRuntime
-
-        return TorchScriptRuntime(artifact.primary, spec, artifact_profile(artifact))
-    raise ArtifactError(
-        f"no runtime loads '{artifact.stage}' artifacts; pass an export, simplify, build or wrap artifact"
-    )

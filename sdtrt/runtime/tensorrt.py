@@ -239,7 +239,7 @@ class TensorRTRuntime(CudaRuntime):
     def _refit(self, weights: dict[str, np.ndarray]) -> None:
         import tensorrt as trt
 
-        from ..stages.weight_map import read_initializers
+        from ..graph_weights import read_initializers
         from ..store import Artifact
 
         if not self._engine.refittable:
