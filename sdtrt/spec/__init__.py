@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "AXIS_LABELS", "FOLDERS", "NAMED_INPUTS", "NAMED_OUTPUT", "SPEC_CLASSES", "TEXT_TOKENS", "ControlNetSpec",
-    "DenoiserSpec", "GraphSpec", "Shapes", "TensorSpec", "TextEncoder2Spec", "TextEncoderSpec", "UNetSpec",
-    "VaeDecoderSpec", "VaeEncoderSpec", "component_spec", "model_components", "residual_layout", "residual_names",
-    "spec_from_json",
+    "AXIS_LABELS", "DENOISERS", "FOLDERS", "NAMED_INPUTS", "NAMED_OUTPUT", "SPEC_CLASSES", "TEXT_TOKENS",
+    "ControlNetSpec", "DenoiserSpec", "GraphSpec", "Shapes", "TensorSpec", "TextEncoder2Spec", "TextEncoderSpec",
+    "UNetSpec", "VaeDecoderSpec", "VaeEncoderSpec", "component_spec", "denoiser_component", "model_components",
+    "residual_layout", "residual_names", "spec_from_json",
 ]  # fmt: skip
 
 SPEC_CLASSES: dict[str, type[GraphSpec]] = {
@@ -55,6 +55,15 @@ def component_spec(
     if cls is None:
         raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(COMPONENTS)}")
     return cls.for_model(model, precision, io_naming)
+
+
+# The denoiser kinds, in the order a model's folders are tried. A transformer kind (SD3, Flux) is one more row.
+DENOISERS: tuple[type[DenoiserSpec], ...] = (UNetSpec,)
+
+
+def denoiser_component(model: ModelSource) -> Component:
+    """The model's denoiser: the first kind whose sub-folder it has (a bare folder is a UNet)."""
+    return next((cls.component for cls in DENOISERS if model.has(FOLDERS[cls.component])), UNetSpec.component)
 
 
 def model_components(model: ModelSource) -> tuple[Component, ...]:
