@@ -9,6 +9,7 @@ txt2img / img2img / inpaint classes of the same family. Light to import: no torc
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -114,3 +115,9 @@ def pipeline_class_name(index_class: str, task: Task | None) -> str:
     if task not in row:
         raise UnsupportedModelError(f"the {index_class} family has no {task} pipeline (it has {', '.join(row)})")
     return row[task]
+
+
+def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``cls.__init__`` takes (SDXL pipelines have no safety checker)."""
+    parameters = inspect.signature(cls).parameters
+    return {k: v for k, v in kwargs.items() if k in parameters}

@@ -5,7 +5,7 @@ A LoRA file (diffusers/PEFT or kohya/A1111 safetensors) is read with diffusers' 
 UNet and the text encoders (``text_encoder``, SDXL's ``text_encoder_2``). Each part is renamed to
 PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it, so PEFT-injected names
 (``….base_layer.weight``) never reach an engine: each module's ΔW = (alpha / rank)·B·A is placed
-through the engine graph's weight map (sdtrt.stages.weight_map) onto the initializer that holds the
+through the engine graph's weight map (sdtrt.graph_weights) onto the initializer that holds the
 weight, transposed and cast as the map says. The alpha comes as diffusers takes it: kohya's
 ``.alpha`` keys, else the adapter metadata diffusers saves (``lora_alpha``, ``alpha_pattern``,
 ``use_rslora``), else alpha = rank.
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from .stages.weight_map import WeightMap
+    from .graph_weights import WeightMap
 
 LoraSpec = tuple["str | os.PathLike[str]", float]
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights gives
@@ -303,7 +303,7 @@ class EngineLoras:
         return self._map
 
     def _load_base(self, names: set[str]) -> None:
-        from .stages.weight_map import read_initializers
+        from .graph_weights import read_initializers
 
         if missing := names - set(self._base):
             self._base |= read_initializers(self._map_or_make().graph, missing)

@@ -7,16 +7,16 @@ ordinary diffusers folder.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ModelNotFoundError, UnsupportedModelError
+from .progress import quiet_loading
+from .store import file_sha256
 
 SourceKind = Literal["preset", "folder", "hub"]
 
@@ -104,14 +104,6 @@ class ModelSource:
         return {"name": self.name, "kind": self.kind, "path": str(self.path)}
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def models_cache_dir() -> Path:
     return Path(os.environ.get("SDTRT_MODELS", Path.home() / ".cache" / "sdtrt" / "models"))
 
@@ -159,34 +151,6 @@ def _hub_snapshot(repo_id: str) -> Path:
             f"hub model '{repo_id}' could not be found or downloaded ({type(exc).__name__}); "
             "download it where the hub is reachable and pass its local folder, or use a preset"
         ) from exc
-
-
-@contextlib.contextmanager
-def quiet_loading() -> Iterator[None]:
-    """No loading bars or notices from diffusers and transformers while sdtrt loads a model: it shows its own progress.
-
-    Their switches are process-wide, so each is restored afterwards; SDTRT_DEBUG=1 keeps the bars.
-    """
-    if os.environ.get("SDTRT_DEBUG", "") not in ("", "0"):
-        yield
-        return
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    restore = []
-    for lib in (diffusers_logging, transformers_logging):
-        if lib.is_progress_bar_enabled():
-            lib.disable_progress_bar()
-            restore.append(lib.enable_progress_bar)
-        # Their loading notices (e.g. transformers' "requires torchvision … falling back") are not the user's to act on.
-        level = lib.get_verbosity()
-        lib.set_verbosity(lib.ERROR)
-        restore.append(lambda lib=lib, level=level: lib.set_verbosity(level))
-    try:
-        yield
-    finally:
-        for undo in restore:
-            undo()
 
 
 def load_unet(source: ModelSource, dtype: Any = None) -> Any:

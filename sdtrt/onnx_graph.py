@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
 from .config import IONaming, Precision
 from .errors import ArtifactError
-from .models import ModelSource
 from .spec import NAMED_INPUTS, GraphSpec, TensorSpec, UNetSpec, spec_from_json
 from .store import Artifact
+
+if TYPE_CHECKING:
+    from .models import ModelSource
 
 ONNX_STAGES = ("export", "simplify", "build-ort", "external")  # artifacts whose primary file is an ONNX graph
 # Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.

@@ -13,7 +13,7 @@ import torch
 
 from .config import TEXT_ENCODERS
 from .errors import LoraError, ModelNotFoundError, RequestError
-from .families import Task, pipeline_class_name
+from .families import Task, accepted, pipeline_class_name
 from .lora import LORA_COMPONENTS, EngineLoras, LoraNetwork, LoraSpec, apply_loras, fuse_loras
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
@@ -162,12 +162,6 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     apply_loras(
         networks, loras, ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
     )
-
-
-def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments ``cls.__init__`` takes (SDXL pipelines have no safety checker)."""
-    parameters = inspect.signature(cls).parameters
-    return {k: v for k, v in kwargs.items() if k in parameters}
 
 
 def engine_members(artifact: Artifact) -> dict[str, Artifact]:

@@ -27,7 +27,7 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
-        from .models import quiet_loading
+        from .progress import quiet_loading
 
         with quiet_loading():
             build(PRESETS[name]).save_pretrained(tmp, safe_serialization=True)
@@ -121,7 +121,7 @@ def build(recipe: Recipe) -> Any:
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from .pipeline import accepted
+    from .families import accepted
 
     torch.manual_seed(PRESET_SEED)
     previous = torch.get_default_dtype()

@@ -7,6 +7,7 @@ prints an artifact's path last).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -26,3 +27,31 @@ def step(description: str) -> Iterator[None]:
     with console.status(f"{description}…"):
         yield
     console.print(f"[green]✓[/] {description} [dim]({time.perf_counter() - started:.1f} s)[/]")
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """No loading bars or notices from diffusers and transformers while sdtrt loads a model: it shows its own progress.
+
+    Their switches are process-wide, so each is restored afterwards; SDTRT_DEBUG=1 keeps the bars.
+    """
+    if os.environ.get("SDTRT_DEBUG", "") not in ("", "0"):
+        yield
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    restore = []
+    for lib in (diffusers_logging, transformers_logging):
+        if lib.is_progress_bar_enabled():
+            lib.disable_progress_bar()
+            restore.append(lib.enable_progress_bar)
+        # Their loading notices (e.g. transformers' "requires torchvision … falling back") are not the user's to act on.
+        level = lib.get_verbosity()
+        lib.set_verbosity(lib.ERROR)
+        restore.append(lambda lib=lib, level=level: lib.set_verbosity(level))
+    try:
+        yield
+    finally:
+        for undo in restore:
+            undo()

@@ -36,7 +36,6 @@ from typing import Any
 
 from .config import as_dict, cache_key
 from .errors import ArtifactError, StoreError
-from .models import file_sha256
 from .progress import console
 
 MANIFEST = "manifest.json"
@@ -45,6 +44,14 @@ TMP_DIR = ".tmp"
 LOCK_DIR = ".locks"
 LOG_DIR = "logs"  # logs of failed builds, kept for the user
 VERIFIED = ".verified.json"  # stat signatures of the files as they last hashed clean
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def default_root(engines: Path | str | None = None) -> Path:

@@ -18,6 +18,7 @@ from onnx import numpy_helper
 
 from sdtrt.compile import compile_model
 from sdtrt.errors import LoraError
+from sdtrt.graph_weights import read_initializers
 from sdtrt.lora import EngineLoras, apply_loras, parse_lora_option
 from sdtrt.models import load_folder, resolve_model
 from sdtrt.pipeline import GenerateRequest, generate, load_pipeline, set_loras
@@ -108,7 +109,7 @@ def test_weight_map_places_every_lora_weight_by_value(tiny, tiny_engine):
     assert len(made.mapped) == len(weight_map.lora_parameters(load_folder(tiny, "unet")))
     place = made.mapped[f"{TO_Q}.weight"]
     assert place.transpose and place.shape == (32, 32)  # a Linear weight: MatMul's B, transposed
-    value = weight_map.read_initializers(made.graph, {place.initializer})[place.initializer]
+    value = read_initializers(made.graph, {place.initializer})[place.initializer]
     expected = dict(load_folder(tiny, "unet", torch.float16).named_parameters())[f"{TO_Q}.weight"]
     assert np.array_equal(value, expected.detach().T.numpy())
     again = weight_map.for_engine(tiny_engine, tiny)  # one map per graph: a cache hit

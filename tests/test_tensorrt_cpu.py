@@ -380,7 +380,7 @@ def test_base_weights_read_with_the_onnx_of_the_container(tiny_simplified, tmp_p
     import onnx
     from onnx import external_data_helper, numpy_helper
 
-    from sdtrt.stages.weight_map import read_initializers
+    from sdtrt.graph_weights import read_initializers
 
     def load_as_onnx_117(tensor: onnx.TensorProto, base_dir: str) -> None:  # onnx 1.17 external_data_helper.py
         with open(Path(base_dir) / external_data_helper.ExternalDataInfo(tensor).location, "rb") as data_file:

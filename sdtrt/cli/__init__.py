@@ -1,4 +1,6 @@
-"""The ``sdtrt`` command line: thin over the library, one module per command group.
+"""The ``sdtrt`` command line: thin over the library, one module per command group, assembled here.
+
+The Typer app lives in app.py; each command module registers its commands on it, and ``main`` runs it.
 
 Errors are one line on stderr (exit 1; parity failures exit 3; usage errors exit 2). Set
 SDTRT_DEBUG=1 to see the traceback instead.
@@ -6,68 +8,18 @@ SDTRT_DEBUG=1 to see the traceback instead.
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 
+from rich.markup import escape
 
-def _quiet_third_party() -> None:
-    """Exporters and hub libraries print warnings and bars the user cannot act on.
+from ..errors import SdtrtError, one_line
+from ..progress import console
+from .app import DEBUG, app  # first of the CLI's modules: it quiets third-party libraries before they load
 
-    Runs before the command modules import diffusers/transformers, which read these at import.
-    SDTRT_DEBUG=1 keeps everything.
-    """
-    warnings.filterwarnings("ignore")
-    for name, value in (
-        ("TRANSFORMERS_VERBOSITY", "error"),
-        ("DIFFUSERS_VERBOSITY", "error"),
-        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-        ("TQDM_DISABLE", "1"),  # diffusers' and transformers' loading bars; sdtrt draws its own
-    ):
-        os.environ.setdefault(name, value)
-
-
-DEBUG = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
-if not DEBUG:
-    _quiet_third_party()
-
-from typing import Annotated  # noqa: E402
-
-import typer  # noqa: E402
-from rich.markup import escape  # noqa: E402
-
-from .. import __version__  # noqa: E402
-from ..errors import SdtrtError, one_line  # noqa: E402
-from ..progress import console  # noqa: E402
-
+# isort: split
 # Command modules import torch, diffusers and onnx inside their commands only, so that `--help`,
 # `cache` and cache hits start in a fraction of a second.
-from . import cache, debug, lora, perf, run, serve, stages  # noqa: E402
-
-app = typer.Typer(
-    name="sdtrt",
-    help="Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-)
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"sdtrt {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
-    ] = False,
-) -> None:
-    """Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network."""
-
+from . import cache, debug, lora, perf, run, serve, stages
 
 stages.register(app)
 run.register(app)

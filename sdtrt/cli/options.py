@@ -59,7 +59,9 @@ ExporterOpt = Annotated[
     Exporter,
     typer.Option(help="auto (TorchScript-based; torch.export-based for fp16 text encoders), torchscript or dynamo."),
 ]
-ComponentOpt = Annotated[Component, typer.Option(help=f"Which network: {', '.join(COMPONENTS)}.")]
+ComponentOpt = Annotated[
+    Component | None, typer.Option(help=f"Which network: {', '.join(COMPONENTS)} (default: the model's denoiser).")
+]
 OpsetOpt = Annotated[int, typer.Option(help="ONNX opset.")]
 IONamingOpt = Annotated[
     IONaming,

@@ -34,23 +34,25 @@ def register(app: typer.Typer) -> None:
 
 def export(
     model: o.ModelOpt = "tiny",
-    component: o.ComponentOpt = "unet",
+    component: o.ComponentOpt = None,
     precision: o.PrecisionOpt = "fp16",
     exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Export one of the model's networks (the UNet by default) to ONNX, with dynamic batch, height and width.
+    """Export one of the model's networks (its denoiser by default) to ONNX, with dynamic batch, height and width.
 
     Example: sdtrt export --model tiny --component vae_decoder --precision fp16
     """
     from ..models import resolve_model
+    from ..spec import denoiser_component
     from ..stages import export as export_stage
 
     store = o.open_store(engines)
-    config = o.export_config(precision, exporter, opset, io_naming, component)
-    artifact = export_stage.run(config, resolve_model(model), store)
+    source = resolve_model(model)
+    config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source))
+    artifact = export_stage.run(config, source, store)
     typer.echo(artifact.path)
 
 

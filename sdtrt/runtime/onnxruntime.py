@@ -12,7 +12,7 @@ import torch
 from ..config import ShapeProfile
 from ..errors import ArtifactError, one_line
 from ..spec import GraphSpec
-from . import TORCH_DTYPES, check_feeds, typed_inputs
+from .base import TORCH_DTYPES, check_feeds, typed_inputs
 
 NUMPY_DTYPES = {"float16": np.float16, "float32": np.float32, "int32": np.int32, "int64": np.int64}
 

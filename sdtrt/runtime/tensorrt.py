@@ -27,7 +27,7 @@ import torch
 from ..errors import ArtifactError, EngineInputError, LoraError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
-from . import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
+from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -150,7 +150,7 @@ class BaseWeights:
         self._held: dict[str, np.ndarray] = {}
 
     def __call__(self, names: set[str]) -> dict[str, np.ndarray]:
-        from ..stages.weight_map import read_named_initializers
+        from ..graph_weights import read_named_initializers
 
         if unread := names - set(self._held):
             self._held |= read_named_initializers(self.graph, unread)

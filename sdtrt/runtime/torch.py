@@ -6,7 +6,7 @@ import torch
 
 from ..config import ShapeProfile
 from ..spec import UNetSpec
-from . import check_feeds
+from .base import check_feeds
 
 
 class TorchRuntime:

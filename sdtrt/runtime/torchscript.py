@@ -9,7 +9,7 @@ import torch
 from ..config import ShapeProfile
 from ..gpu import require_torch_tensorrt
 from ..spec import GraphSpec
-from . import CudaRuntime, check_feeds, typed_inputs
+from .base import CudaRuntime, check_feeds, typed_inputs
 
 
 def named_outputs(

@@ -13,9 +13,9 @@ from typing import Any
 from .. import onnx_graph
 from ..config import OrtBuildConfig
 from ..progress import step
+from ..runtime.compare import compare_graphs
 from ..runtime.onnxruntime import session_options
 from ..store import Artifact, StageRequest, Store, environment
-from ..validate import compare_graphs
 
 STAGE = "build-ort"
 VERSION = 1

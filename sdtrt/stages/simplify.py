@@ -14,8 +14,8 @@ from .. import onnx_graph
 from ..config import SimplifyConfig
 from ..errors import SimplifyError
 from ..progress import step
+from ..runtime.compare import compare_graphs
 from ..store import Artifact, StageRequest, Store, environment
-from ..validate import compare_graphs
 
 STAGE = "simplify"
 VERSION = 1

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..errors import ArtifactError
+from ..graph_weights import Placement, WeightMap
 from ..progress import step
 from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
@@ -52,42 +52,6 @@ FILE = "weight_map.json"
 @dataclass(frozen=True)
 class WeightMapConfig:
     """No settings: the map follows from the graph and the model."""
-
-
-@dataclass(frozen=True)
-class Placement:
-    initializer: str
-    transpose: bool  # the initializer holds the parameter transposed (a Linear weight as MatMul's B)
-    shape: tuple[int, ...]  # the parameter's shape in PyTorch
-    # Columns [start, stop) of a packed initializer that hold the (transposed) parameter: onnxsim's
-    # fuse_qkv pass packs q/k/v projections that share an input into one MatMul (CLIP's attention).
-    columns: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class WeightMap:
-    graph: Path  # the ONNX graph whose initializers it names
-    graph_dtype: str
-    mapped: dict[str, Placement]
-    unmapped: dict[str, str]  # parameter → why it could not be placed
-
-    @classmethod
-    def from_json(cls, graph: Path, data: dict[str, Any]) -> WeightMap:
-        mapped = {
-            k: Placement(
-                v["initializer"], v["transpose"], tuple(v["shape"]), tuple(v["columns"]) if v["columns"] else None
-            )
-            for k, v in data["mapped"].items()
-        }
-        return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]))
-
-    def to_json(self) -> dict[str, Any]:
-        mapped = {
-            k: {"initializer": p.initializer, "transpose": p.transpose, "shape": list(p.shape),
-                "columns": list(p.columns) if p.columns else None}
-            for k, p in self.mapped.items()
-        }  # fmt: skip
-        return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped}
 
 
 def for_engine(engine: Artifact, model: ModelSource, component: str = "unet") -> WeightMap:
@@ -223,27 +187,4 @@ def _packed(graph_path: Path, unplaced: dict[str, Any], taken: set[str]) -> dict
             width, param = match
             out[param] = Placement(init.name, True, tuple(unplaced[param].shape), (start, start + width))
             start += width
-    return out
-
-
-def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
-    """The values of those named initializers the graph has, reading only their bytes of its external data."""
-    from onnx import numpy_helper
-
-    proto = onnx_graph.load_graph(graph_path, with_weights=False)
-    # to_array reads a tensor's external data itself, relative to base_dir. Loading it first breaks with older onnx
-    # (1.17 included; pyproject allows >=1.16): its load_external_data_for_tensor leaves the tensor marked external,
-    # and to_array then reads it again relative to the working directory (onnx numpy_helper.py, to_array).
-    return {
-        init.name: numpy_helper.to_array(init, base_dir=str(graph_path.parent))
-        for init in proto.graph.initializer
-        if init.name in names
-    }
-
-
-def read_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
-    """The named initializers' values (the engine's base weights), read from the graph."""
-    out = read_named_initializers(graph_path, names)
-    if missing := sorted(names - set(out)):
-        raise ArtifactError(f"{graph_path} has no initializer '{missing[0]}'; its weight map is stale, rebuild it")
     return out

@@ -1,0 +1,60 @@
+"""The ``sdtrt`` Typer app, before any command is registered: command modules and the package assemble onto it.
+
+Importing it first quiets the third-party libraries (they read their switches at import).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+
+
+def _quiet_third_party() -> None:
+    """Exporters and hub libraries print warnings and bars the user cannot act on.
+
+    Runs before the command modules import diffusers/transformers, which read these at import.
+    SDTRT_DEBUG=1 keeps everything.
+    """
+    warnings.filterwarnings("ignore")
+    for name, value in (
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("DIFFUSERS_VERBOSITY", "error"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TQDM_DISABLE", "1"),  # diffusers' and transformers' loading bars; sdtrt draws its own
+    ):
+        os.environ.setdefault(name, value)
+
+
+DEBUG = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
+if not DEBUG:
+    _quiet_third_party()
+
+
+app = typer.Typer(
+    name="sdtrt",
+    help="Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"sdtrt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network."""

@@ -1,0 +1,196 @@
+"""The contract every component's graph offers: tensors with named axes, shapes, profiles, checks.
+
+One subclass per component kind, one module each (denoiser, unet, controlnet, text_encoder, vae).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from ..config import Component, IONaming, Precision, Range, ShapeProfile
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models import ModelSource
+
+
+# The pipeline sub-folder each component is loaded from.
+FOLDERS: dict[str, str] = {"unet": "unet", "controlnet": "controlnet", "text_encoder": "text_encoder",
+                           "text_encoder_2": "text_encoder_2", "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
+NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
+NAMED_OUTPUT = "out_sample"
+TEXT_TOKENS = 77
+Shapes = dict[str, tuple[int, ...]]
+S = TypeVar("S", bound="GraphSpec")
+AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent width", "image_height": "image height",
+               "image_width": "image width"}  # fmt: skip
+# ControlNet residuals come at the latent size divided by 2, 4, 8, …: axes "height_2", "width_4", ….
+RESIDUAL_SCALES = (2, 4, 8, 16, 32)
+for _k in RESIDUAL_SCALES:
+    AXIS_LABELS |= {f"height_{_k}": f"latent height / {_k}", f"width_{_k}": f"latent width / {_k}"}
+
+
+def scaled_axis(axis: str, scale: int) -> str:
+    return axis if scale == 1 else f"{axis}_{scale}"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy-style name: "float16", "float32", "int32"
+    shape: tuple[int | str, ...]  # str = a named dynamic axis
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What every component's contract offers; subclasses declare their tensors and axis sizes."""
+
+    component: ClassVar[Component]
+    label: ClassVar[str]  # for people: "UNet", "VAE decoder", …
+    canonical_inputs: ClassVar[tuple[str, ...]]
+    canonical_outputs: ClassVar[tuple[str, ...]]
+    # Multiples that dynamic axes must keep (the UNet's down-sampling, the VAE's scale factor).
+    grid: ClassVar[dict[str, str]] = {}
+
+    precision: Precision
+    io_naming: IONaming
+    vae_scale_factor: int
+
+    # ---- what subclasses declare ------------------------------------------------------------
+
+    @classmethod
+    def for_model(cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named") -> GraphSpec:
+        """This component's contract for ``model``, from its configs (one place per kind, as Optimum's OnnxConfig)."""
+        raise NotImplementedError
+
+    def inputs(self) -> list[TensorSpec]:
+        raise NotImplementedError
+
+    def outputs(self) -> list[TensorSpec]:
+        raise NotImplementedError
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        """This component's batch for a user profile (the UNet's is doubled by guidance)."""
+        return profile.batch
+
+    def default_profile(self) -> ShapeProfile:
+        raise NotImplementedError
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.vae_scale_factor
+
+    # ---- derived ----------------------------------------------------------------------------
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        if self.io_naming == "indexed":
+            return tuple(f"input_{i}" for i in range(len(self.canonical_inputs)))
+        return self.canonical_inputs
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        if self.io_naming == "indexed":
+            return tuple(f"output_{i}" for i in range(len(self.canonical_outputs)))
+        return self.canonical_outputs
+
+    @property
+    def dtype(self) -> str:
+        return "float16" if self.precision == "fp16" else "float32"
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        return {
+            t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in self.inputs() + self.outputs()
+        }
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int) -> dict[str, int]:
+        f = self.vae_scale_factor
+        sizes = {"batch": batch, "height": height_px // f, "width": width_px // f, "image_height": height_px,
+                 "image_width": width_px}  # fmt: skip
+        return sizes | {scaled_axis(a, k): sizes[a] // k for a in ("height", "width") for k in RESIDUAL_SCALES}
+
+    def input_shapes(self, batch: int, height_px: int, width_px: int) -> Shapes:
+        sizes = self.axis_sizes(batch, height_px, width_px)
+        return {t.name: tuple(sizes[d] if isinstance(d, str) else d for d in t.shape) for t in self.inputs()}
+
+    def output_shapes(self, input_shapes: Shapes) -> Shapes:
+        """Output shapes for these inputs (the runtime allocates outputs before running)."""
+        named = {d: s for t in self.inputs() for d, s in zip(t.shape, input_shapes[t.name], strict=True)}
+        f = self.vae_scale_factor
+        for latent, image in (("height", "image_height"), ("width", "image_width")):
+            named.setdefault(image, named.get(latent, 0) * f)
+            named.setdefault(latent, named.get(image, 0) // f)
+            named |= {scaled_axis(latent, k): named[latent] // k for k in RESIDUAL_SCALES}
+        return {t.name: tuple(named[d] if isinstance(d, str) else d for d in t.shape) for t in self.outputs()}
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Per input: (min, opt, max) shapes, as a TensorRT optimization profile wants them."""
+        profile.check(self.pixel_multiple)
+        batch = self.batch_range(profile)
+        corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i]) for i in range(3)]
+        return {name: tuple(c[name] for c in corners) for name in self.input_names}
+
+    def check_shapes(self, shapes: Shapes, profile: ShapeProfile | None) -> str | None:
+        """Why these input shapes cannot run, or None when they fit (the profile's ranges, if given)."""
+        named: dict[str, int] = {}
+        for t in self.inputs():
+            shape = shapes.get(t.name)
+            if shape is None:
+                return f"input '{t.name}' is missing"
+            if len(shape) != len(t.shape) or any(
+                isinstance(d, int) and d != s for d, s in zip(t.shape, shape, strict=True)
+            ):
+                return f"input '{t.name}' has shape {tuple(shape)}; the engine takes {t.shape}"
+            for axis, size in zip(t.shape, shape, strict=True):
+                if isinstance(axis, str) and named.setdefault(axis, size) != size:
+                    return f"inputs disagree on the {AXIS_LABELS[axis]}: {named[axis]} and {size}"
+        for axis, multiple in self.grid.items():
+            step = getattr(self, multiple)
+            if axis in named and named[axis] % step:
+                return f"{AXIS_LABELS[axis]} {named[axis]} must be a multiple of {step}"
+        if profile is None:
+            return None
+        for name, (lo, _, hi) in self.profile_shapes(profile).items():
+            shape = shapes[name]
+            if any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
+                return f"input '{name}' has shape {tuple(shape)}, outside the engine's profile {lo} .. {hi}"
+        return None
+
+    def sample_inputs(
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Seeded random inputs: floats in ``dtype`` (default float32) where the graph computes in its dtype,
+        float32 where it keeps float32; token ids over the vocabulary."""
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        shapes = self.input_shapes(batch, height_px, width_px)
+        out = {}
+        for t in self.inputs():
+            if t.dtype.startswith("int"):
+                out[t.name] = torch.randint(0, getattr(self, "vocab_size", 2), shapes[t.name], generator=gen).int()
+            else:  # inputs the graph keeps fp32 (timestep, conditioning_scale) stay fp32
+                wanted = dtype if dtype is not None and t.dtype == self.dtype else torch.float32
+                out[t.name] = torch.randn(shapes[t.name], generator=gen).to(wanted)
+        return out
+
+    @classmethod
+    def from_json(cls: type[S], data: dict[str, Any]) -> S:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return (
+            {"component": self.component}
+            | fields
+            | {
+                "inputs": [t.to_json() for t in self.inputs()],
+                "outputs": [t.to_json() for t in self.outputs()],
+            }
+        )

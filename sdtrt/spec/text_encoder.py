@@ -1,0 +1,84 @@
+"""CLIP text encoders' graph contracts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..config import Component, IONaming, Precision, Range, ShapeProfile
+from .base import FOLDERS, TEXT_TOKENS, GraphSpec, TensorSpec
+
+if TYPE_CHECKING:
+    from ..models import ModelSource
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec(GraphSpec):
+    """CLIP text encoders: token ids in; the outputs SD pipelines read (clip_skip 1 included)."""
+
+    component: ClassVar[Component] = "text_encoder"
+    label: ClassVar[str] = "text encoder"
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids",)
+
+    hidden_size: int = 768
+    pooled_name: str = "pooler_output"  # "text_embeds" for CLIPTextModelWithProjection
+    pooled_dim: int = 768
+    vocab_size: int = 49408
+    max_tokens: int = TEXT_TOKENS
+
+    @classmethod
+    def from_config(
+        cls, config: dict[str, Any], architecture: str, vae_scale_factor: int, precision: Precision = "fp16",
+        io_naming: IONaming = "named",
+    ) -> TextEncoderSpec:  # fmt: skip
+        projected = architecture == "CLIPTextModelWithProjection"
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=vae_scale_factor,
+            hidden_size=config["hidden_size"], pooled_name="text_embeds" if projected else "pooler_output",
+            pooled_dim=config["projection_dim"] if projected else config["hidden_size"],
+            vocab_size=config["vocab_size"], max_tokens=config.get("max_position_embeddings", TEXT_TOKENS),
+        )  # fmt: skip
+
+    @classmethod
+    def for_model(
+        cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> TextEncoderSpec:
+        """This component's contract for ``model``, from its configs."""
+        folder = FOLDERS[cls.component]
+        _, architecture = model.component_class(folder)
+        return cls.from_config(
+            model.component_config(folder), architecture, model.vae_scale_factor(), precision, io_naming
+        )
+
+    @property
+    def canonical_outputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("last_hidden_state", self.pooled_name, "penultimate_hidden_state")
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 1  # no pixels: only the batch of a profile matters here
+
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.input_names[0], "int32", ("batch", self.max_tokens))]
+
+    def outputs(self) -> list[TensorSpec]:
+        hidden, pooled, penultimate = self.output_names
+        return [
+            TensorSpec(hidden, self.dtype, ("batch", self.max_tokens, self.hidden_size)),
+            TensorSpec(pooled, self.dtype, ("batch", self.pooled_dim)),
+            TensorSpec(penultimate, self.dtype, ("batch", self.max_tokens, self.hidden_size)),
+        ]
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        return Range(1, 1, profile.batch.max)  # one call per prompt list, positive and negative apart
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile()
+
+
+@dataclass(frozen=True)
+class TextEncoder2Spec(TextEncoderSpec):
+    """SDXL's second text encoder (``text_encoder_2``, usually CLIPTextModelWithProjection)."""
+
+    component: ClassVar[Component] = "text_encoder_2"
+    label: ClassVar[str] = "second text encoder"

@@ -1,0 +1,41 @@
+"""Cache keys stay put across refactors: a store built by an earlier sdtrt is still a cache hit.
+
+The keys below were computed by the code before the layering of issue 19. Package versions are part
+of every key (the environment), so they are pinned here to one made-up set; everything else — stage
+versions, configs, model digests, the graph contract's JSON — is the real thing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+PINNED = {"python": "3", "pinned": "1"}
+
+# stage → key, for tiny's UNet with default configs (fp16 export, onnxsim, build-ort "extended").
+KEYS = {
+    "export": "8a66cbe84c3c5a20d06b654b9893bc7fa1c24fe8a665b5b1478496d54d4e101f",
+    "simplify": "7576728671f8af7b72617dcb29b54daefb93b16ad4516f5919c3dca6052ace3c",
+    "build-ort": "f7083ccbe7234dc3bb52577bc22e291a7c5b8132e8e87b1e6b5926c7e97be556",
+}
+
+
+@pytest.fixture()
+def pinned_environment(monkeypatch):
+    from sdtrt.stages import build_ort, export, simplify
+
+    for stage in (export, simplify, build_ort):
+        monkeypatch.setattr(stage, "environment", lambda *packages: PINNED)
+
+
+def test_stage_keys_of_tiny_are_unchanged(tiny, tmp_path, pinned_environment):
+    from sdtrt.config import ExportConfig, OrtBuildConfig, SimplifyConfig
+    from sdtrt.stages import build_ort, export, simplify
+    from sdtrt.store import Store
+
+    store = Store(tmp_path)
+    exported = export.run(ExportConfig(), tiny, store)
+    simplified = simplify.run(SimplifyConfig(), exported, store)
+    built = build_ort.run(OrtBuildConfig(), simplified, store)
+    assert {a.stage: a.key for a in (exported, simplified, built)} == KEYS
+    again = build_ort.run(OrtBuildConfig(), simplify.run(SimplifyConfig(), exported, store), store)
+    assert again.path == built.path  # the re-run is a cache hit on the same artifact
