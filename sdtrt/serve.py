@@ -116,21 +116,19 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def check_repository(repository: Path) -> list[str]:
-    """The models ``sdtrt deploy triton`` wrote in ``repository``; ServeError, before any server starts, if none."""
+def check_repository(repository: Path) -> None:
+    """ServeError, before any server starts, unless ``repository`` holds a model ``sdtrt deploy triton`` wrote."""
     deploy = f"write one with `sdtrt deploy triton --engine ENGINE --out {repository}`"
     if not repository.is_dir():
         raise ServeError(f"model repository {repository} is not a directory; {deploy}")
     models = sorted(config.parent for config in repository.glob("*/config.pbtxt"))
     if not models:
         raise ServeError(f"{repository} is not a Triton model repository (no <model>/config.pbtxt in it); {deploy}")
-    ours = [model.name for model in models if (model / DEPLOYMENT).is_file()]
-    if not ours:
+    if not any((model / DEPLOYMENT).is_file() for model in models):
         raise ServeError(
             f"{repository} holds no model `sdtrt deploy triton` wrote (no {DEPLOYMENT} beside "
             f"{', '.join(f'{m.name}/config.pbtxt' for m in models)}); {deploy}"
         )
-    return ours
 
 
 class TritonServer:
@@ -202,7 +200,7 @@ class TritonServer:
                 self._reader.join(10)  # the rest of its output
                 problems = self._show_problems()
                 raise ServeError(f"tritonserver exited with code {self.process.returncode} before it was ready: "
-                                 f"{_failure(problems)} ({self._log_hint()})")  # fmt: skip
+                                 f"{_failure(problems)}{self._log_hint()}")  # fmt: skip
             if self.ready():
                 self._show_problems()
                 with self._lock:
@@ -213,8 +211,8 @@ class TritonServer:
         self.stop()
         problems = self._show_problems()
         raise ServeError(
-            f"tritonserver was not ready after {self.config.start_timeout_s:.0f} s: {_failure(problems)} "
-            f"({self._log_hint()})"
+            f"tritonserver was not ready after {self.config.start_timeout_s:.0f} s: {_failure(problems)}"
+            f"{self._log_hint()}"
         )
 
     def ready(self) -> bool:
@@ -245,7 +243,7 @@ class TritonServer:
 
     def _log_hint(self) -> str:
         name = getattr(self.log, "name", None)
-        return f"its log is {name}" if isinstance(name, str) else "Triton's errors are above"
+        return f" (its log is {name})" if isinstance(name, str) else ""  # else its problems are above
 
     def __enter__(self) -> TritonServer:
         return self
