@@ -7,28 +7,32 @@ INT32, ``guidance`` FP32, ``seed`` UINT64, ``height`` and ``width`` INT32, each 
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .deploy import TritonDeployConfig
 from .errors import ServeError, one_line
 from .request import GenerateRequest
 
+if TYPE_CHECKING:  # numpy is imported where it is used: the CLI imports this module at startup
+    import numpy as np
+
+TIMEOUT_S = 300.0  # for an answer: a busy server queues requests, a stopped or stuck one never answers
+
 # input → (Triton datatype, numpy dtype)
 DATATYPES = {
-    "prompt": ("BYTES", np.object_),
-    "negative_prompt": ("BYTES", np.object_),
-    "steps": ("INT32", np.int32),
-    "guidance": ("FP32", np.float32),
-    "seed": ("UINT64", np.uint64),
-    "height": ("INT32", np.int32),
-    "width": ("INT32", np.int32),
+    "prompt": ("BYTES", "object"),
+    "negative_prompt": ("BYTES", "object"),
+    "steps": ("INT32", "int32"),
+    "guidance": ("FP32", "float32"),
+    "seed": ("UINT64", "uint64"),
+    "height": ("INT32", "int32"),
+    "width": ("INT32", "int32"),
 }
 
 
 def request_inputs(request: GenerateRequest) -> list[Any]:
     """The request as tritonclient HTTP inputs, one row; values left at None are not sent (the server's defaults)."""
+    import numpy as np
     import tritonclient.http as http
 
     inputs = []
@@ -44,14 +48,16 @@ def request_inputs(request: GenerateRequest) -> list[Any]:
 
 
 def txt2img(
-    url: str, request: GenerateRequest, model: str = TritonDeployConfig.name, timeout_s: float = 600.0
+    url: str, request: GenerateRequest, model: str = TritonDeployConfig.name, timeout_s: float = TIMEOUT_S
 ) -> np.ndarray:
     """One image (UINT8 ``[height, width, 3]``) from the server at ``url`` (``host:port``, ``http://`` optional).
 
-    ServeError with the server's message when it refuses the request or cannot be reached.
+    ServeError with the server's message when it refuses the request, cannot be reached, or has not
+    answered within ``timeout_s`` seconds.
     """
     from http.client import HTTPException
 
+    import numpy as np
     import tritonclient.http as http
     from tritonclient.utils import InferenceServerException
 
@@ -61,6 +67,11 @@ def txt2img(
         result = client.infer(model, request_inputs(request))
     except InferenceServerException as exc:
         raise ServeError(f"the server at {address} answered: {one_line(exc)}") from exc
+    except TimeoutError as exc:  # geventhttpclient's network_timeout: socket.timeout, i.e. TimeoutError
+        raise ServeError(
+            f"Triton at {address} did not answer within {timeout_s:g} s (busy with other requests, or stuck); "
+            "try again later, or pass a longer --timeout"
+        ) from exc
     except (OSError, HTTPException) as exc:  # refused, reset, or closed mid-request (geventhttpclient)
         raise ServeError(f"lost Triton at {address}: {one_line(exc)}; is `sdtrt serve` running?") from exc
     finally:

@@ -50,6 +50,7 @@ class TritonDeployConfig:
     name: str = "stable_diffusion"
     instances: int = 1  # per GPU with KIND_GPU, per server with KIND_CPU
     max_batch: int = 4  # images per execution; at most the engine profile's batch
+    max_steps: int = 100  # denoising steps one request may ask for: a bigger one would hold an instance for long
     dynamic_batching: bool = True  # requests sharing size, steps and guidance run as one pipeline call
     max_queue_delay_us: int = 20_000  # how long a request waits for others to batch with
     kind: InstanceKind = "auto"  # auto: KIND_GPU for TensorRT engines, KIND_CPU otherwise
@@ -57,8 +58,8 @@ class TritonDeployConfig:
     def __post_init__(self) -> None:
         if not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"model name '{self.name}' may hold only letters, digits, '_' and '-'")
-        if self.instances < 1 or self.max_batch < 1 or self.max_queue_delay_us < 0:
-            raise ConfigError("instances and max batch must be at least 1, the queue delay at least 0")
+        if self.instances < 1 or self.max_batch < 1 or self.max_steps < 1 or self.max_queue_delay_us < 0:
+            raise ConfigError("instances, max batch and max steps must be at least 1, the queue delay at least 0")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class Deployment:
     @property
     def profile(self) -> ShapeProfile:
         return ShapeProfile.from_json(self.record["profile"])
+
+    @property
+    def max_steps(self) -> int:
+        """The bound on a request's steps; repositories written before there was one get the default."""
+        return int(self.record["config"].get("max_steps", TritonDeployConfig.max_steps))
 
 
 def deploy_triton(

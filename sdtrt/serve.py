@@ -7,17 +7,25 @@ Python version, and Triton looks for the stub in the backend's folder: the backe
 under ``~/.cache/sdtrt/triton`` with the stub for the running Python beside it. The server runs with
 this interpreter's ``bin`` first on PATH, so the stub's Python sees this environment's packages (sdtrt
 included).
+
+Triton's startup output (~50 lines of tables) is held back: a server that starts shows only its warnings
+and errors, one that fails shows those and says in one line which model failed and why. Once the server
+is ready its output passes through. Stopping creates the stop file the models watch (``triton_model``),
+so generations in flight end within a denoising step and Triton exits in seconds, not at its timeout.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,9 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from .deploy import DEPLOYMENT
 from .errors import MissingDependencyError, ServeError
 
 STUB = "triton_python_backend_stub"
+STOP_FILE_ENV = "SDTRT_STOP_FILE"  # exists once the server is stopping; the models check it between steps
+# Triton's log lines are "<I|W|E>MMDD hh:mm:ss.us pid file:line] message"; warnings and errors are worth showing.
+LOG_PROBLEM = re.compile(r"^(?:[WE]\d{4} \S+ \d+ \S+\] |error: )")
+# ... except these, which every start on a machine without a GPU prints.
+LOG_NOISE = ("pinned memory", "CudaDriverHelper", "NVML", "DCGM")
+LOAD_FAILED = re.compile(r"failed to load '(?P<model>[^']+)' version \d+: (?:Internal: )?(?P<reason>.*?)\"?$")
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class ServeConfig:
     grpc_port: int = 8001
     metrics_port: int = 8002
     start_timeout_s: float = 300.0  # until every model in the repository is ready
+    exit_timeout_s: int = 10  # on stop, how long Triton waits for open connections and requests in flight
 
     @property
     def http_url(self) -> str:
@@ -100,15 +116,33 @@ def _environment() -> dict[str, str]:
     return env
 
 
+def check_repository(repository: Path) -> None:
+    """ServeError, before any server starts, unless ``repository`` holds a model ``sdtrt deploy triton`` wrote."""
+    deploy = f"write one with `sdtrt deploy triton --engine ENGINE --out {repository}`"
+    if not repository.is_dir():
+        raise ServeError(f"model repository {repository} is not a directory; {deploy}")
+    models = sorted(config.parent for config in repository.glob("*/config.pbtxt"))
+    if not models:
+        raise ServeError(f"{repository} is not a Triton model repository (no <model>/config.pbtxt in it); {deploy}")
+    if not any((model / DEPLOYMENT).is_file() for model in models):
+        raise ServeError(
+            f"{repository} holds no model `sdtrt deploy triton` wrote (no {DEPLOYMENT} beside "
+            f"{', '.join(f'{m.name}/config.pbtxt' for m in models)}); {deploy}"
+        )
+
+
 class TritonServer:
-    """A running tritonserver; stop it with ``stop()`` or by leaving its ``with`` block."""
+    """A running tritonserver; stop it with ``stop()`` or by leaving its ``with`` block.
+
+    Its output goes to ``log`` when given; otherwise to stderr once it is ready (``wait_ready``), its
+    startup's warnings and errors only before that.
+    """
 
     def __init__(self, repository: Path, config: ServeConfig, log: IO[Any] | None = None) -> None:
         self.repository = Path(repository)
         self.config = config
         self.log = log
-        if not self.repository.is_dir():
-            raise ServeError(f"model repository {repository} is not a directory; write one with `sdtrt deploy triton`")
+        check_repository(self.repository)
         command = [
             *tritonserver_command(),
             f"--model-repository={self.repository.resolve()}",
@@ -116,24 +150,70 @@ class TritonServer:
             f"--http-port={config.http_port}",
             f"--grpc-port={config.grpc_port}",
             f"--metrics-port={config.metrics_port}",
+            f"--exit-timeout-secs={config.exit_timeout_s}",
         ]
+        self._stop_dir = Path(tempfile.mkdtemp(prefix="sdtrt-serve-"))
+        self.stop_file = self._stop_dir / "stop"
+        self._startup: collections.deque[str] = collections.deque(maxlen=2000)  # output until ready
+        self._passing = False  # True once ready: output goes straight to stderr
+        self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            command, env=_environment(), stdin=subprocess.DEVNULL, stdout=log or sys.stderr, stderr=subprocess.STDOUT
-        )
+            command, env=_environment() | {STOP_FILE_ENV: str(self.stop_file)}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read_output, name="tritonserver-output", daemon=True)
+        self._reader.start()
+
+    def _read_output(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            line = raw.decode(errors="replace")
+            with self._lock:
+                if self.log is not None:
+                    self.log.write(line)
+                    self.log.flush()
+                if self._passing:
+                    if self.log is None:
+                        sys.stderr.write(line)
+                else:
+                    self._startup.append(line)
+
+    def _problems(self) -> list[str]:
+        """Triton's startup warnings and errors, each cut to its first line (tracebacks come escaped)."""
+        with self._lock:
+            lines = list(self._startup)
+        found = [line.rstrip("\n").split("\\n")[0] for line in lines if LOG_PROBLEM.match(line)]
+        return [line for line in found if not any(noise in line for noise in LOG_NOISE)]
+
+    def _show_problems(self) -> list[str]:
+        """The startup's problems, printed to stderr when the output goes nowhere else; returned."""
+        problems = self._problems()
+        if self.log is None and problems:
+            sys.stderr.write("".join(f"{line}\n" for line in problems))
+        return problems
 
     def wait_ready(self) -> None:
         """Return once every model is loaded; ServeError when the server exits or the time runs out."""
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServeError(
-                    f"tritonserver exited with code {self.process.returncode} before it was ready ({self._log_hint()})"
-                )
+                self._reader.join(10)  # the rest of its output
+                problems = self._show_problems()
+                raise ServeError(f"tritonserver exited with code {self.process.returncode} before it was ready: "
+                                 f"{_failure(problems)}{self._log_hint()}")  # fmt: skip
             if self.ready():
+                self._show_problems()
+                with self._lock:
+                    self._passing = True
+                    self._startup.clear()
                 return
             time.sleep(0.25)
         self.stop()
-        raise ServeError(f"tritonserver was not ready after {self.config.start_timeout_s:.0f} s ({self._log_hint()})")
+        problems = self._show_problems()
+        raise ServeError(
+            f"tritonserver was not ready after {self.config.start_timeout_s:.0f} s: {_failure(problems)}"
+            f"{self._log_hint()}"
+        )
 
     def ready(self) -> bool:
         try:
@@ -142,20 +222,28 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """Stop the server (SIGTERM: Triton finishes its requests in flight first, then SIGKILL); its exit code."""
+    def stop(self) -> int:
+        """Stop the server; its exit code.
+
+        The stop file first (the models end their generations at the next step, answering 503), then
+        SIGTERM (Triton waits up to ``exit_timeout_s`` for connections and requests in flight, unloads
+        the models and exits), then SIGKILL if it is still running some seconds after that.
+        """
         if self.process.poll() is None:
+            self.stop_file.touch()
             self.process.terminate()
             try:
-                self.process.wait(timeout_s)
+                self.process.wait(self.config.exit_timeout_s + 10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._reader.join(10)
+        shutil.rmtree(self._stop_dir, ignore_errors=True)
         return self.process.returncode
 
     def _log_hint(self) -> str:
         name = getattr(self.log, "name", None)
-        return f"its log is {name}" if isinstance(name, str) else "its log is above"
+        return f" (its log is {name})" if isinstance(name, str) else ""  # else its problems are above
 
     def __enter__(self) -> TritonServer:
         return self
@@ -174,6 +262,15 @@ def start_server(repository: Path, config: ServeConfig = ServeConfig(), log: IO[
         server.stop()
         raise
     return server
+
+
+def _failure(problems: list[str]) -> str:
+    """What went wrong, in a few words, from Triton's startup problems."""
+    for line in problems:
+        if found := LOAD_FAILED.search(line):
+            return f"model '{found['model']}' failed to load: {found['reason']}"
+    errors = [line.removeprefix("error: ") for line in problems if line.startswith("error: ")]
+    return errors[-1] if errors else "it printed no error"
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

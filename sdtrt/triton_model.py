@@ -5,19 +5,26 @@ a ``GenerateRequest``, checked as the CLI checks one (steps, seed, size on the m
 the engine's profile): a bad request gets a Triton error of one line and never fails the others.
 Rows that share size, steps and guidance run as one pipeline call of at most ``max_batch`` images.
 Imported only inside Triton, where ``triton_python_backend_utils`` exists.
+
+Stopping: on SIGTERM Triton waits for executions in flight before it unloads a model (``finalize`` comes
+only after them), so a long generation would hold the server up to its exit timeout. ``sdtrt serve``
+therefore creates a stop file (``SDTRT_STOP_FILE``) before it signals Triton; the model checks it after
+every denoising step and answers the rows it was running with UNAVAILABLE (HTTP 503).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import __version__
-from .errors import RequestError, SdtrtError, one_line
+from .errors import RequestError, SdtrtError, ServeError, one_line
 from .request import GenerateRequest, SizeRule
+from .serve import STOP_FILE_ENV
 
 OPTIONAL = ("negative_prompt", "steps", "guidance", "seed", "height", "width")
 DEFAULTS = GenerateRequest()
@@ -44,6 +51,7 @@ class TritonPythonModel:
         self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
         self.rule = SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
+        self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by `sdtrt serve`; absent under a bare tritonserver
 
     def execute(self, requests: list[Any]) -> list[Any]:
         import triton_python_backend_utils as pb_utils
@@ -63,7 +71,8 @@ class TritonPythonModel:
             group = list(grouped)
             for chunk in (group[i : i + self.max_batch] for i in range(0, len(group), self.max_batch)):
                 try:
-                    result = generate(self.pipe, [row for _, row in chunk])
+                    self.check_running("before it started")
+                    result = generate(self.pipe, [row for _, row in chunk], on_step=self.stop_between_steps)
                 except SdtrtError as exc:
                     errors.update((index, _error(exc)) for index, _ in chunk)
                     continue
@@ -75,6 +84,14 @@ class TritonPythonModel:
             else pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))])
             for i in range(len(requests))
         ]
+
+    def check_running(self, when: str) -> None:
+        """ServeError once ``sdtrt serve`` is stopping the server."""
+        if self.stop_file is not None and os.path.exists(self.stop_file):
+            raise ServeError(f"the server is stopping: the request was interrupted {when}; send it again")
+
+    def stop_between_steps(self, step: int, total: int) -> None:
+        self.check_running(f"after {step + 1} of {total} steps")  # raised through the pipeline: it stops now
 
     def parse(self, request: Any) -> list[GenerateRequest]:
         """The request's rows as checked GenerateRequests; RequestError for the first problem."""
@@ -100,6 +117,11 @@ class TritonPythonModel:
                 height=int(value["height"]) if "height" in value else None,
                 width=int(value["width"]) if "width" in value else None,
             ).sized_for(self.rule)
+            if row.steps > self.deployment.max_steps:
+                raise RequestError(
+                    f"steps {row.steps} is more than this deployment serves (at most {self.deployment.max_steps}); "
+                    "ask for fewer, or redeploy with a larger `sdtrt deploy triton --max-steps`"
+                )
             assert row.height is not None and row.width is not None  # sized_for sets both
             if problem := self.deployment.profile.size_problem(row.height, row.width):
                 raise RequestError(problem)
@@ -112,7 +134,14 @@ class TritonPythonModel:
 def _error(exc: SdtrtError) -> Any:
     import triton_python_backend_utils as pb_utils
 
-    code = pb_utils.TritonError.INVALID_ARG if isinstance(exc, RequestError) else pb_utils.TritonError.INTERNAL
+    # HTTP 400 for a bad request, 503 while the server stops (triton-inference-server/server
+    # src/http_server.cc HttpCodeFromError: UNAVAILABLE → EVHTP_RES_SERVUNAVAIL), 500 otherwise.
+    if isinstance(exc, RequestError):
+        code = pb_utils.TritonError.INVALID_ARG
+    elif isinstance(exc, ServeError):
+        code = pb_utils.TritonError.UNAVAILABLE
+    else:
+        code = pb_utils.TritonError.INTERNAL
     return pb_utils.TritonError(one_line(exc), code)
 
 

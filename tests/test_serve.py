@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -25,6 +29,8 @@ pytest.importorskip("pytriton", reason="needs the serve extra: pip install 'sdtr
 
 SIZE = 128  # the tiny engine profile's smallest side: the cheapest image
 FAST = GenerateRequest(prompt="a lighthouse at dusk", steps=2, seed=7, height=SIZE, width=SIZE)
+MAX_STEPS = 1000
+SLOW = GenerateRequest(prompt="slow", steps=500, height=SIZE, width=SIZE)  # about a minute: interrupted, never run
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +43,10 @@ def engine_set(tiny, store):
 @pytest.fixture(scope="module")
 def repository(engine_set, tmp_path_factory):
     """The deployment, written and then moved: the server must need nothing outside it."""
-    from sdtrt.deploy import deploy_triton
+    from sdtrt.deploy import TritonDeployConfig, deploy_triton
 
     written = tmp_path_factory.mktemp("written") / "repo"
-    deploy_triton(engine_set, written)
+    deploy_triton(engine_set, written, TritonDeployConfig(max_steps=MAX_STEPS))
     moved = tmp_path_factory.mktemp("moved") / "repo"
     written.rename(moved)
     return moved
@@ -95,6 +101,7 @@ def test_deploy_records_what_it_serves(repository, engine_set):
     assert record["sdtrt_version"] and record["engine"]["key"] == engine_set.key
     assert set(record["members"]) == {"unet", "text_encoder", "vae_decoder", "vae_encoder"}
     assert record["model"]["name"] == "tiny" and record["kind"] == "cpu"
+    assert record["config"]["max_steps"] == MAX_STEPS
     config = (model / "config.pbtxt").read_text()
     for line in ('backend: "python"', "max_batch_size: 4", "KIND_CPU", "dynamic_batching", 'name: "image"'):
         assert line in config
@@ -150,12 +157,14 @@ PROMPT = {"prompt": np.array([[b"a fox"]], dtype=object)}
         ({"steps": np.array([[2]], dtype=np.int32)}, "no 'prompt' input"),
         (PROMPT | {"height": np.array([[100]], dtype=np.int32)}, "height 100 is not a positive multiple of 16"),
         (PROMPT | {"steps": np.array([[0]], dtype=np.int32)}, "steps 0 must be at least 1"),
+        (PROMPT | {"steps": np.array([[100000]], dtype=np.int32)}, "steps 100000 is more than this deployment "
+                                                                    f"serves (at most {MAX_STEPS})"),
         (PROMPT | {"width": np.array([[512]], dtype=np.int32)}, "width 512 is outside the engine's profile (128..384"),
         (PROMPT | {"steps": np.array([[2.0]], dtype=np.float32)}, "'steps' data-type is 'FP32', but model 'stable_"
                                                                   "diffusion' expects 'INT32'"),
         (PROMPT | {"seed": np.array([[1], [2]], dtype=np.uint64)}, "batch size does not match other inputs"),
     ],
-    ids=["no-prompt", "off-grid", "steps-0", "outside-profile", "wrong-dtype", "ragged"],
+    ids=["no-prompt", "off-grid", "steps-0", "too-many-steps", "outside-profile", "wrong-dtype", "ragged"],
 )  # fmt: skip
 def test_bad_request_gets_a_clear_error_and_the_next_succeeds(server, inputs, message):
     from tritonclient.utils import InferenceServerException
@@ -173,11 +182,10 @@ def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(re
     from sdtrt.errors import ServeError
 
     outcome: dict[str, BaseException | np.ndarray] = {}
-    slow = GenerateRequest(prompt="slow", steps=500, height=SIZE, width=SIZE)
 
     def ask(url: str) -> None:
         try:
-            outcome["result"] = txt2img(url, slow)
+            outcome["result"] = txt2img(url, SLOW)
         except BaseException as exc:
             outcome["result"] = exc
 
@@ -197,10 +205,11 @@ def test_cli_deploy_and_client(server, engine_set, store, tmp_path):
 
     deployed = run_cli(
         "deploy", "triton", "--engine", engine_set.key[:12], "--engines", str(store.root), "--out", str(tmp_path),
-        "--model-name", "sd", "--max-batch", "2", "--no-dynamic-batching", check=True,
+        "--model-name", "sd", "--max-batch", "2", "--max-steps", "50", "--no-dynamic-batching", check=True,
     )  # fmt: skip
     folder = Path(last_line(deployed.stdout))
     assert folder == tmp_path / "sd"
+    assert json.loads((folder / "sdtrt.json").read_text())["config"]["max_steps"] == 50
     config = (folder / "config.pbtxt").read_text()
     assert "max_batch_size: 2" in config and "dynamic_batching" not in config
     too_big = run_cli("deploy", "triton", "--engine", str(engine_set.path), "--out", str(tmp_path), "--max-batch", "8")
@@ -217,3 +226,93 @@ def test_cli_deploy_and_client(server, engine_set, store, tmp_path):
     np.testing.assert_array_equal(np.asarray(Image.open(out)), txt2img(server.config.http_url, FAST))
     refused = run_cli("client", "--url", server.config.http_url, "--height", "100", "--out", str(out))
     assert refused.returncode == 1 and "answered: [400] height 100 is not a positive multiple" in refused.stderr
+
+
+def _serve_cli(repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``sdtrt serve`` as a user starts it, its output in ``log``; the process and its HTTP address."""
+    from sdtrt.serve import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sdtrt", "serve", str(repository), "--http-port", str(http),
+             "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    return process, f"127.0.0.1:{http}"
+
+
+def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(repository, tmp_path):
+    from sdtrt.client import txt2img
+    from sdtrt.errors import ServeError
+
+    log = tmp_path / "serve.log"
+    serve, url = _serve_cli(repository, log)
+    try:
+        deadline = time.monotonic() + 180
+        while "✓ serving" not in log.read_text() and serve.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "✓ serving" in log.read_text(), log.read_text()
+        outcome: dict[str, BaseException | np.ndarray] = {}
+
+        def ask() -> None:
+            try:
+                outcome["result"] = txt2img(url, SLOW, timeout_s=120)
+            except BaseException as exc:
+                outcome["result"] = exc
+
+        client = threading.Thread(target=ask)
+        client.start()
+        # The only instance is busy for a minute: a client with a timeout gives up with one line, not a hang.
+        waited = run_cli("client", "--url", url, "--steps", "1", "--height", str(SIZE), "--width", str(SIZE),
+                         "--out", str(tmp_path / "never.png"), "--timeout", "1", timeout=120)  # fmt: skip
+        assert waited.returncode == 1, waited.stderr
+        assert f"Triton at {url} did not answer within 1 s" in waited.stderr
+        assert len(waited.stderr.strip().splitlines()) == 1
+        stopping = time.perf_counter()
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(120)
+        print(f"sdtrt serve exited {time.perf_counter() - stopping:.1f} s after SIGTERM")
+        client.join(60)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    assert code == 0, f"Triton stopped cleanly, not killed at its timeout:\n{log.read_text()[-2000:]}"
+    result = outcome["result"]
+    assert isinstance(result, ServeError), result
+    assert "[503] the server is stopping: the request was interrupted after" in str(result)
+    assert "Repository Agent" not in log.read_text(), "Triton's startup tables stay out of the output"
+
+
+def test_serve_refuses_a_folder_that_is_no_repository_before_starting_triton(tmp_path):
+    empty = run_cli("serve", str(tmp_path), timeout=60)
+    assert empty.returncode == 1
+    assert empty.stderr.strip() == (
+        f"error: {tmp_path} is not a Triton model repository (no <model>/config.pbtxt in it); "
+        f"write one with `sdtrt deploy triton --engine ENGINE --out {tmp_path}`"
+    )
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.pbtxt").write_text('backend: "python"\n')
+    foreign = run_cli("serve", str(tmp_path), timeout=60)
+    assert foreign.returncode == 1 and len(foreign.stderr.strip().splitlines()) == 1
+    assert "holds no model `sdtrt deploy triton` wrote (no sdtrt.json beside other/config.pbtxt)" in foreign.stderr
+
+
+def test_serve_a_model_that_fails_to_load_shows_the_reason_in_a_few_lines(repository, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(repository, broken)
+    record_path = broken / "stable_diffusion" / "sdtrt.json"
+    record = json.loads(record_path.read_text())
+    shutil.rmtree(broken / "stable_diffusion" / "1" / record["engine"]["path"])
+    log = tmp_path / "serve.log"
+    serve, _ = _serve_cli(broken, log)
+    try:
+        code = serve.wait(300)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+    lines = log.read_text().strip().splitlines()
+    assert code == 1
+    assert len(lines) <= 6, "Triton's errors, not its whole startup log:\n" + "\n".join(lines)
+    assert "model 'stable_diffusion' failed to load: ArtifactError:" in lines[-1]
+    assert "does not exist" in lines[-1]

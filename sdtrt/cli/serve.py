@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ..client import TIMEOUT_S
 from ..deploy import InstanceKind, TritonDeployConfig
 from ..request import GenerateRequest
 from . import options as o
@@ -40,6 +41,9 @@ def deploy_triton_command(
     dynamic_batching: Annotated[
         bool, typer.Option(help="Batch requests that share size, steps and guidance.")
     ] = TritonDeployConfig.dynamic_batching,
+    max_steps: Annotated[
+        int, typer.Option(min=1, help="The most denoising steps one request may ask for; more get HTTP 400.")
+    ] = TritonDeployConfig.max_steps,
     queue_delay_us: Annotated[
         int, typer.Option(min=0, help="How long a request waits to be batched (µs).")
     ] = TritonDeployConfig.max_queue_delay_us,
@@ -56,8 +60,8 @@ def deploy_triton_command(
     from ..models import resolve_model
 
     config = TritonDeployConfig(
-        name=name, instances=instances, max_batch=max_batch, dynamic_batching=dynamic_batching,
-        max_queue_delay_us=queue_delay_us, kind=kind,
+        name=name, instances=instances, max_batch=max_batch, max_steps=max_steps,
+        dynamic_batching=dynamic_batching, max_queue_delay_us=queue_delay_us, kind=kind,
     )  # fmt: skip
     source = resolve_model(model) if model else None
     deployment = deploy_triton(o.find_engine(engine, engines), out, config, source)
@@ -71,7 +75,9 @@ def serve_command(
     grpc_port: Annotated[int, typer.Option(help="gRPC port.")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus metrics port.")] = 8002,
 ) -> None:
-    """Run Triton Inference Server on a model repository until interrupted (Ctrl-C stops it).
+    """Run Triton Inference Server on a model repository until interrupted.
+
+    Ctrl-C or SIGTERM stops it within seconds: generations in flight end at their next step (HTTP 503).
 
     Example: sdtrt serve model_repository --http-port 8000
     """
@@ -104,6 +110,7 @@ def client_command(
     width: o.WidthPxOpt = None,
     model_name: ModelNameOpt = TritonDeployConfig.name,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the image.")] = TIMEOUT_S,
 ) -> None:
     """Ask a Triton server for an image and save it as a PNG.
 
@@ -114,7 +121,7 @@ def client_command(
     from ..client import txt2img
 
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
-    image = txt2img(url, request, model_name)
+    image = txt2img(url, request, model_name, timeout_s=timeout)
     out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(out)
     typer.echo(out)
