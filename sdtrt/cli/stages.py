@@ -189,7 +189,7 @@ def one_graph(artifact: Artifact, command: str, takes: tuple[str, ...], wanted: 
         return artifact
     if artifact.stage != "set":
         raise ArtifactError(
-            f"{command} takes a {' or '.join(takes)} artifact, and {artifact.path} is a '{artifact.stage}' artifact; "
+            f"{command} takes {' or '.join(takes)} artifacts, and {artifact.path} is a '{artifact.stage}' artifact; "
             f"pass the {wanted} artifact a stage printed"
         )
     from ..stages.engine_set import members
