@@ -2,9 +2,9 @@
 
 Makes two random rank-8 LoRAs on the attention and feed-forward projections (sdtrt.lora.random_lora,
 as `sdtrt lora random` does), compiles the UNet into a fresh temporary store (export → simplify →
-build-ort, no validation), then times on the loaded pipeline: the first LoRA (weight map made and base weights read), a swap to a second one,
-a swap back, and `clear_loras()`. Each swap recomputes base + Σ scale·ΔW and opens a new ONNX
-Runtime session with the replaced initializers.
+build-ort, no validation), then times on the loaded pipeline: the first LoRA (weight map made and
+base weights read), a swap to a second one, a swap back, and `clear_loras()`. Each swap recomputes
+base + Σ scale·ΔW and opens a new ONNX Runtime session with the replaced initializers.
 
     python benchmarks/lora_swap.py --model tiny
     python benchmarks/lora_swap.py --model sd15-random

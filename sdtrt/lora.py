@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import LoraError, one_line
+from .errors import LoraError, RequestError, one_line
 
 if TYPE_CHECKING:
     import numpy as np
@@ -452,6 +452,13 @@ def describe(lora: LoraFile) -> dict[str, Any]:
     }
 
 
+def lora_out(out: str | os.PathLike[str]) -> Path:
+    """Where a new LoRA file goes; RequestError unless it is a .safetensors file."""
+    if Path(out).suffix != ".safetensors":
+        raise RequestError(f"{out}: a LoRA file is .safetensors, e.g. style.safetensors")
+    return Path(out)
+
+
 def random_lora(
     model: ModelSource,
     out: str | os.PathLike[str],
@@ -472,9 +479,7 @@ def random_lora(
 
     from .models import load_folder, quiet_loading
 
-    out = Path(out)
-    if out.suffix != ".safetensors":
-        raise LoraError(f"{out}: a LoRA file is .safetensors; pass e.g. --out style.safetensors")
+    out = lora_out(out)
     if not model.has("unet"):
         raise LoraError(f"'{model.name}' has no UNet in a pipeline folder; random LoRAs are made for UNet pipelines")
     with quiet_loading():

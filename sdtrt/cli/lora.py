@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..errors import LoraError, RequestError
+from ..errors import LoraError
 from ..progress import results, step
 from . import options as o
 
@@ -80,11 +80,10 @@ def random_command(
 
     Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders
     """
-    if out.suffix != ".safetensors":
-        raise RequestError(f"--out {out}: a LoRA file is .safetensors, e.g. --out style.safetensors")
-    from ..lora import random_lora
+    from ..lora import lora_out, random_lora
     from ..models import resolve_model
 
+    out = lora_out(out)  # a usage error, before the model loads
     with step(f"Making a random rank-{rank} LoRA for {model}"):
         path = random_lora(resolve_model(model), out, rank=rank, alpha=alpha, seed=seed, text_encoders=text_encoders)
     typer.echo(path)
