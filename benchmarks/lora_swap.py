@@ -1,10 +1,10 @@
 """A LoRA swap against a fresh compile of the same target (ONNX Runtime, UNet only), on the CPU.
 
-Makes a random rank-8 LoRA on the attention and feed-forward projections (PEFT), compiles the UNet
-into a fresh temporary store (export → simplify → build-ort, no validation), then times on the
-loaded pipeline: the first LoRA (weight map made and base weights read), a swap to a second one,
-a swap back, and `clear_loras()`. Each swap recomputes base + Σ scale·ΔW and opens a new ONNX
-Runtime session with the replaced initializers.
+Makes two random rank-8 LoRAs on the attention and feed-forward projections (sdtrt.lora.random_lora,
+as `sdtrt lora random` does), compiles the UNet into a fresh temporary store (export → simplify →
+build-ort, no validation), then times on the loaded pipeline: the first LoRA (weight map made and
+base weights read), a swap to a second one, a swap back, and `clear_loras()`. Each swap recomputes
+base + Σ scale·ΔW and opens a new ONNX Runtime session with the replaced initializers.
 
     python benchmarks/lora_swap.py --model tiny
     python benchmarks/lora_swap.py --model sd15-random
@@ -19,28 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from sdtrt.compile import compile_model
-from sdtrt.models import load_folder, resolve_model
+from sdtrt.lora import random_lora
+from sdtrt.models import resolve_model
 from sdtrt.pipeline import load_pipeline
 from sdtrt.store import Store
-
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
-
-
-def make_lora(model, folder: Path, seed: int) -> str:
-    from diffusers import StableDiffusionPipeline
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    torch.manual_seed(seed)
-    unet = load_folder(model, "unet")
-    config = LoraConfig(r=8, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    unet.add_adapter(config)
-    StableDiffusionPipeline.save_lora_weights(
-        folder, unet_lora_layers=get_peft_model_state_dict(unet), unet_lora_adapter_metadata=config.to_dict()
-    )
-    return str(folder / "pytorch_lora_weights.safetensors")
 
 
 def main() -> None:
@@ -49,7 +32,8 @@ def main() -> None:
     args = parser.parse_args()
     model = resolve_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        a, b = make_lora(model, Path(tmp) / "a", 1), make_lora(model, Path(tmp) / "b", 2)
+        a = random_lora(model, Path(tmp) / "a.safetensors", seed=1)
+        b = random_lora(model, Path(tmp) / "b.safetensors", seed=2)
         started = time.perf_counter()
         engine = compile_model(model, Store(Path(tmp) / "engines"), target="onnxruntime", components=("unet",)).final
         compile_s = time.perf_counter() - started

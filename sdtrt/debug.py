@@ -56,13 +56,19 @@ class DebugReport:
     def __bool__(self) -> bool:
         return self.first is None
 
+    def problem(self) -> str | None:
+        """Which tensor diverges first and what to do, or None for a healthy engine."""
+        if self.first is None:
+            return None
+        what = "turns NaN/inf" if not self.first["finite"] else f"diverges (error {self.first['error']:.3g})"
+        return (
+            f"{self.first['tensor']}, output of {self.first['op']} node '{self.first['node']}', {what} first; "
+            "look at that layer's weights and inputs, or build it in fp32"
+        )
+
     def raise_for_status(self) -> None:
-        if self.first is not None:
-            what = "turns NaN/inf" if not self.first["finite"] else f"diverges (error {self.first['error']:.3g})"
-            raise ParityError(
-                f"{self.first['tensor']}, output of {self.first['op']} node '{self.first['node']}', {what} first; "
-                "look at that layer's weights and inputs, or build it in fp32"
-            )
+        if problem := self.problem():
+            raise ParityError(problem)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"passed": bool(self)}
@@ -108,11 +114,13 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
     from .onnx_graph import artifact_spec, graph_of
     from .runtime import artifact_profile
 
+    if engine.stage == "wrap":  # a TorchScript-wrapped plan: the build-trt engine it embeds
+        engine = engine.lineage()[1]
     spec = artifact_spec(engine, model)
     graph_artifact = graph_of(
         engine,
-        f"debug takes an ONNX graph or a TensorRT engine, not a '{engine.stage}' artifact; pass the artifact "
-        "a `build` printed (or a set's member)",
+        f"debug takes one ONNX graph or TensorRT engine, not a '{engine.stage}' artifact ({engine.path}); pass "
+        "the artifact a `build` printed (debug_set takes an engine set)",
     )
     candidate = onnx.load(str(graph_artifact.primary))
     profile = artifact_profile(engine) or spec.default_profile()
@@ -133,6 +141,13 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
         results = Comparator.run([runner, reference], data_loader=[feeds])
     (_, [got]), (_, [expected]) = list(results.items())
     return _compare(str(engine.path), backend, candidate, got, expected, config.max_error)
+
+
+def debug_set(engine_set: Artifact, config: DebugConfig = DebugConfig()) -> dict[str, DebugReport]:
+    """``debug`` on each member of an engine set, by component (each member records its own graph contract)."""
+    from .stages.engine_set import members
+
+    return {component: debug(member, config) for component, member in members(engine_set).items()}
 
 
 def _feeds(spec: GraphSpec, batch: int, height: int, width: int, seed: int) -> dict[str, np.ndarray]:

@@ -27,18 +27,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import LoraError, one_line
+from .errors import LoraError, RequestError, one_line
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
     from .graph_weights import WeightMap
+    from .models import ModelSource
 
 LoraSpec = tuple["str | os.PathLike[str]", float]
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights gives
 # The networks LoRA files change, by the state-dict prefix diffusers gives each (and the pipeline attribute).
 LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+# What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target.
+CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+RANDOM_TARGETS = {
+    "unet": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "text_encoder": CLIP_TARGETS,
+    "text_encoder_2": CLIP_TARGETS,
+}
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
@@ -367,13 +375,14 @@ class LoraNetwork:
 def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     """PyTorch networks: diffusers loads each LoRA and fuses it at its scale (the reference engines match).
 
-    The files pass the same checks as for engines first, so both paths refuse the same input alike.
+    The files pass the same checks as for engines first, shapes included (diffusers would fail deep in
+    ``load_lora_weights`` with a size-mismatch dump), so both paths refuse the same input alike.
     """
     from .models import quiet_loading
 
     checked = checked_loras(loras)
     for path, _ in checked:
-        read_lora(path)
+        refuse_misfits(read_lora(path), pipe)
     networks = [c for c in LORA_COMPONENTS if getattr(pipe, c, None) is not None]
     for path, scale in checked:  # one at a time: loading an adapter unmerges those fused before it
         with quiet_loading():
@@ -385,16 +394,36 @@ def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
 def placement_problem(module: str, pair: LoraModule, weight_map: WeightMap, component: str) -> str | None:
     """Why the engine's weight map cannot take this module's ΔW, or None."""
     param = f"{module}.weight"
-    network = NETWORK_NAMES[component]
     if param in weight_map.unmapped:
-        return f"the {network} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
+        return f"the {NETWORK_NAMES[component]} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
     place = weight_map.mapped.get(param)
-    if place is None:
+    return shape_problem(module, pair, place.shape if place else None, component)
+
+
+def shape_problem(module: str, pair: LoraModule, shape: tuple[int, ...] | None, component: str) -> str | None:
+    """Why a network whose ``module`` weight has ``shape`` (None: it has no such module) cannot take ΔW, or None."""
+    network = NETWORK_NAMES[component]
+    if shape is None:
         return f"'{module}' is not in this {network} (a LoRA for another architecture?)"
-    if place.shape != pair.shape:
-        return (f"'{module}' changes a {list(pair.shape)} weight, this {network}'s is {list(place.shape)} "
+    if shape != pair.shape:
+        return (f"'{module}' changes a {list(pair.shape)} weight, this {network}'s is {list(shape)} "
                 "(a LoRA for another architecture?)")  # fmt: skip
     return None
+
+
+def refuse_misfits(lora: LoraFile, pipe: Any) -> None:
+    """LoraError, worded as for engines, for the first module the pipeline's PyTorch networks lack or hold in
+    another shape."""
+    from .stages.weight_map import lora_parameters
+
+    for component, modules in lora.parts.items():
+        network = getattr(pipe, component, None)
+        if network is None:
+            raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[component]} ({component}), which this model lacks")
+        shapes = {name: tuple(weight.shape) for name, weight in lora_parameters(network).items()}
+        for module, pair in modules.items():
+            if problem := shape_problem(module, pair, shapes.get(f"{module}.weight"), component):
+                raise LoraError(f"{lora.path}: {problem}")
 
 
 def coverage(lora: LoraFile, maps: dict[str, WeightMap]) -> dict[str, dict[str, str]]:
@@ -421,3 +450,56 @@ def describe(lora: LoraFile) -> dict[str, Any]:
         "alphas": sorted({m.alpha for m in pairs}),
         "scales": sorted({round(m.scale, 6) for m in pairs}),
     }
+
+
+def lora_out(out: str | os.PathLike[str]) -> Path:
+    """Where a new LoRA file goes; RequestError unless it is a .safetensors file."""
+    if Path(out).suffix != ".safetensors":
+        raise RequestError(f"{out}: a LoRA file is .safetensors, e.g. style.safetensors")
+    return Path(out)
+
+
+def random_lora(
+    model: ModelSource,
+    out: str | os.PathLike[str],
+    *,
+    rank: int = 8,
+    alpha: int = 8,
+    seed: int = 0,
+    text_encoders: bool = False,
+) -> Path:
+    """A LoRA with random weights, to try LoRAs without training one: PEFT's ``LoraConfig`` on the model's
+    UNet (and, with ``text_encoders``, each text encoder it has), saved by the model's own pipeline class
+    with ``save_lora_weights`` as diffusers' training scripts save theirs. Written whole or not at all."""
+    import tempfile
+
+    import diffusers
+    import torch
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from .models import load_folder, quiet_loading
+
+    out = lora_out(out)
+    if not model.has("unet"):
+        raise LoraError(f"'{model.name}' has no UNet in a pipeline folder; random LoRAs are made for UNet pipelines")
+    with quiet_loading():
+        pipeline = getattr(diffusers, model.pipeline_class(), None)
+    if pipeline is None or not hasattr(pipeline, "save_lora_weights"):
+        raise LoraError(f"diffusers' {model.pipeline_class() or 'pipeline'} of '{model.name}' cannot save LoRAs")
+    networks = ["unet", *(c for c in LORA_COMPONENTS[1:] if text_encoders and model.has(c))]
+    layers: dict[str, Any] = {}
+    with torch.random.fork_rng():  # seeded without changing the caller's random state
+        torch.manual_seed(seed)
+        for network in networks:
+            module = load_folder(model, network)
+            config = LoraConfig(
+                r=rank, lora_alpha=alpha, target_modules=RANDOM_TARGETS[network], init_lora_weights=False
+            )
+            module.add_adapter(config)
+            layers[f"{network}_lora_layers"] = get_peft_model_state_dict(module)
+            layers[f"{network}_lora_adapter_metadata"] = config.to_dict()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        pipeline.save_lora_weights(tmp, weight_name=out.name, **layers)
+        os.replace(Path(tmp) / out.name, out)
+    return out

@@ -30,6 +30,8 @@ def data_file(onnx_path: Path) -> Path:
 
 
 def load_graph(path: Path, with_weights: bool = False) -> onnx.ModelProto:
+    if path.suffix != ".onnx":  # e.g. the manifest.json an engine set or a TorchScript module has for primary
+        raise ArtifactError(f"'{path}' is not an ONNX graph; pass an export or simplify artifact, or an .onnx file")
     try:
         return onnx.load(str(path), load_external_data=with_weights)
     except Exception as exc:  # protobuf's DecodeError, OSError, …: all mean "not a usable ONNX file"

@@ -165,10 +165,13 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
 
 
 def engine_members(artifact: Artifact) -> dict[str, Artifact]:
-    """component → artifact: a set's members, or a single UNet engine."""
+    """component → artifact: a set's members, or a single engine under the component its graph records
+    (a bare .onnx without a manifest is taken for a UNet)."""
     from .stages.engine_set import members
 
-    return members(artifact) if artifact.stage == "set" else {"unet": artifact}
+    if artifact.stage == "set":
+        return members(artifact)
+    return {artifact.manifest.get("io", {}).get("component", "unet"): artifact}
 
 
 def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:

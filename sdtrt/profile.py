@@ -126,9 +126,11 @@ def profile_generation(
                 sync_marks.append(len(caught))
 
         profiler.start()
-        with tracer.span("pipeline", "pipeline", prompt=request.prompt, steps=request.steps):
-            generate(pipe, request, on_step=on_step, output_type="np")
-        profiler.stop()
+        try:
+            with tracer.span("pipeline", "pipeline", prompt=request.prompt, steps=request.steps):
+                generate(pipe, request, on_step=on_step, output_type="np")
+        finally:  # a sampler left running prints "Exception ignored … Traceback" on every later call
+            profiler.stop()
     spans = tracer.spans()
     syncs = [b - a for a, b in zip([0, *sync_marks], sync_marks, strict=False)] if caught is not None else None
 

@@ -174,3 +174,12 @@ def test_time_calls_excludes_warmup_and_times_each_repeat():
     stats = time_calls(work, warmup=2, repeats=3)
     assert len(calls) == 5 and stats.samples == 3
     assert 0.02 <= stats.min <= stats.median <= stats.max < 0.5
+
+
+def test_a_failing_profile_run_stops_its_sampler(tiny_engine, tmp_path):
+    result = run_cli(
+        "profile", "--engine", str(tiny_engine.path), "--height", "1024", "--width", "1024", "--steps", "1",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr

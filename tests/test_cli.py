@@ -266,3 +266,10 @@ def test_an_unexpected_error_without_a_message_still_says_something():
     except ImportError as exc:
         described = one_line(exc)
     assert described.startswith("no message, raised at") and "test_cli.py" in described
+
+
+def test_messages_keep_their_colons_and_brackets():
+    """rich would print ':abc:' as an emoji and eat '[tags]'; errors reach the user as written."""
+    result = run_cli("generate", "--lora", "loraA:abc")
+    assert result.returncode == 1 and "--lora loraA:abc: 'abc' is not a scale" in result.stderr, result.stderr
+    assert "🔤" not in result.stderr

@@ -76,3 +76,42 @@ def test_cli_exit_codes_and_one_line_errors(overflowing, tiny, tiny_simplified, 
     bare = run_cli("debug", str(other / "graph.onnx"))
     assert bare.returncode == 1 and bare.stderr.strip().count("\n") == 0
     assert "does not look like an SD UNet graph" in bare.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_set(tiny, store):
+    from sdtrt.compile import compile_model
+
+    return compile_model(tiny, store, "onnxruntime").final
+
+
+def test_a_set_is_debugged_member_by_member(tiny_set, store, tmp_path):
+    result = run_cli("debug", str(tiny_set.path), "--json", str(tmp_path / "d.json"), check=True)
+    members = tiny_set.manifest["members"]
+    for component in members:
+        assert f"{component}: " in result.stdout and "tensors compared on onnxruntime" in result.stdout
+    assert set(json.loads((tmp_path / "d.json").read_text())) == set(members)
+    assert last_line(result.stdout) == "no layer diverges past 0.05"
+
+
+@pytest.mark.parametrize(("command", "wanted"), [("simplify", "export"), ("build", "simplify"), ("wrap", "build-trt")])
+def test_single_graph_commands_given_a_set_name_its_members(tiny_set, store, command, wanted):
+    result = run_cli(command, str(tiny_set.path), "--engines", str(store.root))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"{command} takes one graph, and {tiny_set.path} is an engine set" in result.stderr
+    assert "manifest.json" not in result.stderr and "re-export" not in result.stderr
+    if wanted != "build-trt":  # an ONNX Runtime set holds no TensorRT plans
+        assert (
+            f"unet: {store.root / wanted}" in result.stderr and f"vae_decoder: {store.root / wanted}" in result.stderr
+        )
+
+
+def test_a_non_graph_artifact_is_named_by_its_stage(tiny, tiny_set, store):
+    from sdtrt.pipeline import engine_members
+    from sdtrt.stages import weight_map
+
+    weight_map.for_engine(engine_members(tiny_set)["unet"], tiny)
+    made = next(a for a in store.artifacts() if a.stage == "weight-map")
+    result = run_cli("build", str(made.path), "--engines", str(store.root))
+    assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert f"{made.path} is a 'weight-map' artifact; pass the simplify artifact a stage printed" in result.stderr

@@ -299,3 +299,41 @@ def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_p
     refused = run_cli(*args, "--lora", f"{loras['a']}:-1")
     assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0
     assert "must be a finite number ≥ 0" in refused.stderr
+
+
+def test_a_wrong_architecture_lora_on_pytorch_is_refused_in_one_line(tiny, loras, tmp_path):
+    wide = foreign_lora(loras["folder"] / "wide.safetensors", TO_Q, 640)
+    with pytest.raises(LoraError, match=f"'{TO_Q}' changes a \\[32, 640\\] weight, this UNet's is .* architecture"):
+        load_pipeline(tiny, loras=[(wide, 1.0)])  # checked before diffusers' load_lora_weights dumps sizes
+    refused = run_cli("generate", "--steps", "1", "--out", str(tmp_path / "x.png"), "--lora", wide)
+    assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert "another architecture" in refused.stderr and "unexpected" not in refused.stderr
+
+
+def test_inspect_against_a_text_encoder_engine_maps_only_the_text_encoder(tiny_set, loras, store):
+    text_encoder = Artifact.open(tiny_set.path.parents[1] / tiny_set.manifest["members"]["text_encoder"]["stage"]
+                                 / tiny_set.manifest["members"]["text_encoder"]["key"][:16])  # fmt: skip
+    unet_lora = run_cli("lora", "inspect", loras["a"], "--engine", str(text_encoder.path))
+    assert unet_lora.returncode == 1 and "engine: covers 0/48 modules" in unet_lora.stdout
+    assert "no UNet engine given" in unet_lora.stderr, unet_lora.stderr
+    text_lora = run_cli("lora", "inspect", loras["text"], "--engine", str(text_encoder.path), check=True)
+    assert "engine: covers 12/12 modules" in text_lora.stdout
+    maps = [a for a in store.artifacts() if a.stage == "weight-map" and a.manifest["inputs"][0]["path"] ==
+            str(text_encoder.path)]  # fmt: skip
+    assert len(maps) == 1, "one map, of the text encoder; none of UNet weights onto its graph"
+    listed = run_cli("cache", "ls", "--engines", str(store.root), check=True).stdout.splitlines()
+    row = next(line for line in listed if line.endswith(str(maps[0].path)))
+    assert row.split()[2] == "text_encoder", row
+
+
+def test_lora_random_makes_a_file_diffusers_and_sdtrt_read(tiny, tmp_path):
+    out = tmp_path / "made" / "random.safetensors"
+    made = run_cli("lora", "random", "--model", "tiny", "--out", str(out), "--rank", "4", "--text-encoders", check=True)
+    assert last_line(made.stdout) == str(out) and [p.name for p in out.parent.iterdir()] == [out.name]
+    inspected = run_cli("lora", "inspect", str(out), check=True)
+    assert "networks: unet (" in inspected.stdout and "text_encoder (12 modules)" in inspected.stdout
+    assert "ranks: [4]" in inspected.stdout and "scales: [2.0]" in inspected.stdout
+    reference = load_pipeline(tiny)
+    assert psnr_db(image(load_pipeline(tiny, loras=[(out, 1.0)])), image(reference)) < 40, "it changes the image"
+    wrong = run_cli("lora", "random", "--out", str(tmp_path / "random.bin"))
+    assert wrong.returncode == 2 and "is .safetensors" in wrong.stderr

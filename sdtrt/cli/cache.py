@@ -25,6 +25,16 @@ def _family(artifact: Artifact) -> str:
         return "?"
 
 
+def _component(artifact: Artifact) -> str:
+    """The network its graph records; a weight map's is its graph's ("?" where that graph is gone)."""
+    if artifact.stage == "set":
+        return "set"
+    try:
+        return next((a.manifest["io"]["component"] for a in artifact.lineage() if "io" in a.manifest), "unet")
+    except ArtifactError:
+        return "?"
+
+
 @app.command("ls")
 def ls(engines: EnginesOpt = None) -> None:
     """List artifacts, one a line: stage, key, component, model family, size, created, made from, path.
@@ -35,9 +45,8 @@ def ls(engines: EnginesOpt = None) -> None:
     rows = [("stage", "key", "component", "family", "size MB", "created", "from", "path")]
     for a in store.artifacts():
         source = a.manifest["inputs"][0] if a.manifest.get("inputs") else {}
-        component = "set" if a.stage == "set" else a.manifest.get("io", {}).get("component", "unet")
         rows.append((
-            a.stage, a.key[:16], component, _family(a), f"{_size_mb(a.manifest['files']):.1f}",
+            a.stage, a.key[:16], _component(a), _family(a), f"{_size_mb(a.manifest['files']):.1f}",
             a.manifest.get("created_at", "?"), source.get("name") or source.get("stage", "?"), str(a.path),
         ))  # fmt: skip
     if len(rows) > 1:

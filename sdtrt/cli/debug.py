@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ..progress import results, step
 from . import options as o
@@ -17,7 +18,7 @@ def register(app: typer.Typer) -> None:
 
 
 def debug_command(
-    engine: Annotated[str, typer.Argument(help=f"{o.ENGINE_HELP}, or a bare .onnx.")],
+    engine: Annotated[str, typer.Argument(help=f"{o.ENGINE_HELP} (a set: each member), or a bare .onnx.")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="For a bare .onnx that is no SD UNet: the model it is from.")
     ] = None,
@@ -34,21 +35,32 @@ def debug_command(
     """Find the first layer whose output diverges from fp32 or turns NaN/inf. Exits 3 when one does.
 
     Runs the engine's graph and an fp32 replica of it with every intermediate tensor marked as an output
-    (ONNX graphs on ONNX Runtime; TensorRT engines rebuilt from their graph on the GPU).
+    (ONNX graphs on ONNX Runtime; TensorRT engines rebuilt from their graph on the GPU). An engine set:
+    each member in turn, reported by component.
 
     Example: sdtrt debug engines/build-ort/2a06c39aaf814d52 --json debug.json
     """
-    from ..debug import DebugConfig, debug
+    from ..debug import DebugConfig, debug, debug_set
+    from ..errors import ParityError
     from ..models import resolve_model
 
     artifact = o.find_engine(engine, engines)
     source = resolve_model(model) if model else None
+    config = DebugConfig(max_error=max_error, height=height, width=width)
+    is_set = artifact.stage == "set"
     with step("Running the engine and its fp32 replica with every tensor an output"):
-        report = debug(artifact, DebugConfig(max_error=max_error, height=height, width=width), source)
-    results.print(f"{report.compared} tensors compared on {report.backend}; largest error {report.largest_error:.3g}")
-    for row in report.worst:
-        results.print(f"  {row['error']:.3g}  {row['op']:12s} {row['tensor']}")
+        reports = debug_set(artifact, config) if is_set else {"engine": debug(artifact, config, source)}
+    for component, report in reports.items():
+        label = f"{component}: " if is_set else ""
+        results.print(
+            f"{label}{report.compared} tensors compared on {report.backend}; largest error {report.largest_error:.3g}"
+        )
+        for row in report.worst:
+            results.print(escape(f"  {row['error']:.3g}  {row['op']:12s} {row['tensor']}"))
     if json_out:
-        json_out.write_text(json.dumps(report.to_json(), indent=2))
-    report.raise_for_status()
-    typer.echo(f"no layer diverges past {report.limit}")
+        content = {c: r.to_json() for c, r in reports.items()} if is_set else reports["engine"].to_json()
+        json_out.write_text(json.dumps(content, indent=2))
+    problems = [f"{c}: {problem}" if is_set else problem for c, r in reports.items() if (problem := r.problem())]
+    if problems:
+        raise ParityError(problems[0])
+    typer.echo(f"no layer diverges past {max_error}")

@@ -1,4 +1,5 @@
-"""`sdtrt lora inspect`: what a LoRA file holds, and whether an engine's weight map can take it."""
+"""`sdtrt lora inspect`: what a LoRA file holds, and whether an engine's weight map can take it.
+`sdtrt lora random`: a LoRA with random weights, to try LoRAs with."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ..errors import LoraError
-from ..progress import results
+from ..progress import results, step
 from . import options as o
 
 app = typer.Typer(
-    help="LoRA files: inspect what they change and whether an engine can take them.", no_args_is_help=True
+    help="LoRA files: inspect what they change and whether an engine can take them; make random ones to try.",
+    no_args_is_help=True,
 )
 
 
@@ -35,7 +38,7 @@ def inspect_command(
     lora = read_lora(file)
     summary = describe(lora)
     for key in ("file", "format", "networks", "ranks", "alphas", "scales"):
-        results.print(f"{key}: {summary[key]}")
+        results.print(escape(f"{key}: {summary[key]}"))
     fits = None
     if engine:
         from ..pipeline import engine_members
@@ -50,7 +53,7 @@ def inspect_command(
     for component, modules in lora.parts.items():
         for name, pair in modules.items():
             row = [component, name, str(pair.rank), f"{pair.alpha:g}", f"{pair.scale:g}"]
-            table.add_row(*row, *([fits[component][name]] if fits else []))
+            table.add_row(*map(escape, row), *([escape(fits[component][name])] if fits else []))
     results.print(table)
     if fits is not None:
         verdicts = {f"{c}: {m}": v for c, modules in fits.items() for m, v in modules.items()}
@@ -59,3 +62,28 @@ def inspect_command(
         if bad:
             first = next(iter(bad))
             raise LoraError(f"the engine cannot take {len(bad)} of the LoRA's modules, first '{first}': {bad[first]}")
+
+
+@app.command(name="random")
+def random_command(
+    out: Annotated[Path, typer.Option(help="The .safetensors file to write.")],
+    model: o.ModelOpt = "tiny",
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 8,
+    alpha: Annotated[int, typer.Option(min=1, help="LoRA alpha (scale = alpha / rank).")] = 8,
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same file.")] = 0,
+    text_encoders: Annotated[
+        bool, typer.Option("--text-encoders", help="Also change the model's text encoders, not only the UNet.")
+    ] = False,
+) -> None:
+    """Make a LoRA with random weights on the model's UNet attention and feed-forward projections (PEFT),
+    saved as diffusers saves LoRAs: something to try `generate --lora` and `lora inspect` with.
+
+    Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders
+    """
+    from ..lora import lora_out, random_lora
+    from ..models import resolve_model
+
+    out = lora_out(out)  # a usage error, before the model loads
+    with step(f"Making a random rank-{rank} LoRA for {model}"):
+        path = random_lora(resolve_model(model), out, rank=rank, alpha=alpha, seed=seed, text_encoders=text_encoders)
+    typer.echo(path)

@@ -78,6 +78,7 @@ def _cell(stats: dict[str, float] | None) -> str:
 
 
 def print_bench(report: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ..bench import NOISY_RATIO
@@ -107,7 +108,7 @@ def print_bench(report: dict) -> None:
     results.print(table)
     for b in report["backends"]:
         if b["status"] != "ok":
-            results.print(f"[yellow]{b['name']} {b['status']}:[/] {b['reason']}")
+            results.print(f"[yellow]{b['name']} {b['status']}:[/] {escape(b['reason'])}")
     for b in report["backends"]:
         if b.get("lora_apply_s") is not None:
             swap = b["lora_swap_s"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, cast
 import typer
 
 from ..config import COMPONENTS, Component, OrtOptimization, ValidationConfig, WrapConfig
-from ..errors import RequestError
+from ..errors import ArtifactError, RequestError
 from ..progress import console
 from ..spec import model_components
 from . import options as o
@@ -66,10 +66,12 @@ def simplify(
 
     Example: sdtrt simplify engines/export/1d00aad79ae0e190
     """
+    from ..onnx_graph import ONNX_STAGES
     from ..stages import simplify as simplify_stage
 
     store = o.open_store(engines)
-    artifact = simplify_stage.run(o.simplify_config(method, check), store.find(source), store)
+    graph = one_graph(store.find(source), "simplify", ONNX_STAGES, "export")
+    artifact = simplify_stage.run(o.simplify_config(method, check), graph, store)
     print_simplify_summary(artifact)
     typer.echo(artifact.path)
 
@@ -94,10 +96,10 @@ def build(
     Example: sdtrt build engines/simplify/070be7b4789a3682 --target tensorrt --height 256:512:768
     """
     from ..compile import build as build_engine
-    from ..onnx_graph import artifact_spec
+    from ..onnx_graph import ONNX_STAGES, artifact_spec
 
     store = o.open_store(engines)
-    artifact = store.find(source)
+    artifact = one_graph(store.find(source), "build", ONNX_STAGES, "simplify")
     profile = o.shape_profile(artifact_spec(artifact).default_profile(), batch, height, width)
     trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32)
     built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
@@ -113,7 +115,8 @@ def wrap(source: InputArg, engines: o.EnginesOpt = None) -> None:
     from ..stages import wrap as wrap_stage
 
     store = o.open_store(engines)
-    typer.echo(wrap_stage.run(WrapConfig(), store.find(source), store).path)
+    engine = one_graph(store.find(source), "wrap", ("build-trt",), "build-trt")
+    typer.echo(wrap_stage.run(WrapConfig(), engine, store).path)
 
 
 def compile(
@@ -183,7 +186,28 @@ def compile(
     typer.echo(result.final.path)
 
 
+def one_graph(artifact: Artifact, command: str, takes: tuple[str, ...], wanted: str) -> Artifact:
+    """``artifact`` when ``command`` takes its stage; else ArtifactError naming it, and for an engine set the
+    members' ``wanted``-stage artifacts (from each member's lineage) to pass instead."""
+    if artifact.stage in takes:
+        return artifact
+    if artifact.stage != "set":
+        raise ArtifactError(
+            f"{command} takes {' or '.join(takes)} artifacts, and {artifact.path} is a '{artifact.stage}' artifact; "
+            f"pass the {wanted} artifact a stage printed"
+        )
+    from ..stages.engine_set import members
+
+    found = {c: next((a.path for a in m.lineage() if a.stage == wanted), None) for c, m in members(artifact).items()}
+    listed = "; ".join(f"{c}: {path}" for c, path in found.items() if path is not None)
+    raise ArtifactError(
+        f"{command} takes one graph, and {artifact.path} is an engine set; pass one of its members' {wanted} "
+        f"artifacts instead ({listed or 'the set holds none'})"
+    )
+
+
 def print_simplify_summary(artifact: Artifact) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ..stages.simplify import op_table_rows
@@ -198,7 +222,7 @@ def print_simplify_summary(artifact: Artifact) -> None:
         table.add_row(op, str(before), str(after), style=style)
     console.print(table)
     if details.get("fallback_reason"):
-        console.print(f"[yellow]fell back to constant folding:[/] {details['fallback_reason']}")
+        console.print(f"[yellow]fell back to constant folding:[/] {escape(details['fallback_reason'])}")
     if check := details.get("check"):
         console.print(f"ONNX Runtime check: cosine {check['cosine']:.6f}, max abs {check['max_abs']:.3g}")
 
