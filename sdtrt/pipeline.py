@@ -21,6 +21,7 @@ from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_
 from .runtime import open_runtime
 from .spec import FOLDERS, model_components
 from .stages import weight_map as weight_maps
+from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
 from .standins import EngineTextEncoder, EngineVAE, final_layer_norm, text_encoder_config
 from .store import Artifact
 from .unet import EngineUNet
@@ -168,13 +169,6 @@ def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments ``cls.__init__`` takes (SDXL pipelines have no safety checker)."""
     parameters = inspect.signature(cls).parameters
     return {k: v for k, v in kwargs.items() if k in parameters}
-
-
-def engine_members(artifact: Artifact) -> dict[str, Artifact]:
-    """component → artifact: a set's members, or a single UNet engine."""
-    from .stages.engine_set import members
-
-    return members(artifact) if artifact.stage == "set" else {"unet": artifact}
 
 
 def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:

@@ -43,6 +43,7 @@ def debug_command(
 
     artifact = o.find_engine(engine, engines)
     source = resolve_model(model) if model else None
+    o.ensure_parent(json_out, "--json")
     with step("Running the engine and its fp32 replica with every tensor an output"):
         report = debug(artifact, DebugConfig(max_error=max_error, height=height, width=width), source)
     results.print(f"{report.compared} tensors compared on {report.backend}; largest error {report.largest_error:.3g}")
