@@ -46,7 +46,9 @@ def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
     assert "engine vs PyTorch fp32" in first.stderr, "compile validates by default"
     assert "no CUDA GPU is visible to torch, so the ONNX Runtime target was chosen" in second.stderr
     stages = sorted(a.stage for a in Store(engines).artifacts())
-    assert stages == ["build-ort"] * 4 + ["export"] * 4 + ["set"] + ["simplify"] * 4, "every component, one set"
+    assert stages == ["build-ort"] * 4 + ["export"] * 4 + ["set"] + ["simplify"] * 4 + ["validate"], (
+        "every component, one set, its validation report"
+    )
     assert artifact_dir.parent.name == "set"
 
 
