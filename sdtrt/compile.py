@@ -31,7 +31,7 @@ from .spec import component_spec, model_components
 from .stages import build_ort, engine_set, export, simplify
 from .stages.engine_set import EngineSetConfig
 from .store import Artifact, Store
-from .validate import ValidationReport, validate
+from .validate import ValidationReport, stored_validate
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,7 @@ class CompileResult:
     target_reason: str
     artifacts: list[Artifact] = field(default_factory=list)
     validation: ValidationReport | None = None
+    validation_cached: bool = False  # the report stored with these engines, not a new run
 
     @property
     def final(self) -> Artifact:
@@ -92,13 +93,15 @@ def compile_model(
     trt_config: TrtBuildConfig | None = None,
     validation: ValidationConfig | None = None,
     components: tuple[Component, ...] | None = None,
+    revalidate: bool = False,
 ) -> CompileResult:
     """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
     One component gives its engine; several give an engine set over them (for TensorRT the TorchScript
     wraps, or the plans when ``trt_config.refittable``: LoRAs refit plans). ``components`` defaults to
     every one the model has. Precision comes from ``export_config``, except for a VAE that asks to be
-    upcast: fp32.
+    upcast: fp32. The validation report stored for the final artifact and config is reused unless
+    ``revalidate``.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     if chosen == "tensorrt" and (unwrapped := wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing())):
@@ -123,8 +126,10 @@ def compile_model(
         finals[component] = built if trt_config is not None and trt_config.refittable else artifacts[-1]
     if len(components) > 1:
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
-    report = validate(model, artifacts[-1], validation) if validation else None
-    return CompileResult(chosen, reason, artifacts, report)
+    if validation is None:
+        return CompileResult(chosen, reason, artifacts)
+    report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
+    return CompileResult(chosen, reason, artifacts, report, cached)
 
 
 def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:

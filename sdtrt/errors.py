@@ -51,6 +51,16 @@ class EnvironmentMismatchError(SdtrtError):
     """An engine was built for another TensorRT version or GPU and must be rebuilt here."""
 
 
+class EngineMismatchError(SdtrtError):
+    """An engine and a model that do not belong together (other family, shapes or weights).
+
+    A usage error (exit 2), like RequestError: the command line pairs them, and it is refused before
+    any model loads; the fix is the right --model, or none (the engine's own).
+    """
+
+    exit_code = 2
+
+
 class MissingDependencyError(SdtrtError):
     """An optional dependency (CUDA, TensorRT, torch-tensorrt) is not available here."""
 

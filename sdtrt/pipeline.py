@@ -21,6 +21,7 @@ from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_
 from .runtime import open_runtime
 from .spec import FOLDERS, model_components
 from .stages import weight_map as weight_maps
+from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
 from .standins import EngineTextEncoder, EngineVAE, final_layer_norm, text_encoder_config
 from .store import Artifact
 from .unet import EngineUNet
@@ -162,16 +163,6 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     apply_loras(
         networks, loras, ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
     )
-
-
-def engine_members(artifact: Artifact) -> dict[str, Artifact]:
-    """component → artifact: a set's members, or a single engine under the component its graph records
-    (a bare .onnx without a manifest is taken for a UNet)."""
-    from .stages.engine_set import members
-
-    if artifact.stage == "set":
-        return members(artifact)
-    return {artifact.manifest.get("io", {}).get("component", "unet"): artifact}
 
 
 def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:

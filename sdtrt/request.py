@@ -16,6 +16,7 @@ from .config import DEFAULT_PROMPT, grid_problem
 from .errors import RequestError
 
 if TYPE_CHECKING:
+    from .config import ShapeProfile, ValidationConfig
     from .models import ModelSource
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
@@ -155,3 +156,23 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     if any(r.negative_prompt is not None for r in requests):
         merged["negative_prompt"] = [r.negative_prompt or "" for r in requests]  # "" is what None means
     return merged
+
+
+def check_validation(config: ValidationConfig, rule: SizeRule, profile: ShapeProfile | None) -> None:
+    """RequestError for what no validation can honour: a size off the model's grid or outside the engines'
+    profile (in pixels), a tolerance no comparison can meet or miss. Cheap: run it before loading anything.
+    """
+    for name, value in (("height", config.height), ("width", config.width)):
+        if value is not None and (problem := grid_problem(name, value, rule.multiple)):
+            raise RequestError(problem)
+    if profile is not None and (config.height is not None or config.width is not None):
+        height = profile.height.opt if config.height is None else config.height
+        width = profile.width.opt if config.width is None else config.width
+        if problem := profile.size_problem(height, width):
+            raise RequestError(problem)
+    if config.min_cosine is not None and not -1.0 <= config.min_cosine <= 1.0:
+        raise RequestError(f"minimum cosine {config.min_cosine} is outside -1..1, the range a cosine similarity has")
+    if config.max_abs is not None and not config.max_abs >= 0:
+        raise RequestError(f"maximum absolute error {config.max_abs} must be 0 or more")
+    if config.min_psnr_db is not None and math.isnan(config.min_psnr_db):
+        raise RequestError("minimum PSNR must be a number of dB, not NaN")

@@ -304,9 +304,9 @@ class Store:
         ``build`` writes files into the temp directory and returns manifest fields (``primary``,
         ``io``, ``details``, …). Returns the artifact and whether it was a cache hit.
         """
-        self.ensure_writable()
-        if hit := self._intact_hit(request):
+        if hit := self._intact_hit(request):  # a read-only store serves its hits
             return hit, True
+        self.ensure_writable()
         with self._lock(request.key):
             if hit := self._intact_hit(request, quiet=True):  # a concurrent run finished it while we waited
                 return hit, True
@@ -344,7 +344,8 @@ class Store:
                     f"[yellow]![/] cached {request.stage} artifact {hit.path} is corrupt: {problems[0]}; rebuilding"
                 )
             return None
-        os.utime(hit.path / MANIFEST)  # last use, for `gc --older-than`
+        with contextlib.suppress(OSError):  # last use, for `gc --older-than`; a read-only store keeps none
+            os.utime(hit.path / MANIFEST)
         console.print(f"[green]✓[/] {request.stage}: cached [dim]({hit.path})[/]")
         return hit
 

@@ -6,24 +6,32 @@ otherwise (the CLI exits 3). NaN/inf outputs and black or constant images always
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .config import Precision, ShapeProfile, ValidationConfig
-from .errors import ParityError
+from .errors import ParityError, StoreError
 from .runtime.compare import tensor_stats
 from .spec import GraphSpec, UNetSpec, component_spec
+from .store import Artifact, StageRequest, Store, environment
 
 if TYPE_CHECKING:
     from .models import ModelSource
     from .request import GenerateRequest
     from .runtime import Runtime
-    from .store import Artifact
+
+STAGE = "validate"  # a stored report: keyed by the engine and the validation config
+VERSION = 1
+REPORT = "report.json"
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,11 @@ class ValidationReport:
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"passed": bool(self)}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ValidationReport:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names} | {"tolerances": Tolerances(**data["tolerances"])})
+
 
 def psnr_db(candidate: np.ndarray, reference: np.ndarray) -> float:
     """Peak signal-to-noise ratio of images in [0, 1]; inf when identical."""
@@ -165,15 +178,18 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from .models import load_folder
     from .pipeline import engine_members, generate, load_pipeline, standins, with_components
     from .progress import step
-    from .request import GenerateRequest, SizeRule
-    from .runtime import artifact_profile, open_runtime
+    from .request import GenerateRequest, SizeRule, check_validation
+    from .runtime import open_runtime
     from .spec import FOLDERS
+    from .stages.engine_set import check_pairing, engine_profile
     from .stages.export import graph_module
 
     members = engine_members(engine)
+    check_pairing(members, model)
+    built_for = engine_profile(members)
+    check_validation(config, SizeRule.for_model(model), built_for)
+    profile = built_for or component_spec(model, "unet").default_profile()
     runtimes = {c: open_runtime(a, model) for c, a in members.items()}
-    unet_spec = component_spec(model, "unet")
-    profile = next((p for a in members.values() if (p := artifact_profile(a))), None) or unet_spec.default_profile()
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
         height=config.height or profile.height.opt, width=config.width or profile.width.opt,
@@ -219,6 +235,34 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     for runtime in runtimes.values():
         runtime.close()
     return report
+
+
+def stored_validate(
+    model: ModelSource, engine: Artifact, config: ValidationConfig, store: Store, revalidate: bool = False
+) -> tuple[ValidationReport, bool]:
+    """``validate``, reusing the report stored for this engine and config (second value: True) unless
+    ``revalidate``. A new report is stored beside the engines, where the store is writable.
+
+    The key is the engine's (which names the model's weights) plus the config and the reference's library
+    versions: anything that could change the verdict.
+    """
+    request = StageRequest(
+        STAGE, VERSION, config, [engine.as_input()], environment("torch", "diffusers", "transformers", "onnxruntime")
+    )
+    stored = store.lookup(request)
+    intact = stored is not None and not stored.file_problems()
+    if stored is not None and intact and not revalidate:
+        return ValidationReport.from_json(json.loads((stored.path / REPORT).read_text())), True
+    report = validate(model, engine, config)
+    if not intact:
+        with contextlib.suppress(StoreError):  # a read-only store: the report is shown, not kept
+            store.produce(request, lambda out_dir: _store_report(report, engine, out_dir))
+    return report, False
+
+
+def _store_report(report: ValidationReport, engine: Artifact, out_dir: Path) -> dict[str, Any]:
+    (out_dir / REPORT).write_text(json.dumps(report.to_json(), indent=2))
+    return {"primary": REPORT, "passed": bool(report), "reproduce": f"sdtrt validate --engine {engine.path}"}
 
 
 def with_input_images(request: GenerateRequest, pipe: Any) -> GenerateRequest:

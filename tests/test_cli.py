@@ -46,7 +46,9 @@ def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
     assert "engine vs PyTorch fp32" in first.stderr, "compile validates by default"
     assert "no CUDA GPU is visible to torch, so the ONNX Runtime target was chosen" in second.stderr
     stages = sorted(a.stage for a in Store(engines).artifacts())
-    assert stages == ["build-ort"] * 4 + ["export"] * 4 + ["set"] + ["simplify"] * 4, "every component, one set"
+    assert stages == ["build-ort"] * 4 + ["export"] * 4 + ["set"] + ["simplify"] * 4 + ["validate"], (
+        "every component, one set, its validation report"
+    )
     assert artifact_dir.parent.name == "set"
 
 
@@ -189,17 +191,46 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
         ),
         (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
+        (["compile", "--height", "100"], "height 100 is not a positive multiple of 16 pixels"),
+        (["compile", "--batch", "4:1:2"], "batch range 4:1:2 must satisfy 0 < min <= opt <= max"),
+        (
+            ["validate", "--model", "tiny", "--engine", "0123abcd", "--min-cosine", "2"],
+            "minimum cosine 2.0 is outside -1..1",
+        ),
+        (["bench", "--json", "{tmp}/file/b.json"], "--json {tmp}/file/b.json: cannot make its folder"),
     ],
 )
 def test_requests_no_model_can_serve_are_usage_errors_before_any_work(tmp_path, args, message):
     engines, out = tmp_path / "engines", tmp_path / "image.png"
+    (tmp_path / "file").write_text("a file, where a results folder is asked for")
     if args[0] == "generate":
         args = [*args, "--out", str(out)]
     result = run_cli(*[a.format(tmp=tmp_path) for a in args], "--engines", str(engines))
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error:") and result.stderr.strip().count("\n") == 0, result.stderr
-    assert message in result.stderr
+    assert message.format(tmp=tmp_path) in result.stderr
     assert not out.exists() and not (tmp_path / "prof").exists() and Store(engines).artifacts() == []
+
+
+def test_validate_refuses_a_size_outside_the_engines_profile_in_pixels(tiny_engine):
+    result = run_cli("validate", "--engine", str(tiny_engine.path), "--height", "1024")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "height 1024 is outside the engine's profile (128..384 px)" in result.stderr
+
+
+def test_results_go_into_folders_that_do_not_exist_yet(tmp_path, tiny_engine):
+    out = tmp_path / "new" / "deeper"
+    bench = run_cli(
+        "bench", "--backends", "torch", "--steps", "1", "--warmup", "0", "--repeats", "1", "--height", "128",
+        "--width", "128", "--json", str(out / "b.json"), "--time-file", str(out / "t.txt"),
+        "--chart", str(out / "c.png"), "--engines", str(tmp_path / "engines"),
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    assert {p.name for p in out.iterdir()} == {"b.json", "t.txt", "c.png"}
+    checked = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", "--json", str(out / "v.json"))
+    assert checked.returncode == 0 and (out / "v.json").is_file(), checked.stderr
+    debugged = run_cli("debug", str(tiny_engine.path), "--json", str(tmp_path / "d" / "d.json"))
+    assert debugged.returncode in (0, 3) and (tmp_path / "d" / "d.json").is_file(), debugged.stderr
 
 
 def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path):

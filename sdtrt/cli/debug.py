@@ -46,6 +46,7 @@ def debug_command(
 
     artifact = o.find_engine(engine, engines)
     source = resolve_model(model) if model else None
+    o.ensure_parent(json_out, "--json")
     config = DebugConfig(max_error=max_error, height=height, width=width)
     is_set = artifact.stage == "set"
     with step("Running the engine and its fp32 replica with every tensor an output"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +22,9 @@ from ..config import (
     Target,
     TrtBuildConfig,
 )
+from ..errors import ConfigError, RequestError, StoreError
 from ..models import ModelSource
+from ..spec import GraphSpec
 from ..store import Artifact, Store
 
 ModelOpt = Annotated[
@@ -79,9 +82,30 @@ HeightOpt = Annotated[str | None, typer.Option(help="Pixel height, N or MIN:OPT:
 WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MAX (default: from the model).")]
 
 
-def open_store(engines: Path | None) -> Store:
+def ensure_parent(path: Path | None, option: str) -> None:
+    """Make the folder a results file (--json, --chart, --time-file) goes into, before the run, or refuse
+    (exit 2) when it cannot be made: results are written after the whole run and must not be lost then."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise RequestError(f"{option} {path} is a directory; pass a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RequestError(f"{option} {path}: cannot make its folder ({exc.strerror}); pass another path") from exc
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise RequestError(f"{option} {path}: its folder {path.parent} is not writable; pass another path")
+
+
+def open_store(engines: Path | None, cached_ok: bool = False) -> Store:
+    """The --engines store, refused up front when it cannot take a new artifact; with ``cached_ok`` a
+    read-only store is accepted: complete cache hits write nothing, and a miss fails before its stage runs."""
     store = Store(engines)
-    store.ensure_writable()
+    try:
+        store.ensure_writable()
+    except StoreError:
+        if not (cached_ok and store.root.is_dir()):
+            raise
     return store
 
 
@@ -100,13 +124,21 @@ def simplify_config(method: SimplifyMethod, check: bool) -> SimplifyConfig:
     return SimplifyConfig(method=method, check=check)
 
 
-def shape_profile(default: ShapeProfile, batch: str | None, height: str | None, width: str | None) -> ShapeProfile:
-    return ShapeProfile(
-        batch=Range.parse(batch, "batch") if batch else default.batch,
-        height=Range.parse(height, "height") if height else default.height,
-        width=Range.parse(width, "width") if width else default.width,
-        guidance=default.guidance,
-    )
+def shape_profile(spec: GraphSpec, batch: str | None, height: str | None, width: str | None) -> ShapeProfile:
+    """--batch/--height/--width over the spec's default profile, checked against the model's grid (in pixels)
+    before anything is exported: a bad range is a usage error (exit 2), not a build failure."""
+    default = spec.default_profile()
+    try:
+        profile = ShapeProfile(
+            batch=Range.parse(batch, "batch") if batch else default.batch,
+            height=Range.parse(height, "height") if height else default.height,
+            width=Range.parse(width, "width") if width else default.width,
+            guidance=default.guidance,
+        )
+        profile.check(spec.pixel_multiple)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from exc
+    return profile
 
 
 # TensorRT build settings (used by `build` and `compile`).

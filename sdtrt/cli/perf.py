@@ -53,6 +53,8 @@ def bench(
     loras = tuple(parse_lora_option(value) for value in lora or [])
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
+    for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
+        o.ensure_parent(path, option)
     from ..bench import run_bench, write_chart
 
     config = BenchConfig(

@@ -15,7 +15,7 @@ from rich.console import Console
 from ..config import ValidationConfig
 from ..errors import RequestError
 from ..progress import console, results, step
-from ..request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler
+from ..request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler, check_validation
 from . import options as o
 
 if TYPE_CHECKING:
@@ -122,20 +122,24 @@ def validate_command(
 
     Example: sdtrt validate --model tiny --engine engines/build-ort/2a06c39aaf814d52 --json report.json
     """
+    from ..stages.engine_set import engine_members, engine_profile
+
     artifact = None if model else o.find_engine(engine, engines)  # a given --model is checked first
     source = o.model_for(model, artifact)
-    if height is not None or width is not None:
-        SizeRule.for_model(source).resolve(height, width)
-    if scheduler:
-        check_scheduler(scheduler)
-    artifact = artifact or o.find_engine(engine, engines)
-
-    from ..validate import validate
-
     config = ValidationConfig(
         steps=steps, scheduler=scheduler, images=images, height=height, width=width, min_cosine=min_cosine,
         max_abs=max_abs, min_psnr_db=min_psnr,
     )  # fmt: skip
+    rule = SizeRule.for_model(source)
+    check_validation(config, rule, None)
+    if scheduler:
+        check_scheduler(scheduler)
+    o.ensure_parent(json_out, "--json")
+    artifact = artifact or o.find_engine(engine, engines)
+    check_validation(config, rule, engine_profile(engine_members(artifact)))  # the size, against the engines
+
+    from ..validate import validate
+
     report = validate(source, artifact, config)
     print_report(report, results)
     if json_out:

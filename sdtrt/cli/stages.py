@@ -100,7 +100,7 @@ def build(
 
     store = o.open_store(engines)
     artifact = one_graph(store.find(source), "build", ONNX_STAGES, "simplify")
-    profile = o.shape_profile(artifact_spec(artifact).default_profile(), batch, height, width)
+    profile = o.shape_profile(artifact_spec(artifact), batch, height, width)
     trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32)
     built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
     console.print(f"target: {reason}")
@@ -139,6 +139,9 @@ def compile(
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
     ] = True,
+    revalidate: Annotated[
+        bool, typer.Option("--revalidate", help="Validate again even when a report for these engines is stored.")
+    ] = False,
     components: Annotated[
         str | None,
         typer.Option(
@@ -160,11 +163,11 @@ def compile(
     from ..stages import export as export_stage
     from .run import print_report
 
-    store = o.open_store(engines)
+    store = o.open_store(engines, cached_ok=True)  # a read-only store serves a complete cache hit
     source = resolve_model(model)
     chosen_components = parse_components(components, source)
     export_config = o.export_config(precision, exporter, opset, io_naming)
-    profile = o.shape_profile(export_stage.spec_for(source, export_config).default_profile(), batch, height, width)
+    profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width)
     result = compile_model(
         source,
         store,
@@ -175,12 +178,15 @@ def compile(
         trt_config=o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32),
         validation=ValidationConfig() if validate else None,
         components=chosen_components,
+        revalidate=revalidate,
     )
     for artifact in result.artifacts:
         if artifact.stage == "simplify":
             print_simplify_summary(artifact)
     console.print(f"target: {result.target_reason}")
     if result.validation is not None:
+        if result.validation_cached:
+            console.print("[green]✓[/] validate: cached report for these engines [dim](--revalidate runs it again)[/]")
         print_report(result.validation, console)
         result.validation.raise_for_status()
     typer.echo(result.final.path)

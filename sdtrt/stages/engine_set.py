@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import COMPONENTS, Component
-from ..errors import ArtifactError, ConfigError
+from ..config import COMPONENTS, Component, ShapeProfile
+from ..errors import ArtifactError, ConfigError, EngineMismatchError
 from ..models import ModelSource, resolve_model
 from ..onnx_graph import artifact_spec
-from ..spec import FOLDERS
+from ..spec import FOLDERS, component_spec, spec_from_json
 from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "set"
@@ -33,7 +33,7 @@ class EngineSetConfig:
 
 def source_model(artifact: Artifact) -> dict[str, Any]:
     """The model an artifact was made from (name, kind, path, digest), as its first stage recorded it."""
-    first = (artifact.lineage()[-1].manifest.get("inputs") or [{}])[0]
+    first = _first_input(artifact)
     if "path" not in first or "digest" not in first:
         raise ArtifactError(
             f"{artifact.path} does not record the model it was made from; pass --model, or rebuild it with sdtrt"
@@ -102,3 +102,68 @@ def members(engine_set: Artifact) -> dict[str, Artifact]:
             raise ArtifactError(f"{folder} is not the {component} the set {engine_set.path} was made with; rebuild it")
         found[component] = artifact
     return found
+
+
+def engine_members(engine: Artifact) -> dict[str, Artifact]:
+    """component → artifact: a set's members, or one engine under the component its manifest records
+    (a bare .onnx is taken for a UNet)."""
+    if engine.stage == "set":
+        return members(engine)
+    io = engine.manifest.get("io")
+    return {spec_from_json(io).component if io else "unet": engine}
+
+
+def engine_profile(members: dict[str, Artifact]) -> ShapeProfile | None:
+    """The user shape profile the engines were built for (every member shares compile's one), if recorded."""
+    return next((ShapeProfile.from_json(p) for a in members.values() if (p := a.manifest.get("profile"))), None)
+
+
+def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
+    """EngineMismatchError, in one line, unless every member was made from ``model``'s network.
+
+    Each member's graph IO must be what ``model`` needs (family conditioning, channels, widths), and
+    the content hash of the sub-folder it was exported from (its export manifest records it) must be
+    the model's: the same shapes with other weights fail parity for no fault of the engine. An engine
+    that records neither (a bare .onnx) is checked on its IO alone, and only where it has a manifest.
+    """
+    for component, member in sorted(members.items()):
+        io = member.manifest.get("io")
+        if not io:
+            continue
+        spec, folder, recorded = spec_from_json(io), FOLDERS[component], _first_input(member)
+        if component != "unet" and not model.has(folder):
+            problem: str | None = f"{model.name} has no {folder}/"
+        else:
+            wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)
+            problem = _io_difference(spec.to_json(), wanted.to_json())
+        if not problem and "digest" in recorded and recorded["digest"] != model.folder_digest(folder):
+            problem = f"its weights differ from the model's {folder}/ (content hash)"
+        if problem:
+            made_from = recorded.get("name") or recorded.get("path") or "another model"
+            family = next((a.manifest["family"] for a in member.lineage() if "family" in a.manifest), None)
+            families = f" ({family} vs {model.family()})" if family and family != model.family() else ""
+            raise EngineMismatchError(
+                f"the {spec.label} engine {member.path} was made from {made_from}, not {model.name}{families}: "
+                f"{problem}; pass the model it was made from as --model (or omit --model), or compile one for "
+                f"{model.name}"
+            )
+
+
+def _first_input(artifact: Artifact) -> dict[str, Any]:
+    """What the artifact's first stage was made from (a model: name, path, digest), or {} when not recorded."""
+    first = (artifact.lineage()[-1].manifest.get("inputs") or [{}])[0]
+    return {} if first.get("kind") == "artifact" else dict(first)  # a model records its source's kind
+
+
+def _io_difference(have: dict[str, Any], want: dict[str, Any]) -> str | None:
+    """The first graph tensor that differs between two specs' JSON, said for people; None when the IO agree."""
+    tensors = {t["name"]: t for t in have["inputs"] + have["outputs"]}
+    for t in want["inputs"] + want["outputs"]:
+        if t["name"] not in tensors:
+            return f"the model needs an input '{t['name']}' the engine lacks"
+        if (got := tensors.pop(t["name"])) != t:
+            engine, wanted = f"{got['dtype']} {got['shape']}", f"{t['dtype']} {t['shape']}"
+            return f"'{t['name']}' is {engine} in the engine, {wanted} for the model"
+    if tensors:
+        return f"the engine takes '{next(iter(tensors))}', which the model does not"
+    return None

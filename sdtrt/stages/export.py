@@ -120,7 +120,6 @@ def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
 
 def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
     spec = spec_for(model, config)
-    store.ensure_writable()
     request = StageRequest(
         stage=STAGE,
         version=VERSION,
