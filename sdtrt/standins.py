@@ -264,8 +264,21 @@ class EngineHalf(torch.nn.Module):
         self.runtime = runtime
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the engine; an edge tile smaller than the profile is padded up to it and the result cropped."""
         spec = self.runtime.spec
-        return self.runtime.run({spec.input_names[0]: x})[spec.output_names[0]].to(x.device, x.dtype)
+        low_h, low_w = self.smallest_input()
+        height, width = x.shape[-2:]
+        padded = torch.nn.functional.pad(x, (0, max(low_w - width, 0), 0, max(low_h - height, 0)), mode="replicate")
+        out = self.runtime.run({spec.input_names[0]: padded})[spec.output_names[0]].to(x.device, x.dtype)
+        return out[..., : out.shape[-2] * height // padded.shape[-2], : out.shape[-1] * width // padded.shape[-1]]
+
+    def smallest_input(self) -> tuple[int, int]:
+        """The smallest input height and width the engine's profile takes (in latents for the decoder)."""
+        profile = getattr(self.runtime, "profile", None)
+        if profile is None:
+            return 0, 0
+        per = getattr(self.runtime.spec, "vae_scale_factor", 8) if self.runtime.spec.component == "vae_decoder" else 1
+        return -(-profile.height.min // per), -(-profile.width.min // per)
 
 
 class PyTorchHalf(torch.nn.Module):
@@ -302,7 +315,7 @@ class EngineVAE(EngineModule, AutoencoderKL):
         self.decoder_runtime, self.encoder_runtime = decoder, encoder
         self.encoder = EngineHalf(encoder) if encoder is not None else PyTorchHalf(pytorch, encoder=True)
         self.decoder = EngineHalf(decoder) if decoder is not None else PyTorchHalf(pytorch, encoder=False)
-        self.quant_conv = self.post_quant_conv = torch.nn.Identity()  # inside the graphs (or PyTorchHalf)
+        self.quant_conv, self.post_quant_conv = InGraph(dtype), InGraph(dtype)  # the halves apply them
         self.use_slicing = self.use_tiling = False
         self.tile_overlap_factor = 0.25
         size = self.config.sample_size
@@ -310,6 +323,15 @@ class EngineVAE(EngineModule, AutoencoderKL):
         scale = 2 ** (len(self.config.block_out_channels) - 1)
         self.tile_latent_min_size = min(sample_px // scale, *tile_limits(decoder, scale), *tile_limits(encoder, scale))
         self.tile_sample_min_size = self.tile_latent_min_size * scale
+
+
+class InGraph(torch.nn.Identity):
+    """A quant conv the engine's graph already applies, with an empty parameter in the VAE's dtype: SDXL
+    pipelines read ``vae.post_quant_conv``'s parameter dtype when they upcast the VAE."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype_anchor = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 def tile_limits(runtime: Runtime | None, scale: int) -> tuple[int, ...]:
