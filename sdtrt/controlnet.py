@@ -11,41 +11,31 @@ from typing import Any
 
 import torch
 from diffusers import ControlNetModel
-from diffusers.configuration_utils import FrozenDict
 from diffusers.models.controlnets.controlnet import ControlNetOutput
 
 from .errors import ArtifactError, EngineInputError
 from .runtime import Runtime
 from .spec import ControlNetSpec
+from .standins import EngineModule
 from .unet import normalise_timestep
 
 
-class EngineControlNet(ControlNetModel):
+class EngineControlNet(EngineModule, ControlNetModel):
     """A ControlNetModel stand-in backed by a ControlNet engine (residuals out, summed by the pipeline)."""
 
     def __init__(self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None) -> None:
-        torch.nn.Module.__init__(self)  # type: ignore[arg-type]  # not ControlNetModel's: no layers
+        super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, ControlNetSpec):
             raise ArtifactError(
                 f"this is a {runtime.spec.component} engine; a pipeline's controlnet needs a ControlNet"
             )
         if config.get("global_pool_conditions"):
             raise ArtifactError("ControlNets with global_pool_conditions are not supported by the engine stand-in")
-        self._internal_dict = FrozenDict(config)
-        self._engine_dtype = dtype or runtime.dtype
         self.spec = runtime.spec
         self.runtime = runtime
         # An empty buffer: MultiControlNetModel (a ModelMixin) reads device and dtype from its nets' tensors.
-        anchor = torch.empty(0, dtype=self._engine_dtype, device=runtime.device)
-        self.register_buffer("anchor", anchor, persistent=False)  # type: ignore[attr-defined]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._engine_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.runtime.device
+        anchor = torch.empty(0, dtype=self.dtype, device=runtime.device)
+        self.register_buffer("anchor", anchor, persistent=False)
 
     def forward(
         self, sample: torch.Tensor, timestep: torch.Tensor | float | int, encoder_hidden_states: torch.Tensor,

@@ -22,7 +22,7 @@ from .runtime import open_runtime
 from .spec import FOLDERS, model_components
 from .stages import weight_map as weight_maps
 from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
-from .standins import EngineTextEncoder, EngineVAE, final_layer_norm, text_encoder_config
+from .standins import EngineModule, EngineTextEncoder, EngineVAE, final_layer_norm, saved_engines, text_encoder_config
 from .store import Artifact
 from .unet import EngineUNet
 
@@ -82,7 +82,9 @@ def load_pipeline(
     StableDiffusionXL…, LatentConsistencyModel…). ``engine`` is an artifact directory (or file inside
     one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
     ``compile_model`` returned. Components a set lacks stay PyTorch (one line on stderr says which).
-    Without ``engine`` the pipeline is plain PyTorch: the reference engines are checked against.
+    Without ``engine`` the pipeline is plain PyTorch (the reference engines are checked against), unless
+    ``model`` is a folder an engine pipeline was saved to (``pipe.save_pretrained``): then it runs on the
+    engines recorded there again.
     ``loras``: (file, scale) pairs, put into the engines' weights (``set_loras``), or fused by diffusers
     into PyTorch networks when no network is an engine.
     """
@@ -93,7 +95,10 @@ def load_pipeline(
         raise ModelNotFoundError(f"'{source.path}' is a bare UNet folder; a pipeline needs the whole model folder")
     with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
         cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
-    members = engine_members(_as_artifact(engine)) if engine is not None else {}
+    if engine is not None:
+        members = engine_members(_as_artifact(engine))
+    else:
+        members = {c: Artifact.open(path) for c, path in saved_engines(source.path).items()}
     # Skip loading what engines replace (3.4 GB for SD 1.5's UNet); diffusers type-checks components
     # given to from_pretrained, so the stand-ins go in through the constructor.
     skipped = {FOLDERS[c]: None for c in members if not (c == "vae_encoder" and "vae_decoder" not in members)}
@@ -168,7 +173,7 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
 def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:
     """The pipeline components that replace PyTorch modules: EngineUNet, EngineTextEncoder, EngineVAE."""
     runtimes = {c: open_runtime(a, source) for c, a in members.items()}
-    out: dict[str, Any] = {}
+    out: dict[str, EngineModule] = {}
 
     def loras(component: str) -> EngineLoras:
         return EngineLoras(
@@ -192,6 +197,9 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
             pytorch=(lambda: vae) if vae is not None else (lambda: load_folder(source, "vae")), dtype=dtype,
         )  # fmt: skip
+    for folder, standin in out.items():  # what save_pretrained writes: the PyTorch files and the engines
+        standin.model_folder = source.component_dir(folder)
+        standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
     return out
 
 
@@ -213,7 +221,23 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
     settings = accepted(type(pipe), {k: v for k, v in pipe.config.items() if k not in pipe.components})
     replaced = type(pipe)(**pipe.components | replacements, **settings)
     replaced.set_progress_bar_config(disable=True)
+    register_pytorch_classes(replaced)
     return replaced
+
+
+def register_pytorch_classes(pipe: Any) -> None:
+    """Record each stand-in in the pipeline's config (its model_index.json) as the class it stands in for.
+
+    So ``DiffusionPipeline.from_pretrained`` on a saved engine pipeline loads the PyTorch networks.
+    """
+    from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
+
+    pytorch = {
+        name: next(c for c in type(module).__mro__ if c.__module__.split(".")[0] in ("diffusers", "transformers"))
+        for name, module in pipe.components.items()
+        if isinstance(module, EngineModule)
+    }
+    pipe.register_to_config(**{name: _fetch_class_library_tuple(cls) for name, cls in pytorch.items()})
 
 
 def generate(

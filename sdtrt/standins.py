@@ -6,10 +6,17 @@ classes, and refuses what its engine cannot do instead of silently doing somethi
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from diffusers import AutoencoderKL
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
 from .errors import ArtifactError, EngineInputError
 from .lora import LoraNetwork
@@ -21,18 +28,36 @@ if TYPE_CHECKING:
     from .models import ModelSource
 
 
+# Attention processors that compute what an engine's graph computes (plain scaled dot-product
+# attention, fused or sliced or not): setting one changes nothing. Others (IP-Adapter, custom) would.
+DEFAULT_ATTENTION = (
+    "AttnProcessor", "AttnProcessor2_0", "FusedAttnProcessor2_0", "XFormersAttnProcessor", "SlicedAttnProcessor",
+    "AttnAddedKVProcessor", "AttnAddedKVProcessor2_0", "SlicedAttnAddedKVProcessor", "XFormersAttnAddedKVProcessor",
+)  # fmt: skip
+ENGINE_RECORD = "sdtrt_engine.json"  # beside a saved stand-in's PyTorch files: the engines it ran on
+
+
 class EngineModule(torch.nn.Module):
-    """What pipelines read off every network: ``config``, ``dtype`` (the pipeline's), ``device`` (the engine's)."""
+    """The diffusers module protocol every stand-in shares: ``config``, ``dtype``, ``device``, ``to``, saving.
+
+    A stand-in subclasses this first and then the class it stands in for (UNet2DConditionModel,
+    AutoencoderKL, CLIPTextModel, ControlNetModel, …) without building that class's layers, so
+    ``isinstance`` checks and diffusers' save/load dispatch see the real class. Methods that would change
+    the network refuse with an EngineInputError naming the feature; those an engine already does are no-ops.
+    """
 
     def __init__(self, config: Any, dtype: torch.dtype, runtimes: list[Runtime | None]) -> None:
-        super().__init__()
-        self._config = config
-        self._dtype = dtype  # fp16 engines still hand fp32 callers fp32 outputs
-        self._runtimes = [r for r in runtimes if r is not None]
+        torch.nn.Module.__init__(self)  # not the diffusers/transformers class's: no layers
+        from diffusers.configuration_utils import ConfigMixin, FrozenDict
 
-    @property
-    def config(self) -> Any:
-        return self._config
+        if isinstance(self, ConfigMixin):
+            self._internal_dict = FrozenDict(config)  # what ConfigMixin.config reads
+        else:
+            self.config = config  # transformers keeps its config as an attribute
+        self._dtype = dtype  # the pipeline's: fp16 engines still hand fp32 callers fp32 outputs
+        self._runtimes = [r for r in runtimes if r is not None]
+        self.model_folder: Path | None = None  # the component's PyTorch folder (what save_pretrained writes)
+        self.engine_paths: dict[str, Path] = {}  # component → artifact directory it runs on
 
     @property
     def dtype(self) -> torch.dtype:
@@ -41,6 +66,108 @@ class EngineModule(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return self._runtimes[0].device if self._runtimes else torch.device("cpu")
+
+    @property
+    def label(self) -> str:
+        return f"{type(self).__name__} ({', '.join(sorted(self.engine_paths)) or 'engine'})"
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """A dtype sets the one tensors are handed over in (as ``load_pipeline(dtype=…)``); a device must be the
+        engine's.
+
+        The engine computes in the precision it was compiled with either way: an fp16 engine comes from
+        ``sdtrt compile --precision fp16``.
+        """
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and not same_device(device, self.device):
+            raise EngineInputError(
+                f"{type(self).__name__} runs on its engine's device ({self.device}) and cannot move to {device}: "
+                f"compile an engine for {device.type} (sdtrt compile --target …) and load that"
+            )
+        if dtype is not None:
+            if not dtype.is_floating_point:
+                raise EngineInputError(f"{type(self).__name__} hands over floating-point tensors, not {dtype}")
+            self._dtype = dtype
+            torch.nn.Module.to(self, dtype=dtype)  # buffers (e.g. EngineControlNet's anchor) follow
+        return self
+
+    def half(self, *args: Any) -> Any:
+        return self.to(torch.float16)
+
+    def float(self, *args: Any) -> Any:
+        return self.to(torch.float32)
+
+    # Attention: an engine's graph computes plain attention, fused by the compiler where it can.
+    @property
+    def attn_processors(self) -> dict[str, Any]:
+        return {}
+
+    def set_attn_processor(self, processor: Any) -> None:
+        processors = processor.values() if isinstance(processor, dict) else [processor]
+        if custom := sorted({type(p).__name__ for p in processors} - set(DEFAULT_ATTENTION)):
+            raise EngineInputError(
+                f"{', '.join(custom)} changes the attention an engine's graph computes, which is fixed at build: "
+                "run this pipeline on PyTorch (load_pipeline without an engine) to use it"
+            )
+
+    def set_default_attn_processor(self) -> None:
+        """A no-op: the default attention is what the engine computes."""
+
+    def fuse_qkv_projections(self) -> None:
+        """A no-op: the engine's compiler fuses the projections itself."""
+
+    def unfuse_qkv_projections(self) -> None:
+        """A no-op, as ``fuse_qkv_projections``."""
+
+    def enable_layerwise_casting(self, *args: Any, **kwargs: Any) -> None:
+        raise EngineInputError(
+            "enable_layerwise_casting stores PyTorch weights in a smaller dtype; an engine's weights are built in: "
+            "compile a smaller engine instead (sdtrt compile --precision fp16)"
+        )
+
+    def enable_group_offload(self, *args: Any, **kwargs: Any) -> None:
+        raise EngineInputError(
+            "enable_group_offload moves PyTorch weights between devices; an engine's weights stay on its device"
+        )
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], variant: str | None = None, **_: Any) -> None:
+        """The component's PyTorch files as they were, plus a record of its engines (``load_pipeline`` reads it).
+
+        ``DiffusionPipeline.from_pretrained`` on the saved folder gives the PyTorch pipeline; ``load_pipeline``
+        gives this engine pipeline again. Written to a temporary folder first: never half a folder.
+        """
+        if self.model_folder is None:
+            raise ArtifactError(
+                f"{type(self).__name__} was made without its model folder, so it has no PyTorch files to save: "
+                "make the pipeline with sdtrt.pipeline.load_pipeline(model, engine)"
+            )
+        target = Path(save_directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
+            staged = Path(tmp) / target.name
+            shutil.copytree(self.model_folder, staged)
+            if variant:
+                for weights in [*staged.glob("*.safetensors"), *staged.glob("*.bin")]:
+                    if len(weights.name.split(".")) == 2:  # no variant yet: name.fp16.safetensors
+                        weights.rename(weights.with_suffix(f".{variant}{weights.suffix}"))
+            record = {"engines": {c: str(p.resolve()) for c, p in self.engine_paths.items()}}
+            (staged / ENGINE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staged.rename(target)
+
+
+def same_device(wanted: torch.device, actual: torch.device) -> bool:
+    """``cuda`` means the current CUDA device, as torch's own ``.to("cuda")`` does."""
+    return wanted.type == actual.type and (wanted.index is None or wanted.index == actual.index)
+
+
+def saved_engines(folder: Path) -> dict[str, Path]:
+    """component → artifact directory, from the records stand-ins' ``save_pretrained`` left in a pipeline folder."""
+    out: dict[str, Path] = {}
+    for record in sorted(folder.glob(f"*/{ENGINE_RECORD}")):
+        out |= {c: Path(p) for c, p in json.loads(record.read_text())["engines"].items()}
+    return out
 
 
 class PenultimateOnly(tuple):
@@ -69,7 +196,17 @@ class _TextModel(torch.nn.Module):
 
 
 class EngineTextEncoder(EngineModule, LoraNetwork):
-    """A CLIPTextModel / CLIPTextModelWithProjection stand-in backed by a text encoder engine."""
+    """A CLIPTextModel / CLIPTextModelWithProjection stand-in backed by a text encoder engine.
+
+    ``EngineTextEncoder(runtime, …)`` makes the subclass that is an instance of the class the engine's
+    graph stands for: with a projection (``text_embeds``, SDXL's second encoder) or without.
+    """
+
+    def __new__(cls, runtime: Runtime, *args: Any, **kwargs: Any) -> EngineTextEncoder:
+        if cls is EngineTextEncoder:
+            projected = getattr(runtime.spec, "pooled_name", None) == "text_embeds"
+            cls = EngineCLIPTextModelWithProjection if projected else EngineCLIPTextModel
+        return super().__new__(cls)
 
     def __init__(
         self, runtime: Runtime, config: Any, final_layer_norm: torch.nn.Module | None,
@@ -110,44 +247,99 @@ class EngineTextEncoder(EngineModule, LoraNetwork):
         return out if return_dict else out.to_tuple()
 
 
-class EngineVAE(EngineModule):
-    """An AutoencoderKL stand-in: ``decode`` and ``encode`` on engines; a half the set lacks runs in PyTorch."""
+# transformers types `to` and `save_pretrained` differently; EngineModule's (first in the MRO) are the ones called.
+class EngineCLIPTextModel(EngineTextEncoder, CLIPTextModel):  # type: ignore[misc]
+    """A text encoder engine standing in for a CLIPTextModel."""
+
+
+class EngineCLIPTextModelWithProjection(EngineTextEncoder, CLIPTextModelWithProjection):  # type: ignore[misc]
+    """A text encoder engine standing in for a CLIPTextModelWithProjection."""
+
+
+class EngineHalf(torch.nn.Module):
+    """One half of a VAE on an engine (encoder + quant conv, or post-quant conv + decoder, as exported)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` through the engine; an edge tile smaller than the profile is padded up to it and the result cropped."""
+        spec = self.runtime.spec
+        low_h, low_w = self.smallest_input()
+        height, width = x.shape[-2:]
+        padded = torch.nn.functional.pad(x, (0, max(low_w - width, 0), 0, max(low_h - height, 0)), mode="replicate")
+        out = self.runtime.run({spec.input_names[0]: padded})[spec.output_names[0]].to(x.device, x.dtype)
+        return out[..., : out.shape[-2] * height // padded.shape[-2], : out.shape[-1] * width // padded.shape[-1]]
+
+    def smallest_input(self) -> tuple[int, int]:
+        """The smallest input height and width the engine's profile takes (in latents for the decoder)."""
+        profile = getattr(self.runtime, "profile", None)
+        if profile is None:
+            return 0, 0
+        per = getattr(self.runtime.spec, "vae_scale_factor", 8) if self.runtime.spec.component == "vae_decoder" else 1
+        return -(-profile.height.min // per), -(-profile.width.min // per)
+
+
+class PyTorchHalf(torch.nn.Module):
+    """The half of a VAE an engine set lacks, on the PyTorch VAE (loaded on first use)."""
+
+    def __init__(self, load: Callable[[], Any], encoder: bool) -> None:
+        super().__init__()
+        self.load, self.encoder = load, encoder
+        self.vae: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            self.vae = self.load()
+        vae = self.vae.to(x.device, x.dtype)
+        if self.encoder:
+            h = vae.encoder(x)
+            return vae.quant_conv(h) if vae.quant_conv is not None else h
+        return vae.decoder(vae.post_quant_conv(x) if vae.post_quant_conv is not None else x)
+
+
+class EngineVAE(EngineModule, AutoencoderKL):
+    """An AutoencoderKL stand-in: its ``encoder`` and ``decoder`` are engines; a half the set lacks runs in PyTorch.
+
+    AutoencoderKL's own ``encode``/``decode`` run over them, so slicing (a batch loop) and tiling (tiles
+    decoded through the same engine, blended as diffusers blends them) work as on the PyTorch VAE. Tiles
+    are as large as diffusers makes them, and no larger than the engine's profile.
+    """
 
     def __init__(
         self, config: dict[str, Any], decoder: Runtime | None, encoder: Runtime | None,
         pytorch: Callable[[], Any], dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
-        from diffusers.configuration_utils import FrozenDict
-
-        super().__init__(FrozenDict(config), dtype, [decoder, encoder])
+        super().__init__(config, dtype, [decoder, encoder])
         self.decoder_runtime, self.encoder_runtime = decoder, encoder
-        self._pytorch_loader = pytorch
-        self._pytorch: Any = None  # loaded on first use, only where the set lacks a half
+        self.encoder = EngineHalf(encoder) if encoder is not None else PyTorchHalf(pytorch, encoder=True)
+        self.decoder = EngineHalf(decoder) if decoder is not None else PyTorchHalf(pytorch, encoder=False)
+        self.quant_conv, self.post_quant_conv = InGraph(dtype), InGraph(dtype)  # the halves apply them
+        self.use_slicing = self.use_tiling = False
+        self.tile_overlap_factor = 0.25
+        size = self.config.sample_size
+        sample_px = size[0] if isinstance(size, list | tuple) else size
+        scale = 2 ** (len(self.config.block_out_channels) - 1)
+        self.tile_latent_min_size = min(sample_px // scale, *tile_limits(decoder, scale), *tile_limits(encoder, scale))
+        self.tile_sample_min_size = self.tile_latent_min_size * scale
 
-    def _fallback(self) -> Any:
-        if self._pytorch is None:
-            self._pytorch = self._pytorch_loader().to(self.device, self._dtype)
-        return self._pytorch
 
-    def decode(self, z: torch.Tensor, return_dict: bool = True, generator: Any = None) -> Any:
-        from diffusers.models.autoencoders.vae import DecoderOutput
+class InGraph(torch.nn.Identity):
+    """A quant conv the engine's graph already applies, with an empty parameter in the VAE's dtype: SDXL
+    pipelines read ``vae.post_quant_conv``'s parameter dtype when they upcast the VAE."""
 
-        if self.decoder_runtime is None:
-            return self._fallback().decode(z, return_dict=return_dict, generator=generator)
-        spec = self.decoder_runtime.spec
-        image = self.decoder_runtime.run({spec.input_names[0]: z})[spec.output_names[0]].to(z.device, z.dtype)
-        return DecoderOutput(sample=image) if return_dict else (image,)
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype_anchor = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
-    def encode(self, x: torch.Tensor, return_dict: bool = True) -> Any:
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-        from diffusers.models.modeling_outputs import AutoencoderKLOutput
 
-        if self.encoder_runtime is None:
-            return self._fallback().encode(x, return_dict=return_dict)
-        spec = self.encoder_runtime.spec
-        moments = self.encoder_runtime.run({spec.input_names[0]: x})[spec.output_names[0]].to(x.device, x.dtype)
-        posterior = DiagonalGaussianDistribution(moments)
-        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+def tile_limits(runtime: Runtime | None, scale: int) -> tuple[int, ...]:
+    """The largest latent tile an engine's profile takes, or nothing when it has no profile on record."""
+    profile = getattr(runtime, "profile", None)
+    if profile is None:
+        return ()
+    return (min(profile.height.max, profile.width.max) // scale,)
 
 
 def text_encoder_config(source: ModelSource, folder: str = "text_encoder") -> Any:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers.configuration_utils import FrozenDict
+from diffusers import UNet2DConditionModel
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
 from .errors import ArtifactError, EngineInputError
@@ -47,7 +47,7 @@ def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device:
     return t
 
 
-class EngineUNet(EngineModule, LoraNetwork):
+class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(
@@ -57,7 +57,7 @@ class EngineUNet(EngineModule, LoraNetwork):
         dtype: torch.dtype | None = None,
         loras: EngineLoras | None = None,
     ) -> None:
-        super().__init__(FrozenDict(config), dtype or runtime.dtype, [runtime])
+        super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, UNetSpec):
             raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
         self.spec = runtime.spec
@@ -67,6 +67,22 @@ class EngineUNet(EngineModule, LoraNetwork):
             width = config["projection_class_embeddings_input_dim"]
             self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(in_features=width))
         self.loras = loras
+
+    def enable_freeu(self, *args: Any, **kwargs: Any) -> None:
+        raise EngineInputError(
+            "FreeU rescales the UNet's skip and backbone features inside its up blocks, and an engine's graph is "
+            "fixed at build: run this pipeline on PyTorch (load_pipeline without an engine) to use FreeU"
+        )
+
+    def disable_freeu(self) -> None:
+        """A no-op: FreeU is never on in an engine."""
+
+    def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
+        raise EngineInputError(
+            "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine was built "
+            "without them: IP-Adapter needs an engine built with its image-projection inputs, which sdtrt does "
+            "not export yet; run this pipeline on PyTorch (load_pipeline without an engine) to use it"
+        )
 
     def forward(
         self,
