@@ -15,9 +15,10 @@ from sdtrt.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, TrtB
 from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError
 from sdtrt.models import load_unet
 from sdtrt.runtime import open_runtime
+from sdtrt.spec import ValidationCase
 from sdtrt.stages import export, simplify, wrap
 from sdtrt.store import MANIFEST, Artifact
-from sdtrt.validate import TensorCase, ValidationConfig, compare_unet, validate
+from sdtrt.validate import ValidationConfig, compare_case, validate
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def reference_unet(tiny):
 
 @pytest.fixture(scope="session")
 def reference_cpu(tiny):
-    """A CPU fp32 copy for compare_unet, so no test moves the shared CUDA reference."""
+    """A CPU fp32 copy for compare_case, so no test moves the shared CUDA reference."""
     return load_unet(tiny)
 
 
@@ -51,9 +52,9 @@ def test_manifest_records_tensorrt_and_gpu(trt_engine):
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
 def test_engine_matches_pytorch(trt_engine, reference_cpu, cuda_graph):
     runtime = open_runtime(trt_engine, cuda_graph=cuda_graph)
-    for case in (TensorCase(2, 256, 256, 999.0, 0), TensorCase(4, 128, 384, 1.0, 1)):
-        first = compare_unet(runtime, reference_cpu, runtime.spec, case)
-        again = compare_unet(runtime, reference_cpu, runtime.spec, case)  # replays the graph
+    for case in (ValidationCase(2, 256, 256, 999.0, 0), ValidationCase(4, 128, 384, 1.0, 1)):
+        first = compare_case(runtime, reference_cpu, runtime.spec, case)
+        again = compare_case(runtime, reference_cpu, runtime.spec, case)  # replays the graph
         assert first["cosine"] >= 0.999 and again == first
 
 
