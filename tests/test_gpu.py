@@ -6,6 +6,7 @@ Marked `gpu`: skipped with the reason where CUDA, TensorRT or torch-tensorrt is 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,14 +85,20 @@ def test_out_of_profile_request_names_the_profiles(trt_engine):
         runtime.run(feeds)
 
 
-def test_engine_from_another_gpu_is_refused(trt_engine, tmp_path):
+def copy_from_another_gpu(engine: Artifact, tmp_path) -> Path:
+    """A copy of ``engine`` whose manifest says it was built on a compute capability 5.0 GPU."""
     import shutil
 
     copy = tmp_path / "engine"
-    shutil.copytree(trt_engine.path, copy)
+    shutil.copytree(engine.path, copy)
     manifest = json.loads((copy / MANIFEST).read_text())
     manifest["environment"]["compute_capability"] = "5.0"
     (copy / MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+def test_engine_from_another_gpu_is_refused(trt_engine, tmp_path):
+    copy = copy_from_another_gpu(trt_engine, tmp_path)
     with pytest.raises(EnvironmentMismatchError, match=r"compute capability 5\.0"):
         open_runtime(Artifact.open(copy))
 
@@ -254,13 +261,7 @@ def test_debug_runs_on_a_tensorrt_engine(trt_engine):
 
 def test_wrap_refuses_an_engine_from_another_gpu(trt_engine, store, tmp_path):
     """Item 6: not torch-tensorrt's "Unable to deserialize", but what differs and the command that rebuilds it."""
-    import shutil
-
-    copy = tmp_path / "engine"
-    shutil.copytree(trt_engine.path, copy)
-    manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["environment"]["compute_capability"] = "5.0"
-    (copy / MANIFEST).write_text(json.dumps(manifest))
+    copy = copy_from_another_gpu(trt_engine, tmp_path)
     with pytest.raises(EnvironmentMismatchError, match=r"compute capability 5\.0.*sdtrt build .* --optimization-level"):
         wrap.run(WrapConfig(), Artifact.open(copy), store)
 
