@@ -40,6 +40,7 @@ from .errors import one_line
 from .models import ModelSource
 from .pipeline import generate, load_pipeline
 from .request import GenerateRequest, SizeRule
+from .spec import FOLDERS, denoiser_component
 from .store import Store, environment
 from .timing import Stats
 from .trace import Span, Tracer, instrument_pipeline
@@ -137,19 +138,20 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if name.startswith("torch"):
         pipe = load_pipeline(model, dtype=dtype).to(device)  # LoRAs go in (and are timed) after loading
+        denoiser = FOLDERS[denoiser_component(model)]  # the pipeline's attribute: unet (a transformer's next)
         if name == "torch-sdpa-off":
             from diffusers.models.attention_processor import AttnProcessor
 
-            pipe.unet.set_attn_processor(AttnProcessor())
+            getattr(pipe, denoiser).set_attn_processor(AttnProcessor())
         elif name == "torch-compile":
-            pipe.unet = torch.compile(pipe.unet)
+            setattr(pipe, denoiser, torch.compile(getattr(pipe, denoiser)))
         return pipe
     if name == "tensorrt" and (missing := tensorrt_missing()):
         raise _Skip(missing)
     target: Target = "tensorrt" if name == "tensorrt" else "onnxruntime"
     chosen: Precision = "fp32" if precision == "fp32" else "fp16" if precision == "fp16" else config.precision
     export_config = ExportConfig(precision=chosen)
-    # compile's default: every component on the engine target (TensorRT: the UNet), each stage on its engine.
+    # compile's default: every component on the engine target, each stage on its engine.
     trt_config = TrtBuildConfig(profiles=(_bench_profile(model, config),), refittable=True) if config.loras else None
     result = compile_model(
         model, store, target, export_config, profile=_bench_profile(model, config), trt_config=trt_config

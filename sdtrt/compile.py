@@ -27,7 +27,7 @@ from .config import (
 from .gpu import require_tensorrt, tensorrt_missing, torch_tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
-from .spec import component_spec, model_components
+from .spec import denoiser_spec, model_components
 from .stages import build_ort, engine_set, export, simplify
 from .stages.engine_set import EngineSetConfig
 from .store import Artifact, Store
@@ -107,7 +107,8 @@ def compile_model(
     if chosen == "tensorrt" and (unwrapped := wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing())):
         reason += f"; {unwrapped}"  # known before any plan is built
     components = components or model_components(model)
-    profile = profile or component_spec(model, "unet").default_profile()  # one user profile for every member
+    # One user profile for every member: the denoiser's.
+    profile = profile or denoiser_spec(model).default_profile()
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
     for component in components:

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import onnx
 
 from .config import IONaming, Precision
 from .errors import ArtifactError
-from .spec import NAMED_INPUTS, GraphSpec, TensorSpec, UNetSpec, spec_from_json
+from .spec import NAMED_INPUTS, GraphSpec, ModelConfigs, TensorSpec, UNetSpec, spec_from_json
 from .store import Artifact
-
-if TYPE_CHECKING:
-    from .models import ModelSource
 
 ONNX_STAGES = ("export", "simplify", "build-ort", "external")  # artifacts whose primary file is an ONNX graph
 # Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.
@@ -110,7 +106,7 @@ def graph_io(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return inputs, [spec_of(v) for v in graph.output]
 
 
-def artifact_spec(artifact: Artifact, model: ModelSource | None = None) -> GraphSpec:
+def artifact_spec(artifact: Artifact, model: ModelConfigs | None = None) -> GraphSpec:
     """The artifact's graph contract: from its manifest, else from its graph's IO (and the model, if known).
 
     A bare .onnx without a manifest is taken for an SD UNet when its inputs say so.

@@ -18,6 +18,7 @@ from .errors import RequestError
 if TYPE_CHECKING:
     from .config import ShapeProfile, ValidationConfig
     from .models import ModelSource
+    from .spec import DenoiserSpec
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
@@ -44,23 +45,28 @@ def check_scheduler(name: str) -> str:
 
 @dataclass(frozen=True)
 class SizeRule:
-    """The image sizes a model can generate: one rule, from its UNet's and VAE's downsampling."""
+    """The image sizes a model can generate: one rule, from its denoiser's and VAE's downsampling."""
 
-    multiple: int  # pixels: the VAE's scale factor times the UNet's latent multiple
+    multiple: int  # pixels: the VAE's scale factor times the denoiser's latent multiple
     default_height: int
     default_width: int
+
+    @classmethod
+    def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
+        native = spec.latent_sample_size * spec.vae_scale_factor
+        return cls(spec.pixel_multiple, native, native)
 
     @classmethod
     def for_unet(cls, unet_config: dict[str, Any], vae_scale_factor: int) -> SizeRule:
         from .spec import UNetSpec
 
-        spec = UNetSpec.from_config(dict(unet_config), vae_scale_factor)
-        native = spec.latent_sample_size * vae_scale_factor
-        return cls(spec.pixel_multiple, native, native)
+        return cls.for_denoiser(UNetSpec.from_config(dict(unet_config), vae_scale_factor))
 
     @classmethod
     def for_model(cls, model: ModelSource) -> SizeRule:
-        return cls.for_unet(model.unet_config(), model.vae_scale_factor())
+        from .spec import denoiser_spec
+
+        return cls.for_denoiser(denoiser_spec(model))
 
     def resolve(self, height: int | None, width: int | None) -> tuple[int, int]:
         """Both sides, a missing one taking the model's default; RequestError for a size off the grid."""

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .config import Precision, ShapeProfile, ValidationConfig
+from .config import Precision, ValidationConfig
 from .errors import ParityError, StoreError
 from .runtime.compare import tensor_stats
-from .spec import GraphSpec, UNetSpec, component_spec
+from .spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
 from .store import Artifact, StageRequest, Store, environment
 
 if TYPE_CHECKING:
@@ -34,42 +34,21 @@ VERSION = 1
 REPORT = "report.json"
 
 
-@dataclass(frozen=True)
-class TensorCase:
-    """One UNet call to compare: UNet batch (CFG-doubled), pixel size, timestep and seed."""
-
-    unet_batch: int
-    height: int
-    width: int
-    timestep: float = 500.0
-    seed: int = 0
-
-    def label(self) -> str:
-        return f"b{self.unet_batch} {self.height}x{self.width} t={self.timestep:g}"
-
-
-def default_cases(profile: ShapeProfile) -> list[TensorCase]:
-    """Timesteps across the schedule at the optimum shape, plus the profile's smallest and largest."""
-    batch = profile.unet_batch()
-    opt = (batch.opt, profile.height.opt, profile.width.opt)
-    return [
-        TensorCase(*opt, timestep=999.0, seed=0),
-        TensorCase(*opt, timestep=500.0, seed=1),
-        TensorCase(*opt, timestep=1.0, seed=2),
-        TensorCase(batch.min, profile.height.min, profile.width.min, timestep=750.0, seed=3),
-        TensorCase(batch.max, profile.height.max, profile.width.max, timestep=250.0, seed=4),
-    ]
-
-
-def compare_unet(runtime: Runtime, reference: torch.nn.Module, spec: UNetSpec, case: TensorCase) -> dict[str, Any]:
-    """Run one case through the engine and the fp32 PyTorch UNet (through the graph's own wrapper)."""
+def compare_case(runtime: Runtime, network: Any, spec: GraphSpec, case: ValidationCase) -> dict[str, Any]:
+    """One seeded case through the engine and the fp32 PyTorch network (through the graph's own wrapper): the
+    statistics of its worst output."""
     from .stages.export import graph_module
 
-    feeds = spec.sample_inputs(case.unet_batch, case.height, case.width, seed=case.seed, timestep=case.timestep)
+    feeds = spec.case_inputs(case)
     with torch.no_grad():
-        expected = graph_module(spec, reference)(*(feeds[name] for name in spec.input_names))
-    got = runtime.run(feeds)[spec.output_name]
-    return {"case": case.label()} | tensor_stats(got, expected)
+        expected = graph_module(spec, network)(*(feeds[name] for name in spec.input_names))
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = runtime.run(feeds)
+    rows = [
+        tensor_stats(got[name], want) | {"output": name} for name, want in zip(spec.output_names, expected, strict=True)
+    ]
+    worst = min(rows, key=lambda row: row["cosine"] if row["finite"] else float("-inf"))
+    return {"case": spec.case_label(case)} | worst
 
 
 @dataclass(frozen=True)
@@ -143,7 +122,7 @@ def image_problems(image: np.ndarray) -> list[str]:
     return problems
 
 
-def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str = "UNet") -> list[str]:
+def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str) -> list[str]:
     label = row["case"]
     if not row["finite"]:
         return [f"{what} output at {label} contains NaN or inf"]
@@ -155,25 +134,13 @@ def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str = "UNet") -
     return failures
 
 
-def compare_member(runtime: Runtime, reference: Any, spec: GraphSpec, case: TensorCase) -> dict[str, Any]:
-    """One seeded input through a text encoder or VAE engine and its PyTorch fp32 module; the worst output."""
-    feeds = spec.sample_inputs(case.unet_batch, case.height, case.width, seed=case.seed)
-    with torch.no_grad():
-        expected = reference(*feeds.values())
-    expected = expected if isinstance(expected, tuple) else (expected,)
-    got = runtime.run(feeds)
-    rows = [
-        tensor_stats(got[name], want) | {"output": name} for name, want in zip(spec.output_names, expected, strict=True)
-    ]
-    worst = min(rows, key=lambda row: row["cosine"] if row["finite"] else float("-inf"))
-    return {"case": f"{spec.component} b{case.unet_batch} {case.height}x{case.width}"} | worst
-
-
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
-    """Compare an engine — a UNet, or each member of an engine set — with the model's PyTorch fp32 modules.
+    """Compare an engine — the model's denoiser, or each member of an engine set — with the model's PyTorch fp32
+    networks.
 
-    Tensors member by member; then one generation with every engine swapped in at once against the
-    PyTorch pipeline (a UNet engine alone: both images decoded by the PyTorch VAE, to isolate it).
+    Tensors member by member, on the cases each member's spec gives (a denoiser's span the schedule's
+    timesteps); then one generation with every engine swapped in at once against the PyTorch pipeline
+    (without a VAE engine both images are decoded by the PyTorch VAE, to isolate the others).
     """
     from .models import load_folder
     from .pipeline import engine_members, generate, load_pipeline, standins, with_components
@@ -182,13 +149,13 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from .runtime import open_runtime
     from .spec import FOLDERS
     from .stages.engine_set import check_pairing, engine_profile
-    from .stages.export import graph_module
 
     members = engine_members(engine)
     check_pairing(members, model)
     built_for = engine_profile(members)
     check_validation(config, SizeRule.for_model(model), built_for)
-    profile = built_for or component_spec(model, "unet").default_profile()
+    denoiser = denoiser_component(model)
+    profile = built_for or denoiser_spec(model).default_profile()
     runtimes = {c: open_runtime(a, model) for c, a in members.items()}
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
@@ -200,31 +167,25 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     # The image is as close as its least precise member allows.
     tol = Tolerances.of(config, "fp16" if "fp16" in precisions.values() else "fp32")
     label = (
-        precisions.get("unet", "")
-        if list(precisions) == ["unet"]
-        else ", ".join(f"{c} {p}" for c, p in precisions.items())
+        precisions[denoiser] if list(precisions) == [denoiser] else ", ".join(f"{c} {p}" for c, p in precisions.items())
     )
     report = ValidationReport(str(engine.path), model.name, label, tol)
     for component, runtime in runtimes.items():
-        spec = runtime.spec
-        member_tol = Tolerances.of(config, spec.precision)
-        cases, module = default_cases(profile), None
-        if not isinstance(spec, UNetSpec):
-            network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
-            module = graph_module(spec, network)
-            cases = [replace(c, unet_batch=max(1, c.unet_batch // 2)) for c in cases[2:]]  # no CFG doubling
+        spec, member_tol = runtime.spec, Tolerances.of(config, runtime.spec.precision)
+        network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
+        cases = spec.validation_cases(profile)
+        # The denoiser's rows are the report's main ones; the other members' name their component.
+        prefix = "" if component == denoiser else f"{component} "
         with step(f"Comparing {spec.label} outputs on {len(cases)} inputs"):
             for case in cases:
-                if isinstance(spec, UNetSpec):
-                    row = compare_unet(runtime, reference.unet, spec, case)
-                else:
-                    row = compare_member(runtime, module, spec, case)
+                row = compare_case(runtime, network, spec, case)
+                row["case"] = prefix + row["case"]
                 row["failures"] = check_tensor_row(row, member_tol, spec.label)
                 report.tensors.append(row)
                 report.failures += row["failures"]
 
     if config.images:
-        swapped = standins(model, members, reference.vae, reference.unet.dtype)
+        swapped = standins(model, members, reference.vae, reference.dtype)
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
@@ -307,7 +268,7 @@ def compare_images(
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> np.ndarray:
-    """Decode with the pipeline's VAE (the PyTorch one, where only the UNet is compared)."""
+    """Decode with the pipeline's VAE (the PyTorch one, where no VAE engine is compared)."""
     with torch.no_grad():
         decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np")

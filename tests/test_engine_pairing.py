@@ -13,7 +13,9 @@ import pytest
 from sdtrt.compile import compile_model
 from sdtrt.errors import EngineMismatchError
 from sdtrt.models import resolve_model
-from sdtrt.stages.engine_set import check_pairing, engine_members
+from sdtrt.onnx_graph import artifact_spec
+from sdtrt.spec import DenoiserSpec
+from sdtrt.stages.engine_set import check_pairing, engine_members, engine_profile
 from sdtrt.validate import ValidationConfig, validate
 
 from .helpers import REPO, last_line, run_cli
@@ -32,6 +34,13 @@ def test_a_single_network_other_than_the_unet_validates(preset, component, store
     report = result.validation
     assert report, report.failures
     assert {row["case"].split()[0] for row in report.tensors} == {component}, "compared with its own network"
+    profile = engine_profile(engine_members(result.final))
+    assert profile is not None
+    spec = artifact_spec(result.final)
+    batches = spec.batch_range(profile)
+    for row in report.tensors:  # a denoiser's cases span the schedule, at batches its engine was built for
+        assert batches.min <= int(row["case"].split()[1][1:]) <= batches.max, row["case"]
+        assert ("t=" in row["case"]) == isinstance(spec, DenoiserSpec), row["case"]
     assert report.image["psnr_db"] >= 30.0
     assert list(engine_members(result.final)) == [component]
 

@@ -9,11 +9,14 @@ from sdtrt import onnx_graph
 from sdtrt.config import ExportConfig
 from sdtrt.models import load_unet
 from sdtrt.runtime import open_runtime
+from sdtrt.spec import ValidationCase
 from sdtrt.stages import export
-from sdtrt.validate import TensorCase, compare_unet
+from sdtrt.validate import compare_case
 
 # Three batch/resolution combinations inside the tiny model's default profile (pixels, CFG batch).
-PROFILE_CASES = [TensorCase(2, 256, 256, 981.0, 0), TensorCase(4, 128, 384, 500.0, 1), TensorCase(8, 384, 192, 1.0, 2)]
+PROFILE_CASES = [
+    ValidationCase(2, 256, 256, 981.0, 0), ValidationCase(4, 128, 384, 500.0, 1), ValidationCase(8, 384, 192, 1.0, 2)
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +40,11 @@ def test_fp16_export_io_contract(tiny_export):
     assert not onnx_graph.data_file(path).exists()
 
 
-@pytest.mark.parametrize("case", PROFILE_CASES, ids=TensorCase.label)
+@pytest.mark.parametrize("case", PROFILE_CASES, ids=lambda c: f"b{c.batch}-{c.height}x{c.width}")
 def test_fp16_export_matches_pytorch_fp32(tiny_export, reference_unet, case):
     runtime = open_runtime(tiny_export)
-    stats = compare_unet(runtime, reference_unet, runtime.spec, case)
-    print(f"fp16 {case.label()}: max abs {stats['max_abs']:.3g}, cosine {stats['cosine']:.7f}")
+    stats = compare_case(runtime, reference_unet, runtime.spec, case)
+    print(f"fp16 {stats['case']}: max abs {stats['max_abs']:.3g}, cosine {stats['cosine']:.7f}")
     assert stats["finite"]
     assert stats["cosine"] >= 0.999
     assert stats["max_abs"] < 0.05
@@ -53,7 +56,7 @@ def test_fp32_export_matches_pytorch_closely(tiny, store, reference_unet, export
     inputs, _ = onnx_graph.graph_io(artifact.primary)
     assert inputs[0].shape == ("batch", 4, "height", "width"), "dynamo's axis names are normalised"
     runtime = open_runtime(artifact)
-    stats = compare_unet(runtime, reference_unet, runtime.spec, PROFILE_CASES[1])
+    stats = compare_case(runtime, reference_unet, runtime.spec, PROFILE_CASES[1])
     assert stats["max_abs"] < 1e-4
     assert stats["cosine"] > 0.99999
 

@@ -6,6 +6,7 @@ Marked `gpu`: skipped with the reason where CUDA, TensorRT or torch-tensorrt is 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from sdtrt.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, TrtB
 from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError
 from sdtrt.models import load_unet
 from sdtrt.runtime import open_runtime
+from sdtrt.spec import ValidationCase
 from sdtrt.stages import export, simplify, wrap
 from sdtrt.store import MANIFEST, Artifact
-from sdtrt.validate import TensorCase, ValidationConfig, compare_unet, validate
+from sdtrt.validate import ValidationConfig, compare_case, validate
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +40,7 @@ def reference_unet(tiny):
 
 @pytest.fixture(scope="session")
 def reference_cpu(tiny):
-    """A CPU fp32 copy for compare_unet, so no test moves the shared CUDA reference."""
+    """A CPU fp32 copy for compare_case, so no test moves the shared CUDA reference."""
     return load_unet(tiny)
 
 
@@ -51,9 +53,9 @@ def test_manifest_records_tensorrt_and_gpu(trt_engine):
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
 def test_engine_matches_pytorch(trt_engine, reference_cpu, cuda_graph):
     runtime = open_runtime(trt_engine, cuda_graph=cuda_graph)
-    for case in (TensorCase(2, 256, 256, 999.0, 0), TensorCase(4, 128, 384, 1.0, 1)):
-        first = compare_unet(runtime, reference_cpu, runtime.spec, case)
-        again = compare_unet(runtime, reference_cpu, runtime.spec, case)  # replays the graph
+    for case in (ValidationCase(2, 256, 256, 999.0, 0), ValidationCase(4, 128, 384, 1.0, 1)):
+        first = compare_case(runtime, reference_cpu, runtime.spec, case)
+        again = compare_case(runtime, reference_cpu, runtime.spec, case)  # replays the graph
         assert first["cosine"] >= 0.999 and again == first
 
 
@@ -83,14 +85,20 @@ def test_out_of_profile_request_names_the_profiles(trt_engine):
         runtime.run(feeds)
 
 
-def test_engine_from_another_gpu_is_refused(trt_engine, tmp_path):
+def copy_from_another_gpu(engine: Artifact, tmp_path) -> Path:
+    """A copy of ``engine`` whose manifest says it was built on a compute capability 5.0 GPU."""
     import shutil
 
     copy = tmp_path / "engine"
-    shutil.copytree(trt_engine.path, copy)
+    shutil.copytree(engine.path, copy)
     manifest = json.loads((copy / MANIFEST).read_text())
     manifest["environment"]["compute_capability"] = "5.0"
     (copy / MANIFEST).write_text(json.dumps(manifest))
+    return copy
+
+
+def test_engine_from_another_gpu_is_refused(trt_engine, tmp_path):
+    copy = copy_from_another_gpu(trt_engine, tmp_path)
     with pytest.raises(EnvironmentMismatchError, match=r"compute capability 5\.0"):
         open_runtime(Artifact.open(copy))
 
@@ -253,13 +261,7 @@ def test_debug_runs_on_a_tensorrt_engine(trt_engine):
 
 def test_wrap_refuses_an_engine_from_another_gpu(trt_engine, store, tmp_path):
     """Item 6: not torch-tensorrt's "Unable to deserialize", but what differs and the command that rebuilds it."""
-    import shutil
-
-    copy = tmp_path / "engine"
-    shutil.copytree(trt_engine.path, copy)
-    manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["environment"]["compute_capability"] = "5.0"
-    (copy / MANIFEST).write_text(json.dumps(manifest))
+    copy = copy_from_another_gpu(trt_engine, tmp_path)
     with pytest.raises(EnvironmentMismatchError, match=r"compute capability 5\.0.*sdtrt build .* --optimization-level"):
         wrap.run(WrapConfig(), Artifact.open(copy), store)
 

@@ -8,9 +8,10 @@ from sdtrt.config import SimplifyConfig
 from sdtrt.errors import ArtifactError, SimplifyError
 from sdtrt.models import load_unet
 from sdtrt.runtime import open_runtime
+from sdtrt.spec import ValidationCase
 from sdtrt.stages import simplify
 from sdtrt.store import Artifact, Store
-from sdtrt.validate import TensorCase, compare_unet
+from sdtrt.validate import compare_case
 
 
 def test_onnxsim_reduces_nodes_and_output_still_matches(tiny, tiny_simplified):
@@ -20,7 +21,7 @@ def test_onnxsim_reduces_nodes_and_output_still_matches(tiny, tiny_simplified):
     assert details["nodes_after"] < details["nodes_before"]
     assert details["check"]["cosine"] > 0.9999
     runtime = open_runtime(tiny_simplified)
-    stats = compare_unet(runtime, load_unet(tiny), runtime.spec, TensorCase(2, 256, 256))
+    stats = compare_case(runtime, load_unet(tiny), runtime.spec, ValidationCase(2, 256, 256))
     assert stats["cosine"] >= 0.999
 
 

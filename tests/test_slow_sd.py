@@ -17,9 +17,10 @@ from onnx import TensorProto
 from sdtrt.config import ExportConfig, SimplifyConfig
 from sdtrt.models import ModelSource, load_unet, resolve_model
 from sdtrt.runtime import open_runtime
+from sdtrt.spec import ValidationCase
 from sdtrt.stages import export, simplify
 from sdtrt.store import Artifact, Store
-from sdtrt.validate import TensorCase, compare_unet
+from sdtrt.validate import compare_case
 
 from .helpers import softmax_input_types
 
@@ -54,7 +55,7 @@ def test_fp16_export_simplify_and_parity(tmp_path, preset, size, batch):
 
     started = time.perf_counter()
     runtime = open_runtime(simplified)
-    stats = compare_unet(runtime, load_unet(model), runtime.spec, TensorCase(batch, size, size))
+    stats = compare_case(runtime, load_unet(model), runtime.spec, ValidationCase(batch, size, size))
     timings["parity"] = time.perf_counter() - started
     print(
         f"\n{preset} fp16, batch {batch} at {size}²: {', '.join(f'{k} {v:.1f} s' for k, v in timings.items())}; "

@@ -115,7 +115,7 @@ def find_engine(engine: str, engines: Path | None) -> Artifact:
 
 
 def export_config(
-    precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming, component: Component = "unet"
+    precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming, component: Component
 ) -> ExportConfig:
     return ExportConfig(precision=precision, opset=opset, exporter=exporter, io_naming=io_naming, component=component)
 

@@ -93,7 +93,7 @@ def generate_command(
 
     from ..pipeline import generate, load_pipeline
 
-    with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch UNet'})"):
+    with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras)
     columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:

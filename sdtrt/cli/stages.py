@@ -12,7 +12,7 @@ import typer
 from ..config import COMPONENTS, Component, OrtOptimization, ValidationConfig, WrapConfig
 from ..errors import ArtifactError, RequestError
 from ..progress import console
-from ..spec import model_components
+from ..spec import denoiser_component, model_components
 from . import options as o
 
 if TYPE_CHECKING:
@@ -46,7 +46,6 @@ def export(
     Example: sdtrt export --model tiny --component vae_decoder --precision fp16
     """
     from ..models import resolve_model
-    from ..spec import denoiser_component
     from ..stages import export as export_stage
 
     store = o.open_store(engines)
@@ -153,7 +152,7 @@ def compile(
 ) -> None:
     """Run every stage for a target in order, then validate; unchanged stages are cache hits.
 
-    onnxruntime: export → simplify → build, per component.  tensorrt: export → simplify → build → wrap (UNet).
+    onnxruntime: export → simplify → build, per component.  tensorrt: export → simplify → build → wrap.
     Several components end in an engine set, whose directory is printed last.
 
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
@@ -166,7 +165,8 @@ def compile(
     store = o.open_store(engines, cached_ok=True)  # a read-only store serves a complete cache hit
     source = resolve_model(model)
     chosen_components = parse_components(components, source)
-    export_config = o.export_config(precision, exporter, opset, io_naming)
+    # Each member's export config is this one with its component; the profile is the denoiser's.
+    export_config = o.export_config(precision, exporter, opset, io_naming, denoiser_component(source))
     profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width)
     result = compile_model(
         source,

@@ -11,26 +11,54 @@ Axes: ``batch``; ``height``/``width`` in latents; ``image_height``/``image_width
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import COMPONENTS, Component, IONaming, Precision
 from ..errors import ArtifactError
-from .base import AXIS_LABELS, FOLDERS, NAMED_INPUTS, NAMED_OUTPUT, TEXT_TOKENS, GraphSpec, Shapes, TensorSpec
+from .base import (
+    AXIS_LABELS,
+    FOLDERS,
+    NAMED_INPUTS,
+    NAMED_OUTPUT,
+    TEXT_TOKENS,
+    GraphSpec,
+    ModelConfigs,
+    Shapes,
+    TensorSpec,
+    ValidationCase,
+)  # fmt: skip
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .text_encoder import TextEncoder2Spec, TextEncoderSpec
 from .unet import UNetSpec
 from .vae import VaeDecoderSpec, VaeEncoderSpec
 
-if TYPE_CHECKING:
-    from ..models import ModelSource
-
-
 __all__ = [
-    "AXIS_LABELS", "DENOISERS", "FOLDERS", "NAMED_INPUTS", "NAMED_OUTPUT", "SPEC_CLASSES", "TEXT_TOKENS",
-    "ControlNetSpec", "DenoiserSpec", "GraphSpec", "Shapes", "TensorSpec", "TextEncoder2Spec", "TextEncoderSpec",
-    "UNetSpec", "VaeDecoderSpec", "VaeEncoderSpec", "component_spec", "denoiser_component", "model_components",
-    "residual_layout", "residual_names", "spec_from_json",
+    "AXIS_LABELS",
+    "DENOISERS",
+    "FOLDERS",
+    "NAMED_INPUTS",
+    "NAMED_OUTPUT",
+    "SPEC_CLASSES",
+    "TEXT_TOKENS",
+    "ControlNetSpec",
+    "DenoiserSpec",
+    "GraphSpec",
+    "ModelConfigs",
+    "Shapes",
+    "TensorSpec",
+    "TextEncoder2Spec",
+    "TextEncoderSpec",
+    "UNetSpec",
+    "VaeDecoderSpec",
+    "VaeEncoderSpec",
+    "ValidationCase",
+    "component_spec",
+    "denoiser_component",
+    "model_components",
+    "residual_layout",
+    "residual_names",
+    "spec_from_json",
 ]  # fmt: skip
 
 SPEC_CLASSES: dict[str, type[GraphSpec]] = {
@@ -48,7 +76,7 @@ def spec_from_json(data: dict[str, Any]) -> GraphSpec:
 
 
 def component_spec(
-    model: ModelSource, component: Component, precision: Precision = "fp16", io_naming: IONaming = "named"
+    model: ModelConfigs, component: Component, precision: Precision = "fp16", io_naming: IONaming = "named"
 ) -> GraphSpec:
     """The contract of one of the model's networks, from its config."""
     cls = SPEC_CLASSES.get(component)
@@ -61,11 +89,24 @@ def component_spec(
 DENOISERS: tuple[type[DenoiserSpec], ...] = (UNetSpec,)
 
 
-def denoiser_component(model: ModelSource) -> Component:
-    """The model's denoiser: the first kind whose sub-folder it has (a bare folder is a UNet)."""
-    return next((cls.component for cls in DENOISERS if model.has(FOLDERS[cls.component])), UNetSpec.component)
+def denoiser_class(model: ModelConfigs) -> type[DenoiserSpec]:
+    """The kind of the model's denoiser: the first whose sub-folder it has (a bare folder is a UNet)."""
+    return next((cls for cls in DENOISERS if model.has(FOLDERS[cls.component])), UNetSpec)
 
 
-def model_components(model: ModelSource) -> tuple[Component, ...]:
-    """The components a model has: those with a sub-folder in a pipeline folder, the UNet alone in a bare one."""
-    return tuple(c for c in COMPONENTS if c == "unet" or model.has(FOLDERS[c]))
+def denoiser_component(model: ModelConfigs) -> Component:
+    """The model's denoiser component (``unet``; a transformer's next)."""
+    return denoiser_class(model).component
+
+
+def denoiser_spec(model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named") -> DenoiserSpec:
+    """The contract of the model's denoiser: its latent grid, native size and default profile are the model's."""
+    spec = denoiser_class(model).for_model(model, precision, io_naming)
+    assert isinstance(spec, DenoiserSpec)  # each kind's for_model builds its own class
+    return spec
+
+
+def model_components(model: ModelConfigs) -> tuple[Component, ...]:
+    """The components a model has: those with a sub-folder in a pipeline folder, its denoiser alone in a bare one."""
+    denoiser = denoiser_component(model)
+    return tuple(c for c in COMPONENTS if c == denoiser or model.has(FOLDERS[c]))

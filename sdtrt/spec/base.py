@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from ..config import Component, IONaming, Precision, Range, ShapeProfile
 
 if TYPE_CHECKING:
     import torch
-
-    from ..models import ModelSource
 
 
 # The pipeline sub-folder each component is loaded from.
@@ -31,6 +29,30 @@ AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent wid
 RESIDUAL_SCALES = (2, 4, 8, 16, 32)
 for _k in RESIDUAL_SCALES:
     AXIS_LABELS |= {f"height_{_k}": f"latent height / {_k}", f"width_{_k}": f"latent width / {_k}"}
+
+
+class ModelConfigs(Protocol):
+    """What specs read of a model: its folders' configs. models.ModelSource is one; the contract lives here, in
+    the core layer, so core code depends on it and not on the model-sources layer above."""
+
+    def has(self, folder: str) -> bool: ...
+    def component_config(self, folder: str) -> dict[str, Any]: ...
+    def component_class(self, folder: str) -> tuple[str, str]: ...
+    def unet_config(self) -> dict[str, Any]: ...
+    def vae_scale_factor(self) -> int: ...
+    def pooled_text_dim(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class ValidationCase:
+    """One seeded input to compare an engine with its network on: the component's batch, pixel size, the
+    timestep (denoisers only) and the seed."""
+
+    batch: int
+    height: int
+    width: int
+    timestep: float = 500.0
+    seed: int = 0
 
 
 def scaled_axis(axis: str, scale: int) -> str:
@@ -65,7 +87,7 @@ class GraphSpec:
     # ---- what subclasses declare ------------------------------------------------------------
 
     @classmethod
-    def for_model(cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named") -> GraphSpec:
+    def for_model(cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named") -> GraphSpec:
         """This component's contract for ``model``, from its configs (one place per kind, as Optimum's OnnxConfig)."""
         raise NotImplementedError
 
@@ -179,6 +201,19 @@ class GraphSpec:
                 wanted = dtype if dtype is not None and t.dtype == self.dtype else torch.float32
                 out[t.name] = torch.randn(shapes[t.name], generator=gen).to(wanted)
         return out
+
+    # ---- validation: the seeded cases validate.py runs for this kind ----------------------------------
+
+    def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
+        """The profile's optimum, smallest and largest shapes, one seed each."""
+        batch = self.batch_range(profile)
+        return [ValidationCase(batch[i], profile.height[i], profile.width[i], seed=2 + i) for i in (1, 0, 2)]
+
+    def case_inputs(self, case: ValidationCase) -> dict[str, torch.Tensor]:
+        return self.sample_inputs(case.batch, case.height, case.width, seed=case.seed)
+
+    def case_label(self, case: ValidationCase) -> str:
+        return f"b{case.batch} {case.height}x{case.width}"
 
     @classmethod
     def from_json(cls: type[S], data: dict[str, Any]) -> S:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ..config import Component, IONaming, Precision
-from .base import NAMED_INPUTS, TensorSpec
+from .base import NAMED_INPUTS, ModelConfigs, TensorSpec
 from .denoiser import DenoiserSpec, residual_layout
-
-if TYPE_CHECKING:
-    from ..models import ModelSource
 
 
 @dataclass(frozen=True)
@@ -61,7 +58,7 @@ class ControlNetSpec(DenoiserSpec):
 
     @classmethod
     def for_model(
-        cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named"
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
     ) -> ControlNetSpec:
         """This component's contract for ``model``, from its configs."""
         config, size = model.component_config("controlnet"), model.unet_config().get("sample_size")

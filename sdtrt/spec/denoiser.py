@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import Range, ShapeProfile
 from ..families import UNetConditioning
-from .base import TEXT_TOKENS, GraphSpec, TensorSpec, scaled_axis
+from .base import TEXT_TOKENS, GraphSpec, TensorSpec, ValidationCase, scaled_axis
 
 if TYPE_CHECKING:
     import torch
@@ -117,3 +117,21 @@ class DenoiserSpec(GraphSpec):
         feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype)
         t_name = self.input_names[1]
         return feeds | {t_name: torch.full_like(feeds[t_name], float(timestep), dtype=torch.float32)}
+
+    def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
+        """Timesteps across the schedule at the optimum shape, plus the profile's smallest and largest."""
+        batch = self.batch_range(profile)
+        opt = (batch.opt, profile.height.opt, profile.width.opt)
+        return [
+            ValidationCase(*opt, timestep=999.0, seed=0),
+            ValidationCase(*opt, timestep=500.0, seed=1),
+            ValidationCase(*opt, timestep=1.0, seed=2),
+            ValidationCase(batch.min, profile.height.min, profile.width.min, timestep=750.0, seed=3),
+            ValidationCase(batch.max, profile.height.max, profile.width.max, timestep=250.0, seed=4),
+        ]
+
+    def case_inputs(self, case: ValidationCase) -> dict[str, torch.Tensor]:
+        return self.sample_inputs(case.batch, case.height, case.width, seed=case.seed, timestep=case.timestep)
+
+    def case_label(self, case: ValidationCase) -> str:
+        return f"{super().case_label(case)} t={case.timestep:g}"

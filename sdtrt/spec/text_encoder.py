@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ..config import Component, IONaming, Precision, Range, ShapeProfile
-from .base import FOLDERS, TEXT_TOKENS, GraphSpec, TensorSpec
-
-if TYPE_CHECKING:
-    from ..models import ModelSource
+from .base import FOLDERS, TEXT_TOKENS, GraphSpec, ModelConfigs, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,7 @@ class TextEncoderSpec(GraphSpec):
 
     @classmethod
     def for_model(
-        cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named"
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
     ) -> TextEncoderSpec:
         """This component's contract for ``model``, from its configs."""
         folder = FOLDERS[cls.component]

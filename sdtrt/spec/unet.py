@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from ..config import Component, IONaming, Precision
-from .base import NAMED_INPUTS, NAMED_OUTPUT, TensorSpec
+from .base import NAMED_INPUTS, NAMED_OUTPUT, ModelConfigs, TensorSpec
 from .denoiser import DenoiserSpec, residual_layout
-
-if TYPE_CHECKING:
-    from ..models import ModelSource
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class UNetSpec(DenoiserSpec):
         return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]
 
     @classmethod
-    def for_model(cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named") -> UNetSpec:
+    def for_model(cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named") -> UNetSpec:
         """This component's contract for ``model``, from its configs."""
         factor, pooled, controlnet = model.vae_scale_factor(), model.pooled_text_dim(), model.has("controlnet")
         return cls.from_config(model.unet_config(), factor, precision, io_naming, pooled, controlnet)

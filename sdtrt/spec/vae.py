@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from ..config import Component, IONaming, Precision, ShapeProfile
-from .base import FOLDERS, GraphSpec, TensorSpec
-
-if TYPE_CHECKING:
-    from ..models import ModelSource
+from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -23,7 +20,7 @@ class _VaeSpec(GraphSpec):
     native_px: int = 512
 
     @classmethod
-    def for_model(cls, model: ModelSource, precision: Precision = "fp16", io_naming: IONaming = "named") -> _VaeSpec:
+    def for_model(cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named") -> _VaeSpec:
         """This component's contract for ``model``, from its configs."""
         config = model.component_config(FOLDERS[cls.component])
         return cls(

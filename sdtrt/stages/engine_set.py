@@ -14,7 +14,7 @@ from ..config import COMPONENTS, Component, ShapeProfile
 from ..errors import ArtifactError, ConfigError, EngineMismatchError
 from ..models import ModelSource, resolve_model
 from ..onnx_graph import artifact_spec
-from ..spec import FOLDERS, component_spec, spec_from_json
+from ..spec import FOLDERS, component_spec, model_components, spec_from_json
 from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "set"
@@ -131,7 +131,7 @@ def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
         if not io:
             continue
         spec, folder, recorded = spec_from_json(io), FOLDERS[component], _first_input(member)
-        if component != "unet" and not model.has(folder):
+        if component not in model_components(model):
             problem: str | None = f"{model.name} has no {folder}/"
         else:
             wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)
