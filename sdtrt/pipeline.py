@@ -17,7 +17,7 @@ from .families import Task, accepted, pipeline_class_name
 from .lora import LORA_COMPONENTS, EngineLoras, LoraNetwork, LoraSpec, apply_loras, fuse_loras
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
-from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler
+from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps
 from .runtime import open_runtime
 from .spec import FOLDERS, model_components
 from .stages import weight_map as weight_maps
@@ -260,6 +260,8 @@ def generate(
 
     rule = SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor)
     requests = [request] if isinstance(request, GenerateRequest) else request
+    for each in requests:
+        check_steps(each.steps, pipe.scheduler.config)
     kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
     with torch.no_grad():
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)

@@ -146,6 +146,19 @@ class GenerateRequest:
         return {k: v for k, v in wanted.items() if k in accepts}
 
 
+def check_steps(steps: int, scheduler_config: Any) -> None:
+    """RequestError when the scheduler cannot run ``steps`` steps: none spaces more steps than the timesteps it was
+    trained on (PNDM then fails with an IndexError deep in diffusers), and the consistency schedulers (LCM, TCD)
+    no more than the ``original_inference_steps`` they were distilled with."""
+    limits = (
+        ("timesteps it was trained on", scheduler_config.get("num_train_timesteps")),
+        ("original inference steps (a consistency model)", scheduler_config.get("original_inference_steps")),
+    )
+    for what, limit in limits:
+        if limit and steps > limit:
+            raise RequestError(f"steps {steps} is more than this scheduler's {limit} {what}; ask for at most {limit}")
+
+
 def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:
     """Keyword arguments for one pipeline call that serves every request: one image each, in order.
 

@@ -151,6 +151,12 @@ def test_a_missing_side_takes_the_model_default_and_sizes_follow_one_rule(refere
         GenerateRequest(seed=-1)
 
 
+def test_more_steps_than_the_scheduler_spaces_is_a_request_error(reference):
+    # PNDM over 1000 training timesteps: diffusers itself fails with an IndexError inside the loop.
+    with pytest.raises(RequestError, match="steps 1001 is more than this scheduler's 1000 timesteps"):
+        generate(reference, GenerateRequest(steps=1001, height=64, width=64))
+
+
 def test_load_pipeline_takes_what_compile_model_returns(tiny, store):
     from sdtrt.compile import compile_model
 
