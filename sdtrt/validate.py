@@ -122,6 +122,17 @@ def image_problems(image: np.ndarray) -> list[str]:
     return problems
 
 
+def tolerance_precision(artifact: Artifact, precision: Precision) -> Precision:
+    """The precision an engine member is held to: fp32 layers of a TensorRT engine built with TF32 multiply
+    with TF32's 10-bit mantissa, as fp16 does (BuilderFlag.TF32, pyCoreDoc.h), so fp32 tolerances would not
+    say what it computes. sdtrt builds fp32 graphs without TF32 unless --tf32 asks."""
+    from .stages.build_trt import built_with_tf32
+
+    if precision == "fp32" and any(a.stage == "build-trt" and built_with_tf32(a.manifest) for a in artifact.lineage()):
+        return "fp16"
+    return precision
+
+
 def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str) -> list[str]:
     label = row["case"]
     if not row["finite"]:
@@ -164,14 +175,15 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     reference = load_pipeline(model, scheduler=config.scheduler)
     request = with_input_images(request, reference)
     precisions = {c: r.spec.precision for c, r in runtimes.items()}
+    held_to = {c: tolerance_precision(members[c], p) for c, p in precisions.items()}
     # The image is as close as its least precise member allows.
-    tol = Tolerances.of(config, "fp16" if "fp16" in precisions.values() else "fp32")
+    tol = Tolerances.of(config, "fp16" if "fp16" in held_to.values() else "fp32")
     label = (
         precisions[denoiser] if list(precisions) == [denoiser] else ", ".join(f"{c} {p}" for c, p in precisions.items())
     )
     report = ValidationReport(str(engine.path), model.name, label, tol)
     for component, runtime in runtimes.items():
-        spec, member_tol = runtime.spec, Tolerances.of(config, runtime.spec.precision)
+        spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
         cases = spec.validation_cases(profile)
         # The denoiser's rows are the report's main ones; the other members' name their component.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -422,3 +423,27 @@ def test_the_reproduce_command_parses_with_the_cli(tmp_path):
     assert params["source"] == str(source) and (params["batch"], params["height"]) == ("1:1:2", "128:256:384")
     assert params["static"] and params["refittable"] and params["tf32"] is False
     assert (params["workspace_gb"], params["optimization_level"], params["target"]) == (2.5, 5, "tensorrt")
+
+
+def test_validation_holds_a_tf32_engine_to_the_tolerances_of_its_arithmetic(tmp_path):
+    """Item 3: an fp32 engine that computes in TF32 (asked with --tf32, or built before the setting) is held to
+    fp16's tolerances, through its wrap too; an fp32 engine built without TF32 keeps fp32's."""
+    from sdtrt.store import MANIFEST, Artifact
+    from sdtrt.validate import tolerance_precision
+
+    def artifact(name: str, stage: str, config: dict, source: Path | None = None) -> Artifact:
+        folder = tmp_path / name
+        folder.mkdir()
+        inputs = [{"kind": "artifact", "stage": "build-trt", "path": str(source)}] if source else []
+        manifest = {"stage": stage, "key": name, "config": config, "inputs": inputs}
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+        return Artifact.open(folder)
+
+    tf32 = artifact("tf32", "build-trt", {"tf32": True})
+    strict = artifact("strict", "build-trt", {"tf32": False})
+    older = artifact("older", "build-trt", {"optimization_level": 3})
+    assert tolerance_precision(tf32, "fp32") == "fp16" and tolerance_precision(older, "fp32") == "fp16"
+    assert tolerance_precision(strict, "fp32") == "fp32"
+    assert tolerance_precision(artifact("wrap", "wrap", {}, tf32.path), "fp32") == "fp16"
+    assert tolerance_precision(artifact("wrap2", "wrap", {}, strict.path), "fp32") == "fp32"
+    assert tolerance_precision(tf32, "fp16") == "fp16"
