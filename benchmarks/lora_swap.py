@@ -1,6 +1,6 @@
 """A LoRA swap against a fresh compile of the same target (ONNX Runtime, UNet only), on the CPU.
 
-Makes two random rank-8 LoRAs on the attention and feed-forward projections (sdtrt.lora.random_lora,
+Makes two random rank-8 LoRAs on the attention and feed-forward projections (sdtrt.lora_files.random_lora,
 as `sdtrt lora random` does), compiles the UNet into a fresh temporary store (export → simplify →
 build-ort, no validation), then times on the loaded pipeline: the first LoRA (weight map made and
 base weights read), a swap to a second one, a swap back, and `clear_loras()`. Each swap recomputes
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from sdtrt.compile import compile_model
-from sdtrt.lora import random_lora
+from sdtrt.lora_files import random_lora
 from sdtrt.models import resolve_model
 from sdtrt.pipeline import load_pipeline
 from sdtrt.store import Store

@@ -240,7 +240,7 @@ def run_bench(
     A size no backend could serve is a RequestError, and a LoRA file sdtrt cannot use a LoraError,
     before anything is loaded.
     """
-    from .lora import read_lora
+    from .lora_files import read_lora
 
     height, width = SizeRule.for_model(model).resolve(config.height, config.width)
     for path, _ in config.loras:

@@ -14,7 +14,8 @@ import torch
 from .config import TEXT_ENCODERS
 from .errors import LoraError, ModelNotFoundError, RequestError
 from .families import Task, accepted, pipeline_class_name
-from .lora import LORA_COMPONENTS, EngineLoras, LoraNetwork, LoraSpec, apply_loras, fuse_loras
+from .lora import EngineLoras, LoraNetwork, apply_loras, fuse_loras
+from .lora_files import LORA_COMPONENTS, LoraSpec
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps

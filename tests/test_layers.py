@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model sources", ("sdtrt.presets", "sdtrt.models")),
     ("runtimes", ("sdtrt.runtime",)),
     ("stages", ("sdtrt.patches", "sdtrt.stages", "sdtrt.trt_build_worker")),
-    ("LoRA", ("sdtrt.lora",)),
+    ("LoRA", ("sdtrt.lora_files", "sdtrt.lora")),
     ("stand-ins", ("sdtrt.standins", "sdtrt.unet", "sdtrt.controlnet")),
     ("pipelines", ("sdtrt.request", "sdtrt.pipeline")),
     ("tools", ("sdtrt.trace", "sdtrt.timing", "sdtrt.validate", "sdtrt.compile", "sdtrt.bench", "sdtrt.profile",

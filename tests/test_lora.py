@@ -19,7 +19,8 @@ from onnx import numpy_helper
 from sdtrt.compile import compile_model
 from sdtrt.errors import LoraError
 from sdtrt.graph_weights import read_initializers
-from sdtrt.lora import EngineLoras, apply_loras, parse_lora_option
+from sdtrt.lora import EngineLoras, apply_loras
+from sdtrt.lora_files import parse_lora_option
 from sdtrt.models import load_folder, resolve_model
 from sdtrt.pipeline import GenerateRequest, generate, load_pipeline, set_loras
 from sdtrt.runtime import open_runtime

@@ -33,7 +33,8 @@ def inspect_command(
     """
     from rich.table import Table
 
-    from ..lora import coverage, describe, read_lora
+    from ..lora import coverage
+    from ..lora_files import describe, read_lora
 
     lora = read_lora(file)
     summary = describe(lora)
@@ -80,7 +81,7 @@ def random_command(
 
     Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders
     """
-    from ..lora import lora_out, random_lora
+    from ..lora_files import lora_out, random_lora
     from ..models import resolve_model
 
     out = lora_out(out)  # a usage error, before the model loads

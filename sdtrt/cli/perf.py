@@ -47,7 +47,7 @@ def bench(
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
     """
-    from ..lora import parse_lora_option
+    from ..lora_files import parse_lora_option
     from ..models import resolve_model
 
     loras = tuple(parse_lora_option(value) for value in lora or [])

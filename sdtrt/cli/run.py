@@ -74,7 +74,7 @@ def generate_command(
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
     from ..families import TASKS
-    from ..lora import parse_lora_option
+    from ..lora_files import parse_lora_option
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")

@@ -93,7 +93,7 @@ def _produce(graph: Artifact, model: ModelSource, component: str, out_dir: Path)
 
 def lora_parameters(network: Any) -> dict[str, Any]:
     """The weights a LoRA can touch: every Linear and Conv2d weight, by state-dict name (CLIP's without
-    ``text_model.``, as sdtrt.lora.peft_names names LoRA modules)."""
+    ``text_model.``, as sdtrt.lora_files.peft_names names LoRA modules)."""
     import torch
 
     return {
