@@ -198,6 +198,10 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
             "minimum cosine 2.0 is outside -1..1",
         ),
         (["bench", "--json", "{tmp}/file/b.json"], "--json {tmp}/file/b.json: cannot make its folder"),
+        (["generate", "--lora", "{tmp}/missing.safetensors"], "LoRA file {tmp}/missing.safetensors does not exist"),
+        (["bench", "--lora", "{tmp}/file:abc"], "'abc' is not a scale"),
+        (["compile", "--revalidate", "--no-validate"], "--revalidate asks for a validation that --no-validate"),
+        (["debug", "0123abcd", "--max-error", "-1"], "--max-error -1.0: a normalised error limit must be above 0"),
     ],
 )
 def test_requests_no_model_can_serve_are_usage_errors_before_any_work(tmp_path, args, message):
@@ -216,6 +220,14 @@ def test_validate_refuses_a_size_outside_the_engines_profile_in_pixels(tiny_engi
     result = run_cli("validate", "--engine", str(tiny_engine.path), "--height", "1024")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
     assert "height 1024 is outside the engine's profile (128..384 px)" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "profile"])
+def test_generate_and_profile_refuse_a_size_outside_the_engines_profile_before_loading(tiny_engine, tmp_path, command):
+    result = run_cli(command, "--engine", str(tiny_engine.path), "--height", "1024", "--out", str(tmp_path / "x"))
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "height 1024 is outside the engine's profile (128..384 px)" in result.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_results_go_into_folders_that_do_not_exist_yet(tmp_path, tiny_engine):
@@ -302,5 +314,5 @@ def test_an_unexpected_error_without_a_message_still_says_something():
 def test_messages_keep_their_colons_and_brackets():
     """rich would print ':abc:' as an emoji and eat '[tags]'; errors reach the user as written."""
     result = run_cli("generate", "--lora", "loraA:abc")
-    assert result.returncode == 1 and "--lora loraA:abc: 'abc' is not a scale" in result.stderr, result.stderr
+    assert result.returncode == 2 and "--lora loraA:abc: 'abc' is not a scale" in result.stderr, result.stderr
     assert "🔤" not in result.stderr

@@ -298,7 +298,7 @@ def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_p
     made = run_cli(*args, "--lora", f"{loras['a']}:0.8", "--lora", loras["b"], check=True)
     assert last_line(made.stdout) == str(out) and out.is_file()
     refused = run_cli(*args, "--lora", f"{loras['a']}:-1")
-    assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
     assert "must be a finite number ≥ 0" in refused.stderr
 
 

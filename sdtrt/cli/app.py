@@ -6,6 +6,7 @@ Importing it first quiets the third-party libraries (they read their switches at
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Annotated
 
@@ -33,6 +34,10 @@ def _quiet_third_party() -> None:
 DEBUG = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
 if not DEBUG:
     _quiet_third_party()
+# Without a terminal rich lays help out in 80 columns and cuts option names ("--optimization-l…"); typer reads
+# TERMINAL_WIDTH when it first formats help. On a terminal its own width rules.
+if not sys.stdout.isatty():
+    os.environ.setdefault("TERMINAL_WIDTH", "160")
 
 
 app = typer.Typer(

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from ..errors import RequestError
 from ..progress import results, step
 from . import options as o
 
@@ -44,6 +45,8 @@ def debug_command(
     from ..errors import ParityError
     from ..models import resolve_model
 
+    if not max_error > 0:
+        raise RequestError(f"--max-error {max_error}: a normalised error limit must be above 0 (e.g. 0.05)")
     artifact = o.find_engine(engine, engines)
     source = resolve_model(model) if model else None
     o.ensure_parent(json_out, "--json")

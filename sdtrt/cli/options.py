@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,6 +26,9 @@ from ..errors import ConfigError, RequestError, StoreError
 from ..models import ModelSource
 from ..spec import GraphSpec
 from ..store import Artifact, Store
+
+if TYPE_CHECKING:
+    from ..request import GenerateRequest
 
 ModelOpt = Annotated[
     str,
@@ -190,3 +193,34 @@ def model_for(model: str | None, engine: Artifact | None) -> ModelSource:
     if model:
         return resolve_model(model)
     return recorded_model(engine) if engine is not None else resolve_model("tiny")
+
+
+def check_engine_size(artifact: Artifact | None, request: GenerateRequest) -> None:
+    """RequestError (exit 2) before anything loads when a sized request is outside the engines' profile."""
+    if artifact is None:
+        return
+    from ..stages.engine_set import engine_members, engine_profile
+
+    profile = engine_profile(engine_members(artifact))
+    if profile is None or not (request.height and request.width):
+        return
+    if problem := profile.size_problem(request.height, request.width):
+        raise RequestError(problem)
+
+
+def lora_options(values: list[str] | None) -> list[tuple[str, float]]:
+    """``--lora FILE[:SCALE]`` options, checked before anything loads: a bad scale or a missing file is a
+    usage error (exit 2); what is inside the file is checked where it is read."""
+    from ..errors import LoraError
+    from ..lora_files import parse_lora_option
+
+    loras = []
+    for value in values or []:
+        try:
+            path, scale = parse_lora_option(value)
+        except LoraError as exc:
+            raise RequestError(str(exc)) from None
+        if not Path(path).exists():
+            raise RequestError(f"--lora {value}: LoRA file {path} does not exist")
+        loras.append((path, scale))
+    return loras

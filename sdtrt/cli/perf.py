@@ -47,10 +47,9 @@ def bench(
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
     """
-    from ..lora_files import parse_lora_option
     from ..models import resolve_model
 
-    loras = tuple(parse_lora_option(value) for value in lora or [])
+    loras = tuple(o.lora_options(lora))
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
@@ -146,6 +145,7 @@ def profile_command(
     source = o.model_for(model, artifact)
     request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
     request = request.sized_for(SizeRule.for_model(source))
+    o.check_engine_size(artifact, request)
 
     from rich.table import Table
 

@@ -74,11 +74,10 @@ def generate_command(
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
     from ..families import TASKS
-    from ..lora_files import parse_lora_option
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
-    loras = [parse_lora_option(value) for value in lora or []]
+    loras = o.lora_options(lora)
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact)
     request = GenerateRequest(
@@ -86,6 +85,7 @@ def generate_command(
         image=_open_image(image, "RGB"), mask_image=_open_image(mask, "L"),
     )  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
+    o.check_engine_size(artifact, request)
     if scheduler:
         check_scheduler(scheduler)
 

@@ -162,6 +162,8 @@ def compile(
     from ..stages import export as export_stage
     from .run import print_report
 
+    if revalidate and not validate:
+        raise RequestError("--revalidate asks for a validation that --no-validate turns off: pass one of them")
     store = o.open_store(engines, cached_ok=True)  # a read-only store serves a complete cache hit
     source = resolve_model(model)
     chosen_components = parse_components(components, source)
