@@ -119,11 +119,11 @@ class EngineLoras:
             self._base |= read_initializers(self._map_or_make().graph, missing)
 
 
-def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsewhere: str) -> None:
+def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsewhere: Callable[[str], str]) -> None:
     """Put ``loras`` into each target engine, every weight computed from base before any engine changes.
 
     A LoRA that changes a network none of ``targets`` holds is refused: "<file> changes <network>"
-    followed by ``elsewhere`` (where that network's LoRAs go instead).
+    followed by ``elsewhere(network)`` (why it is not here, and where that network's LoRAs go instead).
     """
     for target in targets:
         if not callable(getattr(target.runtime, "set_weights", None)):
@@ -135,7 +135,7 @@ def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsew
     held = {t.component for t in targets}
     for lora, _ in files:
         if other := next((c for c in lora.parts if c not in held), None):
-            raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[other]} ({other}){elsewhere}")
+            raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[other]} ({other}){elsewhere(other)}")
     computed = [(target, *target.weights(files)) for target in targets]
     swapped: list[str] = []
     for target, weights, changed in computed:
@@ -165,9 +165,8 @@ class LoraNetwork:
             raise LoraError(
                 f"this {type(self).__name__} has no weight map; load it with sdtrt.pipeline.load_pipeline for LoRAs"
             )
-        apply_loras(
-            [self.loras], loras, " too: apply it to every network at once with sdtrt.pipeline.set_loras(pipe, loras)"
-        )
+        everywhere = " too: apply it to every network at once with sdtrt.pipeline.set_loras(pipe, loras)"
+        apply_loras([self.loras], loras, lambda _: everywhere)
 
     def clear_loras(self) -> None:
         """Back to the engine's base weights."""

@@ -166,9 +166,13 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
         raise LoraError(
             "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
         )
-    apply_loras(
-        networks, loras, ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
-    )
+
+    def elsewhere(network: str) -> str:
+        if getattr(pipe, network, None) is None:  # an SDXL LoRA's second text encoder on an SD 1.x pipeline
+            return ", which this pipeline does not have: a LoRA for another architecture?"
+        return ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
+
+    apply_loras(networks, loras, elsewhere)
 
 
 def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:

@@ -278,7 +278,7 @@ def test_a_weight_the_map_cannot_place_is_refused_by_name(tiny, tiny_engine, lor
     assert list(made.unmapped) == [f"{TO_Q}.weight"]
     runtime = open_runtime(Artifact(tmp_path, {**tiny_engine.manifest, "primary": "unet.onnx", "files": []}), tiny)
     with pytest.raises(LoraError, match=f"cannot place {TO_Q}.weight: no initializer holds its value"):
-        apply_loras([EngineLoras("unet", runtime, lambda: made)], [(loras["a"], 1.0)], "")
+        apply_loras([EngineLoras("unet", runtime, lambda: made)], [(loras["a"], 1.0)], lambda _: "")
 
 
 def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_path):
@@ -338,3 +338,11 @@ def test_lora_random_makes_a_file_diffusers_and_sdtrt_read(tiny, tmp_path):
     assert psnr_db(image(load_pipeline(tiny, loras=[(out, 1.0)])), image(reference)) < 40, "it changes the image"
     wrong = run_cli("lora", "random", "--out", str(tmp_path / "random.bin"))
     assert wrong.returncode == 2 and "is .safetensors" in wrong.stderr
+
+
+def test_a_lora_for_a_network_the_pipeline_lacks_is_called_another_architecture(set_pipe, tmp_path):
+    from sdtrt.lora_files import random_lora
+
+    sdxl = random_lora(resolve_model("tiny-sdxl"), tmp_path / "xl.safetensors", text_encoders=True)
+    with pytest.raises(LoraError, match=r"second text encoder \(text_encoder_2\), which this pipeline does not have"):
+        set_loras(set_pipe, [(sdxl, 1.0)])  # tiny (SD 1.x) has no second text encoder, on PyTorch or an engine
