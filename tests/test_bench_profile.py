@@ -63,7 +63,7 @@ def test_bench_times_putting_loras_in_and_swapping_them(tiny, tmp_path):
     assert engine_run["status"] == "ok" and engine_run["lora_apply_s"] > 0 and 0 < swap["min"] <= swap["max"]
     assert "onnxruntime LoRAs: first" in result.stdout and "a swap" in result.stdout
     refused = run_cli(*args, "--lora", str(tmp_path / "missing.safetensors"))
-    assert refused.returncode == 1 and "does not exist" in refused.stderr and "torch…" not in refused.stderr
+    assert refused.returncode == 2 and "does not exist" in refused.stderr and "torch…" not in refused.stderr
 
 
 def test_breakdown_parts_of_one_run():
@@ -177,9 +177,8 @@ def test_time_calls_excludes_warmup_and_times_each_repeat():
 
 
 def test_a_failing_profile_run_stops_its_sampler(tiny_engine, tmp_path):
-    result = run_cli(
-        "profile", "--engine", str(tiny_engine.path), "--height", "1024", "--width", "1024", "--steps", "1",
-        "--out", str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr
+    # More steps than the scheduler spaces: refused inside generate, while the sampler runs (sizes fail earlier).
+    result = run_cli("profile", "--engine", str(tiny_engine.path), "--steps", "2000", "--out", str(tmp_path))
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr
+    assert "steps 2000 is more than this scheduler's 1000" in result.stderr
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
