@@ -104,8 +104,10 @@ def compile_model(
     ``revalidate``.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
-    if chosen == "tensorrt" and (unwrapped := wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing())):
+    unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
+    if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
+    wraps = chosen == "tensorrt" and unwrapped is None
     components = components or model_components(model)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
@@ -119,7 +121,7 @@ def compile_model(
         simplified = simplify.run(simplify_config, exported, store)
         built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
         artifacts += [exported, simplified, built]
-        if chosen == "tensorrt" and "not wrapped" not in reason:
+        if wraps:
             from .stages import wrap
 
             artifacts.append(wrap.run(WrapConfig(), built, store))
