@@ -263,10 +263,8 @@ LARGE_NETWORK_PARAMETERS = 2_000_000_000
 def default_optimization_level(parameters: int) -> tuple[int, str]:
     """The builder optimization level for a network of this many parameters (its ONNX weights), and why."""
     if parameters > LARGE_NETWORK_PARAMETERS:
-        return (
-            3,
-            f"{parameters / 1e9:.1f} B parameters, over 2 B: level 3, as NVIDIA's demo keeps for Flux, to bound build memory",
-        )
+        why = "over 2 B parameters: level 3, as NVIDIA's demo keeps for Flux, to bound build memory"
+        return 3, f"{parameters / 1e9:.1f} B parameters, {why}"
     return DEFAULT_OPTIMIZATION_LEVEL, f"{parameters / 1e6:.0f} M parameters: TensorRT's default level 3"
 
 
@@ -316,6 +314,42 @@ class TrtBuildConfig:
                 p.guidance,
             )
             for p in self.profiles
+        )
+
+
+WEIGHT_BUDGET_ENV = "SDTRT_WEIGHT_STREAMING_BUDGET"
+_BYTE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+@dataclass(frozen=True)
+class WeightBudget:
+    """How much of a weight-streaming engine's streamable weights stay on the GPU: ``auto`` (TensorRT's choice
+    from free memory), a percentage of the streamable weights, or a size (``8GiB``, ``512MB``, bytes)."""
+
+    text: str
+    percent: float | None = None
+    size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> WeightBudget:
+        value = text.strip().upper().replace(" ", "")
+        try:
+            if value == "AUTO":
+                return cls(text)
+            if value.endswith("%"):
+                percent = float(value[:-1])
+                if 0 <= percent <= 100:
+                    return cls(text, percent=percent)
+            else:
+                number = value.rstrip("KMGIB")
+                size = float(number) * _BYTE_UNITS[value[len(number) :]]
+                if size >= 0:
+                    return cls(text, size=int(size))
+        except (ValueError, KeyError, OverflowError):
+            pass
+        raise ConfigError(
+            f"weight streaming budget '{text}' is not auto, a percentage 0%..100% of the streamable weights, "
+            "or a size such as 8GiB, 512MB or a number of bytes"
         )
 
 

@@ -1,4 +1,4 @@
-"""bf16 graph passes: Resize and the trigonometry of rotary/timestep embeddings compute in fp32 (stages/graph_passes)."""
+"""bf16 graph passes (stages/graph_passes): Resize and rotary/timestep trigonometry compute in fp32."""
 
 from __future__ import annotations
 

@@ -39,8 +39,9 @@ def tensor_types(model: onnx.ModelProto) -> dict[str, int]:
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
     types |= {i.name: i.data_type for i in graph.initializer}
     for node in graph.node:
-        if node.op_type == "Constant":
-            types |= {node.output[0]: a.t.data_type for a in node.attribute if a.name == "value"}
+        for attribute in node.attribute if node.op_type == "Constant" else ():
+            if attribute.name == "value":
+                types[node.output[0]] = attribute.t.data_type
     return types
 
 
