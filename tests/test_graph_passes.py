@@ -75,3 +75,35 @@ def test_fp32_ops_are_left_alone():
             n.attribute[0].i = TensorProto.FLOAT
     assert compute_in_fp32(model) == []
     assert [n.op_type for n in model.graph.node] == ["Cast", "Resize", "Cast"]
+
+
+def test_a_rotary_embedding_traced_in_bf16_gets_its_trigonometry_in_fp32(tmp_path):
+    """A small module whose rotary embedding runs at the module's dtype, exported in bf16 as sdtrt exports."""
+    import torch
+
+    from sdtrt.stages.graph_passes import tensor_types
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+
+        def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            angles = (positions[:, None] * self.inv_freq[None, :]).repeat_interleave(2, dim=-1)
+            x = self.proj(x)
+            rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+            return x * angles.cos() + rotated * angles.sin()
+
+    module = Rotary().to(torch.bfloat16).eval()
+    path = tmp_path / "rotary.onnx"
+    example = (torch.randn(3, 8, dtype=torch.bfloat16), torch.arange(3, dtype=torch.bfloat16) * 300)
+    torch.onnx.export(module, example, str(path), dynamo=True, opset_version=22, verbose=False)
+    model = onnx.load(str(path))
+    assert {tensor_types(model)[n.input[0]] for n in model.graph.node if n.op_type in ("Sin", "Cos")} == {
+        TensorProto.BFLOAT16
+    }
+    assert len(compute_in_fp32(model)) == 2  # one Sin, one Cos
+    onnx.checker.check_model(model, full_check=True)
+    types = tensor_types(model)
+    assert {types[n.input[0]] for n in model.graph.node if n.op_type in ("Sin", "Cos")} == {TensorProto.FLOAT}
