@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -149,7 +149,7 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     if name == "tensorrt" and (missing := tensorrt_missing()):
         raise _Skip(missing)
     target: Target = "tensorrt" if name == "tensorrt" else "onnxruntime"
-    chosen: Precision = "fp32" if precision == "fp32" else "fp16" if precision == "fp16" else config.precision
+    chosen = cast(Precision, precision or config.precision)  # BenchConfig checked it
     export_config = ExportConfig(precision=chosen)
     # compile's default: every component on the engine target, each stage on its engine.
     trt_config = TrtBuildConfig(profiles=(_bench_profile(model, config),), refittable=True) if config.loras else None

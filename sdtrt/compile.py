@@ -23,7 +23,9 @@ from .config import (
     TrtBuildConfig,
     ValidationConfig,
     WrapConfig,
+    target_precision_problem,
 )
+from .errors import ConfigError
 from .gpu import require_tensorrt, tensorrt_missing, torch_tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
@@ -75,7 +77,10 @@ def build(
     ``trt_config`` (TensorRT) carries its own profiles; otherwise ``profile`` (default: the model's).
     """
     chosen, reason = resolve_target(target)
-    profile = profile or artifact_spec(source).default_profile()
+    spec = artifact_spec(source)
+    if problem := target_precision_problem(chosen, spec.precision):
+        raise ConfigError(problem)
+    profile = profile or spec.default_profile()
     if chosen == "tensorrt":
         from .stages import build_trt
 
@@ -104,6 +109,8 @@ def compile_model(
     ``revalidate``.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
+    if problem := target_precision_problem(chosen, export_config.precision):
+        raise ConfigError(problem)
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built

@@ -12,7 +12,8 @@ from typing import Any, Literal, NamedTuple
 
 from .errors import ConfigError
 
-Precision = Literal["fp16", "fp32"]
+Precision = Literal["fp16", "bf16", "fp32"]
+PRECISIONS: tuple[Precision, ...] = ("fp16", "bf16", "fp32")
 Exporter = Literal["auto", "dynamo", "torchscript"]
 IONaming = Literal["named", "indexed"]
 SimplifyMethod = Literal["auto", "onnxsim", "fold"]
@@ -27,6 +28,19 @@ COMPONENTS: tuple[Component, ...] = (
 TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2")
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
+
+# ONNX Runtime 1.31's CPU provider has no bfloat16 kernel for Conv, Gemm or even Add: none of the tiny UNet,
+# VAE or CLIP bf16 graphs loads there (measured; session creation fails with NOT_IMPLEMENTED). bf16 is for
+# TensorRT, whose strongly typed networks take it as they take fp16.
+BF16_ON_ONNXRUNTIME = (
+    "ONNX Runtime on a CPU cannot run bf16 graphs (it has no bfloat16 Conv, Gemm or Add kernels): bf16 is for "
+    "--target tensorrt; use --precision fp16 or fp32 for onnxruntime"
+)
+
+
+def target_precision_problem(target: str, precision: str) -> str | None:
+    """Why graphs of this precision cannot be built or run for this (resolved) target, or None."""
+    return BF16_ON_ONNXRUNTIME if target == "onnxruntime" and precision == "bf16" else None
 
 
 def not_in_key(default: Any) -> Any:
@@ -183,13 +197,16 @@ class ExportConfig:
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
         if self.exporter != "auto":
             return self.exporter
-        return "dynamo" if self.component in TEXT_ENCODERS and self.precision == "fp16" else "torchscript"
+        # bf16: torch.export's, the one measured on bf16 UNet, VAE and CLIP graphs.
+        if self.precision == "bf16" or (self.component in TEXT_ENCODERS and self.precision == "fp16"):
+            return "dynamo"
+        return "torchscript"
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
             raise ConfigError(f"component '{self.component}' is not one of {', '.join(COMPONENTS)}")
-        if self.precision not in ("fp16", "fp32"):
-            raise ConfigError(f"precision '{self.precision}' is not fp16 or fp32")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
         if self.exporter not in ("auto", "dynamo", "torchscript"):
             raise ConfigError(f"exporter '{self.exporter}' is not auto, dynamo or torchscript")
         if self.exporter == "torchscript" and self.component in TEXT_ENCODERS and self.precision == "fp16":
@@ -233,34 +250,57 @@ class OrtBuildConfig:
             raise ConfigError(f"ONNX Runtime optimization '{self.optimization}' is not basic or extended")
 
 
+# Builder optimization level when none is asked for: TensorRT's own default (NvInfer.h,
+# IBuilderConfig::setBuilderOptimizationLevel: "The default optimization level is 3"). NVIDIA's demo/Diffusion
+# raises it to 4 only for INT8/FP8 UNet-sized networks and keeps 3 "for all Flux pipelines to reduce GPU memory
+# usage" (dd_argparse.py): levels 4-5 try more tactics and need more build memory, which networks over
+# ~2 B parameters (SD3.5 Large, Flux's 12 B) do not have to spare. sdtrt builds no Q/DQ graphs, so the rule
+# below gives 3 on both sides of the line, and says which side a network is on in the manifest.
+DEFAULT_OPTIMIZATION_LEVEL = 3
+LARGE_NETWORK_PARAMETERS = 2_000_000_000
+
+
+def default_optimization_level(parameters: int) -> tuple[int, str]:
+    """The builder optimization level for a network of this many parameters (its ONNX weights), and why."""
+    if parameters > LARGE_NETWORK_PARAMETERS:
+        why = "over 2 B parameters: level 3, as NVIDIA's demo keeps for Flux, to bound build memory"
+        return 3, f"{parameters / 1e9:.1f} B parameters, {why}"
+    return DEFAULT_OPTIMIZATION_LEVEL, f"{parameters / 1e6:.0f} M parameters: TensorRT's default level 3"
+
+
 @dataclass(frozen=True)
 class TrtBuildConfig:
-    """The TensorRT target. The network is strongly typed: precision comes from the ONNX graph."""
+    """The TensorRT target. The network is strongly typed: precision (fp32, fp16, bf16) comes from the ONNX graph."""
 
     # One optimization profile per entry; a request runs on the first profile that covers it.
     profiles: tuple[ShapeProfile, ...] = (ShapeProfile(),)
     # Build for each profile's optimum shape only (min = opt = max): faster engines, CUDA graphs.
     static_shapes: bool = False
     workspace_gb: float | None = None  # None: TensorRT's default (the GPU's memory)
-    optimization_level: int = 3  # TensorRT builder optimization level, 0..5
+    # TensorRT builder optimization level, 0..5; None: by the network's size (default_optimization_level), which
+    # the build stage resolves before keying, so the key and manifest hold the level built with.
+    optimization_level: int | None = None
     refittable: bool = False  # BuilderFlag.REFIT: LoRAs refit the weights in place (sdtrt.lora)
     # BuilderFlag.TF32, on in TensorRT by default: fp32 convolutions and matmuls in TF32 (10-bit mantissa).
-    # None: off for fp32 graphs ("fp32" means fp32), on for fp16 ones (their few fp32 layers, as before);
+    # None: off for fp32 graphs ("fp32" means fp32), on for fp16 and bf16 ones (their few fp32 layers, as before);
     # the build stage resolves it (tf32_for). Keyed only when off, so the keys of earlier builds stay.
     tf32: bool | None = in_key_unless(None, True)
+    # BuilderFlag.WEIGHT_STREAMING: the engine can run with only part of its weights on the GPU, streaming the
+    # rest from host memory (a 12 B transformer on a 24 GB GPU); the budget is set when the engine is loaded.
+    weight_streaming: bool = in_key_unless(False, False)
     # A timing cache makes rebuilds faster; it does not change what the engine computes.
     timing_cache: str | None = not_in_key(None)
 
     def __post_init__(self) -> None:
         if not self.profiles:
             raise ConfigError("a TensorRT build needs at least one shape profile")
-        if not 0 <= self.optimization_level <= 5:
+        if self.optimization_level is not None and not 0 <= self.optimization_level <= 5:
             raise ConfigError(f"builder optimization level {self.optimization_level} is outside 0..5")
         if self.workspace_gb is not None and self.workspace_gb <= 0:
             raise ConfigError(f"workspace {self.workspace_gb} GB must be positive")
 
     def tf32_for(self, precision: str) -> bool:
-        """Whether TF32 is on for a graph of this precision ("fp32", "fp16")."""
+        """Whether TF32 is on for a graph of this precision ("fp32", "fp16", "bf16")."""
         return self.tf32 if self.tf32 is not None else precision != "fp32"
 
     def effective_profiles(self) -> tuple[ShapeProfile, ...]:
@@ -274,6 +314,42 @@ class TrtBuildConfig:
                 p.guidance,
             )
             for p in self.profiles
+        )
+
+
+WEIGHT_BUDGET_ENV = "SDTRT_WEIGHT_STREAMING_BUDGET"
+_BYTE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+@dataclass(frozen=True)
+class WeightBudget:
+    """How much of a weight-streaming engine's streamable weights stay on the GPU: ``auto`` (TensorRT's choice
+    from free memory), a percentage of the streamable weights, or a size (``8GiB``, ``512MB``, bytes)."""
+
+    text: str
+    percent: float | None = None
+    size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> WeightBudget:
+        value = text.strip().upper().replace(" ", "")
+        try:
+            if value == "AUTO":
+                return cls(text)
+            if value.endswith("%"):
+                percent = float(value[:-1])
+                if 0 <= percent <= 100:
+                    return cls(text, percent=percent)
+            else:
+                number = value.rstrip("KMGIB")
+                size = float(number) * _BYTE_UNITS[value[len(number) :]]
+                if size >= 0:
+                    return cls(text, size=int(size))
+        except (ValueError, KeyError, OverflowError):
+            pass
+        raise ConfigError(
+            f"weight streaming budget '{text}' is not auto, a percentage 0%..100% of the streamable weights, "
+            "or a size such as 8GiB, 512MB or a number of bytes"
         )
 
 
@@ -328,7 +404,11 @@ class BenchConfig:
             name, _, precision = spec.partition(":")
             if name not in BENCH_BACKENDS:
                 raise ConfigError(f"unknown backend '{spec}'; choose from {', '.join(BENCH_BACKENDS)}")
-            if precision and (name not in ENGINE_BACKENDS or precision not in ("fp16", "fp32")):
-                raise ConfigError(f"'{spec}': only {' and '.join(ENGINE_BACKENDS)} take a precision, fp16 or fp32")
+            if precision and (name not in ENGINE_BACKENDS or precision not in PRECISIONS):
+                raise ConfigError(
+                    f"'{spec}': only {' and '.join(ENGINE_BACKENDS)} take a precision, one of {', '.join(PRECISIONS)}"
+                )
+            if name in ENGINE_BACKENDS and (problem := target_precision_problem(name, precision or self.precision)):
+                raise ConfigError(f"'{spec}': {problem}")
         if self.repeats < 1 or self.warmup < 0 or self.steps < 1:
             raise ConfigError("repeats and steps must be at least 1, warmup at least 0")

@@ -120,7 +120,8 @@ def artifact_spec(artifact: Artifact, model: ModelConfigs | None = None) -> Grap
             f"'{artifact.primary}' has no sdtrt manifest and does not look like an SD UNet graph (inputs "
             f"{list(names)}, expected {list(NAMED_INPUTS)}); export it with `sdtrt export`"
         )
-    precision: Precision = "fp16" if inputs[0].dtype == "float16" else "fp32"
+    precisions: dict[str, Precision] = {"float16": "fp16", "bfloat16": "bf16"}
+    precision = precisions.get(inputs[0].dtype, "fp32")
     io_naming: IONaming = "named" if names == NAMED_INPUTS else "indexed"
     if model is not None:
         return UNetSpec.from_config(model.unet_config(), model.vae_scale_factor(), precision, io_naming)

@@ -105,12 +105,19 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("ONNX parser errors:\n" + "\n".join(errors))
 
     config: trt.IBuilderConfig = builder.create_builder_config()
+    # Strongly typed: bf16, fp16 and fp32 graphs all build from the types in the graph, with no precision flag
+    # (BuilderFlag.BF16/FP16 are weak typing, removed in TensorRT 11; pyCoreDoc.h NetworkDefinitionCreationFlagDoc).
     config.builder_optimization_level = request["optimization_level"]
     if request.get("refittable"):
         # REFIT: every weight refittable with any new values (LoRAs). Not REFIT_IDENTICAL, which lets the
         # builder assume refits bring the build's own values (for weight-stripped plans), nor STRIP_PLAN
         # (pyCoreDoc.h BuilderFlagDoc; Polygraphy's --refittable sets REFIT the same way).
         config.set_flag(trt.BuilderFlag.REFIT)
+    if request.get("weight_streaming"):
+        # WEIGHT_STREAMING: the plan keeps its weights in host memory and the runtime streams those over the budget
+        # it is given (ICudaEngine.weight_streaming_budget_v2; pyCoreDoc.h BuilderFlagDoc, NvInfer.h
+        # kWEIGHT_STREAMING). TensorRT's developer guide asks for a strongly typed network, which this always is.
+        config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
     if not request.get("tf32", True):
         # TF32 is on by default (pyCoreDoc.h BuilderFlagDoc, TF32: "Enabled by default."):
         # an fp32 engine computes in fp32 only with it cleared, as Polygraphy's CreateConfig(tf32=False) does.

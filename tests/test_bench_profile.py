@@ -83,7 +83,7 @@ def test_backend_specs_are_checked():
         BenchConfig(backends=("torch", "tpu"))
     with pytest.raises(ConfigError, match="only onnxruntime and tensorrt take a precision"):
         BenchConfig(backends=("torch:fp16",))
-    with pytest.raises(ConfigError, match="fp16 or fp32"):
+    with pytest.raises(ConfigError, match="fp16, bf16, fp32"):
         BenchConfig(backends=("onnxruntime:int8",))
 
 

@@ -273,3 +273,61 @@ def test_the_torchscript_runtime_keeps_its_gpu_and_drains_on_close(trt_engine, s
     out = runtime.run(runtime.spec.sample_inputs(2, 256, 256))["out_sample"]
     runtime.close()
     assert out.device == runtime.device and torch.isfinite(out).all()
+
+
+# ---- issue 20: bf16 networks, weight streaming, the transformer families -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def bf16_unet(tiny, store):
+    simplified = simplify.run(SimplifyConfig(), export.run(ExportConfig(precision="bf16"), tiny, store), store)
+    engine, _ = build(simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,)))
+    return engine
+
+
+def test_a_bf16_engine_builds_and_matches_pytorch(bf16_unet, reference_cpu):
+    """Strongly typed bf16: bfloat16 IO, Resize computed in fp32, held to bf16's tolerances."""
+    from sdtrt.validate import Tolerances, check_tensor_row
+
+    runtime = open_runtime(bf16_unet)
+    assert runtime.dtype == torch.bfloat16 and bf16_unet.manifest["config"]["tf32"] is True
+    row = compare_case(runtime, reference_cpu, runtime.spec, ValidationCase(2, 256, 256))
+    assert check_tensor_row(row, Tolerances.for_precision("bf16"), "UNet") == []
+
+
+def test_a_weight_streaming_engine_runs_within_a_budget(tiny, tiny_simplified, store, monkeypatch):
+    config = TrtBuildConfig(profiles=(PROFILE,), weight_streaming=True)
+    engine, _ = build(tiny_simplified, store, "tensorrt", trt_config=config)
+    assert engine.manifest["config"]["weight_streaming"] is True
+    feeds = ValidationCase(2, 256, 256)
+    full = open_runtime(engine)
+    expected = full.run(full.spec.case_inputs(feeds))["out_sample"]
+    for budget in ("0", "50%", "auto"):
+        monkeypatch.setenv("SDTRT_WEIGHT_STREAMING_BUDGET", budget)
+        streamed = open_runtime(engine)
+        assert torch.equal(streamed.run(streamed.spec.case_inputs(feeds))["out_sample"], expected)
+        streamed.close()
+    monkeypatch.setenv("SDTRT_WEIGHT_STREAMING_BUDGET", "50%")
+    plain, _ = build(tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,)))
+    with pytest.raises(ArtifactError, match="built without weight streaming"):
+        open_runtime(plain)
+
+
+@pytest.mark.parametrize("preset", ["tiny-sd3", "tiny-flux"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_every_transformer_family_builds_and_validates_on_tensorrt(store, preset, precision):
+    """Runs once the transformer families land (issue 20 items 1-5); skips while their presets do not exist."""
+    from sdtrt.errors import SdtrtError
+    from sdtrt.models import resolve_model
+
+    try:
+        model = resolve_model(preset)
+    except SdtrtError as exc:
+        pytest.skip(f"{preset} is not available yet: {exc}")
+    result = compile_model(
+        model, store, "tensorrt", ExportConfig(precision=precision), validation=ValidationConfig(steps=4),
+        trt_config=TrtBuildConfig(weight_streaming=True),
+    )  # fmt: skip
+    assert result.final.stage == "set" and result.validation, result.validation.failures
+    transformer = next(a for a in result.artifacts if a.stage == "build-trt" and "transformer" in a.primary.name)
+    assert transformer.manifest["details"]["optimization_level"]["level"] == 3

@@ -56,3 +56,17 @@ def test_profile_checks_order_and_grid():
         ShapeProfile(width=Range(256, 520, 768)).check(64)
     assert ShapeProfile(batch=Range(1, 2, 4)).unet_batch() == Range(1, 4, 8)
     assert ShapeProfile(batch=Range(2, 2, 2)).unet_batch() == Range(4, 4, 4), "a static batch stays static"
+
+
+def test_bf16_graphs_have_bfloat16_tensors_and_export_with_torch_export():
+    import torch
+
+    from sdtrt.config import ExportConfig
+    from sdtrt.runtime.base import TORCH_DTYPES
+
+    spec = UNetSpec.from_config(SD15, 8, "bf16")
+    assert spec.dtype == "bfloat16" and TORCH_DTYPES[spec.dtype] is torch.bfloat16
+    assert [t.dtype for t in spec.inputs()] == ["bfloat16", "float32", "bfloat16"]  # timestep stays fp32
+    assert ExportConfig(precision="bf16").chosen_exporter == "dynamo"
+    with pytest.raises(ConfigError, match="fp16, bf16, fp32"):
+        ExportConfig(precision="int8")  # type: ignore[arg-type]

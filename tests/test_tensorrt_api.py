@@ -161,3 +161,25 @@ torch_tensorrt.ts.compile(None)
     assert "misses 'serialized_engine'" in text
     assert "Device() has no parameter 'gpu'" in text and "Device() takes keywords here" in text
     assert "torch_tensorrt.ts.compile is not a call whose signature was read" in text
+
+
+def test_weight_streaming_and_bf16_calls_are_checked(api):
+    """Issue 20: the weight streaming flag and budget calls and the bf16 dtype are in the checked surface."""
+    runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
+    for use in (
+        "engine.streamable_weights_size",
+        "engine.weight_streaming_budget_v2 = ",
+        "engine.get_weight_streaming_automatic_budget",
+        "trt.DataType.BF16",
+    ):
+        assert use in runtime
+    assert "trt.BuilderFlag.WEIGHT_STREAMING)" in (REPO / "sdtrt/trt_build_worker.py").read_text()
+    source = """
+import tensorrt as trt
+def f(engine: trt.ICudaEngine):
+    engine.weight_streaming_budget_v3 = 0
+    trt.DataType.BFLOAT16
+"""
+    text = "\n".join(check_source(source, api)[0])
+    assert "has no member 'weight_streaming_budget_v3'" in text
+    assert "trt.DataType.BFLOAT16 does not exist" in text

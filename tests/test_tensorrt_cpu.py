@@ -447,3 +447,104 @@ def test_validation_holds_a_tf32_engine_to_the_tolerances_of_its_arithmetic(tmp_
     assert tolerance_precision(artifact("wrap", "wrap", {}, tf32.path), "fp32") == "fp16"
     assert tolerance_precision(artifact("wrap2", "wrap", {}, strict.path), "fp32") == "fp32"
     assert tolerance_precision(tf32, "fp16") == "fp16"
+
+
+# ---- issue 20: bf16, the optimization level rule, weight streaming ----------------------------------------------
+
+
+def test_weight_streaming_is_a_build_flag_keyed_only_when_on(tiny_simplified, tmp_path):
+    def key(**config) -> str:
+        return StageRequest("build-trt", 2, TrtBuildConfig(**config), [{"digest": "x"}], {}).key
+
+    assert key() == key(weight_streaming=False)  # earlier engines keep their keys
+    assert key() != key(weight_streaming=True)
+    request = build_trt.worker_request(TrtBuildConfig(weight_streaming=True), tiny_simplified, tmp_path)
+    assert request["weight_streaming"] is True
+    assert "--weight-streaming" in build_trt.reproduce_command(TrtBuildConfig(weight_streaming=True), tmp_path)
+
+
+def test_the_optimization_level_follows_the_parameter_count(tiny_simplified, tmp_path):
+    from sdtrt.config import default_optimization_level
+
+    assert default_optimization_level(2_500_000_000)[0] == 3
+    assert "over 2 B" in default_optimization_level(2_500_000_000)[1]
+    assert "TensorRT's default" in default_optimization_level(1_000_000)[1]
+    parameters = build_trt.parameter_count(tiny_simplified.primary)
+    assert 0 < parameters < 10_000_000
+    config, why = build_trt.resolved(TrtBuildConfig(), tiny_simplified)
+    assert config.optimization_level == 3 and f"{parameters / 1e6:.0f} M parameters" in why
+    # Resolved before keying: the default keys as the explicit 3 that every earlier build had.
+    assert (
+        StageRequest("b", 2, config, [], {}).key
+        == StageRequest("b", 2, TrtBuildConfig(optimization_level=3, tf32=True), [], {}).key
+    )
+    assert build_trt.resolved(TrtBuildConfig(optimization_level=5), tiny_simplified)[0].optimization_level == 5
+    assert build_trt.worker_request(TrtBuildConfig(), tiny_simplified, tmp_path)["optimization_level"] == 3
+
+
+def test_bf16_graphs_build_like_fp16_ones():
+    """Strongly typed bf16 is not "fp32": its few fp32 layers keep TensorRT's TF32 default, as fp16's do."""
+    assert TrtBuildConfig().tf32_for("bf16") is True and TrtBuildConfig().tf32_for("fp32") is False
+
+
+@pytest.mark.parametrize(
+    ("text", "streamable", "expected"),
+    [("50%", 1000, 500), ("0%", 1000, 0), ("1GiB", 10, 1 << 30), ("512MB", 10, 512_000_000), ("0", 10, 0)],
+)
+def test_weight_budgets_in_bytes(text, streamable, expected):
+    from sdtrt.config import WeightBudget
+    from sdtrt.runtime.tensorrt import weight_budget_bytes
+
+    assert weight_budget_bytes(WeightBudget.parse(text), streamable, lambda: 1 / 0) == expected
+
+
+def test_a_truncated_automatic_budget_is_refused():
+    """pyCore.cpp binds get_weight_streaming_automatic_budget through an int32_t: over 2 GiB it can turn negative."""
+    from sdtrt.config import WeightBudget
+    from sdtrt.runtime.tensorrt import weight_budget_bytes
+
+    assert weight_budget_bytes(WeightBudget.parse("auto"), 10, lambda: 7) == 7
+    with pytest.raises(ConfigError, match="percentage or a size"):
+        weight_budget_bytes(WeightBudget.parse("auto"), 10, lambda: -5)
+
+
+@pytest.mark.parametrize("text", ["-1", "150%", "lots", "inf", "8XB"])
+def test_malformed_weight_budgets_are_refused(text):
+    from sdtrt.config import WeightBudget
+
+    with pytest.raises(ConfigError, match="weight streaming budget"):
+        WeightBudget.parse(text)
+
+
+def test_bf16_is_refused_for_onnxruntime_before_any_work(tmp_path):
+    from sdtrt.config import BenchConfig
+
+    from .helpers import last_line, run_cli
+
+    result = run_cli("compile", "--target", "onnxruntime", "--precision", "bf16", "--engines", str(tmp_path / "e"))
+    assert result.returncode == 2
+    assert "ONNX Runtime on a CPU cannot run bf16 graphs" in last_line(result.stderr)
+    assert not (tmp_path / "e").exists()  # nothing exported, no store made
+    with pytest.raises(ConfigError, match="cannot run bf16"):
+        BenchConfig(backends=("onnxruntime:bf16",))
+    with pytest.raises(ConfigError, match="cannot run bf16"):
+        BenchConfig(backends=("torch", "onnxruntime"), precision="bf16")
+    assert BenchConfig(backends=("tensorrt:bf16",)).backends == ("tensorrt:bf16",)
+
+
+def test_the_weight_streaming_options_are_checked_at_the_cli():
+    from .helpers import last_line, run_cli
+
+    result = run_cli("validate", "--engine", "nowhere", "--weight-streaming-budget", "lots")
+    assert result.returncode == 2 and "weight streaming budget 'lots'" in last_line(result.stderr)
+    assert "--weight-streaming" in run_cli("compile", "--help").stdout
+    assert "--weight-streaming" in run_cli("build", "--help").stdout
+    assert "bf16" in run_cli("compile", "--help").stdout
+
+
+def test_bf16_engines_are_held_to_looser_tolerances():
+    from sdtrt.validate import Tolerances, least_precise
+
+    bf16, fp16 = Tolerances.for_precision("bf16"), Tolerances.for_precision("fp16")
+    assert bf16.min_cosine < fp16.min_cosine and bf16.max_abs > fp16.max_abs and bf16.min_psnr_db < fp16.min_psnr_db
+    assert least_precise(["fp32", "bf16", "fp16"]) == "bf16" and least_precise(["fp32", "fp16"]) == "fp16"

@@ -10,6 +10,7 @@ import typer
 
 from ..config import (
     COMPONENTS,
+    WEIGHT_BUDGET_ENV,
     Component,
     ExportConfig,
     Exporter,
@@ -21,6 +22,8 @@ from ..config import (
     SimplifyMethod,
     Target,
     TrtBuildConfig,
+    WeightBudget,
+    target_precision_problem,
 )
 from ..errors import ConfigError, RequestError, StoreError
 from ..models import ModelSource
@@ -60,7 +63,14 @@ GuidanceOpt = Annotated[float, typer.Option(help="Classifier-free guidance scale
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 
 
-PrecisionOpt = Annotated[Precision, typer.Option(help="Graph precision.")]
+PrecisionOpt = Annotated[
+    Precision,
+    typer.Option(
+        help="Graph precision. bf16 is for --target tensorrt (strongly typed; Resize, Sin and Cos kept fp32): "
+        "ONNX Runtime on a CPU runs no bf16 graph (no bfloat16 Conv, Gemm or Add kernels), so onnxruntime "
+        "refuses it and bf16 graphs are validated on TensorRT only."
+    ),
+]
 ExporterOpt = Annotated[
     Exporter,
     typer.Option(help="auto (TorchScript-based; torch.export-based for fp16 text encoders), torchscript or dynamo."),
@@ -147,7 +157,29 @@ def shape_profile(spec: GraphSpec, batch: str | None, height: str | None, width:
 # TensorRT build settings (used by `build` and `compile`).
 StaticOpt = Annotated[bool, typer.Option("--static", help="TensorRT: build for the optimum shape only (CUDA graphs).")]
 WorkspaceOpt = Annotated[float | None, typer.Option(help="TensorRT: workspace limit in GB (default: TensorRT's).")]
-OptLevelOpt = Annotated[int, typer.Option(min=0, max=5, help="TensorRT builder optimization level.")]
+OptLevelOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=0, max=5, help="TensorRT builder optimization level (default: 3, TensorRT's; networks over 2 B "
+        "parameters keep 3 to bound build memory, as NVIDIA's demo does for Flux)."
+    ),
+]  # fmt: skip
+WeightStreamingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--weight-streaming",
+        help="TensorRT: the engine can stream weights from host memory; --weight-streaming-budget at run time "
+        "sets how much stays on the GPU.",
+    ),
+]
+WeightBudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar=WEIGHT_BUDGET_ENV,
+        help="TensorRT engines built with --weight-streaming: GPU memory for their weights, auto, a percentage "
+        "of the streamable weights (50%) or a size (8GiB); 0 streams the most (default: all on the GPU).",
+    ),
+]
 TimingCacheOpt = Annotated[
     Path | None, typer.Option(help="TensorRT: timing cache file, read if present and updated after the build.")
 ]
@@ -165,14 +197,35 @@ TF32Opt = Annotated[
 ]
 
 
+def check_target_precision(target: Target, precision: Precision) -> None:
+    """A precision the target cannot build is a usage error (exit 2), before any model loads."""
+    from ..compile import resolve_target
+
+    if problem := target_precision_problem(resolve_target(target)[0], precision):
+        raise RequestError(problem)
+
+
+def use_weight_budget(text: str | None) -> None:
+    """Check --weight-streaming-budget (exit 2 when malformed) and hand it to every TensorRT runtime this process
+    opens, through the variable the runtime reads (pipelines, validation and bench open runtimes deep inside)."""
+    if text is None:
+        return
+    try:
+        WeightBudget.parse(text)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+    os.environ[WEIGHT_BUDGET_ENV] = text
+
+
 def trt_config(
     profile: ShapeProfile,
     static: bool,
     workspace_gb: float | None,
-    optimization_level: int,
+    optimization_level: int | None,
     timing_cache: Path | None,
     refittable: bool = False,
     tf32: bool | None = None,
+    weight_streaming: bool = False,
 ) -> TrtBuildConfig:
     return TrtBuildConfig(
         profiles=(profile,),
@@ -182,6 +235,7 @@ def trt_config(
         timing_cache=str(timing_cache.resolve()) if timing_cache else None,
         refittable=refittable,
         tf32=tf32,
+        weight_streaming=weight_streaming,
     )
 
 

@@ -66,6 +66,7 @@ def generate_command(
         typer.Option(help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild."),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
+    weight_streaming_budget: o.WeightBudgetOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
@@ -78,6 +79,7 @@ def generate_command(
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = o.lora_options(lora)
+    o.use_weight_budget(weight_streaming_budget)
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact)
     request = GenerateRequest(
@@ -116,6 +118,7 @@ def validate_command(
     max_abs: Annotated[float | None, typer.Option(help="Override: maximum absolute error.")] = None,
     min_psnr: Annotated[float | None, typer.Option(help="Override: minimum image PSNR in dB.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
+    weight_streaming_budget: o.WeightBudgetOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Compare an engine (or every member of a set) with PyTorch fp32: tensors, latents, images. Exits 3 on a mismatch.
@@ -124,6 +127,7 @@ def validate_command(
     """
     from ..stages.engine_set import engine_members, engine_profile
 
+    o.use_weight_budget(weight_streaming_budget)
     artifact = None if model else o.find_engine(engine, engines)  # a given --model is checked first
     source = o.model_for(model, artifact)
     config = ValidationConfig(

@@ -84,10 +84,11 @@ def build(
     optimization: Annotated[OrtOptimization, typer.Option(help="ONNX Runtime graph optimization level.")] = "extended",
     static: o.StaticOpt = False,
     workspace_gb: o.WorkspaceOpt = None,
-    optimization_level: o.OptLevelOpt = 3,
+    optimization_level: o.OptLevelOpt = None,
     timing_cache: o.TimingCacheOpt = None,
     refittable: o.RefittableOpt = False,
     tf32: o.TF32Opt = None,
+    weight_streaming: o.WeightStreamingOpt = False,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Build an engine from a simplified (or exported) graph for the shapes given.
@@ -99,8 +100,12 @@ def build(
 
     store = o.open_store(engines)
     artifact = one_graph(store.find(source), "build", ONNX_STAGES, "simplify")
-    profile = o.shape_profile(artifact_spec(artifact), batch, height, width)
-    trt = o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32)
+    spec = artifact_spec(artifact)
+    o.check_target_precision(target, spec.precision)
+    profile = o.shape_profile(spec, batch, height, width)
+    trt = o.trt_config(
+        profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32, weight_streaming
+    )
     built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
     console.print(f"target: {reason}")
     typer.echo(built.path)
@@ -131,10 +136,11 @@ def compile(
     width: o.WidthOpt = None,
     static: o.StaticOpt = False,
     workspace_gb: o.WorkspaceOpt = None,
-    optimization_level: o.OptLevelOpt = 3,
+    optimization_level: o.OptLevelOpt = None,
     timing_cache: o.TimingCacheOpt = None,
     refittable: o.RefittableOpt = False,
     tf32: o.TF32Opt = None,
+    weight_streaming: o.WeightStreamingOpt = False,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
     ] = True,
@@ -164,6 +170,7 @@ def compile(
 
     if revalidate and not validate:
         raise RequestError("--revalidate asks for a validation that --no-validate turns off: pass one of them")
+    o.check_target_precision(target, precision)
     store = o.open_store(engines, cached_ok=True)  # a read-only store serves a complete cache hit
     source = resolve_model(model)
     chosen_components = parse_components(components, source)
@@ -177,7 +184,9 @@ def compile(
         export_config=export_config,
         simplify_config=o.simplify_config(method, check=True),
         profile=profile,
-        trt_config=o.trt_config(profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32),
+        trt_config=o.trt_config(
+            profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32, weight_streaming
+        ),
         validation=ValidationConfig() if validate else None,
         components=chosen_components,
         revalidate=revalidate,

@@ -37,7 +37,11 @@ def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_grap
     artifact.require_intact()
     spec = artifact_spec(artifact, model)
     if artifact.stage in ("export", "simplify", "external", "build-ort"):
+        from ..config import target_precision_problem
         from .onnxruntime import OnnxRuntime
+
+        if problem := target_precision_problem("onnxruntime", spec.precision):
+            raise ArtifactError(f"{artifact.path}: {problem}")
 
         preoptimized = artifact.stage == "build-ort"
         return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)

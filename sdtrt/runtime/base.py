@@ -37,7 +37,8 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32,
+                "int64": torch.int64}  # fmt: skip
 
 
 def typed_inputs(spec: GraphSpec, feeds: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

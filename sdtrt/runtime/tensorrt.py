@@ -16,6 +16,7 @@ loops at one shape, such as a denoising loop, not for requests whose shapes keep
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import ArtifactError, EngineInputError, LoraError
+from ..config import WEIGHT_BUDGET_ENV, WeightBudget
+from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
@@ -83,13 +85,57 @@ def engine_io_problem(engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
         if engine.get_tensor_mode(tensor.name) != mode:
             return f"'{tensor.name}' is not an {mode.name.lower()} of the engine"
         dtype = engine.get_tensor_dtype(tensor.name)
-        try:  # trt.nptype maps a TensorRT DataType to numpy's; TypeError for bf16/fp8/int4/fp4 (tensorrt/__init__.py)
-            same = np.dtype(trt.nptype(dtype)) == np.dtype(tensor.dtype)
-        except TypeError:
-            same = False
+        if dtype == trt.DataType.BF16:  # numpy has no bfloat16, so trt.nptype raises for it
+            same = tensor.dtype == "bfloat16"
+        else:
+            try:  # trt.nptype maps a TensorRT DataType to numpy's; TypeError for fp8/int4/fp4 (tensorrt/__init__.py)
+                same = np.dtype(trt.nptype(dtype)) == np.dtype(tensor.dtype)
+            except TypeError:
+                same = False
         if not same:
             return f"'{tensor.name}' is {dtype} in the engine, {tensor.dtype} in its manifest"
     return None
+
+
+def weight_budget_bytes(budget: WeightBudget, streamable: int, automatic: Callable[[], int]) -> int:
+    """The bytes of streamable weights to keep on the GPU for ``budget``; ``automatic`` asks TensorRT.
+
+    The Python binding of getWeightStreamingAutomaticBudget returns an int32_t (pyCore.cpp, a lambda over the
+    int64_t C++ call), so a budget over 2 GiB can come back negative: refused, with the way round it.
+    """
+    if budget.percent is not None:
+        return int(budget.percent / 100 * streamable)  # as demo/Diffusion's Engine.load computes a percentage
+    if budget.size is not None:
+        return budget.size
+    if (chosen := automatic()) < 0:
+        raise ConfigError(
+            f"TensorRT's automatic weight streaming budget came back as {chosen} (its Python binding truncates it "
+            "to 32 bits); give --weight-streaming-budget as a percentage or a size instead"
+        )
+    return chosen
+
+
+def set_weight_budget(engine: trt.ICudaEngine, budget: WeightBudget, plan: Path, rebuild: str) -> None:
+    """Limit the GPU memory the engine's weights take, before any execution context exists.
+
+    NvInferRuntime.h setWeightStreamingBudgetV2: non-negative; 0 streams the most, streamable_weights_size or more
+    streams nothing; needs BuilderFlag::kWEIGHT_STREAMING at build (streamable_weights_size is 0 otherwise);
+    cannot change while execution contexts are active; returns false for an invalid budget. The Python
+    property's setter drops that bool (pyCore.cpp def_property), so the budget is read back to check it.
+    """
+    streamable = int(engine.streamable_weights_size)
+    if streamable == 0:
+        raise ArtifactError(
+            f"{plan} was built without weight streaming, so it takes no --weight-streaming-budget; rebuild it with "
+            f"`{rebuild} --weight-streaming`, or leave the budget out"
+        )
+    wanted = weight_budget_bytes(budget, streamable, engine.get_weight_streaming_automatic_budget)
+    engine.weight_streaming_budget_v2 = wanted
+    if (held := int(engine.weight_streaming_budget_v2)) not in (wanted, min(wanted, streamable)):
+        raise ConfigError(
+            f"TensorRT did not take the weight streaming budget {budget.text} ({wanted} bytes; it holds {held}) for "
+            f"{plan}, whose streamable weights are {streamable} bytes; give a budget from 0 to {streamable} bytes"
+        )
 
 
 def describe_profiles(profiles: list[ProfileShapes], name: str) -> str:
@@ -167,7 +213,16 @@ class BaseWeights:
 class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
-    def __init__(self, plan: Path, spec: GraphSpec, manifest: dict[str, Any], cuda_graph: bool = False) -> None:
+    def __init__(
+        self,
+        plan: Path,
+        spec: GraphSpec,
+        manifest: dict[str, Any],
+        cuda_graph: bool = False,
+        weight_budget: WeightBudget | None = None,
+    ) -> None:
+        """``weight_budget`` (default: $SDTRT_WEIGHT_STREAMING_BUDGET, which `--weight-streaming-budget` sets) limits
+        the GPU memory of an engine built with weight streaming; without one it keeps all its weights on the GPU."""
         require_tensorrt("run a TensorRT engine")
         check_engine_environment(manifest)
         import tensorrt as trt
@@ -186,6 +241,10 @@ class TensorRTRuntime(CudaRuntime):
         self._engine: trt.ICudaEngine = engine
         if problem := engine_io_problem(engine, spec):
             raise ArtifactError(f"{plan} does not match its manifest: {problem}; rebuild it with `{self._rebuild}`")
+        if weight_budget is None and (text := os.environ.get(WEIGHT_BUDGET_ENV)):
+            weight_budget = WeightBudget.parse(text)
+        if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
+            set_weight_budget(engine, weight_budget, plan, self._rebuild)
         # create_execution_context returns None when it cannot allocate the activation memory.
         context: trt.IExecutionContext | None = engine.create_execution_context()
         if context is None:

@@ -62,7 +62,7 @@ def scaled_axis(axis: str, scale: int) -> str:
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: str  # numpy-style name: "float16", "float32", "int32"
+    dtype: str  # numpy-style name: "float16", "bfloat16" (ml_dtypes'), "float32", "int32"
     shape: tuple[int | str, ...]  # str = a named dynamic axis
 
     def to_json(self) -> dict[str, Any]:
@@ -124,7 +124,7 @@ class GraphSpec:
 
     @property
     def dtype(self) -> str:
-        return "float16" if self.precision == "fp16" else "float32"
+        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
 
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
         return {

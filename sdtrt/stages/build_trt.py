@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..config import TrtBuildConfig
+from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError
 from ..gpu import gpu_environment, require_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
@@ -24,7 +24,7 @@ from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "build-trt"
-VERSION = 2  # 2: the plan is named after its component
+VERSION = 2  # 2: the plan is named after its component (settings added since enter the key only when set)
 LOG_NAME = "build.log"
 
 
@@ -33,19 +33,39 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
-    config = replace(config, tf32=config.tf32_for(spec.precision))  # the key and manifest say what was built
+    config, level_reason = resolved(config, source)  # the key and manifest say what was built
     # trt.__version__, not a distribution's: with only tensorrt-cu12/-cu13 installed there is no
     # `tensorrt` distribution, and the runtime compares against trt.__version__.
     env = environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
     request = StageRequest(STAGE, VERSION, config, [source.as_input()], env)
-    artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store))
+    artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store, level_reason))
     return artifact
+
+
+def parameter_count(graph: Path) -> int:
+    """How many weights the graph holds: its initializers' elements, read from the graph without its weights."""
+    import math
+
+    from ..onnx_graph import load_graph
+
+    return sum(math.prod(init.dims) for init in load_graph(graph).graph.initializer)
+
+
+def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, str]:
+    """The settings as built: TF32 by the graph's precision, the optimization level (unless asked) by the number of
+    parameters in its ONNX weights; and why that level."""
+    tf32 = config.tf32_for(artifact_spec(source).precision)
+    if config.optimization_level is not None:
+        return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
+    level, reason = default_optimization_level(parameter_count(source.primary))
+    return replace(config, tf32=tf32, optimization_level=level), reason
 
 
 def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, device: int = 0) -> dict[str, Any]:
     """The JSON the child process gets: paths, settings, per-input (min, opt, max) shapes and the CUDA device
     whose GPU the manifest records (the current one here; the child would otherwise build on device 0)."""
     spec = artifact_spec(source)
+    config, _ = resolved(config, source)
     plan = f"{spec.component}.plan"
     workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
     return {
@@ -60,7 +80,8 @@ def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, devi
         "workspace_bytes": workspace,
         "timing_cache": config.timing_cache,
         "refittable": config.refittable,
-        "tf32": config.tf32_for(spec.precision),
+        "tf32": config.tf32,
+        "weight_streaming": config.weight_streaming,
         "device": device,
     }
 
@@ -78,15 +99,16 @@ def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
     profile = config.profiles[0]
     words = [f"sdtrt build {shlex.quote(str(source))} --target tensorrt"]
     words += [f"--batch {profile.batch}", f"--height {profile.height}", f"--width {profile.width}"]
-    words.append(f"--optimization-level {config.optimization_level}")
+    words += [] if config.optimization_level is None else [f"--optimization-level {config.optimization_level}"]
     words += ["--static"] if config.static_shapes else []
     words += [f"--workspace-gb {config.workspace_gb}"] if config.workspace_gb else []
     words += ["--refittable"] if config.refittable else []
     words += [] if config.tf32 is None else ["--tf32" if config.tf32 else "--no-tf32"]
+    words += ["--weight-streaming"] if config.weight_streaming else []
     return " ".join(words)
 
 
-def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store) -> dict[str, Any]:
+def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store, level_reason: str) -> dict[str, Any]:
     import torch
 
     request = worker_request(config, source, out_dir, torch.cuda.current_device())
@@ -119,6 +141,12 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
         "profiles": [p.to_json() for p in config.effective_profiles()],
         "target": "tensorrt",
         "timings": {"build_s": round(time.perf_counter() - started, 3)},
-        "details": {"tensorrt": result["tensorrt"], "network_layers": result["layers"], "worker_request": request},
+        "details": {
+            "tensorrt": result["tensorrt"],
+            "network_layers": result["layers"],
+            "parameters": parameter_count(source.primary),
+            "optimization_level": {"level": config.optimization_level, "why": level_reason},
+            "worker_request": request,
+        },
         "reproduce": reproduce_command(config, source.path),
     }

@@ -141,7 +141,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
 
     from ..patches import export_patches
 
-    dtype = torch.float16 if config.precision == "fp16" else torch.float32
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision, torch.float32)
     timings: dict[str, float] = {}
     started = time.perf_counter()
     folder = FOLDERS[spec.component]
