@@ -204,7 +204,7 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
         tokenizer = tokenizers["t5"]
         config: Any = transformers.T5Config(
             vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id, **text,
+            eos_token_id=tokenizer.eos_token_id, **text,
         )  # fmt: skip
     else:
         tokenizer = tokenizers["clip"]
