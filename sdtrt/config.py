@@ -203,8 +203,6 @@ class ExportConfig:
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
         if self.exporter != "auto":
             return self.exporter
-        if self.component == "transformer":  # SD3's and Flux's: verified with torch.export's exporter only
-            return "dynamo"
         return "dynamo" if self.component in TEXT_ENCODERS and self.precision == "fp16" else "torchscript"
 
     def __post_init__(self) -> None:

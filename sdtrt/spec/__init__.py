@@ -64,6 +64,7 @@ __all__ = [
     "ValidationCase",
     "component_spec",
     "denoiser_component",
+    "folder_architecture",
     "model_components",
     "residual_layout",
     "residual_names",

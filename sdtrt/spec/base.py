@@ -90,6 +90,8 @@ class GraphSpec:
     # The network class this contract is for, where a component's folder may hold several (T5 or CLIP in
     # text_encoder_2, SD3's or Flux's transformer); "" where the component decides alone.
     architecture: ClassVar[str] = ""
+    # Why this network's graph is not fp16 unless asked ("": fp16 is fine); compile builds it fp32 instead.
+    fp16_problem: ClassVar[str] = ""
 
     precision: Precision
     io_naming: IONaming
@@ -146,6 +148,10 @@ class GraphSpec:
     def default_tokens(self) -> int:
         """T5's token count when none is asked (its pipelines' max_sequence_length); 0 without T5."""
         return 0
+
+    def token_counts(self, profile: ShapeProfile) -> Range:
+        """The profile's T5 token counts where this graph takes them, else zeros (validation labels leave them out)."""
+        return profile.tokens if profile.tokens and self.default_tokens else Range(0, 0, 0)
 
     def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
         f = self.vae_scale_factor
@@ -225,7 +231,7 @@ class GraphSpec:
 
     def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
         """The profile's optimum, smallest and largest shapes, one seed each."""
-        batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
+        batch, tokens = self.batch_range(profile), self.token_counts(profile)
         return [
             ValidationCase(batch[i], profile.height[i], profile.width[i], seed=2 + i, tokens=tokens[i])
             for i in (1, 0, 2)

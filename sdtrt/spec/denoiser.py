@@ -123,7 +123,7 @@ class DenoiserSpec(GraphSpec):
 
     def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
         """Timesteps across the schedule at the optimum shape, plus the profile's smallest and largest."""
-        batch, tokens = self.batch_range(profile), profile.tokens or Range(0, 0, 0)
+        batch, tokens = self.batch_range(profile), self.token_counts(profile)
         opt = (batch.opt, profile.height.opt, profile.width.opt)
         return [
             ValidationCase(*opt, timestep=999.0, seed=0, tokens=tokens.opt),

@@ -90,6 +90,10 @@ class T5EncoderSpec(GraphSpec):
     component: ClassVar[Component] = "text_encoder_3"
     label: ClassVar[str] = "T5 text encoder"
     architecture: ClassVar[str] = "T5EncoderModel"
+    fp16_problem: ClassVar[str] = (
+        "T5's feed-forward activations overflow fp16 (transformers keeps its wo projections fp32, "
+        "T5PreTrainedModel._keep_in_fp32_modules; NVIDIA's demo/Diffusion notes known FP16 accuracy issues)"
+    )
     canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids",)
     canonical_outputs: ClassVar[tuple[str, ...]] = ("last_hidden_state",)
 
