@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .gpu import require_tensorrt, tensorrt_missing, torch_tensorrt_missing
 from .models import ModelSource
 from .onnx_graph import artifact_spec
-from .spec import denoiser_spec, model_components
+from .spec import denoiser_spec, folder_architecture, model_components, spec_class
 from .stages import build_ort, engine_set, export, simplify
 from .stages.engine_set import EngineSetConfig
 from .store import Artifact, Store
@@ -155,7 +155,11 @@ def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> 
 
 
 def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:
-    """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images), else ``requested``."""
+    """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images) and for networks whose class
+    overflows fp16 (T5: the spec of the folder's class says why; the export manifest records it), else
+    ``requested``."""
     if component.startswith("vae") and model.component_config("vae").get("force_upcast", True):
+        return "fp32"
+    if requested == "fp16" and spec_class(component, folder_architecture(model, component)).fp16_problem:
         return "fp32"
     return requested

@@ -21,11 +21,16 @@ OrtOptimization = Literal["basic", "extended"]
 ConcreteTarget = Literal["onnxruntime", "tensorrt"]
 Target = Literal["auto", "onnxruntime", "tensorrt"]
 # The networks a pipeline calls, each exported and built as its own graph.
-Component = Literal["unet", "controlnet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"]
+# A model's denoiser is a UNet (SD 1.x/2.x, SDXL) or a transformer (SD3, Flux); text_encoder_3 is SD3's T5.
+Component = Literal[
+    "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
+    "vae_encoder",
+]  # fmt: skip
 COMPONENTS: tuple[Component, ...] = (
-    "unet", "controlnet", "text_encoder", "text_encoder_2", "vae_decoder", "vae_encoder"
+    "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
+    "vae_encoder",
 )  # fmt: skip
-TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2")
+TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 DEFAULT_PROMPT = "a photograph of an astronaut riding a horse"
 
@@ -119,7 +124,8 @@ class Range(NamedTuple):
 
 @dataclass(frozen=True)
 class ShapeProfile:
-    """Shapes an engine must accept, in user terms: images per prompt and pixel height/width.
+    """Shapes an engine must accept, in user terms: images per prompt, pixel height/width and, for models with
+    T5 (SD3, Flux), its token count (``max_sequence_length``).
 
     With classifier-free guidance (``guidance=True``) the UNet sees twice the batch.
     """
@@ -128,6 +134,8 @@ class ShapeProfile:
     height: Range = Range(256, 512, 768)
     width: Range = Range(256, 512, 768)
     guidance: bool = True
+    # None: no T5 in the model; keyed only when set, so the keys of UNet builds stay.
+    tokens: Range | None = in_key_unless(None, None)
 
     @classmethod
     def around(cls, size_px: int, multiple: int) -> ShapeProfile:
@@ -137,16 +145,18 @@ class ShapeProfile:
         return cls(Range(1, 1, 4), Range(low, size_px, high), Range(low, size_px, high))
 
     def to_json(self) -> dict[str, Any]:
+        tokens = {"tokens": list(self.tokens)} if self.tokens else {}
         return {
             "batch": list(self.batch),
             "height": list(self.height),
             "width": list(self.width),
             "guidance": self.guidance,
-        }
+        } | tokens
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShapeProfile:
-        return cls(Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"])
+        tokens = Range(*data["tokens"]) if data.get("tokens") else None
+        return cls(Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"], tokens)
 
     def unet_batch(self) -> Range:
         """The UNet's batch: doubled by guidance, except at the minimum (guidance off, or LCM/Turbo, runs 1×).
@@ -156,6 +166,15 @@ class ShapeProfile:
         factor = 2 if self.guidance else 1
         low = self.batch.min * factor if self.batch.min == self.batch.max else self.batch.min
         return Range(low, self.batch.opt * factor, self.batch.max * factor)
+
+    def tokens_problem(self, tokens: int) -> str | None:
+        """Why a T5 token count (``max_sequence_length``) is outside the profile, or None."""
+        if self.tokens is None or self.tokens.min <= tokens <= self.tokens.max:
+            return None
+        return (
+            f"{tokens} T5 tokens are outside the engine's profile ({self.tokens.min}..{self.tokens.max}); use a "
+            "max_sequence_length inside it or rebuild the engines with a token range covering it"
+        )
 
     def size_problem(self, height: int, width: int) -> str | None:
         """Why an image of this size is outside the profile, or None."""
@@ -169,8 +188,9 @@ class ShapeProfile:
 
     def check(self, pixel_multiple: int) -> None:
         """Raise ConfigError unless every range is ordered, positive and on the model's grid."""
-        for name, rng in (("batch", self.batch), ("height", self.height), ("width", self.width)):
-            if not 0 < rng.min <= rng.opt <= rng.max:
+        ranges = (("batch", self.batch), ("height", self.height), ("width", self.width), ("tokens", self.tokens))
+        for name, rng in ranges:
+            if rng is not None and not 0 < rng.min <= rng.opt <= rng.max:
                 raise ConfigError(f"{name} range {rng} must satisfy 0 < min <= opt <= max")
         for name, rng in (("height", self.height), ("width", self.width)):
             for value in rng:
@@ -307,11 +327,12 @@ class TrtBuildConfig:
         if not self.static_shapes:
             return self.profiles
         return tuple(
-            ShapeProfile(
-                Range(p.batch.opt, p.batch.opt, p.batch.opt),
-                Range(p.height.opt, p.height.opt, p.height.opt),
-                Range(p.width.opt, p.width.opt, p.width.opt),
-                p.guidance,
+            dataclasses.replace(
+                p,
+                batch=Range(p.batch.opt, p.batch.opt, p.batch.opt),
+                height=Range(p.height.opt, p.height.opt, p.height.opt),
+                width=Range(p.width.opt, p.width.opt, p.width.opt),
+                tokens=Range(p.tokens.opt, p.tokens.opt, p.tokens.opt) if p.tokens else None,
             )
             for p in self.profiles
         )

@@ -3,8 +3,10 @@
 The UNet's config says what its graph takes beyond ``sample, timestep, encoder_hidden_states``:
 SDXL's added conditioning (``addition_embed_type: text_time`` → ``text_embeds`` and ``time_ids``),
 LCM's guidance embedding (``time_cond_proj_dim`` → ``timestep_cond``), inpainting's masked-image
-channels (``in_channels: 9``). ``model_index.json`` names the pipeline class, and with it the
-txt2img / img2img / inpaint classes of the same family. Light to import: no torch, no diffusers.
+channels (``in_channels: 9``). A transformer's config names its kind (``SD3Transformer2DModel``: SD3 and
+SD3.5; ``FluxTransformer2DModel``: Flux.1, dev with ``guidance_embeds``, schnell without).
+``model_index.json`` names the pipeline class, and with it the txt2img / img2img / inpaint classes of the
+same family. Light to import: no torch, no diffusers.
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
      "inpaint": "StableDiffusionControlNetInpaintPipeline"},
     {"txt2img": "StableDiffusionXLControlNetPipeline", "img2img": "StableDiffusionXLControlNetImg2ImgPipeline",
      "inpaint": "StableDiffusionXLControlNetInpaintPipeline"},
+    {"txt2img": "StableDiffusion3Pipeline", "img2img": "StableDiffusion3Img2ImgPipeline",
+     "inpaint": "StableDiffusion3InpaintPipeline"},
+    {"txt2img": "FluxPipeline", "img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
 )  # fmt: skip
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
-    "(in_channels 9), LCM-distilled UNets and ControlNet"
+    "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5 and Flux.1 "
+    "dev / schnell"
 )
+# Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
+TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
+# T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
+T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
 SDXL_TIME_IDS = (6, 5)
@@ -103,6 +113,17 @@ def family_name(
     if (scheduler_config or {}).get("prediction_type") == "v_prediction":
         name += "-v"
     return name
+
+
+def transformer_family(config: dict[str, Any]) -> str:
+    """sd3 (SD3, SD3.5), flux (Flux.1 dev: guidance embedding) or flux-schnell, from a transformer's config."""
+    class_name = config.get("_class_name", "")
+    if class_name not in TRANSFORMERS:
+        raise UnsupportedModelError(
+            f"this model's denoiser is a {class_name or 'transformer without a class name'}; sdtrt supports {SUPPORTED}"
+        )
+    family = TRANSFORMERS[class_name]
+    return family if family != "flux" or config.get("guidance_embeds") else "flux-schnell"
 
 
 def pipeline_class_name(index_class: str, task: Task | None) -> str:

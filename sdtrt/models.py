@@ -23,7 +23,10 @@ SourceKind = Literal["preset", "folder", "hub"]
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved --model: always a local diffusers folder (pipeline root or bare UNet folder)."""
+    """A resolved --model: always a local diffusers folder (pipeline root or bare UNet folder).
+
+    A pipeline's denoiser is its unet/ (SD 1.x/2.x, SDXL) or its transformer/ (SD3, Flux).
+    """
 
     name: str
     kind: SourceKind
@@ -39,6 +42,14 @@ class ModelSource:
 
     def unet_config(self) -> dict[str, Any]:
         return json.loads((self.unet_dir / "config.json").read_text())
+
+    @property
+    def denoiser_folder(self) -> str:
+        """unet, or transformer for a pipeline with a transformer/ and no unet/ (a bare folder is a UNet)."""
+        return "transformer" if self.is_pipeline and not self.has("unet") and self.has("transformer") else "unet"
+
+    def denoiser_config(self) -> dict[str, Any]:
+        return self.component_config(self.denoiser_folder)
 
     def component_dir(self, folder: str) -> Path:
         """A pipeline's sub-folder (unet, text_encoder, vae, …); a bare UNet folder has only the UNet."""
@@ -67,9 +78,11 @@ class ModelSource:
         return str(library), str(class_name)
 
     def family(self) -> str:
-        """sd1, sd2, sdxl, sdxl-refiner (+ -inpaint, -lcm, -v): see families.family_name."""
-        from .families import family_name
+        """sd1, sd2, sdxl, sdxl-refiner (+ -inpaint, -lcm, -v), sd3, flux, flux-schnell: see families."""
+        from .families import family_name, transformer_family
 
+        if self.denoiser_folder == "transformer":
+            return transformer_family(self.denoiser_config())
         scheduler = self.path / "scheduler" / "scheduler_config.json"
         scheduler_config = json.loads(scheduler.read_text()) if self.is_pipeline and scheduler.is_file() else None
         return family_name(self.unet_config(), scheduler_config, self.pooled_text_dim(), self.has("controlnet"))
@@ -86,9 +99,9 @@ class ModelSource:
         blocks = json.loads(vae_config.read_text()).get("block_out_channels", [0] * 4)
         return int(2 ** (len(blocks) - 1))
 
-    def unet_digest(self) -> str:
-        """sha256 over the UNet's config and weight files: the export stage's input identity."""
-        return self.folder_digest("unet")
+    def denoiser_digest(self) -> str:
+        """sha256 over the denoiser's (UNet's or transformer's) config and weight files."""
+        return self.folder_digest(self.denoiser_folder)
 
     def folder_digest(self, folder: str) -> str:
         """sha256 over a sub-folder's config and weight files."""
@@ -129,8 +142,15 @@ def _check_diffusers_folder(path: Path) -> Path:
     if not path.is_dir():
         raise ModelNotFoundError(f"model path '{path}' is a file; pass the diffusers model folder")
     if (path / "model_index.json").is_file():
-        if not (path / "unet" / "config.json").is_file():
-            raise ModelNotFoundError(f"'{path}' has model_index.json but no unet/config.json")
+        transformer = path / "transformer" / "config.json"
+        if not (path / "unet" / "config.json").is_file() and not transformer.is_file():
+            raise ModelNotFoundError(
+                f"'{path}' has model_index.json but neither unet/ nor transformer/ with a config.json"
+            )
+        if transformer.is_file() and not (path / "unet").is_dir():
+            from .families import transformer_family
+
+            transformer_family(json.loads(transformer.read_text()))  # refuses transformers sdtrt does not support
         return path.resolve()
     config = path / "config.json"
     if config.is_file() and "UNet2DConditionModel" in config.read_text():

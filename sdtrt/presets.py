@@ -7,6 +7,7 @@ head dims, conditioning sizes) at test size; ``*-random`` ones have the real arc
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import tempfile
@@ -72,6 +73,20 @@ def _bytes_to_unicode() -> list[str]:
     return chars
 
 
+def _unigram_t5_tokenizer(max_length: int = 512) -> Any:
+    """A T5 tokenizer over a Unigram vocabulary of single characters (▁-prefixed word starts, SentencePiece's
+    way): every text tokenizes, nothing is downloaded. Special tokens as T5's: <pad> 0, </s> 1, <unk> 2."""
+    import string
+
+    from transformers import T5Tokenizer
+
+    chars = string.ascii_letters + string.digits + string.punctuation
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
+    pieces += [("▁" + w, -1.0) for w in ("the", "and", "a", "of")]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
 # Stable Diffusion's noise schedule, shared by every family here.
 SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
 TINY_VAE = dict(
@@ -101,25 +116,47 @@ TINY_SDXL_CLIP = dict(TINY_CLIP, projection_dim=32, hidden_act="gelu")
 SDXL_EULER = ("EulerDiscreteScheduler", dict(steps_offset=1, timestep_spacing="leading"))
 
 
+Network = tuple[str, dict[str, Any]]  # a network's class name and its config kwargs
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """A pipeline to build: its class, each network's config kwargs and the scheduler."""
+    """A pipeline to build: its class, each network's class and config kwargs, and the scheduler.
+
+    ``text_encoders`` fill text_encoder, text_encoder_2, … in order (None: the pipeline has none there,
+    as SDXL's refiner has no first one); each gets the tokenizer its class reads.
+    """
 
     pipeline: str
-    unet: dict[str, Any]
+    denoiser: Network  # UNet2DConditionModel → unet/, a *Transformer2DModel → transformer/
     vae: dict[str, Any]
-    text_encoder: dict[str, Any] | None  # CLIPTextModel; None: the pipeline has none (SDXL refiner)
-    text_encoder_2: dict[str, Any] | None = None  # CLIPTextModelWithProjection (SDXL)
+    text_encoders: tuple[Network | None, ...]
     scheduler: tuple[str, dict[str, Any]] = ("PNDMScheduler", {})
     settings: dict[str, Any] = field(default_factory=dict)  # pipeline __init__ settings
     half: bool = False  # build in fp16 (multi-GB architectures: half the memory and disk)
     controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
 
+    @property
+    def denoiser_folder(self) -> str:
+        return "unet" if self.denoiser[0] == "UNet2DConditionModel" else "transformer"
+
+
+def unet(config: dict[str, Any] | None = None, **overrides: Any) -> Network:
+    return ("UNet2DConditionModel", (config or {}) | overrides)
+
+
+def clip(kwargs: dict[str, Any], projection: bool = False) -> Network:
+    """A CLIP text tower; ``projection``: with the pooled projection SDXL and SD3 read (text_embeds)."""
+    return ("CLIPTextModelWithProjection" if projection else "CLIPTextModel", kwargs)
+
+
+def t5(config: dict[str, Any], **overrides: Any) -> Network:
+    return ("T5EncoderModel", config | overrides)
+
 
 def build(recipe: Recipe) -> Any:
     import diffusers
     import torch
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     from .families import accepted
 
@@ -127,36 +164,56 @@ def build(recipe: Recipe) -> Any:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16 if recipe.half else torch.float32)
     try:
+        denoiser_class, denoiser_kwargs = recipe.denoiser
         parts: dict[str, Any] = {
-            "unet": diffusers.UNet2DConditionModel(**recipe.unet),
+            recipe.denoiser_folder: getattr(diffusers, denoiser_class)(**denoiser_kwargs),
             "vae": diffusers.AutoencoderKL(**recipe.vae),
         }
         with tempfile.TemporaryDirectory() as tok_dir:
-            tokenizer = _byte_level_tokenizer(Path(tok_dir))
-        for name, kwargs, cls in (("", recipe.text_encoder, CLIPTextModel),
-                                  ("_2", recipe.text_encoder_2, CLIPTextModelWithProjection)):  # fmt: skip
-            if kwargs is None:
-                parts |= {f"text_encoder{name}": None, f"tokenizer{name}": None}
-                continue
-            text = dict(kwargs)
-            config = CLIPTextConfig(
-                vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=77,
-                **text,
-            )  # fmt: skip
-            parts |= {f"text_encoder{name}": cls(config), f"tokenizer{name}": tokenizer}
+            tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
+        for i, network in enumerate(recipe.text_encoders):
+            suffix = f"_{i + 1}" if i else ""
+            encoder, tokenizer = _text_encoder(network, tokenizers)
+            parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
         if recipe.controlnet is not None:
             parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
     finally:
         torch.set_default_dtype(previous)
     scheduler_class, scheduler_kwargs = recipe.scheduler
-    scheduler = getattr(diffusers, scheduler_class)(**(SD_BETAS | scheduler_kwargs))
-    # Other schedulers built from this config (DDIM from PNDM's) read clip_sample: SD's is False.
-    scheduler.register_to_config(clip_sample=False)
+    scheduler_cls = getattr(diffusers, scheduler_class)
+    # SD's noise schedule for the DDPM-style schedulers; flow-matching ones (SD3, Flux) have no betas.
+    betas = SD_BETAS if "beta_start" in inspect.signature(scheduler_cls).parameters else {}
+    scheduler = scheduler_cls(**(betas | scheduler_kwargs))
+    if betas:  # other schedulers built from this config (DDIM from PNDM's) read clip_sample: SD's is False
+        scheduler.register_to_config(clip_sample=False)
     pipeline_class = getattr(diffusers, recipe.pipeline)
     optional = {"safety_checker": None, "feature_extractor": None, "image_encoder": None,
                 "requires_safety_checker": False}  # fmt: skip
     return pipeline_class(**accepted(pipeline_class, optional | parts | {"scheduler": scheduler} | recipe.settings))
+
+
+def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[Any, Any]:
+    """A random text encoder of the network's class and the tokenizer it reads; (None, None) for no network."""
+    if network is None:
+        return None, None
+    import transformers
+
+    class_name, kwargs = network
+    text = dict(kwargs)
+    if class_name == "T5EncoderModel":
+        tokenizer = tokenizers["t5"]
+        config: Any = transformers.T5Config(
+            vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, **text,
+        )  # fmt: skip
+    else:
+        tokenizer = tokenizers["clip"]
+        config = transformers.CLIPTextConfig(
+            vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=77,
+            **text,
+        )  # fmt: skip
+    return getattr(transformers, class_name)(config), tokenizer
 
 
 # fmt: off
@@ -194,57 +251,96 @@ SD2_DDIM_V = (
     "DDIMScheduler",
     dict(clip_sample=False, steps_offset=1, set_alpha_to_one=False, prediction_type="v_prediction"),
 )
+# The transformer generation: 16-channel VAEs without quant convs, the shift and scale their pipelines apply.
+SD3_VAE = dict(latent_channels=16, shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False,
+               use_post_quant_conv=False)  # fmt: skip
+FLUX_VAE = dict(SD3_VAE, shift_factor=0.1159, scaling_factor=0.3611)
+SD3_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0))
+FLUX_DEV_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                 max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096))  # fmt: skip
+FLUX_SCHNELL_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=1.0))
+# T5 v1.1 (gated GELU) at test size; its width is the transformers' joint_attention_dim, at least CLIP-L + CLIP-G.
+TINY_T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_attention_num_buckets=8,
+               feed_forward_proj="gated-gelu")  # fmt: skip
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24,
+              feed_forward_proj="gated-gelu")  # fmt: skip
+# SD3 at test size, with SD3.5's dual-attention layer and qk RMS-norm; pooled = CLIP-L + CLIP-G projections.
+TINY_SD3 = ("SD3Transformer2DModel", dict(
+    sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+    num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64,
+    pos_embed_max_size=96, dual_attention_layers=(0,), qk_norm="rms_norm",
+))
+# Flux at test size: 16 latent channels packed 2×2 (64), rotary axes summing to the head size.
+TINY_FLUX = ("FluxTransformer2DModel", dict(
+    patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+))
+TINY_SD3_ENCODERS = (clip(TINY_SDXL_CLIP, projection=True), clip(TINY_SDXL_CLIP, projection=True), t5(TINY_T5))
+TINY_FLUX_ENCODERS = (clip(TINY_CLIP), t5(TINY_T5))
+
 PRESETS: dict[str, Recipe] = {
-    "tiny": Recipe("StableDiffusionPipeline", TINY_UNET, TINY_VAE, TINY_CLIP, scheduler=SD1_PNDM),
+    "tiny": Recipe("StableDiffusionPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM),
     "tiny-sd2": Recipe(
         "StableDiffusionPipeline",
-        dict(TINY_UNET, attention_head_dim=(2, 4), use_linear_projection=True, upcast_attention=True),
+        unet(TINY_UNET, attention_head_dim=(2, 4), use_linear_projection=True, upcast_attention=True),
         TINY_VAE,
-        dict(TINY_CLIP, hidden_act="gelu"),
+        (clip(dict(TINY_CLIP, hidden_act="gelu")),),
         scheduler=SD2_DDIM_V,
     ),
     "tiny-inpaint": Recipe(
-        "StableDiffusionInpaintPipeline", dict(TINY_UNET, in_channels=9), TINY_VAE, TINY_CLIP, scheduler=SD1_PNDM
+        "StableDiffusionInpaintPipeline", unet(TINY_UNET, in_channels=9), TINY_VAE, (clip(TINY_CLIP),),
+        scheduler=SD1_PNDM,
     ),
     "tiny-lcm": Recipe(
         "LatentConsistencyModelPipeline",
-        dict(TINY_UNET, time_cond_proj_dim=32),
+        unet(TINY_UNET, time_cond_proj_dim=32),
         TINY_VAE,
-        TINY_CLIP,
+        (clip(TINY_CLIP),),
         scheduler=("LCMScheduler", {}),
     ),
     "tiny-sdxl": Recipe(
-        "StableDiffusionXLPipeline", TINY_SDXL_UNET, TINY_VAE, TINY_CLIP, TINY_SDXL_CLIP, scheduler=SDXL_EULER
+        "StableDiffusionXLPipeline", unet(TINY_SDXL_UNET), TINY_VAE,
+        (clip(TINY_CLIP), clip(TINY_SDXL_CLIP, projection=True)), scheduler=SDXL_EULER,
     ),
     "tiny-sdxl-refiner": Recipe(
         "StableDiffusionXLImg2ImgPipeline",
-        dict(TINY_SDXL_UNET, cross_attention_dim=32, projection_class_embeddings_input_dim=32 + 5 * 8),
+        unet(TINY_SDXL_UNET, cross_attention_dim=32, projection_class_embeddings_input_dim=32 + 5 * 8),
         TINY_VAE,
-        None,
-        TINY_SDXL_CLIP,
+        (None, clip(TINY_SDXL_CLIP, projection=True)),
         scheduler=SDXL_EULER,
         settings={"requires_aesthetics_score": True},
     ),
     "tiny-controlnet": Recipe(
-        "StableDiffusionControlNetPipeline", TINY_UNET, TINY_VAE, TINY_CLIP, scheduler=SD1_PNDM,
+        "StableDiffusionControlNetPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM,
         controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
     ),
     "tiny-sdxl-controlnet": Recipe(
-        "StableDiffusionXLControlNetPipeline", TINY_SDXL_UNET, TINY_VAE, TINY_CLIP, TINY_SDXL_CLIP,
+        "StableDiffusionXLControlNetPipeline", unet(TINY_SDXL_UNET), TINY_VAE,
+        (clip(TINY_CLIP), clip(TINY_SDXL_CLIP, projection=True)),
         scheduler=SDXL_EULER, controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
+    ),
+    # SD3 / SD3.5: CLIP-L + CLIP-G + T5, an MMDiT transformer, flow matching.
+    "tiny-sd3": Recipe("StableDiffusion3Pipeline", TINY_SD3, dict(TINY_VAE, **SD3_VAE), TINY_SD3_ENCODERS,
+                       scheduler=SD3_FLOW),
+    # Flux.1 dev (guidance embedding) and schnell (none): CLIP-L (pooled) + T5, a DiT on packed latents.
+    "tiny-flux": Recipe("FluxPipeline", TINY_FLUX, dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS,
+                        scheduler=FLUX_DEV_FLOW),
+    "tiny-flux-schnell": Recipe(
+        "FluxPipeline", (TINY_FLUX[0], dict(TINY_FLUX[1], guidance_embeds=False)), dict(TINY_VAE, **FLUX_VAE),
+        TINY_FLUX_ENCODERS, scheduler=FLUX_SCHNELL_FLOW,
     ),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(
         "StableDiffusionPipeline",
-        dict(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
+        unet(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
         SD_VAE,
-        CLIP_L,
+        (clip(CLIP_L),),
         scheduler=SD1_PNDM,
     ),
     # Stable Diffusion 2.1 (768, v-prediction): OpenCLIP-H text encoder, linear projections, upcast attention.
     "sd21-random": Recipe(
         "StableDiffusionPipeline",
-        dict(
+        unet(
             sample_size=96,
             cross_attention_dim=1024,
             attention_head_dim=(5, 10, 20, 20),
@@ -252,13 +348,13 @@ PRESETS: dict[str, Recipe] = {
             upcast_attention=True,
         ),
         SD_VAE,
-        OPENCLIP_H,
+        (clip(OPENCLIP_H),),
         scheduler=SD2_DDIM_V,
     ),
     # SDXL base 1.0 (UNet 2.6 B parameters): CLIP-L + OpenCLIP-bigG, built in fp16.
     "sdxl-random": Recipe(
         "StableDiffusionXLPipeline",
-        dict(
+        unet(
             sample_size=128,
             block_out_channels=(320, 640, 1280),
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
@@ -272,9 +368,25 @@ PRESETS: dict[str, Recipe] = {
             projection_class_embeddings_input_dim=2816,
         ),
         dict(SD_VAE, sample_size=1024, scaling_factor=0.13025),
-        CLIP_L,
-        OPENCLIP_BIGG,
+        (clip(CLIP_L), clip(OPENCLIP_BIGG, projection=True)),
         scheduler=SDXL_EULER,
+        half=True,
+    ),
+    # SD3.5 Medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json): MMDiT-X, 24 layers of
+    # 24 × 64 heads, dual attention in layers 0-12, qk RMS-norm; 2.24 B parameters plus a 0.23 B positional
+    # embedding buffer (384² × 1536) = 2.47 B in the state dict, the real 4.94 GB bf16 file. CLIP-L and
+    # OpenCLIP-bigG whole; T5-XXL at full width but 2 of its 24 layers (this preset is about the transformer;
+    # the whole T5 would add 9 GB). Built in fp16.
+    "sd35-medium-random": Recipe(
+        "StableDiffusion3Pipeline",
+        ("SD3Transformer2DModel", dict(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+            num_attention_heads=24, caption_projection_dim=1536, joint_attention_dim=4096, pooled_projection_dim=2048,
+            pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+        )),
+        dict(SD_VAE, sample_size=1024, **SD3_VAE),
+        (clip(CLIP_L, projection=True), clip(OPENCLIP_BIGG, projection=True), t5(T5_XXL, num_layers=2)),
+        scheduler=SD3_FLOW,
         half=True,
     ),
 }

@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -86,6 +87,7 @@ class ValidationReport:
     tensors: list[dict[str, Any]] = field(default_factory=list)
     image: dict[str, Any] | None = None
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # checks not run, and why
 
     def __bool__(self) -> bool:
         return not self.failures
@@ -204,7 +206,14 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                 report.tensors.append(row)
                 report.failures += row["failures"]
 
-    if config.images:
+    # SD3's and Flux's transformer and T5 have no engine stand-in yet (issue 20's next step): an image from their
+    # pipeline would say nothing about those engines, so only their tensors are compared.
+    without_standin = [c for c, r in runtimes.items() if r.spec.architecture]
+    if config.images and without_standin:
+        note = f"image check skipped: no engine stand-in yet for {', '.join(without_standin)}; tensors compared"
+        report.notes.append(note)
+        print(note, file=sys.stderr)
+    elif config.images:
         swapped = standins(model, members, reference.vae, reference.dtype)
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference

@@ -20,7 +20,7 @@ def test_tiny_preset_is_a_complete_cached_pipeline(tiny):
     stamp = (tiny.path / "unet" / "config.json").stat().st_mtime_ns
     again = resolve_model("tiny")
     assert again.path == tiny.path and (again.path / "unet" / "config.json").stat().st_mtime_ns == stamp
-    assert again.unet_digest() == tiny.unet_digest()
+    assert again.denoiser_digest() == tiny.denoiser_digest()
 
 
 def test_tiny_tokenizer_has_a_real_vocabulary(tiny):
@@ -36,7 +36,7 @@ def test_tiny_tokenizer_has_a_real_vocabulary(tiny):
 def test_local_folder_and_bare_unet_folder(tiny):
     assert resolve_model(str(tiny.path)).kind == "folder"
     unet_only = resolve_model(str(tiny.path / "unet"))
-    assert not unet_only.is_pipeline and unet_only.unet_digest() == tiny.unet_digest()
+    assert not unet_only.is_pipeline and unet_only.denoiser_digest() == tiny.denoiser_digest()
 
 
 @pytest.mark.parametrize(

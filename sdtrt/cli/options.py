@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -142,11 +143,11 @@ def shape_profile(spec: GraphSpec, batch: str | None, height: str | None, width:
     before anything is exported: a bad range is a usage error (exit 2), not a build failure."""
     default = spec.default_profile()
     try:
-        profile = ShapeProfile(
+        profile = dataclasses.replace(  # guidance and T5's token range stay the model's
+            default,
             batch=Range.parse(batch, "batch") if batch else default.batch,
             height=Range.parse(height, "height") if height else default.height,
             width=Range.parse(width, "width") if width else default.width,
-            guidance=default.guidance,
         )
         profile.check(spec.pixel_multiple)
     except ConfigError as exc:

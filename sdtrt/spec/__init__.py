@@ -2,11 +2,14 @@
 
 IO names, dtypes, named dynamic axes, sample inputs and TensorRT min/opt/max shapes all come from
 here, so export, build, runtimes and validation cannot disagree about them. One spec class per
-component kind, one module each — ``unet``, ``controlnet``, ``text_encoder``, ``vae`` — over
-``base.GraphSpec`` (named axes into shapes, profiles and checks) and, for networks a sampler calls
-each step, ``denoiser.DenoiserSpec``. A new kind is a new module and a row in SPEC_CLASSES.
+component kind, one module each — ``unet``, ``transformer``, ``controlnet``, ``text_encoder``, ``vae`` —
+over ``base.GraphSpec`` (named axes into shapes, profiles and checks) and, for networks a sampler calls
+each step, ``denoiser.DenoiserSpec``. A new kind is a new module and a row in SPEC_CLASSES; where one
+component's folder may hold several classes (T5 or CLIP, SD3's or Flux's transformer), the class of the
+model's folder picks the spec (``spec_class``).
 
-Axes: ``batch``; ``height``/``width`` in latents; ``image_height``/``image_width`` in pixels.
+Axes: ``batch``; ``height``/``width`` in latents; ``image_height``/``image_width`` in pixels; ``tokens``
+(T5's), ``text_tokens`` (CLIP's 77 + T5's) and ``patches`` (Flux's packed latents).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from .base import (
 )  # fmt: skip
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
-from .text_encoder import TextEncoder2Spec, TextEncoderSpec
+from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
+from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
 from .unet import UNetSpec
 from .vae import VaeDecoderSpec, VaeEncoderSpec
 
@@ -43,50 +47,69 @@ __all__ = [
     "TEXT_TOKENS",
     "ControlNetSpec",
     "DenoiserSpec",
+    "FluxTransformerSpec",
     "GraphSpec",
     "ModelConfigs",
+    "SD3TransformerSpec",
     "Shapes",
+    "T5Encoder2Spec",
+    "T5EncoderSpec",
     "TensorSpec",
     "TextEncoder2Spec",
     "TextEncoderSpec",
+    "TransformerSpec",
     "UNetSpec",
     "VaeDecoderSpec",
     "VaeEncoderSpec",
     "ValidationCase",
     "component_spec",
     "denoiser_component",
+    "folder_architecture",
     "model_components",
     "residual_layout",
     "residual_names",
+    "spec_class",
     "spec_from_json",
 ]  # fmt: skip
 
-SPEC_CLASSES: dict[str, type[GraphSpec]] = {
-    cls.component: cls
-    for cls in (UNetSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, VaeDecoderSpec, VaeEncoderSpec)
-}
+# (component, architecture) → spec; architecture "" where the component alone decides. The transformer's
+# row dispatches on its class itself (TransformerSpec.for_model / from_json).
+SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {
+    (cls.component, cls.architecture): cls
+    for cls in (UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec,
+                T5Encoder2Spec, VaeDecoderSpec, VaeEncoderSpec)
+}  # fmt: skip
+
+
+def spec_class(component: str, architecture: str = "") -> type[GraphSpec]:
+    """The spec of a component whose folder holds an ``architecture`` (the class model_index.json names):
+    T5EncoderModel in a text encoder's folder is T5's contract, anything else there CLIP's."""
+    cls = SPEC_CLASSES.get((component, architecture)) or SPEC_CLASSES.get((component, ""))
+    if cls is None:
+        raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(COMPONENTS)}")
+    return cls
 
 
 def spec_from_json(data: dict[str, Any]) -> GraphSpec:
     """The spec a manifest recorded (manifests from before components existed describe a UNet)."""
-    cls = SPEC_CLASSES.get(data.get("component", "unet"))
-    if cls is None:
-        raise ArtifactError(f"unknown component '{data['component']}' in a manifest; rebuild it with this sdtrt")
-    return cls.from_json(data)
+    return spec_class(data.get("component", "unet"), data.get("architecture", "")).from_json(data)
+
+
+def folder_architecture(model: ModelConfigs, component: str) -> str:
+    """The class of the component's folder in the model ("" where it has none: a bare UNet folder)."""
+    folder = FOLDERS.get(component, "")
+    return model.component_class(folder)[1] if folder and model.has(folder) else ""
 
 
 def component_spec(
     model: ModelConfigs, component: Component, precision: Precision = "fp16", io_naming: IONaming = "named"
 ) -> GraphSpec:
     """The contract of one of the model's networks, from its config."""
-    cls = SPEC_CLASSES.get(component)
-    if cls is None:
-        raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(COMPONENTS)}")
-    return cls.for_model(model, precision, io_naming)
+    return spec_class(component, folder_architecture(model, component)).for_model(model, precision, io_naming)
 
 
-# The denoiser kinds, in the order a model's folders are tried. A transformer kind (SD3, Flux) is one more row.
-DENOISERS: tuple[type[DenoiserSpec], ...] = (UNetSpec,)
+# The denoiser kinds, in the order a model's folders are tried.
+DENOISERS: tuple[type[DenoiserSpec], ...] = (UNetSpec, TransformerSpec)
 
 
 def denoiser_class(model: ModelConfigs) -> type[DenoiserSpec]:
@@ -95,7 +118,7 @@ def denoiser_class(model: ModelConfigs) -> type[DenoiserSpec]:
 
 
 def denoiser_component(model: ModelConfigs) -> Component:
-    """The model's denoiser component (``unet``; a transformer's next)."""
+    """The model's denoiser component: ``unet`` or ``transformer``."""
     return denoiser_class(model).component
 
 

@@ -16,15 +16,17 @@ if TYPE_CHECKING:
 
 
 # The pipeline sub-folder each component is loaded from.
-FOLDERS: dict[str, str] = {"unet": "unet", "controlnet": "controlnet", "text_encoder": "text_encoder",
-                           "text_encoder_2": "text_encoder_2", "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
+FOLDERS: dict[str, str] = {"unet": "unet", "transformer": "transformer", "controlnet": "controlnet",
+                           "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
+                           "text_encoder_3": "text_encoder_3", "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77
 Shapes = dict[str, tuple[int, ...]]
 S = TypeVar("S", bound="GraphSpec")
 AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent width", "image_height": "image height",
-               "image_width": "image width"}  # fmt: skip
+               "image_width": "image width", "tokens": "T5 token count", "text_tokens": "CLIP + T5 token count",
+               "patches": "latent patch count"}  # fmt: skip
 # ControlNet residuals come at the latent size divided by 2, 4, 8, …: axes "height_2", "width_4", ….
 RESIDUAL_SCALES = (2, 4, 8, 16, 32)
 for _k in RESIDUAL_SCALES:
@@ -46,13 +48,19 @@ class ModelConfigs(Protocol):
 @dataclass(frozen=True)
 class ValidationCase:
     """One seeded input to compare an engine with its network on: the component's batch, pixel size, the
-    timestep (denoisers only) and the seed."""
+    timestep (denoisers only), the seed and the T5 token count (0: the spec's own, or none)."""
 
     batch: int
     height: int
     width: int
     timestep: float = 500.0
     seed: int = 0
+    tokens: int = 0
+
+
+def token_range(max_sequence_length: int) -> Range:
+    """A default profile's T5 token counts: from a short prompt's up to the pipeline's max_sequence_length."""
+    return Range(min(32, max_sequence_length), max_sequence_length, max_sequence_length)
 
 
 def scaled_axis(axis: str, scale: int) -> str:
@@ -79,6 +87,11 @@ class GraphSpec:
     canonical_outputs: ClassVar[tuple[str, ...]]
     # Multiples that dynamic axes must keep (the UNet's down-sampling, the VAE's scale factor).
     grid: ClassVar[dict[str, str]] = {}
+    # The network class this contract is for, where a component's folder may hold several (T5 or CLIP in
+    # text_encoder_2, SD3's or Flux's transformer); "" where the component decides alone.
+    architecture: ClassVar[str] = ""
+    # Why this network's graph is not fp16 unless asked ("": fp16 is fine); compile builds it fp32 instead.
+    fp16_problem: ClassVar[str] = ""
 
     precision: Precision
     io_naming: IONaming
@@ -131,14 +144,25 @@ class GraphSpec:
             t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in self.inputs() + self.outputs()
         }
 
-    def axis_sizes(self, batch: int, height_px: int, width_px: int) -> dict[str, int]:
+    @property
+    def default_tokens(self) -> int:
+        """T5's token count when none is asked (its pipelines' max_sequence_length); 0 without T5."""
+        return 0
+
+    def token_counts(self, profile: ShapeProfile) -> Range:
+        """The profile's T5 token counts where this graph takes them, else zeros (validation labels leave them out)."""
+        return profile.tokens if profile.tokens and self.default_tokens else Range(0, 0, 0)
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
         f = self.vae_scale_factor
+        t = tokens or self.default_tokens
         sizes = {"batch": batch, "height": height_px // f, "width": width_px // f, "image_height": height_px,
-                 "image_width": width_px}  # fmt: skip
+                 "image_width": width_px, "tokens": t, "text_tokens": TEXT_TOKENS + t,
+                 "patches": (height_px // f // 2) * (width_px // f // 2)}  # fmt: skip
         return sizes | {scaled_axis(a, k): sizes[a] // k for a in ("height", "width") for k in RESIDUAL_SCALES}
 
-    def input_shapes(self, batch: int, height_px: int, width_px: int) -> Shapes:
-        sizes = self.axis_sizes(batch, height_px, width_px)
+    def input_shapes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> Shapes:
+        sizes = self.axis_sizes(batch, height_px, width_px, tokens)
         return {t.name: tuple(sizes[d] if isinstance(d, str) else d for d in t.shape) for t in self.inputs()}
 
     def output_shapes(self, input_shapes: Shapes) -> Shapes:
@@ -154,8 +178,8 @@ class GraphSpec:
     def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
         """Per input: (min, opt, max) shapes, as a TensorRT optimization profile wants them."""
         profile.check(self.pixel_multiple)
-        batch = self.batch_range(profile)
-        corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i]) for i in range(3)]
+        batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
+        corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i], tokens[i]) for i in range(3)]
         return {name: tuple(c[name] for c in corners) for name in self.input_names}
 
     def check_shapes(self, shapes: Shapes, profile: ShapeProfile | None) -> str | None:
@@ -185,14 +209,15 @@ class GraphSpec:
         return None
 
     def sample_inputs(
-        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None
-    ) -> dict[str, torch.Tensor]:
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
+        tokens: int = 0,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
         """Seeded random inputs: floats in ``dtype`` (default float32) where the graph computes in its dtype,
         float32 where it keeps float32; token ids over the vocabulary."""
         import torch
 
         gen = torch.Generator().manual_seed(seed)
-        shapes = self.input_shapes(batch, height_px, width_px)
+        shapes = self.input_shapes(batch, height_px, width_px, tokens)
         out = {}
         for t in self.inputs():
             if t.dtype.startswith("int"):
@@ -206,14 +231,17 @@ class GraphSpec:
 
     def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
         """The profile's optimum, smallest and largest shapes, one seed each."""
-        batch = self.batch_range(profile)
-        return [ValidationCase(batch[i], profile.height[i], profile.width[i], seed=2 + i) for i in (1, 0, 2)]
+        batch, tokens = self.batch_range(profile), self.token_counts(profile)
+        return [
+            ValidationCase(batch[i], profile.height[i], profile.width[i], seed=2 + i, tokens=tokens[i])
+            for i in (1, 0, 2)
+        ]
 
     def case_inputs(self, case: ValidationCase) -> dict[str, torch.Tensor]:
-        return self.sample_inputs(case.batch, case.height, case.width, seed=case.seed)
+        return self.sample_inputs(case.batch, case.height, case.width, seed=case.seed, tokens=case.tokens)
 
     def case_label(self, case: ValidationCase) -> str:
-        return f"b{case.batch} {case.height}x{case.width}"
+        return f"b{case.batch} {case.height}x{case.width}" + (f" T={case.tokens}" if case.tokens else "")
 
     @classmethod
     def from_json(cls: type[S], data: dict[str, Any]) -> S:
@@ -221,8 +249,10 @@ class GraphSpec:
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        architecture = {"architecture": self.architecture} if self.architecture else {}  # UNet specs' JSON stays
         return (
             {"component": self.component}
+            | architecture
             | fields
             | {
                 "inputs": [t.to_json() for t in self.inputs()],

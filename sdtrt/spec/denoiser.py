@@ -43,6 +43,8 @@ class DenoiserSpec(GraphSpec):
     the family's conditioning, the grid, and a batch doubled by classifier-free guidance."""
 
     grid: ClassVar[dict[str, str]] = {"height": "latent_multiple", "width": "latent_multiple"}
+    # What the network's timestep input carries for a schedule's timestep t: t itself, or Flux's t / 1000.
+    timestep_scale: ClassVar[float] = 1.0
 
     in_channels: int = 4
     cross_attention_dim: int = 768
@@ -109,29 +111,32 @@ class DenoiserSpec(GraphSpec):
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, timestep: float = 500.0,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None, tokens: int = 0,
     ) -> dict[str, torch.Tensor]:  # fmt: skip
         """Seeded random inputs shaped like a denoising step's, in ``dtype`` (default: float32)."""
         import torch
 
-        feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype)
-        t_name = self.input_names[1]
-        return feeds | {t_name: torch.full_like(feeds[t_name], float(timestep), dtype=torch.float32)}
+        feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype, tokens=tokens)
+        t_name = self.input_names[self.canonical_inputs.index("timestep")]
+        value = float(timestep) * self.timestep_scale
+        return feeds | {t_name: torch.full_like(feeds[t_name], value, dtype=torch.float32)}
 
     def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
         """Timesteps across the schedule at the optimum shape, plus the profile's smallest and largest."""
-        batch = self.batch_range(profile)
+        batch, tokens = self.batch_range(profile), self.token_counts(profile)
         opt = (batch.opt, profile.height.opt, profile.width.opt)
         return [
-            ValidationCase(*opt, timestep=999.0, seed=0),
-            ValidationCase(*opt, timestep=500.0, seed=1),
-            ValidationCase(*opt, timestep=1.0, seed=2),
-            ValidationCase(batch.min, profile.height.min, profile.width.min, timestep=750.0, seed=3),
-            ValidationCase(batch.max, profile.height.max, profile.width.max, timestep=250.0, seed=4),
+            ValidationCase(*opt, timestep=999.0, seed=0, tokens=tokens.opt),
+            ValidationCase(*opt, timestep=500.0, seed=1, tokens=tokens.opt),
+            ValidationCase(*opt, timestep=1.0, seed=2, tokens=tokens.opt),
+            ValidationCase(batch.min, profile.height.min, profile.width.min, timestep=750.0, seed=3, tokens=tokens.min),
+            ValidationCase(batch.max, profile.height.max, profile.width.max, timestep=250.0, seed=4, tokens=tokens.max),
         ]
 
     def case_inputs(self, case: ValidationCase) -> dict[str, torch.Tensor]:
-        return self.sample_inputs(case.batch, case.height, case.width, seed=case.seed, timestep=case.timestep)
+        return self.sample_inputs(
+            case.batch, case.height, case.width, seed=case.seed, timestep=case.timestep, tokens=case.tokens
+        )
 
     def case_label(self, case: ValidationCase) -> str:
         return f"{super().case_label(case)} t={case.timestep:g}"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..config import Component, IONaming, Precision, Range, ShapeProfile
-from .base import FOLDERS, TEXT_TOKENS, GraphSpec, ModelConfigs, TensorSpec
+from .base import FOLDERS, TEXT_TOKENS, GraphSpec, ModelConfigs, TensorSpec, token_range
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,67 @@ class TextEncoder2Spec(TextEncoderSpec):
 
     component: ClassVar[Component] = "text_encoder_2"
     label: ClassVar[str] = "second text encoder"
+
+
+@dataclass(frozen=True)
+class T5EncoderSpec(GraphSpec):
+    """T5 (``T5EncoderModel``; SD3's text_encoder_3, Flux's text_encoder_2): token ids ``int32 [B, T]`` →
+    ``last_hidden_state [B, T, d_model]``, as the pipelines call it (no attention mask). T is the profile's
+    token axis (``max_sequence_length``)."""
+
+    component: ClassVar[Component] = "text_encoder_3"
+    label: ClassVar[str] = "T5 text encoder"
+    architecture: ClassVar[str] = "T5EncoderModel"
+    fp16_problem: ClassVar[str] = (
+        "T5's feed-forward activations overflow fp16 (transformers keeps its wo projections fp32, "
+        "T5PreTrainedModel._keep_in_fp32_modules; NVIDIA's demo/Diffusion notes known FP16 accuracy issues)"
+    )
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids",)
+    canonical_outputs: ClassVar[tuple[str, ...]] = ("last_hidden_state",)
+
+    hidden_size: int = 4096
+    vocab_size: int = 32128
+    max_sequence_length: int = 256
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> T5EncoderSpec:
+        """This component's contract for ``model``: T5's width and vocabulary, the family's token count."""
+        from ..families import T5_TOKENS, transformer_family
+
+        config = model.component_config(FOLDERS[cls.component])
+        tokens = (
+            T5_TOKENS[transformer_family(model.component_config("transformer"))] if model.has("transformer") else 256
+        )
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=model.vae_scale_factor(),
+            hidden_size=config["d_model"], vocab_size=config["vocab_size"], max_sequence_length=tokens,
+        )  # fmt: skip
+
+    @property
+    def default_tokens(self) -> int:
+        return self.max_sequence_length
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 1  # no pixels: only the batch and token count of a profile matter here
+
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.input_names[0], "int32", ("batch", "tokens"))]
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_names[0], self.dtype, ("batch", "tokens", self.hidden_size))]
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        return Range(1, 1, profile.batch.max)  # one call per prompt list, positive and negative apart
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile(tokens=token_range(self.max_sequence_length))
+
+
+@dataclass(frozen=True)
+class T5Encoder2Spec(T5EncoderSpec):
+    """Flux's T5, in ``text_encoder_2``."""
+
+    component: ClassVar[Component] = "text_encoder_2"

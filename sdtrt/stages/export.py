@@ -2,7 +2,8 @@
 
 IO as the component's spec says (the UNet: ``sample``, ``timestep`` (float32 ``[2B]``),
 ``encoder_hidden_states``, then SDXL's ``text_embeds``/``time_ids`` or LCM's ``timestep_cond``;
-output ``out_sample``); batch, height and width dynamic. Export-time patches are scoped and recorded
+output ``out_sample``; a transformer: the diffusers forward's keyword arguments); batch, height, width
+and T5's token count dynamic. Export-time patches are scoped and recorded
 in the manifest, with the model's family.
 """
 
@@ -17,7 +18,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import onnx_graph
 from ..config import ExportConfig
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 STAGE = "export"
+# Largest sizes torch.export may assume (others: 4096): Flux's patches reach 16384 at 2048² px.
+AXIS_MAX = {"batch": 1024, "patches": 1 << 16, "text_tokens": 4096 + 77}
 VERSION = 3  # 3: the graph spec is part of the key
 
 
@@ -53,6 +56,13 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         )  # fmt: skip
         return (*down, mid)
 
+    def transformer(*inputs: torch.Tensor) -> torch.Tensor:
+        # SD3's and Flux's graph inputs are named as their forward's keyword arguments.
+        return network(**dict(zip(spec.canonical_inputs, inputs, strict=True)), return_dict=False)[0]
+
+    def t5(input_ids: torch.Tensor) -> torch.Tensor:
+        return network(input_ids).last_hidden_state  # no attention mask, as SD3's and Flux's pipelines call it
+
     def text_encoder(input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = network(input_ids, output_hidden_states=True)
         # The penultimate layer is what `clip_skip=1` (and SDXL) read, before the final layer norm.
@@ -64,11 +74,15 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     def vae_encoder(sample: torch.Tensor) -> torch.Tensor:
         return network.encode(sample).latent_dist.parameters  # mean and log-variance, stacked on channels
 
+    # By component, or by the folder's class where a component's folder may hold several (T5 or CLIP).
     forward: dict[str, Callable[..., Any]] = {
+        "T5EncoderModel": t5,
         "unet": unet,
+        "transformer": transformer,
         "controlnet": controlnet,
         "text_encoder": text_encoder,
         "text_encoder_2": text_encoder,
+        "text_encoder_3": text_encoder,
         "vae_decoder": vae_decoder,
         "vae_encoder": vae_encoder,
     }
@@ -79,7 +93,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
             self.network = network  # registered, so the exporter sees its weights
 
         def forward(self, *inputs: torch.Tensor) -> Any:
-            return forward[spec.component](*inputs)
+            return forward.get(spec.architecture, forward[spec.component])(*inputs)
 
     return Graph().eval()
 
@@ -112,6 +126,22 @@ def keep_attention_upcast(unet: Any) -> None:
     from diffusers.models.attention_processor import AttnProcessor
 
     unet.set_attn_processor(AttnProcessor())
+
+
+def exporter_for(config: ExportConfig, spec: GraphSpec) -> Literal["dynamo", "torchscript"]:
+    """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
+    Flux's transformers, T5): the one exporter verified on them."""
+    if config.exporter == "auto" and spec.architecture:
+        return "dynamo"
+    return config.chosen_exporter
+
+
+def precision_note(spec: GraphSpec) -> dict[str, str]:
+    """The graph's precision for the manifest, and why, where fp16 is not this network's default (T5)."""
+    if not spec.fp16_problem:
+        return {"graph": spec.precision}
+    verdict = "fp32, not fp16 by default" if spec.precision == "fp32" else "fp16 as asked, against the default"
+    return {"graph": spec.precision, "why": f"{verdict}: {spec.fp16_problem}"}
 
 
 def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
@@ -156,7 +186,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     raw_dir.mkdir()
     started = time.perf_counter()
     onnx_name = f"{spec.component}.onnx"
-    exporter = config.chosen_exporter
+    exporter = exporter_for(config, spec)
     description = f"Exporting {spec.label} to ONNX ({config.precision}, {exporter} exporter, opset {config.opset})"
     with (
         step(description), export_patches() as patches, torch.no_grad(), warnings.catch_warnings(),
@@ -167,7 +197,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
         if os.environ.get("SDTRT_DEBUG", "") in ("", "0"):
             warnings.simplefilter("ignore")
         try:
-            _torch_export(module, spec, config, raw_dir / onnx_name, dtype)
+            _torch_export(module, spec, config, exporter, raw_dir / onnx_name, dtype)
         except Exception as exc:
             other = "torchscript" if exporter == "dynamo" else "dynamo"
             raise ExportError(
@@ -194,6 +224,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
         "primary": onnx_name,
         "family": model.family(),
         "io": spec.to_json(),
+        "precision": precision_note(spec),
         "patches": patches,
         "timings": timings,
         "details": {
@@ -210,12 +241,12 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
 
 
 def _torch_export(
-    module: torch.nn.Module, spec: GraphSpec, config: ExportConfig, path: Path, dtype: torch.dtype
+    module: torch.nn.Module, spec: GraphSpec, config: ExportConfig, exporter: str, path: Path, dtype: torch.dtype
 ) -> None:
     import torch
 
     pm = spec.pixel_multiple
-    if config.chosen_exporter == "torchscript":
+    if exporter == "torchscript":
         # The TorchScript exporter runs the model for real; fp16 on a CPU without fp16 units is
         # slow, so trace the smallest valid input. The graph stays dynamic through dynamic_axes.
         side = max(8 * spec.vae_scale_factor, pm)
@@ -234,7 +265,7 @@ def _torch_export(
     dims: dict[str, Any] = {}
     for axis in {d for t in spec.inputs() for d in t.shape if isinstance(d, str)}:
         multiple = getattr(spec, spec.grid[axis]) if axis in spec.grid else 1
-        dims[axis] = multiple * Dim(axis, min=1, max=1024 if axis == "batch" else 4096)
+        dims[axis] = multiple * Dim(axis, min=1, max=AXIS_MAX.get(axis, 4096))
     # torch's ONNX registry warns about every torchvision op it cannot register (sdtrt exports none).
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     # Keyed by the wrapper's one variadic parameter, ``inputs``.

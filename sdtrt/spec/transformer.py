@@ -1,0 +1,185 @@
+"""Transformer denoisers' graph contracts: SD3 / SD3.5 (MMDiT) and Flux.1 (DiT on packed latents).
+
+Optimum's ``SD3TransformerOnnxConfig`` / ``FluxTransformerOnnxConfig`` and NVIDIA demo/Diffusion's
+``model/diffusion_transformer.py`` declare the same IO. Inputs are named as the diffusers forward's
+keyword arguments, so the exported wrapper passes them by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..config import Component, IONaming, Precision, ShapeProfile
+from ..errors import ArtifactError
+from ..families import T5_TOKENS, transformer_family
+from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
+from .denoiser import DenoiserSpec
+
+
+@dataclass(frozen=True)
+class TransformerSpec(DenoiserSpec):
+    """What SD3's and Flux's transformers share: hidden states, text and pooled embeddings, a timestep, and T5's
+    token count as a profile axis. ``for_model`` / ``from_json`` pick the kind from the transformer's class."""
+
+    component: ClassVar[Component] = "transformer"
+    label: ClassVar[str] = "transformer"
+    canonical_outputs: ClassVar[tuple[str, ...]] = (NAMED_OUTPUT,)
+
+    pooled_projection_dim: int = 2048
+    out_channels: int = 16
+    max_sequence_length: int = 256  # T5's default token count (the pipelines' max_sequence_length)
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> TransformerSpec:
+        """This component's contract for ``model``: its latent grid from the transformer's and VAE's configs."""
+        config = model.component_config("transformer")
+        kind = _kind(config.get("_class_name", ""))
+        factor = model.vae_scale_factor()
+        vae = model.component_config("vae") if model.has("vae") else {}
+        return kind(
+            precision=precision, io_naming=io_naming, vae_scale_factor=factor,
+            **kind.fields_from(config, vae, factor), max_sequence_length=T5_TOKENS[transformer_family(config)],
+        )  # fmt: skip
+
+    @classmethod
+    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        """The recorded kind's spec (a manifest names the transformer's class)."""
+        if cls is TransformerSpec:
+            return _kind(data.get("architecture", "")).from_json(data)
+        return super().from_json(data)
+
+    @property
+    def default_tokens(self) -> int:
+        return self.max_sequence_length
+
+    @property
+    def output_name(self) -> str:
+        return self.output_names[0]
+
+    def default_profile(self) -> ShapeProfile:
+        profile = ShapeProfile.around(self.latent_sample_size * self.vae_scale_factor, self.pixel_multiple)
+        return dataclasses.replace(profile, guidance=self.doubles_batch, tokens=token_range(self.max_sequence_length))
+
+    @property
+    def doubles_batch(self) -> bool:
+        """Whether classifier-free guidance doubles the batch (SD3), or runs without (Flux)."""
+        raise NotImplementedError
+
+    def inputs(self) -> list[TensorSpec]:
+        shapes = self.input_tensors()
+        return [
+            TensorSpec(name, dtype or self.dtype, shape)
+            for name, (dtype, shape) in zip(self.input_names, shapes.values(), strict=True)
+        ]
+
+    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        """Canonical name → (dtype, None for the graph's; shape), in graph order."""
+        raise NotImplementedError
+
+    @property
+    def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self.input_tensors())
+
+
+@dataclass(frozen=True)
+class SD3TransformerSpec(TransformerSpec):
+    """SD3 / SD3.5: latents ``[B, 16, h, w]``, CLIP-L + CLIP-G + T5 tokens ``[B, 77 + T, joint_attention_dim]``,
+    pooled CLIP ``[B, 2048]``; classifier-free guidance doubles B. Latents are cut into patch_size² patches."""
+
+    architecture: ClassVar[str] = "SD3Transformer2DModel"
+
+    @classmethod
+    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        return {
+            "in_channels": config.get("in_channels", 16),
+            "out_channels": config.get("out_channels", 16),
+            "cross_attention_dim": config["joint_attention_dim"],
+            "pooled_projection_dim": config["pooled_projection_dim"],
+            "latent_sample_size": config.get("sample_size", 128),
+            "latent_multiple": config.get("patch_size", 2),
+        }
+
+    @property
+    def doubles_batch(self) -> bool:
+        return True
+
+    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        return {
+            "hidden_states": (None, ("batch", self.in_channels, "height", "width")),
+            "timestep": ("float32", ("batch",)),  # fp32 in every graph, as the UNet's
+            "encoder_hidden_states": (None, ("batch", "text_tokens", self.cross_attention_dim)),
+            "pooled_projections": (None, ("batch", self.pooled_projection_dim)),
+        }
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]
+
+
+@dataclass(frozen=True)
+class FluxTransformerSpec(TransformerSpec):
+    """Flux.1: latents packed 2×2 ``[B, (h/2)(w/2), 64]`` with their positions ``img_ids [(h/2)(w/2), 3]``, T5 tokens
+    ``[B, T, 4096]`` with ``txt_ids [T, 3]``, pooled CLIP-L ``[B, 768]``; dev embeds ``guidance [B]``. No batch
+    doubling (true CFG runs two passes at B). The timestep is the schedule's t / 1000, as FluxPipeline passes it."""
+
+    architecture: ClassVar[str] = "FluxTransformer2DModel"
+    timestep_scale: ClassVar[float] = 1e-3
+    grid: ClassVar[dict[str, str]] = {}  # no latent height/width among the inputs: pixel_multiple says it
+
+    guidance_embeds: bool = True
+
+    @classmethod
+    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        return {
+            "in_channels": config.get("in_channels", 64),
+            "out_channels": config.get("out_channels") or config.get("in_channels", 64),
+            "cross_attention_dim": config["joint_attention_dim"],
+            "pooled_projection_dim": config["pooled_projection_dim"],
+            # FluxPipeline's default size is the VAE's sample_size (1024 px for Flux.1).
+            "latent_sample_size": vae.get("sample_size", 1024) // vae_scale_factor,
+            "latent_multiple": 2,  # 2×2 latents per token
+            "guidance_embeds": bool(config.get("guidance_embeds")),
+        }
+
+    @property
+    def doubles_batch(self) -> bool:
+        return False
+
+    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        tensors: dict[str, tuple[str | None, tuple[int | str, ...]]] = {
+            "hidden_states": (None, ("batch", "patches", self.in_channels)),
+            "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),
+            "pooled_projections": (None, ("batch", self.pooled_projection_dim)),
+            "timestep": ("float32", ("batch",)),
+            # Positions feed the rotary embedding, which stays fp32 (as NVIDIA's demo keeps it).
+            "img_ids": ("float32", ("patches", 3)),
+            "txt_ids": ("float32", ("tokens", 3)),
+        }
+        if self.guidance_embeds:
+            tensors["guidance"] = ("float32", ("batch",))
+        return tensors
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
+
+
+TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {
+    cls.architecture: cls for cls in (SD3TransformerSpec, FluxTransformerSpec)
+}
+
+
+def _kind(architecture: str) -> type[TransformerSpec]:
+    kind = TRANSFORMER_KINDS.get(architecture)
+    if kind is None:
+        raise ArtifactError(
+            f"no graph contract for a {architecture or 'transformer without a class name'}; sdtrt builds "
+            f"{', '.join(TRANSFORMER_KINDS)}"
+        )
+    return kind
