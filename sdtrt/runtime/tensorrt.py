@@ -228,6 +228,21 @@ class BaseWeights:
         return {name: self._held[name] for name in names}
 
 
+def refit_weights(array: np.ndarray) -> trt.Weights:
+    """TensorRT Weights over a contiguous host array, which must outlive the refit.
+
+    trt.Weights(array) maps numpy dtypes to TensorRT's and raises ValueError for ml_dtypes' bfloat16, the dtype ONNX
+    gives bf16 initializers (python/src/utils.cpp ``type``: f4, f2, i8, i4, i1, b1, u1 only); a bf16 array goes
+    through the pointer constructor ``Weights(type, ptr, count)`` instead, as demo/Diffusion's Engine.refit passes
+    every weight (python/src/infer/pyFoundationalTypes.cpp ``weights_pointer_constructor``).
+    """
+    import tensorrt as trt
+
+    if array.dtype.name == "bfloat16":
+        return trt.Weights(trt.DataType.BF16, array.ctypes.data, array.size)
+    return trt.Weights(array)
+
+
 class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
@@ -389,7 +404,7 @@ class TensorRTRuntime(CudaRuntime):
 
         def put(name: str, array: np.ndarray) -> None:
             held.append(np.ascontiguousarray(array))
-            if not refitter.set_named_weights(name, trt.Weights(held[-1])):
+            if not refitter.set_named_weights(name, refit_weights(held[-1])):
                 raise LoraError(f"TensorRT refused new weights for '{name}' (not refittable, or another size/dtype)")
 
         for name, array in weights.items():
