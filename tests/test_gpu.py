@@ -295,6 +295,25 @@ def test_a_bf16_engine_builds_and_matches_pytorch(bf16_unet, reference_cpu):
     assert check_tensor_row(row, Tolerances.for_precision("bf16"), "UNet") == []
 
 
+def test_a_bf16_engine_refits_with_bf16_weights(tiny, store):
+    """ONNX gives bf16 initializers as ml_dtypes' bfloat16, which trt.Weights(array) refuses (python/src/utils.cpp
+    ``type``): the refit passes them by pointer. Refitting a conv kernel with its own value changes nothing."""
+    import onnx
+
+    from sdtrt.graph_weights import read_named_initializers
+
+    simplified = simplify.run(SimplifyConfig(), export.run(ExportConfig(precision="bf16"), tiny, store), store)
+    config = TrtBuildConfig(profiles=(PROFILE,), refittable=True)
+    engine, _ = build(simplified, store, "tensorrt", trt_config=config)
+    graph = onnx.load(str(simplified.primary), load_external_data=False).graph
+    kernel = next(i.name for i in graph.initializer if i.data_type == onnx.TensorProto.BFLOAT16 and len(i.dims) == 4)
+    runtime = open_runtime(engine)
+    feeds = runtime.spec.case_inputs(ValidationCase(2, 256, 256))
+    before = runtime.run(feeds)["out_sample"].clone()
+    runtime.set_weights(read_named_initializers(simplified.primary, {kernel}))
+    assert torch.equal(runtime.run(feeds)["out_sample"], before)
+
+
 def test_a_weight_streaming_engine_runs_within_a_budget(tiny, tiny_simplified, store, monkeypatch):
     config = TrtBuildConfig(profiles=(PROFILE,), weight_streaming=True)
     engine, _ = build(tiny_simplified, store, "tensorrt", trt_config=config)

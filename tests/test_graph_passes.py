@@ -39,7 +39,7 @@ def test_resize_computes_in_fp32_and_the_graph_then_runs():
     scales = helper.make_tensor("scales", TensorProto.FLOAT, [4], [1, 1, 2, 2])
     resize = helper.make_node("Resize", ["h", "", "scales"], ["o"], "up", mode="linear")
     model = bf16_graph(resize, [1, 2, 6, 6], [scales])
-    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):  # no bf16 Resize, as in TensorRT
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED"):  # no bf16 Resize on ONNX Runtime's CPU provider
         session(model)
 
     assert compute_in_fp32(model) == ["up"]

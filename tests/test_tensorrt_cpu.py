@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -498,14 +499,23 @@ def test_weight_budgets_in_bytes(text, streamable, expected):
     assert weight_budget_bytes(WeightBudget.parse(text), streamable, lambda: 1 / 0) == expected
 
 
-def test_a_truncated_automatic_budget_is_refused():
-    """pyCore.cpp binds get_weight_streaming_automatic_budget through an int32_t: over 2 GiB it can turn negative."""
+def truncated_to_int32(budget: int):
+    """What TensorRT's Python binding hands back: the int64 budget through an int32_t (pyCore.cpp)."""
+    return lambda: ctypes.c_int32(budget).value
+
+
+def test_a_truncated_automatic_budget_is_recovered_or_refused():
+    """pyCore.cpp binds get_weight_streaming_automatic_budget through an int32_t, so only the budget's low 32 bits
+    come back: negative, or positive and wrong. The budget is at most the streamable size (NvInferRuntime.h), so
+    it is recovered where one value fits, and refused where several do; never a wrong budget."""
     from sdtrt.config import WeightBudget
     from sdtrt.runtime.tensorrt import weight_budget_bytes
 
-    assert weight_budget_bytes(WeightBudget.parse("auto"), 10, lambda: 7) == 7
-    with pytest.raises(ConfigError, match="percentage or a size"):
-        weight_budget_bytes(WeightBudget.parse("auto"), 10, lambda: -5)
+    auto = WeightBudget.parse("auto")
+    assert weight_budget_bytes(auto, 10, truncated_to_int32(7)) == 7
+    assert weight_budget_bytes(auto, 3 << 30, truncated_to_int32(5 << 29)) == 5 << 29  # 2.5 GiB: negative in int32
+    with pytest.raises(ConfigError, match="percentage or a size"):  # 5 GiB + 1 MiB reads as 1 GiB + 1 MiB
+        weight_budget_bytes(auto, 10 << 30, truncated_to_int32((5 << 30) + (1 << 20)))
 
 
 @pytest.mark.parametrize("text", ["-1", "150%", "lots", "inf", "8XB"])

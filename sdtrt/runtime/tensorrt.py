@@ -98,30 +98,48 @@ def engine_io_problem(engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
 
 
 def weight_budget_bytes(budget: WeightBudget, streamable: int, automatic: Callable[[], int]) -> int:
-    """The bytes of streamable weights to keep on the GPU for ``budget``; ``automatic`` asks TensorRT.
-
-    The Python binding of getWeightStreamingAutomaticBudget returns an int32_t (pyCore.cpp, a lambda over the
-    int64_t C++ call), so a budget over 2 GiB can come back negative: refused, with the way round it.
-    """
+    """The bytes of streamable weights to keep on the GPU for ``budget``; ``automatic`` asks TensorRT."""
     if budget.percent is not None:
         return int(budget.percent / 100 * streamable)  # as demo/Diffusion's Engine.load computes a percentage
     if budget.size is not None:
         return budget.size
-    if (chosen := automatic()) < 0:
-        raise ConfigError(
-            f"TensorRT's automatic weight streaming budget came back as {chosen} (its Python binding truncates it "
-            "to 32 bits); give --weight-streaming-budget as a percentage or a size instead"
-        )
-    return chosen
+    return untruncated_automatic_budget(automatic(), streamable)
+
+
+INT32_VALUES = 1 << 32
+
+
+def untruncated_automatic_budget(low_bits: int, streamable: int) -> int:
+    """TensorRT's automatic budget from the 32 bits its Python binding keeps of it, where only one value fits.
+
+    pyCore.cpp (TensorRT 10.1 to 11.1) binds get_weight_streaming_automatic_budget as
+    ``[](ICudaEngine& self) -> int32_t { return self.getWeightStreamingAutomaticBudget(); }`` over an int64_t
+    call, so a budget of 2 GiB or more comes back negative or as a smaller positive number. NvInferRuntime.h
+    getWeightStreamingAutomaticBudget caps the budget at getStreamableWeightsSize(), so the budget is the one
+    value from 0 to ``streamable`` with these low bits; with several such values (4 GiB or more of streamable
+    weights) there is no telling which, and the budget is refused rather than guessed.
+    """
+    fits = range(low_bits % INT32_VALUES, streamable + 1, INT32_VALUES)
+    if len(fits) == 1:
+        return fits[0]
+    raise ConfigError(
+        f"TensorRT's automatic weight streaming budget comes through its Python binding as 32 bits ({low_bits}), "
+        f"which fit {len(fits)} budgets for {streamable} bytes of streamable weights; give "
+        "--weight-streaming-budget as a percentage or a size instead"
+    )
 
 
 def set_weight_budget(engine: trt.ICudaEngine, budget: WeightBudget, plan: Path, rebuild: str) -> None:
     """Limit the GPU memory the engine's weights take, before any execution context exists.
 
-    NvInferRuntime.h setWeightStreamingBudgetV2: non-negative; 0 streams the most, streamable_weights_size or more
-    streams nothing; needs BuilderFlag::kWEIGHT_STREAMING at build (streamable_weights_size is 0 otherwise);
-    cannot change while execution contexts are active; returns false for an invalid budget. The Python
-    property's setter drops that bool (pyCore.cpp def_property), so the budget is read back to check it.
+    NvInferRuntime.h setWeightStreamingBudgetV2: non-negative; 0 streams the most, getStreamableWeightsSize() or
+    more (the default) streams nothing; needs BuilderFlag::kWEIGHT_STREAMING at build (getStreamableWeightsSize()
+    is 0 otherwise), on a strongly typed network (developer guide, "Weight Streaming"); cannot change while
+    execution contexts are active; returns false for an invalid budget. The Python property's setter drops that
+    bool (pyCore.cpp ``.def_property("weight_streaming_budget_v2", &ICudaEngine::getWeightStreamingBudgetV2,
+    &ICudaEngine::setWeightStreamingBudgetV2)``: Python ignores a setter's result), so the budget is read back, as
+    Polygraphy's TrtRunner._set_weight_streaming_budget_v2 does. The deprecated V1 property (weight_streaming_budget,
+    where -1 and 0 meant "off" and "automatic") is never touched: mixing V1 and V2 is undefined (NvInferRuntime.h).
     """
     streamable = int(engine.streamable_weights_size)
     if streamable == 0:
@@ -208,6 +226,21 @@ class BaseWeights:
                 "name: the engine was not built from this graph; rebuild it from the graph"
             )
         return {name: self._held[name] for name in names}
+
+
+def refit_weights(array: np.ndarray) -> trt.Weights:
+    """TensorRT Weights over a contiguous host array, which must outlive the refit.
+
+    trt.Weights(array) maps numpy dtypes to TensorRT's and raises ValueError for ml_dtypes' bfloat16, the dtype ONNX
+    gives bf16 initializers (python/src/utils.cpp ``type``: f4, f2, i8, i4, i1, b1, u1 only); a bf16 array goes
+    through the pointer constructor ``Weights(type, ptr, count)`` instead, as demo/Diffusion's Engine.refit passes
+    every weight (python/src/infer/pyFoundationalTypes.cpp ``weights_pointer_constructor``).
+    """
+    import tensorrt as trt
+
+    if array.dtype.name == "bfloat16":
+        return trt.Weights(trt.DataType.BF16, array.ctypes.data, array.size)
+    return trt.Weights(array)
 
 
 class TensorRTRuntime(CudaRuntime):
@@ -371,7 +404,7 @@ class TensorRTRuntime(CudaRuntime):
 
         def put(name: str, array: np.ndarray) -> None:
             held.append(np.ascontiguousarray(array))
-            if not refitter.set_named_weights(name, trt.Weights(held[-1])):
+            if not refitter.set_named_weights(name, refit_weights(held[-1])):
                 raise LoraError(f"TensorRT refused new weights for '{name}' (not refittable, or another size/dtype)")
 
         for name, array in weights.items():

@@ -3,8 +3,11 @@
 Both passes wrap a node in casts: its bf16 float inputs are cast to fp32, its outputs computed in fp32 and
 cast back to bf16, so the rest of the strongly typed graph keeps its types.
 
-- **Resize**: TensorRT has no bf16 Resize; NVIDIA's demo/Diffusion casts Resize I/O to fp32 for strongly
-  typed bf16 builds (demo_diffusion/model/base_model.py ``optimize``, utils_modelopt.py ``cast_resize_io``).
+- **Resize**: NVIDIA's demo/Diffusion casts Resize I/O to fp32 for strongly typed bf16 builds
+  (demo_diffusion/model/base_model.py ``optimize``: "TRT does not support BF16 for the Resize operator";
+  utils_modelopt.py ``cast_resize_io``), although onnx-tensorrt's docs/operators.md for TensorRT 10 lists
+  Resize as FP32, FP16, BF16. Kept as the demo builds it: an interpolation in fp32 costs little and rounds
+  to bf16 once, at its output.
 - **Sin and Cos** — the rotary position embedding (Flux, SD3.5) and the sinusoidal timestep embedding: an
   angle of a few hundred radians keeps no fraction in bf16's 8-bit mantissa, so a sine computed on it is
   noise. NVIDIA's demo keeps Flux's rotary embedding in fp32. diffusers already computes the angles in
@@ -25,7 +28,7 @@ from onnx import TensorProto, helper
 
 # Ops computed in fp32 inside bf16 graphs, and why (the manifest records it).
 FP32_OPS = {
-    "Resize": "TensorRT has no bf16 Resize (NVIDIA demo/Diffusion casts its I/O to fp32)",
+    "Resize": "as NVIDIA demo/Diffusion builds bf16 graphs (it casts Resize I/O to fp32)",
     "Sin": "rotary and timestep embeddings: angles keep no fraction in bf16",
     "Cos": "rotary and timestep embeddings: angles keep no fraction in bf16",
 }
