@@ -78,6 +78,10 @@ class SizeRule:
         fields = kind.fields_from(config, dict(pipe.vae.config), factor)
         return cls.for_denoiser(kind(precision="fp32", io_naming="named", vae_scale_factor=factor, **fields))
 
+    def applicable(self, guidance: float) -> float | None:
+        """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's."""
+        return None if self.default_guidance is None else guidance
+
     def resolve_guidance(self, guidance: float | None) -> float | None:
         """The guidance to run with: the model's default for None; RequestError for one a model cannot take."""
         if self.default_guidance is None and guidance is not None:
