@@ -188,8 +188,8 @@ def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     request = GenerateRequest(
-        prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
-        height=config.height, width=config.width, images=config.batch,
+        prompt=config.prompt, steps=config.steps, seed=config.seed, height=config.height, width=config.width,
+        guidance=SizeRule.for_model(model).applicable(config.guidance), images=config.batch,
     )  # fmt: skip
     with rss_sampler() as peak_rss:
         try:

@@ -19,11 +19,19 @@ from .lora_files import LORA_COMPONENTS, LoraSpec
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps
-from .runtime import open_runtime
-from .spec import FOLDERS, model_components
+from .runtime import Runtime, open_runtime
+from .spec import FOLDERS, T5EncoderSpec, model_components
 from .stages import weight_map as weight_maps
 from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
-from .standins import EngineModule, EngineTextEncoder, EngineVAE, final_layer_norm, saved_engines, text_encoder_config
+from .standins import (
+    EngineModule,
+    EngineT5,
+    EngineTextEncoder,
+    EngineVAE,
+    final_layer_norm,
+    saved_engines,
+    text_encoder_config,
+)
 from .store import Artifact
 from .unet import EngineUNet
 
@@ -176,7 +184,7 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
 
 
 def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:
-    """The pipeline components that replace PyTorch modules: EngineUNet, EngineTextEncoder, EngineVAE."""
+    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE."""
     runtimes = {c: open_runtime(a, source) for c, a in members.items()}
     out: dict[str, EngineModule] = {}
 
@@ -185,18 +193,9 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
             component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component)
         )
 
-    if "unet" in runtimes:
-        out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype, loras=loras("unet"))
-    if "controlnet" in runtimes:
-        from .controlnet import EngineControlNet
-
-        config = source.component_config("controlnet")
-        out["controlnet"] = EngineControlNet(runtimes["controlnet"], config, dtype=dtype)
-    for name in TEXT_ENCODERS:
-        if name in runtimes:
-            config = text_encoder_config(source, FOLDERS[name])
-            norm = final_layer_norm(source, config, FOLDERS[name])
-            out[name] = EngineTextEncoder(runtimes[name], config, norm, dtype=dtype, loras=loras(name))
+    for component, runtime in runtimes.items():
+        if component in NETWORK_STANDINS:
+            out[FOLDERS[component]] = NETWORK_STANDINS[component](source, component, runtime, dtype, loras)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
@@ -206,6 +205,43 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
         standin.model_folder = source.component_dir(folder)
         standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
     return out
+
+
+StandIn = Callable[[ModelSource, str, Runtime, torch.dtype, Callable[[str], EngineLoras]], EngineModule]
+
+
+def _unet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any) -> EngineModule:
+    return EngineUNet(runtime, source.unet_config(), dtype=dtype, loras=loras(component))
+
+
+def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
+    from .transformer import EngineTransformer
+
+    return EngineTransformer(runtime, source.component_config(FOLDERS[component]), dtype=dtype)
+
+
+def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
+    from .controlnet import EngineControlNet
+
+    return EngineControlNet(runtime, source.component_config(FOLDERS[component]), dtype=dtype)
+
+
+def _text_encoder(
+    source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any
+) -> EngineModule:
+    """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2)."""
+    config = text_encoder_config(source, FOLDERS[component])
+    if isinstance(runtime.spec, T5EncoderSpec):
+        return EngineT5(runtime, config, dtype=dtype)
+    norm = final_layer_norm(source, config, FOLDERS[component])
+    return EngineTextEncoder(runtime, config, norm, dtype=dtype, loras=loras(component))
+
+
+# Engine component → its stand-in (the VAE's two halves make one EngineVAE, above). A new network is a row.
+NETWORK_STANDINS: dict[str, StandIn] = {
+    "unet": _unet, "transformer": _transformer, "controlnet": _controlnet,
+    **dict.fromkeys(TEXT_ENCODERS, _text_encoder),
+}  # fmt: skip
 
 
 def _as_artifact(engine: str | os.PathLike[str] | Artifact | CompileResult) -> Artifact:
@@ -263,10 +299,41 @@ def generate(
             on_step(step, len(_pipe.scheduler.timesteps))
         return kwargs
 
-    rule = SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor)
+    rule = SizeRule.for_pipeline(pipe)
     requests = [request] if isinstance(request, GenerateRequest) else request
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
     kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
+    kwargs |= t5_kwargs(pipe, [p for r in requests for p in (r.prompt, r.negative_prompt) if p])
     with torch.no_grad():
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)
+
+
+def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
+    """``max_sequence_length`` for a pipeline with T5 (SD3, Flux): the most tokens its T5 engine's profile takes
+    (the pipeline's default on PyTorch). T5 pads every prompt to it; a longer prompt is refused (RequestError),
+    never cut as the tokenizer would cut it.
+    """
+    t5_name = next((n for n in ("text_encoder_3", "text_encoder_2") if _is_t5(getattr(pipe, n, None))), None)
+    if t5_name is None:
+        return {}
+    limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+    profiles = [getattr(getattr(getattr(pipe, n), "runtime", None), "profile", None) for n in (t5_name, "transformer")]
+    built = [p.tokens.max for p in profiles if p is not None and p.tokens is not None]
+    limit = min(built) if built else limit
+    tokenizer = getattr(pipe, t5_name.replace("text_encoder", "tokenizer"))
+    for prompt in prompts:
+        count = len(tokenizer(prompt).input_ids)
+        if count > limit:
+            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
+            raise RequestError(
+                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
+                + (", or rebuild the engines with a T5 token range (profile tokens) covering it" if built else "")
+            )
+    return {"max_sequence_length": limit}
+
+
+def _is_t5(module: Any) -> bool:
+    from transformers import T5EncoderModel
+
+    return isinstance(module, T5EncoderModel)

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from .spec import DenoiserSpec
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+DEFAULT_GUIDANCE = 7.5  # a request's guidance when it gives none (FLUX.1-dev: FluxPipeline's 3.5)
+FLUX_GUIDANCE = 3.5
 
 # --scheduler names → diffusers classes (all built from the model's own scheduler config).
 SCHEDULERS = {
@@ -45,22 +47,49 @@ def check_scheduler(name: str) -> str:
 
 @dataclass(frozen=True)
 class SizeRule:
-    """The image sizes a model can generate: one rule, from its denoiser's and VAE's downsampling."""
+    """The image sizes (and guidance) a model can generate: one rule, from its denoiser's and VAE's configs."""
 
     multiple: int  # pixels: the VAE's scale factor times the denoiser's latent multiple
     default_height: int
     default_width: int
+    default_guidance: float | None = DEFAULT_GUIDANCE  # None: the model takes no guidance (FLUX.1-schnell)
 
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
+        from .spec import FluxTransformerSpec
+
         native = spec.latent_sample_size * spec.vae_scale_factor
-        return cls(spec.pixel_multiple, native, native)
+        guidance: float | None = DEFAULT_GUIDANCE
+        if isinstance(spec, FluxTransformerSpec):
+            guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
+        return cls(spec.pixel_multiple, native, native, guidance)
 
     @classmethod
-    def for_unet(cls, unet_config: dict[str, Any], vae_scale_factor: int) -> SizeRule:
+    def for_pipeline(cls, pipe: Any) -> SizeRule:
+        """The rule of a loaded pipeline's denoiser: its UNet, or SD3's / Flux's transformer."""
         from .spec import UNetSpec
+        from .spec.transformer import TRANSFORMER_KINDS
 
-        return cls.for_denoiser(UNetSpec.from_config(dict(unet_config), vae_scale_factor))
+        factor = pipe.vae_scale_factor
+        if getattr(pipe, "transformer", None) is None:
+            return cls.for_denoiser(UNetSpec.from_config(dict(pipe.unet.config), factor))
+        config = dict(pipe.transformer.config)
+        kind = TRANSFORMER_KINDS[config["_class_name"]]
+        fields = kind.fields_from(config, dict(pipe.vae.config), factor)
+        return cls.for_denoiser(kind(precision="fp32", io_naming="named", vae_scale_factor=factor, **fields))
+
+    def applicable(self, guidance: float) -> float | None:
+        """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's."""
+        return None if self.default_guidance is None else guidance
+
+    def resolve_guidance(self, guidance: float | None) -> float | None:
+        """The guidance to run with: the model's default for None; RequestError for one a model cannot take."""
+        if self.default_guidance is None and guidance is not None:
+            raise RequestError(
+                f"guidance {guidance} was given, but this model has no guidance embedding (FLUX.1-schnell, "
+                "a guidance-distilled model): leave --guidance out"
+            )
+        return self.default_guidance if guidance is None else guidance
 
     @classmethod
     def for_model(cls, model: ModelSource) -> SizeRule:
@@ -85,7 +114,7 @@ class GenerateRequest:
     prompt: str = DEFAULT_PROMPT
     negative_prompt: str | None = None
     steps: int = 20
-    guidance: float = 7.5
+    guidance: float | None = None  # None: the model's (7.5; FLUX.1-dev 3.5; FLUX.1-schnell takes none)
     seed: int = 0
     height: int | None = None  # None: the model's default
     width: int | None = None
@@ -102,18 +131,20 @@ class GenerateRequest:
             raise RequestError(f"images per prompt {self.images} must be at least 1")
         if not 0 <= self.seed <= SEED_MAX:
             raise RequestError(f"seed {self.seed} is outside 0..{SEED_MAX}, the range torch's random generator takes")
-        if not math.isfinite(self.guidance):
+        if self.guidance is not None and not math.isfinite(self.guidance):
             raise RequestError(f"guidance {self.guidance} must be a finite number")
 
     @property
-    def batch_key(self) -> tuple[int, float, int, int]:
+    def batch_key(self) -> tuple[int, float | None, int, int]:
         """What text-to-image requests must share to run as one pipeline call (sized requests)."""
         return self.steps, self.guidance, self.height or 0, self.width or 0
 
     def sized_for(self, rule: SizeRule) -> GenerateRequest:
-        """This request with both sides set and on the model's grid (diffusers would reset a lone side)."""
+        """This request with both sides set and on the model's grid (diffusers would reset a lone side), and the
+        model's guidance (RequestError where it takes none and one was given)."""
         height, width = rule.resolve(self.height, self.width)
-        return dataclasses.replace(self, height=height, width=width)
+        guidance = rule.resolve_guidance(self.guidance)
+        return dataclasses.replace(self, height=height, width=width, guidance=guidance)
 
     def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
         """Keyword arguments for a pipeline whose ``__call__`` takes ``accepts``; RequestError for what it lacks.
@@ -143,7 +174,7 @@ class GenerateRequest:
                 raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}")
         if "strength" in accepts and self.image is not None:
             wanted["strength"] = self.strength
-        return {k: v for k, v in wanted.items() if k in accepts}
+        return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
 
 
 def check_steps(steps: int, scheduler_config: Any) -> None:

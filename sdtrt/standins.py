@@ -1,4 +1,5 @@
-"""Text encoder and VAE stand-ins: what a diffusers pipeline calls instead of CLIPTextModel and AutoencoderKL.
+"""Text encoder and VAE stand-ins: what a diffusers pipeline calls instead of CLIPTextModel, T5EncoderModel and
+AutoencoderKL.
 
 Like EngineUNet, each keeps the module's call signature, ``config``, ``dtype``, ``device`` and output
 classes, and refuses what its engine cannot do instead of silently doing something else.
@@ -16,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers import AutoencoderKL
-from transformers import CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
 
 from .errors import ArtifactError, EngineInputError
 from .lora import LoraNetwork
 from .progress import console
 from .runtime import Runtime
-from .spec import TextEncoderSpec
+from .spec import T5EncoderSpec, TextEncoderSpec
 
 if TYPE_CHECKING:
     from .lora import EngineLoras
@@ -255,6 +256,43 @@ class EngineCLIPTextModel(EngineTextEncoder, CLIPTextModel):  # type: ignore[mis
 
 class EngineCLIPTextModelWithProjection(EngineTextEncoder, CLIPTextModelWithProjection):  # type: ignore[misc]
     """A text encoder engine standing in for a CLIPTextModelWithProjection."""
+
+
+class EngineT5(EngineModule, T5EncoderModel):  # type: ignore[misc]
+    """A T5EncoderModel stand-in (SD3's text_encoder_3, Flux's text_encoder_2) backed by a T5 engine.
+
+    Its graph is T5 as the pipelines call it: token ids in, ``last_hidden_state`` out, no attention mask.
+    """
+
+    def __init__(self, runtime: Runtime, config: Any, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config, dtype or runtime.dtype, [runtime])
+        if not isinstance(runtime.spec, T5EncoderSpec):
+            raise ArtifactError(f"this is a {runtime.spec.component} engine; a T5 text encoder needs a T5 engine")
+        self.spec = runtime.spec
+        self.runtime = runtime
+        self.loras = None  # LoRAs on T5: none of the formats sdtrt reads target it
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool | None = None,
+        return_dict: bool = True, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        from transformers.modeling_outputs import BaseModelOutput
+
+        refused = {
+            "attention_mask": attention_mask is not None,
+            "inputs_embeds": inputs_embeds is not None,
+            "output_hidden_states": bool(output_hidden_states),
+        }
+        if given := [name for name, on in refused.items() if on]:
+            raise EngineInputError(
+                f"this T5 engine takes token ids alone and gives last_hidden_state alone (as SD3's and Flux's "
+                f"pipelines call T5), not {', '.join(given)}"
+            )
+        spec = self.spec
+        hidden = self.runtime.run({spec.input_names[0]: input_ids})[spec.output_names[0]]
+        out = BaseModelOutput(last_hidden_state=hidden.to(input_ids.device, self._dtype))
+        return out if return_dict else out.to_tuple()
 
 
 class EngineHalf(torch.nn.Module):

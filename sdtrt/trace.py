@@ -181,15 +181,17 @@ def instrument_pipeline(pipe: Any, tracer: Tracer) -> Iterator[StepSpans]:
     the yielded ``StepSpans.step_ended`` as ``generate(on_step=…)`` to get per-step spans.
     """
     steps = StepSpans(tracer)
-    unet_forward = pipe.unet.forward
+    # The denoiser: a UNet (called with sample, timestep positionally) or SD3's / Flux's transformer (by keyword).
+    denoiser = pipe.unet if getattr(pipe, "transformer", None) is None else pipe.transformer
+    denoiser_forward = denoiser.forward
 
-    def traced_unet(sample: Any, timestep: Any, *args: Any, **kwargs: Any) -> Any:
-        steps.unet_starting(timestep)
+    def traced_unet(*args: Any, **kwargs: Any) -> Any:
+        steps.unet_starting(kwargs["timestep"] if "timestep" in kwargs else args[1])
         with tracer.span("unet", "unet"):
-            return unet_forward(sample, timestep, *args, **kwargs)
+            return denoiser_forward(*args, **kwargs)
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patched(pipe.unet, "forward", traced_unet))
+        stack.enter_context(patched(denoiser, "forward", traced_unet))
         stack.enter_context(
             patched(
                 pipe.text_encoder, "forward", tracer.wrap(pipe.text_encoder.forward, "text_encoder", "text_encoder")

@@ -49,7 +49,7 @@ class TritonPythonModel:
             dtype=torch.float16 if gpu else torch.float32,
         )  # fmt: skip
         self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
-        self.rule = SizeRule.for_unet(pipe.unet.config, pipe.vae_scale_factor)
+        self.rule = SizeRule.for_pipeline(pipe)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
         self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by `sdtrt serve`; absent under a bare tritonserver
 
@@ -112,7 +112,7 @@ class TritonPythonModel:
                 prompt=_text(value["prompt"], "prompt"),
                 negative_prompt=None if negative is None else _text(negative, "negative_prompt"),
                 steps=int(value.get("steps", DEFAULTS.steps)),
-                guidance=float(value.get("guidance", DEFAULTS.guidance)),
+                guidance=float(value["guidance"]) if "guidance" in value else None,
                 seed=int(value.get("seed", DEFAULTS.seed)),
                 height=int(value["height"]) if "height" in value else None,
                 width=int(value["width"]) if "width" in value else None,

@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import json
 import math
-import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -178,10 +177,11 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     denoiser = denoiser_component(model)
     profile = built_for or denoiser_spec(model).default_profile()
     runtimes = {c: open_runtime(a, model) for c, a in members.items()}
+    rule = SizeRule.for_model(model)
     request = GenerateRequest(
-        prompt=config.prompt, steps=config.steps, guidance=config.guidance, seed=config.seed,
+        prompt=config.prompt, steps=config.steps, guidance=rule.applicable(config.guidance), seed=config.seed,
         height=config.height or profile.height.opt, width=config.width or profile.width.opt,
-    ).sized_for(SizeRule.for_model(model))  # fmt: skip
+    ).sized_for(rule)  # fmt: skip
     reference = load_pipeline(model, scheduler=config.scheduler)
     request = with_input_images(request, reference)
     precisions = {c: r.spec.precision for c, r in runtimes.items()}
@@ -206,20 +206,13 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                 report.tensors.append(row)
                 report.failures += row["failures"]
 
-    # SD3's and Flux's transformer and T5 have no engine stand-in yet (issue 20's next step): an image from their
-    # pipeline would say nothing about those engines, so only their tensors are compared.
-    without_standin = [c for c, r in runtimes.items() if r.spec.architecture]
-    if config.images and without_standin:
-        note = f"image check skipped: no engine stand-in yet for {', '.join(without_standin)}; tensors compared"
-        report.notes.append(note)
-        print(note, file=sys.stderr)
-    elif config.images:
+    if config.images:
         swapped = standins(model, members, reference.vae, reference.dtype)
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
             latents = [generate(p, request, output_type="latent").images for p in (reference, engine_pipe)]
-            images = [_decode(reference, latents[0]), _decode(decoder, latents[1])]
+            images = [_decode(reference, latents[0], request), _decode(decoder, latents[1], request)]
         report.image = compare_images(images[1], images[0], latents[1], latents[0], tol)
         report.failures += report.image["failures"]
     for runtime in runtimes.values():
@@ -296,8 +289,13 @@ def compare_images(
     }
 
 
-def _decode(pipe: Any, latents: torch.Tensor) -> np.ndarray:
-    """Decode with the pipeline's VAE (the PyTorch one, where no VAE engine is compared)."""
+def _decode(pipe: Any, latents: torch.Tensor, request: GenerateRequest) -> np.ndarray:
+    """Decode with the pipeline's VAE (the PyTorch one, where no VAE engine is compared), as the pipeline decodes:
+    Flux's packed latents unpacked, SD3's and Flux's VAE shift undone."""
+    config = pipe.vae.config
+    if hasattr(pipe, "_unpack_latents"):  # FluxPipeline's output_type="latent" is packed 2×2
+        latents = pipe._unpack_latents(latents, request.height, request.width, pipe.vae_scale_factor)
+    shift = getattr(config, "shift_factor", None) or 0.0
     with torch.no_grad():
-        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        decoded = pipe.vae.decode(latents / config.scaling_factor + shift, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np")

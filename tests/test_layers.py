@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtimes", ("sdtrt.runtime",)),
     ("stages", ("sdtrt.patches", "sdtrt.stages", "sdtrt.trt_build_worker")),
     ("LoRA", ("sdtrt.lora_files", "sdtrt.lora")),
-    ("stand-ins", ("sdtrt.standins", "sdtrt.unet", "sdtrt.controlnet")),
+    ("stand-ins", ("sdtrt.standins", "sdtrt.unet", "sdtrt.transformer", "sdtrt.controlnet")),
     ("pipelines", ("sdtrt.request", "sdtrt.pipeline")),
     ("tools", ("sdtrt.trace", "sdtrt.timing", "sdtrt.validate", "sdtrt.compile", "sdtrt.bench", "sdtrt.profile",
                "sdtrt.debug")),

@@ -60,7 +60,10 @@ WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (def
 PromptOpt = Annotated[str, typer.Option(help="What to draw.")]
 NegativePromptOpt = Annotated[str | None, typer.Option(help="What to steer away from.")]
 StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
-GuidanceOpt = Annotated[float, typer.Option(help="Classifier-free guidance scale.")]
+GuidanceOpt = Annotated[
+    float | None,
+    typer.Option(help="Classifier-free guidance scale [default: 7.5; FLUX.1-dev 3.5; FLUX.1-schnell takes none]."),
+]
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 
 

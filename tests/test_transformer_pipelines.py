@@ -1,0 +1,135 @@
+"""SD3 / Flux.1 dev / schnell pipelines on engine sets (issue 20): every network an engine stand-in, images as
+the PyTorch fp32 pipeline's, and bad requests refused with one line before anything runs.
+
+One fp32 ONNX Runtime engine set per family, shared by the module's tests; tiny sizes, two or three steps.
+"""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+from sdtrt.config import ExportConfig
+from sdtrt.errors import EngineInputError, RequestError
+from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
+from sdtrt.standins import EngineModule, EngineT5
+from sdtrt.transformer import EngineTransformer
+from sdtrt.validate import psnr_db
+
+FAMILIES = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
+# What each family is asked with: SD3 a negative prompt, Flux dev guidance 3.5, schnell nothing more.
+EXTRA = {"tiny-sd3": {"negative_prompt": "blurry"}, "tiny-flux": {"guidance": 3.5}, "tiny-flux-schnell": {}}
+LONG_PROMPT = "a photo of an astronaut riding a horse on the moon, " * 5  # over 77 CLIP tokens, under 256 T5
+
+
+class Family:
+    def __init__(self, name: str, store) -> None:
+        from sdtrt.compile import compile_model
+        from sdtrt.models import resolve_model
+
+        self.name, self.source = name, resolve_model(name)
+        self.engine = compile_model(self.source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+        self.pipes: dict[str, tuple] = {}
+
+    def pipelines(self, task: str = "txt2img") -> tuple:
+        """(PyTorch fp32, engine) pipelines for ``task``, made once."""
+        if task not in self.pipes:
+            self.pipes[task] = (
+                load_pipeline(self.source, task=task),
+                load_pipeline(self.source, self.engine, task=task),
+            )
+        return self.pipes[task]
+
+    def request(self, **kwargs) -> GenerateRequest:
+        return GenerateRequest(
+            **({"prompt": "a red fox in the snow", "steps": 2, "seed": 3} | EXTRA[self.name] | kwargs)
+        )
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, store):
+    return Family(request.param, store)
+
+
+def assert_images_match(family: Family, request: GenerateRequest, task: str = "txt2img") -> None:
+    reference, engine = family.pipelines(task)
+    a, b = (generate(p, request, output_type="np").images[0] for p in (reference, engine))
+    psnr = psnr_db(b, a)
+    print(f"{family.name} {task} {request.height}x{request.width}: PSNR {psnr:.1f} dB")
+    assert a.shape == b.shape == (request.height, request.width, 3) and a.std() > 0.01
+    assert psnr >= 35.0
+
+
+def test_every_network_is_an_engine_standin(family):
+    _, engine = family.pipelines()
+    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
+    assert networks and all(isinstance(m, EngineModule) for m in networks.values()), networks
+    t5 = engine.text_encoder_3 if family.name == "tiny-sd3" else engine.text_encoder_2
+    assert isinstance(engine.transformer, EngineTransformer) and isinstance(t5, EngineT5)
+    assert isinstance(engine.transformer, getattr(diffusers, engine.transformer.config._class_name))
+
+
+@pytest.mark.parametrize("size", [(128, 128), (128, 192)], ids=["square", "non-square"])
+def test_txt2img_matches_pytorch(family, size):
+    assert_images_match(family, family.request(height=size[0], width=size[1]))
+
+
+def test_a_prompt_over_77_tokens_reaches_t5_whole(family):
+    reference, _ = family.pipelines()
+    clip, t5 = reference.tokenizer, reference.tokenizer_3 if family.name == "tiny-sd3" else reference.tokenizer_2
+    assert len(clip(LONG_PROMPT).input_ids) > 77 and len(t5(LONG_PROMPT).input_ids) > 77
+    assert_images_match(family, family.request(prompt=LONG_PROMPT, height=128, width=128))
+
+
+def test_img2img_matches_pytorch(family):
+    init = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(0))
+    assert_images_match(family, family.request(image=init, strength=0.7, steps=3, height=128, width=128), "img2img")
+
+
+def test_bad_requests_fail_with_one_line_before_running(family):
+    _, engine = family.pipelines()
+    calls = []
+    engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+    too_long = "astronaut " * 600  # more T5 tokens than the engines' profile
+    bad = [family.request(prompt=too_long, height=128, width=128)]
+    if family.name != "tiny-sd3":
+        bad.append(family.request(height=136, width=128))  # on the 8-px grid, off Flux's 16-px one
+    if family.name == "tiny-flux-schnell":
+        bad.append(family.request(guidance=3.5, height=128, width=128))
+    for request in bad:
+        with pytest.raises(RequestError) as error:
+            generate(engine, request)
+        assert "\n" not in str(error.value)
+    assert not calls
+
+
+def test_what_the_engine_cannot_do_is_refused(family):
+    _, engine = family.pipelines()
+    transformer, spec = engine.transformer, engine.transformer.spec
+    inputs = spec.sample_inputs(1 + spec.doubles_batch, 128, 128, tokens=32)
+    out = transformer(**inputs)
+    assert isinstance(out, Transformer2DModelOutput) and out.sample.dtype == torch.float32
+    refused = [
+        {"joint_attention_kwargs": {"scale": 0.5}},
+        {"skip_layers": [1]} if family.name == "tiny-sd3" else {"controlnet_block_samples": [inputs["hidden_states"]]},
+    ]
+    for kwargs in refused:
+        with pytest.raises(EngineInputError):
+            transformer(**inputs, **kwargs)
+    t5 = engine.text_encoder_3 if family.name == "tiny-sd3" else engine.text_encoder_2
+    ids = torch.ones(1, 32, dtype=torch.int64)
+    assert t5(ids).last_hidden_state.shape[:2] == (1, 32) and torch.equal(t5(ids, return_dict=False)[0], t5(ids)[0])
+    with pytest.raises(EngineInputError):
+        t5(ids, attention_mask=torch.ones_like(ids))
+
+
+def test_saved_engine_pipeline_loads_on_its_engines(family, tmp_path):
+    _, engine = family.pipelines()
+    engine.save_pretrained(tmp_path / "saved")
+    again = load_pipeline(str(tmp_path / "saved"))
+    assert isinstance(again.transformer, EngineTransformer)
+    request = family.request(height=128, width=128)
+    a, b = (generate(p, request, output_type="np").images[0] for p in (engine, again))
+    assert (a == b).all()
