@@ -86,7 +86,6 @@ class ValidationReport:
     tensors: list[dict[str, Any]] = field(default_factory=list)
     image: dict[str, Any] | None = None
     failures: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # checks not run, and why
 
     def __bool__(self) -> bool:
         return not self.failures
