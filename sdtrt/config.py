@@ -338,7 +338,6 @@ class TrtBuildConfig:
         )
 
 
-WEIGHT_BUDGET_ENV = "SDTRT_WEIGHT_STREAMING_BUDGET"
 _BYTE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
@@ -396,6 +395,8 @@ class ValidationConfig:
     min_cosine: float | None = None
     max_abs: float | None = None
     min_psnr_db: float | None = None
+    # GPU memory for the weights of engines built with weight streaming: where weights live, not what they compute.
+    weight_budget: WeightBudget | None = not_in_key(None)
 
 
 # Backends `sdtrt bench` knows; the engine backends take a graph precision (onnxruntime:fp32).

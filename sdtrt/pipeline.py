@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import TEXT_ENCODERS
+from .config import TEXT_ENCODERS, WeightBudget
 from .errors import LoraError, ModelNotFoundError, RequestError
 from .families import Task, accepted, pipeline_class_name
 from .lora import EngineLoras, LoraNetwork, apply_loras, fuse_loras
@@ -19,7 +19,7 @@ from .lora_files import LORA_COMPONENTS, LoraSpec
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps
-from .runtime import Runtime, open_runtime
+from .runtime import Runtime, check_weight_budget, open_runtime
 from .spec import FOLDERS, T5EncoderSpec, model_components
 from .stages import weight_map as weight_maps
 from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
@@ -83,6 +83,7 @@ def load_pipeline(
     task: Task | None = None,
     dtype: torch.dtype = torch.float32,
     loras: Sequence[LoraSpec] = (),
+    weight_budget: WeightBudget | str | None = None,
 ) -> Any:
     """The diffusers pipeline ``model_index.json`` names (or its family's ``task`` variant); with ``engine``,
     its networks run on engines.
@@ -96,6 +97,8 @@ def load_pipeline(
     engines recorded there again.
     ``loras``: (file, scale) pairs, put into the engines' weights (``set_loras``), or fused by diffusers
     into PyTorch networks when no network is an engine.
+    ``weight_budget``: GPU memory for the weights of TensorRT engines built with weight streaming (``auto``,
+    ``50%``, ``8GiB``; see config.WeightBudget); RequestError when no engine streams.
     """
     import diffusers
 
@@ -108,6 +111,8 @@ def load_pipeline(
         members = engine_members(_as_artifact(engine))
     else:
         members = {c: Artifact.open(path) for c, path in saved_engines(source.path).items()}
+    budget = WeightBudget.parse(weight_budget) if isinstance(weight_budget, str) else weight_budget
+    check_weight_budget(members.values(), budget)
     # Skip loading what engines replace (3.4 GB for SD 1.5's UNet); diffusers type-checks components
     # given to from_pretrained, so the stand-ins go in through the constructor.
     skipped = {FOLDERS[c]: None for c in members if not (c == "vae_encoder" and "vae_decoder" not in members)}
@@ -117,7 +122,7 @@ def load_pipeline(
             source.path, dtype=dtype, local_files_only=True, **accepted(cls, no_checker), **skipped
         )
     if members:
-        pipe = with_components(pipe, standins(source, members, pipe.vae, dtype))
+        pipe = with_components(pipe, standins(source, members, pipe.vae, dtype, budget))
         on_pytorch = [c for c in model_components(source) if c not in members]
         if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
             console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
@@ -183,9 +188,12 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     apply_loras(networks, loras, elsewhere)
 
 
-def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype) -> dict[str, Any]:
+def standins(
+    source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype,
+    weight_budget: WeightBudget | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE."""
-    runtimes = {c: open_runtime(a, source) for c, a in members.items()}
+    runtimes = {c: open_runtime(a, source, weight_budget=weight_budget) for c, a in members.items()}
     out: dict[str, EngineModule] = {}
 
     def loras(component: str) -> EngineLoras:

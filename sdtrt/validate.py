@@ -165,7 +165,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from .pipeline import engine_members, generate, load_pipeline, standins, with_components
     from .progress import step
     from .request import GenerateRequest, SizeRule, check_validation
-    from .runtime import open_runtime
+    from .runtime import check_weight_budget, open_runtime
     from .spec import FOLDERS
     from .stages.engine_set import check_pairing, engine_profile
 
@@ -175,7 +175,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     check_validation(config, SizeRule.for_model(model), built_for)
     denoiser = denoiser_component(model)
     profile = built_for or denoiser_spec(model).default_profile()
-    runtimes = {c: open_runtime(a, model) for c, a in members.items()}
+    check_weight_budget(members.values(), config.weight_budget)
+    runtimes = {c: open_runtime(a, model, weight_budget=config.weight_budget) for c, a in members.items()}
     rule = SizeRule.for_model(model)
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=rule.applicable(config.guidance), seed=config.seed,
@@ -206,7 +207,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                 report.failures += row["failures"]
 
     if config.images:
-        swapped = standins(model, members, reference.vae, reference.dtype)
+        swapped = standins(model, members, reference.vae, reference.dtype, config.weight_budget)
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from sdtrt.compile import build, compile_model
-from sdtrt.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, TrtBuildConfig, WrapConfig
-from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError
+from sdtrt.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, TrtBuildConfig, WeightBudget, WrapConfig
+from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError, RequestError
 from sdtrt.models import load_unet
-from sdtrt.runtime import open_runtime
+from sdtrt.runtime import check_weight_budget, open_runtime
 from sdtrt.spec import ValidationCase
 from sdtrt.stages import export, simplify, wrap
 from sdtrt.store import MANIFEST, Artifact
@@ -314,7 +314,9 @@ def test_a_bf16_engine_refits_with_bf16_weights(tiny, store):
     assert torch.equal(runtime.run(feeds)["out_sample"], before)
 
 
-def test_a_weight_streaming_engine_runs_within_a_budget(tiny, tiny_simplified, store, monkeypatch):
+def test_a_weight_streaming_engine_runs_within_a_budget(tiny, tiny_simplified, store):
+    from sdtrt.runtime.tensorrt import TensorRTRuntime
+
     config = TrtBuildConfig(profiles=(PROFILE,), weight_streaming=True)
     engine, _ = build(tiny_simplified, store, "tensorrt", trt_config=config)
     assert engine.manifest["config"]["weight_streaming"] is True
@@ -322,14 +324,16 @@ def test_a_weight_streaming_engine_runs_within_a_budget(tiny, tiny_simplified, s
     full = open_runtime(engine)
     expected = full.run(full.spec.case_inputs(feeds))["out_sample"]
     for budget in ("0", "50%", "auto"):
-        monkeypatch.setenv("SDTRT_WEIGHT_STREAMING_BUDGET", budget)
-        streamed = open_runtime(engine)
+        streamed = open_runtime(engine, weight_budget=WeightBudget.parse(budget))
         assert torch.equal(streamed.run(streamed.spec.case_inputs(feeds))["out_sample"], expected)
         streamed.close()
-    monkeypatch.setenv("SDTRT_WEIGHT_STREAMING_BUDGET", "50%")
     plain, _ = build(tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,)))
     with pytest.raises(ArtifactError, match="built without weight streaming"):
-        open_runtime(plain)
+        TensorRTRuntime(
+            plain.primary, open_runtime(plain).spec, plain.manifest, weight_budget=WeightBudget.parse("50%")
+        )
+    with pytest.raises(RequestError, match="none of these was"):
+        check_weight_budget([plain], WeightBudget.parse("50%"))
 
 
 @pytest.mark.parametrize("preset", ["tiny-sd3", "tiny-flux"])

@@ -374,6 +374,26 @@ def test_compile_knows_before_building_whether_it_can_wrap():
     )
     two = TrtBuildConfig(profiles=(ShapeProfile(), ShapeProfile.around(768, 64)))
     assert "2 optimization profiles" in wrap_problem(two, None)
+    # The TorchScript runtime makes its own execution context, so no weight streaming budget could ever be set.
+    assert "cannot take a weight streaming budget" in wrap_problem(TrtBuildConfig(weight_streaming=True), None)
+
+
+def test_a_weight_budget_for_engines_that_do_not_stream_is_refused_before_loading(tiny, tiny_engine):
+    """The budget is an argument (load_pipeline, ValidationConfig), not a process-wide variable; engines without
+    weight streaming (here ONNX Runtime's) cannot take one, and saying so beats ignoring it."""
+    from sdtrt.config import ValidationConfig, WeightBudget
+    from sdtrt.errors import RequestError
+    from sdtrt.pipeline import load_pipeline
+    from sdtrt.validate import validate
+
+    from .helpers import last_line, run_cli
+
+    with pytest.raises(RequestError, match="built with --weight-streaming, and none of these was"):
+        load_pipeline(tiny, tiny_engine, weight_budget="50%")
+    with pytest.raises(RequestError, match="none of these was"):
+        validate(tiny, tiny_engine, ValidationConfig(weight_budget=WeightBudget.parse("8GiB")))
+    result = run_cli("generate", "--model", "tiny", "--engine", str(tiny_engine.path), "--weight-streaming-budget", "1")
+    assert result.returncode == 2 and "none of these was" in last_line(result.stderr)
 
 
 def test_base_weights_read_with_the_onnx_of_the_container(tiny_simplified, tmp_path, monkeypatch):

@@ -11,7 +11,6 @@ import typer
 
 from ..config import (
     COMPONENTS,
-    WEIGHT_BUDGET_ENV,
     Component,
     ExportConfig,
     Exporter,
@@ -179,7 +178,7 @@ WeightStreamingOpt = Annotated[
 WeightBudgetOpt = Annotated[
     str | None,
     typer.Option(
-        envvar=WEIGHT_BUDGET_ENV,
+        envvar="SDTRT_WEIGHT_STREAMING_BUDGET",
         help="TensorRT engines built with --weight-streaming: GPU memory for their weights, auto, a percentage "
         "of the streamable weights (50%) or a size (8GiB); 0 streams the most (default: all on the GPU).",
     ),
@@ -209,16 +208,13 @@ def check_target_precision(target: Target, precision: Precision) -> None:
         raise RequestError(problem)
 
 
-def use_weight_budget(text: str | None) -> None:
-    """Check --weight-streaming-budget (exit 2 when malformed) and hand it to every TensorRT runtime this process
-    opens, through the variable the runtime reads (pipelines, validation and bench open runtimes deep inside)."""
-    if text is None:
-        return
+def weight_budget(text: str | None) -> WeightBudget | None:
+    """--weight-streaming-budget, parsed before anything loads (exit 2 when malformed); load_pipeline and validate
+    check that an engine takes it before loading a network."""
     try:
-        WeightBudget.parse(text)
+        return WeightBudget.parse(text) if text is not None else None
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
-    os.environ[WEIGHT_BUDGET_ENV] = text
 
 
 def trt_config(

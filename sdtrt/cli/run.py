@@ -79,7 +79,7 @@ def generate_command(
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = o.lora_options(lora)
-    o.use_weight_budget(weight_streaming_budget)
+    budget = o.weight_budget(weight_streaming_budget)
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact)
     request = GenerateRequest(
@@ -96,7 +96,7 @@ def generate_command(
     from ..pipeline import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
-        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras)
+        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
     columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("steps", total=steps)
@@ -127,12 +127,12 @@ def validate_command(
     """
     from ..stages.engine_set import engine_members, engine_profile
 
-    o.use_weight_budget(weight_streaming_budget)
+    budget = o.weight_budget(weight_streaming_budget)
     artifact = None if model else o.find_engine(engine, engines)  # a given --model is checked first
     source = o.model_for(model, artifact)
     config = ValidationConfig(
         steps=steps, scheduler=scheduler, images=images, height=height, width=width, min_cosine=min_cosine,
-        max_abs=max_abs, min_psnr_db=min_psnr,
+        max_abs=max_abs, min_psnr_db=min_psnr, weight_budget=budget,
     )  # fmt: skip
     rule = SizeRule.for_model(source)
     check_validation(config, rule, None)

@@ -8,17 +8,18 @@ and tools use them, and they use nothing above.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..config import ShapeProfile
-from ..errors import ArtifactError
+from ..config import ShapeProfile, WeightBudget
+from ..errors import ArtifactError, RequestError
 from .base import Runtime
 
 if TYPE_CHECKING:
     from ..models import ModelSource
     from ..store import Artifact
 
-__all__ = ["Runtime", "artifact_profile", "open_runtime"]
+__all__ = ["Runtime", "artifact_profile", "check_weight_budget", "open_runtime"]
 
 
 def artifact_profile(artifact: Artifact) -> ShapeProfile | None:
@@ -26,11 +27,30 @@ def artifact_profile(artifact: Artifact) -> ShapeProfile | None:
     return ShapeProfile.from_json(data) if data else None
 
 
-def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False) -> Runtime:
+def streams_weights(artifact: Artifact) -> bool:
+    """Whether the artifact is a TensorRT plan built with weight streaming (the only kind a budget applies to)."""
+    return artifact.stage == "build-trt" and bool(artifact.manifest.get("config", {}).get("weight_streaming"))
+
+
+def check_weight_budget(artifacts: Iterable[Artifact], weight_budget: WeightBudget | None) -> None:
+    """A budget for engines none of which streams its weights would change nothing: RequestError, said plainly."""
+    if weight_budget is not None and not any(streams_weights(a) for a in artifacts):
+        raise RequestError(
+            f"a weight streaming budget ({weight_budget.text}) applies to TensorRT engines built with "
+            "--weight-streaming, and none of these was: rebuild with `sdtrt compile --target tensorrt "
+            "--weight-streaming`, or leave the budget out"
+        )
+
+
+def open_runtime(
+    artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False,
+    weight_budget: WeightBudget | None = None,
+) -> Runtime:  # fmt: skip
     """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT; .ts on torch.
 
     ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest; ``cuda_graph``
-    replays TensorRT engines from CUDA graphs.
+    replays TensorRT engines from CUDA graphs; ``weight_budget`` goes to engines built with weight streaming
+    (others keep all their weights on the GPU: an engine set may stream only its largest member).
     """
     from ..onnx_graph import artifact_spec
 
@@ -48,7 +68,8 @@ def open_runtime(artifact: Artifact, model: ModelSource | None = None, cuda_grap
     if artifact.stage == "build-trt":
         from .tensorrt import TensorRTRuntime
 
-        return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph)
+        budget = weight_budget if streams_weights(artifact) else None
+        return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph, weight_budget=budget)
     if artifact.stage == "wrap":
         from .torchscript import TorchScriptRuntime
 

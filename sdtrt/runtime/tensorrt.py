@@ -16,7 +16,6 @@ loops at one shape, such as a denoising loop, not for requests whose shapes keep
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..config import WEIGHT_BUDGET_ENV, WeightBudget
+from ..config import WeightBudget
 from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
@@ -254,8 +253,8 @@ class TensorRTRuntime(CudaRuntime):
         cuda_graph: bool = False,
         weight_budget: WeightBudget | None = None,
     ) -> None:
-        """``weight_budget`` (default: $SDTRT_WEIGHT_STREAMING_BUDGET, which `--weight-streaming-budget` sets) limits
-        the GPU memory of an engine built with weight streaming; without one it keeps all its weights on the GPU."""
+        """``weight_budget`` limits the GPU memory of an engine built with weight streaming; without one it keeps
+        all its weights on the GPU."""
         require_tensorrt("run a TensorRT engine")
         check_engine_environment(manifest)
         import tensorrt as trt
@@ -274,8 +273,6 @@ class TensorRTRuntime(CudaRuntime):
         self._engine: trt.ICudaEngine = engine
         if problem := engine_io_problem(engine, spec):
             raise ArtifactError(f"{plan} does not match its manifest: {problem}; rebuild it with `{self._rebuild}`")
-        if weight_budget is None and (text := os.environ.get(WEIGHT_BUDGET_ENV)):
-            weight_budget = WeightBudget.parse(text)
         if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
             set_weight_budget(engine, weight_budget, plan, self._rebuild)
         # create_execution_context returns None when it cannot allocate the activation memory.
