@@ -227,7 +227,38 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
     replaced = type(pipe)(**pipe.components | replacements, **settings)
     replaced.set_progress_bar_config(disable=True)
     register_pytorch_classes(replaced)
+    carry_standins_in_from_pipe()
     return replaced
+
+
+def carry_standins_in_from_pipe() -> None:
+    """Make ``OtherPipeline.from_pipe(engine_pipe)`` carry the engine stand-ins over, as it does PyTorch networks.
+
+    diffusers' ``from_pipe`` (pipelines/pipeline_utils.py) keeps a ModelMixin component only when its
+    ``type()`` is exactly a class the new pipeline's ``__init__`` names, so it drops an EngineUNet (a
+    UNet2DConditionModel subclass) and then fails: "expected …, but only … were passed". Stand-ins the new
+    pipeline takes by ``isinstance`` are passed by name instead, as diffusers' warning asks callers to do;
+    pipelines without stand-ins go through unchanged. Installed once, on the first engine pipeline.
+    """
+    from diffusers import DiffusionPipeline
+
+    original = DiffusionPipeline.__dict__["from_pipe"].__func__
+    if getattr(original, "carries_standins", False):
+        return
+
+    @wraps(original)
+    def from_pipe(cls: Any, pipeline: Any, **kwargs: Any) -> Any:
+        wanted = cls._get_signature_types()
+        for name, module in pipeline.components.items():
+            classes = tuple(t for t in wanted.get(name, ()) if inspect.isclass(t))
+            if isinstance(module, EngineModule) and name not in kwargs and isinstance(module, classes):
+                kwargs[name] = module
+        new = original(cls, pipeline, **kwargs)
+        register_pytorch_classes(new)
+        return new
+
+    from_pipe.carries_standins = True  # type: ignore[attr-defined]
+    DiffusionPipeline.from_pipe = classmethod(from_pipe)
 
 
 def register_pytorch_classes(pipe: Any) -> None:
