@@ -226,54 +226,7 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
     settings = accepted(type(pipe), {k: v for k, v in pipe.config.items() if k not in pipe.components})
     replaced = type(pipe)(**pipe.components | replacements, **settings)
     replaced.set_progress_bar_config(disable=True)
-    register_pytorch_classes(replaced)
-    carry_standins_in_from_pipe()
     return replaced
-
-
-def carry_standins_in_from_pipe() -> None:
-    """Make ``OtherPipeline.from_pipe(engine_pipe)`` carry the engine stand-ins over, as it does PyTorch networks.
-
-    diffusers' ``from_pipe`` (pipelines/pipeline_utils.py) keeps a ModelMixin component only when its
-    ``type()`` is exactly a class the new pipeline's ``__init__`` names, so it drops an EngineUNet (a
-    UNet2DConditionModel subclass) and then fails: "expected …, but only … were passed". Stand-ins the new
-    pipeline takes by ``isinstance`` are passed by name instead, as diffusers' warning asks callers to do;
-    pipelines without stand-ins go through unchanged. Installed once, on the first engine pipeline.
-    """
-    from diffusers import DiffusionPipeline
-
-    original = DiffusionPipeline.__dict__["from_pipe"].__func__
-    if getattr(original, "carries_standins", False):
-        return
-
-    @wraps(original)
-    def from_pipe(cls: Any, pipeline: Any, **kwargs: Any) -> Any:
-        wanted = cls._get_signature_types()
-        for name, module in pipeline.components.items():
-            classes = tuple(t for t in wanted.get(name, ()) if inspect.isclass(t))
-            if isinstance(module, EngineModule) and name not in kwargs and isinstance(module, classes):
-                kwargs[name] = module
-        new = original(cls, pipeline, **kwargs)
-        register_pytorch_classes(new)
-        return new
-
-    from_pipe.carries_standins = True  # type: ignore[attr-defined]
-    DiffusionPipeline.from_pipe = classmethod(from_pipe)
-
-
-def register_pytorch_classes(pipe: Any) -> None:
-    """Record each stand-in in the pipeline's config (its model_index.json) as the class it stands in for.
-
-    So ``DiffusionPipeline.from_pretrained`` on a saved engine pipeline loads the PyTorch networks.
-    """
-    from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
-
-    pytorch = {
-        name: next(c for c in type(module).__mro__ if c.__module__.split(".")[0] in ("diffusers", "transformers"))
-        for name, module in pipe.components.items()
-        if isinstance(module, EngineModule)
-    }
-    pipe.register_to_config(**{name: _fetch_class_library_tuple(cls) for name, cls in pytorch.items()})
 
 
 def generate(

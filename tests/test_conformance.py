@@ -222,3 +222,19 @@ def test_from_pipe_carries_the_engines_over(pipes, tmp_path):
     )
     other.save_pretrained(tmp_path / "img2img")
     assert type(DiffusionPipeline.from_pretrained(tmp_path / "img2img").unet) is UNet2DConditionModel
+
+
+def test_a_pipeline_built_from_standins_saves_as_pytorch_and_loads_back_on_engines(pipes, tmp_path):
+    ref, eng = pipes
+    built = type(eng)(**eng.components)  # as diffusers' own tests and users' scripts build pipelines
+    for name, module in eng.components.items():
+        if isinstance(module, EngineModule):
+            assert built.config[name] == ref.config[name], "recorded as the PyTorch class"
+    built.save_pretrained(tmp_path / "built")
+    pytorch = DiffusionPipeline.from_pretrained(tmp_path / "built")
+    pytorch.set_progress_bar_config(disable=True)
+    assert type(pytorch.vae) is AutoencoderKL and type(pytorch.text_encoder) is CLIPTextModel
+    np.testing.assert_allclose(image(pytorch), image(ref), atol=1e-6)
+    again = load_pipeline(str(tmp_path / "built"))
+    assert isinstance(again.unet, EngineModule)
+    np.testing.assert_array_equal(image(again), image(eng))
