@@ -202,8 +202,8 @@ def teach_pipelines_standins() -> None:
         return from_pipe(cls, pipeline, **kwargs)
 
     register_standins_as_pytorch.knows_standins = True  # type: ignore[attr-defined]
-    DiffusionPipeline.register_modules = register_standins_as_pytorch
-    DiffusionPipeline.from_pipe = classmethod(from_pipe_with_standins)
+    DiffusionPipeline.register_modules = register_standins_as_pytorch  # type: ignore[attr-defined]
+    DiffusionPipeline.from_pipe = classmethod(from_pipe_with_standins)  # type: ignore[attr-defined]
 
 
 def same_device(wanted: torch.device, actual: torch.device) -> bool:
