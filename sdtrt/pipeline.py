@@ -270,23 +270,7 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
     settings = accepted(type(pipe), {k: v for k, v in pipe.config.items() if k not in pipe.components})
     replaced = type(pipe)(**pipe.components | replacements, **settings)
     replaced.set_progress_bar_config(disable=True)
-    register_pytorch_classes(replaced)
     return replaced
-
-
-def register_pytorch_classes(pipe: Any) -> None:
-    """Record each stand-in in the pipeline's config (its model_index.json) as the class it stands in for.
-
-    So ``DiffusionPipeline.from_pretrained`` on a saved engine pipeline loads the PyTorch networks.
-    """
-    from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
-
-    pytorch = {
-        name: next(c for c in type(module).__mro__ if c.__module__.split(".")[0] in ("diffusers", "transformers"))
-        for name, module in pipe.components.items()
-        if isinstance(module, EngineModule)
-    }
-    pipe.register_to_config(**{name: _fetch_class_library_tuple(cls) for name, cls in pytorch.items()})
 
 
 def generate(

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ class EngineModule(torch.nn.Module):
 
     def __init__(self, config: Any, dtype: torch.dtype, runtimes: list[Runtime | None]) -> None:
         torch.nn.Module.__init__(self)  # not the diffusers/transformers class's: no layers
+        teach_pipelines_standins()
         from diffusers.configuration_utils import ConfigMixin, FrozenDict
 
         if isinstance(self, ConfigMixin):
@@ -157,6 +159,52 @@ class EngineModule(torch.nn.Module):
             if target.exists():
                 shutil.rmtree(target)
             staged.rename(target)
+
+
+def pytorch_class(module: EngineModule) -> type:
+    """The diffusers/transformers class a stand-in stands in for (UNet2DConditionModel, AutoencoderKL, …)."""
+    return next(c for c in type(module).__mro__ if c.__module__.split(".")[0] in ("diffusers", "transformers"))
+
+
+def teach_pipelines_standins() -> None:
+    """Make every diffusers pipeline record a stand-in as its PyTorch class and carry it over in ``from_pipe``.
+
+    diffusers records each component's class in the pipeline config (``model_index.json`` once saved) from
+    its module and name (``_fetch_class_library_tuple``), which for a stand-in is ``sdtrt.unet.EngineUNet``:
+    a saved folder that ``DiffusionPipeline.from_pretrained`` cannot load. And ``from_pipe`` keeps a
+    ModelMixin component only when its ``type()`` is exactly the class the new pipeline names, so it drops
+    the stand-ins and fails ("expected …, but only … were passed"). Both in diffusers'
+    pipelines/pipeline_utils.py. So ``register_modules`` (every constructor goes through it) records
+    stand-ins as their PyTorch class, and ``from_pipe`` passes on by name the stand-ins the new pipeline
+    takes by ``isinstance``, as its warning asks callers to. Pipelines without stand-ins are unchanged.
+    Installed once, when the first stand-in is made.
+    """
+    from diffusers import DiffusionPipeline
+    from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
+
+    register_modules = DiffusionPipeline.register_modules
+    if getattr(register_modules, "knows_standins", False):
+        return
+    from_pipe = DiffusionPipeline.__dict__["from_pipe"].__func__
+
+    @wraps(register_modules)
+    def register_standins_as_pytorch(self: Any, **modules: Any) -> None:
+        register_modules(self, **modules)
+        standins = {name: m for name, m in modules.items() if isinstance(m, EngineModule)}
+        self.register_to_config(**{n: _fetch_class_library_tuple(pytorch_class(m)) for n, m in standins.items()})
+
+    @wraps(from_pipe)
+    def from_pipe_with_standins(cls: Any, pipeline: Any, **kwargs: Any) -> Any:
+        wanted = cls._get_signature_types()
+        for name, module in pipeline.components.items():
+            classes = tuple(t for t in wanted.get(name, ()) if isinstance(t, type))
+            if isinstance(module, EngineModule) and name not in kwargs and isinstance(module, classes):
+                kwargs[name] = module
+        return from_pipe(cls, pipeline, **kwargs)
+
+    register_standins_as_pytorch.knows_standins = True  # type: ignore[attr-defined]
+    DiffusionPipeline.register_modules = register_standins_as_pytorch  # type: ignore[attr-defined]
+    DiffusionPipeline.from_pipe = classmethod(from_pipe_with_standins)  # type: ignore[attr-defined]
 
 
 def same_device(wanted: torch.device, actual: torch.device) -> bool:

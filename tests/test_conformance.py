@@ -12,7 +12,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKL, DiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    StableDiffusionImg2ImgPipeline,
+    StableDiffusionXLImg2ImgPipeline,
+    UNet2DConditionModel,
+)
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -199,3 +205,36 @@ def test_a_standin_made_without_its_model_folder_cannot_save(pipes, tmp_path):
     with pytest.raises(ArtifactError, match="made without its model folder"):
         unet.save_pretrained(tmp_path / "unet")
     assert not (tmp_path / "unet").exists()
+
+
+def test_from_pipe_carries_the_engines_over(pipes, tmp_path):
+    ref, eng = pipes
+    sdxl = "text_encoder_2" in eng.components
+    img2img = StableDiffusionXLImg2ImgPipeline if sdxl else StableDiffusionImg2ImgPipeline
+    other, expected = img2img.from_pipe(eng), img2img.from_pipe(ref)
+    for name, module in eng.components.items():
+        if isinstance(module, EngineModule):
+            assert other.components[name] is module
+            assert other.config[name] == ref.config[name], "model_index.json names the PyTorch class"
+    start = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(3))
+    np.testing.assert_allclose(
+        image(other, image=start, strength=0.6), image(expected, image=start, strength=0.6), atol=1e-4
+    )
+    other.save_pretrained(tmp_path / "img2img")
+    assert type(DiffusionPipeline.from_pretrained(tmp_path / "img2img").unet) is UNet2DConditionModel
+
+
+def test_a_pipeline_built_from_standins_saves_as_pytorch_and_loads_back_on_engines(pipes, tmp_path):
+    ref, eng = pipes
+    built = type(eng)(**eng.components)  # as diffusers' own tests and users' scripts build pipelines
+    for name, module in eng.components.items():
+        if isinstance(module, EngineModule):
+            assert built.config[name] == ref.config[name], "recorded as the PyTorch class"
+    built.save_pretrained(tmp_path / "built")
+    pytorch = DiffusionPipeline.from_pretrained(tmp_path / "built")
+    pytorch.set_progress_bar_config(disable=True)
+    assert type(pytorch.vae) is AutoencoderKL and type(pytorch.text_encoder) is CLIPTextModel
+    np.testing.assert_allclose(image(pytorch), image(ref), atol=1e-6)
+    again = load_pipeline(str(tmp_path / "built"))
+    assert isinstance(again.unet, EngineModule)
+    np.testing.assert_array_equal(image(again), image(eng))
