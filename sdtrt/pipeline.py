@@ -182,8 +182,9 @@ def standins(source: ModelSource, members: dict[str, Artifact], vae: Any, dtype:
 
     def loras(component: str) -> EngineLoras:
         return EngineLoras(
-            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component)
-        )
+            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component),
+            family=source.family(),
+        )  # fmt: skip
 
     if "unet" in runtimes:
         out["unet"] = EngineUNet(runtimes["unet"], source.unet_config(), dtype=dtype, loras=loras("unet"))
