@@ -1,8 +1,9 @@
 """LoRAs on engines without a rebuild: base + Σ scale·ΔW, always from the base weights.
 
-A LoRA file (diffusers/PEFT or kohya/A1111 safetensors) is read with diffusers' own loader
-(``StableDiffusionPipeline.lora_state_dict``, which converts kohya names) and split by network: the
-UNet and the text encoders (``text_encoder``, SDXL's ``text_encoder_2``). Each part is renamed to
+A LoRA file (diffusers/PEFT or kohya/A1111 safetensors) is read with diffusers' loader of the model's
+family (sdtrt.lora_files.LORA_FAMILIES: SD's, SD3's or Flux's ``lora_state_dict``, each converting its
+kohya names) and split by network: the denoiser (UNet, SD3's or Flux's transformer) and the CLIP text
+encoders (``text_encoder``, SDXL's and SD3's ``text_encoder_2``; T5 takes none). Each part is renamed to
 PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it, so PEFT-injected names
 (``….base_layer.weight``) never reach an engine: each module's ΔW = (alpha / rank)·B·A is placed
 through the engine graph's weight map (sdtrt.graph_weights) onto the initializer that holds the
@@ -26,14 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import LoraError, one_line
-from .lora_files import LORA_COMPONENTS, LoraFile, LoraModule, LoraSpec, checked_loras, read_lora
+from .lora_files import LORA_FAMILIES, LoraFile, LoraModule, LoraSpec, checked_loras, lora_kind, read_lora
 
 if TYPE_CHECKING:
     import numpy as np
 
     from .graph_weights import WeightMap
 
-NETWORK_NAMES = {"unet": "UNet", "text_encoder": "text encoder", "text_encoder_2": "second text encoder"}
+NETWORK_NAMES = {"unet": "UNet", "transformer": "transformer", "text_encoder": "text encoder",
+                 "text_encoder_2": "second text encoder"}  # fmt: skip
 
 
 @dataclass
@@ -43,6 +45,7 @@ class EngineLoras:
     component: str  # which part of a LoRA file it takes (LORA_COMPONENTS)
     runtime: Any  # the Runtime whose weights change
     weight_map: Callable[[], WeightMap]  # made (or found in the store) on the first LoRA
+    family: str | None = None  # the model's (ModelSource.family()): whose diffusers loader reads its LoRA files
     active: list[tuple[Path, float]] = field(default_factory=list)
     last_swap_s: float | None = None  # read + compute + engine swap time of the last set of LoRAs
     _map: WeightMap | None = None
@@ -131,7 +134,8 @@ def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsew
                             "refittable TensorRT (build-trt --refittable) engine for LoRAs")  # fmt: skip
     started = time.perf_counter()
     checked = checked_loras(loras)
-    files = [(read_lora(path), scale) for path, scale in checked]
+    family = next((t.family for t in targets), None)  # one pipeline's networks: one family
+    files = [(read_lora(path, family), scale) for path, scale in checked]
     held = {t.component for t in targets}
     for lora, _ in files:
         if other := next((c for c in lora.parts if c not in held), None):
@@ -151,7 +155,7 @@ def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsew
 
 
 class LoraNetwork:
-    """``set_loras`` / ``clear_loras`` on an engine stand-in whose weights LoRAs change (UNet, text encoders)."""
+    """``set_loras`` / ``clear_loras`` on an engine stand-in whose weights LoRAs change (UNet, transformer, CLIP)."""
 
     loras: EngineLoras | None
 
@@ -182,14 +186,23 @@ def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     from .models import quiet_loading
 
     checked = checked_loras(loras)
+    family = pipeline_family(pipe)
     for path, _ in checked:
-        refuse_misfits(read_lora(path), pipe)
-    networks = [c for c in LORA_COMPONENTS if getattr(pipe, c, None) is not None]
+        refuse_misfits(read_lora(path, family), pipe)
+    networks = [c for c in LORA_FAMILIES[lora_kind(family)].networks if getattr(pipe, c, None) is not None]
     for path, scale in checked:  # one at a time: loading an adapter unmerges those fused before it
         with quiet_loading():
             pipe.load_lora_weights(str(path))
         pipe.fuse_lora(components=networks, lora_scale=scale)
         pipe.unload_lora_weights()  # keeps the fused weights, drops PEFT's layers
+
+
+def pipeline_family(pipe: Any) -> str:
+    """A diffusers pipeline's family as far as LoRAs go: its transformer's (sd3, flux, flux-schnell), else "UNet"."""
+    from .families import transformer_family
+
+    transformer = getattr(pipe, "transformer", None)
+    return transformer_family(dict(transformer.config)) if transformer is not None else "UNet"
 
 
 def placement_problem(module: str, pair: LoraModule, weight_map: WeightMap, component: str) -> str | None:

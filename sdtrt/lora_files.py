@@ -1,9 +1,10 @@
 """LoRA files: reading them into per-network low-rank pairs, the ``FILE[:SCALE]`` option, and making random ones.
 
 A file (diffusers/PEFT or kohya/A1111 safetensors, or the folder ``save_lora_weights`` wrote) is read with
-diffusers' own loader (``StableDiffusionPipeline.lora_state_dict``, which converts kohya names), split by
-network and renamed to PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it. Applying the pairs
-to engines and PyTorch networks is sdtrt.lora's job.
+the loader of the model's family in diffusers (``lora_state_dict`` of StableDiffusionPipeline for the UNet
+families, StableDiffusion3Pipeline for SD3, FluxPipeline for Flux: each converts the kohya names of its
+family), split by network and renamed to PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it.
+Applying the pairs to engines and PyTorch networks is sdtrt.lora's job.
 """
 
 from __future__ import annotations
@@ -25,14 +26,56 @@ if TYPE_CHECKING:
 LoraSpec = tuple["str | os.PathLike[str]", float]
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights gives
 # The networks LoRA files change, by the state-dict prefix diffusers gives each (and the pipeline attribute).
-LORA_COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
-# What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target.
+LORA_COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
+
+
+@dataclass(frozen=True)
+class LoraFamily:
+    """How one kind of model takes LoRAs: the diffusers pipeline whose ``lora_state_dict`` reads its files
+    (and converts its kohya names), and the networks they change (that loader's ``_lora_loadable_modules``)."""
+
+    label: str
+    loader: str
+    networks: tuple[str, ...]
+    # lora_state_dict's keywords for (state dict, alphas, metadata): FluxPipeline's returns alphas only when
+    # asked, StableDiffusion3Pipeline's has none (diffusers loaders/lora_pipeline.py).
+    loader_kwargs: tuple[tuple[str, bool], ...] = ()
+
+
+# By model family (ModelSource.family()). T5 (SD3's text_encoder_3, Flux's text_encoder_2) takes no LoRAs: diffusers
+# loads none into it (its loaders list no T5), so a file with T5 weights is refused by name.
+LORA_FAMILIES = {
+    "unet": LoraFamily(
+        "UNet (SD 1.x/2.x, SDXL)", "StableDiffusionPipeline", ("unet", "text_encoder", "text_encoder_2")
+    ),
+    "sd3": LoraFamily("SD3", "StableDiffusion3Pipeline", ("transformer", "text_encoder", "text_encoder_2")),
+    "flux": LoraFamily("Flux", "FluxPipeline", ("transformer", "text_encoder"), (("return_alphas", True),)),
+}
+# Module names only one kind's LoRAs have (diffusers' and kohya's): a file naming them is for that kind.
+FAMILY_MARKERS = {
+    "flux": ("single_transformer_blocks", "lora_unet_double_blocks_", "lora_unet_single_blocks_", "proj_mlp"),
+    "unet": ("down_blocks", "up_blocks", "mid_block"),
+}
+# What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target. The
+# transformer's cover SD3's joint blocks (SD3.5's attn2 too) and Flux's double- and single-stream blocks.
 CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 RANDOM_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "transformer": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"],
     "text_encoder": CLIP_TARGETS,
     "text_encoder_2": CLIP_TARGETS,
-}
+}  # fmt: skip
+
+
+def lora_kind(family: str) -> str:
+    """The LORA_FAMILIES key of a model family: sd3, flux (dev and schnell) or unet (every UNet family)."""
+    return next((kind for kind in ("sd3", "flux") if family.startswith(kind)), "unet")
+
+
+def named_kind(keys: Sequence[str]) -> str | None:
+    """The kind of model a LoRA's key names say it is for (FAMILY_MARKERS), or None where they do not say."""
+    return next((kind for kind, marks in FAMILY_MARKERS.items() if any(m in k for k in keys for m in marks)), None)
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
@@ -104,6 +147,7 @@ class LoraModule:
 class LoraFile:
     path: Path
     format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya"
+    family: str  # the LoraFamily label it was read as: "UNet (SD 1.x/2.x, SDXL)", "SD3", "Flux"
     parts: dict[str, dict[str, LoraModule]]  # network (LORA_COMPONENTS) → module name → its low-rank pair
 
 
@@ -117,11 +161,11 @@ def _format(keys: list[str]) -> str | None:
     return None
 
 
-def read_lora(path: str | os.PathLike[str]) -> LoraFile:
-    """A LoRA file's UNet and text encoder parts, in PEFT form; LoraError naming the first thing sdtrt cannot use."""
+def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFile:
+    """A LoRA file's parts, network by network, in PEFT form, read with the loader of ``family`` (the model's,
+    ModelSource.family(); None: the kind the file's names say). LoraError naming the first thing sdtrt cannot
+    use, a file for another kind of model included."""
     import safetensors
-
-    from .models import quiet_loading
 
     path = Path(path)
     if path.is_dir():  # a folder save_lora_weights wrote: its file, as diffusers' load_lora_weights finds it
@@ -138,21 +182,16 @@ def read_lora(path: str | os.PathLike[str]) -> LoraFile:
     kind = _format(keys)
     if kind is None:
         raise LoraError(f"{path} is not a LoRA file sdtrt knows (first key '{keys[0] if keys else '(none)'}')")
-    with quiet_loading():
-        from diffusers import StableDiffusionPipeline
-    try:
-        state_dict, alphas, metadata = StableDiffusionPipeline.lora_state_dict(
-            str(path), use_safetensors=True, local_files_only=True, return_lora_metadata=True
-        )
-    except Exception as exc:  # diffusers raises ValueError for names it cannot convert
-        raise LoraError(f"diffusers cannot read the LoRA {path}: {one_line(exc)}") from exc
-    prefixes = tuple(f"{c}." for c in LORA_COMPONENTS)
-    if other := next((k for k in state_dict if not k.startswith(prefixes)), None):
+    lora_family = LORA_FAMILIES[_kind_for(path, keys, family)]
+    state_dict, alphas, metadata = _lora_state_dict(path, lora_family)
+    networks = lora_family.networks
+    if other := next((k for k in state_dict if not k.startswith(tuple(f"{c}." for c in networks))), None):
         raise LoraError(
-            f"{path}: '{other}' is not a weight of the {', '.join(LORA_COMPONENTS)} networks sdtrt applies LoRAs to"
+            f"{path}: '{other}' is not a weight of the {', '.join(networks)} networks sdtrt applies "
+            f"{lora_family.label} LoRAs to (T5 encoders take none, as in diffusers)"
         )
     parts = {}
-    for component in LORA_COMPONENTS:
+    for component in networks:
         prefix = f"{component}."
         weights = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         if not weights:
@@ -167,7 +206,40 @@ def read_lora(path: str | os.PathLike[str]) -> LoraFile:
             raise LoraError(f"diffusers cannot convert the {component} part of {path}: {one_line(exc)}") from exc
         config = {k[len(prefix) :]: v for k, v in (metadata or {}).items() if k.startswith(prefix)}
         parts[component] = _modules(path, renamed, module_alphas, config)
-    return LoraFile(path, kind, parts)
+    return LoraFile(path, kind, lora_family.label, parts)
+
+
+def _kind_for(path: Path, keys: list[str], family: str | None) -> str:
+    """The LORA_FAMILIES key to read a file with: the model family's; LoraError where the file's names say it
+    is for another kind of model (before diffusers' converters fail on them, or a LoRA lands where it fits by
+    chance)."""
+    named = named_kind(keys)
+    if family is None:
+        return named or ("sd3" if any(k.startswith("transformer.") for k in keys) else "unet")
+    kind = lora_kind(family)
+    if named not in (None, kind):
+        mark = next(k for k in keys if any(m in k for m in FAMILY_MARKERS[named]))
+        raise LoraError(f"{path} is a {LORA_FAMILIES[named].label} LoRA ('{mark}'); this model ({family}) "
+                        f"takes {LORA_FAMILIES[kind].label} LoRAs")  # fmt: skip
+    return kind
+
+
+def _lora_state_dict(path: Path, lora_family: LoraFamily) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
+    """(state dict, alphas or None, adapter metadata) as the family's diffusers loader reads the file."""
+    import diffusers
+
+    from .models import quiet_loading
+
+    with quiet_loading():
+        loader = getattr(diffusers, lora_family.loader)
+    try:
+        state_dict, *alphas, metadata = loader.lora_state_dict(
+            str(path), use_safetensors=True, local_files_only=True, return_lora_metadata=True,
+            **dict(lora_family.loader_kwargs),
+        )  # fmt: skip
+    except Exception as exc:  # diffusers raises ValueError (AssertionError in Flux's kohya converter) for names it
+        raise LoraError(f"diffusers cannot read the LoRA {path}: {one_line(exc)}") from exc  # cannot convert
+    return state_dict, (alphas[0] if alphas else None), metadata
 
 
 def peft_names(component: str, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -183,7 +255,7 @@ def peft_names(component: str, state_dict: dict[str, Any]) -> dict[str, Any]:
         convert_unet_state_dict_to_peft,
     )
 
-    if component == "unet":
+    if component in ("unet", "transformer"):  # a transformer as diffusers' load_lora_adapter renames it
         return convert_unet_state_dict_to_peft(state_dict)
     renamed = convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict)) if state_dict else {}
     return {k.removeprefix("text_model."): v for k, v in renamed.items()}
@@ -223,6 +295,7 @@ def describe(lora: LoraFile) -> dict[str, Any]:
     return {
         "file": str(lora.path),
         "format": lora.format,
+        "family": lora.family,
         "networks": ", ".join(f"{c} ({len(m)} modules)" for c, m in lora.parts.items()),
         "ranks": sorted({m.rank for m in pairs}),
         "alphas": sorted({m.alpha for m in pairs}),
@@ -247,8 +320,9 @@ def random_lora(
     text_encoders: bool = False,
 ) -> Path:
     """A LoRA with random weights, to try LoRAs without training one: PEFT's ``LoraConfig`` on the model's
-    UNet (and, with ``text_encoders``, each text encoder it has), saved by the model's own pipeline class
-    with ``save_lora_weights`` as diffusers' training scripts save theirs. Written whole or not at all."""
+    UNet or transformer (and, with ``text_encoders``, each text encoder of it that takes LoRAs: CLIP, not T5),
+    saved by the model's own pipeline class with ``save_lora_weights`` as diffusers' training scripts save
+    theirs. Written whole or not at all."""
     import tempfile
 
     import diffusers
@@ -258,13 +332,15 @@ def random_lora(
     from .models import load_folder, quiet_loading
 
     out = lora_out(out)
-    if not model.has("unet"):
-        raise LoraError(f"'{model.name}' has no UNet in a pipeline folder; random LoRAs are made for UNet pipelines")
+    denoiser = model.denoiser_folder  # unet or transformer: component and folder have the same name
+    if not model.has(denoiser):
+        raise LoraError(f"'{model.name}' has no {denoiser} in a pipeline folder; random LoRAs are made for pipelines")
     with quiet_loading():
         pipeline = getattr(diffusers, model.pipeline_class(), None)
     if pipeline is None or not hasattr(pipeline, "save_lora_weights"):
         raise LoraError(f"diffusers' {model.pipeline_class() or 'pipeline'} of '{model.name}' cannot save LoRAs")
-    networks = ["unet", *(c for c in LORA_COMPONENTS[1:] if text_encoders and model.has(c))]
+    family = LORA_FAMILIES[lora_kind(model.family())]
+    networks = [denoiser, *(c for c in family.networks[1:] if text_encoders and model.has(c))]
     layers: dict[str, Any] = {}
     with torch.random.fork_rng():  # seeded without changing the caller's random state
         torch.manual_seed(seed)

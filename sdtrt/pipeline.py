@@ -198,8 +198,9 @@ def standins(
 
     def loras(component: str) -> EngineLoras:
         return EngineLoras(
-            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component)
-        )
+            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component),
+            family=source.family(),
+        )  # fmt: skip
 
     for component, runtime in runtimes.items():
         if component in NETWORK_STANDINS:

@@ -26,8 +26,10 @@ def inspect_command(
     model: o.EngineModelOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Format, rank, alpha and scale, the modules a LoRA touches in the UNet and text encoders, and (with
-    --engine, a UNet engine or an engine set) whether the engine's weight maps take them.
+    """Format, family, rank, alpha and scale, the modules a LoRA touches in the denoiser (UNet, or SD3's or
+    Flux's transformer) and CLIP text encoders, and (with --engine, a denoiser engine or an engine set) whether
+    the engine's weight maps take them. The file is read with the diffusers loader of the engine's (or
+    --model's) family; with neither, of the family its names point to.
 
     Example: sdtrt lora inspect style.safetensors --engine engines/set/2a06c39aaf814d52
     """
@@ -36,17 +38,18 @@ def inspect_command(
     from ..lora import coverage
     from ..lora_files import describe, read_lora
 
-    lora = read_lora(file)
+    artifact = o.find_engine(engine, engines) if engine else None
+    source = o.model_for(model, artifact) if artifact or model else None
+    lora = read_lora(file, source.family() if source else None)
     summary = describe(lora)
-    for key in ("file", "format", "networks", "ranks", "alphas", "scales"):
+    for key in ("file", "format", "family", "networks", "ranks", "alphas", "scales"):
         results.print(escape(f"{key}: {summary[key]}"))
     fits = None
-    if engine:
+    if artifact and source:
         from ..pipeline import engine_members
         from ..stages.weight_map import for_engine
 
-        artifact = o.find_engine(engine, engines)
-        members, source = engine_members(artifact), o.model_for(model, artifact)
+        members = engine_members(artifact)
         fits = coverage(lora, {c: for_engine(members[c], source, c) for c in lora.parts if c in members})
     table = Table(title="Modules (scale = alpha / rank, times the scale you give)", title_justify="left")
     for column in ("network", "module", "rank", "alpha", "scale", *(["engine"] if fits else [])):
@@ -73,11 +76,13 @@ def random_command(
     alpha: Annotated[int, typer.Option(min=1, help="LoRA alpha (scale = alpha / rank).")] = 8,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same file.")] = 0,
     text_encoders: Annotated[
-        bool, typer.Option("--text-encoders", help="Also change the model's text encoders, not only the UNet.")
+        bool,
+        typer.Option("--text-encoders", help="Also change the CLIP text encoders (not T5), not only the denoiser."),
     ] = False,
 ) -> None:
-    """Make a LoRA with random weights on the model's UNet attention and feed-forward projections (PEFT),
-    saved as diffusers saves LoRAs: something to try `generate --lora` and `lora inspect` with.
+    """Make a LoRA with random weights on the attention and feed-forward projections (PEFT) of the model's
+    UNet, or SD3's or Flux's transformer, saved as diffusers saves LoRAs: something to try `generate --lora`
+    and `lora inspect` with.
 
     Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders
     """

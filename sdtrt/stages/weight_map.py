@@ -3,10 +3,11 @@
 Export and simplify rename and transform weights: a ``Linear`` weight ``[out, in]`` becomes an
 anonymous, transposed MatMul initializer ``[in, out]``, in the graph's dtype (fp16: a cast), and
 constant folding makes new initializers. Names are no guide, so the map is derived from values:
-every Linear and Conv weight of the graph's network (the UNet, a text encoder), loaded in the graph's
-dtype exactly as export loads it, is looked up among the graph's initializers by content hash, as it
-is, transposed, or packed side by side with others in a wider initializer's columns (onnxsim's
-fuse_qkv pass packs CLIP's q/k/v projections into one MatMul).
+every Linear and Conv weight of the graph's network (the UNet, SD3's or Flux's transformer, a text
+encoder), loaded in the graph's dtype exactly as export loads it, is looked up among the graph's
+initializers by content hash, as it is, transposed, or packed side by side with others in a wider
+initializer's columns (onnxsim's fuse_qkv pass packs CLIP's q/k/v projections into one MatMul; SD3's and
+Flux's q/k/v and add_q/k/v projections reach the engine graph packed too).
 A parameter found nowhere (folded into something else), found twice (ambiguous), or sharing its
 initializer with another parameter (deduplicated constants) is listed as unmapped with the
 reason, and a LoRA touching it is refused by name (sdtrt.lora).
