@@ -77,7 +77,9 @@ class EngineLoras:
             with warnings.catch_warnings():  # base is read-only (onnx's to_array); it is only read here
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                 stored = torch.from_numpy(base)
-            weight = stored.float()  # a copy, cast on all cores (numpy's astype uses one)
+            # Always a copy: .float() of an fp32 graph's weight would be the base itself, and adding a LoRA to it
+            # would change the base every later set starts from. Cast on all cores (numpy's astype uses one).
+            weight = stored.to(torch.float32, copy=True)
             for param, pair, scale in touched[name]:
                 place = weight_map.mapped[param]
                 if place.columns:  # a packed q/k/v MatMul: this projection's columns

@@ -223,10 +223,10 @@ def _unet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dt
     return EngineUNet(runtime, source.unet_config(), dtype=dtype, loras=loras(component))
 
 
-def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
+def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any) -> EngineModule:
     from .transformer import EngineTransformer
 
-    return EngineTransformer(runtime, source.component_config(FOLDERS[component]), dtype=dtype)
+    return EngineTransformer(runtime, source.component_config(FOLDERS[component]), dtype=dtype, loras=loras(component))
 
 
 def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:

@@ -16,6 +16,7 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from .errors import ArtifactError, EngineInputError
+from .lora import EngineLoras, LoraNetwork
 from .runtime import Runtime
 from .spec import FluxTransformerSpec, TransformerSpec
 from .standins import EngineModule
@@ -37,7 +38,7 @@ REFUSED = {
 IGNORED_DEFAULTS = {"controlnet_blocks_repeat": False}  # Flux's: meaningful only with ControlNet samples
 
 
-class EngineTransformer(EngineModule):
+class EngineTransformer(EngineModule, LoraNetwork):
     """An SD3Transformer2DModel / FluxTransformer2DModel stand-in backed by a transformer engine.
 
     ``EngineTransformer(runtime, …)`` makes the subclass that is an instance of the class the engine's
@@ -49,7 +50,10 @@ class EngineTransformer(EngineModule):
             cls = EngineFluxTransformer if isinstance(runtime.spec, FluxTransformerSpec) else EngineSD3Transformer
         return super().__new__(cls)
 
-    def __init__(self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None,
+        loras: EngineLoras | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, TransformerSpec):
             raise ArtifactError(
@@ -57,7 +61,7 @@ class EngineTransformer(EngineModule):
             )
         self.spec: TransformerSpec = runtime.spec
         self.runtime = runtime
-        self.loras = None  # LoRA on the transformer: not mapped yet (set_loras skips networks without)
+        self.loras = loras  # set_loras puts LoRA weights into the engine, from its base weights
 
     def forward(
         self,
@@ -101,8 +105,8 @@ class EngineTransformer(EngineModule):
         attention = dict(joint_attention_kwargs or {})
         if attention.pop("scale", 1.0) != 1.0:
             raise EngineInputError(
-                "joint_attention_kwargs['scale'] (a LoRA scale) is not applied by a transformer engine: its weights "
-                "are fixed at build; run this pipeline on PyTorch (load_pipeline without an engine) for LoRAs"
+                "joint_attention_kwargs['scale'] (a LoRA scale) is not applied by a transformer engine: put LoRAs "
+                "into its weights with sdtrt.pipeline.set_loras(pipe, [(file, scale)]) instead"
             )
         if attention:
             raise EngineInputError(

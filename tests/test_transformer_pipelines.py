@@ -133,3 +133,27 @@ def test_saved_engine_pipeline_loads_on_its_engines(family, tmp_path):
     request = family.request(height=128, width=128)
     a, b = (generate(p, request, output_type="np").images[0] for p in (engine, again))
     assert (a == b).all()
+
+
+def test_loras_match_diffusers_fused_pipeline_and_switch_without_rebuild(family, tmp_path):
+    """A LoRA put into the transformer engine's weights (no rebuild) gives diffusers' load_lora_weights + fuse_lora
+    image; A → B → A gives A's image bit for bit (weights always come from the base); clearing gives the base's."""
+    from sdtrt.lora_files import random_lora
+    from sdtrt.pipeline import set_loras
+
+    _, engine = family.pipelines()
+    request = family.request(height=128, width=128)
+    base = generate(engine, request, output_type="np").images[0]
+    lora = random_lora(family.source, tmp_path / "lora.safetensors", rank=4, alpha=8, seed=5)
+    fused = load_pipeline(family.source, loras=[(lora, 0.8)])
+    try:
+        set_loras(engine, [(lora, 0.8)])
+        want, got = (generate(p, request, output_type="np").images[0] for p in (fused, engine))
+        set_loras(engine, [(lora, 0.3)])
+        set_loras(engine, [(lora, 0.8)])
+        again = generate(engine, request, output_type="np").images[0]
+    finally:
+        set_loras(engine, [])
+    assert psnr_db(got, want) >= 35.0 and psnr_db(base, want) < 35.0  # the LoRA changes the image, and it matches
+    assert (again == got).all()
+    assert psnr_db(generate(engine, request, output_type="np").images[0], base) >= 80.0
