@@ -346,28 +346,31 @@ class EngineT5(EngineModule, T5EncoderModel):  # type: ignore[misc]
 class EngineHalf(torch.nn.Module):
     """One half of a VAE on an engine (encoder + quant conv, or post-quant conv + decoder, as exported)."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, fallback: PyTorchHalf) -> None:
         super().__init__()
         self.runtime = runtime
-        self.said_padded = False
+        self.fallback = fallback  # for tiles below the engine's profile
+        self.said_fallback = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` through the engine; an edge tile smaller than the profile is padded up to it and the result cropped."""
+        """``x`` through the engine; an edge tile smaller than the profile through the PyTorch half instead.
+
+        Padding such a tile up to the profile would join the padding into the decoder's GroupNorm statistics
+        (seen: edge pixels off by up to 3.0 at 800 px on tiny); the PyTorch half gives diffusers' own result.
+        """
         spec = self.runtime.spec
         low_h, low_w = self.smallest_input()
         height, width = x.shape[-2:]
-        if (height < low_h or width < low_w) and not self.said_padded:
-            # The padding joins the decoder's GroupNorm statistics: near that tile's edge pixels differ from
-            # a PyTorch tiled decode (seen: max 3.0 at 800 px on tiny). Said once per VAE half.
-            self.said_padded = True
-            console.print(
-                f"[yellow]note:[/] a {spec.component} tile of {height}×{width} is below the engine's smallest input "
-                f"{low_h}×{low_w}, so it is padded and its edge differs from PyTorch's tiled result; for an exact "
-                "match, build the VAE with a smaller --height/--width minimum or pick a size whose tiles fit"
-            )
-        padded = torch.nn.functional.pad(x, (0, max(low_w - width, 0), 0, max(low_h - height, 0)), mode="replicate")
-        out = self.runtime.run({spec.input_names[0]: padded})[spec.output_names[0]].to(x.device, x.dtype)
-        return out[..., : out.shape[-2] * height // padded.shape[-2], : out.shape[-1] * width // padded.shape[-1]]
+        if height < low_h or width < low_w:
+            if not self.said_fallback:  # once per VAE half
+                self.said_fallback = True
+                console.print(
+                    f"[yellow]note:[/] a {spec.component} tile of {height}×{width} is below the engine's smallest "
+                    f"input {low_h}×{low_w}, so such tiles run on the PyTorch VAE; to keep every tile on the engine, "
+                    "build the VAE with a smaller --height/--width minimum or pick a size whose tiles fit"
+                )
+            return self.fallback(x)
+        return self.runtime.run({spec.input_names[0]: x})[spec.output_names[0]].to(x.device, x.dtype)
 
     def smallest_input(self) -> tuple[int, int]:
         """The smallest input height and width the engine's profile takes (in latents for the decoder)."""
@@ -410,8 +413,9 @@ class EngineVAE(EngineModule, AutoencoderKL):
     ) -> None:  # fmt: skip
         super().__init__(config, dtype, [decoder, encoder])
         self.decoder_runtime, self.encoder_runtime = decoder, encoder
-        self.encoder = EngineHalf(encoder) if encoder is not None else PyTorchHalf(pytorch, encoder=True)
-        self.decoder = EngineHalf(decoder) if decoder is not None else PyTorchHalf(pytorch, encoder=False)
+        on_pytorch = PyTorchHalf(pytorch, encoder=True), PyTorchHalf(pytorch, encoder=False)
+        self.encoder = EngineHalf(encoder, on_pytorch[0]) if encoder is not None else on_pytorch[0]
+        self.decoder = EngineHalf(decoder, on_pytorch[1]) if decoder is not None else on_pytorch[1]
         self.quant_conv, self.post_quant_conv = InGraph(dtype), InGraph(dtype)  # the halves apply them
         self.use_slicing = self.use_tiling = False
         self.tile_overlap_factor = 0.25

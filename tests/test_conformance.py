@@ -124,7 +124,7 @@ def test_vae_slicing_and_tiling_decode_as_the_pytorch_vae_does(pipes):
             vae.disable_tiling()
 
 
-def test_an_edge_tile_under_the_profile_is_padded_up_to_it(pipes):
+def test_an_edge_tile_under_the_profile_runs_on_pytorch_and_the_decode_is_exact(pipes):
     ref, eng = pipes
     latents = torch.randn(1, 4, 40, 68, generator=torch.Generator().manual_seed(2))  # last tile column: 68-48=20
     eng.vae.enable_tiling()
@@ -137,7 +137,7 @@ def test_an_edge_tile_under_the_profile_is_padded_up_to_it(pipes):
         eng.vae.disable_tiling()
         ref.vae.disable_tiling()
     assert got.shape == expected.shape == (1, 3, 320, 544)
-    assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.99
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # padding it instead was off by up to 3.0
 
 
 def test_attention_methods_an_engine_already_does_are_no_ops(pipes):
