@@ -1,8 +1,9 @@
 """Benchmarks: the pipeline's latency broken down by stage, per backend, side by side in one run.
 
 For each backend: load time (engine compile through the store, session creation) and the first,
-warm-up runs are reported apart from steady state; each timed repeat is broken into text encoding,
-the denoising loop (UNet calls + scheduler and guidance) and the VAE decode, from the same spans
+warm-up runs are reported apart from steady state; each timed repeat is broken into text encoding
+(every text encoder: CLIP, CLIP-G, T5), the denoising loop (UNet or transformer calls + scheduler and
+guidance) and the VAE decode, from the same spans
 `sdtrt profile` shows. Backends that cannot run here are reported as skipped with the reason.
 
 JSON format (stable; other tools read it)::

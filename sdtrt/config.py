@@ -92,8 +92,8 @@ def grid_problem(name: str, value: int, multiple: int) -> str | None:
         return None
     nearest = max(multiple, round(value / multiple) * multiple)
     return (
-        f"{name} {value} is not a positive multiple of {multiple} pixels, which this model's UNet and VAE "
-        f"need; use e.g. {nearest}"
+        f"{name} {value} is not a positive multiple of {multiple} pixels, which this model's denoiser (its "
+        f"UNet or transformer) and VAE need; use e.g. {nearest}"
     )
 
 

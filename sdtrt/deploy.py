@@ -6,8 +6,8 @@
     REPO/<name>/sdtrt.json       what was deployed: sdtrt version, engine keys, model, profile, batching
     REPO/<name>/1/model.py       imports sdtrt.triton_model, which loads the pipeline with load_pipeline
     REPO/<name>/1/engines/       the engine and, for a set, its members: a store of its own
-    REPO/<name>/1/diffusers/     the model's folder (configs, tokenizer, scheduler; the UNet's weights
-                                 stay behind when the UNet runs on an engine)
+    REPO/<name>/1/diffusers/     the model's folder (configs, tokenizers, scheduler; the denoiser's weights
+                                 (UNet, SD3's / Flux's transformer) stay behind when it runs on an engine)
 
 Files are hard-linked where the store and the repository share a file system, copied otherwise, so
 the repository holds everything it serves and can be moved to another machine of the same GPU type.
@@ -27,7 +27,7 @@ from .config import ShapeProfile, as_dict
 from .errors import ArtifactError, ConfigError
 from .families import pipeline_class_name
 from .models import ModelSource
-from .spec import FOLDERS
+from .spec import DENOISERS, FOLDERS
 from .store import Artifact
 
 InstanceKind = Literal["auto", "cpu", "gpu"]
@@ -102,13 +102,12 @@ def deploy_triton(
     ``model`` is needed only where the engine's manifest names no model that exists here.
     """
     from .pipeline import engine_members
-    from .runtime import artifact_profile
-    from .stages.engine_set import recorded_model
+    from .stages.engine_set import engine_profile, recorded_model
 
     members = engine_members(engine)
     source = model or recorded_model(engine)
     pipeline_class_name(source.pipeline_class(), "txt2img")  # UnsupportedModelError for refiners and the like
-    profile = artifact_profile(members.get("unet", engine))
+    profile = engine_profile(members)  # every member of a set records compile's one profile
     if profile is None:
         raise ArtifactError(f"{engine.path} records no shape profile; serve an engine built by `sdtrt compile`")
     if config.max_batch > profile.batch.max:
@@ -128,7 +127,7 @@ def deploy_triton(
     for artifact in {a.path: a for a in [engine, *members.values()]}.values():  # a lone UNet is its own member
         artifact.require_intact()
         _link_tree(artifact.path, version / ENGINES_DIR / artifact.stage / artifact.path.name)
-    skip = frozenset({FOLDERS["unet"]} if "unet" in members else ())
+    skip = frozenset(FOLDERS[d.component] for d in DENOISERS if d.component in members)  # engines replace them
     _link_tree(source.path, version / MODEL_DIR, skip_weights_in=skip)
     (version / "model.py").write_text(MODEL_PY)
     (folder / "config.pbtxt").write_text(config_pbtxt(config, kind))

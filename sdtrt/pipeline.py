@@ -46,7 +46,12 @@ __all__ = [
 def set_scheduler(pipe: Any, name: str) -> None:
     import diffusers
 
-    scheduler = getattr(diffusers, check_scheduler(name))
+    from .families import transformer_family
+
+    # Only whether the denoiser is a flow-matching transformer matters to the check: a UNet's family is left out.
+    transformer = getattr(pipe, "transformer", None)
+    family = "unet" if transformer is None else transformer_family(dict(transformer.config))
+    scheduler = getattr(diffusers, check_scheduler(name, family))
     if type(pipe).__name__.startswith("LatentConsistencyModel"):
         scheduler = consistency_scheduler(scheduler, name)
     pipe.scheduler = scheduler.from_config(pipe.scheduler.config)
@@ -314,15 +319,9 @@ def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
     profiles = [getattr(getattr(getattr(pipe, n), "runtime", None), "profile", None) for n in (t5_name, "transformer")]
     built = [p.tokens.max for p in profiles if p is not None and p.tokens is not None]
     limit = min(built) if built else limit
-    tokenizer = getattr(pipe, t5_name.replace("text_encoder", "tokenizer"))
-    for prompt in prompts:
-        count = len(tokenizer(prompt).input_ids)
-        if count > limit:
-            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
-            raise RequestError(
-                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
-                + (", or rebuild the engines with a T5 token range (profile tokens) covering it" if built else "")
-            )
+    from .request import check_t5_prompts  # shared with the CLI's check before loading
+
+    check_t5_prompts(prompts, getattr(pipe, t5_name.replace("text_encoder", "tokenizer")), limit, bool(built))
     return {"max_sequence_length": limit}
 
 

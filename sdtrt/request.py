@@ -36,13 +36,30 @@ SCHEDULERS = {
     "lcm": "LCMScheduler",  # consistency schedulers: the ones LatentConsistencyModelPipeline steps with
     "tcd": "TCDScheduler",
 }
+# The flow-matching schedulers SD3's and Flux's pipelines step with (their transformers predict a velocity,
+# which the schedulers above cannot take). FlowMatchHeun's set_timesteps takes no sigmas, which FluxPipeline
+# always passes (diffusers 0.42.1 pipeline_flux.py retrieve_timesteps): SD3 only. FlowMatchLCMScheduler runs
+# in both, but draws each step's noise from torch's global generator (the pipelines hand step none), so a
+# seed would not reproduce its image: not offered.
+FLOW_SCHEDULERS = {"flow-euler": "FlowMatchEulerDiscreteScheduler", "flow-heun": "FlowMatchHeunDiscreteScheduler"}
+FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
+NOT_FOR_FLUX = ("flow-heun",)
 
 
-def check_scheduler(name: str) -> str:
-    """The diffusers class name for a --scheduler value."""
-    if name not in SCHEDULERS:
-        raise RequestError(f"scheduler '{name}' is not one of {', '.join(SCHEDULERS)}")
-    return SCHEDULERS[name]
+def check_scheduler(name: str, family: str) -> str:
+    """The diffusers class name for a --scheduler value a model of ``family`` (models.family()) can step with."""
+    flow = family in FLOW_FAMILIES
+    if name not in SCHEDULERS and name not in FLOW_SCHEDULERS:
+        raise RequestError(f"scheduler '{name}' is not one of {', '.join([*SCHEDULERS, *FLOW_SCHEDULERS])}")
+    offered = FLOW_SCHEDULERS if flow else SCHEDULERS
+    if family.startswith("flux"):
+        offered = {n: c for n, c in offered.items() if n not in NOT_FOR_FLUX}
+    if name not in offered:
+        kind = "a flow-matching (SD3 / Flux) model" if flow else "a UNet model"
+        raise RequestError(
+            f"scheduler '{name}' cannot drive {kind} of family {family}; use one of {', '.join(offered)}"
+        )
+    return offered[name]
 
 
 @dataclass(frozen=True)
@@ -188,6 +205,39 @@ def check_steps(steps: int, scheduler_config: Any) -> None:
     for what, limit in limits:
         if limit and steps > limit:
             raise RequestError(f"steps {steps} is more than this scheduler's {limit} {what}; ask for at most {limit}")
+
+
+def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
+    """RequestError for a prompt of more T5 tokens than ``limit``: what the engines were ``built`` for, or the
+    pipeline's max_sequence_length. Such a prompt is refused, never cut as the tokenizer would cut it."""
+    for prompt in prompts:
+        count = len(tokenizer(prompt).input_ids)
+        if count > limit:
+            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
+            raise RequestError(
+                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
+                + (", or rebuild the engines with a T5 token range (profile tokens) covering it" if built else "")
+            )
+
+
+def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
+    """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux): the engines' ``profile``
+    has the token range, and counting tokens needs only the model's tokenizer folder."""
+    from .families import T5_TOKENS
+
+    family = model.family()
+    if family not in T5_TOKENS:
+        return
+    from transformers import AutoTokenizer
+
+    built = profile is not None and profile.tokens is not None
+    limit = profile.tokens.max if profile is not None and profile.tokens is not None else T5_TOKENS[family]
+    tokenizer = AutoTokenizer.from_pretrained(model.path / T5_TOKENIZERS[family], local_files_only=True)
+    check_t5_prompts([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
+
+
+# T5's tokenizer folder: SD3's third text encoder, Flux's second.
+T5_TOKENIZERS = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "flux-schnell": "tokenizer_2"}
 
 
 def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:

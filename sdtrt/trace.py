@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .config import TEXT_ENCODERS
 from .errors import ConfigError
 
 
@@ -175,7 +176,7 @@ class StepSpans:
 
 @contextlib.contextmanager
 def instrument_pipeline(pipe: Any, tracer: Tracer) -> Iterator[StepSpans]:
-    """Spans for the pipeline's text encoder, UNet calls, scheduler steps and VAE decodes.
+    """Spans for the pipeline's text encoders, denoiser (UNet or transformer) calls, scheduler steps and VAE decodes.
 
     Instance attributes are patched (the pipeline's own objects only) and restored on exit. Pass
     the yielded ``StepSpans.step_ended`` as ``generate(on_step=…)`` to get per-step spans.
@@ -192,11 +193,10 @@ def instrument_pipeline(pipe: Any, tracer: Tracer) -> Iterator[StepSpans]:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(patched(denoiser, "forward", traced_unet))
-        stack.enter_context(
-            patched(
-                pipe.text_encoder, "forward", tracer.wrap(pipe.text_encoder.forward, "text_encoder", "text_encoder")
-            )
-        )
+        # Every text encoder (SDXL's CLIP-G, SD3's and Flux's T5) is a span of the "text_encoder" stage.
+        for name in TEXT_ENCODERS:
+            if (encoder := getattr(pipe, name, None)) is not None:
+                stack.enter_context(patched(encoder, "forward", tracer.wrap(encoder.forward, name, "text_encoder")))
         stack.enter_context(
             patched(pipe.scheduler, "step", tracer.wrap(pipe.scheduler.step, "scheduler.step", "scheduler"))
         )

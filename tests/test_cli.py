@@ -186,6 +186,26 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
         (["generate", "--seed", "-1"], "seed -1 is outside 0..18446744073709551615"),
         (["generate", "--scheduler", "nope"], "scheduler 'nope' is not one of pndm"),
         (
+            ["generate", "--model", "tiny-flux", "--height", "136"],
+            "height 136 is not a positive multiple of 16 pixels, which this model's denoiser (its UNet or transformer) "
+            "and VAE need; use e.g. 128",
+        ),
+        (
+            ["generate", "--model", "tiny-flux", "--prompt", "astronaut " * 600],
+            "T5 tokens, more than the 512 the pipeline takes (max_sequence_length); shorten it",
+        ),
+        (["generate", "--scheduler", "flow-euler"], "scheduler 'flow-euler' cannot drive a UNet model of family sd1"),
+        (
+            ["generate", "--model", "tiny-sd3", "--scheduler", "euler"],
+            "scheduler 'euler' cannot drive a flow-matching (SD3 / Flux) model of family sd3; use one of flow-euler, "
+            "flow-heun",
+        ),
+        (
+            ["validate", "--model", "tiny-flux", "--engine", "0123abcd", "--scheduler", "flow-heun"],
+            "scheduler 'flow-heun' cannot drive a flow-matching (SD3 / Flux) model of family flux; use one of "
+            "flow-euler",
+        ),
+        (
             ["validate", "--model", "tiny", "--engine", "0123abcd", "--height", "300"],
             "height 300 is not a positive multiple of 16",
         ),

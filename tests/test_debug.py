@@ -115,3 +115,33 @@ def test_a_non_graph_artifact_is_named_by_its_stage(tiny, tiny_set, store):
     result = run_cli("build", str(made.path), "--engines", str(store.root))
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
     assert f"{made.path} is a 'weight-map' artifact; pass the simplify artifact a stage printed" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def transformer_graphs(store):
+    """SD3's fp16 transformer and Flux's T5 (fp32, as T5 is built by default), exported alone."""
+    from sdtrt.models import resolve_model
+
+    sd3, flux = resolve_model("tiny-sd3"), resolve_model("tiny-flux")
+    return {
+        "sd3 transformer": export.run(ExportConfig(component="transformer", precision="fp16"), sd3, store),
+        "flux t5": export.run(ExportConfig(component="text_encoder_2"), flux, store),
+    }
+
+
+@pytest.mark.parametrize("graph", ["sd3 transformer", "flux t5"])
+def test_transformer_and_t5_graphs_are_debugged(transformer_graphs, graph):
+    report = debug(transformer_graphs[graph])
+    print(f"{graph}: {report.compared} tensors, largest error {report.largest_error:.3g}")
+    # T5's position buckets take log(0) = -inf in fp32 as well: the graph's own, not a divergence.
+    assert report and report.compared > 50 and report.largest_error < 0.01, report.first
+
+
+def test_cache_ls_names_the_transformer_families(transformer_graphs, store):
+    listed = run_cli("cache", "ls", "--engines", str(store.root), check=True).stdout.splitlines()
+    for artifact, component, family in [
+        (transformer_graphs["sd3 transformer"], "transformer", "sd3"),
+        (transformer_graphs["flux t5"], "text_encoder_2", "flux"),
+    ]:
+        row = next(line.split() for line in listed if str(artifact.path) in line)
+        assert row[2:4] == [component, family], row

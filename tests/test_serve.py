@@ -316,3 +316,41 @@ def test_serve_a_model_that_fails_to_load_shows_the_reason_in_a_few_lines(reposi
     assert len(lines) <= 6, "Triton's errors, not its whole startup log:\n" + "\n".join(lines)
     assert "model 'stable_diffusion' failed to load: ArtifactError:" in lines[-1]
     assert "does not exist" in lines[-1]
+
+
+def test_a_flux_schnell_set_is_deployed_and_served(store, tmp_path):
+    """A transformer engine set (Flux.1-schnell: no guidance, 16-px grid) served as the UNet sets are."""
+    from tritonclient.utils import InferenceServerException
+
+    from sdtrt.compile import compile_model
+    from sdtrt.config import ExportConfig
+    from sdtrt.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.models import resolve_model
+    from sdtrt.pipeline import generate, load_pipeline
+
+    source = resolve_model("tiny-flux-schnell")  # the set tests/test_transformer_pipelines.py compiles too
+    flux = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+    deployment = deploy_triton(flux, tmp_path / "repo", TritonDeployConfig(max_batch=1))
+    assert {"transformer", "text_encoder", "text_encoder_2", "vae_decoder"} <= set(deployment.record["members"])
+    assert not list((deployment.model / "transformer").glob("*.safetensors")), "the transformer engine replaces them"
+    with _serve(tmp_path / "repo", tmp_path) as server:
+        served = _raw_infer(
+            server,
+            **PROMPT,
+            steps=np.array([[2]], dtype=np.int32),
+            height=np.array([[SIZE]], dtype=np.int32),
+            width=np.array([[SIZE]], dtype=np.int32),
+        )
+        refused = {}
+        for name, value in (
+            ("guidance", np.array([[3.5]], dtype=np.float32)),
+            ("height", np.array([[136]], dtype=np.int32)),
+        ):  # on the 8-px grid, off Flux's 16-px one
+            with pytest.raises(InferenceServerException) as failed:
+                _raw_infer(server, **PROMPT, **{name: value})
+            refused[name] = failed.value
+    local = generate(load_pipeline(source, flux), GenerateRequest(prompt="a fox", steps=2, height=SIZE, width=SIZE))
+    np.testing.assert_array_equal(served.as_numpy("image")[0], np.asarray(local.images[0]))
+    assert all(e.status() == "400" for e in refused.values())
+    assert "guidance 3.5 was given, but this model has no guidance embedding" in refused["guidance"].message()
+    assert "height 136 is not a positive multiple of 16 pixels" in refused["height"].message()

@@ -7,6 +7,7 @@ One fp32 ONNX Runtime engine set per family, shared by the module's tests; tiny 
 from __future__ import annotations
 
 import diffusers
+import numpy as np
 import pytest
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -14,6 +15,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from sdtrt.config import ExportConfig
 from sdtrt.errors import EngineInputError, RequestError
 from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
+from sdtrt.request import FLOW_SCHEDULERS, NOT_FOR_FLUX
 from sdtrt.standins import EngineModule, EngineT5
 from sdtrt.transformer import EngineTransformer
 from sdtrt.validate import psnr_db
@@ -157,3 +159,45 @@ def test_loras_match_diffusers_fused_pipeline_and_switch_without_rebuild(family,
     assert psnr_db(got, want) >= 35.0 and psnr_db(base, want) < 35.0  # the LoRA changes the image, and it matches
     assert (again == got).all()
     assert psnr_db(generate(engine, request, output_type="np").images[0], base) >= 80.0
+
+
+def test_inpaint_matches_pytorch(family):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (128, 128, 3), dtype=np.uint8))
+    mask = np.zeros((128, 128), dtype=np.uint8)
+    mask[32:96, 32:96] = 255  # white is repainted
+    request = family.request(
+        image=image, mask_image=Image.fromarray(mask), strength=0.8, steps=3, height=128, width=128
+    )
+    assert_images_match(family, request, "inpaint")
+
+
+@pytest.mark.parametrize("scheduler", ["flow-euler", "flow-heun"])
+def test_flow_schedulers_drive_the_engine_set(family, scheduler):
+    """The flow-matching schedulers a family's pipeline takes run it on engines as on PyTorch (flow-heun: SD3 only)."""
+    if family.name != "tiny-sd3" and scheduler in NOT_FOR_FLUX:
+        with pytest.raises(RequestError, match=f"scheduler '{scheduler}' cannot drive a flow-matching"):
+            load_pipeline(family.source, family.engine, scheduler=scheduler)
+        return
+    pipes = [load_pipeline(family.source, engine, scheduler=scheduler) for engine in (None, family.engine)]
+    request = family.request(height=128, width=128)
+    reference, engine = (generate(p, request, output_type="np").images[0] for p in pipes)
+    assert type(pipes[1].scheduler).__name__ == FLOW_SCHEDULERS[scheduler] and reference.std() > 0.01
+    assert psnr_db(engine, reference) >= 35.0
+
+
+def test_every_text_encoder_is_timed(family):
+    """bench's and profile's "text_encoder" spans cover CLIP-L, CLIP-G and T5, not only the first encoder."""
+    from sdtrt.bench import breakdown
+    from sdtrt.config import TEXT_ENCODERS
+    from sdtrt.trace import Tracer, instrument_pipeline
+
+    _, engine = family.pipelines()
+    tracer = Tracer()
+    with instrument_pipeline(engine, tracer) as steps:
+        generate(engine, family.request(height=128, width=128, steps=1), on_step=steps.step_ended)
+    spans = [s for s in tracer.spans() if s.category == "text_encoder"]
+    assert {s.name for s in spans} == {n for n in TEXT_ENCODERS if getattr(engine, n, None) is not None}
+    assert breakdown(tracer.spans())["text_encoder"] == pytest.approx(sum(s.seconds for s in spans))

@@ -15,13 +15,27 @@ from rich.console import Console
 from ..config import ValidationConfig
 from ..errors import RequestError
 from ..progress import console, results, step
-from ..request import SCHEDULERS, GenerateRequest, SizeRule, check_scheduler, check_validation
+from ..request import (
+    FLOW_SCHEDULERS,
+    SCHEDULERS,
+    GenerateRequest,
+    SizeRule,
+    check_scheduler,
+    check_t5_request,
+    check_validation,
+)
 from . import options as o
 
 if TYPE_CHECKING:
     from ..validate import ValidationReport
 
-SchedulerOpt = Annotated[str | None, typer.Option(help=f"Scheduler: {', '.join(SCHEDULERS)} (default: the model's).")]
+SchedulerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Scheduler: {', '.join(SCHEDULERS)} for UNet models; {', '.join(FLOW_SCHEDULERS)} for SD3 / Flux "
+        "(flow-heun: SD3 only). Default: the model's."
+    ),
+]
 
 
 def _open_image(path: Path | None, mode: str) -> Any:
@@ -75,6 +89,7 @@ def generate_command(
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
     from ..families import TASKS
+    from ..stages.engine_set import engine_members, engine_profile
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
@@ -89,7 +104,8 @@ def generate_command(
     request = request.sized_for(SizeRule.for_model(source))
     o.check_engine_size(artifact, request)
     if scheduler:
-        check_scheduler(scheduler)
+        check_scheduler(scheduler, source.family())
+    check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -137,7 +153,7 @@ def validate_command(
     rule = SizeRule.for_model(source)
     check_validation(config, rule, None)
     if scheduler:
-        check_scheduler(scheduler)
+        check_scheduler(scheduler, source.family())
     o.ensure_parent(json_out, "--json")
     artifact = artifact or o.find_engine(engine, engines)
     check_validation(config, rule, engine_profile(engine_members(artifact)))  # the size, against the engines
