@@ -8,10 +8,21 @@ from pathlib import Path
 import pytest
 
 
+def session_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder for the whole run: with pytest-xdist, the one all workers share (beside their own temp
+    folders), so a preset or an engine one worker built is a cache hit for the others. Both caches are
+    safe to share: presets are renamed into place atomically, and the store locks each key."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / name
+        shared.mkdir(exist_ok=True)
+        return shared
+    return tmp_path_factory.mktemp(name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def offline_models_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Presets build once per session into a private cache; nothing reaches the hub."""
-    cache = Path(os.environ.get("SDTRT_TEST_MODELS") or tmp_path_factory.mktemp("models"))
+    cache = Path(os.environ.get("SDTRT_TEST_MODELS") or session_dir(tmp_path_factory, "models"))
     os.environ["SDTRT_MODELS"] = str(cache)
     os.environ["HF_HUB_OFFLINE"] = "1"
     return cache
@@ -24,11 +35,16 @@ def tiny():
     return resolve_model("tiny")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def store(tmp_path_factory: pytest.TempPathFactory):
+    """The session's artifact store. The CLI runs of the tests use it too (SDTRT_ENGINES) unless they pass
+    --engines: the store is content-addressed and locked per key, so what one test compiled is a cache hit
+    for the next, in this process or another."""
     from sdtrt.store import Store
 
-    return Store(tmp_path_factory.mktemp("engines"))
+    root = session_dir(tmp_path_factory, "engines")
+    os.environ["SDTRT_ENGINES"] = str(root)
+    return Store(root)
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +69,32 @@ def tiny_engine(tiny, store):
     from sdtrt.compile import compile_model
 
     return compile_model(tiny, store, target="onnxruntime", components=("unet",)).final
+
+
+@pytest.fixture(scope="session")
+def tiny_set(tiny, store):
+    """tiny's whole ONNX Runtime engine set (fp16, every component), as `sdtrt compile` builds it on a CPU."""
+    from sdtrt.compile import compile_model
+
+    return compile_model(tiny, store, "onnxruntime").final
+
+
+@pytest.fixture(scope="session")
+def fp32_engine_sets(store):
+    """preset → its fp32 ONNX Runtime engine set (every component), compiled on first use."""
+    from sdtrt.compile import compile_model
+    from sdtrt.config import ExportConfig
+    from sdtrt.models import resolve_model
+
+    built: dict[str, object] = {}
+
+    def get(preset: str):
+        if preset not in built:
+            fp32 = ExportConfig(precision="fp32")
+            built[preset] = compile_model(resolve_model(preset), store, "onnxruntime", fp32).final
+        return built[preset]
+
+    return get
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

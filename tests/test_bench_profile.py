@@ -19,11 +19,11 @@ PNDM_STEP = "diffusers.schedulers.scheduling_pndm.PNDMScheduler.step"
 ENGINE_FORWARD = "sdtrt.unet.EngineUNet.forward"
 
 
-def test_bench_cli_json_time_file_and_chart(tmp_path):
+def test_bench_cli_json_time_file_and_chart(tmp_path, store):
     files = {"json": tmp_path / "b.json", "time-file": tmp_path / "b.txt", "chart": tmp_path / "b.png"}
     backends = "torch,onnxruntime:fp32,onnxruntime,tensorrt"
     args = ["bench", "--backends", backends, "--steps", "4", "--warmup", "1", "--repeats", "3"]
-    result = run_cli(*args, *(f"--{k}={v}" for k, v in files.items()), "--engines", str(tmp_path / "e"), check=True)
+    result = run_cli(*args, *(f"--{k}={v}" for k, v in files.items()), "--engines", str(store.root), check=True)
     report = json.loads(files["json"].read_text())
     assert report["format"] == 1 and report["config"]["steps"] == 4
     by_name = {b["name"]: b for b in report["backends"]}
@@ -51,11 +51,11 @@ def test_bench_cli_json_time_file_and_chart(tmp_path):
         assert chart.format == "PNG" and chart.width >= 800
 
 
-def test_bench_times_putting_loras_in_and_swapping_them(tiny, tmp_path):
+def test_bench_times_putting_loras_in_and_swapping_them(tiny, store, tmp_path):
     lora = peft_lora(tiny, tmp_path / "style", seed=1, rank=4, alpha=8, networks=("unet", "text_encoder"))
     report_file = tmp_path / "b.json"
     args = ["bench", "--backends", "torch,onnxruntime", "--steps", "2", "--warmup", "0", "--repeats", "2"]
-    result = run_cli(*args, "--lora", f"{lora}:0.8", "--json", str(report_file), "--engines", str(tmp_path / "e"))
+    result = run_cli(*args, "--lora", f"{lora}:0.8", "--json", str(report_file), "--engines", str(store.root))
     assert result.returncode == 0, result.stderr
     torch_run, engine_run = json.loads(report_file.read_text())["backends"]
     assert torch_run["lora_apply_s"] > 0 and torch_run["lora_swap_s"] is None  # diffusers fuses, once

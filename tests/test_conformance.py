@@ -22,7 +22,6 @@ from diffusers import (
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from sdtrt.config import ExportConfig
 from sdtrt.errors import ArtifactError, EngineInputError
 from sdtrt.models import resolve_model
 from sdtrt.pipeline import load_pipeline
@@ -32,27 +31,11 @@ PRESETS = ("tiny", "tiny-sdxl")
 CALL = dict(prompt="a lighthouse at dusk", num_inference_steps=2, height=128, width=128)
 
 
-@pytest.fixture(scope="module")
-def engine_sets(store):
-    """preset → its fp32 ONNX Runtime engine set (every component), compiled on first use."""
-    from sdtrt.compile import compile_model
-
-    built: dict[str, object] = {}
-
-    def get(preset: str):
-        if preset not in built:
-            model = resolve_model(preset)
-            built[preset] = compile_model(model, store, "onnxruntime", ExportConfig(precision="fp32")).final
-        return built[preset]
-
-    return get
-
-
 @pytest.fixture(scope="module", params=PRESETS)
-def pipes(request, engine_sets):
+def pipes(request, fp32_engine_sets):
     """(PyTorch pipeline, engine pipeline) of one preset."""
     model = resolve_model(request.param)
-    return load_pipeline(model), load_pipeline(model, engine_sets(request.param))
+    return load_pipeline(model), load_pipeline(model, fp32_engine_sets(request.param))
 
 
 def image(pipe, **kwargs):

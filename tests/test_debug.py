@@ -78,13 +78,6 @@ def test_cli_exit_codes_and_one_line_errors(overflowing, tiny, tiny_simplified, 
     assert "does not look like an SD UNet graph" in bare.stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_set(tiny, store):
-    from sdtrt.compile import compile_model
-
-    return compile_model(tiny, store, "onnxruntime").final
-
-
 def test_a_set_is_debugged_member_by_member(tiny_set, store, tmp_path):
     result = run_cli("debug", str(tiny_set.path), "--json", str(tmp_path / "d.json"), check=True)
     members = tiny_set.manifest["members"]

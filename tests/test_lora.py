@@ -144,12 +144,6 @@ def test_switching_starts_from_the_base_weights(loras, engine_pipe):
 
 
 @pytest.fixture(scope="module")
-def tiny_set(tiny, store):
-    """The tiny model's whole engine set: its text encoder is an engine too."""
-    return compile_model(tiny, store, "onnxruntime").final
-
-
-@pytest.fixture(scope="module")
 def set_pipe(tiny, tiny_set):
     return load_pipeline(tiny, tiny_set)
 

@@ -34,19 +34,12 @@ SLOW = GenerateRequest(prompt="slow", steps=500, height=SIZE, width=SIZE)  # abo
 
 
 @pytest.fixture(scope="module")
-def engine_set(tiny, store):
-    from sdtrt.compile import compile_model
-
-    return compile_model(tiny, store, target="onnxruntime").final
-
-
-@pytest.fixture(scope="module")
-def repository(engine_set, tmp_path_factory):
+def repository(tiny_set, tmp_path_factory):
     """The deployment, written and then moved: the server must need nothing outside it."""
     from sdtrt.deploy import TritonDeployConfig, deploy_triton
 
     written = tmp_path_factory.mktemp("written") / "repo"
-    deploy_triton(engine_set, written, TritonDeployConfig(max_steps=MAX_STEPS))
+    deploy_triton(tiny_set, written, TritonDeployConfig(max_steps=MAX_STEPS))
     moved = tmp_path_factory.mktemp("moved") / "repo"
     written.rename(moved)
     return moved
@@ -95,10 +88,10 @@ def _raw_infer(server, **inputs: np.ndarray):
         client.close()
 
 
-def test_deploy_records_what_it_serves(repository, engine_set):
+def test_deploy_records_what_it_serves(repository, tiny_set):
     model = repository / "stable_diffusion"
     record = json.loads((model / "sdtrt.json").read_text())
-    assert record["sdtrt_version"] and record["engine"]["key"] == engine_set.key
+    assert record["sdtrt_version"] and record["engine"]["key"] == tiny_set.key
     assert set(record["members"]) == {"unet", "text_encoder", "vae_decoder", "vae_encoder"}
     assert record["model"]["name"] == "tiny" and record["kind"] == "cpu"
     assert record["config"]["max_steps"] == MAX_STEPS
@@ -122,12 +115,12 @@ def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_pat
         deploy_triton(tiny_engine, tmp_path, TritonDeployConfig(max_batch=5))
 
 
-def test_server_image_equals_in_process_generate(server, tiny, engine_set):
+def test_server_image_equals_in_process_generate(server, tiny, tiny_set):
     from sdtrt.client import txt2img
     from sdtrt.pipeline import generate, load_pipeline
 
     served = txt2img(server.config.http_url, FAST)
-    local = np.asarray(generate(load_pipeline(tiny, engine_set), FAST).images[0])
+    local = np.asarray(generate(load_pipeline(tiny, tiny_set), FAST).images[0])
     assert served.dtype == np.uint8 and served.shape == (SIZE, SIZE, 3)
     np.testing.assert_array_equal(served, local)
 
@@ -200,11 +193,11 @@ def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(re
         assert txt2img(restarted.config.http_url, FAST).shape == (SIZE, SIZE, 3)
 
 
-def test_cli_deploy_and_client(server, engine_set, store, tmp_path):
+def test_cli_deploy_and_client(server, tiny_set, store, tmp_path):
     from PIL import Image
 
     deployed = run_cli(
-        "deploy", "triton", "--engine", engine_set.key[:12], "--engines", str(store.root), "--out", str(tmp_path),
+        "deploy", "triton", "--engine", tiny_set.key[:12], "--engines", str(store.root), "--out", str(tmp_path),
         "--model-name", "sd", "--max-batch", "2", "--max-steps", "50", "--no-dynamic-batching", check=True,
     )  # fmt: skip
     folder = Path(last_line(deployed.stdout))
@@ -212,7 +205,7 @@ def test_cli_deploy_and_client(server, engine_set, store, tmp_path):
     assert json.loads((folder / "sdtrt.json").read_text())["config"]["max_steps"] == 50
     config = (folder / "config.pbtxt").read_text()
     assert "max_batch_size: 2" in config and "dynamic_batching" not in config
-    too_big = run_cli("deploy", "triton", "--engine", str(engine_set.path), "--out", str(tmp_path), "--max-batch", "8")
+    too_big = run_cli("deploy", "triton", "--engine", str(tiny_set.path), "--out", str(tmp_path), "--max-batch", "8")
     assert too_big.returncode == 1
     assert "max batch 8 is more than the engine's profile takes (4 images)" in too_big.stderr
     out = tmp_path / "fox.png"
