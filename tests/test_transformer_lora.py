@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sdtrt.compile import compile_model
+from sdtrt.config import ExportConfig
 from sdtrt.errors import LoraError
 from sdtrt.lora import EngineLoras, apply_loras, fuse_loras
 from sdtrt.lora_files import random_lora, read_lora
@@ -22,6 +23,7 @@ from sdtrt.models import load_folder, resolve_model
 from sdtrt.runtime import open_runtime
 from sdtrt.spec import component_spec
 from sdtrt.stages import weight_map
+from sdtrt.stages.engine_set import engine_members
 
 from .helpers import run_cli
 
@@ -46,10 +48,12 @@ def models():
 
 @pytest.fixture(scope="module")
 def engines(models, store):
-    return {
-        name: compile_model(model, store, target="onnxruntime", components=("transformer",)).final
+    """The transformer of each preset's fp32 engine set (the one the pipeline tests build: a cache hit)."""
+    sets = {
+        name: compile_model(model, store, "onnxruntime", ExportConfig(precision="fp32"))
         for name, model in models.items()
     }
+    return {name: engine_members(result.final)["transformer"] for name, result in sets.items()}
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +82,13 @@ def loras(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def feeds(models):
-    """One seeded denoising step's inputs per model, fp16 as the engines take them."""
+    """One seeded denoising step's inputs per model, fp32 as the engines take them."""
     out = {}
     for name, model in models.items():
-        spec = component_spec(model, "transformer", "fp16")
+        spec = component_spec(model, "transformer", "fp32")
         case = spec.validation_cases(spec.default_profile())[1]
         out[name] = spec.sample_inputs(
-            case.batch, case.height, case.width, seed=1, timestep=500.0, dtype=torch.float16, tokens=case.tokens
+            case.batch, case.height, case.width, seed=1, timestep=500.0, tokens=case.tokens
         )  # fmt: skip
     return out
 
@@ -100,8 +104,8 @@ def pytorch_output(model, loras, feeds: dict[str, torch.Tensor]) -> np.ndarray:
 
     pipe = getattr(diffusers, model.pipeline_class()).from_pretrained(model.path, local_files_only=True)
     fuse_loras(pipe, loras)
-    spec = component_spec(model, "transformer", "fp16")
-    inputs = {name: feeds[name].float() for name in spec.canonical_inputs}
+    spec = component_spec(model, "transformer", "fp32")
+    inputs = {name: feeds[name] for name in spec.canonical_inputs}
     with torch.no_grad():
         return pipe.transformer(**inputs, return_dict=False)[0].numpy()
 

@@ -103,25 +103,21 @@ def test_unsupported_transformers_are_still_refused_in_one_line(tmp_path):
         resolve_model(str(folder))
 
 
-# preset → components compiled (fp32, ONNX Runtime) and compared with PyTorch fp32 on each spec's cases.
-COMPILED = {
-    "tiny-sd3": None,  # every network: transformer, CLIP-L, CLIP-G, T5, VAE decoder and encoder
-    "tiny-flux": None,
-    "tiny-flux-schnell": ("transformer",),
-}
+# Each preset's fp32 ONNX Runtime engine set over every network (SD3: transformer, CLIP-L, CLIP-G, T5, VAE
+# decoder and encoder), compared with PyTorch fp32 on each spec's cases. Built into the session store: the
+# pipeline, LoRA and serving tests use the same sets.
+COMPILED = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 
 
-@pytest.fixture(scope="module", params=list(COMPILED))
-def compiled(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=COMPILED)
+def compiled(request, store):
     from sdtrt.compile import compile_model
     from sdtrt.config import ExportConfig, ValidationConfig
-    from sdtrt.store import Store
 
     model = resolve_model(request.param)
-    store = Store(tmp_path_factory.mktemp("engines"))
     result = compile_model(
         model, store, target="onnxruntime", export_config=ExportConfig(precision="fp32"),
-        validation=ValidationConfig(images=False), components=COMPILED[request.param],
+        validation=ValidationConfig(images=False),
     )  # fmt: skip
     return model, result
 
@@ -135,7 +131,7 @@ def test_every_network_matches_pytorch_on_onnx_runtime(compiled):
     # The denoiser's rows are unprefixed ("b2 256x256 …"); the others name their component.
     compared = {row["case"].split()[0] for row in report.tensors}
     compared = {"transformer" if c[0] == "b" and c[1:].isdigit() else c for c in compared}
-    assert compared == set(COMPILED[model.name] or model_components(model))
+    assert compared == set(model_components(model))
 
 
 def test_graph_io_is_the_spec_and_t5_is_fp32_with_its_reason(compiled):
