@@ -38,7 +38,9 @@ def test_bench_cli_json_time_file_and_chart(tmp_path, store):
         parts = stages["text_encoder"]["median"] + stages["denoise_loop"]["median"] + stages["vae_decode"]["median"]
         total = b["total_s"]["median"]
         print(f"{name}: parts {parts:.3f} s of total {total:.3f} s")
-        assert abs(parts - total) <= 0.10 * total
+        # The stages run inside the call and make up most of it (the rest is Python between them). Medians of
+        # separate quantities do not add exactly, and less so on a busy machine: a band, not an equality.
+        assert 0.75 * total <= parts <= 1.10 * total
         assert stages["unet"]["median"] <= stages["denoise_loop"]["median"]
         assert b["unet_calls"] == 5  # PNDM: 4 steps + 1
     assert by_name["torch"]["speedup_vs_first"] == 1.0
