@@ -173,7 +173,7 @@ class ShapeProfile:
             return None
         return (
             f"{tokens} T5 tokens are outside the engine's profile ({self.tokens.min}..{self.tokens.max}); use a "
-            "max_sequence_length inside it or rebuild the engines with a token range covering it"
+            "max_sequence_length inside it or rebuild the engines with a --tokens range covering it"
         )
 
     def size_problem(self, height: int, width: int) -> str | None:
@@ -386,7 +386,7 @@ class ValidationConfig:
 
     prompt: str = DEFAULT_PROMPT
     steps: int = 10
-    guidance: float = 7.5
+    guidance: float | None = None  # None: the model's own (7.5; FLUX.1-dev 3.5; schnell none)
     seed: int = 0
     scheduler: str | None = None
     images: bool = True
@@ -415,7 +415,7 @@ class BenchConfig:
     warmup: int = 1
     repeats: int = 3
     prompt: str = DEFAULT_PROMPT
-    guidance: float = 7.5
+    guidance: float | None = None  # None: the model's own (7.5; FLUX.1-dev 3.5; schnell none)
     seed: int = 0
     precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
     # (file, scale) LoRAs put into each backend before its runs: how long that and a swap take is reported.

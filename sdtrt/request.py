@@ -70,16 +70,17 @@ class SizeRule:
     default_height: int
     default_width: int
     default_guidance: float | None = DEFAULT_GUIDANCE  # None: the model takes no guidance (FLUX.1-schnell)
+    # FluxPipeline reads a negative prompt only for true CFG (true_cfg_scale > 1), which a request does not ask for.
+    negative_prompt: bool = True
 
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
         from .spec import FluxTransformerSpec
 
         native = spec.latent_sample_size * spec.vae_scale_factor
-        guidance: float | None = DEFAULT_GUIDANCE
         if isinstance(spec, FluxTransformerSpec):
-            guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
-        return cls(spec.pixel_multiple, native, native, guidance)
+            return cls(spec.pixel_multiple, native, native, FLUX_GUIDANCE if spec.guidance_embeds else None, False)
+        return cls(spec.pixel_multiple, native, native)
 
     @classmethod
     def for_pipeline(cls, pipe: Any) -> SizeRule:
@@ -95,9 +96,12 @@ class SizeRule:
         fields = kind.fields_from(config, dict(pipe.vae.config), factor)
         return cls.for_denoiser(kind(precision="fp32", io_naming="named", vae_scale_factor=factor, **fields))
 
-    def applicable(self, guidance: float) -> float | None:
-        """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's."""
-        return None if self.default_guidance is None else guidance
+    def applicable(self, guidance: float | None) -> float | None:
+        """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's
+        (None configured: the model's own)."""
+        if self.default_guidance is None:
+            return None
+        return self.default_guidance if guidance is None else guidance
 
     def resolve_guidance(self, guidance: float | None) -> float | None:
         """The guidance to run with: the model's default for None; RequestError for one a model cannot take."""
@@ -161,6 +165,12 @@ class GenerateRequest:
         model's guidance (RequestError where it takes none and one was given)."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
+        if self.negative_prompt and not rule.negative_prompt:
+            raise RequestError(
+                "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
+                "(true_cfg_scale > 1: two transformer passes a step), which generate does not run: leave it out, "
+                "or call the pipeline with negative_prompt and true_cfg_scale from Python"
+            )
         return dataclasses.replace(self, height=height, width=width, guidance=guidance)
 
     def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
@@ -216,7 +226,11 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
             where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
             raise RequestError(
                 f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
-                + (", or rebuild the engines with a T5 token range (profile tokens) covering it" if built else "")
+                + (
+                    ", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens 32:256:512)"
+                    if built
+                    else ""
+                )
             )
 
 

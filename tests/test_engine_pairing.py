@@ -56,6 +56,16 @@ def test_validate_refuses_an_engine_with_another_familys_model_in_one_line(tiny_
         assert result.stderr.strip().count("\n") == 0, result.stderr
         assert f"the UNet engine {tiny_engine.path} was made from tiny, not {other} {why}" in result.stderr
         assert "pass the model it was made from as --model" in result.stderr
+    # Every command that takes --engine and --model checks the pair before loading (generate leaked an
+    # "unexpected FileNotFoundError" for a Flux model: it has no unet/).
+    out = tmp_path / "never.png"
+    result = run_cli(
+        "generate", "--engine", str(tiny_engine.path), "--model", "tiny-flux", "--steps", "1", "--out", str(out)
+    )
+    assert result.returncode == 2 and "was made from tiny, not tiny-flux (sd1 vs flux): tiny-flux has no unet/" in (
+        result.stderr
+    ), result.stderr
+    assert not out.exists()
 
 
 def test_same_shapes_other_weights_are_refused_and_a_copy_of_the_model_is_not(tiny, tiny_engine, tmp_path):

@@ -98,6 +98,7 @@ def test_bad_requests_fail_with_one_line_before_running(family):
     bad = [family.request(prompt=too_long, height=128, width=128)]
     if family.name != "tiny-sd3":
         bad.append(family.request(height=136, width=128))  # on the 8-px grid, off Flux's 16-px one
+        bad.append(family.request(negative_prompt="blurry", height=128, width=128))  # FluxPipeline would ignore it
     if family.name == "tiny-flux-schnell":
         bad.append(family.request(guidance=3.5, height=128, width=128))
     for request in bad:

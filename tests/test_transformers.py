@@ -211,3 +211,47 @@ def test_sd35_medium_transformer_export_simplify_and_parity_at_1024():
     row = compare_case(runtime, network, denoiser_spec(model), ValidationCase(2, 1024, 1024, timestep=500.0))
     runtime.close()
     assert row["finite"] and row["cosine"] > 0.999, row
+
+
+def test_the_t5_token_range_is_a_compile_option():
+    """--tokens sets the profile's T5 range (what a too-long prompt's message says to rebuild with); refused, before
+    any work, for a model without T5 or a range out of order."""
+    from sdtrt.cli.options import shape_profile
+    from sdtrt.config import Range
+    from sdtrt.errors import RequestError
+    from sdtrt.spec import denoiser_spec
+
+    from .helpers import last_line, run_cli
+
+    spec = denoiser_spec(resolve_model("tiny-flux"), "fp32")
+    assert shape_profile(spec, None, None, None, "16:64:128").tokens == Range(16, 64, 128)
+    with pytest.raises(RequestError, match="tokens range 128:64:16 must satisfy"):
+        shape_profile(spec, None, None, None, "128:64:16")
+    result = run_cli("compile", "--model", "tiny", "--tokens", "32:64:128")
+    assert result.returncode == 2 and "this model has no T5" in last_line(result.stderr)
+
+
+def test_cache_ls_calls_a_sets_validation_report_a_set(compiled, store):
+    """A validation report of an engine set was listed under the set's first member (text_encoder)."""
+    from .helpers import run_cli
+
+    _, result = compiled
+    reports = [
+        a for a in store.artifacts()
+        if a.stage == "validate" and a.manifest["inputs"][0].get("path") == str(result.final.path)
+    ]  # fmt: skip
+    assert reports
+    listed = run_cli("cache", "ls", "--engines", str(store.root), check=True).stdout.splitlines()
+    row = next(line.split() for line in listed if line.endswith(str(reports[0].path)))
+    assert row[0] == "validate" and row[2] == "set", row
+
+
+@pytest.mark.parametrize(("preset", "guidance"), [("tiny", 7.5), ("tiny-flux", 3.5), ("tiny-flux-schnell", None)])
+def test_validate_and_bench_run_with_the_models_own_guidance(preset, guidance):
+    """Their configs left guidance at 7.5, so Flux dev was validated and timed at 7.5, not its 3.5."""
+    from sdtrt.config import BenchConfig, ValidationConfig
+    from sdtrt.request import SizeRule
+
+    rule = SizeRule.for_model(resolve_model(preset))
+    assert rule.applicable(ValidationConfig().guidance) == rule.applicable(BenchConfig().guidance) == guidance
+    assert rule.applicable(5.0) == (None if guidance is None else 5.0)

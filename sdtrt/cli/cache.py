@@ -26,13 +26,17 @@ def _family(artifact: Artifact) -> str:
 
 
 def _component(artifact: Artifact) -> str:
-    """The network its graph records; a weight map's is its graph's ("?" where that graph is gone)."""
-    if artifact.stage == "set":
-        return "set"
+    """The network its graph records; a weight map's is its graph's, a set's (and its validation report's) "set"
+    ("?" where an ancestor is gone)."""
     try:
-        return next((a.manifest["io"]["component"] for a in artifact.lineage() if "io" in a.manifest), "unet")
+        for made in artifact.lineage():
+            if made.stage == "set":
+                return "set"
+            if "io" in made.manifest:
+                return str(made.manifest["io"]["component"])
     except ArtifactError:
         return "?"
+    return "unet"
 
 
 @app.command("ls")

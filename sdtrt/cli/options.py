@@ -27,6 +27,7 @@ from ..config import (
 )
 from ..errors import ConfigError, RequestError, StoreError
 from ..models import ModelSource
+from ..presets import PRESETS
 from ..spec import GraphSpec
 from ..store import Artifact, Store
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 ModelOpt = Annotated[
     str,
-    typer.Option("--model", "-m", help="Preset (tiny, sd15-random), local diffusers folder, or hub id."),
+    typer.Option("--model", "-m", help=f"Preset ({', '.join(PRESETS)}), local diffusers folder, or hub id."),
 ]
 # Commands that take an engine: the model defaults to the one the engine was made from.
 EngineModelOpt = Annotated[
@@ -61,7 +62,8 @@ NegativePromptOpt = Annotated[str | None, typer.Option(help="What to steer away 
 StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
 GuidanceOpt = Annotated[
     float | None,
-    typer.Option(help="Classifier-free guidance scale [default: 7.5; FLUX.1-dev 3.5; FLUX.1-schnell takes none]."),
+    # No square brackets: rich reads them as markup and drops them from --help.
+    typer.Option(help="Guidance scale (default: 7.5; FLUX.1-dev's distilled guidance 3.5; FLUX.1-schnell takes none)."),
 ]
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 
@@ -96,6 +98,13 @@ CheckOpt = Annotated[
 BatchOpt = Annotated[str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4).")]
 HeightOpt = Annotated[str | None, typer.Option(help="Pixel height, N or MIN:OPT:MAX (default: from the model).")]
 WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MAX (default: from the model).")]
+TokensOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="SD3 / Flux: T5 tokens a prompt may take, N or MIN:OPT:MAX (default 32:T:T, T = 256 for SD3 and "
+        "schnell, 512 for dev); a longer prompt is refused, never cut."
+    ),
+]
 
 
 def ensure_parent(path: Path | None, option: str) -> None:
@@ -140,16 +149,21 @@ def simplify_config(method: SimplifyMethod, check: bool) -> SimplifyConfig:
     return SimplifyConfig(method=method, check=check)
 
 
-def shape_profile(spec: GraphSpec, batch: str | None, height: str | None, width: str | None) -> ShapeProfile:
-    """--batch/--height/--width over the spec's default profile, checked against the model's grid (in pixels)
-    before anything is exported: a bad range is a usage error (exit 2), not a build failure."""
+def shape_profile(
+    spec: GraphSpec, batch: str | None, height: str | None, width: str | None, tokens: str | None = None
+) -> ShapeProfile:
+    """--batch/--height/--width (and --tokens) over the spec's default profile, checked against the model's grid
+    (in pixels) before anything is exported: a bad range is a usage error (exit 2), not a build failure."""
     default = spec.default_profile()
+    if tokens and default.tokens is None:
+        raise RequestError("--tokens is the T5 token range of SD3 and Flux engines; this model has no T5")
     try:
-        profile = dataclasses.replace(  # guidance and T5's token range stay the model's
+        profile = dataclasses.replace(  # guidance stays the model's
             default,
             batch=Range.parse(batch, "batch") if batch else default.batch,
             height=Range.parse(height, "height") if height else default.height,
             width=Range.parse(width, "width") if width else default.width,
+            tokens=Range.parse(tokens, "tokens") if tokens else default.tokens,
         )
         profile.check(spec.pixel_multiple)
     except ConfigError as exc:
@@ -240,12 +254,16 @@ def trt_config(
 
 
 def model_for(model: str | None, engine: Artifact | None) -> ModelSource:
-    """``--model`` when given, else the model ``engine`` was made from, else the tiny preset."""
+    """``--model`` when given (checked against ``engine``: exit 2 when the engine was made from another model),
+    else the model ``engine`` was made from, else the tiny preset."""
     from ..models import resolve_model
-    from ..stages.engine_set import recorded_model
+    from ..stages.engine_set import check_pairing, engine_members, recorded_model
 
     if model:
-        return resolve_model(model)
+        source = resolve_model(model)
+        if engine is not None:
+            check_pairing(engine_members(engine), source)
+        return source
     return recorded_model(engine) if engine is not None else resolve_model("tiny")
 
 

@@ -81,6 +81,7 @@ def build(
     batch: o.BatchOpt = None,
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,
+    tokens: o.TokensOpt = None,
     optimization: Annotated[OrtOptimization, typer.Option(help="ONNX Runtime graph optimization level.")] = "extended",
     static: o.StaticOpt = False,
     workspace_gb: o.WorkspaceOpt = None,
@@ -102,7 +103,7 @@ def build(
     artifact = one_graph(store.find(source), "build", ONNX_STAGES, "simplify")
     spec = artifact_spec(artifact)
     o.check_target_precision(target, spec.precision)
-    profile = o.shape_profile(spec, batch, height, width)
+    profile = o.shape_profile(spec, batch, height, width, tokens)
     trt = o.trt_config(
         profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32, weight_streaming
     )
@@ -134,6 +135,7 @@ def compile(
     batch: o.BatchOpt = None,
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,
+    tokens: o.TokensOpt = None,
     static: o.StaticOpt = False,
     workspace_gb: o.WorkspaceOpt = None,
     optimization_level: o.OptLevelOpt = None,
@@ -150,7 +152,7 @@ def compile(
     components: Annotated[
         str | None,
         typer.Option(
-            help=f"Comma-separated, of {','.join(COMPONENTS)} (default: every one the model has); "
+            help=f"Comma-separated, of {', '.join(COMPONENTS)} (default: every one the model has); "
             "several give an engine set."
         ),
     ] = None,
@@ -176,7 +178,7 @@ def compile(
     chosen_components = parse_components(components, source)
     # Each member's export config is this one with its component; the profile is the denoiser's.
     export_config = o.export_config(precision, exporter, opset, io_naming, denoiser_component(source))
-    profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width)
+    profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width, tokens)
     result = compile_model(
         source,
         store,

@@ -70,5 +70,6 @@ def check_feeds(spec: GraphSpec, profile: ShapeProfile | None, feeds: dict[str, 
             wanted = "floating-point" if kinds[name] else "integer"
             raise EngineInputError(f"input '{name}' is {tensor.dtype}; the engine takes {wanted} tensors")
     reason = spec.check_shapes({name: tuple(t.shape) for name, t in feeds.items()}, profile)
+    tokens = "/--tokens (T5's prompt length)" if profile is not None and profile.tokens else ""
     if reason:
-        raise EngineInputError(f"{reason}; rebuild the engine with --batch/--height/--width covering it")
+        raise EngineInputError(f"{reason}; rebuild the engine with --batch/--height/--width{tokens} covering it")

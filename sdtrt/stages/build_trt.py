@@ -99,6 +99,7 @@ def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
     profile = config.profiles[0]
     words = [f"sdtrt build {shlex.quote(str(source))} --target tensorrt"]
     words += [f"--batch {profile.batch}", f"--height {profile.height}", f"--width {profile.width}"]
+    words += [f"--tokens {profile.tokens}"] if profile.tokens else []
     words += [] if config.optimization_level is None else [f"--optimization-level {config.optimization_level}"]
     words += ["--static"] if config.static_shapes else []
     words += [f"--workspace-gb {config.workspace_gb}"] if config.workspace_gb else []
