@@ -209,6 +209,12 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
             ["validate", "--model", "tiny", "--engine", "0123abcd", "--height", "300"],
             "height 300 is not a positive multiple of 16",
         ),
+        (["generate", "--task", "inpaint"], "this model's pipeline needs an input image: pass --image"),
+        (
+            ["generate", "--model", "tiny-flux", "--negative-prompt", "blurry"],
+            "FLUX.1 pipelines read one only for true",
+        ),
+        (["compile", "--model", "tiny", "--tokens", "64"], "this model has no T5"),
         (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
         (["compile", "--height", "100"], "height 100 is not a positive multiple of 16 pixels"),

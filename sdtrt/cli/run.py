@@ -27,6 +27,10 @@ from ..request import (
 from . import options as o
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
+    from ..families import Task
+    from ..models import ModelSource
     from ..validate import ValidationReport
 
 SchedulerOpt = Annotated[
@@ -106,6 +110,7 @@ def generate_command(
     if scheduler:
         check_scheduler(scheduler, source.family())
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
+    request.pipeline_kwargs(_call_parameters(source, task))  # a missing --mask or --image, before loading
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -120,6 +125,20 @@ def generate_command(
     out.parent.mkdir(parents=True, exist_ok=True)
     result.images[0].save(out)
     typer.echo(out)
+
+
+def _call_parameters(source: ModelSource, task: Task | None) -> Collection[str]:
+    """What the pipeline class of ``task`` in the model's family takes (importing it loads no weights)."""
+    import inspect
+
+    import diffusers
+
+    from ..families import pipeline_class_name
+    from ..progress import quiet_loading
+
+    with quiet_loading():
+        cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
+    return inspect.signature(cls.__call__).parameters
 
 
 def validate_command(
