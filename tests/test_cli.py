@@ -153,9 +153,10 @@ def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
         time.sleep(0.05)
     assert proc.poll() is None, "export finished before it could be interrupted"
     proc.send_signal(sig)
-    proc.wait(timeout=60)
+    _, err = proc.communicate(timeout=60)
     store = Store(engines)
-    assert store.artifacts() == []
+    # Seen once under pytest-xdist on a busy machine: the export completed after SIGINT (cause not found).
+    assert store.artifacts() == [], f"rc {proc.returncode}: {err.decode()[-500:]}"
     leftovers = list((engines / TMP_DIR).iterdir())
     if sig == signal.SIGINT:
         assert leftovers == [], "Ctrl-C cleans up its own temp directory"
