@@ -43,8 +43,8 @@ $(VENV)/.installed: pyproject.toml
 	@$(VENV)/bin/python -c 'import torch; print("installed: torch", torch.__version__, "with CUDA " + torch.version.cuda if torch.version.cuda else "(CPU build, no CUDA)")'
 	touch $@
 
-# Two workers, a test file each at a time (module fixtures are built once): the 2-core CI machine runs the
-# suite in about two thirds of the serial time. Workers share the session's store and models cache.
+# Two workers (pytest-xdist), a test file each at a time, so module fixtures are built once; they share the
+# session's store and models cache. A serial run keeps only ~1.3 of the CI machine's 2 cores busy.
 test: setup
 	$(VENV)/bin/python -m pytest -n 2 --dist loadfile
 
