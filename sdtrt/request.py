@@ -71,7 +71,7 @@ class SizeRule:
     default_width: int
     default_guidance: float | None = DEFAULT_GUIDANCE  # None: the model takes no guidance (FLUX.1-schnell)
     # FluxPipeline reads a negative prompt only for true CFG (true_cfg_scale > 1), which a request does not ask for.
-    negative_prompt: bool = True
+    takes_negative_prompt: bool = True
 
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
@@ -79,7 +79,8 @@ class SizeRule:
 
         native = spec.latent_sample_size * spec.vae_scale_factor
         if isinstance(spec, FluxTransformerSpec):
-            return cls(spec.pixel_multiple, native, native, FLUX_GUIDANCE if spec.guidance_embeds else None, False)
+            guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
+            return cls(spec.pixel_multiple, native, native, guidance, takes_negative_prompt=False)
         return cls(spec.pixel_multiple, native, native)
 
     @classmethod
@@ -165,7 +166,7 @@ class GenerateRequest:
         model's guidance (RequestError where it takes none and one was given)."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
-        if self.negative_prompt and not rule.negative_prompt:
+        if self.negative_prompt and not rule.takes_negative_prompt:
             raise RequestError(
                 "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
                 "(true_cfg_scale > 1: two transformer passes a step), which generate does not run: leave it out, "
