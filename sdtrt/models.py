@@ -7,6 +7,7 @@ ordinary diffusers folder.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -110,11 +111,19 @@ class ModelSource:
             if f.suffix not in (".json", ".safetensors", ".bin"):
                 continue
             h.update(f.name.encode() + b"\0")
-            h.update(file_sha256(f).encode())
+            stat = f.stat()
+            h.update(_weights_sha256(str(f.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino).encode())
         return h.hexdigest()
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "path": str(self.path)}
+
+
+@functools.lru_cache(maxsize=256)
+def _weights_sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    """A weight file's sha256, hashed once per process while its size, mtime and inode stay: one command keys a
+    model's folders several times (export, engine pairing), and a 24 GB transformer takes a minute to hash."""
+    return file_sha256(Path(path))
 
 
 def models_cache_dir() -> Path:

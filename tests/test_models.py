@@ -68,3 +68,23 @@ def test_folder_that_is_not_diffusers(tmp_path):
 def test_unsupported_conditioning_is_refused_saying_what_is_supported(tiny, extra, named):
     with pytest.raises(UnsupportedModelError, match=f"{re.escape(named)}.*; sdtrt supports SD 1.x and 2.x"):
         check_supported_unet(tiny.unet_config() | extra)
+
+
+def test_folder_digest_hashes_a_weight_file_once_and_again_when_it_changes(tiny, tmp_path):
+    import shutil
+
+    from sdtrt import models
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny.path, folder)
+    source = resolve_model(str(folder))
+    first = source.folder_digest("unet")
+    hashed = models._weights_sha256.cache_info().misses
+    assert source.folder_digest("unet") == first
+    assert models._weights_sha256.cache_info().misses == hashed  # the second key of one command hashes nothing
+
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))  # same size, new content
+    assert source.folder_digest("unet") != first
