@@ -620,6 +620,7 @@ def test_a_stripped_plan_records_the_graph_that_refills_it(tiny_simplified, tmp_
     assert manifest["weights"]["in_plan"] is False
     recorded = manifest["weights"]["refill_from"]
     assert recorded["artifact"] == str(tiny_simplified.path) and recorded["graph"] == tiny_simplified.primary.name
+    assert tiny_simplified.primary.name in recorded["files"]
     assert recorded["digest"] == build_trt.graph_digest(Artifact.open(tiny_simplified.path))
     assert build_trt.refill_graph(json.loads(json.dumps(manifest)), tmp_path / "unet.plan") == tiny_simplified.primary
 

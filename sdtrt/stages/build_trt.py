@@ -63,9 +63,15 @@ def graph_digest(source: Artifact) -> str:
 
 def refill_record(source: Artifact) -> dict[str, Any]:
     """The manifest's word that a plan holds no weights, and which graph refills them at load (with its digest)."""
+    files = sorted(f["name"] for f in source.manifest.get("files", []))  # the graph and its external data
     return {
         "in_plan": False,
-        "refill_from": {"artifact": str(source.path), "graph": source.primary.name, "digest": graph_digest(source)},
+        "refill_from": {
+            "artifact": str(source.path),
+            "graph": source.primary.name,
+            "files": files,
+            "digest": graph_digest(source),
+        },
     }
 
 
