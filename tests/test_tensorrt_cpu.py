@@ -14,7 +14,7 @@ from sdtrt.compile import resolve_target
 from sdtrt.config import Range, ShapeProfile, TrtBuildConfig
 from sdtrt.errors import ArtifactError, ConfigError, MissingDependencyError
 from sdtrt.gpu import engine_mismatch, tensorrt_missing
-from sdtrt.runtime.tensorrt import describe_profiles, select_profile
+from sdtrt.runtime.tensorrt import describe_profiles, graph_digest, refill_graph, select_profile
 from sdtrt.stages import build_trt, wrap
 from sdtrt.store import StageRequest
 
@@ -615,14 +615,14 @@ def test_a_stripped_plan_is_keyed_by_its_graphs_content(tiny_simplified, tmp_pat
 def test_a_stripped_plan_records_the_graph_that_refills_it(tiny_simplified, tmp_path):
     from sdtrt.store import Artifact
 
-    assert build_trt.refill_graph({"config": {}}, tmp_path / "unet.plan") is None  # a plan with its weights
+    assert refill_graph({"config": {}}, tmp_path / "unet.plan") is None  # a plan with its weights
     manifest = {"weights": build_trt.refill_record(tiny_simplified)}
     assert manifest["weights"]["in_plan"] is False
     recorded = manifest["weights"]["refill_from"]
     assert recorded["artifact"] == str(tiny_simplified.path) and recorded["graph"] == tiny_simplified.primary.name
     assert tiny_simplified.primary.name in recorded["files"]
-    assert recorded["digest"] == build_trt.graph_digest(Artifact.open(tiny_simplified.path))
-    assert build_trt.refill_graph(json.loads(json.dumps(manifest)), tmp_path / "unet.plan") == tiny_simplified.primary
+    assert recorded["digest"] == graph_digest(Artifact.open(tiny_simplified.path))
+    assert refill_graph(json.loads(json.dumps(manifest)), tmp_path / "unet.plan") == tiny_simplified.primary
 
 
 def test_a_stripped_plan_whose_graph_is_gone_or_changed_is_refused(tiny_simplified, tmp_path):
@@ -636,24 +636,24 @@ def test_a_stripped_plan_whose_graph_is_gone_or_changed_is_refused(tiny_simplifi
     graph = Artifact.open(folder)
     manifest = {"weights": build_trt.refill_record(graph)}
     plan = tmp_path / "unet.plan"
-    assert build_trt.refill_graph(manifest, plan) == graph.primary
+    assert refill_graph(manifest, plan) == graph.primary
 
     data = graph.primary  # the tiny graph keeps its weights inline; a big one's .data file is checked alike
     original = data.read_bytes()
     data.write_bytes(original[:-4] + bytes(4 * [original[-1] ^ 1]))  # same size, other bytes
     with pytest.raises(ArtifactError, match=r"holds no weights \(built with --strip-weights\).*differs from the"):
-        build_trt.refill_graph(manifest, plan)
+        refill_graph(manifest, plan)
     data.write_bytes(original)
 
-    assert build_trt.refill_graph(manifest, plan) == graph.primary  # intact again
+    assert refill_graph(manifest, plan) == graph.primary  # intact again
     built_from_other = {"weights": build_trt.refill_record(graph)}
     built_from_other["weights"]["refill_from"]["digest"] = "0" * 64  # the graph was made again since, intact
     with pytest.raises(ArtifactError, match="it was made again since, with other content"):
-        build_trt.refill_graph(built_from_other, plan)
+        refill_graph(built_from_other, plan)
 
     shutil.rmtree(folder)
     with pytest.raises(ArtifactError, match="it is gone; make the graph and the engine again") as gone:
-        build_trt.refill_graph(manifest, plan)
+        refill_graph(manifest, plan)
     assert str(graph.primary) in str(gone.value) and "without --strip-weights" in str(gone.value)
 
 

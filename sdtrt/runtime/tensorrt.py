@@ -28,6 +28,7 @@ from ..config import WeightBudget
 from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
+from ..store import Artifact, digest
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
@@ -227,6 +228,35 @@ class BaseWeights:
         return {name: self._held[name] for name in names}
 
 
+def graph_digest(source: Artifact) -> str:
+    """The content of a store artifact's files (its graph and external data), from the sha256 its manifest holds."""
+    return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
+
+
+def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
+    """The ONNX graph that refills a weight-stripped plan, checked against the digest its build recorded; None for
+    a plan that holds its weights. ArtifactError when the graph is gone, changed or corrupt."""
+    weights = manifest.get("weights", {})
+    if weights.get("in_plan", True):
+        return None
+    recorded = weights["refill_from"]
+    where = Path(recorded["artifact"])
+    try:
+        source = Artifact.open(where)
+        problem = next(iter(source.file_problems()), None)
+        if problem is None and graph_digest(source) != recorded["digest"]:
+            problem = "it was made again since, with other content"
+    except ArtifactError:
+        problem = "it is gone"
+    if problem:
+        raise ArtifactError(
+            f"{plan} holds no weights (built with --strip-weights): every load refills them from the graph "
+            f"{where / recorded['graph']}, and {problem}; make the graph and the engine again with the same "
+            "`sdtrt compile` (or simplify, then `sdtrt build`), or build the engine without --strip-weights"
+        )
+    return source.primary
+
+
 def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, plan: Path) -> None:
     """Put a weight-stripped plan's weights back from the ONNX graph it was built from, before any execution context.
 
@@ -288,8 +318,6 @@ class TensorRTRuntime(CudaRuntime):
         all its weights on the GPU."""
         require_tensorrt("run a TensorRT engine")
         check_engine_environment(manifest)
-        from ..stages.build_trt import refill_graph
-
         refill_from = refill_graph(manifest, plan)  # checked before the plan is read: a stripped plan needs it
         import tensorrt as trt
 
@@ -426,8 +454,6 @@ class TensorRTRuntime(CudaRuntime):
 
     def _refit(self, weights: dict[str, np.ndarray]) -> None:
         import tensorrt as trt
-
-        from ..store import Artifact
 
         if self._identical_refits_only:
             # A REFIT_IDENTICAL engine is refittable ("Create a refittable engine under the assumption that the refit

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrtBuildConfig, default_optimization_level
-from ..errors import ArtifactError, BuildError, ConfigError
+from ..errors import BuildError, ConfigError
 from ..gpu import gpu_environment, require_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
 from ..progress import step
-from ..store import Artifact, StageRequest, Store, digest, environment
+from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "build-trt"
 VERSION = 2  # 2: the plan is named after its component (settings added since enter the key only when set)
@@ -52,17 +52,16 @@ def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str])
     """What keys the plan. A stripped plan is keyed by its graph's content too: a graph made again with other bytes
     under the same key (a non-deterministic export after `cache gc`) gets a new plan, never one that is refilled
     with weights it was not built with."""
+    from ..runtime.tensorrt import graph_digest
+
     refill = [{"kind": "refill-graph", "digest": graph_digest(source)}] if config.strip_weights else []
     return StageRequest(STAGE, VERSION, config, [source.as_input(), *refill], env)
 
 
-def graph_digest(source: Artifact) -> str:
-    """The content of a store artifact's files (its graph and external data), from the sha256 its manifest holds."""
-    return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
-
-
 def refill_record(source: Artifact) -> dict[str, Any]:
     """The manifest's word that a plan holds no weights, and which graph refills them at load (with its digest)."""
+    from ..runtime.tensorrt import graph_digest
+
     files = sorted(f["name"] for f in source.manifest.get("files", []))  # the graph and its external data
     return {
         "in_plan": False,
@@ -73,30 +72,6 @@ def refill_record(source: Artifact) -> dict[str, Any]:
             "digest": graph_digest(source),
         },
     }
-
-
-def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
-    """The ONNX graph that refills a weight-stripped plan, checked against the digest its build recorded; None for
-    a plan that holds its weights. ArtifactError when the graph is gone, changed or corrupt."""
-    weights = manifest.get("weights", {})
-    if weights.get("in_plan", True):
-        return None
-    recorded = weights["refill_from"]
-    where = Path(recorded["artifact"])
-    try:
-        source = Artifact.open(where)
-        problem = next(iter(source.file_problems()), None)
-        if problem is None and graph_digest(source) != recorded["digest"]:
-            problem = "it was made again since, with other content"
-    except ArtifactError:
-        problem = "it is gone"
-    if problem:
-        raise ArtifactError(
-            f"{plan} holds no weights (built with --strip-weights): every load refills them from the graph "
-            f"{where / recorded['graph']}, and {problem}; make the graph and the engine again with the same "
-            "`sdtrt compile` (or simplify, then `sdtrt build`), or build the engine without --strip-weights"
-        )
-    return source.primary
 
 
 def parameter_count(graph: Path) -> int:
