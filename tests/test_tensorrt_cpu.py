@@ -619,7 +619,8 @@ def test_a_stripped_plan_records_the_graph_that_refills_it(tiny_simplified, tmp_
     manifest = {"weights": build_trt.refill_record(tiny_simplified)}
     assert manifest["weights"]["in_plan"] is False
     recorded = manifest["weights"]["refill_from"]
-    assert recorded["artifact"] == str(tiny_simplified.path) and recorded["graph"] == tiny_simplified.primary.name
+    assert recorded["artifact"] == str(tiny_simplified.path.resolve())
+    assert recorded["graph"] == tiny_simplified.primary.name
     assert tiny_simplified.primary.name in recorded["files"]
     assert recorded["digest"] == graph_digest(Artifact.open(tiny_simplified.path))
     assert refill_graph(json.loads(json.dumps(manifest)), tmp_path / "unet.plan") == tiny_simplified.primary
@@ -702,3 +703,20 @@ def test_the_strip_weights_option_reaches_the_build(tmp_path):
     build = group.get_command(group.make_context("sdtrt", ["build", "x"]), "build")
     params = build.make_context("build", words[2:]).params
     assert params["strip_weights"] and params["refittable"]
+
+
+def test_a_stripped_plan_finds_its_graph_from_any_working_directory(tiny_simplified, tmp_path, monkeypatch):
+    """The default store is ./engines, a relative path: the plan must not record the graph relative to where it was
+    built, or a load from another directory would call the graph gone."""
+    import shutil
+
+    from sdtrt.store import Artifact
+
+    shutil.copytree(tiny_simplified.path, tmp_path / "engines" / "simplify" / "graph")
+    monkeypatch.chdir(tmp_path)
+    graph = Artifact.open(Path("engines/simplify/graph"))
+    manifest = {"weights": build_trt.refill_record(graph)}
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    found = refill_graph(manifest, tmp_path / "unet.plan")
+    assert found is not None and found.resolve() == (tmp_path / "engines/simplify/graph" / graph.primary.name)

@@ -66,7 +66,7 @@ def refill_record(source: Artifact) -> dict[str, Any]:
     return {
         "in_plan": False,
         "refill_from": {
-            "artifact": str(source.path),
+            "artifact": str(source.path.resolve()),  # the default store, ./engines, is relative to where it ran
             "graph": source.primary.name,
             "files": files,
             "digest": graph_digest(source),
