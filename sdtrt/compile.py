@@ -151,6 +151,11 @@ def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> 
             f"the engines have {profiles} optimization profiles, so they are not wrapped as TorchScript "
             "(a wrapped engine runs profile 0 only): use the build-trt artifacts"
         )
+    if config.strip_weights:  # Torch-TensorRT deserializes the plan itself: nothing would refill its weights
+        return (
+            "the engines hold no weights (--strip-weights), so they are not wrapped as TorchScript (a wrapped engine "
+            "is never refilled from its graph): use the build-trt artifacts"
+        )
     if config.weight_streaming:  # the TorchScript runtime makes its own execution context: no budget is ever set
         return (
             "the engines stream their weights, so they are not wrapped as TorchScript (a wrapped engine cannot take "

@@ -308,6 +308,10 @@ class TrtBuildConfig:
     # BuilderFlag.WEIGHT_STREAMING: the engine can run with only part of its weights on the GPU, streaming the
     # rest from host memory (a 12 B transformer on a 24 GB GPU); the budget is set when the engine is loaded.
     weight_streaming: bool = in_key_unless(False, False)
+    # BuilderFlag.STRIP_PLAN: the plan holds no refittable weights (kilobytes to megabytes instead of the graph's
+    # gigabytes); every load refills them from the ONNX graph it was built from, which must stay in the store.
+    # Off by default, at any size: such a plan cannot be copied without its graph, nor wrapped as TorchScript.
+    strip_weights: bool = in_key_unless(False, False)
     # A timing cache makes rebuilds faster; it does not change what the engine computes.
     timing_cache: str | None = not_in_key(None)
 

@@ -90,6 +90,28 @@ def select_device(index: int) -> None:
     torch.cuda.set_device(index)
 
 
+def set_strip_flags(config: trt.IBuilderConfig, refittable: bool) -> None:
+    """A weight-stripped plan: STRIP_PLAN leaves the refittable weights out of it, and the runtime refills them
+    from the ONNX graph (OnnxParserRefitter) before any execution context (NvInfer.h BuilderFlag::kSTRIP_PLAN
+    "Strip the refittable weights from the engine plan file", TensorRT 10.0; samples/python/sample_weight_stripping).
+
+    Which weights are refittable decides what is stripped. Without --refittable, REFIT_IDENTICAL: refittable on
+    the promise that a refit brings the build's own values, so the builder optimizes as for a non-refittable
+    engine ("The resulting engine will have the same performance as a non-refittable one ... When used alongside
+    'kSTRIP_PLAN', this flag will result in a small plan file", NvInfer.h kREFIT_IDENTICAL, TensorRT 10.0).
+    trtexec's --stripWeights leaves it to TensorRT's default ("The kREFIT_IDENTICAL is enabled by default when
+    kSTRIP_PLAN is on", samples/common/sampleEngines.cpp); it is set here so the plan says so itself. With
+    --refittable (REFIT, set by the caller) every weight is refittable with any values and all are stripped, as
+    trtexec's --stripAllWeights (--refit --stripWeights, sampleOptions.cpp) does: LoRAs refit such a plan, where
+    values other than the build's are undefined behaviour under REFIT_IDENTICAL.
+    """
+    import tensorrt as trt
+
+    config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+    if not refittable:
+        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
+
+
 def build(request: dict[str, Any]) -> dict[str, Any]:
     import tensorrt as trt
 
@@ -99,7 +121,10 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network: trt.INetworkDefinition = builder.create_network(flags)
     parser: trt.OnnxParser = trt.OnnxParser(network, logger)
-    # parse_from_file resolves external data (unet.onnx.data) relative to the model's folder.
+    # parse_from_file, never parse(bytes): the parser reads the file itself and resolves external data
+    # (unet.onnx.data) beside it, so this process never holds the graph's weights as one Python bytes object
+    # (python/src/parsers/pyOnnx.cpp parseFromFile -> IParser::parseFromFile; onnx-tensorrt ModelImporter::
+    # parseFromFile calls setOnnxFileLocation for its weights). parse(bytes) without a path finds no .data file.
     if not parser.parse_from_file(request["onnx"]):
         errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
         raise RuntimeError("ONNX parser errors:\n" + "\n".join(errors))
@@ -110,9 +135,11 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     config.builder_optimization_level = request["optimization_level"]
     if request.get("refittable"):
         # REFIT: every weight refittable with any new values (LoRAs). Not REFIT_IDENTICAL, which lets the
-        # builder assume refits bring the build's own values (for weight-stripped plans), nor STRIP_PLAN
-        # (pyCoreDoc.h BuilderFlagDoc; Polygraphy's --refittable sets REFIT the same way).
+        # builder assume refits bring the build's own values (pyCoreDoc.h BuilderFlagDoc; Polygraphy's
+        # --refittable sets REFIT the same way).
         config.set_flag(trt.BuilderFlag.REFIT)
+    if request.get("strip_weights"):
+        set_strip_flags(config, refittable=bool(request.get("refittable")))
     if request.get("weight_streaming"):
         # WEIGHT_STREAMING: the plan keeps its weights in host memory and the runtime streams those over the budget
         # it is given (ICudaEngine.weight_streaming_budget_v2; pyCoreDoc.h BuilderFlagDoc, NvInfer.h

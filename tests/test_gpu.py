@@ -354,3 +354,80 @@ def test_every_transformer_family_builds_and_validates_on_tensorrt(store, preset
     assert result.final.stage == "set" and result.validation, result.validation.failures
     transformer = next(a for a in result.artifacts if a.stage == "build-trt" and "transformer" in a.primary.name)
     assert transformer.manifest["details"]["optimization_level"]["level"] == 3
+
+
+# ---- issue 21: weight-stripped plans -------------------------------------------------------------------------------
+
+
+def stripped_build(tiny_simplified, store, **config) -> Artifact:
+    engine, _ = build(
+        tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), strip_weights=True, **config)
+    )
+    return engine
+
+
+def test_a_stripped_plan_is_small_and_refilled_at_load(tiny_simplified, store, trt_engine):
+    """STRIP_PLAN + REFIT_IDENTICAL: the plan leaves its weights in the graph, and runs as the full plan does once
+    OnnxParserRefitter has put them back."""
+    from sdtrt.stages.build_trt import parameter_count
+
+    stripped = stripped_build(tiny_simplified, store)
+    assert stripped.manifest["weights"]["in_plan"] is False and "--strip-weights" in stripped.manifest["reproduce"]
+    assert stripped.manifest["weights"]["refill_from"]["artifact"] == str(tiny_simplified.path.resolve())
+    weight_bytes = parameter_count(tiny_simplified.primary) * 2  # fp16
+    full, small = trt_engine.primary.stat().st_size, stripped.primary.stat().st_size
+    assert full - small > weight_bytes / 2, (full, small, weight_bytes)
+    case = ValidationCase(2, 256, 256, 999.0, 0)
+    expected = open_runtime(trt_engine).run(open_runtime(trt_engine).spec.case_inputs(case))["out_sample"].float()
+    runtime = open_runtime(stripped)
+    got = runtime.run(runtime.spec.case_inputs(case))["out_sample"].float()
+    assert torch.allclose(got, expected, atol=2e-3, rtol=2e-3)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.9999
+
+
+def test_a_stripped_plan_without_refittable_takes_no_lora(tiny, tiny_simplified, store, tmp_path):
+    """REFIT_IDENTICAL makes other values undefined behaviour: a LoRA is refused, saying how to rebuild."""
+    from sdtrt.errors import LoraError
+    from sdtrt.pipeline import load_pipeline
+
+    from .helpers import peft_lora
+
+    pipe = load_pipeline(tiny, stripped_build(tiny_simplified, store))
+    with pytest.raises(LoraError, match=r"--strip-weights but without --refittable.*--strip-weights --refittable"):
+        pipe.unet.set_loras([(peft_lora(tiny, tmp_path / "a", seed=1, rank=4, alpha=8), 0.8)])
+
+
+def test_a_stripped_refittable_plan_takes_loras_as_the_full_one_does(tiny, tiny_simplified, store, tmp_path):
+    """--strip-weights --refittable (REFIT: all weights stripped): LoRAs refit it from base weights as before."""
+    from sdtrt.pipeline import load_pipeline
+
+    from .helpers import peft_lora
+
+    lora = peft_lora(tiny, tmp_path / "a", seed=1, rank=4, alpha=8)
+    full, _ = build(tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), refittable=True))
+    outputs = []
+    for engine in (full, stripped_build(tiny_simplified, store, refittable=True)):
+        pipe = load_pipeline(tiny, engine)
+        feeds = pipe.unet.runtime.spec.sample_inputs(2, 256, 256)
+        base = pipe.unet.runtime.run(feeds)["out_sample"].float()
+        pipe.unet.set_loras([(lora, 0.8)])
+        with_lora = pipe.unet.runtime.run(feeds)["out_sample"].float()
+        pipe.unet.clear_loras()
+        assert torch.allclose(pipe.unet.runtime.run(feeds)["out_sample"].float(), base, atol=1e-3)
+        outputs.append((base, with_lora))
+    (full_base, full_lora), (stripped_base, stripped_lora) = outputs
+    assert not torch.allclose(full_lora, full_base, atol=1e-3)
+    assert torch.allclose(stripped_base, full_base, atol=2e-3) and torch.allclose(stripped_lora, full_lora, atol=2e-3)
+
+
+def test_a_stripped_weight_streaming_plan_runs_within_a_budget(tiny_simplified, store, trt_engine):
+    """The refill comes before the budget and the execution context, which split the refilled weights."""
+    stripped = stripped_build(tiny_simplified, store, weight_streaming=True)
+    case = ValidationCase(2, 256, 256)
+    full = open_runtime(trt_engine)
+    expected = full.run(full.spec.case_inputs(case))["out_sample"].float()
+    for budget in ("0", "50%"):
+        streamed = open_runtime(stripped, weight_budget=WeightBudget.parse(budget))
+        got = streamed.run(streamed.spec.case_inputs(case))["out_sample"].float()
+        assert torch.allclose(got, expected, atol=2e-3, rtol=2e-3)
+        streamed.close()

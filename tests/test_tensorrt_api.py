@@ -183,3 +183,37 @@ def f(engine: trt.ICudaEngine):
     text = "\n".join(check_source(source, api)[0])
     assert "has no member 'weight_streaming_budget_v3'" in text
     assert "trt.DataType.BFLOAT16 does not exist" in text
+
+
+def test_weight_stripping_calls_are_checked(api):
+    """Issue 21: the strip flags and the ONNX refitter are in the checked surface, and misuses of them are caught."""
+    worker = (REPO / "sdtrt/trt_build_worker.py").read_text()
+    for use in ("trt.BuilderFlag.STRIP_PLAN)", "trt.BuilderFlag.REFIT_IDENTICAL)", "parser.parse_from_file("):
+        assert use in worker
+    runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
+    for use in (
+        "trt.OnnxParserRefitter(refitter, logger)",
+        "parser.refit_from_file(",
+        "parser.get_error(",
+        "parser.num_errors",
+        "refitter.get_missing_weights()",
+        "refitter.refit_cuda_engine()",
+    ):
+        assert use in runtime
+    source = """
+import tensorrt as trt
+def f(engine: trt.ICudaEngine, logger: trt.ILogger, config: trt.IBuilderConfig):
+    config.set_flag(trt.BuilderFlag.STRIP_WEIGHTS)
+    config.set_flag(trt.BuilderFlag.WEIGHTLESS_IDENTICAL)
+    refitter: trt.Refitter = trt.Refitter(engine, logger)
+    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter)
+    parser.refit_from_file("unet.onnx", "unet.onnx.data")
+    parser.refit_from_path("unet.onnx")
+    parser.errors
+"""
+    text = "\n".join(check_source(source, api)[0])
+    assert "trt.BuilderFlag.STRIP_WEIGHTS does not exist" in text
+    assert "trt.BuilderFlag.WEIGHTLESS_IDENTICAL does not exist" in text
+    assert "OnnxParserRefitter() misses 'logger'" in text
+    assert "refit_from_file() takes 1 arguments, not 2" in text
+    assert "has no member 'refit_from_path'" in text and "has no member 'errors'" in text

@@ -14,7 +14,7 @@ from sdtrt.compile import resolve_target
 from sdtrt.config import Range, ShapeProfile, TrtBuildConfig
 from sdtrt.errors import ArtifactError, ConfigError, MissingDependencyError
 from sdtrt.gpu import engine_mismatch, tensorrt_missing
-from sdtrt.runtime.tensorrt import describe_profiles, select_profile
+from sdtrt.runtime.tensorrt import describe_profiles, graph_digest, refill_graph, select_profile
 from sdtrt.stages import build_trt, wrap
 from sdtrt.store import StageRequest
 
@@ -578,3 +578,145 @@ def test_bf16_engines_are_held_to_looser_tolerances():
     bf16, fp16 = Tolerances.for_precision("bf16"), Tolerances.for_precision("fp16")
     assert bf16.min_cosine < fp16.min_cosine and bf16.max_abs > fp16.max_abs and bf16.min_psnr_db < fp16.min_psnr_db
     assert least_precise(["fp32", "bf16", "fp16"]) == "bf16" and least_precise(["fp32", "fp16"]) == "fp16"
+
+
+# ---- issue 21: weight-stripped plans ------------------------------------------------------------------------------
+
+
+def test_strip_weights_is_a_build_flag_keyed_only_when_on(tiny_simplified, tmp_path):
+    def key(**config) -> str:
+        return build_trt.stage_request(TrtBuildConfig(**config), tiny_simplified, {}).key
+
+    assert key() == key(strip_weights=False)  # earlier engines keep their keys
+    assert key() != key(strip_weights=True)
+    request = build_trt.worker_request(TrtBuildConfig(strip_weights=True), tiny_simplified, tmp_path)
+    assert request["strip_weights"] is True and request["onnx"] == str(tiny_simplified.primary)
+    assert build_trt.worker_request(TrtBuildConfig(), tiny_simplified, tmp_path)["strip_weights"] is False
+
+
+def test_a_stripped_plan_is_keyed_by_its_graphs_content(tiny_simplified, tmp_path):
+    """The same simplify key with other bytes (a non-deterministic export made again) must not hit the old plan."""
+    import copy
+
+    from sdtrt.store import Artifact
+
+    again = copy.deepcopy(tiny_simplified.manifest)
+    again["files"][0]["sha256"] = "0" * 64
+    remade = Artifact(tiny_simplified.path, again)
+    assert remade.key == tiny_simplified.key
+
+    def key(source: Artifact, strip: bool) -> str:
+        return build_trt.stage_request(TrtBuildConfig(strip_weights=strip), source, {}).key
+
+    assert key(remade, True) != key(tiny_simplified, True)
+    assert key(remade, False) == key(tiny_simplified, False)  # a plan with its weights does not care
+
+
+def test_a_stripped_plan_records_the_graph_that_refills_it(tiny_simplified, tmp_path):
+    from sdtrt.store import Artifact
+
+    assert refill_graph({"config": {}}, tmp_path / "unet.plan") is None  # a plan with its weights
+    manifest = {"weights": build_trt.refill_record(tiny_simplified)}
+    assert manifest["weights"]["in_plan"] is False
+    recorded = manifest["weights"]["refill_from"]
+    assert recorded["artifact"] == str(tiny_simplified.path.resolve())
+    assert recorded["graph"] == tiny_simplified.primary.name
+    assert tiny_simplified.primary.name in recorded["files"]
+    assert recorded["digest"] == graph_digest(Artifact.open(tiny_simplified.path))
+    assert refill_graph(json.loads(json.dumps(manifest)), tmp_path / "unet.plan") == tiny_simplified.primary
+
+
+def test_a_stripped_plan_whose_graph_is_gone_or_changed_is_refused(tiny_simplified, tmp_path):
+    """The load checks the graph against the digest the build recorded, before TensorRT reads anything."""
+    import shutil
+
+    from sdtrt.store import Artifact
+
+    folder = tmp_path / "simplify" / "graph"
+    shutil.copytree(tiny_simplified.path, folder)
+    graph = Artifact.open(folder)
+    manifest = {"weights": build_trt.refill_record(graph)}
+    plan = tmp_path / "unet.plan"
+    assert refill_graph(manifest, plan) == graph.primary
+
+    data = graph.primary  # the tiny graph keeps its weights inline; a big one's .data file is checked alike
+    original = data.read_bytes()
+    data.write_bytes(original[:-4] + bytes(4 * [original[-1] ^ 1]))  # same size, other bytes
+    with pytest.raises(ArtifactError, match=r"holds no weights \(built with --strip-weights\).*differs from the"):
+        refill_graph(manifest, plan)
+    data.write_bytes(original)
+
+    assert refill_graph(manifest, plan) == graph.primary  # intact again
+    built_from_other = {"weights": build_trt.refill_record(graph)}
+    built_from_other["weights"]["refill_from"]["digest"] = "0" * 64  # the graph was made again since, intact
+    with pytest.raises(ArtifactError, match="it was made again since, with other content"):
+        refill_graph(built_from_other, plan)
+
+    shutil.rmtree(folder)
+    with pytest.raises(ArtifactError, match="it is gone; make the graph and the engine again") as gone:
+        refill_graph(manifest, plan)
+    assert str(graph.primary) in str(gone.value) and "without --strip-weights" in str(gone.value)
+
+
+def test_only_store_graphs_are_stripped(tiny_simplified, store, tmp_path):
+    """An .onnx outside the store could change under the plan unchecked: refused before any TensorRT work."""
+    import shutil
+
+    from sdtrt.store import Artifact
+
+    folder = tmp_path / "mine"
+    shutil.copytree(tiny_simplified.path, folder)
+    (folder / "manifest.json").unlink()
+    external = Artifact.open(folder / tiny_simplified.primary.name)
+    assert external.stage == "external"
+    with pytest.raises(ConfigError, match="outside the store; put it through `sdtrt simplify"):
+        build_trt.run(TrtBuildConfig(strip_weights=True), external, store)
+
+
+def test_stripped_plans_are_never_wrapped(store, tmp_path):
+    """Torch-TensorRT deserializes a wrapped plan itself: nothing would refill its weights."""
+    from sdtrt.compile import wrap_problem
+    from sdtrt.store import Artifact
+
+    assert "hold no weights (--strip-weights), so they are not wrapped" in wrap_problem(
+        TrtBuildConfig(strip_weights=True), None
+    )
+    stripped = Artifact(tmp_path, {"stage": "build-trt", "profiles": [{}], "weights": {"in_plan": False}})
+    with pytest.raises(ArtifactError, match=r"holds no weights \(built with --strip-weights\)"):
+        wrap.run(wrap.WrapConfig(), stripped, store)
+
+
+def test_the_strip_weights_option_reaches_the_build(tmp_path):
+    import shlex
+
+    from typer.main import get_command
+
+    from sdtrt.cli import app
+
+    from .helpers import run_cli
+
+    assert "--strip-weights" in run_cli("compile", "--help").stdout
+    assert "--strip-weights" in run_cli("build", "--help").stdout
+    config = TrtBuildConfig(refittable=True, strip_weights=True)
+    words = shlex.split(build_trt.reproduce_command(config, tmp_path))
+    group = get_command(app)
+    build = group.get_command(group.make_context("sdtrt", ["build", "x"]), "build")
+    params = build.make_context("build", words[2:]).params
+    assert params["strip_weights"] and params["refittable"]
+
+
+def test_a_stripped_plan_finds_its_graph_from_any_working_directory(tiny_simplified, tmp_path, monkeypatch):
+    """The default store is ./engines, a relative path: the plan must not record the graph relative to where it was
+    built, or a load from another directory would call the graph gone."""
+    import shutil
+
+    from sdtrt.store import Artifact
+
+    shutil.copytree(tiny_simplified.path, tmp_path / "engines" / "simplify" / "graph")
+    monkeypatch.chdir(tmp_path)
+    graph = Artifact.open(Path("engines/simplify/graph"))
+    manifest = {"weights": build_trt.refill_record(graph)}
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    found = refill_graph(manifest, tmp_path / "unet.plan")
+    assert found is not None and found.resolve() == (tmp_path / "engines/simplify/graph" / graph.primary.name)

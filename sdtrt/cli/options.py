@@ -189,6 +189,14 @@ WeightStreamingOpt = Annotated[
         "sets how much stays on the GPU.",
     ),
 ]
+StripWeightsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strip-weights",
+        help="TensorRT: a plan without its weights (megabytes, not the graph's gigabytes), refilled from its ONNX "
+        "graph in the store at every load; with --refittable all weights are stripped and LoRAs still refit.",
+    ),
+]
 WeightBudgetOpt = Annotated[
     str | None,
     typer.Option(
@@ -240,6 +248,7 @@ def trt_config(
     refittable: bool = False,
     tf32: bool | None = None,
     weight_streaming: bool = False,
+    strip_weights: bool = False,
 ) -> TrtBuildConfig:
     return TrtBuildConfig(
         profiles=(profile,),
@@ -250,6 +259,7 @@ def trt_config(
         refittable=refittable,
         tf32=tf32,
         weight_streaming=weight_streaming,
+        strip_weights=strip_weights,
     )
 
 

@@ -90,6 +90,7 @@ def build(
     refittable: o.RefittableOpt = False,
     tf32: o.TF32Opt = None,
     weight_streaming: o.WeightStreamingOpt = False,
+    strip_weights: o.StripWeightsOpt = False,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Build an engine from a simplified (or exported) graph for the shapes given.
@@ -105,7 +106,15 @@ def build(
     o.check_target_precision(target, spec.precision)
     profile = o.shape_profile(spec, batch, height, width, tokens)
     trt = o.trt_config(
-        profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32, weight_streaming
+        profile,
+        static,
+        workspace_gb,
+        optimization_level,
+        timing_cache,
+        refittable,
+        tf32,
+        weight_streaming,
+        strip_weights,
     )
     built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
     console.print(f"target: {reason}")
@@ -143,6 +152,7 @@ def compile(
     refittable: o.RefittableOpt = False,
     tf32: o.TF32Opt = None,
     weight_streaming: o.WeightStreamingOpt = False,
+    strip_weights: o.StripWeightsOpt = False,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
     ] = True,
@@ -187,7 +197,15 @@ def compile(
         simplify_config=o.simplify_config(method, check=True),
         profile=profile,
         trt_config=o.trt_config(
-            profile, static, workspace_gb, optimization_level, timing_cache, refittable, tf32, weight_streaming
+            profile,
+            static,
+            workspace_gb,
+            optimization_level,
+            timing_cache,
+            refittable,
+            tf32,
+            weight_streaming,
+            strip_weights,
         ),
         validation=ValidationConfig() if validate else None,
         components=chosen_components,

@@ -28,6 +28,7 @@ from ..config import WeightBudget
 from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
+from ..store import Artifact, digest
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
@@ -227,6 +228,66 @@ class BaseWeights:
         return {name: self._held[name] for name in names}
 
 
+def graph_digest(source: Artifact) -> str:
+    """The content of a store artifact's files (its graph and external data), from the sha256 its manifest holds."""
+    return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
+
+
+def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
+    """The ONNX graph that refills a weight-stripped plan, checked against the digest its build recorded; None for
+    a plan that holds its weights. ArtifactError when the graph is gone, changed or corrupt."""
+    weights = manifest.get("weights", {})
+    if weights.get("in_plan", True):
+        return None
+    recorded = weights["refill_from"]
+    where = Path(recorded["artifact"])
+    try:
+        source = Artifact.open(where)
+        problem = next(iter(source.file_problems()), None)
+        if problem is None and graph_digest(source) != recorded["digest"]:
+            problem = "it was made again since, with other content"
+    except ArtifactError:
+        problem = "it is gone"
+    if problem:
+        raise ArtifactError(
+            f"{plan} holds no weights (built with --strip-weights): every load refills them from the graph "
+            f"{where / recorded['graph']}, and {problem}; make the graph and the engine again with the same "
+            "`sdtrt compile` (or simplify, then `sdtrt build`), or build the engine without --strip-weights"
+        )
+    return source.primary
+
+
+def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, plan: Path) -> None:
+    """Put a weight-stripped plan's weights back from the ONNX graph it was built from, before any execution context.
+
+    As samples/python/sample_weight_stripping/refit_engine_and_infer.py does (TensorRT 10.0 on): a Refitter over
+    the engine, an OnnxParserRefitter over that (python/src/parsers/pyOnnx.cpp, "refitter"_a, "logger"_a),
+    refit_from_file, then refit_cuda_engine. refit_from_file reads the graph and its external data from the file's
+    folder and sets every refittable weight by its initializer's name; it returns False, with the parser's errors,
+    when the graph cannot be read or does not supply every refittable weight (onnx-tensorrt
+    ModelRefitter::refitFromFile; "Failed to refit all the weights.", kREFIT_FAILED). It does not refit the engine
+    itself: refit_cuda_engine does, and returns False when validation fails or weights are missing (pyCoreDoc.h
+    RefitterDoc). Before the context: with WEIGHT_STREAMING the weights sit in host memory from deserialization
+    until create_execution_context splits them between host and GPU (NvInfer.h kWEIGHT_STREAMING), so the refit
+    writes them where the split takes them from, and the budget is set after it, as before.
+    """
+    import tensorrt as trt
+
+    refitter: trt.Refitter = trt.Refitter(engine, logger)
+    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter, logger)
+    failed = f"TensorRT could not refill the weights of {plan} (built with --strip-weights) from {graph}"
+    if not parser.refit_from_file(str(graph)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "see its messages above"
+        raise ArtifactError(f"{failed}: {errors}; rebuild the engine from this graph")
+    if missing := refitter.get_missing_weights():  # names; "" for unnamed weights (pyCoreDoc.h get_missing_weights)
+        raise ArtifactError(
+            f"{failed}: {len(missing)} weights are still missing (first: '{missing[0]}'); rebuild the engine from this "
+            "graph"
+        )
+    if not refitter.refit_cuda_engine():
+        raise ArtifactError(f"{failed}: refit_cuda_engine returned False; see the TensorRT messages above")
+
+
 def refit_weights(array: np.ndarray) -> trt.Weights:
     """TensorRT Weights over a contiguous host array, which must outlive the refit.
 
@@ -257,6 +318,7 @@ class TensorRTRuntime(CudaRuntime):
         all its weights on the GPU."""
         require_tensorrt("run a TensorRT engine")
         check_engine_environment(manifest)
+        refill_from = refill_graph(manifest, plan)  # checked before the plan is read: a stripped plan needs it
         import tensorrt as trt
 
         self.spec = spec
@@ -264,6 +326,8 @@ class TensorRTRuntime(CudaRuntime):
         self._rebuild = rebuild_command(manifest)
         # The simplify artifact the plan was parsed from: its initializers name the weights.
         self._source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
+        # Stripped without --refittable (REFIT_IDENTICAL): refits may bring only the graph's own values.
+        self._identical_refits_only = refill_from is not None and not manifest.get("config", {}).get("refittable")
         self._base: BaseWeights | None = None  # made on the first refit
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime: trt.Runtime = trt.Runtime(self._logger)
@@ -273,6 +337,8 @@ class TensorRTRuntime(CudaRuntime):
         self._engine: trt.ICudaEngine = engine
         if problem := engine_io_problem(engine, spec):
             raise ArtifactError(f"{plan} does not match its manifest: {problem}; rebuild it with `{self._rebuild}`")
+        if refill_from is not None:
+            refill_weights(engine, self._logger, refill_from, plan)
         if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
             set_weight_budget(engine, weight_budget, plan, self._rebuild)
         # create_execution_context returns None when it cannot allocate the activation memory.
@@ -389,8 +455,13 @@ class TensorRTRuntime(CudaRuntime):
     def _refit(self, weights: dict[str, np.ndarray]) -> None:
         import tensorrt as trt
 
-        from ..store import Artifact
-
+        if self._identical_refits_only:
+            # A REFIT_IDENTICAL engine is refittable ("Create a refittable engine under the assumption that the refit
+            # weights will be identical"), but other values are undefined behaviour (NvInfer.h kREFIT_IDENTICAL).
+            raise LoraError(
+                f"this TensorRT engine was built with --strip-weights but without --refittable, so it takes back only "
+                f"its graph's own weights; rebuild it with `{self._rebuild} --refittable` to take LoRAs"
+            )
         if not self._engine.refittable:
             raise LoraError(
                 f"this TensorRT engine was built without --refittable; rebuild it with "

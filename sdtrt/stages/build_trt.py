@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrtBuildConfig, default_optimization_level
-from ..errors import BuildError
+from ..errors import BuildError, ConfigError
 from ..gpu import gpu_environment, require_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
 from ..progress import step
@@ -29,6 +29,12 @@ LOG_NAME = "build.log"
 
 
 def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
+    if config.strip_weights and source.stage == "external":
+        raise ConfigError(
+            f"--strip-weights refills the plan from its graph at every load, so the graph must be a store artifact "
+            f"whose file digests the load can check, and {source.primary} is outside the store; put it through "
+            f"`sdtrt simplify {source.primary}` first, or build without --strip-weights"
+        )
     require_tensorrt()
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
@@ -37,9 +43,35 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     # trt.__version__, not a distribution's: with only tensorrt-cu12/-cu13 installed there is no
     # `tensorrt` distribution, and the runtime compares against trt.__version__.
     env = environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
-    request = StageRequest(STAGE, VERSION, config, [source.as_input()], env)
+    request = stage_request(config, source, env)
     artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store, level_reason))
     return artifact
+
+
+def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str]) -> StageRequest:
+    """What keys the plan. A stripped plan is keyed by its graph's content too: a graph made again with other bytes
+    under the same key (a non-deterministic export after `cache gc`) gets a new plan, never one that is refilled
+    with weights it was not built with."""
+    from ..runtime.tensorrt import graph_digest
+
+    refill = [{"kind": "refill-graph", "digest": graph_digest(source)}] if config.strip_weights else []
+    return StageRequest(STAGE, VERSION, config, [source.as_input(), *refill], env)
+
+
+def refill_record(source: Artifact) -> dict[str, Any]:
+    """The manifest's word that a plan holds no weights, and which graph refills them at load (with its digest)."""
+    from ..runtime.tensorrt import graph_digest
+
+    files = sorted(f["name"] for f in source.manifest.get("files", []))  # the graph and its external data
+    return {
+        "in_plan": False,
+        "refill_from": {
+            "artifact": str(source.path.resolve()),  # the default store, ./engines, is relative to where it ran
+            "graph": source.primary.name,
+            "files": files,
+            "digest": graph_digest(source),
+        },
+    }
 
 
 def parameter_count(graph: Path) -> int:
@@ -82,6 +114,7 @@ def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, devi
         "refittable": config.refittable,
         "tf32": config.tf32,
         "weight_streaming": config.weight_streaming,
+        "strip_weights": config.strip_weights,
         "device": device,
     }
 
@@ -106,6 +139,7 @@ def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
     words += ["--refittable"] if config.refittable else []
     words += [] if config.tf32 is None else ["--tf32" if config.tf32 else "--no-tf32"]
     words += ["--weight-streaming"] if config.weight_streaming else []
+    words += ["--strip-weights"] if config.strip_weights else []
     return " ".join(words)
 
 
@@ -150,4 +184,4 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
             "worker_request": request,
         },
         "reproduce": reproduce_command(config, source.path),
-    }
+    } | ({"weights": refill_record(source)} if config.strip_weights else {})

@@ -37,6 +37,11 @@ def run(config: WrapConfig, engine: Artifact, store: Store) -> Artifact:
             f"{engine.path} has {profiles} optimization profiles, and a TorchScript-wrapped engine runs profile 0 "
             "only (Torch-TensorRT selects no other); load the build-trt artifact directly, or build one profile"
         )
+    if not engine.manifest.get("weights", {}).get("in_plan", True):
+        raise ArtifactError(
+            f"{engine.path} holds no weights (built with --strip-weights), and a TorchScript-wrapped engine is never "
+            "refilled from its graph; load the build-trt artifact directly, or build without --strip-weights"
+        )
     require_torch_tensorrt("wrap a TensorRT engine as TorchScript")
     # A plan from another GPU or TensorRT would fail inside torch-tensorrt ("Unable to deserialize"): say why.
     check_engine_environment(engine.manifest)
