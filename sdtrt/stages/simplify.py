@@ -221,11 +221,12 @@ def _set_weights_aside(model: onnx.ModelProto) -> tuple[dict[str, onnx.TensorPro
     weights: dict[str, TensorProto] = {}
     constants = []
     for tensor in graph.initializer:
-        if not uses_external_data(tensor) and onnx_graph.tensor_bytes(tensor) <= SMALL_CONSTANT:
-            constants.append(tensor)
-            continue
-        weights[tensor.name] = kept = TensorProto()
+        kept = TensorProto()
         kept.CopyFrom(tensor)  # an external tensor is a stub: name, type, shape and where its bytes are
+        if not uses_external_data(tensor) and onnx_graph.tensor_bytes(tensor) <= SMALL_CONSTANT:
+            constants.append(kept)
+            continue
+        weights[tensor.name] = kept
         if tensor.name not in listed:
             graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     del graph.initializer[:]
