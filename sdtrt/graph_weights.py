@@ -8,6 +8,8 @@ nor LoRA reaches up into a stage.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,19 +57,40 @@ class WeightMap:
         return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped}
 
 
-def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
-    """The values of those named initializers the graph has, reading only their bytes of its external data."""
-    from onnx import numpy_helper
+def initializer_values(graph_path: Path, names: set[str] | None = None, min_rank: int = 0) -> Iterator[tuple[str, Any]]:
+    """(name, value) of the graph's initializers (those in ``names``, of at least ``min_rank`` dims), one at a time.
 
-    proto = onnx_graph.load_graph(graph_path, with_weights=False)
-    # to_array reads a tensor's external data itself, relative to base_dir. Loading it first breaks with older onnx
-    # (1.17 included; pyproject allows >=1.16): its load_external_data_for_tensor leaves the tensor marked external,
-    # and to_array then reads it again relative to the working directory (onnx numpy_helper.py, to_array).
-    return {
-        init.name: numpy_helper.to_array(init, base_dir=str(graph_path.parent))
-        for init in proto.graph.initializer
-        if init.name in names
-    }
+    External data is memory-mapped at its declared offset, read-only: nothing is read until the value is used, and
+    the page cache, not the process, holds what was. The graph itself is loaded without its weights.
+    """
+    base_dir = graph_path.parent.resolve()
+    for tensor in onnx_graph.load_graph(graph_path).graph.initializer:
+        if (names is None or tensor.name in names) and len(tensor.dims) >= min_rank:
+            yield tensor.name, tensor_value(tensor, base_dir)
+
+
+def tensor_value(tensor: Any, base_dir: Path) -> np.ndarray:
+    """An initializer's value: inline data converted, external data mapped from its file (never read whole)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info = ExternalDataInfo(tensor)
+    path = (base_dir / info.location).resolve()
+    if base_dir not in path.parents:
+        raise ArtifactError(f"initializer {tensor.name} points outside its graph's folder ({info.location}); re-export")
+    dtype, shape = helper.tensor_dtype_to_np_dtype(tensor.data_type), tuple(tensor.dims)
+    if math.prod(shape) == 0:  # an empty tensor: nothing to map
+        return np.zeros(shape, dtype)
+    # A view, not the np.memmap subclass, so arithmetic on it gives plain arrays.
+    return np.memmap(path, dtype=dtype, mode="r", offset=info.offset or 0, shape=shape).view(np.ndarray)
+
+
+def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
+    """The values of those named initializers the graph has, mapped from its external data (see initializer_values)."""
+    return dict(initializer_values(graph_path, names))
 
 
 def read_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:

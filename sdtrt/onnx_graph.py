@@ -6,6 +6,7 @@ data where needed, and never call ``ModelProto.ByteSize()`` (it raises on > 2 GB
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -46,6 +47,16 @@ def check(path: Path) -> None:
 
 def op_counts(path: Path) -> Counter[str]:
     return Counter(node.op_type for node in load_graph(path).graph.node)
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """A tensor's size from its type and shape: nothing of its data, inline or external, is read."""
+    return math.prod(tensor.dims) * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    """The size of a graph's weights, from a model loaded without them (``load_graph``'s default)."""
+    return sum(tensor_bytes(t) for t in model.graph.initializer)
 
 
 def weights_on_disk(folder: Path) -> int:

@@ -70,3 +70,26 @@ def peft_lora(model, folder, seed: int, rank: int, alpha: int, networks=("unet",
         layers[f"{network}_lora_adapter_metadata"] = config.to_dict()
     StableDiffusionXLPipeline.save_lora_weights(folder, **layers)
     return str(folder / "pytorch_lora_weights.safetensors")
+
+
+def external_copy(artifact, folder: Path, edit=None):
+    """A copy of an ONNX artifact in ``folder`` with every initializer in ``<component>.onnx.data``, as big exports are
+    laid out; ``edit(model, data_file)`` may change the graph (loaded without its weights) and the data file first."""
+    import json
+
+    import onnx
+
+    from sdtrt.store import Artifact, describe_files, digest
+
+    folder.mkdir(parents=True)
+    path = folder / artifact.primary.name
+    data_file = path.with_name(path.name + ".data")
+    model = onnx.load(str(artifact.primary))
+    onnx.save_model(model, str(path), save_as_external_data=True, location=data_file.name, size_threshold=0)
+    if edit is not None:
+        model = onnx.load(str(path), load_external_data=False)
+        edit(model, data_file)
+        onnx.save_model(model, str(path))
+    manifest = artifact.manifest | {"key": digest([artifact.key, "external copy", str(folder)])}
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"files": describe_files(folder)}))
+    return Artifact.open(folder)

@@ -88,7 +88,13 @@ IONamingOpt = Annotated[
     IONaming,
     typer.Option(help="named (sample, timestep, …) or indexed (input_0…, output_0, for torchtrtc --embed-engine)."),
 ]
-MethodOpt = Annotated[SimplifyMethod, typer.Option(help="auto: onnxsim, else constant folding.")]
+MethodOpt = Annotated[
+    SimplifyMethod,
+    typer.Option(
+        help="auto: stream for graphs over 2 GB of weights (or too big for this machine's memory), else onnxsim, "
+        "else constant folding; stream: clean up without loading the weights (the kernel copies their file)."
+    ),
+]
 TargetOpt = Annotated[
     Target, typer.Option(help="tensorrt (needs a CUDA GPU), onnxruntime, or auto: TensorRT where possible.")
 ]

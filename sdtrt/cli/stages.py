@@ -250,7 +250,8 @@ def print_simplify_summary(artifact: Artifact) -> None:
     from ..stages.simplify import op_table_rows
 
     details = artifact.manifest["details"]
-    table = Table(title=f"Simplified with {details['method']}", title_justify="left")
+    why = f" ({details['method_reason']})" if details.get("method_reason") else ""
+    table = Table(title=escape(f"Simplified with {details['method']}{why}"), title_justify="left")
     table.add_column("op")
     table.add_column("before", justify="right")
     table.add_column("after", justify="right")
@@ -260,6 +261,8 @@ def print_simplify_summary(artifact: Artifact) -> None:
     console.print(table)
     if details.get("fallback_reason"):
         console.print(f"[yellow]fell back to constant folding:[/] {escape(details['fallback_reason'])}")
+    if details.get("weights_carried"):
+        console.print(f"weights: {escape(details['weights_carried'])}")
     if check := details.get("check"):
         console.print(f"ONNX Runtime check: cosine {check['cosine']:.6f}, max abs {check['max_abs']:.3g}")
 

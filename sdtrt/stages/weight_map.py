@@ -4,7 +4,7 @@ Export and simplify rename and transform weights: a ``Linear`` weight ``[out, in
 anonymous, transposed MatMul initializer ``[in, out]``, in the graph's dtype (fp16: a cast), and
 constant folding makes new initializers. Names are no guide, so the map is derived from values:
 every Linear and Conv weight of the graph's network (the UNet, SD3's or Flux's transformer, a text
-encoder), loaded in the graph's dtype exactly as export loads it, is looked up among the graph's
+encoder), in the graph's dtype exactly as export loads it, is looked up among the graph's
 initializers by content hash, as it is, transposed, or packed side by side with others in a wider
 initializer's columns (onnxsim's fuse_qkv pass packs CLIP's q/k/v projections into one MatMul; SD3's and
 Flux's q/k/v and add_q/k/v projections reach the engine graph packed too).
@@ -13,8 +13,8 @@ initializer with another parameter (deduplicated constants) is listed as unmappe
 reason, and a LoRA touching it is refused by name (sdtrt.lora).
 
 The map is its own small artifact, ``weight-map/<key>/weight_map.json``, not part of the simplify
-artifact: it needs the PyTorch network (3.4 GB fp32 for SD 1.5's UNet), which only engines that take LoRAs
-should pay for, and it maps the graph the engine actually runs — ONNX Runtime's optimized graph
+artifact: it reads every weight of the graph and of the network, which only engines that take LoRAs should pay
+for, and it maps the graph the engine actually runs — ONNX Runtime's optimized graph
 for ``build-ort`` (its optimizer could rename or fuse initializers), the simplified graph a
 TensorRT plan was parsed from (the ONNX parser names refittable weights after initializers). Its
 key follows from that graph's key and the digest of the network's model folder: made once per graph,
@@ -23,20 +23,27 @@ on the first LoRA, a cache hit after.
 weight_map.json: ``{"graph_dtype": "float16", "mapped": {param: {"initializer", "transpose", "shape"}},
 "unmapped": {param: reason}}``; a param is the network's state-dict name (``….attn1.to_q.weight``; for
 CLIP without the ``text_model.`` prefix that older transformers versions have).
+
+Size does not matter: the graph's initializers are memory-mapped from its external data and hashed one at a
+time, and the network is built on the meta device with each weight read alone from its safetensors shards, so
+the map holds one tensor of each (and a hash per initializer), not the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..graph_weights import Placement, WeightMap
-from ..progress import step
+from ..errors import UnsupportedModelError
+from ..graph_weights import Placement, WeightMap, initializer_values
+from ..progress import quiet_loading, step
 from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
 
@@ -95,13 +102,83 @@ def _produce(graph: Artifact, model: ModelSource, component: str, out_dir: Path)
 def lora_parameters(network: Any) -> dict[str, Any]:
     """The weights a LoRA can touch: every Linear and Conv2d weight, by state-dict name (CLIP's without
     ``text_model.``, as sdtrt.lora_files.peft_names names LoRA modules)."""
+    return {param: module.weight.detach() for param, _, module in _lora_modules(network)}
+
+
+def _lora_modules(network: Any) -> Iterator[tuple[str, str, Any]]:
+    """(param, module name, module) of every Linear and Conv2d: ``param`` as the map names it."""
     import torch
 
-    return {
-        f"{name.removeprefix('text_model.')}.weight": module.weight.detach()
-        for name, module in network.named_modules()
-        if isinstance(module, torch.nn.Linear | torch.nn.Conv2d)
-    }
+    for name, module in network.named_modules():
+        if isinstance(module, torch.nn.Linear | torch.nn.Conv2d):
+            yield f"{name.removeprefix('text_model.')}.weight", name, module
+
+
+def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[tuple[str, Any]]:
+    """lora_parameters of the ``component`` network in ``dtype``, one tensor at a time, without loading the network.
+
+    The network is built on the meta device (names and module types, no weights); each weight is read alone from
+    the folder's safetensors and cast as from_pretrained casts it (modules the class keeps in fp32 stay fp32 in fp16).
+    """
+    import torch
+    from safetensors import safe_open
+
+    folder = FOLDERS[component]
+    network = _meta_network(model, folder)
+    keep_fp32 = set(getattr(network, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
+    files = _safetensors_files(model.component_dir(folder), model.name)
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for param, name, _ in _lora_modules(network):
+            file = files.get(f"{name}.weight")
+            if file is None:
+                yield param, None  # tied to or derived from another weight: nothing stored to match
+                continue
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            tensor = handles[file].get_tensor(f"{name}.weight")
+            yield param, tensor.to(torch.float32 if keep_fp32 & set(name.split(".")) else dtype)
+
+
+def _meta_network(model: ModelSource, folder: str) -> Any:
+    """The folder's network on the meta device: its module tree from its config, no weight memory."""
+    import importlib
+
+    import torch
+
+    library, class_name = ("diffusers", "UNet2DConditionModel") if folder == "unet" else model.component_class(folder)
+    cls = (
+        getattr(importlib.import_module(library), class_name, None)
+        if library in ("diffusers", "transformers")
+        else None
+    )
+    if cls is None:
+        raise UnsupportedModelError(f"{folder}/ of '{model.name}' is a {class_name or 'class without a name'}")
+    directory = model.component_dir(folder)
+    with quiet_loading(), torch.device("meta"):
+        if library == "diffusers":
+            return cls.from_config(cls.load_config(directory))
+        return cls._from_config(cls.config_class.from_pretrained(directory))
+
+
+# The weight files from_pretrained reads without a variant: sharded (an index) or whole, diffusers' and transformers'.
+WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
+def _safetensors_files(directory: Path, model_name: str) -> dict[str, Path]:
+    """Each stored tensor's file: from the shard index, else the one file's own table of contents."""
+    from safetensors import safe_open
+
+    for name in WEIGHT_FILES:
+        if (index := directory / f"{name}.index.json").is_file():
+            return {key: directory / file for key, file in json.loads(index.read_text())["weight_map"].items()}
+        if (single := directory / name).is_file():
+            with safe_open(str(single), framework="pt") as handle:
+                return dict.fromkeys(handle.keys(), single)
+    raise UnsupportedModelError(
+        f"{directory} of '{model_name}' has no {' or '.join(WEIGHT_FILES)} (with or without a shard index): the weight "
+        "map reads weights one at a time from safetensors; re-save the model with save_pretrained"
+    )
 
 
 def _content_key(array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
@@ -111,41 +188,55 @@ def _content_key(array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
     return data.dtype.str, data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).hexdigest()
 
 
+GraphWeights = Callable[[], Iterable[tuple[str, "np.ndarray"]]]
+NetworkWeights = Callable[[Any], Iterable[tuple[str, Any]]]
+
+
 def build(graph_path: Path, model: ModelSource, component: str = "unet") -> WeightMap:
-    """Match the ``component`` network's LoRA-touchable weights against ``graph_path``'s initializers by value."""
-    import torch
-    from onnx import numpy_helper
-
-    from ..models import load_folder
-
+    """Match the ``component`` network's LoRA-touchable weights against ``graph_path``'s initializers by value,
+    holding one tensor of each at a time (the graph's are memory-mapped, the network's read from safetensors)."""
     with step(f"Mapping {component} weights onto the initializers of {graph_path.name}"):
-        proto = onnx_graph.load_graph(graph_path, with_weights=True)
-        by_content: dict[tuple[str, tuple[int, ...], str], list[str]] = {}
-        dtypes = set()
-        for init in proto.graph.initializer:
-            if len(init.dims) >= 2:  # weights; biases, scalars and shape constants are never LoRA targets
-                array = numpy_helper.to_array(init)
-                dtypes.add(array.dtype.name)
-                by_content.setdefault(_content_key(array), []).append(init.name)
-        del proto
-        graph_dtype = "float16" if "float16" in dtypes else "float32"
-        network = load_folder(model, FOLDERS[component], torch.float16 if graph_dtype == "float16" else torch.float32)
-        params = lora_parameters(network)
-        found: dict[str, list[tuple[str, bool]]] = {}
-        for param, weight in params.items():
-            candidates = [(weight, False)] + ([(weight.T, True)] if weight.ndim == 2 else [])
-            found[param] = [
-                (name, transposed)
-                for tensor, transposed in candidates
-                for name in by_content.get(_content_key(tensor.contiguous().numpy()), [])
-            ]
+        return match(
+            graph_path,
+            lambda: initializer_values(graph_path, min_rank=2),  # biases, scalars and shapes are never LoRA targets
+            lambda dtype: network_weights(model, component, dtype),
+        )
+
+
+def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights) -> WeightMap:
+    """The weight map from the graph's 2-D+ initializers and the network's weights (in the dtype it is given),
+    each an iterable read once (the graph's twice, when some Linear weight is only found packed)."""
+    import torch
+
+    by_content: dict[tuple[str, tuple[int, ...], str], list[str]] = {}
+    dtypes = set()
+    for name, array in graph_weights():
+        dtypes.add(array.dtype.name)
+        by_content.setdefault(_content_key(array), []).append(name)
+    graph_dtype = "float16" if "float16" in dtypes else "float32"
+    shapes: dict[str, tuple[int, ...]] = {}
+    found: dict[str, list[tuple[str, bool]]] = {}
+    unplaced: dict[str, tuple[str, tuple[int, ...], str]] = {}  # Linear weights found nowhere: their transpose's key
+    absent: dict[str, str] = {}
+    for param, weight in network(torch.float16 if graph_dtype == "float16" else torch.float32):
+        if weight is None:
+            absent[param] = "the model's weight files do not hold it (tied to or derived from another weight)"
+            continue
+        shapes[param] = tuple(weight.shape)
+        candidates = [(weight, False)] + ([(weight.T, True)] if weight.ndim == 2 else [])
+        found[param] = [
+            (name, transposed)
+            for tensor, transposed in candidates
+            for name in by_content.get(_content_key(tensor.contiguous().numpy()), [])
+        ]
+        if not found[param] and weight.ndim == 2:
+            unplaced[param] = _content_key(weight.T.contiguous().numpy())
     holders: dict[str, list[str]] = {}
     for param, hits in found.items():
         for name, _ in hits:
             holders.setdefault(name, []).append(param)
-    unplaced = {p: params[p] for p, hits in found.items() if not hits and params[p].ndim == 2}
-    packed = _packed(graph_path, unplaced, set(holders)) if unplaced else {}
-    mapped, unmapped = {}, {}
+    packed = _packed(graph_weights, unplaced, shapes, set(holders)) if unplaced else {}
+    mapped, unmapped = {}, dict(absent)
     for param, hits in found.items():
         if param in packed:
             mapped[param] = packed[param]
@@ -157,35 +248,38 @@ def build(graph_path: Path, model: ModelSource, component: str = "unet") -> Weig
             others = [p for p in holders[hits[0][0]] if p != param]
             unmapped[param] = f"initializer {hits[0][0]} also holds {others[0]} (identical values, deduplicated)"
         else:
-            mapped[param] = Placement(hits[0][0], hits[0][1], tuple(params[param].shape))
+            mapped[param] = Placement(hits[0][0], hits[0][1], shapes[param])
     return WeightMap(graph_path, graph_dtype, mapped, unmapped)
 
 
-def _packed(graph_path: Path, unplaced: dict[str, Any], taken: set[str]) -> dict[str, Placement]:
+def _packed(
+    graph_weights: GraphWeights,
+    unplaced: dict[str, tuple[str, tuple[int, ...], str]],
+    shapes: dict[str, tuple[int, ...]],
+    taken: set[str],
+) -> dict[str, Placement]:
     """Linear weights found side by side, transposed, in the columns of a wider 2-D initializer.
 
     Each free initializer [in, N] is read left to right: at each column, a block as wide as one of
     the unplaced weights with that ``in`` must equal exactly one of them, or the walk stops there.
     """
-    from onnx import numpy_helper
-
     by_block: dict[tuple[str, tuple[int, ...], str], list[str]] = {}
-    for param, weight in unplaced.items():
-        by_block.setdefault(_content_key(weight.T.contiguous().numpy()), []).append(param)
+    for param, key in unplaced.items():
+        by_block.setdefault(key, []).append(param)
     widths: dict[int, set[int]] = {}  # in → the widths (out) of unplaced weights that take it
-    for weight in unplaced.values():
-        widths.setdefault(int(weight.shape[1]), set()).add(int(weight.shape[0]))
+    for param in unplaced:
+        widths.setdefault(shapes[param][1], set()).add(shapes[param][0])
     out: dict[str, Placement] = {}
-    for init in onnx_graph.load_graph(graph_path, with_weights=True).graph.initializer:
-        if len(init.dims) != 2 or init.name in taken or init.dims[0] not in widths:
+    for name, array in graph_weights():
+        if array.ndim != 2 or name in taken or array.shape[0] not in widths:
             continue
-        array, start = numpy_helper.to_array(init), 0
+        start = 0
         while start < array.shape[1]:
-            hits = [(w, by_block.get(_content_key(array[:, start : start + w]), [])) for w in widths[init.dims[0]]]
+            hits = [(w, by_block.get(_content_key(array[:, start : start + w]), [])) for w in widths[array.shape[0]]]
             match = next(((w, params[0]) for w, params in hits if len(params) == 1 and params[0] not in out), None)
             if match is None:
                 break
             width, param = match
-            out[param] = Placement(init.name, True, tuple(unplaced[param].shape), (start, start + width))
+            out[param] = Placement(name, True, shapes[param], (start, start + width))
             start += width
     return out
