@@ -254,6 +254,7 @@ def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
             f"{where / recorded['graph']}, and {problem}; make the graph and the engine again with the same "
             "`sdtrt compile` (or simplify, then `sdtrt build`), or build the engine without --strip-weights"
         )
+    source.mark_used()  # every load uses it: `gc --older-than` must not remove it from under a plan in use
     return source.primary
 
 
