@@ -275,8 +275,9 @@ def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, pl
     import tensorrt as trt
 
     failed = f"TensorRT could not refill the weights of {plan} (built with --strip-weights) from {graph}"
-    # createInferRefitter gives no refitter for an engine that is not refittable (NvInferRuntime.h), and pybind11
-    # turns a factory's nullptr into a bare TypeError (pyCore.cpp binds trt.Refitter through py::init(factory)).
+    # createInferRefitter gives no refitter for an engine that is not refittable ("Parameter check failed ...
+    # condition: e.isRefittable()", NVIDIA/TensorRT#2783), and pybind11 turns a factory's nullptr into a bare
+    # TypeError (pyCore.cpp binds trt.Refitter through py::init(factory)).
     if not engine.refittable:
         raise ArtifactError(f"{failed}: the plan is not refittable, so it cannot be stripped; rebuild the engine")
     refitter: trt.Refitter = trt.Refitter(engine, logger)
