@@ -129,6 +129,11 @@ class Artifact:
         """The artifact's main file (the .onnx, the .plan, …)."""
         return self.path / self.manifest["primary"]
 
+    def mark_used(self) -> None:
+        """Record a use now (the manifest's mtime), which `gc --older-than` reads; a read-only store keeps none."""
+        with contextlib.suppress(OSError):
+            os.utime(self.path / MANIFEST)
+
     def as_input(self) -> dict[str, Any]:
         return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path)}
 
@@ -344,8 +349,7 @@ class Store:
                     f"[yellow]![/] cached {request.stage} artifact {hit.path} is corrupt: {problems[0]}; rebuilding"
                 )
             return None
-        with contextlib.suppress(OSError):  # last use, for `gc --older-than`; a read-only store keeps none
-            os.utime(hit.path / MANIFEST)
+        hit.mark_used()
         console.print(f"[green]✓[/] {request.stage}: cached [dim]({hit.path})[/]")
         return hit
 

@@ -431,3 +431,15 @@ def test_a_stripped_weight_streaming_plan_runs_within_a_budget(tiny_simplified, 
         got = streamed.run(streamed.spec.case_inputs(case))["out_sample"].float()
         assert torch.allclose(got, expected, atol=2e-3, rtol=2e-3)
         streamed.close()
+
+
+def test_a_plan_recorded_as_stripped_that_is_not_refittable_is_refused_saying_so(tiny_simplified, trt_engine):
+    """refill_weights asks ICudaEngine.refittable first: trt.Refitter over a plan that is not refittable would be a
+    bare TypeError from pybind11 (a factory's nullptr), not a message saying to rebuild."""
+    from sdtrt.onnx_graph import artifact_spec
+    from sdtrt.runtime.tensorrt import TensorRTRuntime
+    from sdtrt.stages.build_trt import refill_record
+
+    manifest = trt_engine.manifest | {"weights": refill_record(tiny_simplified)}  # the full, non-refittable plan
+    with pytest.raises(ArtifactError, match="the plan is not refittable, so it cannot be stripped; rebuild"):
+        TensorRTRuntime(trt_engine.primary, artifact_spec(trt_engine), manifest)

@@ -720,3 +720,33 @@ def test_a_stripped_plan_finds_its_graph_from_any_working_directory(tiny_simplif
     monkeypatch.chdir(tmp_path / "elsewhere")
     found = refill_graph(manifest, tmp_path / "unet.plan")
     assert found is not None and found.resolve() == (tmp_path / "engines/simplify/graph" / graph.primary.name)
+
+
+def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_path):
+    """`cache gc --older-than` removes artifacts by last use: the graph a stripped plan refills from is used at every
+    load and at the build (`sdtrt build <simplify dir>` opens it by path, no cache hit marks it), so it must never
+    look older than the plan it keeps alive."""
+    import os
+    import shutil
+    import time
+
+    from sdtrt.store import MANIFEST, Artifact, Store
+
+    root = tmp_path / "engines"
+    folder = root / "simplify" / "graph"
+    shutil.copytree(tiny_simplified.path, folder)
+    graph = Artifact.open(folder)
+    ten_days_ago = time.time() - 10 * 86400
+
+    def is_kept_by_gc() -> bool:
+        return folder not in Store(root).gc(older_than_days=5, dry_run=True).removed
+
+    os.utime(folder / MANIFEST, (ten_days_ago, ten_days_ago))
+    assert not is_kept_by_gc()
+    with pytest.raises(MissingDependencyError):  # no TensorRT here: the graph is marked before any TensorRT work
+        build_trt.run(TrtBuildConfig(strip_weights=True), graph, Store(root))
+    assert is_kept_by_gc()
+
+    os.utime(folder / MANIFEST, (ten_days_ago, ten_days_ago))
+    assert refill_graph({"weights": build_trt.refill_record(graph)}, tmp_path / "unet.plan") == graph.primary
+    assert is_kept_by_gc()

@@ -254,6 +254,7 @@ def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
             f"{where / recorded['graph']}, and {problem}; make the graph and the engine again with the same "
             "`sdtrt compile` (or simplify, then `sdtrt build`), or build the engine without --strip-weights"
         )
+    source.mark_used()  # every load uses it: `gc --older-than` must not remove it from under a plan in use
     return source.primary
 
 
@@ -273,16 +274,27 @@ def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, pl
     """
     import tensorrt as trt
 
-    refitter: trt.Refitter = trt.Refitter(engine, logger)
-    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter, logger)
     failed = f"TensorRT could not refill the weights of {plan} (built with --strip-weights) from {graph}"
+    # createInferRefitter gives no refitter for an engine that is not refittable ("Parameter check failed ...
+    # condition: e.isRefittable()", NVIDIA/TensorRT#2783), and pybind11 turns a factory's nullptr into a bare
+    # TypeError (pyCore.cpp binds trt.Refitter through py::init(factory)).
+    if not engine.refittable:
+        raise ArtifactError(f"{failed}: the plan is not refittable, so it cannot be stripped; rebuild the engine")
+    refitter: trt.Refitter = trt.Refitter(engine, logger)
+    # The parser refitter owns the weights it reads (onnx-tensorrt ModelRefitter: convertOnnxWeights with
+    # ownAllWeights) and hands TensorRT pointers to them, which must stay valid until refit_cuda_engine returns
+    # (NvInferRuntime.h setNamedWeights): it lives to the end of this function, and the refitter keeps it alive
+    # (pyOnnx.cpp py::keep_alive<2, 1>). Both go when this returns, with their host copy of every weight.
+    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter, logger)
     if not parser.refit_from_file(str(graph)):
+        # Some onnx-tensorrt versions only log a failure (ONNXTRT_CATCH_LOG), leaving num_errors at 0.
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "see its messages above"
         raise ArtifactError(f"{failed}: {errors}; rebuild the engine from this graph")
-    if missing := refitter.get_missing_weights():  # names; "" for unnamed weights (pyCoreDoc.h get_missing_weights)
+    # Names; pyCoreDoc.h says "" for unnamed weights, but pybind11 casts a null char const* to None.
+    if missing := refitter.get_missing_weights():
         raise ArtifactError(
-            f"{failed}: {len(missing)} weights are still missing (first: '{missing[0]}'); rebuild the engine from this "
-            "graph"
+            f"{failed}: {len(missing)} weights are still missing (first: '{missing[0] or '<unnamed>'}'); rebuild the "
+            "engine from this graph"
         )
     if not refitter.refit_cuda_engine():
         raise ArtifactError(f"{failed}: refit_cuda_engine returned False; see the TensorRT messages above")

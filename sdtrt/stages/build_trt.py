@@ -35,6 +35,8 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
             f"whose file digests the load can check, and {source.primary} is outside the store; put it through "
             f"`sdtrt simplify {source.primary}` first, or build without --strip-weights"
         )
+    if config.strip_weights:  # the plan needs its graph at every load: `gc --older-than` must see it used now
+        source.mark_used()
     require_tensorrt()
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
