@@ -135,7 +135,7 @@ class Artifact:
             os.utime(self.path / MANIFEST)
 
     def as_input(self) -> dict[str, Any]:
-        return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path)}
+        return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path.resolve())}
 
     def lineage(self) -> list[Artifact]:
         """This artifact and the ones it was made from, newest first, back to the one made from a model."""

@@ -184,3 +184,18 @@ def test_find_by_path_key_or_stage_and_key(tmp_path):
         store.find("export/" + one.key[:8])
     with pytest.raises(ArtifactError, match="does not exist and is not an artifact key"):
         store.find("/no/such/folder")
+
+
+def test_lineage_of_a_relative_store_is_found_from_any_directory(tmp_path, monkeypatch):
+    """Artifacts made in ./engines record where their inputs are absolutely: a later command run elsewhere (a LoRA's
+    weight map, a stripped plan's graph) still finds them."""
+    monkeypatch.chdir(tmp_path)
+    store = Store("engines")
+    first, _ = store.produce(toy_request(), write_payload("one"))
+    second, _ = store.produce(StageRequest("toy", 1, ToyConfig(2), [first.as_input()], {}), write_payload("two"))
+    made = second.path.resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    chain = Artifact.open(made).lineage()
+    assert [a.key for a in chain] == [second.key, first.key]
