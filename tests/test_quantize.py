@@ -66,16 +66,23 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(which, tiny, 
     config = INT8 if which == "int8" else FP8
     spec = quantize.denoiser_graph_spec(tiny)
     feeds = spec.sample_inputs(2, 64, 64, seed=1)
-    network = quantize.quantized_denoiser(config, tiny).network
+    from sdtrt.models import load_unet
     from sdtrt.stages.export import graph_module
 
     with torch.no_grad():
-        fake_quant = graph_module(spec, network)(*feeds.values())
+        fp32 = graph_module(spec, load_unet(tiny))(*feeds.values())
+        fake_quant = graph_module(spec, quantize.quantized_denoiser(config, tiny).network)(*feeds.values())
+    quantization = tensor_stats(fake_quant, fp32)
     exact = tensor_stats(onnxruntime_output(artifact.primary, feeds, optimized=False), fake_quant)
     kernels = tensor_stats(onnxruntime_output(artifact.primary, feeds, optimized=True), fake_quant)
-    print(f"\n{which}: ORT (no optimizations) vs ModelOpt fake quant {exact}; ORT's 8-bit kernels {kernels}")
-    # Same scales, same rounding: only float summation order differs.
-    assert exact["finite"] and exact["cosine"] > 0.99999 and exact["max_abs"] < 1e-4
+    print(
+        f"\n{which}: ModelOpt fake quant vs fp32 {quantization}\nORT (no graph optimizations) vs fake quant {exact}"
+        f"\nORT (its 8-bit kernels) vs fake quant {kernels}"
+    )
+    # The same scales and rounding: what differs (summation order, a value on a rounding edge) is far below what
+    # quantization itself changes.
+    assert exact["finite"] and exact["cosine"] > 0.9999
+    assert exact["max_abs"] < 0.05 * quantization["max_abs"]
     assert kernels["finite"] and kernels["cosine"] > 0.99
 
 
@@ -85,7 +92,7 @@ def test_int8_qdq_nodes_match_the_level(int8):
     # Each quantized Conv/Linear has an input and a weight quantizer; nothing else is quantized at level 2.5.
     assert graph == Counter({name: 2 for name in details["quantized_layers"]})
     assert qdq_zero_point_types(int8.primary) == {onnx.TensorProto.INT8}
-    assert details["qdq"]["onnxruntime"] == {"DequantizeLinear:int8": 108, "QuantizeLinear:int8": 108}
+    assert details["qdq"]["onnxruntime"] == {"DequantizeLinear:INT8": 108, "QuantizeLinear:INT8": 108}
     assert int8.manifest["graphs"] == {"tensorrt": "unet.onnx", "onnxruntime": "unet.onnx"}
     linear = [n for n in graph if ".attentions." in n and n.rsplit(".", 1)[-1] != "proj_in"]
     # Level 2.5: feed-forward and Q/K/V projections, not the attention output projection.

@@ -103,6 +103,14 @@ def check_model(config: QuantizeConfig, model: ModelSource) -> None:
             f"level 4 quantizes attention in FP8, which needs head sizes that are multiples of 16, and "
             f"'{model.name}' has heads of {', '.join(map(str, sorted(set(odd))))}; use --level 3"
         )
+    if config.level == 4.0:
+        # ModelOpt exports its FP8 attention only from an fp16/bf16 module (export_onnx.py: "the qdqs must be in
+        # 16 bits"; mha_valid_precisions in plugins/diffusion/diffusers.py), and this stage calibrates and exports
+        # in fp32 on the CPU (measured on tiny-sd2, whose heads are 16 wide).
+        raise ConfigError(
+            "level 4's FP8 attention exports only from an fp16/bf16 UNet, and sdtrt quantizes in fp32 on the CPU; "
+            "use --level 3 (FP8 attention is not available yet)"
+        )
 
 
 def head_sizes(unet_config: dict[str, Any]) -> list[int]:
@@ -414,8 +422,8 @@ def standard_fp8_qdq(proto: onnx.ModelProto) -> int:
 
 
 def qdq_counts(path: Path) -> dict[str, int]:
-    """``op:dtype`` → count of a graph's quantize/dequantize nodes (the dtype from the zero point; ``trt::`` ops
-    are FP8)."""
+    """``op:TYPE`` → count of a graph's quantize/dequantize nodes, TYPE the zero point's (``INT8``,
+    ``FLOAT8E4M3FN``); ModelOpt's ``trt::`` FP8 ops count as ``trt::op:FLOAT8E4M3FN``."""
     import onnx
 
     graph = onnx_graph.load_graph(path).graph
@@ -423,10 +431,11 @@ def qdq_counts(path: Path) -> dict[str, int]:
     types |= {n.output[0]: n.attribute[0].t.data_type for n in graph.node if n.op_type == "Constant" and n.attribute}
     counts: Counter[str] = Counter()
     for node in graph.node:
-        if node.op_type in _QDQ and len(node.input) > 2:
-            counts[f"{node.op_type}:{onnx.helper.tensor_dtype_to_np_dtype(types[node.input[2]]).name}"] += 1
+        if node.op_type in _QDQ and node.domain == "":
+            zero_point = types.get(node.input[2]) if len(node.input) > 2 else None
+            counts[f"{node.op_type}:{onnx.TensorProto.DataType.Name(zero_point) if zero_point else 'UINT8'}"] += 1
         elif node.domain == "trt" and node.op_type in _TRT_FP8:
-            counts[f"trt::{node.op_type}:float8_e4m3fn"] += 1
+            counts[f"trt::{node.op_type}:FLOAT8E4M3FN"] += 1
     return dict(sorted(counts.items()))
 
 
