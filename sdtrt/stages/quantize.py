@@ -349,7 +349,8 @@ def fp8_scales_as_int8(network: torch.nn.Module) -> None:
 
     for module in network.modules():
         if isinstance(module, torch.nn.Linear | torch.nn.Conv2d) and hasattr(module, "input_quantizer"):
-            for quantizer in (module.input_quantizer, module.weight_quantizer):
+            quantizers: tuple[Any, ...] = (module.input_quantizer, module.weight_quantizer)
+            for quantizer in quantizers:
                 if quantizer.is_enabled and getattr(quantizer, "_amax", None) is not None:
                     quantizer._num_bits = 8
                     quantizer._amax = quantizer._amax * (127 / 448.0)
