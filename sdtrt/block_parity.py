@@ -199,6 +199,7 @@ def concrete_shapes(proto: onnx.ModelProto, input_shapes: dict[str, tuple[int, .
     """Every value's (elem type, shape) with the graph's inputs fixed to ``input_shapes``, by ONNX Runtime's symbolic
     shape inference on the weight-free graph. onnx's own ``infer_shapes`` loses dims at Reshapes fed by Shape
     arithmetic, and ORT's fails on Split with symbolic sizes: concrete sizes it resolves throughout."""
+    import onnx
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     fixed = copy.deepcopy(proto)
@@ -211,6 +212,13 @@ def concrete_shapes(proto: onnx.ModelProto, input_shapes: dict[str, tuple[int, .
     for value in fixed.graph.output:
         value.type.tensor_type.ClearField("shape")
     del fixed.graph.value_info[:]
+    # Weights become typed inputs: the inference then reads none of them (it would look for the external data
+    # relative to the working directory where it evaluates one, as SD3's positional embedding, a sliced buffer).
+    external = [i for i in fixed.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    fixed.graph.input.extend(onnx.helper.make_tensor_value_info(i.name, i.data_type, i.dims) for i in external)
+    kept = [i for i in fixed.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL]
+    del fixed.graph.initializer[:]
+    fixed.graph.initializer.extend(kept)
     try:
         inferred = SymbolicShapeInference.infer_shapes(fixed)
     except Exception as exc:  # it raises whatever its per-op code hits (TypeError, KeyError, …)
@@ -247,13 +255,12 @@ def check_graph(graph_path: Path, spec: GraphSpec, model: ModelSource) -> GraphC
     for size in ((batch, height, width, tokens), (batch + 1, width, height, tokens + 4)):
         shapes = spec.input_shapes(*size)
         inferred = concrete_shapes(proto, shapes)
-        want = spec.output_shapes(shapes)
-        for name, shape in want.items():
-            got = inferred.get(name, (0, ()))[1]
-            result.output_shapes[f"{name} at {size}"] = list(got)
-            if tuple(got) != tuple(shape):
+        for name, shape in spec.output_shapes(shapes).items():
+            inferred_shape = inferred.get(name, (0, ()))[1]
+            result.output_shapes[f"{name} at {size}"] = list(inferred_shape)
+            if tuple(inferred_shape) != tuple(shape):
                 result.failures.append(
-                    f"output {name} infers to {list(got)} for inputs {shapes}, expected {list(shape)}"
+                    f"output {name} infers to {list(inferred_shape)} for inputs {shapes}, expected {list(shape)}"
                 )
     folder = FOLDERS[spec.component]
     params = stored_tensors(model.component_dir(folder))
@@ -531,7 +538,7 @@ def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any
     for name, stored in params.items():
         if name.startswith(prefix):
             by_shard[stored.shard].append(name)
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     for shard, names in by_shard.items():
         with safe_open(str(shard), framework="pt") as f:
             state |= {n[len(prefix) :]: f.get_tensor(n).to(torch.float32) for n in names}
