@@ -101,7 +101,7 @@ def main() -> None:
     if args.child:
         state_file = Path(args.state)
         state = json.loads(state_file.read_text())
-        state_file.write_text(json.dumps(state | run_step(args.child, args, state)))
+        state_file.write_text(json.dumps(run_step(args.child, args, state)))
         return
 
     state: dict[str, Any] = {}
@@ -119,7 +119,7 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, state: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}.get(state.get("precision", {}).get("graph", ""), 0)
+    itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}.get(state.get("precision", ""), 0)
     weight_bytes = state.get("parameters", 0) * itemsize
     for row in rows:
         if weight_bytes and row.get("peak_rss_bytes"):
