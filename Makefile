@@ -56,6 +56,13 @@ lint: setup
 	$(VENV)/bin/ruff format --check sdtrt tests benchmarks
 	$(VENV)/bin/mypy sdtrt
 
+# Wall time and peak RSS of preset → export → simplify → weight map → block parity on a big network, each step in
+# its own process (benchmarks/big_export.py). Not part of `make test`.
+BIG_MODEL ?= flux-random
+.PHONY: bench-big
+bench-big: setup
+	$(VENV)/bin/python benchmarks/big_export.py --model $(BIG_MODEL)
+
 # The whole CPU chain on the tiny model: compile (ONNX Runtime target, validated once) → generate.
 demo: setup
 	@set -e; engine=$$($(VENV)/bin/sdtrt compile --model tiny --target onnxruntime --engines $(ENGINES)); \

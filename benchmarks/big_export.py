@@ -1,0 +1,156 @@
+"""Memory and time of the export chain on a big network: preset → export → simplify → weight map → block parity.
+
+Each step runs in its own child process, so its peak RSS (the child's ru_maxrss, from wait4) is its own; each
+uses the public stage function with its default config (the component's default precision and exporter), so
+what the stages do to stream weights shows here unchanged. Prints a table and JSON: wall time, peak RSS and
+peak / weight bytes (the component's parameters at the exported graph's precision) per step.
+
+    python benchmarks/big_export.py --model flux-random
+    python benchmarks/big_export.py --model sd35-large-random --json big-sd35.json
+    python benchmarks/big_export.py --model sdxl-random --component unet --exporter dynamo
+    python benchmarks/big_export.py --model tiny-flux --engines /tmp/big/engines --models /tmp/big/models
+
+Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
+artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STEPS = ("preset", "export", "simplify", "weight-map", "blocks")
+NEEDS = {"export": "preset", "simplify": "export", "weight-map": "simplify", "blocks": "export"}
+
+
+def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
+    """One step, in this (child) process; returns what later steps need and what to report."""
+    from sdtrt.models import resolve_model
+    from sdtrt.store import Artifact, Store
+
+    model = resolve_model(args.model)
+    component = args.component or model.denoiser_folder
+    store = Store(Path(args.engines))
+    if step == "preset":
+        from sdtrt.block_parity import stored_tensors
+        from sdtrt.spec import FOLDERS
+
+        tensors = stored_tensors(model.component_dir(FOLDERS[component]))
+        return {"model": str(model.path), "component": component, "parameters": sum(t.numel for t in tensors.values())}
+    if step == "export":
+        from sdtrt.config import ExportConfig
+        from sdtrt.stages import export
+
+        overrides = {k: v for k, v in (("precision", args.precision), ("exporter", args.exporter)) if v}
+        artifact = export.run(ExportConfig(component=component, **overrides), model, store)  # type: ignore[arg-type]
+        return {"export": str(artifact.path), "precision": artifact.manifest["io"]["precision"],
+                "exporter": artifact.manifest["details"]["exporter"]}  # fmt: skip
+    if step == "simplify":
+        from sdtrt.config import SimplifyConfig
+        from sdtrt.stages import simplify
+
+        artifact = simplify.run(SimplifyConfig(), Artifact.open(state["export"]), store)
+        return {"simplify": str(artifact.path), "method": artifact.manifest["details"]["method"]}
+    if step == "weight-map":
+        from sdtrt.stages import weight_map
+
+        mapped = weight_map.for_engine(Artifact.open(state["simplify"]), model, component)
+        return {"mapped": len(mapped.mapped), "unmapped": len(mapped.unmapped)}
+    from sdtrt.block_parity import check_blocks
+
+    report = check_blocks(model, Artifact.open(state["export"]))
+    return {"blocks": [row["block"] for row in report.blocks], "passed": bool(report), "failures": report.failures}
+
+
+def child(step: str, argv: list[str], state: dict[str, Any]) -> dict[str, Any]:
+    """Run ``step`` in a child process: its wall time, peak RSS (ru_maxrss of that child alone) and result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state_file = Path(tmp) / "state.json"
+        state_file.write_text(json.dumps(state))
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", step, "--state", str(state_file)])
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        code = os.waitstatus_to_exitcode(status)
+        result = json.loads(state_file.read_text()) if code == 0 else {}
+    out = {"step": step, "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024, "exit": code}
+    return out | ({"result": result} if code == 0 else {"error": f"exited {code} (its stderr above says why)"})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="flux-random, sd35-large-random, sdxl-random, any preset")
+    parser.add_argument("--component", default=None, help="default: the model's denoiser")
+    parser.add_argument("--precision", default=None, help="default: ExportConfig's")
+    parser.add_argument("--exporter", default=None, help="default: ExportConfig's (auto)")
+    parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
+    parser.add_argument("--models", default=os.environ.get("SDTRT_MODELS"), help="presets cache")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.models:
+        os.environ["SDTRT_MODELS"] = args.models
+    if args.child:
+        state_file = Path(args.state)
+        state = json.loads(state_file.read_text())
+        state_file.write_text(json.dumps(run_step(args.child, args, state)))
+        return
+
+    state: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    for step in STEPS:
+        failed = {r["step"] for r in rows if r["exit"] != 0}  # skipped ones too
+        if NEEDS.get(step) in failed:
+            rows.append({"step": step, "exit": None, "error": f"skipped: {NEEDS[step]} failed"})
+            continue
+        print(f"== {step}", file=sys.stderr, flush=True)
+        row = child(step, sys.argv[1:], state)
+        state |= row.get("result", {})
+        rows.append(row)
+    report(args, state, rows)
+
+
+def report(args: argparse.Namespace, state: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}.get(state.get("precision", ""), 0)
+    weight_bytes = state.get("parameters", 0) * itemsize
+    for row in rows:
+        if weight_bytes and row.get("peak_rss_bytes"):
+            row["peak_per_weight_bytes"] = round(row["peak_rss_bytes"] / weight_bytes, 2)
+    summary = {"model": args.model, "component": state.get("component"), "precision": state.get("precision"),
+               "exporter": state.get("exporter"), "parameters": state.get("parameters"), "weight_bytes": weight_bytes,
+               "steps": rows}  # fmt: skip
+    print(f"\n{args.model} {state.get('component')}: {state.get('parameters', 0) / 1e6:.1f} M parameters, "
+          f"{weight_bytes / 2**30:.2f} GiB at the graph's precision ({state.get('exporter')} exporter)")  # fmt: skip
+    print(f"{'step':<11} {'wall s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
+    for row in rows:
+        rss = f"{row['peak_rss_bytes'] / 2**30:.2f}" if "peak_rss_bytes" in row else "-"
+        ratio = f"{row['peak_per_weight_bytes']:.2f}" if "peak_per_weight_bytes" in row else "-"
+        wall = f"{row['wall_s']:.1f}" if "wall_s" in row else "-"
+        print(f"{row['step']:<11} {wall:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}")
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+def outcome(result: dict[str, Any]) -> str:
+    """What a step made, in a few words."""
+    if "passed" in result:
+        return ("PASS " if result["passed"] else "FAIL ") + ", ".join(result["blocks"])
+    if "method" in result:
+        return f"method {result['method']}"
+    if "mapped" in result:
+        return f"{result['mapped']} mapped, {result['unmapped']} unmapped"
+    return ", ".join(f"{k} {v}" for k, v in result.items() if k in ("export", "model"))
+
+
+if __name__ == "__main__":
+    main()

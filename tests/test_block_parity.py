@@ -1,0 +1,130 @@
+"""Parity by parts (sdtrt.block_parity): graph checks without weights, single blocks cut out of the exported graph
+and run on ONNX Runtime against the PyTorch block loaded alone, on tiny-flux and tiny-sd3 exports."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+
+from tests.helpers import last_line, run_cli
+
+DEFAULT_BLOCKS = {
+    "tiny-flux": ["transformer_blocks.0", "single_transformer_blocks.0"],  # one double-stream block: first is last
+    "tiny-sd3": ["transformer_blocks.0", "transformer_blocks.1"],
+}
+
+
+@pytest.fixture(scope="module")
+def transformer_export(store):
+    """(preset, precision) → the transformer's export artifact, today's export path with its default exporter."""
+    from sdtrt.config import ExportConfig
+    from sdtrt.models import resolve_model
+    from sdtrt.stages import export
+
+    made = {}
+
+    def get(preset: str, precision: str):
+        if (preset, precision) not in made:
+            config = ExportConfig(component="transformer", precision=precision)
+            made[preset, precision] = export.run(config, resolve_model(preset), store)
+        return made[preset, precision]
+
+    return get
+
+
+def with_external_data(artifact, folder: Path):
+    """A copy of an export artifact whose weights live in ``transformer.onnx.data``, as large exports are saved."""
+    from sdtrt.store import Artifact
+
+    copy = folder / "export"
+    shutil.copytree(artifact.path, copy)
+    graph = copy / artifact.primary.name
+    model = onnx.load(str(graph))
+    onnx.save_model(model, str(graph), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=graph.name + ".data", size_threshold=1024)  # fmt: skip
+    return Artifact.open(copy)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3"])
+def test_export_matches_the_model_by_parts(transformer_export, preset, precision):
+    from sdtrt.block_parity import check_blocks
+    from sdtrt.models import resolve_model
+
+    report = check_blocks(resolve_model(preset), transformer_export(preset, precision))
+
+    assert report, report.failures
+    params = report.checks["parameters"]
+    assert params["failures"] == [] and params["bytes_in_graph"] == params["bytes_expected"] > 0
+    # Every stored tensor is an initializer, or one of the small ones the exporter merged (equal norm weights).
+    assert params["initializers"] + params["merged_small"] == params["parameters"]
+    assert len(report.checks["output_shapes"]) == 2
+    assert [row["block"] for row in report.blocks] == DEFAULT_BLOCKS[preset]
+    for row in report.blocks:
+        assert row["outputs"], row  # each block has a result compared with PyTorch's
+        assert {"hidden_states", "encoder_hidden_states", "temb"} <= set(row["inputs"].values())
+        assert all(out["cosine"] >= (0.9999 if precision == "fp32" else 0.999) for out in row["outputs"])
+    if preset == "tiny-flux":  # the rotary pair, told apart by the op that made each
+        assert {"image_rotary_emb.0", "image_rotary_emb.1"} <= set(report.blocks[0]["inputs"].values())
+
+
+def test_blocks_are_streamed_from_external_data_and_a_corrupt_weight_fails(transformer_export, tmp_path):
+    from sdtrt.block_parity import check_blocks
+    from sdtrt.errors import ParityError
+    from sdtrt.models import resolve_model
+
+    model = resolve_model("tiny-flux")
+    artifact = with_external_data(transformer_export("tiny-flux", "fp32"), tmp_path)
+    assert check_blocks(model, artifact, graph_checks=False)
+
+    graph = onnx.load(str(artifact.primary), load_external_data=False).graph
+    weight = next(i for i in graph.initializer if i.name == "network.transformer_blocks.0.norm1.linear.weight")
+    entry = {e.key: e.value for e in weight.external_data}
+    with open(artifact.path / entry["location"], "r+b") as f:  # its first 64 values, negated
+        f.seek(int(entry["offset"]))
+        head = bytearray(f.read(256))
+        f.seek(int(entry["offset"]))
+        f.write(bytes(b ^ 0x80 if i % 4 == 3 else b for i, b in enumerate(head)))
+
+    report = check_blocks(model, artifact, graph_checks=False)
+
+    assert not report
+    assert all(f.startswith("transformer_blocks.0: ") for f in report.failures), report.failures
+    assert not next(r for r in report.blocks if r["block"] == "single_transformer_blocks.0")["failures"]
+    with pytest.raises(ParityError, match="does not match the model by parts"):
+        report.raise_for_status()
+
+
+def test_check_blocks_cli_exits_3_on_a_corrupt_block(transformer_export, tmp_path):
+    artifact = with_external_data(transformer_export("tiny-sd3", "fp16"), tmp_path)
+    result = run_cli("check-blocks", "--engine", str(artifact.path), "--model", "tiny-sd3", "--no-graph-checks",
+                     "--block", "transformer_blocks.1")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert last_line(result.stdout) == "parity: PASS"
+
+    graph = onnx.load(str(artifact.primary), load_external_data=False).graph
+    weight = next(i for i in graph.initializer if i.name == "network.transformer_blocks.1.norm1.linear.weight")
+    entry = {e.key: e.value for e in weight.external_data}
+    with open(artifact.path / entry["location"], "r+b") as f:
+        f.seek(int(entry["offset"]))
+        f.write(bytes(int(entry["length"])))  # zeros
+
+    result = run_cli("check-blocks", "--engine", str(artifact.path), "--model", "tiny-sd3", "--no-graph-checks",
+                     "--block", "transformer_blocks.1", "--json", str(tmp_path / "report.json"))  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    assert "transformer_blocks.1: output" in last_line(result.stderr)
+    assert (tmp_path / "report.json").is_file()
+
+
+def test_a_torchscript_graph_is_refused_with_what_to_do(store, tiny):
+    from sdtrt.block_parity import check_blocks
+    from sdtrt.config import ExportConfig
+    from sdtrt.errors import ArtifactError
+    from sdtrt.stages import export
+
+    artifact = export.run(ExportConfig(precision="fp32", exporter="torchscript"), tiny, store)
+    with pytest.raises(ArtifactError, match="--exporter dynamo"):
+        check_blocks(tiny, artifact, graph_checks=False)
