@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 # diffusers' default shard is 10 GB and transformers' 50 GB; both libraries' from_pretrained read a checkpoint
 # one whole shard at a time (safetensors' load_file copies it into memory), and so will a loader of single
 # blocks, so the shard is what loading costs on top of the model. 2 GB keeps that small on a 24 GB machine
-# shared by several processes, and the files stay few (a 24 GB Flux transformer is 12 shards).
+# shared by several processes, and the files stay few (a 24 GB Flux transformer is 13 shards).
 SHARD_SIZE = 2_000_000_000
 
 # safetensors' dtype names in the order of its Dtype enum (increasing alignment): its writer sorts tensors by
@@ -125,7 +125,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], seed: str) -
         for name in order:
             tensor = tensors[name]
             values = random_tensor(f"{seed}/{name}", tensor) if tensor.is_meta else tensor.contiguous()
-            f.write(memoryview(values.reshape(-1).view(torch.uint8).numpy()))
+            f.write(values.reshape(-1).view(torch.uint8).numpy().data)  # the bytes as they are, no copy
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
