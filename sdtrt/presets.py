@@ -7,6 +7,7 @@ head dims, conditioning sizes) at test size; ``*-random`` ones have the real arc
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import shutil
@@ -15,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .random_weights import SHARD_SIZE, empty_weights, save_random
+
 PRESET_SEED = 0
 
-PRESET_VERSION = 2
+PRESET_VERSION = 3  # 3: the multi-GB presets are written by streaming (other random values)
 
 
 def ensure_preset(name: str, cache_dir: Path) -> Path:
@@ -30,8 +33,12 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     try:
         from .progress import quiet_loading
 
+        recipe = PRESETS[name]
         with quiet_loading():
-            build(PRESETS[name]).save_pretrained(tmp, safe_serialization=True)
+            if recipe.streamed:
+                save_streamed(recipe, tmp)
+            else:
+                build(recipe).save_pretrained(tmp, safe_serialization=True)
         try:
             tmp.rename(dest)
         except OSError:  # another process finished first; theirs is identical
@@ -40,6 +47,21 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE) -> None:
+    """The folder ``build(recipe).save_pretrained(folder, safe_serialization=True, max_shard_size=…)`` writes,
+    its networks never in memory: each is built on the meta device and its random tensors streamed to disk
+    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them."""
+    import torch
+
+    pipeline = build(recipe, empty=True)
+    for name, component in pipeline.components.items():
+        if isinstance(component, torch.nn.Module):
+            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size)
+        elif component is not None:
+            component.save_pretrained(folder / name)
+    pipeline.save_config(folder)
 
 
 def _byte_level_tokenizer(folder: Path, max_length: int = 77) -> Any:
@@ -133,7 +155,8 @@ class Recipe:
     text_encoders: tuple[Network | None, ...]
     scheduler: tuple[str, dict[str, Any]] = ("PNDMScheduler", {})
     settings: dict[str, Any] = field(default_factory=dict)  # pipeline __init__ settings
-    half: bool = False  # build in fp16 (multi-GB architectures: half the memory and disk)
+    dtype: str = "float32"  # the networks' torch dtype (multi-GB architectures: fp16, or bf16 as their checkpoints)
+    streamed: bool = False  # networks written by streaming random tensors (random_weights.py), never built whole
     controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
 
     @property
@@ -154,7 +177,8 @@ def t5(config: dict[str, Any], **overrides: Any) -> Network:
     return ("T5EncoderModel", config | overrides)
 
 
-def build(recipe: Recipe) -> Any:
+def build(recipe: Recipe, empty: bool = False) -> Any:
+    """The recipe's pipeline, its networks with random weights; ``empty``: their parameters on the meta device."""
     import diffusers
     import torch
 
@@ -162,21 +186,10 @@ def build(recipe: Recipe) -> Any:
 
     torch.manual_seed(PRESET_SEED)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16 if recipe.half else torch.float32)
+    torch.set_default_dtype(getattr(torch, recipe.dtype))
     try:
-        denoiser_class, denoiser_kwargs = recipe.denoiser
-        parts: dict[str, Any] = {
-            recipe.denoiser_folder: getattr(diffusers, denoiser_class)(**denoiser_kwargs),
-            "vae": diffusers.AutoencoderKL(**recipe.vae),
-        }
-        with tempfile.TemporaryDirectory() as tok_dir:
-            tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
-        for i, network in enumerate(recipe.text_encoders):
-            suffix = f"_{i + 1}" if i else ""
-            encoder, tokenizer = _text_encoder(network, tokenizers)
-            parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
-        if recipe.controlnet is not None:
-            parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
+        with empty_weights() if empty else contextlib.nullcontext():
+            parts = _networks(recipe)
     finally:
         torch.set_default_dtype(previous)
     scheduler_class, scheduler_kwargs = recipe.scheduler
@@ -190,6 +203,26 @@ def build(recipe: Recipe) -> Any:
     optional = {"safety_checker": None, "feature_extractor": None, "image_encoder": None,
                 "requires_safety_checker": False}  # fmt: skip
     return pipeline_class(**accepted(pipeline_class, optional | parts | {"scheduler": scheduler} | recipe.settings))
+
+
+def _networks(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's networks and tokenizers by pipeline component name."""
+    import diffusers
+
+    denoiser_class, denoiser_kwargs = recipe.denoiser
+    parts: dict[str, Any] = {
+        recipe.denoiser_folder: getattr(diffusers, denoiser_class)(**denoiser_kwargs),
+        "vae": diffusers.AutoencoderKL(**recipe.vae),
+    }
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
+    for i, network in enumerate(recipe.text_encoders):
+        suffix = f"_{i + 1}" if i else ""
+        encoder, tokenizer = _text_encoder(network, tokenizers)
+        parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
+    if recipe.controlnet is not None:
+        parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
+    return parts
 
 
 def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[Any, Any]:
@@ -351,7 +384,7 @@ PRESETS: dict[str, Recipe] = {
         (clip(OPENCLIP_H),),
         scheduler=SD2_DDIM_V,
     ),
-    # SDXL base 1.0 (UNet 2.6 B parameters): CLIP-L + OpenCLIP-bigG, built in fp16.
+    # SDXL base 1.0 (UNet 2.6 B parameters): CLIP-L + OpenCLIP-bigG, written in fp16 by streaming.
     "sdxl-random": Recipe(
         "StableDiffusionXLPipeline",
         unet(
@@ -370,13 +403,14 @@ PRESETS: dict[str, Recipe] = {
         dict(SD_VAE, sample_size=1024, scaling_factor=0.13025),
         (clip(CLIP_L), clip(OPENCLIP_BIGG, projection=True)),
         scheduler=SDXL_EULER,
-        half=True,
+        dtype="float16",
+        streamed=True,
     ),
     # SD3.5 Medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json): MMDiT-X, 24 layers of
     # 24 × 64 heads, dual attention in layers 0-12, qk RMS-norm; 2.24 B parameters plus a 0.23 B positional
     # embedding buffer (384² × 1536) = 2.47 B in the state dict, the real 4.94 GB bf16 file. CLIP-L and
     # OpenCLIP-bigG whole; T5-XXL at full width but 2 of its 24 layers (this preset is about the transformer;
-    # the whole T5 would add 9 GB). Built in fp16.
+    # the whole T5 would add 9 GB). Written in fp16 by streaming.
     "sd35-medium-random": Recipe(
         "StableDiffusion3Pipeline",
         ("SD3Transformer2DModel", dict(
@@ -387,7 +421,41 @@ PRESETS: dict[str, Recipe] = {
         dict(SD_VAE, sample_size=1024, **SD3_VAE),
         (clip(CLIP_L, projection=True), clip(OPENCLIP_BIGG, projection=True), t5(T5_XXL, num_layers=2)),
         scheduler=SD3_FLOW,
-        half=True,
+        dtype="float16",
+        streamed=True,
+    ),
+    # FLUX.1 dev (black-forest-labs/FLUX.1-dev transformer/config.json): 19 double-stream + 38 single-stream blocks,
+    # 24 heads × 128 = 3072 wide, T5 width 4096, pooled CLIP 768, guidance embedding, rotary axes (16, 56, 56):
+    # 11.9 B parameters, 23.8 GB in bf16 as the real checkpoint. CLIP-L (pooled), the whole T5-XXL encoder
+    # (google/t5-v1_1-xxl, 4.76 B), Flux's VAE (vae/config.json: SD's layout, 16 latent channels). ~34 GB on disk.
+    "flux-random": Recipe(
+        "FluxPipeline",
+        ("FluxTransformer2DModel", dict(
+            patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        )),
+        dict(SD_VAE, sample_size=1024, **FLUX_VAE),
+        (clip(CLIP_L), t5(T5_XXL)),
+        scheduler=FLUX_DEV_FLOW,
+        dtype="bfloat16",
+        streamed=True,
+    ),
+    # SD3.5 Large (stabilityai/stable-diffusion-3.5-large transformer/config.json): MMDiT, 38 layers of 38 × 64
+    # heads (2432 wide), no dual attention, qk RMS-norm, positional grid 192²: 8.1 B parameters. CLIP-L,
+    # OpenCLIP-bigG, the whole T5-XXL; bf16 as the real checkpoint.
+    "sd35-large-random": Recipe(
+        "StableDiffusion3Pipeline",
+        ("SD3Transformer2DModel", dict(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64,
+            num_attention_heads=38, caption_projection_dim=2432, joint_attention_dim=4096, pooled_projection_dim=2048,
+            pos_embed_max_size=192, qk_norm="rms_norm",
+        )),
+        dict(SD_VAE, sample_size=1024, **SD3_VAE),
+        (clip(CLIP_L, projection=True), clip(OPENCLIP_BIGG, projection=True), t5(T5_XXL)),
+        scheduler=SD3_FLOW,
+        dtype="bfloat16",
+        streamed=True,
     ),
 }
 # fmt: on

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core contracts and store", ("sdtrt", "sdtrt.errors", "sdtrt.config", "sdtrt.families", "sdtrt.spec",
                                   "sdtrt.progress", "sdtrt.gpu", "sdtrt.store", "sdtrt.onnx_graph",
                                   "sdtrt.graph_weights")),
-    ("model sources", ("sdtrt.presets", "sdtrt.models")),
+    ("model sources", ("sdtrt.presets", "sdtrt.models", "sdtrt.random_weights")),
     ("runtimes", ("sdtrt.runtime",)),
     ("stages", ("sdtrt.patches", "sdtrt.stages", "sdtrt.trt_build_worker")),
     ("LoRA", ("sdtrt.lora_files", "sdtrt.lora")),
