@@ -18,8 +18,8 @@ from typing import Any
 
 from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError
-from ..gpu import gpu_environment, require_tensorrt, tensorrt_version
-from ..onnx_graph import artifact_spec
+from ..gpu import gpu_environment, require_quantization_support, require_tensorrt, tensorrt_version
+from ..onnx_graph import artifact_spec, quantization, tensorrt_graph
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
 
@@ -30,6 +30,8 @@ LOG_NAME = "build.log"
 
 def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     require_tensorrt()
+    if precision := quantization(source):  # before any work: an FP8 plan on an Ampere GPU cannot be built
+        require_quantization_support(precision)
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
@@ -53,23 +55,25 @@ def parameter_count(graph: Path) -> int:
 
 def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, str]:
     """The settings as built: TF32 by the graph's precision, the optimization level (unless asked) by the number of
-    parameters in its ONNX weights; and why that level."""
+    parameters in its ONNX weights and whether it is quantized; and why that level."""
     tf32 = config.tf32_for(artifact_spec(source).precision)
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
-    level, reason = default_optimization_level(parameter_count(source.primary))
+    level, reason = default_optimization_level(parameter_count(tensorrt_graph(source)), quantization(source))
     return replace(config, tf32=tf32, optimization_level=level), reason
 
 
 def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, device: int = 0) -> dict[str, Any]:
     """The JSON the child process gets: paths, settings, per-input (min, opt, max) shapes and the CUDA device
-    whose GPU the manifest records (the current one here; the child would otherwise build on device 0)."""
+    whose GPU the manifest records (the current one here; the child would otherwise build on device 0), and for a
+    Q/DQ graph its 8-bit format, which the child checks the parsed network for."""
     spec = artifact_spec(source)
     config, _ = resolved(config, source)
     plan = f"{spec.component}.plan"
     workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
     return {
-        "onnx": str(source.primary),
+        "onnx": str(tensorrt_graph(source)),
+        "quantization": quantization(source),
         "plan": str(out_dir / plan),
         "result": str(out_dir / "result.json"),
         "profiles": [
@@ -135,6 +139,7 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
     result = json.loads((out_dir / "result.json").read_text())
     (out_dir / "result.json").unlink()
     spec = artifact_spec(source)
+    quantized = {"quantization": {"format": request["quantization"], "quantize_layers": result["quantize_layers"]}}
     return {
         "primary": Path(request["plan"]).name,
         "io": spec.to_json(),
@@ -145,9 +150,10 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
         "details": {
             "tensorrt": result["tensorrt"],
             "network_layers": result["layers"],
-            "parameters": parameter_count(source.primary),
+            "parameters": parameter_count(Path(request["onnx"])),
             "optimization_level": {"level": config.optimization_level, "why": level_reason},
             "worker_request": request,
-        },
+        }
+        | (quantized if request["quantization"] else {}),
         "reproduce": reproduce_command(config, source.path),
     }
