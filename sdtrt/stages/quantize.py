@@ -1,0 +1,423 @@
+"""Quantize stage: the denoiser → INT8 or FP8 Q/DQ ONNX graphs with NVIDIA ModelOpt.
+
+The UNet is quantized by ``mtq.quantize(unet, config, forward_loop)`` with ModelOpt's diffusers presets
+(``configs/ptq/presets/diffusers/int8|fp8``; SmoothQuant from ``mtq.INT8_SMOOTHQUANT_CFG``), calibrated by replaying
+the inputs it saw while the fp32 pipeline denoised the calibration prompts (stages/calibration.py). The layers
+NVIDIA keeps in high precision are never quantized, and the level picks the Linear layers (NVIDIA's
+``quantize_lvl`` in TensorRT demo/Diffusion and ModelOpt's examples/diffusers/quantization/utils.py).
+
+Two graphs, because one cannot do both jobs (the manifest's ``graphs`` says which file is which):
+
+- ``tensorrt``: exported as ModelOpt's diffusers example exports it (onnx_utils/export.py ``modelopt_export_sd``:
+  TorchScript exporter, opset 20; for FP8 ``generate_fp8_scales`` then ``convert_zp_fp8``), its ``trt::`` FP8 ops
+  kept for TensorRT.
+- ``onnxruntime`` (the artifact's primary): the same graph with every ``trt::TRT_FP8QuantizeLinear`` /
+  ``TRT_FP8DequantizeLinear`` rewritten to standard QuantizeLinear/DequantizeLinear (float8e4m3fn zero point,
+  ``saturate=1``), which ONNX Runtime's CPU provider runs: CPU validation checks the scales TensorRT will use.
+
+INT8 graphs have no ``trt::`` op: one file serves both. The graph is fp32 outside its Q/DQ pairs (calibration
+and export run in fp32 on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import sys
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import onnx_graph
+from ..config import QUANT_LEVELS, ExportConfig, QuantizeConfig
+from ..errors import ArtifactError, ConfigError, ExportError, one_line
+from ..models import ModelSource
+from ..progress import step
+from ..spec import FOLDERS, GraphSpec, denoiser_component
+from ..store import Artifact, StageRequest, Store, digest, environment
+from . import calibration, export
+
+if TYPE_CHECKING:
+    import onnx
+    import torch
+
+STAGE = "quantize"
+VERSION = 1
+# ModelOpt's diffusers example exports with opset 20; FP8 QuantizeLinear needs 19 or later.
+OPSET = 20
+# The layers NVIDIA keeps in high precision: TensorRT demo/Diffusion's filter_func (proj_out included for UNets)
+# and ModelOpt's filter_func_default / filter_func_flux_dev (Flux's context_embedder, x_embedder, norm_out).
+ALWAYS_KEPT = re.compile(
+    r".*(time_emb_proj|time_embedding|conv_in|conv_out|conv_shortcut|add_embedding|pos_embed|time_text_embed"
+    r"|context_embedder|x_embedder|norm_out|proj_out).*"
+)
+ATTENTION_QUANTIZERS = ("q_bmm_quantizer", "k_bmm_quantizer", "v_bmm_quantizer", "softmax_quantizer")
+GRAPH = "unet.onnx"
+TRT_GRAPH = "unet.trt.onnx"
+FP8_ZERO_POINT = "sdtrt_fp8_zero_point"
+
+
+def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
+    """The quantized denoiser's graphs for ``model`` (a cache hit for the same model, config and calibration set)."""
+    check_model(config, model)
+    spec = denoiser_graph_spec(model)
+    request = StageRequest(
+        stage=STAGE,
+        version=VERSION,
+        config=config,
+        inputs=[
+            {"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()},
+            {"kind": "graph", "digest": digest(spec.to_json())},
+            {"kind": "calibration", "digest": digest(config.calibration_set())},
+        ],
+        environment=environment("torch", "diffusers", "onnx", "nvidia-modelopt"),
+    )
+    artifact, _ = store.produce(request, lambda out_dir: _quantize(config, model, spec, out_dir))
+    return artifact
+
+
+def denoiser_graph_spec(model: ModelSource) -> GraphSpec:
+    """The quantized graph's contract: the denoiser's, fp32 outside the Q/DQ pairs."""
+    return export.spec_for(model, ExportConfig(precision="fp32", component=denoiser_component(model)))
+
+
+def check_model(config: QuantizeConfig, model: ModelSource) -> None:
+    """ConfigError, from the model's configs alone (nothing loaded), when this model cannot be quantized so."""
+    if denoiser_component(model) != "unet":
+        raise ConfigError(
+            f"quantization covers UNet denoisers for now, and '{model.name}' has a transformer; "
+            "compile it with --precision fp16 or bf16"
+        )
+    if config.level == 4.0 and (odd := [size for size in head_sizes(model.unet_config()) if size % 16]):
+        raise ConfigError(
+            f"level 4 quantizes attention in FP8, which needs head sizes that are multiples of 16, and "
+            f"'{model.name}' has heads of {', '.join(map(str, sorted(set(odd))))}; use --level 3"
+        )
+
+
+def head_sizes(unet_config: dict[str, Any]) -> list[int]:
+    """The attention head size of each UNet block (diffusers: channels // heads, the heads being
+    ``num_attention_heads`` or, as SD 1.x/2.x configs spell it, ``attention_head_dim``)."""
+    channels = unet_config["block_out_channels"]
+    heads = unet_config.get("num_attention_heads") or unet_config["attention_head_dim"]
+    heads = heads if isinstance(heads, list | tuple) else [heads] * len(channels)
+    return [c // h for c, h in zip(channels, heads, strict=True)]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which Linear/Conv (and LayerNorm) modules are quantized, and why each other one is kept in high precision."""
+
+    quantized: tuple[str, ...]
+    kept: dict[str, str]  # module name → reason
+
+    def disabled_entries(self) -> list[dict[str, Any]]:
+        """ModelOpt quant_cfg entries switching the kept modules' quantizers off."""
+        return [{"quantizer_name": f"{name}.*", "enable": False} for name in self.kept]
+
+
+def plan_layers(network: torch.nn.Module, config: QuantizeConfig) -> LayerPlan:
+    """The layer selection for ``config``: NVIDIA's always-kept layers, the level's Linear layers, the user's list.
+
+    ConfigError when ``keep_high_precision`` names a module the network does not have.
+    """
+    import torch
+
+    names = {name for name, _ in network.named_modules()}
+    if unknown := [name for name in config.keep_high_precision if name not in names]:
+        raise ConfigError(
+            f"keep_high_precision names {', '.join(unknown[:3])}, which the denoiser does not have; "
+            "use module names such as down_blocks.0.attentions.0.proj_in"
+        )
+    quantized, kept = [], {}
+    for name, module in network.named_modules():
+        if not isinstance(module, torch.nn.Linear | torch.nn.Conv2d | torch.nn.LayerNorm):
+            continue
+        why = _kept_because(name, module, config)
+        if why is None:
+            quantized.append(name)
+        else:
+            kept[name] = why
+    return LayerPlan(tuple(quantized), kept)
+
+
+def _kept_because(name: str, module: torch.nn.Module, config: QuantizeConfig) -> str | None:
+    import torch
+
+    if any(name == kept or name.startswith(kept + ".") for kept in config.keep_high_precision):
+        return "asked (keep_high_precision)"
+    if ALWAYS_KEPT.match(name):
+        return "kept by NVIDIA (embeddings, first/last and shortcut convolutions, proj_out)"
+    level = config.level
+    if isinstance(module, torch.nn.LayerNorm):
+        # ModelOpt quantizes LayerNorms for FP8 attention fusion (nn/modules/quant_layernorm.py): level 4's.
+        return None if level >= 4 else f"level {level:g}: LayerNorms are quantized with attention (level 4)"
+    if isinstance(module, torch.nn.Linear):
+        selected = (
+            (level >= 2 and "ff.net" in name)
+            or (level >= 2.5 and re.search(r"\.to_[qkv]$", name) is not None)
+            or level >= 3
+        )
+        return None if selected else f"level {level:g}: {QUANT_LEVELS[level]}"
+    return None  # convolutions: every level
+
+
+def modelopt_config(config: QuantizeConfig, plan: LayerPlan, network: torch.nn.Module) -> dict[str, Any]:
+    """ModelOpt's diffusers preset for the precision, with the plan's kept layers and the level's attention."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.quantization.config import _load_quantize_config_dict
+
+    if config.algorithm == "smoothquant":
+        base = mtq.INT8_SMOOTHQUANT_CFG
+    else:  # examples/diffusers/quantization/config.py loads the same presets
+        base = _load_quantize_config_dict(f"configs/ptq/presets/diffusers/{config.precision}")
+    quant = copy.deepcopy(base)
+    # fp32 model: ModelOpt's default "Half" asserts on fp32 inputs (the example's set_quant_config_attr sets it).
+    for entry in quant["quant_cfg"]:
+        cfg = entry.get("cfg")
+        if isinstance(cfg, dict) and "num_bits" in cfg:
+            cfg["trt_high_precision_dtype"] = "Float"
+    quant["quant_cfg"] += plan.disabled_entries()
+    attention = attention_modules(network)
+    quantized_attention = {n for n, size in attention.items() if config.level >= 4 and size % 16 == 0}
+    for name in attention:
+        if name not in quantized_attention:
+            quant["quant_cfg"] += [{"quantizer_name": f"{name}.{q}", "enable": False} for q in ATTENTION_QUANTIZERS]
+            quant["quant_cfg"].append({"quantizer_name": f"{name}.bmm2_output_quantizer", "enable": False})
+    if quantized_attention:  # the example's --quantize-mha
+        quant["quant_cfg"].append({"quantizer_name": "*[qkv]_bmm_quantizer", "cfg": {"num_bits": (4, 3), "axis": None}})
+    return quant
+
+
+def attention_modules(network: torch.nn.Module) -> dict[str, int]:
+    """diffusers Attention modules → head size (inner_dim // heads, as ModelOpt's check_conv_and_mha computes it)."""
+    from diffusers.models.attention_processor import Attention
+
+    return {n: m.inner_dim // m.heads for n, m in network.named_modules() if isinstance(m, Attention)}
+
+
+@dataclass
+class QuantizedDenoiser:
+    """ModelOpt's fake-quantized PyTorch denoiser, and how it was made."""
+
+    network: torch.nn.Module
+    plan: LayerPlan
+    calibration_calls: int
+    timings: dict[str, float]
+
+
+def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedDenoiser:
+    """The model's UNet quantized with ModelOpt (fake quantization, in PyTorch), calibrated on its pipeline."""
+    import modelopt.torch.quantization as mtq
+
+    check_model(config, model)
+    timings = {}
+    started = time.perf_counter()
+    with step(f"Loading the fp32 pipeline of {model.name}"):
+        pipe = calibration.load_reference_pipeline(model)
+        network = pipe.unet.eval()
+        plan = plan_layers(network, config)
+    with step(
+        f"Recording calibration inputs ({len(config.calibration_prompts)} prompts × {config.calibration_steps} steps)"
+    ):
+        recorded = calibration.record(pipe, network, config)
+    del pipe
+    timings["calibration_inputs_s"] = round(time.perf_counter() - started, 3)
+    started = time.perf_counter()
+    quant = modelopt_config(config, plan, network)
+    with step(f"Quantizing with ModelOpt ({config.precision}, level {config.level:g}, {config.algorithm})"):
+        with _quiet():
+            mtq.quantize(network, quant, recorded.replay)
+        for name, module in network.named_modules():
+            if name in attention_modules(network):
+                # ModelOpt's FP8 attention export reads this flag (utils.py check_conv_and_mha sets it).
+                module._disable_fp8_mha = not (config.level >= 4 and attention_modules(network)[name] % 16 == 0)
+    timings["quantize_s"] = round(time.perf_counter() - started, 3)
+    return QuantizedDenoiser(network.eval(), plan, len(recorded.calls), timings)
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """ModelOpt prints per-quantizer notices and warns about untested versions: progress lines say what runs."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
+    quantized = quantized_denoiser(config, model)
+    timings = dict(quantized.timings)
+    started = time.perf_counter()
+    raw_dir = out_dir / "raw"
+    raw_dir.mkdir()
+    if config.precision == "fp8":
+        fp8_scales_as_int8(quantized.network)
+    with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
+        _export(quantized.network, spec, raw_dir / GRAPH)
+    timings["export_s"] = round(time.perf_counter() - started, 3)
+    del quantized.network
+
+    started = time.perf_counter()
+    with step("Writing the TensorRT and ONNX Runtime graphs"):
+        proto = onnx_graph.load_graph(raw_dir / GRAPH, with_weights=True)
+        onnx_graph.name_dynamic_axes(proto, spec)
+        weight_bytes = onnx_graph.weights_on_disk(raw_dir)
+        graphs = {"tensorrt": GRAPH, "onnxruntime": GRAPH}
+        if config.precision == "fp8":
+            proto = convert_zp_fp8(_cleaned(proto))
+            onnx_graph.save(proto, out_dir / TRT_GRAPH, weight_bytes)
+            standard_fp8_qdq(proto)
+            graphs["tensorrt"] = TRT_GRAPH
+        onnx_graph.save(proto, out_dir / GRAPH, weight_bytes)
+        del proto
+        for leftover in raw_dir.iterdir():
+            leftover.unlink()
+        raw_dir.rmdir()
+        for name in set(graphs.values()):
+            onnx_graph.check(out_dir / name)
+    timings["finalize_s"] = round(time.perf_counter() - started, 3)
+    plan = quantized.plan
+    return {
+        "primary": GRAPH,
+        "family": model.family(),
+        "io": spec.to_json(),
+        "precision": {"graph": "fp32", "quantized": config.precision, "why": "fp32 outside the Q/DQ pairs"},
+        "graphs": graphs,
+        "graphs_why": {
+            "tensorrt": "as ModelOpt's diffusers example exports it; trt:: FP8 ops kept (TensorRT reads them)",
+            "onnxruntime": "standard ONNX Q/DQ only (trt:: FP8 ops rewritten), which ONNX Runtime's CPU provider runs",
+        },
+        "timings": timings,
+        "details": {
+            "level": config.level,
+            "level_quantizes": QUANT_LEVELS[config.level],
+            "algorithm": config.algorithm,
+            "quantized_layers": list(plan.quantized),
+            "kept_high_precision": plan.kept,
+            "calibration": config.calibration_set()
+            | {"denoiser_calls": quantized.calibration_calls, "digest": digest(config.calibration_set())},
+            "qdq": {role: qdq_counts(out_dir / name) for role, name in graphs.items()},
+            "opset": OPSET,
+        },
+        "reproduce": (
+            f"sdtrt quantize --model {model.name} --precision {config.precision} --level {config.level:g} "
+            f"--calibration-steps {config.calibration_steps}"
+        ),
+    }
+
+
+def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
+    """ModelOpt's fake-quant modules export their Q/DQ through the TorchScript exporter only (torch.export fails
+    on them as shipped)."""
+    import torch
+
+    from ..patches import export_patches
+
+    module = export.graph_module(spec, network)
+    config = ExportConfig(precision="fp32", opset=OPSET, exporter="torchscript", component=spec.component)
+    with export_patches(), torch.no_grad(), _quiet():
+        try:
+            export._torch_export(module, spec, config, "torchscript", path, torch.float32)
+        except Exception as exc:
+            raise ExportError(f"exporting the quantized {spec.label} failed: {one_line(exc)}") from exc
+
+
+def fp8_scales_as_int8(network: torch.nn.Module) -> None:
+    """ModelOpt's diffusers example's ``generate_fp8_scales``: the FP8 Linear/Conv quantizers export as INT8 Q/DQ
+    whose scale is the FP8 one (amax·127/448 over 127 = amax/448); ``convert_zp_fp8`` then makes them FP8 Q/DQ.
+    Changes the module in place: only for export."""
+    import torch
+
+    for module in network.modules():
+        if isinstance(module, torch.nn.Linear | torch.nn.Conv2d) and hasattr(module, "input_quantizer"):
+            for quantizer in (module.input_quantizer, module.weight_quantizer):
+                if quantizer.is_enabled and getattr(quantizer, "_amax", None) is not None:
+                    quantizer._num_bits = 8
+                    quantizer._amax = quantizer._amax * (127 / 448.0)
+
+
+def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(proto)
+    graph.cleanup().toposort()
+    return gs.export_onnx(graph)
+
+
+def convert_zp_fp8(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """ModelOpt's example's ``convert_zp_fp8``: the zero points of QuantizeLinear (and their DequantizeLinear)
+    retyped from INT8 to FLOAT8E4M3FN; a zero is a zero in both, so only the type changes."""
+    import onnx
+
+    zero_points = {n.input[2] for n in proto.graph.node if n.op_type in _QDQ and len(n.input) > 2}
+    for node in proto.graph.node:
+        if node.op_type == "Constant" and node.output[0] in zero_points:
+            node.attribute[0].t.data_type = onnx.TensorProto.FLOAT8E4M3FN
+    for initializer in proto.graph.initializer:
+        if initializer.name in zero_points:
+            initializer.data_type = onnx.TensorProto.FLOAT8E4M3FN
+    return proto
+
+
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+_TRT_FP8 = {"TRT_FP8QuantizeLinear": "QuantizeLinear", "TRT_FP8DequantizeLinear": "DequantizeLinear"}
+
+
+def standard_fp8_qdq(proto: onnx.ModelProto) -> int:
+    """Rewrite ModelOpt's ``trt::TRT_FP8QuantizeLinear``/``TRT_FP8DequantizeLinear`` to standard ONNX Q/DQ with a
+    float8e4m3fn zero point (``saturate=1``, as TensorRT saturates), in place; returns how many were rewritten."""
+    import onnx
+
+    rewritten = set()
+    for node in proto.graph.node:
+        if node.domain == "trt" and node.op_type in _TRT_FP8:
+            node.domain = ""
+            node.op_type = _TRT_FP8[node.op_type]
+            node.input.append(FP8_ZERO_POINT)
+            if node.op_type == "QuantizeLinear":
+                node.attribute.append(onnx.helper.make_attribute("saturate", 1))
+            rewritten.update(node.output)
+    if rewritten:
+        zero = onnx.helper.make_tensor(FP8_ZERO_POINT, onnx.TensorProto.FLOAT8E4M3FN, [], [0])
+        proto.graph.initializer.append(zero)
+        # The exporter typed the trt:: quantize outputs uint8; shape inference retypes them from the zero point.
+        kept = [v for v in proto.graph.value_info if v.name not in rewritten]
+        del proto.graph.value_info[:]
+        proto.graph.value_info.extend(kept)
+    if not any(node.domain == "trt" for node in proto.graph.node):
+        imports = [o for o in proto.opset_import if o.domain != "trt"]
+        del proto.opset_import[:]
+        proto.opset_import.extend(imports)
+    return len(rewritten)
+
+
+def qdq_counts(path: Path) -> dict[str, int]:
+    """``op:dtype`` → count of a graph's quantize/dequantize nodes (the dtype from the zero point; ``trt::`` ops
+    are FP8)."""
+    import onnx
+
+    graph = onnx_graph.load_graph(path).graph
+    types = {i.name: i.data_type for i in graph.initializer}
+    types |= {n.output[0]: n.attribute[0].t.data_type for n in graph.node if n.op_type == "Constant" and n.attribute}
+    counts: Counter[str] = Counter()
+    for node in graph.node:
+        if node.op_type in _QDQ and len(node.input) > 2:
+            counts[f"{node.op_type}:{onnx.helper.tensor_dtype_to_np_dtype(types[node.input[2]]).name}"] += 1
+        elif node.domain == "trt" and node.op_type in _TRT_FP8:
+            counts[f"trt::{node.op_type}:float8_e4m3fn"] += 1
+    return dict(sorted(counts.items()))
+
+
+def tensorrt_graph(artifact: Artifact) -> Path:
+    """The graph TensorRT must build for an artifact made from a quantize artifact (itself, or a later stage
+    whose lineage holds one); for other artifacts, their primary graph. The hook for `build` on TensorRT."""
+    for ancestor in artifact.lineage():
+        if ancestor.stage == STAGE:
+            return ancestor.path / ancestor.manifest["graphs"]["tensorrt"]
+    if artifact.primary.suffix != ".onnx":
+        raise ArtifactError(f"{artifact.path} holds no ONNX graph for TensorRT")
+    return artifact.primary
