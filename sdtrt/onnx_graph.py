@@ -146,21 +146,3 @@ def graph_of(engine: Artifact, refusal: str) -> Artifact:
         return engine.lineage()[1]
     raise ArtifactError(refusal)
 
-
-QUANTIZE_STAGE = "quantize"  # the stage that writes Q/DQ graphs (sdtrt.stages.quantize)
-
-
-def quantization(artifact: Artifact) -> str | None:
-    """The 8-bit format ("int8", "fp8") of the Q/DQ graph an artifact is or was made from, or None.
-
-    Read from the quantize artifact in its lineage (its config's precision), however many stages lie between.
-    """
-    made_from = next((a for a in artifact.lineage() if a.stage == QUANTIZE_STAGE), None)
-    return None if made_from is None else str(made_from.manifest["config"]["precision"])
-
-
-def tensorrt_graph(artifact: Artifact) -> Path:
-    """The graph TensorRT parses from an ONNX artifact: the one its manifest names for TensorRT (a quantize
-    artifact keeps NVIDIA's Q/DQ graph, with ``trt::`` FP8 ops, beside a standard-ONNX one), else its primary."""
-    graphs = artifact.manifest.get("graphs") or {}
-    return artifact.path / graphs["tensorrt"] if "tensorrt" in graphs else artifact.primary

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.config import default_optimization_level
+from sdtrt.compile import build
+from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig, TrtBuildConfig, default_optimization_level
+from sdtrt.errors import LoraError
 from sdtrt.gpu import quantization_problem
+from sdtrt.pipeline import load_pipeline
+from sdtrt.stages import build_trt, quantize
+
+from .helpers import peft_lora, run_cli
 
 
 @pytest.mark.parametrize(
@@ -40,3 +46,36 @@ def test_q_dq_graphs_build_at_level_4_as_nvidia_builds_them_unless_huge():
     assert "FP8 Q/DQ: level 4" in default_optimization_level(900_000_000, "fp8")[1]
     assert default_optimization_level(900_000_000)[0] == 3
     assert default_optimization_level(12_000_000_000, "fp8")[0] == 3  # Flux: NVIDIA's demo keeps 3 for memory
+
+
+# ---- with a real quantized UNet: ModelOpt FP8 on tiny, two graphs (a minute on two cores) ------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_unet(tiny, store):
+    config = QuantizeConfig(precision="fp8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2)
+    return quantize.run(config, tiny, store)
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(fp8_unet, store):
+    return build(fp8_unet, store, "onnxruntime")[0]
+
+
+def test_tensorrt_builds_the_quantize_artifacts_tensorrt_graph(fp8_unet, tmp_path):
+    """The graph with ModelOpt's trt:: FP8 ops, not the standard-ONNX one ONNX Runtime runs; level 4 as NVIDIA."""
+    request = build_trt.worker_request(TrtBuildConfig(), fp8_unet, tmp_path)
+    assert request["onnx"] == str(fp8_unet.path / fp8_unet.manifest["graphs"]["tensorrt"]) != str(fp8_unet.primary)
+    assert request["quantization"] == "fp8" and request["optimization_level"] == 4
+    assert "FP8 Q/DQ: level 4" in build_trt.resolved(TrtBuildConfig(), fp8_unet)[1]
+
+
+def test_a_lora_on_a_quantized_engine_is_refused_in_one_line(tiny, fp8_engine, tmp_path):
+    lora = peft_lora(tiny, tmp_path / "lora", seed=1, rank=4, alpha=4)
+    pipe = load_pipeline(tiny, fp8_engine)
+    with pytest.raises(LoraError, match=r"quantized to FP8.*fuse the LoRA into the model first and quantize") as caught:
+        pipe.unet.set_loras([(lora, 1.0)])
+    assert "\n" not in str(caught.value) and pipe.unet.loras.active == []
+    refused = run_cli("lora", "inspect", lora, "--engine", str(fp8_engine.path))
+    assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0
+    assert "LoRAs cannot change a quantized engine" in refused.stderr

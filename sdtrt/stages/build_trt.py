@@ -19,9 +19,10 @@ from typing import Any
 from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError
 from ..gpu import gpu_environment, require_quantization_support, require_tensorrt, tensorrt_version
-from ..onnx_graph import artifact_spec, quantization, tensorrt_graph
+from ..onnx_graph import artifact_spec
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
+from .quantize import quantization, tensorrt_graph
 
 STAGE = "build-trt"
 VERSION = 2  # 2: the plan is named after its component (settings added since enter the key only when set)

@@ -40,6 +40,7 @@ from ..graph_weights import Placement, WeightMap
 from ..progress import step
 from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
+from .quantize import quantization
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,7 +63,7 @@ def for_engine(engine: Artifact, model: ModelSource, component: str = "unet") ->
     LoraError for an engine made from a Q/DQ graph: its scales were calibrated on the base weights, which a
     TensorRT plan holds as 8-bit values, so a LoRA is fused first and the result quantized (as NVIDIA's demo does).
     """
-    if precision := onnx_graph.quantization(engine):
+    if precision := quantization(engine):
         raise LoraError(
             f"the {component} engine {engine.path} is quantized to {precision.upper()}, and LoRAs cannot change a "
             "quantized engine (its scales were calibrated on the base weights): fuse the LoRA into the model first "
