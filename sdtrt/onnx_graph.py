@@ -16,7 +16,8 @@ from .errors import ArtifactError
 from .spec import NAMED_INPUTS, GraphSpec, ModelConfigs, TensorSpec, UNetSpec, spec_from_json
 from .store import Artifact
 
-ONNX_STAGES = ("export", "quantize", "simplify", "build-ort", "external")  # artifacts whose primary file is an ONNX graph
+# Artifacts whose primary file is an ONNX graph.
+ONNX_STAGES = ("export", "quantize", "simplify", "build-ort", "external")
 # Save weights beside the graph above this size; protobuf cannot hold a 2 GiB message.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 

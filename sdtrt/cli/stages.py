@@ -9,8 +9,20 @@ from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
-from ..config import COMPONENTS, Component, OrtOptimization, ValidationConfig, WrapConfig
-from ..errors import ArtifactError, RequestError
+from ..config import (
+    CALIBRATION_PROMPTS,
+    COMPONENTS,
+    QUANT_LEVELS,
+    Component,
+    OrtOptimization,
+    Precision,
+    QuantAlgorithm,
+    QuantizeConfig,
+    QuantPrecision,
+    ValidationConfig,
+    WrapConfig,
+)
+from ..errors import ArtifactError, ConfigError, RequestError
 from ..progress import console
 from ..spec import denoiser_component, model_components
 from . import options as o
@@ -22,10 +34,37 @@ if TYPE_CHECKING:
 InputArg = Annotated[
     str, typer.Argument(help="The previous stage's artifact: a directory or .onnx file, or a key from `cache ls`.")
 ]
+# Quantization (`quantize`, and `compile --precision int8|fp8`).
+QuantPrecisionOpt = Annotated[QuantPrecision, typer.Option("--precision", help="int8, or fp8 (E4M3).")]
+LevelOpt = Annotated[
+    float,
+    typer.Option(
+        help="NVIDIA's quantization level: " + "; ".join(f"{k:g}: {v}" for k, v in QUANT_LEVELS.items()) + "."
+    ),
+]
+CalibrationPromptsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"A text file of prompts (one a line), or N: the first N of sdtrt's {len(CALIBRATION_PROMPTS)} built-in "
+        f"prompts (default {len(QuantizeConfig().calibration_prompts)})."
+    ),
+]
+CalibrationStepsOpt = Annotated[
+    int, typer.Option(help="Denoising steps per calibration prompt; every step's UNet inputs calibrate.")
+]
+AlgorithmOpt = Annotated[QuantAlgorithm, typer.Option(help="INT8 calibration: max (ModelOpt's preset) or smoothquant.")]
+CompilePrecisionOpt = Annotated[
+    str,
+    typer.Option(
+        help="Graph precision: fp16, bf16 (for --target tensorrt) or fp32; int8 or fp8 quantize the denoiser with "
+        "NVIDIA ModelOpt (see `sdtrt quantize`), the other networks stay fp16."
+    ),
+]
 
 
 def register(app: typer.Typer) -> None:
     app.command()(export)
+    app.command()(quantize)
     app.command()(simplify)
     app.command()(build)
     app.command()(wrap)
@@ -53,6 +92,81 @@ def export(
     config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source))
     artifact = export_stage.run(config, source, store)
     typer.echo(artifact.path)
+
+
+def quantize(
+    model: o.ModelOpt = "tiny",
+    precision: QuantPrecisionOpt = "int8",
+    level: LevelOpt = 2.5,
+    calibration_prompts: CalibrationPromptsOpt = None,
+    calibration_steps: CalibrationStepsOpt = QuantizeConfig().calibration_steps,
+    algorithm: AlgorithmOpt = "max",
+    engines: o.EnginesOpt = None,
+) -> None:
+    """Quantize the model's UNet to INT8 or FP8 Q/DQ graphs with NVIDIA ModelOpt, calibrated on its own denoising steps.
+
+    Writes the graph ONNX Runtime runs (the artifact's primary, for simplify/build/validate) and the one TensorRT
+    builds (the manifest's `graphs`). Example: sdtrt quantize --model tiny --precision fp8 --level 3
+    """
+    from ..models import resolve_model
+    from ..stages import quantize as quantize_stage
+
+    config = quantize_config(precision, level, algorithm, calibration_prompts, calibration_steps)
+    store = o.open_store(engines)
+    source = resolve_model(model)
+    check_quantizable(config, source)
+    artifact = quantize_stage.run(config, source, store)
+    details = artifact.manifest["details"]
+    console.print(
+        f"quantized {len(details['quantized_layers'])} layers, {len(details['kept_high_precision'])} kept in high "
+        f"precision; Q/DQ: {', '.join(f'{k} {v}' for k, v in details['qdq']['onnxruntime'].items())}"
+    )
+    typer.echo(artifact.path)
+
+
+def quantize_config(precision: str, level: float, algorithm: str, prompts: str | None, steps: int) -> QuantizeConfig:
+    """The options as a QuantizeConfig, or RequestError (exit 2) before anything loads."""
+    try:
+        chosen = calibration_prompts(prompts)
+        return QuantizeConfig(
+            precision=cast(QuantPrecision, precision), level=level, algorithm=cast(QuantAlgorithm, algorithm),
+            calibration_steps=steps, **({"calibration_prompts": chosen} if chosen else {}),
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+def calibration_prompts(text: str | None) -> tuple[str, ...] | None:
+    """--calibration-prompts: N (of the built-in prompts) or a file of prompts, one a line; None: the default."""
+    from pathlib import Path
+
+    if text is None:
+        return None
+    if text.isdigit():
+        count = int(text)
+        if not 1 <= count <= len(CALIBRATION_PROMPTS):
+            raise RequestError(
+                f"--calibration-prompts {count}: sdtrt has {len(CALIBRATION_PROMPTS)} built-in prompts; "
+                "give 1.." + f"{len(CALIBRATION_PROMPTS)}, or a file with more (one prompt a line)"
+            )
+        return CALIBRATION_PROMPTS[:count]
+    path = Path(text)
+    if not path.is_file():
+        raise RequestError(f"--calibration-prompts '{text}' is neither a number nor a readable file of prompts")
+    prompts = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    if not prompts:
+        raise RequestError(f"--calibration-prompts {path} holds no prompt (one prompt a line)")
+    return prompts
+
+
+def check_quantizable(config: QuantizeConfig, source: ModelSource) -> None:
+    """The model's configs against the quantization config (level 4's head sizes, …): exit 2 before loading."""
+    from ..stages.quantize import check_model
+
+    try:
+        check_model(config, source)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from exc
 
 
 def simplify(
@@ -127,7 +241,11 @@ def wrap(source: InputArg, engines: o.EnginesOpt = None) -> None:
 def compile(
     model: o.ModelOpt = "tiny",
     target: o.TargetOpt = "auto",
-    precision: o.PrecisionOpt = "fp16",
+    precision: CompilePrecisionOpt = "fp16",
+    level: LevelOpt = 2.5,
+    calibration_prompts: CalibrationPromptsOpt = None,
+    calibration_steps: CalibrationStepsOpt = QuantizeConfig().calibration_steps,
+    algorithm: AlgorithmOpt = "max",
     exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
@@ -172,12 +290,20 @@ def compile(
 
     if revalidate and not validate:
         raise RequestError("--revalidate asks for a validation that --no-validate turns off: pass one of them")
-    o.check_target_precision(target, precision)
+    quantized = None
+    if precision in ("int8", "fp8"):
+        quantized = quantize_config(precision, level, algorithm, calibration_prompts, calibration_steps)
+    elif precision not in ("fp16", "bf16", "fp32"):
+        raise RequestError(f"precision '{precision}' is not one of fp16, bf16, fp32, int8, fp8")
+    graph_precision = cast(Precision, "fp16" if quantized else precision)  # the members the denoiser runs beside
+    o.check_target_precision(target, graph_precision)
     store = o.open_store(engines, cached_ok=True)  # a read-only store serves a complete cache hit
     source = resolve_model(model)
+    if quantized:
+        check_quantizable(quantized, source)
     chosen_components = parse_components(components, source)
     # Each member's export config is this one with its component; the profile is the denoiser's.
-    export_config = o.export_config(precision, exporter, opset, io_naming, denoiser_component(source))
+    export_config = o.export_config(graph_precision, exporter, opset, io_naming, denoiser_component(source))
     profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width, tokens)
     result = compile_model(
         source,
@@ -192,6 +318,7 @@ def compile(
         validation=ValidationConfig() if validate else None,
         components=chosen_components,
         revalidate=revalidate,
+        quantize_config=quantized,
     )
     for artifact in result.artifacts:
         if artifact.stage == "simplify":

@@ -52,11 +52,11 @@ def open_runtime(
     replays TensorRT engines from CUDA graphs; ``weight_budget`` goes to engines built with weight streaming
     (others keep all their weights on the GPU: an engine set may stream only its largest member).
     """
-    from ..onnx_graph import artifact_spec
+    from ..onnx_graph import ONNX_STAGES, artifact_spec
 
     artifact.require_intact()
     spec = artifact_spec(artifact, model)
-    if artifact.stage in ("export", "simplify", "external", "build-ort"):
+    if artifact.stage in ONNX_STAGES:
         from ..config import target_precision_problem
         from .onnxruntime import OnnxRuntime
 

@@ -15,8 +15,8 @@ Two graphs, because one cannot do both jobs (the manifest's ``graphs`` says whic
   ``TRT_FP8DequantizeLinear`` rewritten to standard QuantizeLinear/DequantizeLinear (float8e4m3fn zero point,
   ``saturate=1``), which ONNX Runtime's CPU provider runs: CPU validation checks the scales TensorRT will use.
 
-INT8 graphs have no ``trt::`` op: one file serves both. The graph is fp32 outside its Q/DQ pairs (calibration
-and export run in fp32 on the CPU).
+Below level 4 no ``trt::`` op is left (the Linear/Conv quantizers export as standard Q/DQ): one file serves both.
+The graph is fp32 outside its Q/DQ pairs (calibration and export run in fp32 on the CPU).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
 from ..config import QUANT_LEVELS, ExportConfig, QuantizeConfig
-from ..errors import ArtifactError, ConfigError, ExportError, one_line
+from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..models import ModelSource
 from ..progress import step
 from ..spec import FOLDERS, GraphSpec, denoiser_component
@@ -65,7 +65,15 @@ def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
     """The quantized denoiser's graphs for ``model`` (a cache hit for the same model, config and calibration set)."""
     check_model(config, model)
     spec = denoiser_graph_spec(model)
-    request = StageRequest(
+    artifact, _ = store.produce(request_for(config, model), lambda out_dir: _quantize(config, model, spec, out_dir))
+    return artifact
+
+
+def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
+    """What ``run`` asks the store for: keyed by the model's UNet, the graph contract, the config (precision,
+    level, algorithm, layers kept) and a hash of the calibration set."""
+    spec = denoiser_graph_spec(model)
+    return StageRequest(
         stage=STAGE,
         version=VERSION,
         config=config,
@@ -76,8 +84,6 @@ def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
         ],
         environment=environment("torch", "diffusers", "onnx", "nvidia-modelopt"),
     )
-    artifact, _ = store.produce(request, lambda out_dir: _quantize(config, model, spec, out_dir))
-    return artifact
 
 
 def denoiser_graph_spec(model: ModelSource) -> GraphSpec:
@@ -96,6 +102,14 @@ def check_model(config: QuantizeConfig, model: ModelSource) -> None:
         raise ConfigError(
             f"level 4 quantizes attention in FP8, which needs head sizes that are multiples of 16, and "
             f"'{model.name}' has heads of {', '.join(map(str, sorted(set(odd))))}; use --level 3"
+        )
+    if config.level == 4.0:
+        # ModelOpt exports its FP8 attention only from an fp16/bf16 module (export_onnx.py: "the qdqs must be in
+        # 16 bits"; mha_valid_precisions in plugins/diffusion/diffusers.py), and this stage calibrates and exports
+        # in fp32 on the CPU (measured on tiny-sd2, whose heads are 16 wide).
+        raise ConfigError(
+            "level 4's FP8 attention exports only from an fp16/bf16 UNet, and sdtrt quantizes in fp32 on the CPU; "
+            "use --level 3 (FP8 attention is not available yet)"
         )
 
 
@@ -166,9 +180,21 @@ def _kept_because(name: str, module: torch.nn.Module, config: QuantizeConfig) ->
     return None  # convolutions: every level
 
 
+def modelopt() -> Any:
+    """``modelopt.torch.quantization``, or MissingDependencyError saying how to install it."""
+    try:
+        import modelopt.torch.quantization as mtq
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"quantization needs NVIDIA ModelOpt ({one_line(exc)}); install it with pip install 'sdtrt[quant]' "
+            "(never nvidia-modelopt[onnx]: it replaces onnxruntime with onnxruntime-gpu)"
+        ) from exc
+    return mtq
+
+
 def modelopt_config(config: QuantizeConfig, plan: LayerPlan, network: torch.nn.Module) -> dict[str, Any]:
     """ModelOpt's diffusers preset for the precision, with the plan's kept layers and the level's attention."""
-    import modelopt.torch.quantization as mtq
+    mtq = modelopt()
     from modelopt.torch.quantization.config import _load_quantize_config_dict
 
     if config.algorithm == "smoothquant":
@@ -212,9 +238,8 @@ class QuantizedDenoiser:
 
 def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedDenoiser:
     """The model's UNet quantized with ModelOpt (fake quantization, in PyTorch), calibrated on its pipeline."""
-    import modelopt.torch.quantization as mtq
-
     check_model(config, model)
+    mtq = modelopt()
     timings = {}
     started = time.perf_counter()
     with step(f"Loading the fp32 pipeline of {model.name}"):
@@ -232,10 +257,10 @@ def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedD
     with step(f"Quantizing with ModelOpt ({config.precision}, level {config.level:g}, {config.algorithm})"):
         with _quiet():
             mtq.quantize(network, quant, recorded.replay)
+        attention = attention_modules(network)
         for name, module in network.named_modules():
-            if name in attention_modules(network):
-                # ModelOpt's FP8 attention export reads this flag (utils.py check_conv_and_mha sets it).
-                module._disable_fp8_mha = not (config.level >= 4 and attention_modules(network)[name] % 16 == 0)
+            if name in attention:  # ModelOpt's FP8 attention export reads it (utils.py check_conv_and_mha sets it)
+                module._disable_fp8_mha = not (config.level >= 4 and attention[name] % 16 == 0)
     timings["quantize_s"] = round(time.perf_counter() - started, 3)
     return QuantizedDenoiser(network.eval(), plan, len(recorded.calls), timings)
 
@@ -269,9 +294,10 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
         graphs = {"tensorrt": GRAPH, "onnxruntime": GRAPH}
         if config.precision == "fp8":
             proto = convert_zp_fp8(_cleaned(proto))
-            onnx_graph.save(proto, out_dir / TRT_GRAPH, weight_bytes)
-            standard_fp8_qdq(proto)
-            graphs["tensorrt"] = TRT_GRAPH
+            if any(node.domain == "trt" for node in proto.graph.node):  # LayerNorm and attention quantizers (level 4)
+                onnx_graph.save(proto, out_dir / TRT_GRAPH, weight_bytes)
+                graphs["tensorrt"] = TRT_GRAPH
+                standard_fp8_qdq(proto)
         onnx_graph.save(proto, out_dir / GRAPH, weight_bytes)
         del proto
         for leftover in raw_dir.iterdir():
@@ -396,8 +422,8 @@ def standard_fp8_qdq(proto: onnx.ModelProto) -> int:
 
 
 def qdq_counts(path: Path) -> dict[str, int]:
-    """``op:dtype`` → count of a graph's quantize/dequantize nodes (the dtype from the zero point; ``trt::`` ops
-    are FP8)."""
+    """``op:TYPE`` → count of a graph's quantize/dequantize nodes, TYPE the zero point's (``INT8``,
+    ``FLOAT8E4M3FN``); ModelOpt's ``trt::`` FP8 ops count as ``trt::op:FLOAT8E4M3FN``."""
     import onnx
 
     graph = onnx_graph.load_graph(path).graph
@@ -405,10 +431,11 @@ def qdq_counts(path: Path) -> dict[str, int]:
     types |= {n.output[0]: n.attribute[0].t.data_type for n in graph.node if n.op_type == "Constant" and n.attribute}
     counts: Counter[str] = Counter()
     for node in graph.node:
-        if node.op_type in _QDQ and len(node.input) > 2:
-            counts[f"{node.op_type}:{onnx.helper.tensor_dtype_to_np_dtype(types[node.input[2]]).name}"] += 1
+        if node.op_type in _QDQ and node.domain == "":
+            zero_point = types.get(node.input[2]) if len(node.input) > 2 else None
+            counts[f"{node.op_type}:{onnx.TensorProto.DataType.Name(zero_point) if zero_point else 'UINT8'}"] += 1
         elif node.domain == "trt" and node.op_type in _TRT_FP8:
-            counts[f"trt::{node.op_type}:float8_e4m3fn"] += 1
+            counts[f"trt::{node.op_type}:FLOAT8E4M3FN"] += 1
     return dict(sorted(counts.items()))
 
 

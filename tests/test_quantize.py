@@ -1,0 +1,210 @@
+"""Quantization (issue 22): ModelOpt INT8/FP8 Q/DQ graphs of the tiny UNet, calibrated on its own denoising steps,
+run on ONNX Runtime's CPU provider and compared with ModelOpt's PyTorch fake quantization."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from sdtrt.config import QuantizeConfig, SimplifyConfig
+from sdtrt.errors import ConfigError
+from sdtrt.runtime.compare import tensor_stats
+from sdtrt.stages import quantize, simplify
+from tests.helpers import last_line, run_cli
+
+# Small and fast: 2 prompts × 2 steps (PNDM runs 3 UNet calls per prompt at 2 steps, each a guidance batch of 2).
+CALIBRATION = {"calibration_prompts": ("a lighthouse at dusk", "a red fox in the snow"), "calibration_steps": 2}
+INT8 = QuantizeConfig(precision="int8", level=2.5, **CALIBRATION)
+FP8 = QuantizeConfig(precision="fp8", level=3, **CALIBRATION)
+# NVIDIA's always-kept layers, as the tiny UNet names them.
+NEVER_QUANTIZED = ("conv_in", "conv_out", "time_embedding", "time_emb_proj", "conv_shortcut", "proj_out")
+
+
+@pytest.fixture(scope="module")
+def int8(tiny, store):
+    return quantize.run(INT8, tiny, store)
+
+
+@pytest.fixture(scope="module")
+def fp8(tiny, store):
+    return quantize.run(FP8, tiny, store)
+
+
+def quantized_modules(path: Path) -> Counter[str]:
+    """Module name (``down_blocks.0.resnets.0.conv1``) → how many quantize nodes the graph has for it; the
+    exporter names each ``/network/<module path>/<input|weight>_quantizer/QuantizeLinear``."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    names = [n.name for n in graph.node if n.op_type in ("QuantizeLinear", "TRT_FP8QuantizeLinear")]
+    return Counter(".".join(name.split("/")[2:-2]) for name in names)
+
+
+def qdq_zero_point_types(path: Path) -> set[int]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    types = {i.name: i.data_type for i in graph.initializer}
+    types |= {n.output[0]: n.attribute[0].t.data_type for n in graph.node if n.op_type == "Constant"}
+    return {types[n.input[2]] for n in graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+
+
+def onnxruntime_output(path: Path, feeds: dict[str, torch.Tensor], optimized: bool) -> torch.Tensor:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if not optimized:  # the reference semantics of the Q/DQ graph, no integer kernels substituted
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in feeds.items()})[0])
+
+
+@pytest.mark.parametrize("which", ["int8", "fp8"])
+def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(which, tiny, request):
+    artifact = request.getfixturevalue(which)
+    config = INT8 if which == "int8" else FP8
+    spec = quantize.denoiser_graph_spec(tiny)
+    feeds = spec.sample_inputs(2, 64, 64, seed=1)
+    from sdtrt.models import load_unet
+    from sdtrt.stages.export import graph_module
+
+    with torch.no_grad():
+        fp32 = graph_module(spec, load_unet(tiny))(*feeds.values())
+        fake_quant = graph_module(spec, quantize.quantized_denoiser(config, tiny).network)(*feeds.values())
+    quantization = tensor_stats(fake_quant, fp32)
+    exact = tensor_stats(onnxruntime_output(artifact.primary, feeds, optimized=False), fake_quant)
+    kernels = tensor_stats(onnxruntime_output(artifact.primary, feeds, optimized=True), fake_quant)
+    print(
+        f"\n{which}: ModelOpt fake quant vs fp32 {quantization}\nORT (no graph optimizations) vs fake quant {exact}"
+        f"\nORT (its 8-bit kernels) vs fake quant {kernels}"
+    )
+    # The same scales and rounding: what differs (summation order, a value on a rounding edge) is far below what
+    # quantization itself changes.
+    assert exact["finite"] and exact["cosine"] > 0.9999
+    assert exact["max_abs"] < 0.05 * quantization["max_abs"]
+    assert kernels["finite"] and kernels["cosine"] > 0.99
+
+
+def test_int8_qdq_nodes_match_the_level(int8):
+    details = int8.manifest["details"]
+    graph = quantized_modules(int8.primary)
+    # Each quantized Conv/Linear has an input and a weight quantizer; nothing else is quantized at level 2.5.
+    assert graph == Counter({name: 2 for name in details["quantized_layers"]})
+    assert qdq_zero_point_types(int8.primary) == {onnx.TensorProto.INT8}
+    assert details["qdq"]["onnxruntime"] == {"DequantizeLinear:INT8": 108, "QuantizeLinear:INT8": 108}
+    assert int8.manifest["graphs"] == {"tensorrt": "unet.onnx", "onnxruntime": "unet.onnx"}
+    linear = [n for n in graph if ".attentions." in n and n.rsplit(".", 1)[-1] != "proj_in"]
+    # Level 2.5: feed-forward and Q/K/V projections, not the attention output projection.
+    assert linear and all(".ff.net." in n or n.endswith(("to_q", "to_k", "to_v")) for n in linear)
+    assert not [n for n in graph if n.endswith("to_out.0")]
+    assert not [n for n in graph if any(part in n for part in NEVER_QUANTIZED)]
+
+
+def test_fp8_graphs_are_float8_and_keep_the_always_kept_layers(fp8):
+    graphs = {role: fp8.path / name for role, name in fp8.manifest["graphs"].items()}
+    assert fp8.primary == graphs["onnxruntime"]
+    for path in set(graphs.values()):
+        assert qdq_zero_point_types(path) == {onnx.TensorProto.FLOAT8E4M3FN}
+        graph = quantized_modules(path)
+        assert graph and not [n for n in graph if any(part in n for part in NEVER_QUANTIZED)]
+        assert [n for n in graph if n.endswith("to_out.0")]  # level 3: every Linear
+    standard = onnx.load(str(graphs["onnxruntime"]), load_external_data=False)
+    assert not [n for n in standard.graph.node if n.domain == "trt"]
+
+
+def test_levels_select_nvidias_layers(tiny):
+    from sdtrt.models import load_unet
+
+    unet = load_unet(tiny)
+    plans = {level: quantize.plan_layers(unet, QuantizeConfig(precision="fp8", level=level)) for level in (1, 2, 3, 4)}
+    convs = {n for n, m in unet.named_modules() if isinstance(m, torch.nn.Conv2d)}
+    assert set(plans[1].quantized) <= convs  # level 1: convolutions only
+    assert {n for n in plans[2].quantized if n not in convs} == {
+        n for n, m in unet.named_modules() if ".ff.net." in n and isinstance(m, torch.nn.Linear)
+    }
+    assert [n for n in plans[4].quantized if n.endswith("norm1")]  # LayerNorms quantize with attention
+    assert not [n for n in plans[3].quantized if n.endswith("norm1")]
+    for plan in plans.values():
+        assert not [n for n in plan.quantized if any(part in n for part in NEVER_QUANTIZED)]
+    kept = quantize.plan_layers(unet, dataclasses.replace(FP8, keep_high_precision=("mid_block.resnets.0",)))
+    assert not [n for n in kept.quantized if n.startswith("mid_block.resnets.0.")]
+    with pytest.raises(ConfigError, match="does not have"):
+        quantize.plan_layers(unet, dataclasses.replace(FP8, keep_high_precision=("no_such_block",)))
+
+
+def test_simplify_keeps_every_qdq_pair(int8, store):
+    """onnxsim folds weight Q/DQ pairs of constant weights into float weights; a Q/DQ graph is folded without them."""
+    simplified = simplify.run(SimplifyConfig(), int8, store)
+    details = simplified.manifest["details"]
+    assert details["method"] == "fold" and "Q/DQ" in details["fallback_reason"]
+    assert quantized_modules(simplified.primary) == quantized_modules(int8.primary)
+    assert details["op_counts_after"]["DequantizeLinear"] == details["op_counts_before"]["DequantizeLinear"]
+    assert details["check"]["cosine"] > 0.9999
+
+
+def test_cache_key_follows_calibration_set_and_level(tiny, int8, store):
+    key = quantize.request_for(INT8, tiny).key
+    assert key == int8.key
+    assert quantize.run(INT8, tiny, store).path == int8.path  # same inputs: a cache hit
+    changed = {
+        "level": dataclasses.replace(INT8, level=3),
+        "precision": dataclasses.replace(INT8, precision="fp8"),
+        "prompts": dataclasses.replace(INT8, calibration_prompts=("another prompt",)),
+        "steps": dataclasses.replace(INT8, calibration_steps=3),
+        "seed": dataclasses.replace(INT8, calibration_seed=1),
+        "kept": dataclasses.replace(INT8, keep_high_precision=("mid_block",)),
+    }
+    keys = {what: quantize.request_for(config, tiny).key for what, config in changed.items()}
+    assert key not in keys.values() and len(set(keys.values())) == len(keys)
+    # The same layers in another order are the same request.
+    same = dataclasses.replace(INT8, keep_high_precision=("up_blocks.1", "mid_block", "mid_block"))
+    reordered = dataclasses.replace(INT8, keep_high_precision=("mid_block", "up_blocks.1"))
+    assert quantize.request_for(same, tiny).key == quantize.request_for(reordered, tiny).key
+
+
+def test_compile_int8_validates_on_onnxruntime(tiny, store, int8):
+    from sdtrt.compile import compile_model
+    from sdtrt.config import ValidationConfig
+
+    result = compile_model(
+        tiny, store, "onnxruntime", components=("unet",), quantize_config=INT8, validation=ValidationConfig(steps=4)
+    )
+    assert [a.stage for a in result.artifacts] == ["quantize", "simplify", "build-ort"]
+    assert result.artifacts[0].path == int8.path
+    report = result.validation
+    assert report is not None
+    print(f"\nINT8 level 2.5 tiny: image PSNR {report.image['psnr_db']:.1f} dB; tensors {report.tensors[0]}")
+    assert report, report.failures
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--level", "5"], "quantization level 5 is not one of NVIDIA's levels"),
+        (["--level", "4"], "level 4 quantizes attention, which only FP8 does"),
+        (["--precision", "fp8", "--level", "4"], "head sizes that are multiples of 16"),
+        (["--calibration-prompts", "0"], "built-in prompts"),
+    ],
+)
+def test_bad_quantization_requests_are_refused_in_one_line(args, message, tmp_path):
+    result = run_cli("quantize", "--model", "tiny", *args, "--engines", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not any(tmp_path.iterdir()) or not list(tmp_path.glob("quantize/*"))
+
+
+def test_quantize_cli_prints_the_artifact(int8, tmp_path):
+    """The CLI over the same config: a cache hit in the session's store, its path last on stdout."""
+    result = run_cli(
+        "quantize", "--model", "tiny", "--precision", "int8", "--level", "2.5", "--calibration-steps", "2",
+        "--calibration-prompts", str(prompts_file(tmp_path)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert Path(last_line(result.stdout)) == int8.path
+
+
+def prompts_file(folder: Path) -> Path:
+    path = folder / "prompts.txt"
+    path.write_text("\n".join(CALIBRATION["calibration_prompts"]) + "\n\n")
+    return path
