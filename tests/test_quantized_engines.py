@@ -79,3 +79,39 @@ def test_a_lora_on_a_quantized_engine_is_refused_in_one_line(tiny, fp8_engine, t
     refused = run_cli("lora", "inspect", lora, "--engine", str(fp8_engine.path))
     assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0
     assert "LoRAs cannot change a quantized engine" in refused.stderr
+
+
+# ---- on a GPU with TensorRT (skipped elsewhere): one strongly typed build per 8-bit format ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_quantized_unet_builds_strongly_typed_and_matches_pytorch(tiny, store, precision):
+    """Below the format's compute capability the build is refused before it starts; else the plan quantizes to
+    that type (the worker counts the parsed network's Quantize layers) and its output follows fp32 PyTorch."""
+    from sdtrt.config import Range, ShapeProfile
+    from sdtrt.errors import MissingDependencyError
+    from sdtrt.gpu import gpu_environment
+    from sdtrt.models import load_unet
+    from sdtrt.runtime import open_runtime
+    from sdtrt.spec import ValidationCase
+    from sdtrt.validate import compare_case
+
+    quantized = quantize.run(
+        QuantizeConfig(precision=precision, calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2), tiny, store
+    )
+    profile = ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384))
+    trt_config = TrtBuildConfig(profiles=(profile,))
+    env = gpu_environment()
+    if problem := quantization_problem(precision, env["compute_capability"], env["gpu"]):
+        with pytest.raises(MissingDependencyError, match="compute capability"):
+            build(quantized, store, "tensorrt", trt_config=trt_config)
+        pytest.skip(problem)
+    engine, _ = build(quantized, store, "tensorrt", trt_config=trt_config)
+    details = engine.manifest["details"]
+    assert details["quantization"]["format"] == precision
+    assert details["quantization"]["quantize_layers"].get(precision.upper(), 0) > 0
+    assert details["optimization_level"]["level"] == 4
+    runtime = open_runtime(engine)
+    row = compare_case(runtime, load_unet(tiny), runtime.spec, ValidationCase(2, 256, 256, 999.0, 0))
+    assert row["finite"] and row["cosine"] >= 0.99

@@ -360,7 +360,9 @@ def print_guard_rounds(report: GuardReport) -> None:
     """The accuracy guard's rounds: the PSNR each reached and the layers it returned to high precision."""
     for number, row in enumerate(report.rounds, 1):
         returned = f"; returning to high precision: {', '.join(row.returned)}" if row.returned else ""
-        console.print(f"guard: round {number}: image PSNR {row.psnr_db:.1f} dB (target {report.min_psnr_db:g}){returned}")
+        console.print(
+            f"guard: round {number}: image PSNR {row.psnr_db:.1f} dB (target {report.min_psnr_db:g}){returned}"
+        )
     kept = ", ".join(report.kept) or "none"
     console.print(f"guard: {'met' if report else 'not met'}; layers kept in high precision by the guard: {kept}")
 
