@@ -146,4 +146,3 @@ def graph_of(engine: Artifact, refusal: str) -> Artifact:
     if engine.stage == "build-trt":
         return engine.lineage()[1]
     raise ArtifactError(refusal)
-

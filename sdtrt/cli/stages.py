@@ -5,7 +5,7 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
@@ -320,7 +320,7 @@ def compile(
     # Each member's export config is this one with its component; the profile is the denoiser's.
     export_config = o.export_config(graph_precision, exporter, opset, io_naming, denoiser_component(source))
     profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width, tokens)
-    options = dict(
+    options: dict[str, Any] = dict(
         target=target,
         export_config=export_config,
         simplify_config=o.simplify_config(method, check=True),
