@@ -116,7 +116,7 @@ def guard(
         if not returned:  # every quantized layer is kept already: nothing left to return
             return GuardReport(config.min_psnr_db, rounds, result)
         rounds[-1].returned = returned
-        rounds[-1].worst = [{"layer": n, "error": errors[n]} for n in worst_layers(errors, 5, guarded)]
+        rounds[-1].worst = [{"layer": n, "error": errors[n]} for n in worst_layers(errors, 5)]
         guarded += returned
 
 

@@ -16,7 +16,9 @@ from .helpers import run_cli
 
 HARD = "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2"
 QUANT = QuantizeConfig(precision="int8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2)
-TARGET_DB = 30.0
+# Measured (ONNX Runtime CPU, 10 steps at 256², seed 0): 41.0 dB with HARD quantized, 42.3 dB with HARD kept in
+# high precision (the other 53 quantized layers cost the rest); the ranking gives HARD 0.78, the next layer 0.033.
+TARGET_DB = 41.6
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,8 @@ def test_the_worst_layers_leave_out_those_already_kept():
 
 
 def test_the_guard_finds_the_outlier_layer_and_meets_the_target(outlier_model, store):
-    report = guard(outlier_model, store, QUANT, GuardConfig(min_psnr_db=TARGET_DB), target="onnxruntime",
-                   components=("unet",))  # fmt: skip
+    config = GuardConfig(min_psnr_db=TARGET_DB, layers_per_round=1)
+    report = guard(outlier_model, store, QUANT, config, target="onnxruntime", components=("unet",))
     first = report.rounds[0]
     assert first.psnr_db < TARGET_DB and first.returned[0] == HARD, first
     assert report and len(report.rounds) <= 3 and HARD in report.kept
