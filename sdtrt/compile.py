@@ -182,10 +182,14 @@ def component_precision(model: ModelSource, component: str, requested: Precision
 
 # What 8 bits give on the tiny presets' random weights (tests/test_quantize.py prints them per level): the UNet's
 # output cosine against fp32 stays above 0.99 and its image PSNR above 20 dB, where a broken scale gives noise.
-QUANTIZED_TOLERANCES = {"min_cosine": 0.99, "max_abs": 0.5, "min_psnr_db": 20.0}
+QUANTIZED_TOLERANCES = ValidationConfig(min_cosine=0.99, max_abs=0.5, min_psnr_db=20.0)
 
 
 def quantized_tolerances(validation: ValidationConfig) -> ValidationConfig:
     """``validation`` with quantization's tolerances where it sets none (a graph's fp32 ones would always fail)."""
-    unset = {k: v for k, v in QUANTIZED_TOLERANCES.items() if getattr(validation, k) is None}
-    return replace(validation, **unset)
+    return replace(
+        validation,
+        min_cosine=validation.min_cosine if validation.min_cosine is not None else QUANTIZED_TOLERANCES.min_cosine,
+        max_abs=validation.max_abs if validation.max_abs is not None else QUANTIZED_TOLERANCES.max_abs,
+        min_psnr_db=validation.min_psnr_db if validation.min_psnr_db is not None else QUANTIZED_TOLERANCES.min_psnr_db,
+    )

@@ -5,6 +5,7 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
@@ -128,11 +129,12 @@ def quantize(
 def quantize_config(precision: str, level: float, algorithm: str, prompts: str | None, steps: int) -> QuantizeConfig:
     """The options as a QuantizeConfig, or RequestError (exit 2) before anything loads."""
     try:
-        chosen = calibration_prompts(prompts)
-        return QuantizeConfig(
+        config = QuantizeConfig(
             precision=cast(QuantPrecision, precision), level=level, algorithm=cast(QuantAlgorithm, algorithm),
-            calibration_steps=steps, **({"calibration_prompts": chosen} if chosen else {}),
+            calibration_steps=steps,
         )  # fmt: skip
+        chosen = calibration_prompts(prompts)
+        return dataclasses.replace(config, calibration_prompts=chosen) if chosen else config
     except ConfigError as exc:
         raise RequestError(str(exc)) from exc
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
+import shutil
 import sys
 import time
 import warnings
@@ -265,36 +266,7 @@ def _quiet() -> Any:
 def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
     quantized = quantized_denoiser(config, model)
     timings = dict(quantized.timings)
-    started = time.perf_counter()
-    raw_dir = out_dir / "raw"
-    raw_dir.mkdir()
-    if config.precision == "fp8":
-        fp8_scales_as_int8(quantized.network)
-    with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
-        _export(quantized.network, spec, raw_dir / GRAPH)
-    timings["export_s"] = round(time.perf_counter() - started, 3)
-    del quantized.network
-
-    started = time.perf_counter()
-    with step("Writing the TensorRT and ONNX Runtime graphs"):
-        proto = onnx_graph.load_graph(raw_dir / GRAPH, with_weights=True)
-        onnx_graph.name_dynamic_axes(proto, spec)
-        weight_bytes = onnx_graph.weights_on_disk(raw_dir)
-        graphs = {"tensorrt": GRAPH, "onnxruntime": GRAPH}
-        if config.precision == "fp8":
-            proto = convert_zp_fp8(_cleaned(proto))
-            if any(node.domain == "trt" for node in proto.graph.node):  # LayerNorm and attention quantizers (level 4)
-                onnx_graph.save(proto, out_dir / TRT_GRAPH, weight_bytes)
-                graphs["tensorrt"] = TRT_GRAPH
-                standard_fp8_qdq(proto)
-        onnx_graph.save(proto, out_dir / GRAPH, weight_bytes)
-        del proto
-        for leftover in raw_dir.iterdir():
-            leftover.unlink()
-        raw_dir.rmdir()
-        for name in set(graphs.values()):
-            onnx_graph.check(out_dir / name)
-    timings["finalize_s"] = round(time.perf_counter() - started, 3)
+    graphs = write_graphs(quantized.network, config, spec, out_dir, timings)
     plan = quantized.plan
     return {
         "primary": GRAPH,
@@ -325,6 +297,41 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
     }
 
 
+def write_graphs(
+    network: torch.nn.Module, config: QuantizeConfig, spec: GraphSpec, out_dir: Path, timings: dict[str, float]
+) -> dict[str, str]:
+    """Export a quantized network (changed in place for FP8) and write its graphs into ``out_dir``; returns the file
+    of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times to ``timings``."""
+    started = time.perf_counter()
+    raw_dir = out_dir / "raw"
+    raw_dir.mkdir()
+    if config.precision == "fp8":
+        fp8_scales_as_int8(network)
+    with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
+        _export(network, spec, raw_dir / GRAPH)
+    timings["export_s"] = round(time.perf_counter() - started, 3)
+
+    started = time.perf_counter()
+    with step("Writing the TensorRT and ONNX Runtime graphs"):
+        proto = onnx_graph.load_graph(raw_dir / GRAPH, with_weights=True)
+        onnx_graph.name_dynamic_axes(proto, spec)
+        weight_bytes = onnx_graph.weights_on_disk(raw_dir)
+        graphs = {"tensorrt": GRAPH, "onnxruntime": GRAPH}
+        if config.precision == "fp8":
+            proto = convert_zp_fp8(_cleaned(proto))
+            if any(node.domain == "trt" for node in proto.graph.node):  # LayerNorm and attention quantizers (level 4)
+                onnx_graph.save(proto, out_dir / TRT_GRAPH, weight_bytes)
+                graphs["tensorrt"] = TRT_GRAPH
+                standard_fp8_qdq(proto)
+        onnx_graph.save(proto, out_dir / GRAPH, weight_bytes)
+        del proto
+        shutil.rmtree(raw_dir)
+        for name in set(graphs.values()):
+            onnx_graph.check(out_dir / name)
+    timings["finalize_s"] = round(time.perf_counter() - started, 3)
+    return graphs
+
+
 def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
     """ModelOpt's fake-quant modules export their Q/DQ through the TorchScript exporter only (torch.export fails
     on them as shipped)."""
@@ -349,7 +356,8 @@ def fp8_scales_as_int8(network: torch.nn.Module) -> None:
 
     for module in network.modules():
         if isinstance(module, torch.nn.Linear | torch.nn.Conv2d) and hasattr(module, "input_quantizer"):
-            for quantizer in (module.input_quantizer, module.weight_quantizer):
+            quantizers: tuple[Any, ...] = (module.input_quantizer, module.weight_quantizer)
+            for quantizer in quantizers:
                 if quantizer.is_enabled and getattr(quantizer, "_amax", None) is not None:
                     quantizer._num_bits = 8
                     quantizer._amax = quantizer._amax * (127 / 448.0)
