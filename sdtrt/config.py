@@ -356,17 +356,22 @@ class OrtBuildConfig:
 # IBuilderConfig::setBuilderOptimizationLevel: "The default optimization level is 3"). NVIDIA's demo/Diffusion
 # raises it to 4 only for INT8/FP8 UNet-sized networks and keeps 3 "for all Flux pipelines to reduce GPU memory
 # usage" (dd_argparse.py): levels 4-5 try more tactics and need more build memory, which networks over
-# ~2 B parameters (SD3.5 Large, Flux's 12 B) do not have to spare. sdtrt builds no Q/DQ graphs, so the rule
-# below gives 3 on both sides of the line, and says which side a network is on in the manifest.
+# ~2 B parameters (SD3.5 Large, Flux's 12 B) do not have to spare. So: 4 for 8-bit Q/DQ graphs under the line (as
+# ModelOpt's diffusers example builds them too: `trtexec --builderOptimizationLevel=4 --stronglyTyped`), else 3;
+# the manifest says which rule applied.
 DEFAULT_OPTIMIZATION_LEVEL = 3
 LARGE_NETWORK_PARAMETERS = 2_000_000_000
 
 
-def default_optimization_level(parameters: int) -> tuple[int, str]:
-    """The builder optimization level for a network of this many parameters (its ONNX weights), and why."""
+def default_optimization_level(parameters: int, quantization: str | None = None) -> tuple[int, str]:
+    """The builder optimization level for a network of this many parameters (its ONNX weights), quantized to
+    ``quantization`` ("int8", "fp8") or not, and why."""
     if parameters > LARGE_NETWORK_PARAMETERS:
         why = "over 2 B parameters: level 3, as NVIDIA's demo keeps for Flux, to bound build memory"
         return 3, f"{parameters / 1e9:.1f} B parameters, {why}"
+    if quantization:
+        why = f"{quantization.upper()} Q/DQ: level 4, as NVIDIA's demo and ModelOpt's diffusers example build them"
+        return 4, f"{parameters / 1e6:.0f} M parameters, {why}"
     return DEFAULT_OPTIMIZATION_LEVEL, f"{parameters / 1e6:.0f} M parameters: TensorRT's default level 3"
 
 

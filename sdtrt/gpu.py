@@ -57,6 +57,32 @@ def gpu_environment() -> dict[str, Any]:
     return {"gpu": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
 
 
+# The oldest compute capability whose Tensor Cores run each 8-bit format: FP8 (E4M3) from Ada and Hopper (8.9),
+# INT8 from Turing (7.5). NVIDIA's demo/Diffusion refuses FP8 below 8.9 the same way (demo_diffusion/dd_argparse.py).
+QUANTIZED_MIN_CAPABILITY = {"int8": (7, 5), "fp8": (8, 9)}
+QUANTIZED_FALLBACK = {"int8": "--precision fp16", "fp8": "--precision int8 (compute capability 7.5 or newer)"}
+
+
+def quantization_problem(precision: str, capability: str, gpu: str = "this GPU") -> str | None:
+    """Why a GPU of compute capability ``capability`` ("8.6") cannot run a ``precision`` ("int8", "fp8") engine,
+    or None when it can."""
+    need = QUANTIZED_MIN_CAPABILITY[precision]
+    major, _, minor = capability.partition(".")
+    if (int(major), int(minor or 0)) >= need:
+        return None
+    return (
+        f"{precision.upper()} engines need a GPU of compute capability {need[0]}.{need[1]} or newer, and {gpu} has "
+        f"{capability}; use {QUANTIZED_FALLBACK[precision]}, or build on a newer GPU"
+    )
+
+
+def require_quantization_support(precision: str) -> None:
+    """MissingDependencyError, before anything is built, when the current GPU lacks Tensor Cores for ``precision``."""
+    env = gpu_environment()
+    if problem := quantization_problem(precision, env["compute_capability"], env["gpu"]):
+        raise MissingDependencyError(f"cannot build a {precision.upper()} TensorRT engine here: {problem}")
+
+
 def tensorrt_version() -> str:
     """The TensorRT an engine is built and run with: the module's own version, the one source both sides
     share (pip's tensorrt-cu12/-cu13 install no `tensorrt` distribution; NGC images name theirs variously)."""

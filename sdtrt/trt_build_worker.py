@@ -112,12 +112,33 @@ def set_strip_flags(config: trt.IBuilderConfig, refittable: bool) -> None:
         config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
 
 
+def quantize_layers(network: trt.INetworkDefinition) -> dict[str, int]:
+    """How many Quantize layers the parsed network has, by the type they quantize to ("INT8", "FP8").
+
+    ONNX QuantizeLinear and ModelOpt's ``trt::TRT_FP8QuantizeLinear`` both become Quantize layers: the ONNX parser
+    imports that custom op itself, no plugin library is loaded (onnx-tensorrt onnxOpImporters.cpp,
+    DEFINE_BUILTIN_OP_IMPORTER(TRT_FP8QuantizeLinear) → QuantDequantLinearHelper with DataType::kFP8); a standard
+    QuantizeLinear quantizes to its zero point's type, INT8 or FP8. In a strongly typed network each tensor's type
+    is inferred as layers are added (NvInfer.h kSTRONGLY_TYPED), so the output's dtype is the quantized type.
+    """
+    counts: dict[str, int] = {}
+    for index in range(network.num_layers):
+        layer: trt.ILayer = network.get_layer(index)
+        if layer.type == trt.LayerType.QUANTIZE:
+            name = layer.get_output(0).dtype.name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def build(request: dict[str, Any]) -> dict[str, Any]:
     import tensorrt as trt
 
     select_device(request.get("device", 0))
     logger = trt.Logger(trt.Logger.INFO)
     builder: trt.Builder = trt.Builder(logger)
+    # Strongly typed: every tensor's type follows from the graph's inputs, casts and Q/DQ nodes (pyCoreDoc.h
+    # NetworkDefinitionCreationFlagDoc). That is explicit quantization for INT8/FP8 Q/DQ graphs as well, as ModelOpt's
+    # diffusers example builds them (`trtexec --stronglyTyped`); TensorRT 11 ignores the flag, always strongly typed.
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network: trt.INetworkDefinition = builder.create_network(flags)
     parser: trt.OnnxParser = trt.OnnxParser(network, logger)
@@ -128,10 +149,18 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     if not parser.parse_from_file(request["onnx"]):
         errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
         raise RuntimeError("ONNX parser errors:\n" + "\n".join(errors))
+    quantized = quantize_layers(network)
+    if (wanted := request.get("quantization")) and not quantized.get(wanted.upper()):
+        raise RuntimeError(
+            f"{request['onnx']} is meant to be an {wanted.upper()} Q/DQ graph, but TensorRT parsed no {wanted.upper()} "
+            f"Quantize layer from it (found {quantized or 'none'}); quantize the model again with `sdtrt quantize`"
+        )
 
     config: trt.IBuilderConfig = builder.create_builder_config()
     # Strongly typed: bf16, fp16 and fp32 graphs all build from the types in the graph, with no precision flag
     # (BuilderFlag.BF16/FP16 are weak typing, removed in TensorRT 11; pyCoreDoc.h NetworkDefinitionCreationFlagDoc).
+    # So do INT8 and FP8 Q/DQ graphs: BuilderFlag.INT8 and FP8 are "Deprecated in TensorRT 10.12. Superseded by strong
+    # typing" (pyCoreDoc.h BuilderFlagDoc, NvInfer.h BuilderFlag kINT8/kFP8; FP8 only ever enabled FP8 plugin I/O).
     config.builder_optimization_level = request["optimization_level"]
     if request.get("refittable"):
         # REFIT: every weight refittable with any new values (LoRAs). Not REFIT_IDENTICAL, which lets the
@@ -169,7 +198,12 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     Path(request["plan"]).write_bytes(plan)
     if cache_path:
         save_timing_cache(config, cache_path)  # after the plan is safe on disk
-    return {"build_s": time.perf_counter() - started, "tensorrt": trt.__version__, "layers": network.num_layers}
+    return {
+        "build_s": time.perf_counter() - started,
+        "tensorrt": trt.__version__,
+        "layers": network.num_layers,
+        "quantize_layers": quantized,
+    }
 
 
 def main() -> None:

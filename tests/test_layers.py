@@ -28,8 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("stand-ins", ("sdtrt.standins", "sdtrt.unet", "sdtrt.transformer", "sdtrt.controlnet")),
     ("pipelines", ("sdtrt.request", "sdtrt.pipeline")),
     ("tools", ("sdtrt.trace", "sdtrt.timing", "sdtrt.validate", "sdtrt.compile", "sdtrt.bench", "sdtrt.profile",
-               "sdtrt.debug",
-               "sdtrt.block_parity")),
+               "sdtrt.debug", "sdtrt.block_parity", "sdtrt.guard")),
     ("serving", ("sdtrt.deploy", "sdtrt.triton_model", "sdtrt.serve", "sdtrt.client")),
     ("cli", ("sdtrt.cli", "sdtrt.__main__")),
 )  # fmt: skip

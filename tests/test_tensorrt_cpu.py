@@ -750,3 +750,13 @@ def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_p
     os.utime(folder / MANIFEST, (ten_days_ago, ten_days_ago))
     assert refill_graph({"weights": build_trt.refill_record(graph)}, tmp_path / "unet.plan") == graph.primary
     assert is_kept_by_gc()
+
+
+def test_a_quantized_graph_is_not_stripped(store, tmp_path):
+    """A quantized plan is built from the quantize stage's TensorRT graph, not the primary graph a stripped plan
+    would be refilled from: refused before any TensorRT work."""
+    from sdtrt.store import Artifact
+
+    quantized = Artifact(tmp_path, {"stage": "quantize", "config": {"precision": "int8"}, "inputs": [{}]})
+    with pytest.raises(ConfigError, match="--strip-weights is not offered for int8 engines yet"):
+        build_trt.run(TrtBuildConfig(strip_weights=True), quantized, store)

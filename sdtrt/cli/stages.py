@@ -6,7 +6,7 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
@@ -29,6 +29,7 @@ from ..spec import denoiser_component, model_components
 from . import options as o
 
 if TYPE_CHECKING:
+    from ..guard import GuardReport
     from ..models import ModelSource
     from ..store import Artifact
 
@@ -257,6 +258,15 @@ def compile(
     calibration_prompts: CalibrationPromptsOpt = None,
     calibration_steps: CalibrationStepsOpt = QuantizeConfig().calibration_steps,
     algorithm: AlgorithmOpt = "max",
+    min_psnr: Annotated[
+        float | None,
+        typer.Option(
+            help="int8/fp8: the accuracy guard's target, the image PSNR (dB) against the fp32 pipeline. Below it the "
+            "quantized layers whose own outputs err most return to high precision and the UNet is quantized again, "
+            "round by round; exit 3 when the target cannot be met."
+        ),
+    ] = None,
+    guard_rounds: Annotated[int, typer.Option(min=1, help="The accuracy guard's quantizations at most.")] = 3,
     exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
@@ -307,6 +317,11 @@ def compile(
         quantized = quantize_config(precision, level, algorithm, calibration_prompts, calibration_steps)
     elif precision not in ("fp16", "bf16", "fp32"):
         raise RequestError(f"precision '{precision}' is not one of fp16, bf16, fp32, int8, fp8")
+    if min_psnr is not None and not (quantized and validate):
+        raise RequestError(
+            "--min-psnr is the accuracy guard of an 8-bit compile's validation: use it with --precision int8 or fp8, "
+            "and without --no-validate"
+        )
     graph_precision = cast(Precision, "fp16" if quantized else precision)  # the members the denoiser runs beside
     o.check_target_precision(target, graph_precision)
     store = o.open_store(engines, cached_ok=True)  # a read-only store serves a complete cache hit
@@ -317,9 +332,7 @@ def compile(
     # Each member's export config is this one with its component; the profile is the denoiser's.
     export_config = o.export_config(graph_precision, exporter, opset, io_naming, denoiser_component(source))
     profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width, tokens)
-    result = compile_model(
-        source,
-        store,
+    options: dict[str, Any] = dict(
         target=target,
         export_config=export_config,
         simplify_config=o.simplify_config(method, check=True),
@@ -335,11 +348,18 @@ def compile(
             weight_streaming,
             strip_weights,
         ),
-        validation=ValidationConfig() if validate else None,
         components=chosen_components,
         revalidate=revalidate,
-        quantize_config=quantized,
     )
+    guarded = None
+    if min_psnr is not None and quantized is not None:
+        from ..guard import GuardConfig, guard
+
+        guarded = guard(source, store, quantized, GuardConfig(min_psnr, guard_rounds), **options)
+        result = guarded.result
+    else:
+        validation = ValidationConfig() if validate else None
+        result = compile_model(source, store, validation=validation, quantize_config=quantized, **options)
     for artifact in result.artifacts:
         if artifact.stage == "simplify":
             print_simplify_summary(artifact)
@@ -348,8 +368,23 @@ def compile(
         if result.validation_cached:
             console.print("[green]✓[/] validate: cached report for these engines [dim](--revalidate runs it again)[/]")
         print_report(result.validation, console)
+    if guarded is not None:
+        print_guard_rounds(guarded)
+        guarded.raise_for_status()
+    if result.validation is not None:
         result.validation.raise_for_status()
     typer.echo(result.final.path)
+
+
+def print_guard_rounds(report: GuardReport) -> None:
+    """The accuracy guard's rounds: the PSNR each reached and the layers it returned to high precision."""
+    for number, row in enumerate(report.rounds, 1):
+        returned = f"; returning to high precision: {', '.join(row.returned)}" if row.returned else ""
+        console.print(
+            f"guard: round {number}: image PSNR {row.psnr_db:.1f} dB (target {report.min_psnr_db:g}){returned}"
+        )
+    kept = ", ".join(report.kept) or "none"
+    console.print(f"guard: {'met' if report else 'not met'}; layers kept in high precision by the guard: {kept}")
 
 
 def one_graph(artifact: Artifact, command: str, takes: tuple[str, ...], wanted: str) -> Artifact:

@@ -18,10 +18,11 @@ from typing import Any
 
 from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError, ConfigError
-from ..gpu import gpu_environment, require_tensorrt, tensorrt_version
+from ..gpu import gpu_environment, require_quantization_support, require_tensorrt, tensorrt_version
 from ..onnx_graph import artifact_spec
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
+from .quantize import quantization, tensorrt_graph
 
 STAGE = "build-trt"
 VERSION = 2  # 2: the plan is named after its component (settings added since enter the key only when set)
@@ -35,9 +36,16 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
             f"whose file digests the load can check, and {source.primary} is outside the store; put it through "
             f"`sdtrt simplify {source.primary}` first, or build without --strip-weights"
         )
+    precision = quantization(source)
+    if config.strip_weights and precision:
+        # A quantized plan is built from the quantize stage's TensorRT graph, not from the artifact's own primary
+        # graph that a stripped plan is refilled from: the refit could not promise the build's weights.
+        raise ConfigError(f"--strip-weights is not offered for {precision} engines yet; build without it")
     if config.strip_weights:  # the plan needs its graph at every load: `gc --older-than` must see it used now
         source.mark_used()
     require_tensorrt()
+    if precision:  # before any work: an FP8 plan on an Ampere GPU cannot be built
+        require_quantization_support(precision)
     spec = artifact_spec(source)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
@@ -87,23 +95,25 @@ def parameter_count(graph: Path) -> int:
 
 def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, str]:
     """The settings as built: TF32 by the graph's precision, the optimization level (unless asked) by the number of
-    parameters in its ONNX weights; and why that level."""
+    parameters in its ONNX weights and whether it is quantized; and why that level."""
     tf32 = config.tf32_for(artifact_spec(source).precision)
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
-    level, reason = default_optimization_level(parameter_count(source.primary))
+    level, reason = default_optimization_level(parameter_count(tensorrt_graph(source)), quantization(source))
     return replace(config, tf32=tf32, optimization_level=level), reason
 
 
 def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, device: int = 0) -> dict[str, Any]:
     """The JSON the child process gets: paths, settings, per-input (min, opt, max) shapes and the CUDA device
-    whose GPU the manifest records (the current one here; the child would otherwise build on device 0)."""
+    whose GPU the manifest records (the current one here; the child would otherwise build on device 0), and for a
+    Q/DQ graph its 8-bit format, which the child checks the parsed network for."""
     spec = artifact_spec(source)
     config, _ = resolved(config, source)
     plan = f"{spec.component}.plan"
     workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
     return {
-        "onnx": str(source.primary),
+        "onnx": str(tensorrt_graph(source)),
+        "quantization": quantization(source),
         "plan": str(out_dir / plan),
         "result": str(out_dir / "result.json"),
         "profiles": [
@@ -171,6 +181,7 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
     result = json.loads((out_dir / "result.json").read_text())
     (out_dir / "result.json").unlink()
     spec = artifact_spec(source)
+    quantized = {"quantization": {"format": request["quantization"], "quantize_layers": result["quantize_layers"]}}
     return {
         "primary": Path(request["plan"]).name,
         "io": spec.to_json(),
@@ -181,9 +192,10 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
         "details": {
             "tensorrt": result["tensorrt"],
             "network_layers": result["layers"],
-            "parameters": parameter_count(source.primary),
+            "parameters": parameter_count(Path(request["onnx"])),
             "optimization_level": {"level": config.optimization_level, "why": level_reason},
             "worker_request": request,
-        },
+        }
+        | (quantized if request["quantization"] else {}),
         "reproduce": reproduce_command(config, source.path),
     } | ({"weights": refill_record(source)} if config.strip_weights else {})

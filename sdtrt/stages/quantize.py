@@ -445,3 +445,10 @@ def tensorrt_graph(artifact: Artifact) -> Path:
     if artifact.primary.suffix != ".onnx":
         raise ArtifactError(f"{artifact.path} holds no ONNX graph for TensorRT")
     return artifact.primary
+
+
+def quantization(artifact: Artifact) -> str | None:
+    """The 8-bit format ("int8", "fp8") of the Q/DQ graph an artifact is or was made from (a quantize artifact in
+    its lineage), or None."""
+    made_from = next((a for a in artifact.lineage() if a.stage == STAGE), None)
+    return None if made_from is None else str(made_from.manifest["config"]["precision"])

@@ -41,11 +41,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..errors import UnsupportedModelError
+from ..errors import LoraError, UnsupportedModelError
 from ..graph_weights import Placement, WeightMap, initializer_values
 from ..progress import quiet_loading, step
 from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
+from .quantize import quantization
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,7 +64,17 @@ class WeightMapConfig:
 
 
 def for_engine(engine: Artifact, model: ModelSource, component: str = "unet") -> WeightMap:
-    """The weight map of the graph ``engine`` (the model's ``component``) runs, from its store (made on first use)."""
+    """The weight map of the graph ``engine`` (the model's ``component``) runs, from its store (made on first use).
+
+    LoraError for an engine made from a Q/DQ graph: its scales were calibrated on the base weights, which a
+    TensorRT plan holds as 8-bit values, so a LoRA is fused first and the result quantized (as NVIDIA's demo does).
+    """
+    if precision := quantization(engine):
+        raise LoraError(
+            f"the {component} engine {engine.path} is quantized to {precision.upper()}, and LoRAs cannot change a "
+            "quantized engine (its scales were calibrated on the base weights): fuse the LoRA into the model first "
+            "and quantize that (diffusers' fuse_lora, then save_pretrained), as NVIDIA's demo requires"
+        )
     graph = onnx_graph.graph_of(
         engine,
         f"a '{engine.stage}' engine cannot take new weights (a wrapped TorchScript engine has no refitter); "
