@@ -192,6 +192,13 @@ def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> 
                 value = buffer.float() if buffer.dtype == torch.bfloat16 else buffer
                 computed[f"network.{prefix}{'.' if prefix else ''}{name}"] = value.numpy()
     stored = onnx_weights.safetensors_index(path)
+    # Tied weights are saved once (T5's shared / encoder.embed_tokens): each name reads the one saved.
+    tied: dict[int, list[str]] = {}
+    for name, tensor in network.state_dict(keep_vars=True).items():
+        tied.setdefault(id(tensor), []).append(name)
+    for names in tied.values():
+        if saved := next((stored[name] for name in names if name in stored), None):
+            stored |= dict.fromkeys(names, saved)
     onnx_weights.check_sources(network.state_dict().keys(), stored, path)
     return network.to("meta"), {"sources": stored, "computed": computed, "prefix": "network."}
 
@@ -278,7 +285,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
                 # The exporter's optimizer folds constants (the Transpose of every Linear weight): it reads the
                 # weights, so they are attached where it starts, and the graph is what the loaded network gives.
                 with before_optimize(functools.partial(onnx_weights.attach_weights, **sources)):
-                    program = _dynamo_program(module, spec, config, dtype, device="meta")
+                    program = _dynamo_program(module, spec, config, dtype, fake_mode=on_fake_cpu(module))
             else:
                 _torch_export(module, spec, config, exporter, raw_dir / onnx_name, dtype)
         except ExportError:
@@ -349,14 +356,9 @@ def _torch_export(
 
 
 def _dynamo_program(
-    module: torch.nn.Module,
-    spec: GraphSpec,
-    config: ExportConfig,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    optimize: bool = True,
+    module: torch.nn.Module, spec: GraphSpec, config: ExportConfig, dtype: torch.dtype, fake_mode: Any = None
 ) -> Any:
-    """torch.export's ONNXProgram for the module, traced on example inputs on ``device`` ("meta": no data)."""
+    """torch.export's ONNXProgram for the module, traced on example inputs (fake ones in ``fake_mode``)."""
     import torch
     from torch.export import Dim
 
@@ -374,11 +376,38 @@ def _dynamo_program(
     dynamic_shapes = {
         "inputs": tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs())
     }
+    inputs = tuple(fake_mode.from_tensor(t) if fake_mode else t for t in example.values())
     return torch.onnx.export(
-        module, tuple(t.to(device) for t in example.values()), dynamo=True, opset_version=config.opset,
-        verbose=False, optimize=optimize, dynamic_shapes=dynamic_shapes, input_names=list(spec.input_names),
-        output_names=list(spec.output_names),
+        module, inputs, dynamo=True, opset_version=config.opset, verbose=False, dynamic_shapes=dynamic_shapes,
+        input_names=list(spec.input_names), output_names=list(spec.output_names),
     )  # fmt: skip
+
+
+def on_fake_cpu(module: torch.nn.Module) -> Any:
+    """Replace the module's meta-device parameters and buffers by fake CPU tensors, which hold no data either;
+    the FakeTensorMode they belong to, for the example inputs.
+
+    Not traced on the meta device itself: operators dispatch by device, and on "meta" some take another path
+    (scaled_dot_product_attention's decomposition reshapes differently), so the graph would not be the CPU one.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # As torch.onnx.enable_fake_mode did before torch 2.13 removed it: one mode, with a shape environment.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fakes: dict[int, torch.nn.Parameter] = {}  # by the meta parameter: tied weights (T5's embeddings) stay tied
+    with fake_mode:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is not None:
+                    if id(param) not in fakes:
+                        fakes[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"), False)
+                    owner._parameters[name] = fakes[id(param)]
+            for name, buffer in list(owner._buffers.items()):
+                if buffer is not None:
+                    owner._buffers[name] = torch.empty_like(buffer, device="cpu")
+    return fake_mode
 
 
 def _save_streamed(program: Any, spec: GraphSpec, onnx_path: Path) -> int:
