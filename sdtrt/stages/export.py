@@ -376,7 +376,8 @@ def _dynamo_program(
     dynamic_shapes = {
         "inputs": tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)} for t in spec.inputs())
     }
-    inputs = tuple(fake_mode.from_tensor(t) if fake_mode else t for t in example.values())
+    # Static fake inputs: their dynamic axes are what dynamic_shapes says, as with real ones.
+    inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) if fake_mode else t for t in example.values())
     return torch.onnx.export(
         module, inputs, dynamo=True, opset_version=config.opset, verbose=False, dynamic_shapes=dynamic_shapes,
         input_names=list(spec.input_names), output_names=list(spec.output_names),
