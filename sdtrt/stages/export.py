@@ -180,6 +180,8 @@ def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> 
         else:
             network = cls.from_config(cls.load_config(path))
         network.to(dtype)
+    if tie := getattr(network, "tie_weights", None):  # transformers ties inside init_empty_weights to copies
+        tie()
     for name, module in network.named_modules():
         if set(name.split(".")) & keep_fp32_modules(network, dtype):
             module.float()
