@@ -213,6 +213,9 @@ class ExportConfig:
     # "indexed" names IO input_0.. / output_0, which `torchtrtc --embed-engine` expects.
     io_naming: IONaming = "named"
     component: Component = "unet"
+    # How weights reach the graph: "load" the network whole, or "stream" them from the safetensors files into a
+    # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams big folders (export.py).
+    weights: Literal["auto", "load", "stream"] = not_in_key("auto")
 
     @property
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
@@ -237,6 +240,10 @@ class ExportConfig:
             )
         if self.io_naming not in ("named", "indexed"):
             raise ConfigError(f"io naming '{self.io_naming}' is not named or indexed")
+        if self.weights not in ("auto", "load", "stream"):
+            raise ConfigError(f"weights '{self.weights}' is not auto, load or stream")
+        if self.weights == "stream" and self.exporter == "torchscript":
+            raise ConfigError("streamed weights need torch.export's exporter; use --exporter dynamo (or auto)")
         if not 14 <= self.opset <= 23:
             raise ConfigError(f"opset {self.opset} is outside 14..23, the range sdtrt exports")
 

@@ -6,7 +6,7 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import typer
 
@@ -33,6 +33,14 @@ if TYPE_CHECKING:
     from ..models import ModelSource
     from ..store import Artifact
 
+WeightsOpt = Annotated[
+    Literal["auto", "load", "stream"],
+    typer.Option(
+        help="load (the network whole, then traced), stream (traced without weights; the initializers streamed from "
+        "the safetensors files: the same graph, memory of one tensor), or auto (stream over 2 GB of weights with "
+        "torch.export's exporter)."
+    ),
+]
 InputArg = Annotated[
     str, typer.Argument(help="The previous stage's artifact: a directory or .onnx file, or a key from `cache ls`.")
 ]
@@ -80,18 +88,28 @@ def export(
     exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
+    weights: WeightsOpt = "auto",
     engines: o.EnginesOpt = None,
 ) -> None:
     """Export one of the model's networks (its denoiser by default) to ONNX, with dynamic batch, height and width.
 
     Example: sdtrt export --model tiny --component vae_decoder --precision fp16
     """
+    import dataclasses
+
+    from ..config import ExportConfig
+    from ..errors import ConfigError
     from ..models import resolve_model
     from ..stages import export as export_stage
 
+    try:  # a usage error, refused before the model is resolved (a preset may be built)
+        ExportConfig(exporter=exporter, weights=weights)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from exc
     store = o.open_store(engines)
     source = resolve_model(model)
     config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source))
+    config = dataclasses.replace(config, weights=weights)
     artifact = export_stage.run(config, source, store)
     typer.echo(artifact.path)
 

@@ -1,0 +1,125 @@
+"""Weight-free export: a network traced without weight data, its initializers streamed from the safetensors files.
+
+The streamed graph must be the loaded path's graph (torch.export's exporter): the same nodes, the same
+initializers (names, dtypes, shapes, bytes), laid out in ``.onnx.data`` as onnx.save_model lays them out,
+and the same output on ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+from sdtrt import onnx_graph
+from sdtrt.config import ExportConfig
+from sdtrt.errors import ConfigError, ExportError
+from sdtrt.models import ModelSource, resolve_model
+from sdtrt.stages import export
+from sdtrt.store import Store
+
+# (preset, component, precision): a UNet, SDXL's, SD3's and Flux's transformers, a T5 (fp16 keeps its `wo`
+# fp32) and a CLIP text encoder (its position ids are a non-persistent buffer, in no safetensors file).
+CASES = [
+    ("tiny", "unet", "fp16"),
+    ("tiny", "unet", "fp32"),
+    ("tiny-sdxl", "unet", "fp16"),
+    ("tiny-sd3", "transformer", "fp32"),
+    ("tiny-flux", "transformer", "fp16"),
+    ("tiny-flux", "text_encoder_2", "fp32"),
+    ("tiny-flux", "text_encoder_2", "fp16"),
+    ("tiny", "text_encoder", "fp16"),
+]
+
+
+def nodes(model: onnx.ModelProto) -> list[tuple]:
+    return [
+        (n.op_type, n.domain, list(n.input), list(n.output), [onnx.helper.printable_attribute(a) for a in n.attribute])
+        for n in model.graph.node
+    ]
+
+
+def initializers(model: onnx.ModelProto) -> list[tuple]:
+    return [(t.name, t.data_type, list(t.dims), numpy_helper.to_array(t).tobytes()) for t in model.graph.initializer]
+
+
+def external_layout(path) -> list[tuple[str, int, int]]:
+    """(name, offset, length) of every initializer stored in the data file, in graph order."""
+    out = []
+    for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:
+        info = {e.key: e.value for e in tensor.external_data}
+        if info:
+            assert info["location"] == onnx_graph.data_file(path).name
+            out.append((tensor.name, int(info.get("offset", 0)), int(info["length"])))
+    return out
+
+
+def ort_outputs(path, spec, precision: str) -> list[np.ndarray]:
+    dtype = {"fp16": torch.float16}.get(precision, torch.float32)
+    feeds = {k: v.numpy() for k, v in spec.sample_inputs(2, 128, 192, dtype=dtype).items()}
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize(("preset", "component", "precision"), CASES, ids=lambda v: str(v))
+def test_streamed_export_is_the_loaded_export(preset, component, precision, store, tmp_path, monkeypatch):
+    model = resolve_model(preset)
+    loaded = export.run(ExportConfig(precision, exporter="dynamo", component=component, weights="load"), model, store)
+    assert loaded.manifest["details"]["weights"] == "load"
+    # Over the threshold the streamed weights go to .onnx.data, the layout real (multi-GB) models get.
+    monkeypatch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
+    config = ExportConfig(precision, exporter="dynamo", component=component, weights="stream")
+    streamed = export.run(config, model, Store(tmp_path))  # its own store: `weights` is not in the cache key
+    assert streamed.manifest["details"]["weights"] == "stream"
+    assert "--weights stream" in streamed.manifest["reproduce"]
+
+    want = onnx.load(str(loaded.primary))
+    got = onnx.load(str(streamed.primary))
+    assert nodes(got) == nodes(want)
+    assert initializers(got) == initializers(want)
+    assert got.graph.input == want.graph.input and got.graph.output == want.graph.output
+    # onnx.save_model's layout: large initializers appended in graph order, no gaps; small ones inline.
+    layout = external_layout(streamed.primary)
+    offsets = [offset for _, offset, _ in layout]
+    assert offsets == [sum(length for _, _, length in layout[:i]) for i in range(len(layout))]
+    assert sum(length for _, _, length in layout) == onnx_graph.data_file(streamed.primary).stat().st_size
+    inline = {t.name for t in got.graph.initializer} - {name for name, _, _ in layout}
+    assert all(len(t.raw_data) < 1024 - 33 for t in got.graph.initializer if t.name in inline)
+
+    spec = export.spec_for(model, config)
+    outputs = ort_outputs(streamed.primary, spec, precision), ort_outputs(loaded.primary, spec, precision)
+    for a, b in zip(*outputs, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_weight_missing_from_the_shards_fails_clearly_and_leaves_nothing(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny = resolve_model("tiny")
+    folder = tmp_path / "model"
+    shutil.copytree(tiny.path, folder)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    del tensors["mid_block.attentions.0.proj_out.weight"]
+    save_file(tensors, weights)
+
+    store = Store(tmp_path / "engines")
+    with pytest.raises(ExportError, match=r"lack 1 weight.*mid_block\.attentions\.0\.proj_out\.weight"):
+        export.run(ExportConfig(weights="stream"), ModelSource("broken", "folder", folder), store)
+    assert not [p for p in (tmp_path / "engines").rglob("*") if p.is_file() and ".onnx" in p.name]
+
+
+def test_auto_streams_only_big_folders_with_torch_export(tiny, monkeypatch):
+    spec = export.spec_for(tiny, ExportConfig())
+    assert export.weights_path(ExportConfig(exporter="dynamo"), spec, tiny) == "load"
+    assert export.weights_path(ExportConfig(exporter="dynamo", weights="stream"), spec, tiny) == "stream"
+    assert export.exporter_for(ExportConfig(weights="stream"), spec) == "dynamo"
+    monkeypatch.setattr(export, "STREAM_ABOVE", 1000)  # tiny's UNet as if it were SDXL's
+    assert export.weights_path(ExportConfig(exporter="dynamo"), spec, tiny) == "stream"
+    assert export.weights_path(ExportConfig(), spec, tiny) == "load", "the fp16 UNet's auto exporter is TorchScript's"
+    with pytest.raises(ConfigError, match=r"torch\.export"):
+        ExportConfig(exporter="torchscript", weights="stream")
