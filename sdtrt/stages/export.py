@@ -228,6 +228,14 @@ def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
     return component_spec(model, config.component, config.precision, config.io_naming)
 
 
+def network_inputs(model: ModelSource, spec: GraphSpec) -> list[dict[str, Any]]:
+    """What a graph traced from one of the model's networks is keyed by: the network's folder and the graph contract."""
+    return [
+        {"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()},
+        {"kind": "graph", "digest": digest(spec.to_json())},
+    ]
+
+
 def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
     spec = spec_for(model, config)
     request = StageRequest(
@@ -236,10 +244,7 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
         config=config,
         # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
         # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
-        inputs=[
-            {"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()},
-            {"kind": "graph", "digest": digest(spec.to_json())},
-        ],
+        inputs=network_inputs(model, spec),
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
     artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))

@@ -38,7 +38,7 @@ from ..config import QUANT_LEVELS, ExportConfig, QuantizeConfig
 from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..models import ModelSource
 from ..progress import step
-from ..spec import FOLDERS, GraphSpec, denoiser_component
+from ..spec import GraphSpec, denoiser_component
 from ..store import Artifact, StageRequest, Store, digest, environment
 from . import calibration, export
 
@@ -85,8 +85,7 @@ def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
         version=VERSION,
         config=config,
         inputs=[
-            {"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()},
-            {"kind": "graph", "digest": digest(spec.to_json())},
+            *export.network_inputs(model, spec),
             {"kind": "calibration", "digest": digest(config.calibration_set())},
         ],
         environment=environment("torch", "diffusers", "onnx", "nvidia-modelopt"),
