@@ -9,10 +9,11 @@ asks for its bytes (the exporter's constant folding, or the writer), and the wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,44 @@ def _reader(stored: StoredTensor, dtype: np.dtype[Any]) -> Callable[[], Any]:
     import onnx_ir as ir
 
     return lambda: ir.tensor(read_tensor(stored, dtype))
+
+
+@contextlib.contextmanager
+def folded_constants_on_disk(scratch: Path) -> Iterator[None]:
+    """While the exporter's optimizer folds constants, each large tensor it makes goes to ``scratch`` as it is made
+    and stays there as a reference: they never pile up in memory.
+
+    The optimizer folds the Transpose of every Linear weight into a new initializer, so its results are as big as
+    the network's matrices (23 GB for Flux's transformer) and were all held until the graph was written. Folded
+    values keep their names, order and bytes; only where they live changes. The hook is onnxscript's
+    ``FoldConstantsPass.new_initializer`` (onnxscript/optimizer/_constant_folding.py), which torch 2.13's
+    exporter runs through ``onnxscript.optimizer.optimize_ir``: a private name, checked by the streamed-export test.
+    """
+    import onnx_ir as ir
+    from onnxscript.optimizer._constant_folding import FoldConstantsPass
+
+    original = FoldConstantsPass.new_initializer
+    with scratch.open("wb") as spill:
+
+        def new_initializer(self: Any, node: Any, array: Any) -> Any:
+            value = original(self, node, array)
+            tensor = None if value is None else value.const_value
+            if value is None or tensor is None or sys.getsizeof(b"") + tensor.nbytes < INLINE_BELOW:
+                return value
+            offset = spill.tell()
+            spill.write(tensor.tobytes())
+            spill.flush()
+            value.const_value = ir.ExternalTensor(
+                scratch.name, offset, tensor.nbytes, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=str(value.name),
+                base_dir=scratch.parent,
+            )  # fmt: skip
+            return value
+
+        FoldConstantsPass.new_initializer = new_initializer  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            FoldConstantsPass.new_initializer = original  # type: ignore[method-assign]
 
 
 def save_streamed(model: Any, path: Path, external: bool) -> None:

@@ -291,7 +291,10 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             if weights == "stream":
                 # The exporter's optimizer folds constants (the Transpose of every Linear weight): it reads the
                 # weights, so they are attached where it starts, and the graph is what the loaded network gives.
-                with before_optimize(functools.partial(onnx_weights.attach_weights, **sources)):
+                with (
+                    before_optimize(functools.partial(onnx_weights.attach_weights, **sources)),
+                    onnx_weights.folded_constants_on_disk(raw_dir / "folded.bin"),
+                ):
                     program = _dynamo_program(module, spec, config, dtype, fake_mode=on_fake_cpu(module))
             else:
                 _torch_export(module, spec, config, exporter, raw_dir / onnx_name, dtype)
