@@ -168,8 +168,8 @@ def folded_constants_on_disk(scratch: Path) -> Iterator[None]:
             spill.write(tensor.tobytes())
             spill.flush()
             value.const_value = ir.ExternalTensor(
-                scratch.name, offset, tensor.nbytes, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=str(value.name),
-                base_dir=scratch.parent,
+                scratch.name, offset, tensor.nbytes, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()),
+                name=str(value.name), base_dir=scratch.parent,
             )  # fmt: skip
             return value
 
