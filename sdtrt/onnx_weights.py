@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -153,7 +153,6 @@ def folded_constants_on_disk(scratch: Path) -> Iterator[None]:
     ``FoldConstantsPass.new_initializer`` (onnxscript/optimizer/_constant_folding.py), which torch 2.13's
     exporter runs through ``onnxscript.optimizer.optimize_ir``: a private name, checked by the streamed-export test.
     """
-    import onnx_ir as ir
     from onnxscript.optimizer._constant_folding import FoldConstantsPass
 
     original = FoldConstantsPass.new_initializer
@@ -161,16 +160,8 @@ def folded_constants_on_disk(scratch: Path) -> Iterator[None]:
 
         def new_initializer(self: Any, node: Any, array: Any) -> Any:
             value = original(self, node, array)
-            tensor = None if value is None else value.const_value
-            if value is None or tensor is None or sys.getsizeof(b"") + tensor.nbytes < INLINE_BELOW:
-                return value
-            offset = spill.tell()
-            spill.write(tensor.tobytes())
-            spill.flush()
-            value.const_value = ir.ExternalTensor(
-                scratch.name, offset, tensor.nbytes, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()),
-                name=str(value.name), base_dir=scratch.parent,
-            )  # fmt: skip
+            if value is not None and value.const_value is not None:
+                _append_if_large(value, spill, scratch)
             return value
 
         FoldConstantsPass.new_initializer = new_initializer  # type: ignore[method-assign]
@@ -192,14 +183,23 @@ def save_streamed(model: Any, path: Path, external: bool) -> None:
     if external:
         data = path.with_name(path.name + ".data")
         with data.open("wb") as f:
-            for name, value in model.graph.initializers.items():
-                tensor = value.const_value
-                if sys.getsizeof(b"") + tensor.nbytes < INLINE_BELOW:
-                    continue  # stays inline; read again (it is small) when the graph is serialized
-                offset = f.tell()
-                f.write(tensor.tobytes())
-                value.const_value = ir.ExternalTensor(
-                    data.name, offset, f.tell() - offset, tensor.dtype, shape=tensor.shape, name=name,
-                    base_dir=path.parent,
-                )  # fmt: skip
+            for value in model.graph.initializers.values():
+                _append_if_large(value, f, data)  # a small one stays inline, read again when the graph is serialized
     ir.save(model, path)
+
+
+def _append_if_large(value: Any, f: BinaryIO, file: Path) -> None:
+    """Append an initializer's bytes to ``f`` (open on ``file``) and point the value at them, unless onnx would keep
+    it inline (INLINE_BELOW): its data then lives in the file, not in memory."""
+    import onnx_ir as ir
+
+    tensor = value.const_value
+    if sys.getsizeof(b"") + tensor.nbytes < INLINE_BELOW:
+        return
+    offset = f.tell()
+    f.write(tensor.tobytes())
+    f.flush()  # the reference may be read (memory-mapped) before the file is closed: the optimizer reads its spills
+    value.const_value = ir.ExternalTensor(
+        file.name, offset, tensor.nbytes, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()), name=str(value.name),
+        base_dir=file.parent,
+    )  # fmt: skip
