@@ -76,6 +76,10 @@ class LoraError(SdtrtError):
     """
 
 
+class RefitError(LoraError):
+    """An engine's refit failed after it began: some of its weights may have changed (next swap rewrites them)."""
+
+
 class ServeError(SdtrtError):
     """Triton Inference Server did not start, stopped, or answered a request with an error."""
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import LoraError, one_line
+from .errors import LoraError, RefitError, one_line
 from .lora_files import LORA_FAMILIES, LoraFile, LoraModule, LoraSpec, checked_loras, lora_kind, read_lora
 
 if TYPE_CHECKING:
@@ -93,9 +93,9 @@ class EngineLoras:
         try:
             if weights:  # an unchanged engine keeps its session (ONNX Runtime) or skips a refit (TensorRT)
                 self.runtime.set_weights(weights)
-        except LoraError:
+        except RefitError:
             # A refit that fails may have changed some weights (pyCoreDoc.h, refit_cuda_engine): count them
-            # all as changed, so the next swap rewrites each from base.
+            # all as changed, so the next swap rewrites each from base. Other refusals changed nothing.
             self._changed |= set(weights)
             raise
         self._changed, self.active = changed, active

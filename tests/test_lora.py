@@ -17,7 +17,7 @@ import torch
 from onnx import numpy_helper
 
 from sdtrt.compile import compile_model
-from sdtrt.errors import LoraError
+from sdtrt.errors import LoraError, RefitError
 from sdtrt.graph_weights import read_initializers
 from sdtrt.lora import EngineLoras, apply_loras
 from sdtrt.lora_files import parse_lora_option
@@ -273,6 +273,33 @@ def test_a_weight_the_map_cannot_place_is_refused_by_name(tiny, tiny_engine, lor
     runtime = open_runtime(Artifact(tmp_path, {**tiny_engine.manifest, "primary": "unet.onnx", "files": []}), tiny)
     with pytest.raises(LoraError, match=f"cannot place {TO_Q}.weight: no initializer holds its value"):
         apply_loras([EngineLoras("unet", runtime, lambda: made)], [(loras["a"], 1.0)], lambda _: "")
+
+
+class RefusingRuntime:
+    """An engine runtime that cannot take new weights, as TensorRT without --refittable (it refuses up front)
+    or with a refit that fails midway (refit_cuda_engine returned False: some weights may have changed)."""
+
+    def __init__(self, error: LoraError) -> None:
+        self.error, self.calls = error, 0
+
+    def set_weights(self, weights) -> None:
+        self.calls += 1
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "rewrites"), [(LoraError("built without --refittable"), 0),
+                                                 (RefitError("refit_cuda_engine returned False"), 1)])  # fmt: skip
+def test_clearing_after_a_refused_swap_rewrites_only_what_may_have_changed(tiny, tiny_engine, loras, error, rewrites):
+    runtime = RefusingRuntime(error)
+    target = EngineLoras("unet", runtime, lambda: weight_map.for_engine(tiny_engine, tiny))
+    with pytest.raises(type(error)):
+        apply_loras([target], [(loras["a"], 1.0)], lambda _: "")
+    if rewrites:  # weights that may have changed are rewritten from base, which this runtime refuses again
+        with pytest.raises(RefitError):
+            apply_loras([target], [], lambda _: "")
+    else:  # nothing changed: back to base is a no-op
+        apply_loras([target], [], lambda _: "")
+    assert runtime.calls == 1 + rewrites and target.active == []
 
 
 def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_path):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..config import WeightBudget
-from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError
+from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError, RefitError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from ..store import Artifact, digest
@@ -495,7 +495,7 @@ class TensorRTRuntime(CudaRuntime):
                 put(name, array)
         self._stream.synchronize()
         if not refitter.refit_cuda_engine():
-            raise LoraError("TensorRT could not refit the engine (refit_cuda_engine returned False); see its messages")
+            raise RefitError("TensorRT could not refit the engine (refit_cuda_engine returned False); see its messages")
         self._graph.drop()
 
     def close(self) -> None:
