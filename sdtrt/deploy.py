@@ -124,7 +124,8 @@ def deploy_triton(
     if folder.exists():
         shutil.rmtree(folder)
     version = folder / VERSION_DIR
-    for artifact in {a.path: a for a in [engine, *members.values()]}.values():  # a lone UNet is its own member
+    served = [engine, *members.values()]
+    for artifact in {a.path: a for a in served + refill_graphs(served)}.values():  # a lone UNet is its own member
         artifact.require_intact()
         _link_tree(artifact.path, version / ENGINES_DIR / artifact.stage / artifact.path.name)
     skip = frozenset(FOLDERS[d.component] for d in DENOISERS if d.component in members)  # engines replace them
@@ -146,6 +147,15 @@ def deploy_triton(
     }
     (folder / DEPLOYMENT).write_text(json.dumps(record, indent=2) + "\n")
     return Deployment(folder, record)
+
+
+def refill_graphs(artifacts: list[Artifact]) -> list[Artifact]:
+    """The graphs that weight-stripped plans among ``artifacts`` are refilled from at every load: they are served too
+    (the runtime finds them in the plan's own store, which the repository's engines folder is)."""
+    from .runtime.tensorrt import refill_graph
+
+    stripped = [a for a in artifacts if not a.manifest.get("weights", {}).get("in_plan", True)]
+    return [Artifact.open(graph.parent) for a in stripped if (graph := refill_graph(a.manifest, a.primary))]
 
 
 def _link_tree(src: Path, dst: Path, skip_weights_in: frozenset[str] = frozenset()) -> None:

@@ -722,6 +722,31 @@ def test_a_stripped_plan_finds_its_graph_from_any_working_directory(tiny_simplif
     assert found is not None and found.resolve() == (tmp_path / "engines/simplify/graph" / graph.primary.name)
 
 
+def test_a_stripped_plan_takes_its_graph_along_to_a_moved_store_and_a_triton_repository(tiny_simplified, tmp_path):
+    """The recorded path is where the graph was built; a store moved elsewhere, or the repository `sdtrt deploy`
+    writes (a store of its own), holds the graph beside the plan, under the same stage and key."""
+    import shutil
+
+    from sdtrt.deploy import refill_graphs
+    from sdtrt.store import Artifact
+
+    built = tmp_path / "engines"
+    shutil.copytree(tiny_simplified.path, built / "simplify" / "graph")
+    (built / "build-trt" / "plan").mkdir(parents=True)
+    record = build_trt.refill_record(Artifact.open(built / "simplify" / "graph"))
+    (built / "build-trt" / "plan" / "manifest.json").write_text(
+        json.dumps({"stage": "build-trt", "primary": "unet.plan", "weights": record})
+    )
+    plan = Artifact.open(built / "build-trt" / "plan")
+    assert [a.path for a in refill_graphs([plan, Artifact.open(built / "simplify" / "graph")])] == [
+        built / "simplify" / "graph"  # the graph a deployment links beside the plan; a plan with weights needs none
+    ]
+
+    moved = shutil.move(built, tmp_path / "elsewhere")
+    found = refill_graph({"weights": record}, Path(moved) / "build-trt" / "plan" / "unet.plan")
+    assert found == Path(moved) / "simplify" / "graph" / tiny_simplified.primary.name
+
+
 def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_path):
     """`cache gc --older-than` removes artifacts by last use: the graph a stripped plan refills from is used at every
     load and at the build (`sdtrt build <simplify dir>` opens it by path, no cache hit marks it), so it must never

@@ -233,6 +233,14 @@ def graph_digest(source: Artifact) -> str:
     return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
 
 
+def refill_location(recorded: dict[str, Any], plan: Path) -> Path:
+    """Where the graph that refills ``plan`` is: in the plan's own store when it is there (a store moved elsewhere,
+    or a Triton repository that `sdtrt deploy` wrote: <store>/<stage>/<key>), else where the build recorded it."""
+    built = Path(recorded["artifact"])
+    beside = plan.parent.parent.parent / built.parent.name / built.name
+    return beside if beside.is_dir() else built
+
+
 def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
     """The ONNX graph that refills a weight-stripped plan, checked against the digest its build recorded; None for
     a plan that holds its weights. ArtifactError when the graph is gone, changed or corrupt."""
@@ -240,7 +248,7 @@ def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
     if weights.get("in_plan", True):
         return None
     recorded = weights["refill_from"]
-    where = Path(recorded["artifact"])
+    where = refill_location(recorded, plan)
     try:
         source = Artifact.open(where)
         problem = next(iter(source.file_problems()), None)
