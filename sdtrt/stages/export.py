@@ -312,7 +312,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     started = time.perf_counter()
     if weights == "stream":
         with step("Streaming the weights from the model's safetensors files into the graph"):
-            node_count = _save_streamed(program, spec, onnx_path)
+            node_count = _save_streamed(program, spec, onnx_path, scratch=raw_dir / "folded.bin")
     else:
         with step("Naming axes, packing weights and checking the graph"):
             proto = onnx_graph.load_graph(raw_dir / onnx_name, with_weights=True)
@@ -421,12 +421,13 @@ def on_fake_cpu(module: torch.nn.Module) -> Any:
     return fake_mode
 
 
-def _save_streamed(program: Any, spec: GraphSpec, onnx_path: Path) -> int:
+def _save_streamed(program: Any, spec: GraphSpec, onnx_path: Path, scratch: Path) -> int:
     """Save the program with its initializers streamed to disk one at a time, axes named; the node count."""
     import onnx
 
     weight_bytes = sum(value.const_value.nbytes for value in program.model.graph.initializers.values())
-    onnx_weights.save_streamed(program.model, onnx_path, external=weight_bytes > onnx_graph.EXTERNAL_DATA_THRESHOLD)
+    external = weight_bytes > onnx_graph.EXTERNAL_DATA_THRESHOLD
+    onnx_weights.save_streamed(program.model, onnx_path, external, scratch)
     proto = onnx_graph.load_graph(onnx_path)  # the graph alone: its external weights stay on disk
     onnx_graph.name_dynamic_axes(proto, spec)
     onnx.save_model(proto, str(onnx_path))  # the initializers' external data references as they are
