@@ -395,7 +395,7 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
 
     module = export.graph_module(spec, network)
     config = ExportConfig(precision="fp32", opset=OPSET, exporter="torchscript", component=spec.component)
-    with export_patches(), _rms_norm_written_out(), torch.no_grad(), _quiet():
+    with export_patches(), _traceable_by_torchscript(), torch.no_grad(), _quiet():
         try:
             export._torch_export(module, spec, config, "torchscript", path, torch.float32)
         except Exception as exc:
@@ -403,12 +403,19 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _rms_norm_written_out() -> Any:
-    """``F.rms_norm`` as x·rsqrt(mean(x²) + eps)·weight while exporting: the TorchScript exporter has no symbolic
-    for ``aten::rms_norm`` (``torch.nn.RMSNorm``: Flux's query/key norms) at any opset, its ops it has."""
-    import torch
+def _traceable_by_torchscript() -> Any:
+    """What the TorchScript exporter cannot trace in the transformers, written out while it exports (ModelOpt's
+    fake-quant modules export through it only):
 
-    original = torch.nn.functional.rms_norm
+    - ``F.rms_norm`` (``torch.nn.RMSNorm``: Flux's query/key norms) has no symbolic at any opset: as
+      x·rsqrt(mean(x²) + eps)·weight, ops it has;
+    - diffusers' ``apply_rotary_emb`` reshapes by ``*x.shape[:-1]``, a slice of the shape the tracer records as
+      constants (a Flux graph then runs only at the traced batch and token count): ``unflatten`` keeps it symbolic.
+    """
+    import torch
+    from diffusers.models.transformers import transformer_flux
+
+    functional, rotary = torch.nn.functional.rms_norm, transformer_flux.apply_rotary_emb
 
     def rms_norm(
         input: torch.Tensor,  # F.rms_norm's parameter names: keyword calls still match
@@ -421,11 +428,28 @@ def _rms_norm_written_out() -> Any:
         normed = input * torch.rsqrt(input.pow(2).mean(dims, keepdim=True) + eps)
         return normed if weight is None else normed * weight
 
+    def apply_rotary_emb(
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor | tuple[torch.Tensor],
+        use_real: bool = True,
+        use_real_unbind_dim: int = -1,
+        sequence_dim: int = 2,
+    ) -> Any:
+        if not (use_real and use_real_unbind_dim == -1 and sequence_dim == 1):
+            return rotary(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        # Flux's case of diffusers' embeddings.apply_rotary_emb, the same arithmetic.
+        cos, sin = (f[None, :, None, :] for f in freqs_cis)
+        real, imaginary = x.unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack([-imaginary, real], dim=-1).flatten(3)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
     torch.nn.functional.rms_norm = rms_norm
+    transformer_flux.apply_rotary_emb = apply_rotary_emb
     try:
         yield
     finally:
-        torch.nn.functional.rms_norm = original
+        torch.nn.functional.rms_norm = functional
+        transformer_flux.apply_rotary_emb = rotary
 
 
 def fp8_scales_as_int8(network: torch.nn.Module) -> None:
