@@ -165,3 +165,19 @@ def test_compile_int8_quantizes_only_the_transformer(preset, store):
     psnr = report.image["psnr_db"]
     print(f"\n{preset} INT8 level 2.5: image PSNR against fp32 {psnr:.1f} dB; tensors {report.tensors[0]}")
     assert math.isfinite(psnr) and psnr > 10
+
+
+def test_the_guard_ranks_a_transformers_quantized_layers():
+    """The accuracy guard's ranking records the calibration calls on the pipeline's transformer (Flux: no unet)."""
+    from sdtrt.guard import rank_layers
+
+    model = resolve_model("tiny-flux")
+    config = dataclasses.replace(INT8, calibration_prompts=INT8.calibration_prompts[:1])
+    errors = rank_layers(config, model)
+    plan = quantize.plan_layers(
+        calibration.pipeline_denoiser(calibration.load_reference_pipeline(model), model),
+        config,
+        quantize.denoiser_quantization(model),
+    )
+    assert set(errors) == set(plan.quantized)
+    assert all(math.isfinite(error) and error > 0 for error in errors.values())
