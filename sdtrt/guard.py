@@ -128,7 +128,7 @@ def rank_layers(config: QuantizeConfig, model: ModelSource) -> dict[str, float]:
     quantized = quantize.quantized_denoiser(config, model)
     with step("Recording the calibration inputs to rank the quantized layers"):
         pipe = calibration.load_reference_pipeline(model)
-        calls = calibration.record(pipe, pipe.unet, config).calls
+        calls = calibration.record(pipe, calibration.pipeline_denoiser(pipe, model), config).calls
         del pipe
     with step(f"Ranking {len(quantized.plan.quantized)} quantized layers by their own output error"):
         return layer_errors(quantized.network, calls)

@@ -3,8 +3,10 @@
 The model's own text-to-image pipeline (fp32) runs each calibration prompt for the configured steps; a forward
 pre-hook on its denoiser records every call's arguments (classifier-free guidance batches, the scheduler's real
 timesteps, the text embeddings), and ModelOpt's calibration replays them (ModelOpt's diffusers example calibrates
-on denoising trajectories the same way, through its pipeline). Here, in the stages, the pipeline is loaded with
-diffusers directly: the pipelines layer sits above the stages.
+on denoising trajectories the same way, through its pipeline). One hook serves every denoiser kind: a UNet's calls,
+or a transformer's keyword ones (SD3: hidden_states, encoder_hidden_states, pooled_projections, timestep; Flux adds
+img_ids, txt_ids and guidance, its timestep already divided by 1000), named as its graph spec names its inputs.
+Here, in the stages, the pipeline is loaded with diffusers directly: the pipelines layer sits above the stages.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 from ..families import accepted
 from ..progress import quiet_loading
+from ..spec import denoiser_component
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +53,11 @@ def load_reference_pipeline(model: ModelSource) -> Any:
         pipe = cls.from_pretrained(model.path, dtype=torch.float32, local_files_only=True, **accepted(cls, no_checker))
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def pipeline_denoiser(pipe: Any, model: ModelSource) -> torch.nn.Module:
+    """The pipeline's denoiser: its ``unet``, or its ``transformer`` (SD3, Flux), which the hook records."""
+    return getattr(pipe, denoiser_component(model))
 
 
 def record(pipe: Any, denoiser: torch.nn.Module, config: QuantizeConfig) -> CalibrationSet:

@@ -1,10 +1,12 @@
 """Quantize stage: the denoiser → INT8 or FP8 Q/DQ ONNX graphs with NVIDIA ModelOpt.
 
-The UNet is quantized by ``mtq.quantize(unet, config, forward_loop)`` with ModelOpt's diffusers presets
-(``configs/ptq/presets/diffusers/int8|fp8``; SmoothQuant from ``mtq.INT8_SMOOTHQUANT_CFG``), calibrated by replaying
-the inputs it saw while the fp32 pipeline denoised the calibration prompts (stages/calibration.py). The layers
-NVIDIA keeps in high precision are never quantized, and the level picks the Linear layers (NVIDIA's
-``quantize_lvl`` in TensorRT demo/Diffusion and ModelOpt's examples/diffusers/quantization/utils.py).
+The denoiser (a UNet, or SD3's / Flux's transformer) is quantized by ``mtq.quantize(network, config, forward_loop)``
+with ModelOpt's diffusers presets (``configs/ptq/presets/diffusers/int8|fp8``; SmoothQuant from
+``mtq.INT8_SMOOTHQUANT_CFG``), calibrated by replaying the inputs it saw while the fp32 pipeline denoised the
+calibration prompts (stages/calibration.py). The layers NVIDIA keeps in high precision are never quantized (per
+denoiser kind: ``DenoiserQuantization``), and the level picks the Linear layers (NVIDIA's ``quantize_lvl`` in
+TensorRT demo/Diffusion and ModelOpt's examples/diffusers/quantization/utils.py, one rule for UNets and
+transformers).
 
 Two graphs, because one cannot do both jobs (the manifest's ``graphs`` says which file is which):
 
@@ -29,12 +31,13 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..config import QUANT_LEVELS, ExportConfig, QuantizeConfig
+from ..config import QUANT_LEVELS, Component, ExportConfig, QuantizeConfig
 from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..models import ModelSource
 from ..progress import step
@@ -50,8 +53,8 @@ STAGE = "quantize"
 VERSION = 1
 # ModelOpt's diffusers example exports with opset 20; FP8 QuantizeLinear needs 19 or later.
 OPSET = 20
-# The layers NVIDIA keeps in high precision: TensorRT demo/Diffusion's filter_func (proj_out included for UNets)
-# and ModelOpt's filter_func_default / filter_func_flux_dev (Flux's context_embedder, x_embedder, norm_out).
+# The layers NVIDIA keeps in high precision in a UNet: TensorRT demo/Diffusion's filter_func (proj_out included for
+# UNets) and ModelOpt's filter_func_default.
 ALWAYS_KEPT = re.compile(
     r".*(time_emb_proj|time_embedding|conv_in|conv_out|conv_shortcut|add_embedding|pos_embed|time_text_embed"
     r"|context_embedder|x_embedder|norm_out|proj_out).*"
@@ -63,8 +66,13 @@ ATTENTION_QUANTIZERS = (
     "softmax_quantizer",
     "bmm2_output_quantizer",
 )
-GRAPH = "unet.onnx"
-TRT_GRAPH = "unet.trt.onnx"
+# In a transformer (SD3, Flux): ModelOpt's examples/diffusers/quantization/utils.py filter_func_flux_dev
+# (time_text_embed, context_embedder, x_embedder, norm_out and the final proj_out, anchored: a Flux single block's
+# proj_out is quantized) and filter_func_default, which its models.py gives SD3-Medium / SD3.5 (pos_embed), with
+# the final proj_out kept for SD3 too, as its earlier quantize_lvl did for every backbone (``name != "proj_out"``).
+TRANSFORMER_KEPT = re.compile(r"proj_out$|.*(pos_embed|time_text_embed|context_embedder|x_embedder|norm_out).*")
+GRAPH = "{component}.onnx"  # unet.onnx, transformer.onnx
+TRT_GRAPH = "{component}.trt.onnx"
 FP8_ZERO_POINT = "sdtrt_fp8_zero_point"
 
 
@@ -77,7 +85,7 @@ def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
 
 
 def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
-    """What ``run`` asks the store for: keyed by the model's UNet, the graph contract, the config (precision,
+    """What ``run`` asks the store for: keyed by the model's denoiser, the graph contract, the config (precision,
     level, algorithm, layers kept) and a hash of the calibration set."""
     spec = denoiser_graph_spec(model)
     return StageRequest(
@@ -99,12 +107,13 @@ def denoiser_graph_spec(model: ModelSource) -> GraphSpec:
 
 def check_model(config: QuantizeConfig, model: ModelSource) -> None:
     """ConfigError, from the model's configs alone (nothing loaded), when this model cannot be quantized so."""
-    if denoiser_component(model) != "unet":
+    kind = denoiser_quantization(model)
+    if config.level not in kind.levels:
         raise ConfigError(
-            f"quantization covers UNet denoisers for now, and '{model.name}' has a transformer; "
-            "compile it with --precision fp16 or bf16"
+            f"level {config.level:g} quantizes {QUANT_LEVELS[config.level]}, and {kind.levels_why}; "
+            f"use --level {', '.join(f'{level:g}' for level in kind.levels if level < 4)}"
         )
-    if config.level == 4.0 and (odd := [size for size in head_sizes(model.unet_config()) if size % 16]):
+    if config.level == 4.0 and (odd := [size for size in kind.head_sizes(model.denoiser_config()) if size % 16]):
         raise ConfigError(
             f"level 4 quantizes attention in FP8, which needs head sizes that are multiples of 16, and "
             f"'{model.name}' has heads of {', '.join(map(str, sorted(set(odd))))}; use --level 3"
@@ -128,6 +137,48 @@ def head_sizes(unet_config: dict[str, Any]) -> list[int]:
     return [c // h for c, h in zip(channels, heads, strict=True)]
 
 
+def transformer_head_sizes(config: dict[str, Any]) -> list[int]:
+    """An SD3 / Flux transformer's one attention head size (diffusers names it ``attention_head_dim``)."""
+    return [config["attention_head_dim"]]
+
+
+@dataclass(frozen=True)
+class DenoiserQuantization:
+    """How NVIDIA quantizes one kind of denoiser: the modules it always keeps in high precision, and the levels
+    that quantize anything in it (``levels_why`` says why the others are refused)."""
+
+    kept: re.Pattern[str]
+    kept_why: str
+    levels: tuple[float, ...]
+    levels_why: str
+    head_sizes: Callable[[dict[str, Any]], list[int]]
+
+
+UNET_QUANTIZATION = DenoiserQuantization(
+    ALWAYS_KEPT,
+    "kept by NVIDIA (embeddings, first/last and shortcut convolutions, proj_out)",
+    tuple(QUANT_LEVELS),
+    "",
+    head_sizes,
+)
+QUANTIZATION: dict[Component, DenoiserQuantization] = {
+    "unet": UNET_QUANTIZATION,
+    "transformer": DenoiserQuantization(
+        TRANSFORMER_KEPT,
+        "kept by NVIDIA (patch and text embedders, timestep embeddings, the output norm and projection)",
+        (2.0, 2.5, 3.0, 4.0),
+        # SD3's one convolution is its patch embedding (pos_embed.proj, kept), and Flux has none.
+        "a transformer's only convolution (SD3's patch embedding) stays in high precision: nothing would be quantized",
+        transformer_head_sizes,
+    ),
+}
+
+
+def denoiser_quantization(model: ModelSource) -> DenoiserQuantization:
+    """How the model's denoiser is quantized: its kind's."""
+    return QUANTIZATION[denoiser_component(model)]
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """Which Linear/Conv (and LayerNorm) modules are quantized, and why each other one is kept in high precision."""
@@ -140,8 +191,11 @@ class LayerPlan:
         return [{"quantizer_name": f"{name}.*", "enable": False} for name in self.kept]
 
 
-def plan_layers(network: torch.nn.Module, config: QuantizeConfig) -> LayerPlan:
-    """The layer selection for ``config``: NVIDIA's always-kept layers, the level's Linear layers, the user's list.
+def plan_layers(
+    network: torch.nn.Module, config: QuantizeConfig, kind: DenoiserQuantization = UNET_QUANTIZATION
+) -> LayerPlan:
+    """The layer selection for ``config``: the layers NVIDIA keeps in this ``kind`` of denoiser, the level's Linear
+    layers, the user's list.
 
     ConfigError when ``keep_high_precision`` names a module the network does not have.
     """
@@ -157,7 +211,7 @@ def plan_layers(network: torch.nn.Module, config: QuantizeConfig) -> LayerPlan:
     for name, module in network.named_modules():
         if not isinstance(module, torch.nn.Linear | torch.nn.Conv2d | torch.nn.LayerNorm):
             continue
-        why = _kept_because(name, module, config)
+        why = _kept_because(name, module, config, kind)
         if why is None:
             quantized.append(name)
         else:
@@ -165,13 +219,13 @@ def plan_layers(network: torch.nn.Module, config: QuantizeConfig) -> LayerPlan:
     return LayerPlan(tuple(quantized), kept)
 
 
-def _kept_because(name: str, module: torch.nn.Module, config: QuantizeConfig) -> str | None:
+def _kept_because(name: str, module: torch.nn.Module, config: QuantizeConfig, kind: DenoiserQuantization) -> str | None:
     import torch
 
     if any(name == kept or name.startswith(kept + ".") for kept in config.keep_high_precision):
         return "asked (keep_high_precision)"
-    if ALWAYS_KEPT.match(name):
-        return "kept by NVIDIA (embeddings, first/last and shortcut convolutions, proj_out)"
+    if kind.kept.match(name):
+        return kind.kept_why
     level = config.level
     if isinstance(module, torch.nn.LayerNorm):
         # ModelOpt quantizes LayerNorms for FP8 attention fusion (nn/modules/quant_layernorm.py): level 4's.
@@ -231,15 +285,15 @@ class QuantizedDenoiser:
 
 
 def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedDenoiser:
-    """The model's UNet quantized with ModelOpt (fake quantization, in PyTorch), calibrated on its pipeline."""
+    """The model's denoiser quantized with ModelOpt (fake quantization, in PyTorch), calibrated on its pipeline."""
     check_model(config, model)
     mtq = modelopt()
     timings = {}
     started = time.perf_counter()
     with step(f"Loading the fp32 pipeline of {model.name}"):
         pipe = calibration.load_reference_pipeline(model)
-        network = pipe.unet.eval()
-        plan = plan_layers(network, config)
+        network = calibration.pipeline_denoiser(pipe, model).eval()
+        plan = plan_layers(network, config, denoiser_quantization(model))
     with step(
         f"Recording calibration inputs ({len(config.calibration_prompts)} prompts × {config.calibration_steps} steps)"
     ):
@@ -268,7 +322,7 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
     graphs = write_graphs(quantized.network, config, spec, out_dir, timings)
     plan = quantized.plan
     return {
-        "primary": GRAPH,
+        "primary": graphs["onnxruntime"],
         "family": model.family(),
         "io": spec.to_json(),
         "precision": {"graph": "fp32", "quantized": config.precision, "why": "fp32 outside the Q/DQ pairs"},
@@ -302,27 +356,28 @@ def write_graphs(
     """Export a quantized network (changed in place for FP8) and write its graphs into ``out_dir``; returns the file
     of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times to ``timings``."""
     started = time.perf_counter()
+    graph, trt_graph = GRAPH.format(component=spec.component), TRT_GRAPH.format(component=spec.component)
     raw_dir = out_dir / "raw"
     raw_dir.mkdir()
     if config.precision == "fp8":
         fp8_scales_as_int8(network)
     with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
-        _export(network, spec, raw_dir / GRAPH)
+        _export(network, spec, raw_dir / graph)
     timings["export_s"] = round(time.perf_counter() - started, 3)
 
     started = time.perf_counter()
     with step("Writing the TensorRT and ONNX Runtime graphs"):
-        proto = onnx_graph.load_graph(raw_dir / GRAPH, with_weights=True)
+        proto = onnx_graph.load_graph(raw_dir / graph, with_weights=True)
         onnx_graph.name_dynamic_axes(proto, spec)
         weight_bytes = onnx_graph.weights_on_disk(raw_dir)
-        graphs = {"tensorrt": GRAPH, "onnxruntime": GRAPH}
+        graphs = {"tensorrt": graph, "onnxruntime": graph}
         if config.precision == "fp8":
             proto = convert_zp_fp8(_cleaned(proto))
             if any(node.domain == "trt" for node in proto.graph.node):  # LayerNorm and attention quantizers (level 4)
-                onnx_graph.save(proto, out_dir / TRT_GRAPH, weight_bytes)
-                graphs["tensorrt"] = TRT_GRAPH
+                onnx_graph.save(proto, out_dir / trt_graph, weight_bytes)
+                graphs["tensorrt"] = trt_graph
                 standard_fp8_qdq(proto)
-        onnx_graph.save(proto, out_dir / GRAPH, weight_bytes)
+        onnx_graph.save(proto, out_dir / graph, weight_bytes)
         del proto
         shutil.rmtree(raw_dir)
         for name in set(graphs.values()):
@@ -340,11 +395,61 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
 
     module = export.graph_module(spec, network)
     config = ExportConfig(precision="fp32", opset=OPSET, exporter="torchscript", component=spec.component)
-    with export_patches(), torch.no_grad(), _quiet():
+    with export_patches(), _traceable_by_torchscript(), torch.no_grad(), _quiet():
         try:
             export._torch_export(module, spec, config, "torchscript", path, torch.float32)
         except Exception as exc:
             raise ExportError(f"exporting the quantized {spec.label} failed: {one_line(exc)}") from exc
+
+
+@contextlib.contextmanager
+def _traceable_by_torchscript() -> Any:
+    """What the TorchScript exporter cannot trace in the transformers, written out while it exports (ModelOpt's
+    fake-quant modules export through it only):
+
+    - ``F.rms_norm`` (``torch.nn.RMSNorm``: Flux's query/key norms) has no symbolic at any opset: as
+      x·rsqrt(mean(x²) + eps)·weight, ops it has;
+    - diffusers' ``apply_rotary_emb`` reshapes by ``*x.shape[:-1]``, a slice of the shape the tracer records as
+      constants (a Flux graph then runs only at the traced batch and token count): ``unflatten`` keeps it symbolic.
+    """
+    import torch
+    from diffusers.models.transformers import transformer_flux
+
+    functional, rotary = torch.nn.functional.rms_norm, transformer_flux.apply_rotary_emb
+
+    def rms_norm(
+        input: torch.Tensor,  # F.rms_norm's parameter names: keyword calls still match
+        normalized_shape: Sequence[int],
+        weight: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
+        eps = torch.finfo(input.dtype).eps if eps is None else eps  # torch's default
+        dims = tuple(range(-len(normalized_shape), 0))
+        normed = input * torch.rsqrt(input.pow(2).mean(dims, keepdim=True) + eps)
+        return normed if weight is None else normed * weight
+
+    def apply_rotary_emb(
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor | tuple[torch.Tensor],
+        use_real: bool = True,
+        use_real_unbind_dim: int = -1,
+        sequence_dim: int = 2,
+    ) -> Any:
+        if not (use_real and use_real_unbind_dim == -1 and sequence_dim == 1):
+            return rotary(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        # Flux's case of diffusers' embeddings.apply_rotary_emb, the same arithmetic.
+        cos, sin = (f[None, :, None, :] for f in freqs_cis)
+        real, imaginary = x.unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack([-imaginary, real], dim=-1).flatten(3)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    torch.nn.functional.rms_norm = rms_norm
+    transformer_flux.apply_rotary_emb = apply_rotary_emb
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = functional
+        transformer_flux.apply_rotary_emb = rotary
 
 
 def fp8_scales_as_int8(network: torch.nn.Module) -> None:

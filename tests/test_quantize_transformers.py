@@ -1,0 +1,189 @@
+"""Quantization of the transformer denoisers (issue 22): SD3's MMDiT and Flux's DiT (tiny-sd3, tiny-flux) quantized
+with ModelOpt INT8/FP8, calibrated through their own pipelines, their Q/DQ graphs run on ONNX Runtime's CPU provider
+and compared with ModelOpt's PyTorch fake quantization; the layers NVIDIA keeps in high precision carry no Q/DQ."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+
+import onnx
+import pytest
+import torch
+
+from sdtrt.config import QuantizeConfig, ValidationConfig
+from sdtrt.errors import ConfigError
+from sdtrt.models import resolve_model
+from sdtrt.runtime.compare import tensor_stats
+from sdtrt.stages import calibration, quantize
+from tests.helpers import run_cli
+from tests.test_quantize import onnxruntime_output, qdq_zero_point_types, quantized_modules
+
+# Small: 2 prompts × 2 steps (SD3's guidance doubles the batch, Flux's embeds it).
+CALIBRATION = {"calibration_prompts": ("a lighthouse at dusk", "a red fox in the snow"), "calibration_steps": 2}
+INT8 = QuantizeConfig(precision="int8", level=2.5, **CALIBRATION)
+FP8 = QuantizeConfig(precision="fp8", level=3, **CALIBRATION)
+PRESETS = ("tiny-sd3", "tiny-flux")
+# What NVIDIA keeps in high precision in these transformers (ModelOpt's filter_func_flux_dev / filter_func_default),
+# as the tiny presets name the modules: embedders, timestep/guidance/text embeddings, the output norm and projection.
+NVIDIA_KEPT = re.compile(r"^(pos_embed|time_text_embed|context_embedder|x_embedder|norm_out|proj_out)(\.|$)")
+
+
+@pytest.fixture(
+    scope="module", params=[(p, c) for p in PRESETS for c in (INT8, FP8)], ids=lambda p: f"{p[0]}-{p[1].precision}"
+)
+def quantized(request, tmp_path_factory):
+    """One calibration of the preset's transformer: the fp32 and ModelOpt fake-quant outputs on a denoising step the
+    calibration saw (its graph feeds), then the graphs the stage writes (for FP8 the export changes the quantizers
+    in place, so the fake-quant output comes first)."""
+    from sdtrt.stages.export import graph_module
+
+    preset, config = request.param
+    model = resolve_model(preset)
+    spec = quantize.denoiser_graph_spec(model)
+    pipe = calibration.load_reference_pipeline(model)
+    fp32 = calibration.pipeline_denoiser(pipe, model)
+    _, kwargs = calibration.record(pipe, fp32, config).calls[-1]
+    feeds = {name: kwargs[name].float() for name in spec.input_names}
+    result = quantize.quantized_denoiser(config, model)
+    with torch.no_grad():
+        outputs = {"fp32": graph_module(spec, fp32)(*feeds.values()),
+                   "fake_quant": graph_module(spec, result.network)(*feeds.values())}  # fmt: skip
+    out_dir = tmp_path_factory.mktemp(f"{preset}-{config.precision}")
+    graphs = quantize.write_graphs(result.network, config, spec, out_dir, {})
+    paths = {role: out_dir / name for role, name in graphs.items()}
+    return {"preset": preset, "config": config, "plan": result.plan, "feeds": feeds, "outputs": outputs,
+            "graph": paths["onnxruntime"], "graphs": paths}  # fmt: skip
+
+
+def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(quantized):
+    feeds, fp32, fake_quant = quantized["feeds"], quantized["outputs"]["fp32"], quantized["outputs"]["fake_quant"]
+    quantization = tensor_stats(fake_quant, fp32)
+    exact = tensor_stats(onnxruntime_output(quantized["graph"], feeds, optimized=False), fake_quant)
+    kernels = tensor_stats(onnxruntime_output(quantized["graph"], feeds, optimized=True), fake_quant)
+    print(
+        f"\n{quantized['preset']} {quantized['config'].precision}: ModelOpt fake quant vs fp32 {quantization}\n"
+        f"ORT (no graph optimizations) vs fake quant {exact}\nORT (its 8-bit kernels) vs fake quant {kernels}"
+    )
+    assert quantization["finite"] and quantization["cosine"] < 1.0  # something was quantized
+    # Measured (2 prompts × 2 steps): ONNX Runtime's reference Q/DQ semantics give ModelOpt's fake quantization to the
+    # noise floor (mean abs 2e-7 to 5e-7, a few roundings flipped by summation order: max abs up to 2e-3), where
+    # quantization itself moves the output by 4e-4 (INT8) to 2e-3 (FP8) on average; ORT's INT8 kernels
+    # (MatMulIntegerToFloat) requantize and land further off (cosine 0.99996).
+    assert exact["finite"] and exact["mean_abs"] < 1e-5 and exact["cosine"] > 0.999999
+    assert kernels["finite"] and kernels["cosine"] > 0.999
+
+
+def test_qdq_nodes_are_the_plans_layers_and_never_nvidias_kept_ones(quantized):
+    plan, config = quantized["plan"], quantized["config"]
+    zero_point = {"int8": onnx.TensorProto.INT8, "fp8": onnx.TensorProto.FLOAT8E4M3FN}[config.precision]
+    for path in set(quantized["graphs"].values()):
+        graph = quantized_modules(path)
+        # Each quantized Linear has an input and a weight quantizer; nothing else is quantized below level 4.
+        assert graph == Counter({name: 2 for name in plan.quantized})
+        assert qdq_zero_point_types(path) == {zero_point}
+        assert not [name for name in graph if NVIDIA_KEPT.match(name)]
+    standard = onnx.load(str(quantized["graph"]), load_external_data=False)
+    assert not [n for n in standard.graph.node if n.domain == "trt"]
+    assert quantized["graph"].name == "transformer.onnx"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_levels_select_nvidias_linear_layers(preset):
+    """NVIDIA's quantize_lvl on a transformer: level 2 the feed-forward Linears, 2.5 adds to_q/to_k/to_v, 3 every
+    Linear; never the layers it keeps (a Flux single block's proj_out is quantized, the final one is not)."""
+    from sdtrt.models import load_folder
+
+    model = resolve_model(preset)
+    network = load_folder(model, "transformer", torch.float32)
+    kind = quantize.denoiser_quantization(model)
+    plans = {
+        level: quantize.plan_layers(network, dataclasses.replace(INT8, level=level), kind) for level in (2, 2.5, 3)
+    }
+    linear = {n for n, m in network.named_modules() if isinstance(m, torch.nn.Linear)}
+    kept = {n for n in linear if NVIDIA_KEPT.match(n)}
+    assert kept and {"proj_out", "context_embedder"} <= kept
+    assert set(plans[2].quantized) == {n for n in linear if ".ff.net." in n}
+    assert set(plans[2.5].quantized) - set(plans[2].quantized) == {
+        n for n in linear if n.endswith(("to_q", "to_k", "to_v"))
+    }
+    assert set(plans[3].quantized) == linear - kept
+    for plan in plans.values():
+        assert all(plan.kept[name].startswith("kept by NVIDIA") for name in kept)
+    if preset == "tiny-flux":
+        assert "single_transformer_blocks.0.proj_out" in plans[3].quantized
+
+
+@pytest.mark.parametrize(
+    ("preset", "config", "message"),
+    [
+        ("tiny-sd3", dataclasses.replace(INT8, level=1), "level 1 quantizes convolutions only, and a transformer's"),
+        ("tiny-flux", dataclasses.replace(FP8, level=1), "use --level 2, 2.5, 3"),
+        ("tiny-sd3", dataclasses.replace(FP8, level=4), "heads of 8; use --level 3"),
+        ("tiny-flux", dataclasses.replace(FP8, level=4), "exports only from an fp16/bf16"),
+    ],
+)
+def test_levels_that_make_no_sense_for_a_transformer_are_refused(preset, config, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        quantize.check_model(config, resolve_model(preset))
+    assert "\n" not in str(caught.value)
+
+
+def test_level_1_on_a_transformer_is_refused_in_one_line_at_the_cli(tmp_path):
+    result = run_cli("quantize", "--model", "tiny-flux", "--level", "1", "--engines", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert "use --level 2, 2.5, 3" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_calibration_records_the_transformers_own_inputs():
+    """Flux's calls carry its packed latents, positions and guidance, its timestep the schedule's t / 1000."""
+    model = resolve_model("tiny-flux")
+    pipe = calibration.load_reference_pipeline(model)
+    calls = calibration.record(pipe, calibration.pipeline_denoiser(pipe, model), INT8).calls
+    assert len(calls) == len(INT8.calibration_prompts) * INT8.calibration_steps
+    spec = quantize.denoiser_graph_spec(model)
+    for args, kwargs in calls:
+        assert not args and set(spec.input_names) <= set(kwargs)
+        assert kwargs["hidden_states"].shape[-1] == spec.in_channels and kwargs["guidance"].shape == (1,)
+        assert 0.0 <= float(kwargs["timestep"][0]) <= 1.0
+
+
+@pytest.mark.parametrize("config", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compile_quantizes_only_the_transformer(preset, config, store):
+    """``compile --precision int8|fp8`` of a transformer model: the denoiser's chain starts at the quantize stage, and
+    the image against the fp32 pipeline's is reported (random tiny weights: a sanity bound only)."""
+    from sdtrt.compile import compile_model
+
+    result = compile_model(
+        resolve_model(preset), store, "onnxruntime", components=("transformer",), quantize_config=config,
+        validation=ValidationConfig(steps=4),
+    )  # fmt: skip
+    assert [a.stage for a in result.artifacts] == ["quantize", "simplify", "build-ort"]
+    assert result.artifacts[0].manifest["details"]["qdq"]["onnxruntime"]
+    report = result.validation
+    assert report is not None and report.image is not None
+    psnr = report.image["psnr_db"]
+    print(
+        f"\n{preset} {config.precision.upper()} level {config.level:g}: image PSNR against fp32 {psnr:.1f} dB; "
+        f"tensors {report.tensors[0]}"
+    )
+    assert math.isfinite(psnr) and psnr > 10
+
+
+def test_the_guard_ranks_a_transformers_quantized_layers():
+    """The accuracy guard's ranking records the calibration calls on the pipeline's transformer (Flux: no unet)."""
+    from sdtrt.guard import rank_layers
+
+    model = resolve_model("tiny-flux")
+    config = dataclasses.replace(INT8, calibration_prompts=INT8.calibration_prompts[:1])
+    errors = rank_layers(config, model)
+    plan = quantize.plan_layers(
+        calibration.pipeline_denoiser(calibration.load_reference_pipeline(model), model),
+        config,
+        quantize.denoiser_quantization(model),
+    )
+    assert set(errors) == set(plan.quantized)
+    assert all(math.isfinite(error) and error > 0 for error in errors.values())
