@@ -291,6 +291,18 @@ def node_scopes(node: onnx.NodeProto) -> list[str]:
     return []
 
 
+def module_scope(name: str) -> str:
+    """The scope the exporter names a module of the network by (``named_modules`` names the network itself "")."""
+    return WRAPPER + name if name else WRAPPER.rstrip(".")
+
+
+def innermost_scope(node: onnx.NodeProto) -> str | None:
+    """The module whose forward made the node ("" for the export wrapper's); None for a node without scopes. The
+    exporter lists the module scopes outermost first, then the node's own name."""
+    scopes = node_scopes(node)
+    return scopes[-2] if len(scopes) > 1 else None
+
+
 def is_float(elem_type: int) -> bool:
     import onnx
 
@@ -298,11 +310,13 @@ def is_float(elem_type: int) -> bool:
                          onnx.TensorProto.DOUBLE)  # fmt: skip
 
 
-def block_nodes(graph: onnx.GraphProto, block: str) -> set[int]:
+def block_nodes(graph: onnx.GraphProto, block: str, is_data: Callable[[str], bool]) -> set[int]:
     """Indices of the nodes inside the module ``block`` (a path in the network, e.g. transformer_blocks.0).
 
-    The exporter's optimizer writes some nodes without scopes (the Splits it makes of chunked Slices): those fed
-    only by the block's nodes and constants are the block's too."""
+    The exporter's optimizer writes some nodes without scopes (the Splits it makes of chunked Slices): those whose
+    data inputs (``is_data``: float values) the block's nodes make are the block's too. Their size inputs may come
+    from anywhere: the optimizer computes equal sizes once and shares them, so every later Flux double-stream block
+    splits its attention output by sizes made in transformer_blocks.0."""
     scope = WRAPPER + block
     scoped = [node_scopes(node) for node in graph.node]
     members = {i for i, scopes in enumerate(scoped) if scope in scopes}
@@ -316,7 +330,7 @@ def block_nodes(graph: onnx.GraphProto, block: str) -> set[int]:
     inits = {i.name for i in graph.initializer}
     made = {out for i in members for out in graph.node[i].output}
     for i, node in enumerate(graph.node):  # in topological order: a chain of such nodes joins in one pass
-        inputs = [n for n in node.input if n and n not in inits]
+        inputs = [n for n in node.input if n and n not in inits and is_data(n)]
         if not scoped[i] and inputs and all(n in made for n in inputs):
             members.add(i)
             made.update(node.output)
@@ -340,7 +354,7 @@ def cut_block(
     graph = proto.graph
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
     inits = {i.name: i for i in graph.initializer}
-    members = set(block_nodes(graph, block))
+    members = block_nodes(graph, block, lambda name: is_float(shapes[name][0]))
     own = set(members)
 
     def pulled_in(name: str) -> bool:
@@ -437,11 +451,11 @@ def _chunks(length: int) -> Iterator[int]:
 @dataclass
 class BlockCall:
     """How the network calls a block at the check size, seen on the meta device: its bound arguments (tensors as
-    meta tensors), its output, and the module that made each tensor argument (by id)."""
+    meta tensors), its output, and the scope each tensor was made in (by id)."""
 
     arguments: dict[str, Any]
     output: Any
-    made_by: dict[int, tuple[Any, str]]  # the tensor, kept so that its id is not reused, and its maker
+    made_in: dict[int, tuple[Any, str]]  # the tensor, kept so that its id is not reused, and its scope
 
 
 def meta_network(model: ModelSource, folder: str) -> Any:
@@ -464,35 +478,41 @@ def meta_network(model: ModelSource, folder: str) -> Any:
 def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[str, BlockCall]:
     """Run the graph's forward on the meta device at the check size and record how each block is called."""
     import torch
+    from torch.overrides import TorchFunctionMode
 
     from .stages.export import graph_module
 
-    made_by: dict[int, tuple[Any, str]] = {}
+    made_in: dict[int, tuple[Any, str]] = {}
     calls: dict[str, BlockCall] = {}
     handles = []
+    running = [""]  # the scopes of the modules whose forward runs, as the exporter names them (module_scope)
 
-    def record_maker(name: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            for _, tensor in tensor_leaves(output):
-                made_by.setdefault(id(tensor), (tensor, name))  # inner modules finish first: the innermost maker
+    class RecordScopes(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            result = func(*args, **(kwargs or {}))
+            for _, tensor in tensor_leaves(result):
+                made_in.setdefault(id(tensor), (tensor, running[-1]))
+            return result
 
-        return hook
+    def enter(name: str) -> Any:
+        return lambda module, args: running.append(module_scope(name))
 
-    def record_call(name: str) -> Any:
+    def leave(name: str) -> Any:
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            bound = inspect.signature(module.forward).bind(*args, **kwargs)
-            calls[name] = BlockCall(dict(bound.arguments), output, dict(made_by))
+            running.pop()
+            if name in blocks:
+                bound = inspect.signature(module.forward).bind(*args, **kwargs)
+                calls[name] = BlockCall(dict(bound.arguments), output, made_in)
 
         return hook
 
     for name, module in network.named_modules():
-        handles.append(module.register_forward_hook(record_maker(name)))
-        if name in blocks:
-            handles.append(module.register_forward_hook(record_call(name), with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave(name), with_kwargs=True))
     batch, height, width, tokens = check_size(spec)
     feeds = spec.sample_inputs(batch, height, width, tokens=tokens)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), RecordScopes():
             graph_module(spec, network)(*(feeds[n].to("meta") for n in spec.input_names))
     finally:
         for handle in handles:
@@ -569,22 +589,25 @@ def upstream_ops(graph: onnx.GraphProto, name: str) -> set[str]:
 
 
 class Arguments:
-    """Which block argument a value of the graph is: the arguments of its shape, kept to those made by the module
-    whose scope made the value (where both are known), then told apart by the op that made them (MADE_BY)."""
+    """Which block argument a value of the graph is: the arguments of its shape, kept to those made in the module
+    that made the value (where the value's node has scopes), then told apart by the op that made them (MADE_BY).
+
+    Made in, not made by: ``silu(temb)`` the exporter computes once inside the first block (a UNet's first resnet)
+    and shares has temb's shape, but was made in another module than temb (the UNet's own forward)."""
 
     def __init__(self, call: BlockCall, graph: onnx.GraphProto, shapes: dict[str, Any]) -> None:
         self.leaves = tensor_leaves(call.arguments)
-        self.made_by = {id(t): name for t, name in call.made_by.values()}
+        self.made_in = {i: scope for i, (_, scope) in call.made_in.items()}
         self.producer = {out: node for node in graph.node for out in node.output if out}
         self.graph, self.shapes = graph, shapes
 
     def same_maker(self, name: str, leaves: list[tuple[tuple[Any, ...], torch.Tensor]]) -> list[Any]:
-        """The leaves of the value's shape whose maker (where known) is a module the value's producer is inside."""
+        """The leaves of the value's shape made in the module the value's node is in (where both are known)."""
         shape = self.shapes[name][1]
         found = [(p, t) for p, t in leaves if tuple(t.shape) == shape]
-        scopes = node_scopes(self.producer[name]) if name in self.producer else []
-        if scopes:
-            found = [(p, t) for p, t in found if id(t) not in self.made_by or WRAPPER + self.made_by[id(t)] in scopes]
+        scope = innermost_scope(self.producer[name]) if name in self.producer else None
+        if scope is not None:
+            found = [(p, t) for p, t in found if self.made_in.get(id(t), scope) == scope]
         return found
 
     def results(self, name: str, output: Any) -> list[tuple[Any, ...]]:
@@ -603,6 +626,20 @@ class Arguments:
 
     def is_argument(self, name: str) -> bool:
         return bool(self.candidates(name))
+
+    def match(self, names: Sequence[str]) -> dict[str, tuple[Any, ...]]:
+        """The argument each of the cut's inputs is; two inputs taken for one argument mean the cut is wrong (it
+        reads a value of the block from outside), and fed the same numbers the comparison would mean nothing."""
+        matched = {name: self.of(name) for name in names}
+        seen: dict[tuple[Any, ...], str] = {}
+        for name, path in matched.items():
+            if path in seen:
+                raise ArtifactError(
+                    f"the cut's inputs {seen[path]} and {name} both look like argument "
+                    f"{'.'.join(map(str, path))} of the block; it cannot be cut alone, check another block with --block"
+                )
+            seen[path] = name
+        return matched
 
     def of(self, name: str) -> tuple[Any, ...]:
         found = self.candidates(name)
@@ -727,7 +764,7 @@ def compare_block(
     from .runtime.compare import tensor_stats
 
     np_dtype = onnx.helper.tensor_dtype_to_np_dtype
-    matched = {name: arguments.of(name) for name, _, _ in cut.data_inputs}
+    matched = arguments.match([name for name, _, _ in cut.data_inputs])
     graph_dtype = {matched[name]: np_dtype(elem) for name, elem, _ in cut.data_inputs}
     gen = torch.Generator().manual_seed(seed)
     values = {}
