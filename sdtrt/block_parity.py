@@ -53,6 +53,10 @@ DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0
 # Arguments whose tensors share a shape and say which is which by the op that made them: diffusers' rotary
 # embedding is a (cos, sin) pair (FluxPosEmbed.forward).
 MADE_BY = {"image_rotary_emb": ("Cos", "Sin")}
+# Tensor methods torch.export turns into copies or nothing, which the exporter's optimizer removes (when the result
+# keeps the input's shape and dtype).
+GRAPH_IDENTITIES = {"contiguous", "clone", "detach", "to", "type", "type_as", "float", "half", "bfloat16", "view",
+                    "view_as", "reshape", "reshape_as", "expand", "expand_as"}  # fmt: skip
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
 COPY_CHUNK = 16 << 20
@@ -490,8 +494,12 @@ def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[st
     class RecordScopes(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             result = func(*args, **(kwargs or {}))
+            scope = running[-1]
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if source is not None and id(source) in made_in and is_graph_identity(func, source, result):
+                scope = made_in[id(source)][1]
             for _, tensor in tensor_leaves(result):
-                made_in.setdefault(id(tensor), (tensor, running[-1]))
+                made_in.setdefault(id(tensor), (tensor, scope))
             return result
 
     def enter(name: str) -> Any:
@@ -520,6 +528,18 @@ def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[st
     if missing := [b for b in blocks if b not in calls]:
         raise ArtifactError(f"the network never calls {missing[0]}; name a block its forward runs")
     return calls
+
+
+def is_graph_identity(func: Any, source: torch.Tensor, result: Any) -> bool:
+    """Whether ``func`` made ``result`` from ``source`` with no node in the exported graph: a copy or a no-op
+    conversion (SD3's ``pos_embed(x).contiguous()`` is, in the graph, pos_embed's own output)."""
+    import torch
+
+    return (
+        getattr(func, "__name__", "") in GRAPH_IDENTITIES
+        and isinstance(result, torch.Tensor)
+        and (result.shape, result.dtype) == (source.shape, source.dtype)
+    )
 
 
 def tensor_leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
