@@ -48,8 +48,9 @@ SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 # initialised norm weights (all ones) then share one initializer; larger ones never do.
 DEDUP_MAX_ELEMENTS = 1024
 # The blocks checked by default, per ModuleList of the denoisers: Flux's first and last double-stream block and
-# one single-stream block, SD3's first and last, a UNet's first down block.
-DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,)}
+# one single-stream block, SD3's first and last, a UNet's first down block and its last up block (skip connections).
+DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,),
+                  "up_blocks": (-1,)}  # fmt: skip
 # Arguments whose tensors share a shape and say which is which by the op that made them: diffusers' rotary
 # embedding is a (cos, sin) pair (FluxPosEmbed.forward).
 MADE_BY = {"image_rotary_emb": ("Cos", "Sin")}
@@ -165,11 +166,11 @@ def account_parameters(
     merged = []
     for name in sorted(pending, key=lambda n: -params[n].numel):
         stored = params[name]
-        shapes = [stored.shape[::-1], stored.shape] if len(stored.shape) == 2 else [stored.shape]
+        shapes = folded_shapes(stored.shape)
         pool = next((anonymous[(wanted(name, stored), s)] for s in shapes if anonymous[(wanted(name, stored), s)]), [])
         if pool:
             matched[name] = pool.pop()
-        elif stored.numel <= DEDUP_MAX_ELEMENTS and any(tuple(i.dims) == stored.shape for i in graph.initializer):
+        elif stored.numel <= DEDUP_MAX_ELEMENTS and any(tuple(i.dims) in shapes for i in graph.initializer):
             merged.append(name)
         else:
             failures.append(f"parameter {name} {list(stored.shape)} is in no initializer of the graph")
@@ -186,6 +187,17 @@ def account_parameters(
         "constant_bytes": sum(initializer_nbytes(inits[c]) for c in constants),
         "failures": failures,
     }
+
+
+def folded_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shapes the exporter's constant folding gives a parameter, most likely first: a Linear's weight transposed,
+    a GroupNorm's per-channel weight and bias reshaped to broadcast over height and width ((C,) → (C, 1, 1): the
+    exporter writes GroupNorm as InstanceNormalization, then Mul and Add)."""
+    if len(shape) == 2:
+        return [shape[::-1], shape]
+    if len(shape) == 1:
+        return [shape, (*shape, 1, 1)]
+    return [shape]
 
 
 def _np_name(dtype: str) -> str:

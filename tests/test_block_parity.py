@@ -157,9 +157,13 @@ def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset):
     from sdtrt.models import resolve_model
 
     model = resolve_model(preset)
-    report = check_blocks(model, streamed_export(model, "unet", "fp32"), UNET_BLOCKS, graph_checks=False)
+    report = check_blocks(model, streamed_export(model, "unet", "fp32"), UNET_BLOCKS)
 
     assert report, report.failures
+    # GroupNorm's weights and biases are folded to (C, 1, 1) initializers, equal ones merged: all accounted for.
+    params = report.checks["parameters"]
+    assert params["failures"] == [] and params["bytes_in_graph"] == params["bytes_expected"] > 0
+    assert params["initializers"] + params["merged_small"] == params["parameters"]
     rows = {row["block"]: row for row in report.blocks}
     assert list(rows) == UNET_BLOCKS
     for row in rows.values():
@@ -169,6 +173,13 @@ def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset):
     for up in ("up_blocks.0", "up_blocks.1"):
         skips = sorted(arg for arg in rows[up]["inputs"].values() if arg.startswith("res_hidden_states_tuple"))
         assert skips == ["res_hidden_states_tuple.0", "res_hidden_states_tuple.1"], rows[up]
+
+
+def test_a_unets_default_blocks_include_one_with_skip_connections():
+    from sdtrt.block_parity import default_blocks, meta_network
+    from sdtrt.models import resolve_model
+
+    assert default_blocks(meta_network(resolve_model("tiny-sdxl"), "unet")) == ["down_blocks.0", "up_blocks.1"]
 
 
 def test_blocks_are_streamed_from_external_data_and_a_corrupt_weight_fails(transformer_export, tmp_path):
