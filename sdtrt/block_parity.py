@@ -48,11 +48,16 @@ SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 # initialised norm weights (all ones) then share one initializer; larger ones never do.
 DEDUP_MAX_ELEMENTS = 1024
 # The blocks checked by default, per ModuleList of the denoisers: Flux's first and last double-stream block and
-# one single-stream block, SD3's first and last, a UNet's first down block.
-DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,)}
+# one single-stream block, SD3's first and last, a UNet's first down block and its last up block (skip connections).
+DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,),
+                  "up_blocks": (-1,)}  # fmt: skip
 # Arguments whose tensors share a shape and say which is which by the op that made them: diffusers' rotary
 # embedding is a (cos, sin) pair (FluxPosEmbed.forward).
 MADE_BY = {"image_rotary_emb": ("Cos", "Sin")}
+# Tensor methods torch.export turns into copies or nothing, which the exporter's optimizer removes (when the result
+# keeps the input's shape and dtype).
+GRAPH_IDENTITIES = {"contiguous", "clone", "detach", "to", "type", "type_as", "float", "half", "bfloat16", "view",
+                    "view_as", "reshape", "reshape_as", "expand", "expand_as"}  # fmt: skip
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}  # fmt: skip
 COPY_CHUNK = 16 << 20
@@ -161,11 +166,11 @@ def account_parameters(
     merged = []
     for name in sorted(pending, key=lambda n: -params[n].numel):
         stored = params[name]
-        shapes = [stored.shape[::-1], stored.shape] if len(stored.shape) == 2 else [stored.shape]
+        shapes = folded_shapes(stored.shape)
         pool = next((anonymous[(wanted(name, stored), s)] for s in shapes if anonymous[(wanted(name, stored), s)]), [])
         if pool:
             matched[name] = pool.pop()
-        elif stored.numel <= DEDUP_MAX_ELEMENTS and any(tuple(i.dims) == stored.shape for i in graph.initializer):
+        elif stored.numel <= DEDUP_MAX_ELEMENTS and any(tuple(i.dims) in shapes for i in graph.initializer):
             merged.append(name)
         else:
             failures.append(f"parameter {name} {list(stored.shape)} is in no initializer of the graph")
@@ -182,6 +187,17 @@ def account_parameters(
         "constant_bytes": sum(initializer_nbytes(inits[c]) for c in constants),
         "failures": failures,
     }
+
+
+def folded_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shapes the exporter's constant folding gives a parameter, most likely first: a Linear's weight transposed,
+    a GroupNorm's per-channel weight and bias reshaped to broadcast over height and width ((C,) → (C, 1, 1): the
+    exporter writes GroupNorm as InstanceNormalization, then Mul and Add)."""
+    if len(shape) == 2:
+        return [shape[::-1], shape]
+    if len(shape) == 1:
+        return [shape, (*shape, 1, 1)]
+    return [shape]
 
 
 def _np_name(dtype: str) -> str:
@@ -291,6 +307,18 @@ def node_scopes(node: onnx.NodeProto) -> list[str]:
     return []
 
 
+def module_scope(name: str) -> str:
+    """The scope the exporter names a module of the network by (``named_modules`` names the network itself "")."""
+    return WRAPPER + name if name else WRAPPER.rstrip(".")
+
+
+def innermost_scope(node: onnx.NodeProto) -> str | None:
+    """The module whose forward made the node ("" for the export wrapper's); None for a node without scopes. The
+    exporter lists the module scopes outermost first, then the node's own name."""
+    scopes = node_scopes(node)
+    return scopes[-2] if len(scopes) > 1 else None
+
+
 def is_float(elem_type: int) -> bool:
     import onnx
 
@@ -298,11 +326,13 @@ def is_float(elem_type: int) -> bool:
                          onnx.TensorProto.DOUBLE)  # fmt: skip
 
 
-def block_nodes(graph: onnx.GraphProto, block: str) -> set[int]:
+def block_nodes(graph: onnx.GraphProto, block: str, is_data: Callable[[str], bool]) -> set[int]:
     """Indices of the nodes inside the module ``block`` (a path in the network, e.g. transformer_blocks.0).
 
-    The exporter's optimizer writes some nodes without scopes (the Splits it makes of chunked Slices): those fed
-    only by the block's nodes and constants are the block's too."""
+    The exporter's optimizer writes some nodes without scopes (the Splits it makes of chunked Slices): those whose
+    data inputs (``is_data``: float values) the block's nodes make are the block's too. Their size inputs may come
+    from anywhere: the optimizer computes equal sizes once and shares them, so every later Flux double-stream block
+    splits its attention output by sizes made in transformer_blocks.0."""
     scope = WRAPPER + block
     scoped = [node_scopes(node) for node in graph.node]
     members = {i for i, scopes in enumerate(scoped) if scope in scopes}
@@ -316,7 +346,7 @@ def block_nodes(graph: onnx.GraphProto, block: str) -> set[int]:
     inits = {i.name for i in graph.initializer}
     made = {out for i in members for out in graph.node[i].output}
     for i, node in enumerate(graph.node):  # in topological order: a chain of such nodes joins in one pass
-        inputs = [n for n in node.input if n and n not in inits]
+        inputs = [n for n in node.input if n and n not in inits and is_data(n)]
         if not scoped[i] and inputs and all(n in made for n in inputs):
             members.add(i)
             made.update(node.output)
@@ -340,7 +370,7 @@ def cut_block(
     graph = proto.graph
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output if out}
     inits = {i.name: i for i in graph.initializer}
-    members = set(block_nodes(graph, block))
+    members = block_nodes(graph, block, lambda name: is_float(shapes[name][0]))
     own = set(members)
 
     def pulled_in(name: str) -> bool:
@@ -437,11 +467,11 @@ def _chunks(length: int) -> Iterator[int]:
 @dataclass
 class BlockCall:
     """How the network calls a block at the check size, seen on the meta device: its bound arguments (tensors as
-    meta tensors), its output, and the module that made each tensor argument (by id)."""
+    meta tensors), its output, and the scope each tensor was made in (by id)."""
 
     arguments: dict[str, Any]
     output: Any
-    made_by: dict[int, tuple[Any, str]]  # the tensor, kept so that its id is not reused, and its maker
+    made_in: dict[int, tuple[Any, str]]  # the tensor, kept so that its id is not reused, and its scope
 
 
 def meta_network(model: ModelSource, folder: str) -> Any:
@@ -464,35 +494,45 @@ def meta_network(model: ModelSource, folder: str) -> Any:
 def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[str, BlockCall]:
     """Run the graph's forward on the meta device at the check size and record how each block is called."""
     import torch
+    from torch.overrides import TorchFunctionMode
 
     from .stages.export import graph_module
 
-    made_by: dict[int, tuple[Any, str]] = {}
+    made_in: dict[int, tuple[Any, str]] = {}
     calls: dict[str, BlockCall] = {}
     handles = []
+    running = [""]  # the scopes of the modules whose forward runs, as the exporter names them (module_scope)
 
-    def record_maker(name: str) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            for _, tensor in tensor_leaves(output):
-                made_by.setdefault(id(tensor), (tensor, name))  # inner modules finish first: the innermost maker
+    class RecordScopes(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            result = func(*args, **(kwargs or {}))
+            scope = running[-1]
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if source is not None and id(source) in made_in and is_graph_identity(func, source, result):
+                scope = made_in[id(source)][1]
+            for _, tensor in tensor_leaves(result):
+                made_in.setdefault(id(tensor), (tensor, scope))
+            return result
 
-        return hook
+    def enter(name: str) -> Any:
+        return lambda module, args: running.append(module_scope(name))
 
-    def record_call(name: str) -> Any:
+    def leave(name: str) -> Any:
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            bound = inspect.signature(module.forward).bind(*args, **kwargs)
-            calls[name] = BlockCall(dict(bound.arguments), output, dict(made_by))
+            running.pop()
+            if name in blocks:
+                bound = inspect.signature(module.forward).bind(*args, **kwargs)
+                calls[name] = BlockCall(dict(bound.arguments), output, made_in)
 
         return hook
 
     for name, module in network.named_modules():
-        handles.append(module.register_forward_hook(record_maker(name)))
-        if name in blocks:
-            handles.append(module.register_forward_hook(record_call(name), with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave(name), with_kwargs=True))
     batch, height, width, tokens = check_size(spec)
     feeds = spec.sample_inputs(batch, height, width, tokens=tokens)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), RecordScopes():
             graph_module(spec, network)(*(feeds[n].to("meta") for n in spec.input_names))
     finally:
         for handle in handles:
@@ -500,6 +540,18 @@ def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[st
     if missing := [b for b in blocks if b not in calls]:
         raise ArtifactError(f"the network never calls {missing[0]}; name a block its forward runs")
     return calls
+
+
+def is_graph_identity(func: Any, source: torch.Tensor, result: Any) -> bool:
+    """Whether ``func`` made ``result`` from ``source`` with no node in the exported graph: a copy or a no-op
+    conversion (SD3's ``pos_embed(x).contiguous()`` is, in the graph, pos_embed's own output)."""
+    import torch
+
+    return (
+        getattr(func, "__name__", "") in GRAPH_IDENTITIES
+        and isinstance(result, torch.Tensor)
+        and (result.shape, result.dtype) == (source.shape, source.dtype)
+    )
 
 
 def tensor_leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
@@ -569,22 +621,25 @@ def upstream_ops(graph: onnx.GraphProto, name: str) -> set[str]:
 
 
 class Arguments:
-    """Which block argument a value of the graph is: the arguments of its shape, kept to those made by the module
-    whose scope made the value (where both are known), then told apart by the op that made them (MADE_BY)."""
+    """Which block argument a value of the graph is: the arguments of its shape, kept to those made in the module
+    that made the value (where the value's node has scopes), then told apart by the op that made them (MADE_BY).
+
+    Made in, not made by: ``silu(temb)`` the exporter computes once inside the first block (a UNet's first resnet)
+    and shares has temb's shape, but was made in another module than temb (the UNet's own forward)."""
 
     def __init__(self, call: BlockCall, graph: onnx.GraphProto, shapes: dict[str, Any]) -> None:
         self.leaves = tensor_leaves(call.arguments)
-        self.made_by = {id(t): name for t, name in call.made_by.values()}
+        self.made_in = {i: scope for i, (_, scope) in call.made_in.items()}
         self.producer = {out: node for node in graph.node for out in node.output if out}
         self.graph, self.shapes = graph, shapes
 
     def same_maker(self, name: str, leaves: list[tuple[tuple[Any, ...], torch.Tensor]]) -> list[Any]:
-        """The leaves of the value's shape whose maker (where known) is a module the value's producer is inside."""
+        """The leaves of the value's shape made in the module the value's node is in (where both are known)."""
         shape = self.shapes[name][1]
         found = [(p, t) for p, t in leaves if tuple(t.shape) == shape]
-        scopes = node_scopes(self.producer[name]) if name in self.producer else []
-        if scopes:
-            found = [(p, t) for p, t in found if id(t) not in self.made_by or WRAPPER + self.made_by[id(t)] in scopes]
+        scope = innermost_scope(self.producer[name]) if name in self.producer else None
+        if scope is not None:
+            found = [(p, t) for p, t in found if self.made_in.get(id(t), scope) == scope]
         return found
 
     def results(self, name: str, output: Any) -> list[tuple[Any, ...]]:
@@ -603,6 +658,20 @@ class Arguments:
 
     def is_argument(self, name: str) -> bool:
         return bool(self.candidates(name))
+
+    def match(self, names: Sequence[str]) -> dict[str, tuple[Any, ...]]:
+        """The argument each of the cut's inputs is; two inputs taken for one argument mean the cut is wrong (it
+        reads a value of the block from outside), and fed the same numbers the comparison would mean nothing."""
+        matched = {name: self.of(name) for name in names}
+        seen: dict[tuple[Any, ...], str] = {}
+        for name, path in matched.items():
+            if path in seen:
+                raise ArtifactError(
+                    f"the cut's inputs {seen[path]} and {name} both look like argument "
+                    f"{'.'.join(map(str, path))} of the block; it cannot be cut alone, check another block with --block"
+                )
+            seen[path] = name
+        return matched
 
     def of(self, name: str) -> tuple[Any, ...]:
         found = self.candidates(name)
@@ -727,7 +796,7 @@ def compare_block(
     from .runtime.compare import tensor_stats
 
     np_dtype = onnx.helper.tensor_dtype_to_np_dtype
-    matched = {name: arguments.of(name) for name, _, _ in cut.data_inputs}
+    matched = arguments.match([name for name, _, _ in cut.data_inputs])
     graph_dtype = {matched[name]: np_dtype(elem) for name, elem, _ in cut.data_inputs}
     gen = torch.Generator().manual_seed(seed)
     values = {}

@@ -1,5 +1,6 @@
 """Parity by parts (sdtrt.block_parity): graph checks without weights, single blocks cut out of the exported graph
-and run on ONNX Runtime against the PyTorch block loaded alone, on tiny-flux and tiny-sd3 exports."""
+and run on ONNX Runtime against the PyTorch block loaded alone, on tiny-flux, tiny-sd3 and tiny UNet exports, and on
+deeper tiny transformers whose later blocks read what earlier ones made."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ DEFAULT_BLOCKS = {
     "tiny-flux": ["transformer_blocks.0", "single_transformer_blocks.0"],  # one double-stream block: first is last
     "tiny-sd3": ["transformer_blocks.0", "transformer_blocks.1"],
 }
+# Transformers deeper than their presets: the first, a middle and the last joint or double-stream block, and Flux's
+# first and last single-stream block. A later block reads the previous one's outputs and values the exporter made
+# once inside the first (the sizes of the attention split, silu(temb)).
+DEEPER = {"tiny-flux": dict(num_layers=3, num_single_layers=2), "tiny-sd3": dict(num_layers=3)}
+DEEPER_BLOCKS = {
+    "tiny-flux": ["transformer_blocks.0", "transformer_blocks.1", "transformer_blocks.2",
+                  "single_transformer_blocks.0", "single_transformer_blocks.1"],
+    "tiny-sd3": ["transformer_blocks.0", "transformer_blocks.1", "transformer_blocks.2"],
+}  # fmt: skip
+UNET_BLOCKS = ["down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up_blocks.1"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +42,53 @@ def transformer_export(store):
             config = ExportConfig(component="transformer", precision=precision)
             made[preset, precision] = export.run(config, resolve_model(preset), store)
         return made[preset, precision]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def streamed_export(tmp_path_factory):
+    """(model, component, precision) → a weight-free traced export whose weights were streamed from the safetensors
+    files into ``.onnx.data``: the path and layout multi-GB networks get (``sdtrt export --weights stream``)."""
+    from sdtrt import onnx_graph
+    from sdtrt.config import ExportConfig
+    from sdtrt.stages import export
+    from sdtrt.store import Store
+
+    store = Store(tmp_path_factory.mktemp("streamed"))  # its own store: `weights` is not in the cache key
+
+    def get(model, component: str, precision: str):
+        config = ExportConfig(precision, exporter="dynamo", component=component, weights="stream")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
+            return export.run(config, model, store)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def deeper(tmp_path_factory):
+    """preset → a copy of the preset whose transformer has more blocks (DEEPER), random weights from a fixed seed."""
+    import diffusers
+    import torch
+
+    from sdtrt.models import resolve_model
+
+    made = {}
+
+    def get(preset: str):
+        if preset not in made:
+            base = resolve_model(preset)
+            folder = tmp_path_factory.mktemp(f"{preset}-deeper") / "model"
+            shutil.copytree(base.path, folder)
+            config = base.component_config("transformer")
+            cls = getattr(diffusers, config["_class_name"])
+            shutil.rmtree(folder / "transformer")
+            torch.manual_seed(0)
+            init = {k: v for k, v in config.items() if not k.startswith("_")} | DEEPER[preset]
+            cls(**init).save_pretrained(folder / "transformer")
+            made[preset] = resolve_model(str(folder))
+        return made[preset]
 
     return get
 
@@ -69,6 +127,59 @@ def test_export_matches_the_model_by_parts(transformer_export, preset, precision
         assert all(out["cosine"] >= (0.9999 if precision == "fp32" else 0.999) for out in row["outputs"])
     if preset == "tiny-flux":  # the rotary pair, told apart by the op that made each
         assert {"image_rotary_emb.0", "image_rotary_emb.1"} <= set(report.blocks[0]["inputs"].values())
+
+
+@pytest.mark.parametrize(("preset", "precision"), [("tiny-flux", "fp32"), ("tiny-flux", "fp16"), ("tiny-sd3", "fp32")])
+def test_later_blocks_of_a_deeper_transformer_match(deeper, streamed_export, preset, precision):
+    from sdtrt.block_parity import check_blocks
+
+    model = deeper(preset)
+    report = check_blocks(model, streamed_export(model, "transformer", precision), DEEPER_BLOCKS[preset],
+                          graph_checks=False)  # fmt: skip
+
+    assert report, report.failures
+    rows = {row["block"]: row for row in report.blocks}
+    assert list(rows) == DEEPER_BLOCKS[preset]
+    for row in rows.values():
+        assert row["outputs"], row
+        assert all(out["cosine"] >= (0.9999 if precision == "fp32" else 0.999) for out in row["outputs"]), row
+    # A later block reads the streams the block before it returns, and nothing of its own from outside.
+    for block in DEEPER_BLOCKS[preset][1:3]:
+        previous = rows[f"transformer_blocks.{int(block[-1]) - 1}"]
+        streams = {name for name, arg in rows[block]["inputs"].items() if arg.endswith("hidden_states")}
+        assert streams == {out["output"] for out in previous["outputs"]}, (rows[block], previous)
+        assert rows[block]["inputs"].keys() - streams <= set(rows["transformer_blocks.0"]["inputs"]), rows[block]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-sdxl"])
+def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset):
+    from sdtrt.block_parity import check_blocks
+    from sdtrt.models import resolve_model
+
+    model = resolve_model(preset)
+    report = check_blocks(model, streamed_export(model, "unet", "fp32"), UNET_BLOCKS)
+
+    assert report, report.failures
+    # GroupNorm's weights and biases are folded to (C, 1, 1) initializers, equal ones merged: all accounted for.
+    params = report.checks["parameters"]
+    assert params["failures"] == [] and params["bytes_in_graph"] == params["bytes_expected"] > 0
+    assert params["initializers"] + params["merged_small"] == params["parameters"]
+    rows = {row["block"]: row for row in report.blocks}
+    assert list(rows) == UNET_BLOCKS
+    for row in rows.values():
+        assert row["outputs"], row
+        assert {"hidden_states", "temb"} <= set(row["inputs"].values()), row
+    # Each up block takes its down blocks' results as skip connections (layers_per_block + 1 of them), each once.
+    for up in ("up_blocks.0", "up_blocks.1"):
+        skips = sorted(arg for arg in rows[up]["inputs"].values() if arg.startswith("res_hidden_states_tuple"))
+        assert skips == ["res_hidden_states_tuple.0", "res_hidden_states_tuple.1"], rows[up]
+
+
+def test_a_unets_default_blocks_include_one_with_skip_connections():
+    from sdtrt.block_parity import default_blocks, meta_network
+    from sdtrt.models import resolve_model
+
+    assert default_blocks(meta_network(resolve_model("tiny-sdxl"), "unet")) == ["down_blocks.0", "up_blocks.1"]
 
 
 def test_blocks_are_streamed_from_external_data_and_a_corrupt_weight_fails(transformer_export, tmp_path):

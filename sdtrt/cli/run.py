@@ -195,8 +195,8 @@ def check_blocks_command(
     block: Annotated[
         list[str] | None,
         typer.Option(
-            help="A block to cut and compare, e.g. transformer_blocks.0; repeat for several. Default: the "
-            "first and last double-stream, one single-stream (Flux), first and last (SD3), first down (UNet)."
+            help="A block to cut and compare, e.g. transformer_blocks.0; repeat for several. Default: the first and "
+            "last double-stream, one single-stream (Flux), first and last (SD3), first down and last up (UNet)."
         ),
     ] = None,
     graph_checks: Annotated[
