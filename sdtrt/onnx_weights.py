@@ -189,6 +189,10 @@ def save_streamed(model: Any, path: Path, external: bool, scratch: Path | None =
                 source = value.const_value
                 if _append_if_large(value, f, data):  # a small one stays inline, read again when serialized
                     release(source)
+    else:  # a graph under protobuf's limit holds its weights: the folds spilled to ``scratch`` come back inline
+        for value in model.graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor):
+                value.const_value = ir.tensor(np.array(value.const_value.numpy()), name=value.name)
     ir.save(model, path)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -9,13 +11,13 @@ from onnx import numpy_helper
 from sdtrt.onnx_weights import save_streamed
 
 
-def test_weights_copied_out_of_the_scratch_file_free_its_disk(tmp_path):
-    """The exporter's folded constants wait in a scratch file; once the writer has copied one into ``.onnx.data`` its
-    blocks there are released, so a 23 GB network never holds 47 GB of disk."""
+def spilled_model(tmp_path: Path) -> tuple[object, Path, list[np.ndarray]]:
+    """A graph summing four 1 MiB initializers that live in a scratch file (as the exporter's spilled folds do),
+    and one small inline one."""
     import onnx_ir as ir
 
     scratch = tmp_path / "folded.bin"
-    arrays = [np.random.default_rng(i).standard_normal((256, 1024), dtype=np.float32) for i in range(4)]  # 1 MiB each
+    arrays = [np.random.default_rng(i).standard_normal((256, 1024), dtype=np.float32) for i in range(4)]
     with scratch.open("wb") as f:
         for array in arrays:
             f.write(array.tobytes())
@@ -30,14 +32,41 @@ def test_weights_copied_out_of_the_scratch_file_free_its_disk(tmp_path):
     inline = ir.Value(name="b", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
     inline.const_value = ir.tensor(np.ones(2, np.float32), name="b")
     summed = ir.node("Sum", values)
-    graph = ir.Graph(values, summed.outputs, nodes=[summed], initializers=[*values, inline], opset_imports={"": 18})
+    graph = ir.Graph(
+        values, summed.outputs, nodes=[summed], initializers=[*values, inline], opset_imports={"": 18}, name="sum"
+    )
+    return ir.Model(graph, ir_version=9), scratch, arrays
+
+
+def written_initializers(path: Path) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+
+def test_weights_copied_out_of_the_scratch_file_free_its_disk(tmp_path):
+    """The exporter's folded constants wait in a scratch file; once the writer has copied one into ``.onnx.data`` its
+    blocks there are released, so a 23 GB network never holds 47 GB of disk."""
+    model, scratch, arrays = spilled_model(tmp_path)
     allocated_before = scratch.stat().st_blocks
     (tmp_path / "out").mkdir()
 
-    save_streamed(ir.Model(graph, ir_version=9), tmp_path / "out" / "net.onnx", external=True, scratch=scratch)
+    save_streamed(model, tmp_path / "out" / "net.onnx", external=True, scratch=scratch)
 
-    written = onnx.load(str(tmp_path / "out" / "net.onnx"))
-    got = {t.name: numpy_helper.to_array(t) for t in written.graph.initializer}
+    got = written_initializers(tmp_path / "out" / "net.onnx")
     assert all(np.array_equal(got[f"w{i}"], array) for i, array in enumerate(arrays)) and got["b"].tolist() == [1, 1]
     assert scratch.stat().st_size == 4 * arrays[0].nbytes  # offsets stay valid while the file lives
     assert scratch.stat().st_blocks < allocated_before / 8, "the copied tensors' blocks are still allocated"
+
+
+def test_a_graph_saved_inline_takes_its_spilled_weights_along(tmp_path):
+    """Under protobuf's limit the graph holds its weights: none may point into the scratch file, deleted after."""
+    model, scratch, arrays = spilled_model(tmp_path)
+    (tmp_path / "out").mkdir()
+
+    save_streamed(model, tmp_path / "out" / "net.onnx", external=False, scratch=scratch)
+    scratch.unlink()
+
+    graph = onnx.load(str(tmp_path / "out" / "net.onnx"), load_external_data=False).graph
+    assert not [t.name for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    got = written_initializers(tmp_path / "out" / "net.onnx")
+    assert all(np.array_equal(got[f"w{i}"], array) for i, array in enumerate(arrays))
+    assert list((tmp_path / "out").iterdir()) == [tmp_path / "out" / "net.onnx"]
