@@ -21,8 +21,7 @@ from sdtrt.config import ExportConfig
 from sdtrt.errors import ConfigError, ExportError
 from sdtrt.models import ModelSource, load_folder, resolve_model
 from sdtrt.runtime.onnxruntime import OnnxRuntime
-from sdtrt.spec import FOLDERS
-from sdtrt.spec.base import ValidationCase
+from sdtrt.spec import FOLDERS, ValidationCase
 from sdtrt.stages import export
 from sdtrt.store import Store
 from sdtrt.validate import Tolerances, check_tensor_row, compare_case
