@@ -1,17 +1,28 @@
-"""The broadcast_to → expand export patch: scoped, reversible, and visible in the exported graph."""
+"""The export patches (broadcast_to → expand, concat → cat): scoped, reversible, and visible in the exported graph."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
-from sdtrt.patches import broadcast_to_as_expand, export_patches
+from sdtrt.patches import EXPORT_PATCHES, broadcast_to_as_expand, concat_as_cat, export_patches
 
 
 class UsesBroadcastTo(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return torch.broadcast_to(x, like.shape) * y.broadcast_to(like.shape) + like
+
+
+class ConcatsMixedDtypes(torch.nn.Module):
+    """diffusers' get_aug_embed in an fp16 SDXL UNet: fp16 text embeddings joined with fp32 time embeddings."""
+
+    def forward(self, text_embeds: torch.Tensor, time_ids: torch.Tensor) -> torch.Tensor:
+        time_embeds = (time_ids.float() * torch.arange(1, 4, dtype=torch.float32)).sin()
+        joined = torch.concat([text_embeds, time_embeds], dim=-1)
+        return torch.concatenate([joined, text_embeds], axis=-1)
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
@@ -20,17 +31,34 @@ def test_broadcast_to_exports_as_expand_under_the_patch(tmp_path, dynamo):
     args = (torch.randn(1, 3), torch.randn(4, 1), torch.randn(4, 3))
     with export_patches() as applied:
         torch.onnx.export(UsesBroadcastTo(), args, str(path), dynamo=dynamo, input_names=["x", "y", "like"])
-    assert applied == ["broadcast_to->expand"]
+    assert applied == ["broadcast_to->expand", "concat->cat"]
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("Expand") == 2, ops
 
 
-def test_patch_is_undone_on_exit_and_on_error():
-    original_fn, original_method = torch.broadcast_to, torch.Tensor.broadcast_to
-    with broadcast_to_as_expand():
-        assert torch.broadcast_to is not original_fn
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_a_mixed_dtype_concat_exports_type_promoted_as_eager_computes_it(tmp_path, dynamo):
+    path = tmp_path / "m.onnx"
+    args = (torch.randn(2, 3, dtype=torch.float16), torch.randn(2, 3))
+    want = ConcatsMixedDtypes()(*args)
+    assert want.dtype == torch.float32  # eager promotes fp16 ⊕ fp32
+    with export_patches():
+        torch.onnx.export(ConcatsMixedDtypes(), args, str(path), dynamo=dynamo, input_names=["text_embeds", "time_ids"])
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])  # refused a mixed Concat
+    (got,) = session.run(None, {"text_embeds": args[0].numpy(), "time_ids": args[1].numpy()})
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("patch", [broadcast_to_as_expand, concat_as_cat])
+def test_patch_is_undone_on_exit_and_on_error(patch):
+    originals = torch.broadcast_to, torch.Tensor.broadcast_to, torch.concat, torch.concatenate
+    with patch():
+        assert (torch.broadcast_to, torch.Tensor.broadcast_to, torch.concat, torch.concatenate) != originals
         assert torch.broadcast_to(torch.ones(1, 2), (3, 2)).shape == (3, 2)
-    assert torch.broadcast_to is original_fn and torch.Tensor.broadcast_to is original_method
-    with pytest.raises(RuntimeError), broadcast_to_as_expand():
+        assert torch.concatenate([torch.ones(1, 2)] * 2, axis=-1).shape == (1, 4)
+    assert (torch.broadcast_to, torch.Tensor.broadcast_to, torch.concat, torch.concatenate) == originals
+    with pytest.raises(RuntimeError), patch():
         raise RuntimeError("export failed")
-    assert torch.broadcast_to is original_fn and torch.Tensor.broadcast_to is original_method
+    assert (torch.broadcast_to, torch.Tensor.broadcast_to, torch.concat, torch.concatenate) == originals
+    assert patch in EXPORT_PATCHES.values()

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 STAGE = "export"
 # Largest sizes torch.export may assume (others: 4096): Flux's patches reach 16384 at 2048² px.
 AXIS_MAX = {"batch": 1024, "patches": 1 << 16, "text_tokens": 4096 + 77}
-VERSION = 3  # 3: the graph spec is part of the key
+VERSION = 4  # 3: the graph spec is part of the key; 4: torch.concat exported as torch.cat (type-promoted)
 # weights="auto" streams a network whose safetensors files exceed this (SDXL's fp16 UNet: 5.1 GB).
 STREAM_ABOVE = 2_000_000_000
 
