@@ -53,10 +53,11 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
         return {"export": str(artifact.path), "precision": artifact.manifest["io"]["precision"],
                 "exporter": artifact.manifest["details"]["exporter"]}  # fmt: skip
     if step == "simplify":
-        from sdtrt.config import SimplifyConfig
+        from sdtrt.config import SimplifyConfig, parse_size
         from sdtrt.stages import simplify
 
-        artifact = simplify.run(SimplifyConfig(), Artifact.open(state["export"]), store)
+        budget = parse_size(args.memory_budget) if args.memory_budget else None
+        artifact = simplify.run(SimplifyConfig(memory_budget=budget), Artifact.open(state["export"]), store)
         return {"simplify": str(artifact.path), "method": artifact.manifest["details"]["method"]}
     if step == "weight-map":
         from sdtrt.stages import weight_map
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--exporter", default=None, help="default: ExportConfig's (auto)")
     parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
     parser.add_argument("--models", default=os.environ.get("SDTRT_MODELS"), help="presets cache")
+    parser.add_argument("--memory-budget", default=None, help="simplify's (8GiB): over it the ORT check is skipped")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)

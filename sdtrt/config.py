@@ -439,6 +439,19 @@ class TrtBuildConfig:
 _BYTE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
+def parse_size(text: str) -> int:
+    """Bytes from a size such as ``8GiB``, ``512MB`` or a number of bytes; ValueError when it is none."""
+    value = text.strip().upper().replace(" ", "")
+    number = value.rstrip("KMGIB")
+    try:
+        size = float(number) * _BYTE_UNITS[value[len(number) :]]
+    except (ValueError, KeyError, OverflowError):
+        raise ValueError(f"'{text}' is not a size") from None
+    if not 0 <= size < float("inf"):
+        raise ValueError(f"'{text}' is not a size")
+    return int(size)
+
+
 @dataclass(frozen=True)
 class WeightBudget:
     """How much of a weight-streaming engine's streamable weights stay on the GPU: ``auto`` (TensorRT's choice
@@ -459,11 +472,8 @@ class WeightBudget:
                 if 0 <= percent <= 100:
                     return cls(text, percent=percent)
             else:
-                number = value.rstrip("KMGIB")
-                size = float(number) * _BYTE_UNITS[value[len(number) :]]
-                if size >= 0:
-                    return cls(text, size=int(size))
-        except (ValueError, KeyError, OverflowError):
+                return cls(text, size=parse_size(value))
+        except ValueError:
             pass
         raise ConfigError(
             f"weight streaming budget '{text}' is not auto, a percentage 0%..100% of the streamable weights, "

@@ -23,6 +23,7 @@ from ..config import (
     Target,
     TrtBuildConfig,
     WeightBudget,
+    parse_size,
     target_precision_problem,
 )
 from ..errors import ConfigError, RequestError, StoreError
@@ -95,6 +96,14 @@ MethodOpt = Annotated[
         "else constant folding; stream: clean up without loading the weights (the kernel copies their file)."
     ),
 ]
+MemoryBudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="SDTRT_MEMORY_BUDGET",
+        help="Memory the step may plan with (8GiB, 8GB; default: this machine's): over it, auto streams the "
+        "weights and the ONNX Runtime check (~4x the weights) is skipped, and said so.",
+    ),
+]
 TargetOpt = Annotated[
     Target, typer.Option(help="tensorrt (needs a CUDA GPU), onnxruntime, or auto: TensorRT where possible.")
 ]
@@ -151,8 +160,13 @@ def export_config(
     return ExportConfig(precision=precision, opset=opset, exporter=exporter, io_naming=io_naming, component=component)
 
 
-def simplify_config(method: SimplifyMethod, check: bool) -> SimplifyConfig:
-    return SimplifyConfig(method=method, check=check)
+def simplify_config(method: SimplifyMethod, check: bool, memory_budget: str | None = None) -> SimplifyConfig:
+    """--method, --check and --memory-budget (a size, checked before anything loads: exit 2 when malformed)."""
+    try:
+        budget = parse_size(memory_budget) if memory_budget is not None else None
+        return SimplifyConfig(method=method, check=check, memory_budget=budget)
+    except (ValueError, ConfigError) as exc:
+        raise RequestError(f"--memory-budget: {exc}; give a size such as 8GiB or 8GB") from None
 
 
 def shape_profile(

@@ -194,18 +194,20 @@ def simplify(
     source: InputArg,
     method: o.MethodOpt = "auto",
     check: o.CheckOpt = True,
+    memory_budget: o.MemoryBudgetOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Simplify an exported graph and print op counts before and after.
 
-    Example: sdtrt simplify engines/export/1d00aad79ae0e190
+    Example: sdtrt simplify engines/export/1d00aad79ae0e190 --memory-budget 8GiB
     """
     from ..onnx_graph import ONNX_STAGES
     from ..stages import simplify as simplify_stage
 
+    config = o.simplify_config(method, check, memory_budget)
     store = o.open_store(engines)
     graph = one_graph(store.find(source), "simplify", ONNX_STAGES, "export")
-    artifact = simplify_stage.run(o.simplify_config(method, check), graph, store)
+    artifact = simplify_stage.run(config, graph, store)
     print_simplify_summary(artifact)
     typer.echo(artifact.path)
 
