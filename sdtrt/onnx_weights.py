@@ -59,18 +59,25 @@ def safetensors_index(folder: Path) -> dict[str, StoredTensor]:
     """
     index: dict[str, StoredTensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            if entry["dtype"] not in SAFETENSORS_DTYPES:
-                raise ExportError(f"{file}: tensor '{name}' has dtype {entry['dtype']}, which sdtrt cannot stream")
-            begin, end = entry["data_offsets"]
-            index[name] = StoredTensor(
-                file, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin, 8 + length + end
-            )
+        index |= safetensors_file_index(file)
+    return index
+
+
+def safetensors_file_index(file: Path) -> dict[str, StoredTensor]:
+    """Every tensor of one safetensors file, by name, from its header alone."""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    index = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ExportError(f"{file}: tensor '{name}' has dtype {entry['dtype']}, which sdtrt cannot stream")
+        begin, end = entry["data_offsets"]
+        index[name] = StoredTensor(
+            file, SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + begin, 8 + length + end
+        )
     return index
 
 
