@@ -60,17 +60,73 @@ def onnxruntime_output(path: Path, feeds: dict[str, torch.Tensor], optimized: bo
     return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in feeds.items()})[0])
 
 
-@pytest.mark.parametrize("config", [INT8, FP8], ids=["int8", "fp8"])
-def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, tiny, tmp_path):
+def qdq_pairs(path: Path) -> onnx.ModelProto:
+    """Every QuantizeLinear → DequantizeLinear pair of a graph, alone: input ``<quantizer>`` (its module name,
+    ``down_blocks.0.resnets.0.conv1.input_quantizer``), output ``<quantizer>.out``, the graph's scales, zero
+    points and attributes."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = {i.name: i for i in graph.initializer}
+    constants |= {n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant"}
+    dequantize = {n.input[0]: n for n in graph.node if n.op_type == "DequantizeLinear"}
+    nodes, initializers, inputs, outputs = [], {}, [], []
+    for q in (n for n in graph.node if n.op_type == "QuantizeLinear"):
+        name = ".".join(q.name.split("/")[2:-1])
+        dq = dequantize[q.output[0]]
+        for value in (*q.input[1:], *dq.input[1:]):
+            initializers[value] = onnx.TensorProto()
+            initializers[value].CopyFrom(constants[value])
+            initializers[value].name = value
+        nodes.append(onnx.helper.make_node("QuantizeLinear", [name, *q.input[1:]], [f"{name}.q"], q.name, **{
+            a.name: onnx.helper.get_attribute_value(a) for a in q.attribute
+        }))  # fmt: skip
+        nodes.append(onnx.helper.make_node("DequantizeLinear", [f"{name}.q", *dq.input[1:]], [f"{name}.out"], **{
+            a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute
+        }))  # fmt: skip
+        inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+        outputs.append(onnx.helper.make_tensor_value_info(f"{name}.out", onnx.TensorProto.FLOAT, None))
+    pairs = onnx.helper.make_graph(nodes, "qdq_pairs", inputs, outputs, list(initializers.values()))
+    return onnx.helper.make_model(pairs, opset_imports=[onnx.helper.make_opsetid("", quantize.OPSET)])
+
+
+def quantizers_seen(network: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list]:
+    """Module name → (input, output) of each enabled ModelOpt quantizer on the network's next call; the hooks."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(name: str):
+        def hook(_module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            seen[name] = (args[0].detach().clone(), output.detach().clone())
+
+        return hook
+
+    hooks = [
+        module.register_forward_hook(keep(name))
+        for name, module in network.named_modules()
+        if isinstance(module, TensorQuantizer) and module.is_enabled
+    ]
+    return seen, hooks
+
+
+@pytest.mark.parametrize(
+    ("config", "min_cosine"),
+    # The noise floor of each format on tiny's last calibrated step (see the comment in the test), with a margin.
+    [(INT8, 0.999), (FP8, 0.997)],
+    ids=["int8", "fp8"],
+)
+def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_cosine, tiny, tmp_path):
     """The graph the stage writes for a quantized UNet against that UNet's PyTorch fake quantization (the same
-    calibration: two calibrations may differ in the last bit of an amax, which moves roundings)."""
+    calibration: two calibrations may differ in the last bit of an amax, which moves roundings): each Q/DQ pair
+    fed the very input its ModelOpt quantizer saw computes what that quantizer computed, and the whole graph
+    agrees with the whole fake-quantized UNet to the format's noise floor."""
+    import onnxruntime as ort
+
     from sdtrt.models import load_unet
     from sdtrt.stages import calibration
     from sdtrt.stages.export import graph_module
 
     spec = quantize.denoiser_graph_spec(tiny)
-    # A denoising step the calibration saw (random inputs beyond the calibrated ranges saturate differently:
-    # ModelOpt's INT8 fake quantization clamps to ±127, ONNX's QuantizeLinear to -128..127).
+    # A denoising step the calibration saw (random inputs beyond the calibrated ranges would saturate).
     pipe = calibration.load_reference_pipeline(tiny)
     (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
     feeds = {
@@ -78,22 +134,45 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, tiny,
         "encoder_hidden_states": kwargs["encoder_hidden_states"],
     }  # fmt: skip
     network = quantize.quantized_denoiser(config, tiny).network
+    seen, hooks = quantizers_seen(network)
     with torch.no_grad():
         fp32 = graph_module(spec, load_unet(tiny))(*feeds.values())
         fake_quant = graph_module(spec, network)(*feeds.values())
+    for hook in hooks:
+        hook.remove()
     graph = tmp_path / quantize.write_graphs(network, config, spec, tmp_path, {})["onnxruntime"]
+
+    # Teacher-forced, quantizer by quantizer: scales, zero points, ranges, axes and rounding are ModelOpt's.
+    session = ort.InferenceSession(qdq_pairs(graph).SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    assert sorted(names) == sorted(seen)
+    forced = session.run([f"{n}.out" for n in names], {n: seen[n][0].numpy() for n in names})
+    differing, elements = 0, 0
+    for name, output in zip(names, forced, strict=True):
+        expected = seen[name][1]
+        differing += int((torch.from_numpy(output) - expected).abs().gt(1e-6 * expected.abs().max()).sum())
+        elements += expected.numel()
+    # ModelOpt rounds x·(127/amax), QuantizeLinear x/(amax/127): the two differ in the last bit, which moves a
+    # value lying within that bit of a rounding boundary by one step (measured: INT8 4 of 4.1 M values, FP8 2 of
+    # 4.6 M). Any error in a scale, range or zero point moves thousands.
+    assert differing <= elements * 1e-5, f"{differing} of {elements} quantized values differ"
+
     quantization = tensor_stats(fake_quant, fp32)
     exact = tensor_stats(onnxruntime_output(graph, feeds, optimized=False), fake_quant)
     kernels = tensor_stats(onnxruntime_output(graph, feeds, optimized=True), fake_quant)
     print(
         f"\n{config.precision}: ModelOpt fake quant vs fp32 {quantization}\nORT (no graph optimizations) vs fake "
-        f"quant {exact}\nORT (its 8-bit kernels) vs fake quant {kernels}"
+        f"quant {exact}\nORT (its 8-bit kernels) vs fake quant {kernels}\nQ/DQ pairs fed ModelOpt's inputs: "
+        f"{differing} of {elements} values differ"
     )
-    # Measured on tiny (2 prompts × 2 steps): the ONNX Runtime graph differs from ModelOpt's fake quantization by
-    # about as much as the fake quantization differs from fp32 (max abs INT8 0.030 vs 0.035, cosine 0.99974; FP8
-    # 0.063 vs 0.083, cosine 0.99908), not by the summation-order noise a prototype of the same export measured
-    # (7e-7). Unexplained so far: this checks agreement at the quantization's scale; the noise floor is left open.
-    assert exact["finite"] and exact["cosine"] > 0.998
+    # The noise floor of an 8-bit network is not fp32's. ONNX Runtime's and PyTorch's fp32 kernels differ by ~1e-6
+    # (summation order); where that moves a value across a rounding boundary the quantizer's output moves by a whole
+    # step, and the flips multiply downstream (measured on tiny, INT8: the first flip at mid_block's proj_in, 1 of
+    # 32 768 values, 2 639 flips three blocks on; FP8, whose steps are finer near zero: 6 flips at the first
+    # quantizer). PyTorch against itself shows the same floor: the fake-quantized UNet on 1 thread against 2 threads
+    # gives cosine 0.99986 (INT8) / 0.99918 (FP8), and on the sample moved by one ulp 0.9991-0.9996 (FP8); ONNX
+    # Runtime against it 0.99974 (INT8) / 0.99908 (FP8).
+    assert exact["finite"] and exact["cosine"] > min_cosine
     assert kernels["finite"] and kernels["cosine"] > 0.99
 
 
