@@ -203,6 +203,48 @@ def test_fp8_graphs_are_float8_and_keep_the_always_kept_layers(fp8):
     assert not [n for n in standard.graph.node if n.domain == "trt"]
 
 
+def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(store):
+    """Level 4 on tiny-sd2 (heads of 16): calibrated in fp32, exported from fp16 (ModelOpt exports FP8 attention only
+    from a 16-bit module). The TensorRT graph keeps ModelOpt's trt:: FP8 ops at each attention's Q, K, V and softmax
+    and at the LayerNorms; the ONNX Runtime graph has them as standard FP8 Q/DQ, and runs on a calibrated step."""
+    from diffusers.models.attention_processor import Attention
+
+    from sdtrt.models import load_unet, resolve_model
+    from sdtrt.stages import calibration
+    from sdtrt.stages.export import graph_module
+
+    model = resolve_model("tiny-sd2")
+    config = dataclasses.replace(FP8, level=4)
+    quantized = quantize.run(config, model, store)
+    manifest = quantized.manifest
+    assert manifest["precision"]["graph"] == "fp16" and manifest["io"]["precision"] == "fp16"
+    assert manifest["graphs"] == {"tensorrt": "unet.trt.onnx", "onnxruntime": "unet.onnx"}
+    unet = load_unet(model)
+    attentions = sum(isinstance(m, Attention) for m in unet.modules())
+    norms = [
+        n for n in manifest["details"]["quantized_layers"] if isinstance(unet.get_submodule(n), torch.nn.LayerNorm)
+    ]
+    qdq = manifest["details"]["qdq"]
+    trt_ops = qdq["tensorrt"]["trt::TRT_FP8QuantizeLinear:FLOAT8E4M3FN"]
+    assert attentions and norms and trt_ops == 4 * attentions + len(norms)
+    assert qdq["onnxruntime"]["QuantizeLinear:FLOAT8E4M3FN"] == qdq["tensorrt"]["QuantizeLinear:FLOAT8E4M3FN"] + trt_ops
+    assert not [k for k in qdq["onnxruntime"] if k.startswith("trt::")]
+
+    pipe = calibration.load_reference_pipeline(model)
+    (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
+    feeds = {
+        "sample": sample, "timestep": timestep.float().expand(sample.shape[0]).contiguous(),
+        "encoder_hidden_states": kwargs["encoder_hidden_states"],
+    }  # fmt: skip
+    with torch.no_grad():
+        fp32 = graph_module(quantize.denoiser_graph_spec(model), unet)(*feeds.values())
+    fp16_feeds = {k: v if k == "timestep" else v.half() for k, v in feeds.items()}
+    stats = tensor_stats(onnxruntime_output(quantized.primary, fp16_feeds, optimized=True).float(), fp32)
+    print(f"\ntiny-sd2 FP8 level 4, ONNX Runtime vs PyTorch fp32: {stats}")
+    # Measured: cosine 0.9945 (FP8 everywhere but the kept layers, fp16 around it; level 3 on tiny: 0.9986).
+    assert stats["finite"] and stats["cosine"] > 0.98
+
+
 def test_levels_select_nvidias_layers(tiny):
     from sdtrt.models import load_unet
 
@@ -298,3 +340,36 @@ def prompts_file(folder: Path) -> Path:
     path = folder / "prompts.txt"
     path.write_text("\n".join(CALIBRATION["calibration_prompts"]) + "\n\n")
     return path
+
+
+@pytest.mark.slow
+def test_sd15_int8_level_2_5_scale(tmp_path):
+    """Issue 22's scale check: sd15-random's UNet (SD 1.5's 859.5 M parameters) quantized to INT8 at level 2.5,
+    calibrated on 2 prompts × 2 steps at 512² (6 UNet calls, guidance batches of 2), and its Q/DQ graph validated
+    on ONNX Runtime against the fp32 pipeline (4 steps at 256²). Prints the quantize time, the process's peak RSS
+    and the image PSNR; random weights say nothing about a trained model's PSNR, so only memory is held to a bound.
+    Disk: the model (~4.2 GB) and the graph (~3.4 GB); nothing else is kept."""
+    import resource
+    import time
+
+    from sdtrt.config import CALIBRATION_PROMPTS, ValidationConfig
+    from sdtrt.models import resolve_model
+    from sdtrt.store import Store
+    from sdtrt.validate import validate
+
+    model = resolve_model("sd15-random")
+    config = dataclasses.replace(INT8, calibration_prompts=CALIBRATION_PROMPTS[:2])
+    started = time.perf_counter()
+    quantized = quantize.run(config, model, Store(tmp_path))
+    quantize_s = time.perf_counter() - started
+    report = validate(model, quantized, ValidationConfig(steps=4, height=256, width=256))
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    details = quantized.manifest["details"]
+    assert report.image is not None
+    print(
+        f"\nsd15-random INT8 level 2.5: quantize {quantize_s:.0f} s ({quantized.manifest['timings']}), "
+        f"{len(details['quantized_layers'])} layers quantized, Q/DQ {details['qdq']['onnxruntime']}; peak RSS "
+        f"{peak_gb:.1f} GB; image PSNR {report.image['psnr_db']:.1f} dB; UNet tensors {report.tensors[0]}"
+    )
+    assert details["qdq"]["onnxruntime"]["QuantizeLinear:INT8"] == 2 * len(details["quantized_layers"])
+    assert peak_gb < 12

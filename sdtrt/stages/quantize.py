@@ -16,7 +16,8 @@ Two graphs, because one cannot do both jobs (the manifest's ``graphs`` says whic
   ``saturate=1``), which ONNX Runtime's CPU provider runs: CPU validation checks the scales TensorRT will use.
 
 Below level 4 no ``trt::`` op is left (the Linear/Conv quantizers export as standard Q/DQ): one file serves both.
-The graph is fp32 outside its Q/DQ pairs (calibration and export run in fp32 on the CPU).
+Calibration runs in fp32 on the CPU. The graph is fp32 outside its Q/DQ pairs, except at level 4: ModelOpt exports
+FP8 attention only from a 16-bit module, so the calibrated module is cast to fp16 for the export (``as_fp16``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..config import QUANT_LEVELS, ExportConfig, QuantizeConfig
+from ..config import QUANT_LEVELS, ExportConfig, Precision, QuantizeConfig
 from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..models import ModelSource
 from ..progress import step
@@ -71,7 +72,7 @@ FP8_ZERO_POINT = "sdtrt_fp8_zero_point"
 def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
     """The quantized denoiser's graphs for ``model`` (a cache hit for the same model, config and calibration set)."""
     check_model(config, model)
-    spec = denoiser_graph_spec(model)
+    spec = denoiser_graph_spec(model, config)
     artifact, _ = store.produce(request_for(config, model), lambda out_dir: _quantize(config, model, spec, out_dir))
     return artifact
 
@@ -79,7 +80,7 @@ def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
 def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
     """What ``run`` asks the store for: keyed by the model's UNet, the graph contract, the config (precision,
     level, algorithm, layers kept) and a hash of the calibration set."""
-    spec = denoiser_graph_spec(model)
+    spec = denoiser_graph_spec(model, config)
     return StageRequest(
         stage=STAGE,
         version=VERSION,
@@ -92,9 +93,15 @@ def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
     )
 
 
-def denoiser_graph_spec(model: ModelSource) -> GraphSpec:
-    """The quantized graph's contract: the denoiser's, fp32 outside the Q/DQ pairs."""
-    return export.spec_for(model, ExportConfig(precision="fp32", component=denoiser_component(model)))
+def denoiser_graph_spec(model: ModelSource, config: QuantizeConfig = QuantizeConfig()) -> GraphSpec:
+    """The quantized graph's contract: the denoiser's, fp32 outside the Q/DQ pairs (fp16 at level 4)."""
+    precision: Precision = "fp16" if attention_quantized(config) else "fp32"
+    return export.spec_for(model, ExportConfig(precision=precision, component=denoiser_component(model)))
+
+
+def attention_quantized(config: QuantizeConfig) -> bool:
+    """Level 4 quantizes attention (FP8 only: QuantizeConfig refuses INT8 there)."""
+    return config.level >= 4
 
 
 def check_model(config: QuantizeConfig, model: ModelSource) -> None:
@@ -108,14 +115,6 @@ def check_model(config: QuantizeConfig, model: ModelSource) -> None:
         raise ConfigError(
             f"level 4 quantizes attention in FP8, which needs head sizes that are multiples of 16, and "
             f"'{model.name}' has heads of {', '.join(map(str, sorted(set(odd))))}; use --level 3"
-        )
-    if config.level == 4.0:
-        # ModelOpt exports its FP8 attention only from an fp16/bf16 module (export_onnx.py: "the qdqs must be in
-        # 16 bits"; mha_valid_precisions in plugins/diffusion/diffusers.py), and this stage calibrates and exports
-        # in fp32 on the CPU (measured on tiny-sd2, whose heads are 16 wide).
-        raise ConfigError(
-            "level 4's FP8 attention exports only from an fp16/bf16 UNet, and sdtrt quantizes in fp32 on the CPU; "
-            "use --level 3 (FP8 attention is not available yet)"
         )
 
 
@@ -213,10 +212,17 @@ def modelopt_config(config: QuantizeConfig, plan: LayerPlan) -> dict[str, Any]:
         cfg = entry.get("cfg")
         if isinstance(cfg, dict) and "num_bits" in cfg:
             cfg["trt_high_precision_dtype"] = "Float"
+    if attention_quantized(config):
+        # FP8 attention: the BMM inputs and the softmax output, as ModelOpt's diffusers plugin quantizes them
+        # (plugins/diffusion/diffusers.py _quantized_sdpa; export_onnx.py export_fp8_mha), the BMM2 output not.
+        fp8 = {"num_bits": (4, 3), "axis": None, "trt_high_precision_dtype": "Float"}
+        quant["quant_cfg"] += [{"quantizer_name": f"*{q}", "cfg": dict(fp8)} for q in ATTENTION_QUANTIZERS[:4]]
+        quant["quant_cfg"] += [{"quantizer_name": f"*{ATTENTION_QUANTIZERS[4]}", "enable": False}]
+    else:  # attention stays in high precision below level 4, as TensorRT demo/Diffusion's fp8_mha_disable leaves it
+        quant["quant_cfg"] += [{"quantizer_name": f"*{q}", "enable": False} for q in ATTENTION_QUANTIZERS]
     quant["quant_cfg"] += plan.disabled_entries()
-    # Attention (its BMM and softmax quantizers) stays in high precision below level 4, as TensorRT demo/Diffusion's
-    # fp8_mha_disable leaves it; level 4 is refused for now (check_model).
-    quant["quant_cfg"] += [{"quantizer_name": f"*{q}", "enable": False} for q in ATTENTION_QUANTIZERS]
+    # Kept modules that own quantizers themselves (an attention's BMM quantizers, which the guard may return).
+    quant["quant_cfg"] += [{"quantizer_name": f"{name}.*", "enable": False} for name in config.keep_high_precision]
     return quant
 
 
@@ -271,7 +277,7 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
         "primary": GRAPH,
         "family": model.family(),
         "io": spec.to_json(),
-        "precision": {"graph": "fp32", "quantized": config.precision, "why": "fp32 outside the Q/DQ pairs"},
+        "precision": {"graph": spec.precision, "quantized": config.precision, "why": graph_precision_why(spec)},
         "graphs": graphs,
         "graphs_why": {
             "tensorrt": "as ModelOpt's diffusers example exports it; trt:: FP8 ops kept (TensorRT reads them)",
@@ -296,16 +302,25 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
     }
 
 
+def graph_precision_why(spec: GraphSpec) -> str:
+    if spec.precision == "fp16":
+        return "fp16 outside the Q/DQ pairs: ModelOpt exports FP8 attention only from a 16-bit module"
+    return "fp32 outside the Q/DQ pairs"
+
+
 def write_graphs(
     network: torch.nn.Module, config: QuantizeConfig, spec: GraphSpec, out_dir: Path, timings: dict[str, float]
 ) -> dict[str, str]:
-    """Export a quantized network (changed in place for FP8) and write its graphs into ``out_dir``; returns the file
-    of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times to ``timings``."""
+    """Export a quantized network (changed in place for FP8, and cast to fp16 for an fp16 ``spec``) and write its
+    graphs into ``out_dir``; returns the file of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times
+    to ``timings``."""
     started = time.perf_counter()
     raw_dir = out_dir / "raw"
     raw_dir.mkdir()
     if config.precision == "fp8":
         fp8_scales_as_int8(network)
+    if spec.precision == "fp16":
+        as_fp16(network)
     with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
         _export(network, spec, raw_dir / GRAPH)
     timings["export_s"] = round(time.perf_counter() - started, 3)
@@ -339,10 +354,11 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
     from ..patches import export_patches
 
     module = export.graph_module(spec, network)
-    config = ExportConfig(precision="fp32", opset=OPSET, exporter="torchscript", component=spec.component)
+    config = ExportConfig(precision=spec.precision, opset=OPSET, exporter="torchscript", component=spec.component)
+    dtype = torch.float16 if spec.precision == "fp16" else torch.float32
     with export_patches(), torch.no_grad(), _quiet():
         try:
-            export._torch_export(module, spec, config, "torchscript", path, torch.float32)
+            export._torch_export(module, spec, config, "torchscript", path, dtype)
         except Exception as exc:
             raise ExportError(f"exporting the quantized {spec.label} failed: {one_line(exc)}") from exc
 
@@ -360,6 +376,19 @@ def fp8_scales_as_int8(network: torch.nn.Module) -> None:
                 if quantizer.is_enabled and getattr(quantizer, "_amax", None) is not None:
                     quantizer._num_bits = 8
                     quantizer._amax = quantizer._amax * (127 / 448.0)
+
+
+def as_fp16(network: torch.nn.Module) -> None:
+    """Cast a network calibrated in fp32 to fp16, its Q/DQ in fp16 too, in place: ModelOpt exports FP8 attention only
+    from a 16-bit module with 16-bit Q/DQ (export_onnx.py export_fp8_mha: "the qdqs must be in 16 bits"), as
+    TensorRT's strongly typed FP8 attention fusion wants it. PyTorch runs fp16 on the CPU (slowly): the export traces
+    the smallest input."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    network.half()
+    for module in network.modules():
+        if isinstance(module, TensorQuantizer):
+            module.trt_high_precision_dtype = "Half"
 
 
 def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
