@@ -7,7 +7,7 @@ so the export manifest records exactly what was in effect.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,16 +55,70 @@ def concat_as_cat() -> contextlib.AbstractContextManager[None]:
     return replaced({(torch, "concat"): torch.cat, (torch, "concatenate"): torch.cat})
 
 
-EXPORT_PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+def rms_norm_as_arithmetic() -> contextlib.AbstractContextManager[None]:
+    """Write ``F.rms_norm`` (``torch.nn.RMSNorm``: Flux's and SD3.5's query/key norms) as x·rsqrt(mean(x²)+eps)·w.
+
+    The TorchScript exporter has no symbolic for ``aten::rms_norm`` at any opset; these ops it has. (torch.export's
+    exporter converts it itself.)
+    """
+
+    def rms_norm(
+        input: torch.Tensor,  # F.rms_norm's parameter names: keyword calls still match
+        normalized_shape: Sequence[int],
+        weight: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
+        eps = torch.finfo(input.dtype).eps if eps is None else eps  # torch's default
+        dims = tuple(range(-len(normalized_shape), 0))
+        normed = input * torch.rsqrt(input.pow(2).mean(dims, keepdim=True) + eps)
+        return normed if weight is None else normed * weight
+
+    return replaced({(torch.nn.functional, "rms_norm"): rms_norm})
+
+
+def flux_rotary_unflattened() -> contextlib.AbstractContextManager[None]:
+    """Flux's rotary embedding with ``unflatten``: diffusers' ``apply_rotary_emb`` reshapes by ``*x.shape[:-1]``, a
+    slice of the shape the TorchScript tracer records as constants, so the graph ran only at the traced batch and
+    token count. The same arithmetic, other cases left to diffusers."""
+    from diffusers.models.transformers import transformer_flux
+
+    rotary = transformer_flux.apply_rotary_emb
+
+    def apply_rotary_emb(
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor | tuple[torch.Tensor],
+        use_real: bool = True,
+        use_real_unbind_dim: int = -1,
+        sequence_dim: int = 2,
+    ) -> Any:
+        if not (use_real and use_real_unbind_dim == -1 and sequence_dim == 1):
+            return rotary(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        cos, sin = (f[None, :, None, :] for f in freqs_cis)
+        real, imaginary = x.unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack([-imaginary, real], dim=-1).flatten(3)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    return replaced({(transformer_flux, "apply_rotary_emb"): apply_rotary_emb})
+
+
+Patch = Callable[[], contextlib.AbstractContextManager[None]]
+EXPORT_PATCHES: dict[str, Patch] = {
     "broadcast_to->expand": broadcast_to_as_expand,
     "concat->cat": concat_as_cat,
+}
+# Only the TorchScript exporter needs these (ModelOpt's Q/DQ graphs export through it alone).
+TORCHSCRIPT_PATCHES: dict[str, Patch] = {
+    "rms_norm->arithmetic": rms_norm_as_arithmetic,
+    "flux rotary: unflatten": flux_rotary_unflattened,
 }
 
 
 @contextlib.contextmanager
-def export_patches() -> Iterator[list[str]]:
-    """Apply every export patch; undo all of them on exit, also on error."""
+def export_patches(exporter: str = "dynamo") -> Iterator[list[str]]:
+    """Apply every export patch the ``exporter`` (dynamo or torchscript) needs; undo all of them on exit, also on
+    error. Yields their names."""
+    patches = EXPORT_PATCHES | (TORCHSCRIPT_PATCHES if exporter == "torchscript" else {})
     with contextlib.ExitStack() as stack:
-        for patch in EXPORT_PATCHES.values():
+        for patch in patches.values():
             stack.enter_context(patch())
-        yield list(EXPORT_PATCHES)
+        yield list(patches)

@@ -14,11 +14,13 @@ from sdtrt.models import resolve_model
 
 from .helpers import run_cli
 
-HARD = "down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2"
+HARD = "up_blocks.1.attentions.1.transformer_blocks.0.ff.net.2"
 QUANT = QuantizeConfig(precision="int8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2)
-# Measured (ONNX Runtime CPU, 10 steps at 256², seed 0): 41.0 dB with HARD quantized, 42.3 dB with HARD kept in
-# high precision (the other 53 quantized layers cost the rest); the ranking gives HARD 0.78, the next layer 0.033.
-TARGET_DB = 41.6
+# HARD feeds the last transformer block's output (down_blocks.0's, as before, moved the image by 1.3 dB only: too
+# narrow a gap to place a target in). Measured (ONNX Runtime CPU, 10 steps at 256², seed 0): 37.5 dB with HARD
+# quantized, 42.4 dB with HARD kept in high precision (the other 53 quantized layers cost the rest); the ranking
+# gives HARD 0.79, the next layer 0.033. The target sits midway, 2.5 dB from either.
+TARGET_DB = 40.0
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,7 @@ def test_the_worst_layers_leave_out_those_already_kept():
 def test_the_guard_finds_the_outlier_layer_and_meets_the_target(outlier_model, store):
     config = GuardConfig(min_psnr_db=TARGET_DB, layers_per_round=1)
     report = guard(outlier_model, store, QUANT, config, target="onnxruntime", components=("unet",))
+    print(f"\nguard rounds: {report.rounds}")
     first = report.rounds[0]
     assert first.psnr_db < TARGET_DB and first.returned[0] == HARD, first
     assert report and len(report.rounds) <= 3 and HARD in report.kept

@@ -10,6 +10,8 @@ import torch
 
 from sdtrt.patches import EXPORT_PATCHES, broadcast_to_as_expand, concat_as_cat, export_patches
 
+TORCH_RMS_NORM = torch.nn.functional.rms_norm
+
 
 class UsesBroadcastTo(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -29,9 +31,10 @@ class ConcatsMixedDtypes(torch.nn.Module):
 def test_broadcast_to_exports_as_expand_under_the_patch(tmp_path, dynamo):
     path = tmp_path / "m.onnx"
     args = (torch.randn(1, 3), torch.randn(4, 1), torch.randn(4, 3))
-    with export_patches() as applied:
+    with export_patches("dynamo" if dynamo else "torchscript") as applied:
         torch.onnx.export(UsesBroadcastTo(), args, str(path), dynamo=dynamo, input_names=["x", "y", "like"])
-    assert applied == ["broadcast_to->expand", "concat->cat"]
+    torchscript_only = [] if dynamo else ["rms_norm->arithmetic", "flux rotary: unflatten"]
+    assert applied == ["broadcast_to->expand", "concat->cat", *torchscript_only]
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("Expand") == 2, ops
 
@@ -62,3 +65,18 @@ def test_patch_is_undone_on_exit_and_on_error(patch):
         raise RuntimeError("export failed")
     assert (torch.broadcast_to, torch.Tensor.broadcast_to, torch.concat, torch.concatenate) == originals
     assert patch in EXPORT_PATCHES.values()
+
+
+def test_rms_norm_exports_through_torchscript_under_its_patch(tmp_path):
+    """The TorchScript exporter has no aten::rms_norm; the patch writes it out with the same values."""
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 3, 8)
+    with export_patches("torchscript") as applied:
+        assert torch.allclose(norm(x), torch.nn.RMSNorm.forward(norm, x), atol=1e-6)
+        torch.onnx.export(norm, (x,), str(tmp_path / "n.onnx"), dynamo=False, input_names=["x"])
+    assert "rms_norm->arithmetic" in applied and torch.nn.functional.rms_norm is TORCH_RMS_NORM
+    (got,) = ort.InferenceSession(str(tmp_path / "n.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy()}
+    )
+    np.testing.assert_allclose(got, norm(x).detach().numpy(), rtol=1e-5, atol=1e-5)

@@ -60,17 +60,73 @@ def onnxruntime_output(path: Path, feeds: dict[str, torch.Tensor], optimized: bo
     return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in feeds.items()})[0])
 
 
-@pytest.mark.parametrize("config", [INT8, FP8], ids=["int8", "fp8"])
-def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, tiny, tmp_path):
+def qdq_pairs(path: Path) -> onnx.ModelProto:
+    """Every QuantizeLinear → DequantizeLinear pair of a graph, alone: input ``<quantizer>`` (its module name,
+    ``down_blocks.0.resnets.0.conv1.input_quantizer``), output ``<quantizer>.out``, the graph's scales, zero
+    points and attributes."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = {i.name: i for i in graph.initializer}
+    constants |= {n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant"}
+    dequantize = {n.input[0]: n for n in graph.node if n.op_type == "DequantizeLinear"}
+    nodes, initializers, inputs, outputs = [], {}, [], []
+    for q in (n for n in graph.node if n.op_type == "QuantizeLinear"):
+        name = ".".join(q.name.split("/")[2:-1])
+        dq = dequantize[q.output[0]]
+        for value in (*q.input[1:], *dq.input[1:]):
+            initializers[value] = onnx.TensorProto()
+            initializers[value].CopyFrom(constants[value])
+            initializers[value].name = value
+        nodes.append(onnx.helper.make_node("QuantizeLinear", [name, *q.input[1:]], [f"{name}.q"], q.name, **{
+            a.name: onnx.helper.get_attribute_value(a) for a in q.attribute
+        }))  # fmt: skip
+        nodes.append(onnx.helper.make_node("DequantizeLinear", [f"{name}.q", *dq.input[1:]], [f"{name}.out"], **{
+            a.name: onnx.helper.get_attribute_value(a) for a in dq.attribute
+        }))  # fmt: skip
+        inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+        outputs.append(onnx.helper.make_tensor_value_info(f"{name}.out", onnx.TensorProto.FLOAT, None))
+    pairs = onnx.helper.make_graph(nodes, "qdq_pairs", inputs, outputs, list(initializers.values()))
+    return onnx.helper.make_model(pairs, opset_imports=[onnx.helper.make_opsetid("", quantize.OPSET)])
+
+
+def quantizers_seen(network: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list]:
+    """Module name → (input, output) of each enabled ModelOpt quantizer on the network's next call; the hooks."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(name: str):
+        def hook(_module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            seen[name] = (args[0].detach().clone(), output.detach().clone())
+
+        return hook
+
+    hooks = [
+        module.register_forward_hook(keep(name))
+        for name, module in network.named_modules()
+        if isinstance(module, TensorQuantizer) and module.is_enabled
+    ]
+    return seen, hooks
+
+
+@pytest.mark.parametrize(
+    ("config", "min_cosine"),
+    # The noise floor of each format on tiny's last calibrated step (see the comment in the test), with a margin.
+    [(INT8, 0.999), (FP8, 0.997)],
+    ids=["int8", "fp8"],
+)
+def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_cosine, tiny, tmp_path):
     """The graph the stage writes for a quantized UNet against that UNet's PyTorch fake quantization (the same
-    calibration: two calibrations may differ in the last bit of an amax, which moves roundings)."""
+    calibration: two calibrations may differ in the last bit of an amax, which moves roundings): each Q/DQ pair
+    fed the very input its ModelOpt quantizer saw computes what that quantizer computed, and the whole graph
+    agrees with the whole fake-quantized UNet to the format's noise floor."""
+    import onnxruntime as ort
+
     from sdtrt.models import load_unet
     from sdtrt.stages import calibration
     from sdtrt.stages.export import graph_module
 
     spec = quantize.denoiser_graph_spec(tiny)
-    # A denoising step the calibration saw (random inputs beyond the calibrated ranges saturate differently:
-    # ModelOpt's INT8 fake quantization clamps to ±127, ONNX's QuantizeLinear to -128..127).
+    # A denoising step the calibration saw (random inputs beyond the calibrated ranges would saturate).
     pipe = calibration.load_reference_pipeline(tiny)
     (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
     feeds = {
@@ -78,22 +134,45 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, tiny,
         "encoder_hidden_states": kwargs["encoder_hidden_states"],
     }  # fmt: skip
     network = quantize.quantized_denoiser(config, tiny).network
+    seen, hooks = quantizers_seen(network)
     with torch.no_grad():
         fp32 = graph_module(spec, load_unet(tiny))(*feeds.values())
         fake_quant = graph_module(spec, network)(*feeds.values())
+    for hook in hooks:
+        hook.remove()
     graph = tmp_path / quantize.write_graphs(network, config, spec, tmp_path, {})["onnxruntime"]
+
+    # Teacher-forced, quantizer by quantizer: scales, zero points, ranges, axes and rounding are ModelOpt's.
+    session = ort.InferenceSession(qdq_pairs(graph).SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    assert sorted(names) == sorted(seen)
+    forced = session.run([f"{n}.out" for n in names], {n: seen[n][0].numpy() for n in names})
+    differing, elements = 0, 0
+    for name, output in zip(names, forced, strict=True):
+        expected = seen[name][1]
+        differing += int((torch.from_numpy(output) - expected).abs().gt(1e-6 * expected.abs().max()).sum())
+        elements += expected.numel()
+    # ModelOpt rounds x·(127/amax), QuantizeLinear x/(amax/127): the two differ in the last bit, which moves a
+    # value lying within that bit of a rounding boundary by one step (measured: INT8 4 of 4.1 M values, FP8 2 of
+    # 4.6 M). Any error in a scale, range or zero point moves thousands.
+    assert differing <= elements * 1e-5, f"{differing} of {elements} quantized values differ"
+
     quantization = tensor_stats(fake_quant, fp32)
     exact = tensor_stats(onnxruntime_output(graph, feeds, optimized=False), fake_quant)
     kernels = tensor_stats(onnxruntime_output(graph, feeds, optimized=True), fake_quant)
     print(
         f"\n{config.precision}: ModelOpt fake quant vs fp32 {quantization}\nORT (no graph optimizations) vs fake "
-        f"quant {exact}\nORT (its 8-bit kernels) vs fake quant {kernels}"
+        f"quant {exact}\nORT (its 8-bit kernels) vs fake quant {kernels}\nQ/DQ pairs fed ModelOpt's inputs: "
+        f"{differing} of {elements} values differ"
     )
-    # Measured on tiny (2 prompts × 2 steps): the ONNX Runtime graph differs from ModelOpt's fake quantization by
-    # about as much as the fake quantization differs from fp32 (max abs INT8 0.030 vs 0.035, cosine 0.99974; FP8
-    # 0.063 vs 0.083, cosine 0.99908), not by the summation-order noise a prototype of the same export measured
-    # (7e-7). Unexplained so far: this checks agreement at the quantization's scale; the noise floor is left open.
-    assert exact["finite"] and exact["cosine"] > 0.998
+    # The noise floor of an 8-bit network is not fp32's. ONNX Runtime's and PyTorch's fp32 kernels differ by ~1e-6
+    # (summation order); where that moves a value across a rounding boundary the quantizer's output moves by a whole
+    # step, and the flips multiply downstream (measured on tiny, INT8: the first flip at mid_block's proj_in, 1 of
+    # 32 768 values, 2 639 flips three blocks on; FP8, whose steps are finer near zero: 6 flips at the first
+    # quantizer). PyTorch against itself shows the same floor: the fake-quantized UNet on 1 thread against 2 threads
+    # gives cosine 0.99986 (INT8) / 0.99918 (FP8), and on the sample moved by one ulp 0.9991-0.9996 (FP8); ONNX
+    # Runtime against it 0.99974 (INT8) / 0.99908 (FP8).
+    assert exact["finite"] and exact["cosine"] > min_cosine
     assert kernels["finite"] and kernels["cosine"] > 0.99
 
 
@@ -122,6 +201,48 @@ def test_fp8_graphs_are_float8_and_keep_the_always_kept_layers(fp8):
         assert [n for n in graph if n.endswith("to_out.0")]  # level 3: every Linear
     standard = onnx.load(str(graphs["onnxruntime"]), load_external_data=False)
     assert not [n for n in standard.graph.node if n.domain == "trt"]
+
+
+def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(store):
+    """Level 4 on tiny-sd2 (heads of 16): calibrated in fp32, exported from fp16 (ModelOpt exports FP8 attention only
+    from a 16-bit module). The TensorRT graph keeps ModelOpt's trt:: FP8 ops at each attention's Q, K, V and softmax
+    and at the LayerNorms; the ONNX Runtime graph has them as standard FP8 Q/DQ, and runs on a calibrated step."""
+    from diffusers.models.attention_processor import Attention
+
+    from sdtrt.models import load_unet, resolve_model
+    from sdtrt.stages import calibration
+    from sdtrt.stages.export import graph_module
+
+    model = resolve_model("tiny-sd2")
+    config = dataclasses.replace(FP8, level=4)
+    quantized = quantize.run(config, model, store)
+    manifest = quantized.manifest
+    assert manifest["precision"]["graph"] == "fp16" and manifest["io"]["precision"] == "fp16"
+    assert manifest["graphs"] == {"tensorrt": "unet.trt.onnx", "onnxruntime": "unet.onnx"}
+    unet = load_unet(model)
+    attentions = sum(isinstance(m, Attention) for m in unet.modules())
+    norms = [
+        n for n in manifest["details"]["quantized_layers"] if isinstance(unet.get_submodule(n), torch.nn.LayerNorm)
+    ]
+    qdq = manifest["details"]["qdq"]
+    trt_ops = qdq["tensorrt"]["trt::TRT_FP8QuantizeLinear:FLOAT8E4M3FN"]
+    assert attentions and norms and trt_ops == 4 * attentions + len(norms)
+    assert qdq["onnxruntime"]["QuantizeLinear:FLOAT8E4M3FN"] == qdq["tensorrt"]["QuantizeLinear:FLOAT8E4M3FN"] + trt_ops
+    assert not [k for k in qdq["onnxruntime"] if k.startswith("trt::")]
+
+    pipe = calibration.load_reference_pipeline(model)
+    (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
+    feeds = {
+        "sample": sample, "timestep": timestep.float().expand(sample.shape[0]).contiguous(),
+        "encoder_hidden_states": kwargs["encoder_hidden_states"],
+    }  # fmt: skip
+    with torch.no_grad():
+        fp32 = graph_module(quantize.denoiser_graph_spec(model), unet)(*feeds.values())
+    fp16_feeds = {k: v if k == "timestep" else v.half() for k, v in feeds.items()}
+    stats = tensor_stats(onnxruntime_output(quantized.primary, fp16_feeds, optimized=True).float(), fp32)
+    print(f"\ntiny-sd2 FP8 level 4, ONNX Runtime vs PyTorch fp32: {stats}")
+    # Measured: cosine 0.9945 (FP8 everywhere but the kept layers, fp16 around it; level 3 on tiny: 0.9986).
+    assert stats["finite"] and stats["cosine"] > 0.98
 
 
 def test_levels_select_nvidias_layers(tiny):
@@ -219,3 +340,36 @@ def prompts_file(folder: Path) -> Path:
     path = folder / "prompts.txt"
     path.write_text("\n".join(CALIBRATION["calibration_prompts"]) + "\n\n")
     return path
+
+
+@pytest.mark.slow
+def test_sd15_int8_level_2_5_scale(tmp_path):
+    """Issue 22's scale check: sd15-random's UNet (SD 1.5's 859.5 M parameters) quantized to INT8 at level 2.5,
+    calibrated on 2 prompts × 2 steps at 512² (6 UNet calls, guidance batches of 2), and its Q/DQ graph validated
+    on ONNX Runtime against the fp32 pipeline (4 steps at 256²). Prints the quantize time, the process's peak RSS
+    and the image PSNR; random weights say nothing about a trained model's PSNR, so only memory is held to a bound.
+    Disk: the model (~4.2 GB) and the graph (~3.4 GB); nothing else is kept."""
+    import resource
+    import time
+
+    from sdtrt.config import CALIBRATION_PROMPTS, ValidationConfig
+    from sdtrt.models import resolve_model
+    from sdtrt.store import Store
+    from sdtrt.validate import validate
+
+    model = resolve_model("sd15-random")
+    config = dataclasses.replace(INT8, calibration_prompts=CALIBRATION_PROMPTS[:2])
+    started = time.perf_counter()
+    quantized = quantize.run(config, model, Store(tmp_path))
+    quantize_s = time.perf_counter() - started
+    report = validate(model, quantized, ValidationConfig(steps=4, height=256, width=256))
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    details = quantized.manifest["details"]
+    assert report.image is not None
+    print(
+        f"\nsd15-random INT8 level 2.5: quantize {quantize_s:.0f} s ({quantized.manifest['timings']}), "
+        f"{len(details['quantized_layers'])} layers quantized, Q/DQ {details['qdq']['onnxruntime']}; peak RSS "
+        f"{peak_gb:.1f} GB; image PSNR {report.image['psnr_db']:.1f} dB; UNet tensors {report.tensors[0]}"
+    )
+    assert details["qdq"]["onnxruntime"]["QuantizeLinear:INT8"] == 2 * len(details["quantized_layers"])
+    assert peak_gb < 12

@@ -121,8 +121,8 @@ def test_levels_select_nvidias_linear_layers(preset):
     [
         ("tiny-sd3", dataclasses.replace(INT8, level=1), "level 1 quantizes convolutions only, and a transformer's"),
         ("tiny-flux", dataclasses.replace(FP8, level=1), "use --level 2, 2.5, 3"),
-        ("tiny-sd3", dataclasses.replace(FP8, level=4), "heads of 8; use --level 3"),
-        ("tiny-flux", dataclasses.replace(FP8, level=4), "exports only from an fp16/bf16"),
+        ("tiny-sd3", dataclasses.replace(FP8, level=4), "FP8 attention for UNets only so far; use --level 2, 2.5, 3"),
+        ("tiny-flux", dataclasses.replace(FP8, level=4), "FP8 attention for UNets only so far; use --level 2, 2.5, 3"),
     ],
 )
 def test_levels_that_make_no_sense_for_a_transformer_are_refused(preset, config, message):

@@ -280,7 +280,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     how = "weight-free, " if weights == "stream" else ""
     description = f"Exporting {spec.label} to ONNX ({config.precision}, {how}{exporter} exporter, opset {config.opset})"
     with (
-        step(description), export_patches() as patches, torch.no_grad(), warnings.catch_warnings(),
+        step(description), export_patches(exporter) as patches, torch.no_grad(), warnings.catch_warnings(),
         contextlib.redirect_stdout(sys.stderr),  # torch.export's exporter prints its progress: stdout is for results
     ):  # fmt: skip
         # The exporters warn about every Python branch on a shape, constant folding they skip and their

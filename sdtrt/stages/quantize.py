@@ -18,7 +18,8 @@ Two graphs, because one cannot do both jobs (the manifest's ``graphs`` says whic
   ``saturate=1``), which ONNX Runtime's CPU provider runs: CPU validation checks the scales TensorRT will use.
 
 Below level 4 no ``trt::`` op is left (the Linear/Conv quantizers export as standard Q/DQ): one file serves both.
-The graph is fp32 outside its Q/DQ pairs (calibration and export run in fp32 on the CPU).
+Calibration runs in fp32 on the CPU. The graph is fp32 outside its Q/DQ pairs, except at level 4: ModelOpt exports
+FP8 attention only from a 16-bit module, so the calibrated module is cast to fp16 for the export (``as_fp16``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..config import QUANT_LEVELS, Component, ExportConfig, QuantizeConfig
+from ..config import QUANT_LEVELS, Component, ExportConfig, Precision, QuantizeConfig
 from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..models import ModelSource
 from ..progress import step
@@ -79,7 +80,7 @@ FP8_ZERO_POINT = "sdtrt_fp8_zero_point"
 def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
     """The quantized denoiser's graphs for ``model`` (a cache hit for the same model, config and calibration set)."""
     check_model(config, model)
-    spec = denoiser_graph_spec(model)
+    spec = denoiser_graph_spec(model, config)
     artifact, _ = store.produce(request_for(config, model), lambda out_dir: _quantize(config, model, spec, out_dir))
     return artifact
 
@@ -87,7 +88,7 @@ def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
 def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
     """What ``run`` asks the store for: keyed by the model's denoiser, the graph contract, the config (precision,
     level, algorithm, layers kept) and a hash of the calibration set."""
-    spec = denoiser_graph_spec(model)
+    spec = denoiser_graph_spec(model, config)
     return StageRequest(
         stage=STAGE,
         version=VERSION,
@@ -100,31 +101,30 @@ def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
     )
 
 
-def denoiser_graph_spec(model: ModelSource) -> GraphSpec:
-    """The quantized graph's contract: the denoiser's, fp32 outside the Q/DQ pairs."""
-    return export.spec_for(model, ExportConfig(precision="fp32", component=denoiser_component(model)))
+def denoiser_graph_spec(model: ModelSource, config: QuantizeConfig = QuantizeConfig()) -> GraphSpec:
+    """The quantized graph's contract: the denoiser's, fp32 outside the Q/DQ pairs (fp16 at level 4)."""
+    precision: Precision = "fp16" if attention_quantized(config) else "fp32"
+    return export.spec_for(model, ExportConfig(precision=precision, component=denoiser_component(model)))
+
+
+def attention_quantized(config: QuantizeConfig) -> bool:
+    """Level 4 quantizes attention (FP8 only: QuantizeConfig refuses INT8 there)."""
+    return config.level >= 4
 
 
 def check_model(config: QuantizeConfig, model: ModelSource) -> None:
     """ConfigError, from the model's configs alone (nothing loaded), when this model cannot be quantized so."""
     kind = denoiser_quantization(model)
-    if config.level not in kind.levels:
+    if why := kind.refused.get(config.level):
+        offered = [level for level in QUANT_LEVELS if level not in kind.refused and level < 4]
         raise ConfigError(
-            f"level {config.level:g} quantizes {QUANT_LEVELS[config.level]}, and {kind.levels_why}; "
-            f"use --level {', '.join(f'{level:g}' for level in kind.levels if level < 4)}"
+            f"level {config.level:g} quantizes {QUANT_LEVELS[config.level]}, and {why}; "
+            f"use --level {', '.join(f'{level:g}' for level in offered)}"
         )
     if config.level == 4.0 and (odd := [size for size in kind.head_sizes(model.denoiser_config()) if size % 16]):
         raise ConfigError(
             f"level 4 quantizes attention in FP8, which needs head sizes that are multiples of 16, and "
             f"'{model.name}' has heads of {', '.join(map(str, sorted(set(odd))))}; use --level 3"
-        )
-    if config.level == 4.0:
-        # ModelOpt exports its FP8 attention only from an fp16/bf16 module (export_onnx.py: "the qdqs must be in
-        # 16 bits"; mha_valid_precisions in plugins/diffusion/diffusers.py), and this stage calibrates and exports
-        # in fp32 on the CPU (measured on tiny-sd2, whose heads are 16 wide).
-        raise ConfigError(
-            "level 4's FP8 attention exports only from an fp16/bf16 UNet, and sdtrt quantizes in fp32 on the CPU; "
-            "use --level 3 (FP8 attention is not available yet)"
         )
 
 
@@ -145,30 +145,30 @@ def transformer_head_sizes(config: dict[str, Any]) -> list[int]:
 @dataclass(frozen=True)
 class DenoiserQuantization:
     """How NVIDIA quantizes one kind of denoiser: the modules it always keeps in high precision, and the levels
-    that quantize anything in it (``levels_why`` says why the others are refused)."""
+    that quantize anything in it, with why each other level is refused."""
 
     kept: re.Pattern[str]
     kept_why: str
-    levels: tuple[float, ...]
-    levels_why: str
+    refused: dict[float, str]  # level → why
     head_sizes: Callable[[dict[str, Any]], list[int]]
 
 
 UNET_QUANTIZATION = DenoiserQuantization(
-    ALWAYS_KEPT,
-    "kept by NVIDIA (embeddings, first/last and shortcut convolutions, proj_out)",
-    tuple(QUANT_LEVELS),
-    "",
-    head_sizes,
+    ALWAYS_KEPT, "kept by NVIDIA (embeddings, first/last and shortcut convolutions, proj_out)", {}, head_sizes
 )
 QUANTIZATION: dict[Component, DenoiserQuantization] = {
     "unet": UNET_QUANTIZATION,
     "transformer": DenoiserQuantization(
         TRANSFORMER_KEPT,
         "kept by NVIDIA (patch and text embedders, timestep embeddings, the output norm and projection)",
-        (2.0, 2.5, 3.0, 4.0),
-        # SD3's one convolution is its patch embedding (pos_embed.proj, kept), and Flux has none.
-        "a transformer's only convolution (SD3's patch embedding) stays in high precision: nothing would be quantized",
+        {
+            # SD3's one convolution is its patch embedding (pos_embed.proj, kept), and Flux has none.
+            1.0: "a transformer's only convolution (SD3's patch embedding) stays in high precision: nothing would "
+            "be quantized",
+            # Level 4's fp16 export with FP8 attention is measured on UNets only (tiny-sd2); the transformers'
+            # attention processors have not been through it.
+            4.0: "sdtrt offers FP8 attention for UNets only so far",
+        },
         transformer_head_sizes,
     ),
 }
@@ -267,10 +267,17 @@ def modelopt_config(config: QuantizeConfig, plan: LayerPlan) -> dict[str, Any]:
         cfg = entry.get("cfg")
         if isinstance(cfg, dict) and "num_bits" in cfg:
             cfg["trt_high_precision_dtype"] = "Float"
+    if attention_quantized(config):
+        # FP8 attention: the BMM inputs and the softmax output, as ModelOpt's diffusers plugin quantizes them
+        # (plugins/diffusion/diffusers.py _quantized_sdpa; export_onnx.py export_fp8_mha), the BMM2 output not.
+        fp8 = {"num_bits": (4, 3), "axis": None, "trt_high_precision_dtype": "Float"}
+        quant["quant_cfg"] += [{"quantizer_name": f"*{q}", "cfg": dict(fp8)} for q in ATTENTION_QUANTIZERS[:4]]
+        quant["quant_cfg"] += [{"quantizer_name": f"*{ATTENTION_QUANTIZERS[4]}", "enable": False}]
+    else:  # attention stays in high precision below level 4, as TensorRT demo/Diffusion's fp8_mha_disable leaves it
+        quant["quant_cfg"] += [{"quantizer_name": f"*{q}", "enable": False} for q in ATTENTION_QUANTIZERS]
     quant["quant_cfg"] += plan.disabled_entries()
-    # Attention (its BMM and softmax quantizers) stays in high precision below level 4, as TensorRT demo/Diffusion's
-    # fp8_mha_disable leaves it; level 4 is refused for now (check_model).
-    quant["quant_cfg"] += [{"quantizer_name": f"*{q}", "enable": False} for q in ATTENTION_QUANTIZERS]
+    # Kept modules that own quantizers themselves (an attention's BMM quantizers, which the guard may return).
+    quant["quant_cfg"] += [{"quantizer_name": f"{name}.*", "enable": False} for name in config.keep_high_precision]
     return quant
 
 
@@ -325,7 +332,7 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
         "primary": graphs["onnxruntime"],
         "family": model.family(),
         "io": spec.to_json(),
-        "precision": {"graph": "fp32", "quantized": config.precision, "why": "fp32 outside the Q/DQ pairs"},
+        "precision": {"graph": spec.precision, "quantized": config.precision, "why": graph_precision_why(spec)},
         "graphs": graphs,
         "graphs_why": {
             "tensorrt": "as ModelOpt's diffusers example exports it; trt:: FP8 ops kept (TensorRT reads them)",
@@ -350,17 +357,26 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
     }
 
 
+def graph_precision_why(spec: GraphSpec) -> str:
+    if spec.precision == "fp16":
+        return "fp16 outside the Q/DQ pairs: ModelOpt exports FP8 attention only from a 16-bit module"
+    return "fp32 outside the Q/DQ pairs"
+
+
 def write_graphs(
     network: torch.nn.Module, config: QuantizeConfig, spec: GraphSpec, out_dir: Path, timings: dict[str, float]
 ) -> dict[str, str]:
-    """Export a quantized network (changed in place for FP8) and write its graphs into ``out_dir``; returns the file
-    of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times to ``timings``."""
+    """Export a quantized network (changed in place for FP8, and cast to fp16 for an fp16 ``spec``) and write its
+    graphs into ``out_dir``; returns the file of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times
+    to ``timings``."""
     started = time.perf_counter()
     graph, trt_graph = GRAPH.format(component=spec.component), TRT_GRAPH.format(component=spec.component)
     raw_dir = out_dir / "raw"
     raw_dir.mkdir()
     if config.precision == "fp8":
         fp8_scales_as_int8(network)
+    if spec.precision == "fp16":
+        as_fp16(network)
     with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
         _export(network, spec, raw_dir / graph)
     timings["export_s"] = round(time.perf_counter() - started, 3)
@@ -370,6 +386,7 @@ def write_graphs(
         proto = onnx_graph.load_graph(raw_dir / graph, with_weights=True)
         onnx_graph.name_dynamic_axes(proto, spec)
         weight_bytes = onnx_graph.weights_on_disk(raw_dir)
+        shutil.rmtree(raw_dir)  # its weights are in memory now: one copy on disk at a time (SD 1.5: 3.4 GB)
         graphs = {"tensorrt": graph, "onnxruntime": graph}
         if config.precision == "fp8":
             proto = convert_zp_fp8(_cleaned(proto))
@@ -379,7 +396,6 @@ def write_graphs(
                 standard_fp8_qdq(proto)
         onnx_graph.save(proto, out_dir / graph, weight_bytes)
         del proto
-        shutil.rmtree(raw_dir)
         for name in set(graphs.values()):
             onnx_graph.check(out_dir / name)
     timings["finalize_s"] = round(time.perf_counter() - started, 3)
@@ -394,62 +410,13 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
     from ..patches import export_patches
 
     module = export.graph_module(spec, network)
-    config = ExportConfig(precision="fp32", opset=OPSET, exporter="torchscript", component=spec.component)
-    with export_patches(), _traceable_by_torchscript(), torch.no_grad(), _quiet():
+    config = ExportConfig(precision=spec.precision, opset=OPSET, exporter="torchscript", component=spec.component)
+    dtype = torch.float16 if spec.precision == "fp16" else torch.float32
+    with export_patches("torchscript"), torch.no_grad(), _quiet():
         try:
-            export._torch_export(module, spec, config, "torchscript", path, torch.float32)
+            export._torch_export(module, spec, config, "torchscript", path, dtype)
         except Exception as exc:
             raise ExportError(f"exporting the quantized {spec.label} failed: {one_line(exc)}") from exc
-
-
-@contextlib.contextmanager
-def _traceable_by_torchscript() -> Any:
-    """What the TorchScript exporter cannot trace in the transformers, written out while it exports (ModelOpt's
-    fake-quant modules export through it only):
-
-    - ``F.rms_norm`` (``torch.nn.RMSNorm``: Flux's query/key norms) has no symbolic at any opset: as
-      x·rsqrt(mean(x²) + eps)·weight, ops it has;
-    - diffusers' ``apply_rotary_emb`` reshapes by ``*x.shape[:-1]``, a slice of the shape the tracer records as
-      constants (a Flux graph then runs only at the traced batch and token count): ``unflatten`` keeps it symbolic.
-    """
-    import torch
-    from diffusers.models.transformers import transformer_flux
-
-    functional, rotary = torch.nn.functional.rms_norm, transformer_flux.apply_rotary_emb
-
-    def rms_norm(
-        input: torch.Tensor,  # F.rms_norm's parameter names: keyword calls still match
-        normalized_shape: Sequence[int],
-        weight: torch.Tensor | None = None,
-        eps: float | None = None,
-    ) -> torch.Tensor:
-        eps = torch.finfo(input.dtype).eps if eps is None else eps  # torch's default
-        dims = tuple(range(-len(normalized_shape), 0))
-        normed = input * torch.rsqrt(input.pow(2).mean(dims, keepdim=True) + eps)
-        return normed if weight is None else normed * weight
-
-    def apply_rotary_emb(
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor | tuple[torch.Tensor],
-        use_real: bool = True,
-        use_real_unbind_dim: int = -1,
-        sequence_dim: int = 2,
-    ) -> Any:
-        if not (use_real and use_real_unbind_dim == -1 and sequence_dim == 1):
-            return rotary(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-        # Flux's case of diffusers' embeddings.apply_rotary_emb, the same arithmetic.
-        cos, sin = (f[None, :, None, :] for f in freqs_cis)
-        real, imaginary = x.unflatten(-1, (-1, 2)).unbind(-1)
-        rotated = torch.stack([-imaginary, real], dim=-1).flatten(3)
-        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-    torch.nn.functional.rms_norm = rms_norm
-    transformer_flux.apply_rotary_emb = apply_rotary_emb
-    try:
-        yield
-    finally:
-        torch.nn.functional.rms_norm = functional
-        transformer_flux.apply_rotary_emb = rotary
 
 
 def fp8_scales_as_int8(network: torch.nn.Module) -> None:
@@ -465,6 +432,19 @@ def fp8_scales_as_int8(network: torch.nn.Module) -> None:
                 if quantizer.is_enabled and getattr(quantizer, "_amax", None) is not None:
                     quantizer._num_bits = 8
                     quantizer._amax = quantizer._amax * (127 / 448.0)
+
+
+def as_fp16(network: torch.nn.Module) -> None:
+    """Cast a network calibrated in fp32 to fp16, its Q/DQ in fp16 too, in place: ModelOpt exports FP8 attention only
+    from a 16-bit module with 16-bit Q/DQ (export_onnx.py export_fp8_mha: "the qdqs must be in 16 bits"), as
+    TensorRT's strongly typed FP8 attention fusion wants it. PyTorch runs fp16 on the CPU (slowly): the export traces
+    the smallest input."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    network.half()
+    for module in network.modules():
+        if isinstance(module, TensorQuantizer):
+            module.trt_high_precision_dtype = "Half"
 
 
 def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
