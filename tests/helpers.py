@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,14 @@ def run_cli(
     if check and result.returncode != 0:
         raise AssertionError(f"sdtrt {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
+
+
+def private_store(artifact, root: Path) -> Path:
+    """A new store at ``root`` holding copies (not links: tests corrupt and lock them) of ``artifact`` and the ones
+    it was made from: a test that needs a store of its own starts from cache hits instead of recompiling tiny."""
+    for made in artifact.lineage():
+        shutil.copytree(made.path, root / made.stage / made.path.name)
+    return root
 
 
 def last_line(text: str) -> str:

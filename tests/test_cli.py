@@ -16,7 +16,7 @@ from sdtrt import __version__
 from sdtrt.errors import one_line
 from sdtrt.store import MANIFEST, TMP_DIR, Store
 
-from .helpers import REPO, last_line, run_cli
+from .helpers import REPO, last_line, private_store, run_cli
 
 
 def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
@@ -276,8 +276,8 @@ def test_results_go_into_folders_that_do_not_exist_yet(tmp_path, tiny_engine):
     assert debugged.returncode in (0, 3) and (tmp_path / "d" / "d.json").is_file(), debugged.stderr
 
 
-def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path):
-    engines = tmp_path / "engines"
+def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path, tiny_engine):
+    engines = private_store(tiny_engine, tmp_path / "engines")  # corrupted below: a copy of the session's engine
     compile_args = (
         "compile",
         "--target",
@@ -316,9 +316,9 @@ def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path):
     assert traced.returncode == 0 and last_line(traced.stdout) == str(tmp_path / "p" / "trace.json")
 
 
-def test_gc_on_a_read_only_store_reports_what_it_could_not_remove(tmp_path):
-    engines = tmp_path / "engines"
-    artifact = Path(last_line(run_cli("export", "--engines", str(engines), check=True).stdout))
+def test_gc_on_a_read_only_store_reports_what_it_could_not_remove(tmp_path, tiny_export):
+    engines = private_store(tiny_export, tmp_path / "engines")
+    artifact = engines / "export" / tiny_export.path.name
     (engines / "export").chmod(0o555)
     try:
         result = subprocess.run(

@@ -18,7 +18,7 @@ from sdtrt.spec import DenoiserSpec
 from sdtrt.stages.engine_set import check_pairing, engine_members, engine_profile
 from sdtrt.validate import ValidationConfig, validate
 
-from .helpers import REPO, last_line, run_cli
+from .helpers import REPO, last_line, private_store, run_cli
 from .test_cli import _without_dac_override
 
 FAST = ValidationConfig(steps=3)
@@ -84,8 +84,8 @@ def test_same_shapes_other_weights_are_refused_and_a_copy_of_the_model_is_not(ti
         validate(resolve_model(str(copy)), tiny_engine, FAST)
 
 
-def test_compile_reuses_the_stored_report_and_serves_a_read_only_store(tmp_path):
-    engines = tmp_path / "engines"
+def test_compile_reuses_the_stored_report_and_serves_a_read_only_store(tmp_path, tiny_engine):
+    engines = private_store(tiny_engine, tmp_path / "engines")  # made read-only below; export and simplify are hits
     args = ("compile", "--target", "onnxruntime", "--components", "unet", "--engines", str(engines))
     first = run_cli(*args, "--height", "128:128:256", "--width", "128:128:256", check=True)
     again = ("--height", "128:128:256", "--width", "128:128:256")

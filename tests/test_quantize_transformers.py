@@ -34,10 +34,10 @@ NVIDIA_KEPT = re.compile(r"^(pos_embed|time_text_embed|context_embedder|x_embedd
 @pytest.fixture(
     scope="module", params=[(p, c) for p in PRESETS for c in (INT8, FP8)], ids=lambda p: f"{p[0]}-{p[1].precision}"
 )
-def quantized(request, tmp_path_factory):
-    """One calibration of the preset's transformer: the fp32 and ModelOpt fake-quant outputs on a denoising step the
-    calibration saw (its graph feeds), then the graphs the stage writes (for FP8 the export changes the quantizers
-    in place, so the fake-quant output comes first)."""
+def quantized(request, store):
+    """The fp32 and ModelOpt fake-quant outputs of the preset's transformer on a denoising step the calibration saw
+    (its graph feeds), and the graphs the quantize stage stores for the same config: the seeded calibration gives
+    the same quantizers, and test_compile_quantizes_only_the_transformer finds the stage's artifact cached."""
     from sdtrt.stages.export import graph_module
 
     preset, config = request.param
@@ -51,9 +51,8 @@ def quantized(request, tmp_path_factory):
     with torch.no_grad():
         outputs = {"fp32": graph_module(spec, fp32)(*feeds.values()),
                    "fake_quant": graph_module(spec, result.network)(*feeds.values())}  # fmt: skip
-    out_dir = tmp_path_factory.mktemp(f"{preset}-{config.precision}")
-    graphs = quantize.write_graphs(result.network, config, spec, out_dir, {})
-    paths = {role: out_dir / name for role, name in graphs.items()}
+    artifact = quantize.run(config, model, store)
+    paths = {role: artifact.path / name for role, name in artifact.manifest["graphs"].items()}
     return {"preset": preset, "config": config, "plan": result.plan, "feeds": feeds, "outputs": outputs,
             "graph": paths["onnxruntime"], "graphs": paths}  # fmt: skip
 
