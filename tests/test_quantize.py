@@ -108,6 +108,19 @@ def quantizers_seen(network: torch.nn.Module) -> tuple[dict[str, tuple[torch.Ten
     return seen, hooks
 
 
+def calibrated_step(model, config) -> dict[str, torch.Tensor]:
+    """The UNet's feeds of the last denoising step the calibration saw (random inputs beyond the calibrated ranges
+    would saturate)."""
+    from sdtrt.stages import calibration
+
+    pipe = calibration.load_reference_pipeline(model)
+    (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
+    return {
+        "sample": sample, "timestep": timestep.float().expand(sample.shape[0]).contiguous(),
+        "encoder_hidden_states": kwargs["encoder_hidden_states"],
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("config", "min_cosine"),
     # The noise floor of each format on tiny's last calibrated step (see the comment in the test), with a margin.
@@ -122,17 +135,10 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_c
     import onnxruntime as ort
 
     from sdtrt.models import load_unet
-    from sdtrt.stages import calibration
     from sdtrt.stages.export import graph_module
 
     spec = quantize.denoiser_graph_spec(tiny)
-    # A denoising step the calibration saw (random inputs beyond the calibrated ranges would saturate).
-    pipe = calibration.load_reference_pipeline(tiny)
-    (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
-    feeds = {
-        "sample": sample, "timestep": timestep.float().expand(sample.shape[0]).contiguous(),
-        "encoder_hidden_states": kwargs["encoder_hidden_states"],
-    }  # fmt: skip
+    feeds = calibrated_step(tiny, config)
     network = quantize.quantized_denoiser(config, tiny).network
     seen, hooks = quantizers_seen(network)
     with torch.no_grad():
@@ -210,7 +216,6 @@ def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(
     from diffusers.models.attention_processor import Attention
 
     from sdtrt.models import load_unet, resolve_model
-    from sdtrt.stages import calibration
     from sdtrt.stages.export import graph_module
 
     model = resolve_model("tiny-sd2")
@@ -230,12 +235,7 @@ def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(
     assert qdq["onnxruntime"]["QuantizeLinear:FLOAT8E4M3FN"] == qdq["tensorrt"]["QuantizeLinear:FLOAT8E4M3FN"] + trt_ops
     assert not [k for k in qdq["onnxruntime"] if k.startswith("trt::")]
 
-    pipe = calibration.load_reference_pipeline(model)
-    (sample, timestep), kwargs = calibration.record(pipe, pipe.unet, config).calls[-1]
-    feeds = {
-        "sample": sample, "timestep": timestep.float().expand(sample.shape[0]).contiguous(),
-        "encoder_hidden_states": kwargs["encoder_hidden_states"],
-    }  # fmt: skip
+    feeds = calibrated_step(model, config)
     with torch.no_grad():
         fp32 = graph_module(quantize.denoiser_graph_spec(model), unet)(*feeds.values())
     fp16_feeds = {k: v if k == "timestep" else v.half() for k, v in feeds.items()}
