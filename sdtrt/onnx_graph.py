@@ -75,6 +75,16 @@ def save(model: onnx.ModelProto, path: Path, weight_bytes: int) -> None:
         onnx.save_model(model, str(path))
 
 
+def save_keeping_weights(model: onnx.ModelProto, path: Path, weight_bytes: int) -> None:
+    """``save``, leaving the weights in ``model``: onnx.save_model moves them out into the data file it writes (the
+    proto then points there), so a second graph saved from the same proto would have no data file of its own."""
+    save(model, path, weight_bytes)
+    if weight_bytes > EXTERNAL_DATA_THRESHOLD:
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(model, str(path.parent))
+
+
 def normalise_layout(path: Path, weight_bytes: int) -> None:
     """Re-save ``path`` if its weights are not laid out as ``save`` would lay them out.
 

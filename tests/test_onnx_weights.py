@@ -70,3 +70,28 @@ def test_a_graph_saved_inline_takes_its_spilled_weights_along(tmp_path):
     got = written_initializers(tmp_path / "out" / "net.onnx")
     assert all(np.array_equal(got[f"w{i}"], array) for i, array in enumerate(arrays))
     assert list((tmp_path / "out").iterdir()) == [tmp_path / "out" / "net.onnx"]
+
+
+def test_two_graphs_saved_from_one_proto_each_get_their_data_file(tmp_path, monkeypatch):
+    """Quantize level 4 saves the TensorRT graph, rewrites the proto, then saves the ONNX Runtime graph: the second
+    must not point into the first one's data file (onnx.save_model moves the weights out of the proto it saves)."""
+    from onnx import helper
+
+    from sdtrt import onnx_graph
+
+    monkeypatch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
+    weight = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+        [numpy_helper.from_array(weight, "w")],
+    )  # fmt: skip
+    proto = helper.make_model(graph)
+    onnx_graph.save_keeping_weights(proto, tmp_path / "unet.trt.onnx", weight.nbytes)
+    onnx_graph.save(proto, tmp_path / "unet.onnx", weight.nbytes)
+
+    files = ["unet.onnx", "unet.onnx.data", "unet.trt.onnx", "unet.trt.onnx.data"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+    (tmp_path / "unet.trt.onnx.data").unlink()  # the second graph stands alone
+    assert np.array_equal(written_initializers(tmp_path / "unet.onnx")["w"], weight)

@@ -391,7 +391,7 @@ def write_graphs(
         if config.precision == "fp8":
             proto = convert_zp_fp8(_cleaned(proto))
             if any(node.domain == "trt" for node in proto.graph.node):  # LayerNorm and attention quantizers (level 4)
-                onnx_graph.save(proto, out_dir / trt_graph, weight_bytes)
+                onnx_graph.save_keeping_weights(proto, out_dir / trt_graph, weight_bytes)
                 graphs["tensorrt"] = trt_graph
                 standard_fp8_qdq(proto)
         onnx_graph.save(proto, out_dir / graph, weight_bytes)
