@@ -120,13 +120,15 @@ def deploy_triton(
     if on_gpu and kind == "cpu":
         raise ConfigError("TensorRT engines run on a GPU: deploy them with --kind gpu (or auto)")
 
+    served = [engine, *members.values()]
+    served = list({a.path: a for a in served + refill_graphs(served)}.values())  # a lone UNet is its own member
+    for artifact in served:  # checked before the deployment it replaces is removed
+        artifact.require_intact()
     folder = Path(out) / config.name
     if folder.exists():
         shutil.rmtree(folder)
     version = folder / VERSION_DIR
-    served = [engine, *members.values()]
-    for artifact in {a.path: a for a in served + refill_graphs(served)}.values():  # a lone UNet is its own member
-        artifact.require_intact()
+    for artifact in served:
         _link_tree(artifact.path, version / ENGINES_DIR / artifact.stage / artifact.path.name)
     skip = frozenset(FOLDERS[d.component] for d in DENOISERS if d.component in members)  # engines replace them
     _link_tree(source.path, version / MODEL_DIR, skip_weights_in=skip)

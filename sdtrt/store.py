@@ -141,7 +141,7 @@ class Artifact:
         """This artifact and the ones it was made from, newest first, back to the one made from a model."""
         chain = [self]
         while (first := (chain[-1].manifest.get("inputs") or [{}])[0]).get("kind") == "artifact":
-            chain.append(Artifact.open(first["path"]))
+            chain.append(Artifact.open(located(Path(first["path"]), chain[-1].path.parent.parent)))
         return chain
 
     def file_problems(self, rehash: bool = False) -> list[str]:
@@ -199,6 +199,14 @@ class Artifact:
         raise ArtifactError(
             f"'{path}' is not an sdtrt artifact (no {MANIFEST}); pass the directory a stage printed, or an .onnx file"
         )
+
+
+def located(recorded: Path, store_root: Path) -> Path:
+    """Where an artifact recorded at ``recorded`` (``<root>/<stage>/<key>``) is, seen from the store at ``store_root``:
+    its stage and key there when that is an artifact (a store moved elsewhere, a Triton repository that `sdtrt
+    deploy` wrote), else the recorded path."""
+    beside = store_root / recorded.parent.name / recorded.name
+    return beside if (beside / MANIFEST).is_file() else recorded
 
 
 def external_onnx_manifest(path: Path) -> dict[str, Any]:

@@ -150,11 +150,15 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
         errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
         raise RuntimeError("ONNX parser errors:\n" + "\n".join(errors))
     quantized = quantize_layers(network)
-    if (wanted := request.get("quantization")) and not quantized.get(wanted.upper()):
-        raise RuntimeError(
-            f"{request['onnx']} is meant to be an {wanted.upper()} Q/DQ graph, but TensorRT parsed no {wanted.upper()} "
-            f"Quantize layer from it (found {quantized or 'none'}); quantize the model again with `sdtrt quantize`"
-        )
+    if wanted := request.get("quantization"):
+        # Only the wanted 8-bit type: an INT8 Q/DQ left in an FP8 graph would clip at its FP8-derived scale.
+        other = {"INT8": "FP8", "FP8": "INT8"}[wanted.upper()]
+        if not quantized.get(wanted.upper()) or quantized.get(other):
+            raise RuntimeError(
+                f"{request['onnx']} is meant to be an {wanted.upper()} Q/DQ graph, but TensorRT parsed {other} or no "
+                f"{wanted.upper()} Quantize layers from it (found {quantized or 'none'}); quantize the model again "
+                "with `sdtrt quantize`"
+            )
 
     config: trt.IBuilderConfig = builder.create_builder_config()
     # Strongly typed: bf16, fp16 and fp32 graphs all build from the types in the graph, with no precision flag

@@ -734,17 +734,20 @@ def test_a_stripped_plan_takes_its_graph_along_to_a_moved_store_and_a_triton_rep
     shutil.copytree(tiny_simplified.path, built / "simplify" / "graph")
     (built / "build-trt" / "plan").mkdir(parents=True)
     record = build_trt.refill_record(Artifact.open(built / "simplify" / "graph"))
+    graph_input = Artifact.open(built / "simplify" / "graph").as_input()
     (built / "build-trt" / "plan" / "manifest.json").write_text(
-        json.dumps({"stage": "build-trt", "primary": "unet.plan", "weights": record})
+        json.dumps({"stage": "build-trt", "primary": "unet.plan", "weights": record, "inputs": [graph_input]})
     )
     plan = Artifact.open(built / "build-trt" / "plan")
     assert [a.path for a in refill_graphs([plan, Artifact.open(built / "simplify" / "graph")])] == [
         built / "simplify" / "graph"  # the graph a deployment links beside the plan; a plan with weights needs none
     ]
 
-    moved = shutil.move(built, tmp_path / "elsewhere")
-    found = refill_graph({"weights": record}, Path(moved) / "build-trt" / "plan" / "unet.plan")
-    assert found == Path(moved) / "simplify" / "graph" / tiny_simplified.primary.name
+    moved = Path(shutil.move(built, tmp_path / "elsewhere"))
+    found = refill_graph({"weights": record}, moved / "build-trt" / "plan" / "unet.plan")
+    assert found == moved / "simplify" / "graph" / tiny_simplified.primary.name
+    # The weight map and LoRA base weights follow the plan's lineage, found there too (a graph_input's path is gone).
+    assert Artifact.open(moved / "build-trt" / "plan").lineage()[1].path == moved / "simplify" / "graph"
 
 
 def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_path):

@@ -28,7 +28,7 @@ from ..config import WeightBudget
 from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError, RefitError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
-from ..store import Artifact, digest
+from ..store import Artifact, digest, located
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 
 if TYPE_CHECKING:
@@ -233,14 +233,6 @@ def graph_digest(source: Artifact) -> str:
     return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
 
 
-def refill_location(recorded: dict[str, Any], plan: Path) -> Path:
-    """Where the graph that refills ``plan`` is: in the plan's own store when it is there (a store moved elsewhere,
-    or a Triton repository that `sdtrt deploy` wrote: <store>/<stage>/<key>), else where the build recorded it."""
-    built = Path(recorded["artifact"])
-    beside = plan.parent.parent.parent / built.parent.name / built.name
-    return beside if beside.is_dir() else built
-
-
 def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
     """The ONNX graph that refills a weight-stripped plan, checked against the digest its build recorded; None for
     a plan that holds its weights. ArtifactError when the graph is gone, changed or corrupt."""
@@ -248,7 +240,7 @@ def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
     if weights.get("in_plan", True):
         return None
     recorded = weights["refill_from"]
-    where = refill_location(recorded, plan)
+    where = located(Path(recorded["artifact"]), plan.parents[2])  # in the plan's own store first
     try:
         source = Artifact.open(where)
         problem = next(iter(source.file_problems()), None)
@@ -344,8 +336,9 @@ class TensorRTRuntime(CudaRuntime):
         self.spec = spec
         self.cuda_graph = cuda_graph
         self._rebuild = rebuild_command(manifest)
-        # The simplify artifact the plan was parsed from: its initializers name the weights.
-        self._source = manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>")
+        # The simplify artifact the plan was parsed from (in the plan's store first): its initializers name the weights.
+        built_from = Path(manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>"))
+        self._source = located(built_from, plan.parents[2])
         # Stripped without --refittable (REFIT_IDENTICAL): refits may bring only the graph's own values.
         self._identical_refits_only = refill_from is not None and not manifest.get("config", {}).get("refittable")
         self._base: BaseWeights | None = None  # made on the first refit
@@ -502,9 +495,13 @@ class TensorRTRuntime(CudaRuntime):
             for name, array in self._base(missing).items():
                 put(name, array)
         self._stream.synchronize()
-        if not refitter.refit_cuda_engine():
-            raise RefitError("TensorRT could not refit the engine (refit_cuda_engine returned False); see its messages")
-        self._graph.drop()
+        try:
+            if not refitter.refit_cuda_engine():
+                raise RefitError(
+                    "TensorRT could not refit the engine (refit_cuda_engine returned False); see its messages"
+                )
+        finally:  # "a subset of weights may have been refitted" even when it fails (pyCoreDoc.h refit_cuda_engine)
+            self._graph.drop()
 
     def close(self) -> None:
         # Memory bound to the context must outlive the work queued on it (pyCoreDoc.h, execute_async_v3).
