@@ -39,3 +39,20 @@ def test_stage_keys_of_tiny_are_unchanged(tiny, tmp_path, pinned_environment):
     assert {a.stage: a.key for a in (exported, simplified, built)} == KEYS
     again = build_ort.run(OrtBuildConfig(), simplify.run(SimplifyConfig(), exported, store), store)
     assert again.path == built.path  # the re-run is a cache hit on the same artifact
+
+
+def test_an_export_is_keyed_by_the_exporter_that_runs():
+    """auto streams with torch.export's exporter but loads a UNet through TorchScript: those graphs differ and must
+    not share a key, and auto + stream is the same graph as dynamo + stream."""
+    from sdtrt.config import ExportConfig
+    from sdtrt.models import resolve_model
+    from sdtrt.stages import export
+
+    tiny = resolve_model("tiny")
+
+    def key(**config: str) -> str:
+        return export.request_for(ExportConfig(**config), tiny).key  # type: ignore[arg-type]
+
+    assert key(weights="stream") == key(weights="stream", exporter="dynamo")
+    assert key(weights="stream") != key()
+    assert key() == key(exporter="torchscript")

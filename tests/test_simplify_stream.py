@@ -106,6 +106,9 @@ def test_a_memory_budget_streams_and_skips_the_check_it_cannot_afford(tiny_expor
     assert "Not checking the simplified graph on ONNX Runtime" in result.stderr
     details = Artifact.open(last_line(result.stdout)).manifest["details"]
     assert details["method"] == "stream" and details["check_skipped"] and details["memory_budget"] == 100_000
+    affordable = run_cli("simplify", str(source.path), *engines)  # not the unchecked graph from under the budget
+    assert affordable.returncode == 0 and last_line(affordable.stdout) != last_line(result.stdout)
+    assert Artifact.open(last_line(affordable.stdout)).manifest["details"]["check"]["cosine"] > 0.9999
     bad = run_cli("simplify", str(source.path), "--memory-budget", "lots", *engines)
     assert bad.returncode == 2 and "--memory-budget: 'lots' is not a size" in bad.stderr
     assert bad.stderr.strip().count("\n") == 0

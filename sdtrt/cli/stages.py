@@ -60,7 +60,7 @@ CalibrationPromptsOpt = Annotated[
     ),
 ]
 CalibrationStepsOpt = Annotated[
-    int, typer.Option(help="Denoising steps per calibration prompt; every step's UNet inputs calibrate.")
+    int, typer.Option(help="Denoising steps per calibration prompt; every step's denoiser inputs calibrate.")
 ]
 AlgorithmOpt = Annotated[QuantAlgorithm, typer.Option(help="INT8 calibration: max (ModelOpt's preset) or smoothquant.")]
 CompilePrecisionOpt = Annotated[
@@ -123,7 +123,7 @@ def quantize(
     algorithm: AlgorithmOpt = "max",
     engines: o.EnginesOpt = None,
 ) -> None:
-    """Quantize the model's UNet to INT8 or FP8 Q/DQ graphs with NVIDIA ModelOpt, calibrated on its own denoising steps.
+    """Quantize the denoiser (UNet or transformer) to INT8/FP8 Q/DQ graphs with ModelOpt, calibrated on its own steps.
 
     Writes the graph ONNX Runtime runs (the artifact's primary, for simplify/build/validate) and the one TensorRT
     builds (the manifest's `graphs`). Example: sdtrt quantize --model tiny --precision fp8 --level 3
@@ -282,7 +282,7 @@ def compile(
         float | None,
         typer.Option(
             help="int8/fp8: the accuracy guard's target, the image PSNR (dB) against the fp32 pipeline. Below it the "
-            "quantized layers whose own outputs err most return to high precision and the UNet is quantized again, "
+            "quantized layers whose own outputs err most return to high precision and the denoiser is quantized again, "
             "round by round; exit 3 when the target cannot be met."
         ),
     ] = None,

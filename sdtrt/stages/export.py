@@ -10,6 +10,7 @@ in the manifest, with the model's family.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -237,8 +238,19 @@ def network_inputs(model: ModelSource, spec: GraphSpec) -> list[dict[str, Any]]:
 
 
 def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
+    request = request_for(config, model)
+    config, spec = request.config, spec_for(model, request.config)
+    artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))
+    return artifact
+
+
+def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
+    """What ``run`` asks the store for. Keyed by the exporter that runs, not "auto": auto means torch.export's for
+    streamed weights and TorchScript's otherwise for a UNet, and the two graphs must not share a key (nor one graph
+    have two)."""
     spec = spec_for(model, config)
-    request = StageRequest(
+    config = dataclasses.replace(config, exporter=exporter_for(config, spec))
+    return StageRequest(
         stage=STAGE,
         version=VERSION,
         config=config,
@@ -247,8 +259,6 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
         inputs=network_inputs(model, spec),
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
-    artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))
-    return artifact
 
 
 def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:

@@ -21,7 +21,9 @@ path ran, why, the op counts before and after, and the nodes the pass wrapped.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,12 +58,25 @@ DATA_ALIGNMENT = 4096  # page-aligned offsets, so runtimes can memory-map each t
 
 
 def run(config: SimplifyConfig, source: Artifact, store: Store) -> Artifact:
-    onnx_graph.load_graph(source.primary)  # a corrupt input fails here, before any work is cached
+    graph = onnx_graph.load_graph(source.primary)  # a corrupt input fails here, before any work is cached
+    weight_bytes, budget = onnx_graph.initializer_bytes(graph), config.budget()
+    method, _ = choose_method(config.method, weight_bytes, budget)
+    unchecked = check_skipped_because(onnx_graph.artifact_spec(source).precision, weight_bytes, budget)
+    # Keyed by what runs (the method auto picks under this budget, whether ONNX Runtime checks the result), so a
+    # graph simplified under a small budget, unchecked, is never the answer to a request that can afford the check.
+    checked = config.check and not unchecked
+    runs = {"kind": "simplify-plan", "digest": f"{method}, {'checked' if checked else 'unchecked'}"}
     request = StageRequest(
-        STAGE, VERSION, config, [source.as_input()], environment("onnx", "onnxsim", "onnx-graphsurgeon")
+        STAGE, VERSION, config, [source.as_input(), runs], environment("onnx", "onnxsim", "onnx-graphsurgeon")
     )
-    artifact, _ = store.produce(request, lambda out_dir: _simplify(config, source, out_dir))
+    with contextlib.redirect_stdout(sys.stderr):  # onnx-graphsurgeon prints warnings: stdout is for results
+        artifact, _ = store.produce(request, lambda out_dir: _simplify(config, source, out_dir))
     return artifact
+
+
+def check_skipped_because(precision: str, weight_bytes: int, budget: int) -> str | None:
+    """Why the ONNX Runtime check of the simplified graph cannot run here, or None when it can."""
+    return BF16_ON_ONNXRUNTIME if precision == "bf16" else too_big_to_check(weight_bytes, budget)
 
 
 def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
@@ -110,7 +125,7 @@ def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[s
     after = onnx_graph.op_counts(out_path)
 
     check = None
-    unchecked = BF16_ON_ONNXRUNTIME if spec.precision == "bf16" else too_big_to_check(weight_bytes, budget)
+    unchecked = check_skipped_because(spec.precision, weight_bytes, budget)
     if config.check and unchecked and spec.precision != "bf16":
         console.print(f"[yellow]![/] Not checking the simplified graph on ONNX Runtime: {unchecked}")
     if config.check and not unchecked:
@@ -143,7 +158,9 @@ def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[s
             "computed_in_fp32": computed_in_fp32,
             "external_data": onnx_graph.data_file(out_path).exists(),
         },
-        "reproduce": f"sdtrt simplify {source.path} --method {config.method}",
+        "reproduce": f"sdtrt simplify {source.path} --method {config.method}"
+        + (f" --memory-budget {config.memory_budget}" if config.memory_budget else "")
+        + ("" if config.check else " --no-check"),
     }
 
 
