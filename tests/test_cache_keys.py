@@ -1,8 +1,10 @@
 """Cache keys stay put across refactors: a store built by an earlier sdtrt is still a cache hit.
 
-The keys below were computed by the code before the layering of issue 19. Package versions are part
-of every key (the environment), so they are pinned here to one made-up set; everything else — stage
-versions, configs, model digests, the graph contract's JSON — is the real thing.
+The keys below were computed by the code before the layering of issue 19, and changed on purpose once since:
+export VERSION 4 (the `concat->cat` patch changes fp16 SDXL graphs), an export keyed by the exporter that runs
+(not "auto"), and a simplify by the method auto picks and whether ONNX Runtime checks the result. Package
+versions are part of every key (the environment), so they are pinned here to one made-up set; everything else —
+stage versions, configs, model digests, the graph contract's JSON — is the real thing.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ PINNED = {"python": "3", "pinned": "1"}
 
 # stage → key, for tiny's UNet with default configs (fp16 export, onnxsim, build-ort "extended").
 KEYS = {
-    "export": "8a66cbe84c3c5a20d06b654b9893bc7fa1c24fe8a665b5b1478496d54d4e101f",
-    "simplify": "7576728671f8af7b72617dcb29b54daefb93b16ad4516f5919c3dca6052ace3c",
-    "build-ort": "f7083ccbe7234dc3bb52577bc22e291a7c5b8132e8e87b1e6b5926c7e97be556",
+    "export": "a1f0c6cbfbcc38f1b8c3a0e913c8272b58880acffede6772387d62fbfc894105",
+    "simplify": "999900f59fff007f18cfd8a7a1bb0ff6c9d5c774052967f8faf1b530a7410169",
+    "build-ort": "016cccec56a2f0aff898c384a0c2319a4b7901d3fe750afae418bfd454ff0e64",
 }
 
 
