@@ -25,6 +25,7 @@ import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,33 +59,44 @@ DATA_ALIGNMENT = 4096  # page-aligned offsets, so runtimes can memory-map each t
 
 
 def run(config: SimplifyConfig, source: Artifact, store: Store) -> Artifact:
-    graph = onnx_graph.load_graph(source.primary)  # a corrupt input fails here, before any work is cached
-    weight_bytes, budget = onnx_graph.initializer_bytes(graph), config.budget()
-    method, _ = choose_method(config.method, weight_bytes, budget)
-    unchecked = check_skipped_because(onnx_graph.artifact_spec(source).precision, weight_bytes, budget)
+    plan = plan_for(config, source)
     # Keyed by what runs (the method auto picks under this budget, whether ONNX Runtime checks the result), so a
     # graph simplified under a small budget, unchecked, is never the answer to a request that can afford the check.
-    checked = config.check and not unchecked
-    runs = {"kind": "simplify-plan", "digest": f"{method}, {'checked' if checked else 'unchecked'}"}
+    checked = config.check and not plan.unchecked
+    runs = {"kind": "simplify-plan", "digest": f"{plan.method}, {'checked' if checked else 'unchecked'}"}
     request = StageRequest(
         STAGE, VERSION, config, [source.as_input(), runs], environment("onnx", "onnxsim", "onnx-graphsurgeon")
     )
     with contextlib.redirect_stdout(sys.stderr):  # onnx-graphsurgeon prints warnings: stdout is for results
-        artifact, _ = store.produce(request, lambda out_dir: _simplify(config, source, out_dir))
+        artifact, _ = store.produce(request, lambda out_dir: _simplify(config, source, plan, out_dir))
     return artifact
 
 
-def check_skipped_because(precision: str, weight_bytes: int, budget: int) -> str | None:
-    """Why the ONNX Runtime check of the simplified graph cannot run here, or None when it can."""
-    return BF16_ON_ONNXRUNTIME if precision == "bf16" else too_big_to_check(weight_bytes, budget)
+@dataclass(frozen=True)
+class Plan:
+    """What simplify does with a graph under a config, decided before its key (which says it) and its work."""
+
+    weight_bytes: int
+    budget: int
+    method: SimplifyMethod  # what auto picks, or what was asked for (a Q/DQ graph or an onnxsim failure may fold)
+    method_reason: str
+    unchecked: str | None  # why ONNX Runtime cannot check the result here, or None when it can
 
 
-def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[str, Any]:
+def plan_for(config: SimplifyConfig, source: Artifact) -> Plan:
+    """The plan for ``source``, from its graph without its weights; a corrupt input fails here, before any work."""
+    weight_bytes, budget = onnx_graph.initializer_bytes(onnx_graph.load_graph(source.primary)), config.budget()
+    method, method_reason = choose_method(config.method, weight_bytes, budget)
+    precision = onnx_graph.artifact_spec(source).precision
+    unchecked = BF16_ON_ONNXRUNTIME if precision == "bf16" else too_big_to_check(weight_bytes, budget)
+    return Plan(weight_bytes, budget, method, method_reason, unchecked)
+
+
+def _simplify(config: SimplifyConfig, source: Artifact, plan: Plan, out_dir: Path) -> dict[str, Any]:
     spec = onnx_graph.artifact_spec(source)
     out_path = out_dir / f"{spec.component}.sim.onnx"
     before = onnx_graph.op_counts(source.primary)
-    weight_bytes, budget = onnx_graph.initializer_bytes(onnx_graph.load_graph(source.primary)), config.budget()
-    method, method_reason = choose_method(config.method, weight_bytes, budget)
+    weight_bytes, budget, method, method_reason = plan.weight_bytes, plan.budget, plan.method, plan.method_reason
     timings: dict[str, float] = {}
     fallback_reason = weights_carried = None
     # onnxsim folds a weight's QuantizeLinear→DequantizeLinear pair into a float weight (15 of the tiny UNet's 54
@@ -125,7 +137,7 @@ def _simplify(config: SimplifyConfig, source: Artifact, out_dir: Path) -> dict[s
     after = onnx_graph.op_counts(out_path)
 
     check = None
-    unchecked = check_skipped_because(spec.precision, weight_bytes, budget)
+    unchecked = plan.unchecked
     if config.check and unchecked and spec.precision != "bf16":
         console.print(f"[yellow]![/] Not checking the simplified graph on ONNX Runtime: {unchecked}")
     if config.check and not unchecked:
