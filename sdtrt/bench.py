@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -43,7 +41,7 @@ from .pipeline import generate, load_pipeline
 from .request import GenerateRequest, SizeRule
 from .spec import FOLDERS, denoiser_component
 from .store import Store, environment
-from .timing import Stats
+from .timing import Stats, rss_sampler
 from .trace import Span, Tracer, instrument_pipeline
 
 STAGES = ("text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode")
@@ -88,27 +86,6 @@ def breakdown(spans: list[Span]) -> dict[str, float]:
         "scheduler_guidance": loop - unet,
         "vae_decode": sum(s.seconds for s in by_name.get("vae", [])),
     }
-
-
-@contextmanager
-def rss_sampler(interval: float = 0.02) -> Iterator[Callable[[], float]]:
-    """Peak resident memory (MB) of this process while the block runs, sampled every ``interval``."""
-    import psutil
-
-    process, peak, stop = psutil.Process(), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss / 2**20)
-            stop.wait(interval)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield lambda: peak[0]
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _device() -> torch.device:

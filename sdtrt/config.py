@@ -505,6 +505,9 @@ class ValidationConfig:
     min_psnr_db: float | None = None
     # GPU memory for the weights of engines built with weight streaming: where weights live, not what they compute.
     weight_budget: WeightBudget | None = not_in_key(None)
+    # Host memory a comparison on the CPU may add; None: what is available when it runs. A case projected over it
+    # is skipped and reported (ONNX Runtime's attention holds batch × heads × tokens² scores).
+    memory_budget: int | None = not_in_key(None)
 
 
 # Backends `sdtrt bench` knows; the engine backends take a graph precision (onnxruntime:fp32).

@@ -195,10 +195,12 @@ def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
 
 def standins(
     source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype,
-    weight_budget: WeightBudget | None = None,
+    weight_budget: WeightBudget | None = None, opened: dict[str, Runtime] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE."""
-    runtimes = {c: open_runtime(a, source, weight_budget=weight_budget) for c, a in members.items()}
+    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
+    ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
+    opened = opened or {}
+    runtimes = {c: opened.get(c) or open_runtime(a, source, weight_budget=weight_budget) for c, a in members.items()}
     out: dict[str, EngineModule] = {}
 
     def loras(component: str) -> EngineLoras:

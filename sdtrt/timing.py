@@ -1,9 +1,11 @@
-"""Honest timing: warm-up excluded, device-timed calls, median and spread over repeats."""
+"""Honest timing: warm-up excluded, device-timed calls, median and spread over repeats; and peak host memory."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,3 +48,24 @@ def time_calls(fn: Callable[[], object], warmup: int, repeats: int, device: torc
         with tracer.span("call"):
             fn()
     return Stats.of([span.seconds for span in tracer.spans()])
+
+
+@contextmanager
+def rss_sampler(interval: float = 0.02) -> Iterator[Callable[[], float]]:
+    """Peak resident memory (MB) of this process while the block runs, sampled every ``interval``."""
+    import psutil
+
+    process, peak, stop = psutil.Process(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss / 2**20)
+            stop.wait(interval)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield lambda: peak[0]
+    finally:
+        stop.set()
+        thread.join()

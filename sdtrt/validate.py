@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +86,7 @@ class ValidationReport:
     tensors: list[dict[str, Any]] = field(default_factory=list)
     image: dict[str, Any] | None = None
     failures: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # cases projected over the host's memory: not compared
 
     def __bool__(self) -> bool:
         return not self.failures
@@ -153,6 +154,61 @@ def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str) -> list[st
     return failures
 
 
+@dataclass
+class HostMemory:
+    """Whether a comparison case on the CPU fits in memory, projected from the largest case measured before it.
+
+    ONNX Runtime computes attention as MatMul, Softmax, MatMul and holds batch × heads × tokens² scores: SD 1.5's
+    largest default case (batch 8 at 768²) needs ~22 GB for one layer's. What a case adds to the process's peak is
+    measured, and a larger case is projected by its batch (linearly) and its pixels (squared, as attention grows):
+    a bound that overestimates what the convolutions (linear in pixels) add.
+    """
+
+    budget: int | None  # bytes a case may add; None: what is available when it is about to run
+    measured: tuple[ValidationCase, str, int] | None = None  # the largest case so far, its label, the bytes it added
+
+    @staticmethod
+    def _size(case: ValidationCase) -> float:
+        return case.batch * float(case.height * case.width) ** 2
+
+    def refusal(self, case: ValidationCase) -> str | None:
+        """Why ``case`` is not run (None: it fits)."""
+        import psutil
+
+        if self.measured is None or self._size(case) <= self._size(self.measured[0]):
+            return None
+        base, label, added = self.measured
+        projected = added * self._size(case) / self._size(base)
+        room = self.budget if self.budget is not None else psutil.virtual_memory().available
+        if projected <= room:
+            return None
+        limit = "budget" if self.budget is not None else "available"
+        return (
+            f"not compared: {label} added {_gb(added)} of host memory, so this case would add ~{_gb(projected)} "
+            f"(attention grows with batch × pixels²), over the {_gb(room)} {limit}; compare it on the GPU engine or "
+            "on a machine with more memory"
+        )
+
+    @contextlib.contextmanager
+    def measuring(self, case: ValidationCase, label: str) -> Iterator[None]:
+        import psutil
+
+        from .timing import rss_sampler
+
+        before = psutil.Process().memory_info().rss
+        with rss_sampler() as peak_mb:
+            yield
+        added = max(0, int(peak_mb() * 2**20) - before)
+        if self.measured is None or self._size(case) > self._size(self.measured[0]):
+            self.measured = (case, label, added)
+        elif self._size(case) == self._size(self.measured[0]) and added > self.measured[2]:
+            self.measured = (case, self.measured[1], added)
+
+
+def _gb(size: float) -> str:
+    return f"{size / 1e9:.1f} GB"
+
+
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
     """Compare an engine — the model's denoiser, or each member of an engine set — with the model's PyTorch fp32
     networks.
@@ -198,16 +254,21 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
         cases = spec.validation_cases(profile)
         # The denoiser's rows are the report's main ones; the other members' name their component.
         prefix = "" if component == denoiser else f"{component} "
+        memory = HostMemory(config.memory_budget) if runtime.device.type == "cpu" else None
         with step(f"Comparing {spec.label} outputs on {len(cases)} inputs"):
             for case in cases:
-                row = compare_case(runtime, network, spec, case)
+                if memory and (why := memory.refusal(case)):
+                    report.skipped.append(f"{prefix}{spec.case_label(case)}: {why}")
+                    continue
+                with memory.measuring(case, spec.case_label(case)) if memory else contextlib.nullcontext():
+                    row = compare_case(runtime, network, spec, case)
                 row["case"] = prefix + row["case"]
                 row["failures"] = check_tensor_row(row, member_tol, spec.label)
                 report.tensors.append(row)
                 report.failures += row["failures"]
 
     if config.images:
-        swapped = standins(model, members, reference.vae, reference.dtype, config.weight_budget)
+        swapped = standins(model, members, reference.vae, reference.dtype, config.weight_budget, opened=runtimes)
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):

@@ -271,5 +271,7 @@ def print_report(report: ValidationReport, out: Console) -> None:
         )  # fmt: skip
     out.print(table)
     out.print(f"tolerances: cosine ≥ {tol.min_cosine}, max abs ≤ {tol.max_abs}, PSNR ≥ {tol.min_psnr_db} dB")
+    for skipped in report.skipped:
+        out.print(f"[yellow]![/] {skipped}")
     for failure in report.failures:
         out.print(f"[red]✗[/] {failure}")
