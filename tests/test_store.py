@@ -165,6 +165,34 @@ def test_artifact_folders_follow_the_umask(tmp_path):
     assert stat.S_IMODE(artifact.path.stat().st_mode) == 0o755
 
 
+def test_artifact_files_follow_the_umask_whatever_wrote_them(tmp_path):
+    """onnx ≥ 1.2x writes a graph's external data file 0600: a server in another account could not read it."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.ones((600, 600), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["y"])], "g", [], [helper.make_tensor_value_info("y", 1, [600, 600])],
+        [weights],
+    )  # fmt: skip
+
+    def write_graph(out: Path) -> dict:
+        onnx.save_model(
+            helper.make_model(graph), str(out / "g.onnx"), save_as_external_data=True, location="g.onnx.data"
+        )
+        return {"primary": "g.onnx"}
+
+    old = os.umask(0o022)
+    try:
+        artifact, _ = Store(tmp_path).produce(toy_request(), write_graph)
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in artifact.path.iterdir() if f.name.startswith("g.")}
+    assert modes == {"g.onnx": 0o644, "g.onnx.data": 0o644}
+    artifact.require_intact()  # the modes changed before the files were signed
+
+
 def test_gc_corrupt_removes_what_verify_flags(tmp_path):
     store = Store(tmp_path)
     good, _ = store.produce(toy_request(1), write_payload("good"))
