@@ -31,6 +31,11 @@ class ArtifactError(SdtrtError):
     """An input artifact is missing, incomplete, corrupt, or of the wrong stage."""
 
 
+class ArtifactNotFoundError(ArtifactError):
+    """A path or key that names no artifact (nothing there, no manifest, no key of the store, or a key prefix several
+    share); given as --engine, a usage error (the CLI maps it)."""
+
+
 class StoreError(SdtrtError):
     """The artifact store cannot be used (not writable, not a directory, …)."""
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import as_dict, cache_key
-from .errors import ArtifactError, StoreError
+from .errors import ArtifactError, ArtifactNotFoundError, StoreError
 from .progress import console
 
 MANIFEST = "manifest.json"
@@ -196,7 +196,7 @@ class Artifact:
             return cls(folder, manifest)
         if path.is_file() and path.suffix == ".onnx":
             return cls(folder, external_onnx_manifest(path))
-        raise ArtifactError(
+        raise ArtifactNotFoundError(
             f"'{path}' is not an sdtrt artifact (no {MANIFEST}); pass the directory a stage printed, or an .onnx file"
         )
 
@@ -279,8 +279,10 @@ class Store:
             if len(found) == 1:
                 return found[0]
             if found:
-                raise ArtifactError(f"'{ref}' matches {len(found)} artifacts in {self.root}; give more of the key")
-        raise ArtifactError(
+                raise ArtifactNotFoundError(
+                    f"'{ref}' matches {len(found)} artifacts in {self.root}; give more of the key"
+                )
+        raise ArtifactNotFoundError(
             f"'{ref}' does not exist and is not an artifact key in {self.root}; pass the directory a stage "
             "printed, or a key from `sdtrt cache ls` (with --engines DIR for another store)"
         )
