@@ -241,6 +241,7 @@ class VerifyResult:
 class Store:
     def __init__(self, root: Path | str | None = None) -> None:
         self.root = default_root(root).expanduser()
+        self.reused: set[Path] = set()  # the artifacts this object served from the cache, said so once (the CLI)
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -361,6 +362,7 @@ class Store:
             return None
         hit.mark_used()
         console.print(f"[green]✓[/] {request.stage}: cached [dim]({hit.path})[/]")
+        self.reused.add(hit.path)
         return hit
 
     def keep_log(self, log: Path, name: str) -> Path:

@@ -72,3 +72,112 @@ def test_compile_takes_the_memory_budget_and_weights_options(tmp_path):
     details = simplified.manifest["details"]
     assert details["method"] == "stream" and "over the memory budget (100.0 kB)" in details["method_reason"]
     assert details["memory_budget"] == 100_000
+
+
+def test_a_cache_hit_compile_says_each_stage_was_reused_without_its_tables():
+    args = ("compile", "--target", "onnxruntime", "--components", "text_encoder", "--no-validate")
+    assert run_cli(*args).returncode == 0  # built, or already in the session's store
+    again = run_cli(*args)
+    assert again.returncode == 0, again.stderr
+    for stage in ("export", "simplify", "build-ort"):
+        assert again.stderr.count(f"✓ {stage}: cached") == 1, again.stderr
+    assert "Simplified with" not in again.stderr and "before" not in again.stderr, again.stderr
+
+
+@pytest.fixture(scope="module")
+def clip_export(tiny, store):
+    """tiny's fp32 text encoder exported by torch.export (module scopes on its nodes), ~20 s."""
+    from sdtrt.config import ExportConfig
+    from sdtrt.stages import export
+
+    return export.run(ExportConfig(precision="fp32", exporter="dynamo", component="text_encoder"), tiny, store)
+
+
+def with_a_weight_qdq_pair(model) -> None:
+    """A QuantizeLinear → DequantizeLinear pair (INT8, per tensor) on the first MatMul weight, as quantizers put it."""
+    import onnx
+
+    graph = model.graph
+    weights = {init.name for init in graph.initializer}
+    matmul = next(n for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights)
+    weight = matmul.input[1]
+    graph.initializer.extend([
+        onnx.helper.make_tensor("qdq.scale", onnx.TensorProto.FLOAT, [], [0.01]),
+        onnx.helper.make_tensor("qdq.zero_point", onnx.TensorProto.INT8, [], [0]),
+    ])  # fmt: skip
+    graph.node.insert(0, onnx.helper.make_node("DequantizeLinear", ["qdq.q", "qdq.scale", "qdq.zero_point"], ["qdq.w"]))
+    graph.node.insert(0, onnx.helper.make_node("QuantizeLinear", [weight, "qdq.scale", "qdq.zero_point"], ["qdq.q"]))
+    matmul.input[1] = "qdq.w"
+
+
+@pytest.fixture(scope="module")
+def qdq_copy(clip_export, tmp_path_factory):
+    """A copy of the export with a weight Q/DQ pair: a Q/DQ graph ONNX Runtime runs, outside the store."""
+    import json
+    import shutil
+
+    import onnx
+
+    from sdtrt.store import describe_files, digest
+
+    folder = tmp_path_factory.mktemp("qdq") / "export"
+    shutil.copytree(clip_export.path, folder)
+    graph_path = folder / clip_export.primary.name
+    model = onnx.load(str(graph_path), load_external_data=False)
+    with_a_weight_qdq_pair(model)
+    onnx.save_model(model, str(graph_path))
+    manifest = clip_export.manifest | {"key": digest([clip_export.key, "with a Q/DQ pair"])}
+    (folder / "manifest.json").write_text(json.dumps(manifest | {"files": describe_files(folder)}))
+    return Artifact.open(folder)
+
+
+def test_check_blocks_names_the_blocks_when_a_block_is_unknown(clip_export):
+    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(clip_export.path), "--block", "nope"))
+    assert "--block nope: the graph has no module of that name" in stderr
+    assert "its blocks: embeddings, encoder.layers.0…1, final_layer_norm" in stderr
+
+
+def test_check_blocks_refuses_a_quantized_graph_saying_what_to_run(qdq_copy):
+    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(qdq_copy.path), "--model", "tiny"))
+    assert "is a quantized (Q/DQ) graph" in stderr and "sdtrt validate" in stderr and "sdtrt debug" in stderr
+
+
+def test_simplify_of_a_qdq_graph_says_the_method_it_ran_and_why_once(qdq_copy, tmp_path):
+    result = run_cli("simplify", str(qdq_copy.path), "--engines", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "Simplified with fold (a Q/DQ graph: constants folded with its Q/DQ nodes kept" in result.stderr
+    assert result.stderr.count("Q/DQ graph") == 1 and "onnxsim fits" not in result.stderr, result.stderr
+    details = Artifact.open(last_line(result.stdout)).manifest["details"]
+    assert details["op_counts_after"]["QuantizeLinear"] == 1
+
+
+def test_the_block_table_says_what_its_columns_are():
+    """The check-blocks table: a result column in words (returned[1][0]), and a legend with the tolerances."""
+    from rich.console import Console
+
+    from sdtrt.block_parity import BlockParityReport
+    from sdtrt.cli.run import print_block_report
+
+    stats = {"output": "add_7", "max_abs": 1e-6, "mean_abs": 1e-7, "cosine": 1.0, "finite": True}
+    report = BlockParityReport("g.onnx", "tiny", "fp32", {"min_cosine": 0.9999, "max_abs": 1e-3, "min_psnr_db": 30})
+    report.blocks.append({"block": "down_blocks.0", "outputs": [stats | {"result": "1.0"}], "failures": []})
+    out = Console(record=True, soft_wrap=True)
+    print_block_report(report, out)
+    text = out.export_text()
+    assert "returned[1][0]" in text and "result: which of the PyTorch block's results the row compares" in text
+    assert "cosine: their cosine similarity" in text and "tolerances: cosine ≥ 0.9999, max abs ≤ 0.001" in text
+
+
+def test_build_and_compile_share_the_tensorrt_options():
+    """with_trt_options declares the TensorRT options once; each command gets them as one TrtOptions."""
+    import inspect
+
+    from sdtrt.cli import stages
+    from sdtrt.cli.options import TrtOptions
+
+    for command in (stages.build, stages.compile):
+        names = list(inspect.signature(command).parameters)
+        assert names[-9:] == ["static", "workspace_gb", "optimization_level", "timing_cache", "refittable", "tf32",
+                              "weight_streaming", "strip_weights", "engines"]  # fmt: skip
+    config = TrtOptions(static=True, optimization_level=2, timing_cache=None).config(profile=None)  # type: ignore[arg-type]
+    assert (config.static_shapes, config.optimization_level, config.timing_cache) == (True, 2, None)

@@ -346,7 +346,7 @@ def compile(
         validation = ValidationConfig() if validate else None
         result = compile_model(source, store, validation=validation, quantize_config=quantized, **options)
     for artifact in result.artifacts:
-        if artifact.stage == "simplify":
+        if artifact.stage == "simplify" and artifact.path not in store.reused:  # a reused one said "cached" already
             print_simplify_summary(artifact)
     console.print(f"target: {result.target_reason}")
     if result.validation is not None:
@@ -399,7 +399,9 @@ def print_simplify_summary(artifact: Artifact) -> None:
     from ..stages.simplify import op_table_rows
 
     details = artifact.manifest["details"]
-    why = f" ({details['method_reason']})" if details.get("method_reason") else ""
+    # Why the method that ran did: the fallback's reason (onnxsim failed, a Q/DQ graph) where there was one.
+    reason = details.get("fallback_reason") or details.get("method_reason")
+    why = f" ({reason})" if reason else ""
     table = Table(title=escape(f"Simplified with {details['method']}{why}"), title_justify="left")
     table.add_column("op")
     table.add_column("before", justify="right")
@@ -408,8 +410,6 @@ def print_simplify_summary(artifact: Artifact) -> None:
         style = "bold" if op == "Total" else ("green" if after < before else "")
         table.add_row(op, str(before), str(after), style=style)
     console.print(table)
-    if details.get("fallback_reason"):
-        console.print(f"[yellow]fell back to constant folding:[/] {escape(details['fallback_reason'])}")
     if details.get("weights_carried"):
         console.print(f"weights: {escape(details['weights_carried'])}")
     if check := details.get("check"):

@@ -106,7 +106,8 @@ def _simplify(config: SimplifyConfig, source: Artifact, plan: Plan, out_dir: Pat
     if keeps_qdq and method == "onnxsim":
         method, fallback_reason = (
             "fold",
-            "a Q/DQ graph: folded with its Q/DQ nodes kept (onnxsim folds weight Q/DQ pairs)",
+            "a Q/DQ graph: constants folded with its Q/DQ nodes kept (onnxsim folds weight Q/DQ pairs into float "
+            "weights, which TensorRT then runs in high precision)",
         )
     started = time.perf_counter()
     if method == "onnxsim":
