@@ -138,7 +138,8 @@ def test_check_blocks_names_the_blocks_when_a_block_is_unknown(clip_export):
 
 
 def test_check_blocks_refuses_a_quantized_graph_saying_what_to_run(qdq_copy):
-    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(qdq_copy.path), "--model", "tiny"))
+    check = ("check-blocks", "--engine", str(qdq_copy.path), "--model", "tiny", "--block", "encoder.layers.0")
+    stderr = one_line_usage_error(run_cli(*check))
     assert "is a quantized (Q/DQ) graph" in stderr and "sdtrt validate" in stderr and "sdtrt debug" in stderr
 
 
