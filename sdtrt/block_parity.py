@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import onnx_graph
-from .errors import ArtifactError, ParityError, RequestError, one_line
+from .errors import ArtifactError, ParityError, RequestError, WrongArtifactError, one_line
 from .spec import FOLDERS, GraphSpec
 
 if TYPE_CHECKING:
@@ -373,11 +373,12 @@ def blocks_summary(modules: Sequence[str]) -> str:
 
 
 def check_checkable(artifact: Artifact, blocks: Sequence[str] = ()) -> None:
-    """RequestError (exit 2) for what ``check_blocks`` cannot check, from the weight-free graph, before any model
-    loads: a quantized (Q/DQ) graph, a graph without module scopes, a block the graph has no module of."""
+    """What ``check_blocks`` cannot check, refused (exit 2) from the weight-free graph before any model loads: a
+    quantized (Q/DQ) graph or one without module scopes (WrongArtifactError), a block the graph has no module of or
+    no block named for a graph without DEFAULT_BLOCKS (RequestError)."""
     graph = onnx_graph.load_graph(artifact.primary).graph
     if artifact.stage == "quantize" or any(node.op_type in QDQ_OPS for node in graph.node):
-        raise RequestError(
+        raise WrongArtifactError(
             f"{artifact.path} is a quantized (Q/DQ) graph: check-blocks compares the blocks of an export with the "
             "model's fp32 PyTorch blocks, which quantized blocks do not match by design; check the export "
             "(sdtrt export --exporter dynamo), and the quantized graph whole with `sdtrt validate --engine` or layer "
@@ -385,7 +386,12 @@ def check_checkable(artifact: Artifact, blocks: Sequence[str] = ()) -> None:
         )
     modules = graph_modules(graph)
     if not modules:
-        raise RequestError(NO_SCOPES)
+        raise WrongArtifactError(NO_SCOPES)
+    if not blocks and not any(module.partition(".")[0] in DEFAULT_BLOCKS for module in modules):
+        raise RequestError(
+            f"the graph has none of {', '.join(DEFAULT_BLOCKS)}, the block lists check-blocks picks from by default; "
+            f"name blocks with --block (its blocks: {blocks_summary(modules)})"
+        )
     if unknown := [b for b in blocks if b not in modules]:
         example = next((m for m in modules if m.count(".") >= 2), modules[0])
         raise RequestError(
@@ -823,9 +829,7 @@ def check_blocks(
     folder = FOLDERS[spec.component]
     params = stored_tensors(model.component_dir(folder))
     network = meta_network(model, folder)
-    blocks = list(blocks) or default_blocks(network)
-    if not blocks:
-        raise ArtifactError(f"the {spec.label} has none of {', '.join(DEFAULT_BLOCKS)}; name blocks with --block")
+    blocks = list(blocks) or default_blocks(network)  # check_checkable saw at least one of them
     proto = onnx_graph.load_graph(graph_path)
     batch, height, width, tokens = check_size(spec)
     shapes = concrete_shapes(proto, spec.input_shapes(batch, height, width, tokens))

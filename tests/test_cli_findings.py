@@ -132,9 +132,12 @@ def qdq_copy(clip_export, tmp_path_factory):
 
 
 def test_check_blocks_names_the_blocks_when_a_block_is_unknown(clip_export):
+    """An unknown --block, or none for a graph without the block lists picked by default: one line naming the blocks."""
     stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(clip_export.path), "--block", "nope"))
     assert "--block nope: the graph has no module of that name" in stderr
     assert "its blocks: embeddings, encoder.layers.0…1, final_layer_norm" in stderr
+    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(clip_export.path)))
+    assert "name blocks with --block (its blocks: embeddings, encoder.layers.0…1, final_layer_norm)" in stderr
 
 
 def test_check_blocks_refuses_a_quantized_graph_saying_what_to_run(qdq_copy):
@@ -169,16 +172,18 @@ def test_the_block_table_says_what_its_columns_are():
     assert "cosine: their cosine similarity" in text and "tolerances: cosine ≥ 0.9999, max abs ≤ 0.001" in text
 
 
-def test_build_and_compile_share_the_tensorrt_options():
+def test_build_and_compile_share_the_tensorrt_options(tiny):
     """with_trt_options declares the TensorRT options once; each command gets them as one TrtOptions."""
     import inspect
 
     from sdtrt.cli import stages
     from sdtrt.cli.options import TrtOptions
+    from sdtrt.spec import denoiser_spec
 
     for command in (stages.build, stages.compile):
         names = list(inspect.signature(command).parameters)
         assert names[-9:] == ["static", "workspace_gb", "optimization_level", "timing_cache", "refittable", "tf32",
                               "weight_streaming", "strip_weights", "engines"]  # fmt: skip
-    config = TrtOptions(static=True, optimization_level=2, timing_cache=None).config(profile=None)  # type: ignore[arg-type]
-    assert (config.static_shapes, config.optimization_level, config.timing_cache) == (True, 2, None)
+    profile = denoiser_spec(tiny).default_profile()
+    config = TrtOptions(static=True, optimization_level=2, timing_cache=None).config(profile)
+    assert (config.profiles, config.static_shapes, config.optimization_level) == ((profile,), True, 2)
