@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import onnx_graph
-from .errors import ArtifactError, ParityError, one_line
+from .errors import ArtifactError, ParityError, RequestError, WrongArtifactError, one_line
 from .spec import FOLDERS, GraphSpec
 
 if TYPE_CHECKING:
@@ -211,6 +211,12 @@ def check_size(spec: GraphSpec) -> tuple[int, int, int, int]:
     return 1, 4 * spec.pixel_multiple, 6 * spec.pixel_multiple, 10
 
 
+def inputs_label(spec: GraphSpec, batch: int, height: int, width: int, tokens: int) -> str:
+    """The check size in words: "batch 1, 32x48 px" (and ", 10 T5 tokens" for graphs with a T5 axis)."""
+    t5 = f", {tokens} T5 tokens" if spec.default_profile().tokens is not None else ""
+    return f"batch {batch}, {height}x{width} px{t5}"
+
+
 def concrete_shapes(proto: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """Every value's (elem type, shape) with the graph's inputs fixed to ``input_shapes``, by ONNX Runtime's symbolic
     shape inference on the weight-free graph. onnx's own ``infer_shapes`` loses dims at Reshapes fed by Shape
@@ -273,7 +279,7 @@ def check_graph(graph_path: Path, spec: GraphSpec, model: ModelSource) -> GraphC
         inferred = concrete_shapes(proto, shapes)
         for name, shape in spec.output_shapes(shapes).items():
             inferred_shape = inferred.get(name, (0, ()))[1]
-            result.output_shapes[f"{name} at {size}"] = list(inferred_shape)
+            result.output_shapes[f"{name} at {inputs_label(spec, *size)}"] = list(inferred_shape)
             if tuple(inferred_shape) != tuple(shape):
                 result.failures.append(
                     f"output {name} infers to {list(inferred_shape)} for inputs {shapes}, expected {list(shape)}"
@@ -326,6 +332,74 @@ def is_float(elem_type: int) -> bool:
                          onnx.TensorProto.DOUBLE)  # fmt: skip
 
 
+NO_SCOPES = (
+    "the graph has no module scopes on its nodes (the TorchScript-based exporter writes none); export it with "
+    "--exporter dynamo to check it block by block"
+)
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear", "TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear")
+
+
+def graph_modules(graph: onnx.GraphProto) -> list[str]:
+    """The network's module paths the graph's nodes carry scopes of (down_blocks.0.resnets.0, …), in graph order."""
+    scopes = (scope for node in graph.node for scope in node_scopes(node)[:-1])
+    return list(dict.fromkeys(scope[len(WRAPPER) :] for scope in scopes if scope.startswith(WRAPPER)))
+
+
+def blocks_summary(modules: Sequence[str]) -> str:
+    """The network's blocks, a module list as one range: ``down_blocks.0…3, mid_block, up_blocks.0…3`` (a UNet),
+    ``embeddings, encoder.layers.0…11, final_layer_norm`` (a CLIP text encoder: a module whose one child is a list
+    is skipped)."""
+    children: dict[str, set[str]] = defaultdict(set)
+    for module in modules:
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            children[".".join(parts[:depth])].add(parts[depth])
+    blocks: dict[str, list[int]] = {}
+    for module in modules:
+        parts, depth = module.split("."), 1
+        key = parts[0]
+        while len(kids := children[key]) == 1 and not next(iter(kids)).isdigit():
+            key, depth = f"{key}.{next(iter(kids))}", depth + 1
+        is_list = bool(kids) and all(kid.isdigit() for kid in kids)
+        if not is_list:
+            key, depth = parts[0], 1
+        indices = blocks.setdefault(key, [])
+        if is_list and depth < len(parts) and int(parts[depth]) not in indices:
+            indices.append(int(parts[depth]))
+    return ", ".join(
+        f"{key}.{min(found)}…{max(found)}" if len(found) > 1 else f"{key}.{found[0]}" if found else key
+        for key, found in blocks.items()
+    )
+
+
+def check_checkable(artifact: Artifact, blocks: Sequence[str] = ()) -> None:
+    """What ``check_blocks`` cannot check, refused (exit 2) from the weight-free graph before any model loads: a
+    quantized (Q/DQ) graph or one without module scopes (WrongArtifactError), a block the graph has no module of or
+    no block named for a graph without DEFAULT_BLOCKS (RequestError)."""
+    graph = onnx_graph.load_graph(artifact.primary).graph
+    if artifact.stage == "quantize" or any(node.op_type in QDQ_OPS for node in graph.node):
+        raise WrongArtifactError(
+            f"{artifact.path} is a quantized (Q/DQ) graph: check-blocks compares the blocks of an export with the "
+            "model's fp32 PyTorch blocks, which quantized blocks do not match by design; check the export "
+            "(sdtrt export --exporter dynamo), and the quantized graph whole with `sdtrt validate --engine` or layer "
+            "by layer with `sdtrt debug`"
+        )
+    modules = graph_modules(graph)
+    if not modules:
+        raise WrongArtifactError(NO_SCOPES)
+    if not blocks and not any(module.partition(".")[0] in DEFAULT_BLOCKS for module in modules):
+        raise RequestError(
+            f"the graph has none of {', '.join(DEFAULT_BLOCKS)}, the block lists check-blocks picks from by default; "
+            f"name blocks with --block (its blocks: {blocks_summary(modules)})"
+        )
+    if unknown := [b for b in blocks if b not in modules]:
+        example = next((m for m in modules if m.count(".") >= 2), modules[0])
+        raise RequestError(
+            f"--block {unknown[0]}: the graph has no module of that name; its blocks: {blocks_summary(modules)} "
+            f"(or a module inside one, such as {example})"
+        )
+
+
 def block_nodes(graph: onnx.GraphProto, block: str, is_data: Callable[[str], bool]) -> set[int]:
     """Indices of the nodes inside the module ``block`` (a path in the network, e.g. transformer_blocks.0).
 
@@ -338,10 +412,7 @@ def block_nodes(graph: onnx.GraphProto, block: str, is_data: Callable[[str], boo
     members = {i for i, scopes in enumerate(scoped) if scope in scopes}
     if not members:
         if not any(scoped):
-            raise ArtifactError(
-                "the graph has no module scopes on its nodes (the TorchScript-based exporter writes none); "
-                "export it with --exporter dynamo to check it block by block"
-            )
+            raise ArtifactError(NO_SCOPES)
         raise ArtifactError(f"no node of the graph belongs to module {block}; name a block of the network")
     inits = {i.name for i in graph.initializer}
     made = {out for i in members for out in graph.node[i].output}
@@ -744,6 +815,7 @@ def check_blocks(
 
     from .progress import step
 
+    check_checkable(artifact, blocks)
     spec = onnx_graph.artifact_spec(artifact)
     graph_path = artifact.primary
     tol = block_tolerances(spec.precision)
@@ -757,9 +829,7 @@ def check_blocks(
     folder = FOLDERS[spec.component]
     params = stored_tensors(model.component_dir(folder))
     network = meta_network(model, folder)
-    blocks = list(blocks) or default_blocks(network)
-    if not blocks:
-        raise ArtifactError(f"the {spec.label} has none of {', '.join(DEFAULT_BLOCKS)}; name blocks with --block")
+    blocks = list(blocks) or default_blocks(network)  # check_checkable saw at least one of them
     proto = onnx_graph.load_graph(graph_path)
     batch, height, width, tokens = check_size(spec)
     shapes = concrete_shapes(proto, spec.input_shapes(batch, height, width, tokens))

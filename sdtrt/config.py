@@ -17,6 +17,7 @@ Precision = Literal["fp16", "bf16", "fp32"]
 PRECISIONS: tuple[Precision, ...] = ("fp16", "bf16", "fp32")
 Exporter = Literal["auto", "dynamo", "torchscript"]
 IONaming = Literal["named", "indexed"]
+Weights = Literal["auto", "load", "stream"]
 SimplifyMethod = Literal["auto", "onnxsim", "fold", "stream"]
 OrtOptimization = Literal["basic", "extended"]
 ConcreteTarget = Literal["onnxruntime", "tensorrt"]
@@ -215,7 +216,7 @@ class ExportConfig:
     component: Component = "unet"
     # How weights reach the graph: "load" the network whole, or "stream" them from the safetensors files into a
     # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams big folders (export.py).
-    weights: Literal["auto", "load", "stream"] = not_in_key("auto")
+    weights: Weights = not_in_key("auto")
 
     @property
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
@@ -295,6 +296,19 @@ CALIBRATION_PROMPTS: tuple[str, ...] = (
 )
 
 
+def _levels() -> str:
+    return "NVIDIA's levels (" + "; ".join(f"{level:g}: {what}" for level, what in QUANT_LEVELS.items()) + ")"
+
+
+def parse_level(text: str) -> float:
+    """A quantization level as given on the command line (``2.5``); ConfigError naming the levels when it is none."""
+    try:
+        level = float(text)
+    except ValueError:
+        raise ConfigError(f"quantization level '{text}' is not one of {_levels()}") from None
+    return level
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
     """The denoiser quantized with NVIDIA ModelOpt to INT8 or FP8 Q/DQ graphs, calibrated on the pipeline's own
@@ -321,8 +335,7 @@ class QuantizeConfig:
         if self.precision not in QUANT_PRECISIONS:
             raise ConfigError(f"quantization precision '{self.precision}' is not int8 or fp8")
         if self.level not in QUANT_LEVELS:
-            levels = "; ".join(f"{level:g}: {what}" for level, what in QUANT_LEVELS.items())
-            raise ConfigError(f"quantization level {self.level:g} is not one of NVIDIA's levels ({levels})")
+            raise ConfigError(f"quantization level {self.level:g} is not one of {_levels()}")
         if self.level == 4.0 and self.precision != "fp8":
             raise ConfigError(
                 "level 4 quantizes attention, which only FP8 does (INT8 attention runs slower than fp16 in TensorRT); "
@@ -436,13 +449,17 @@ class TrtBuildConfig:
         )
 
 
-_BYTE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+# Sizes: decimal units are powers of 1000 (MB = 10^6 bytes), binary ones powers of 1024 (MiB = 2^20), as IEC 80000-13
+# has them; both spellings parse, case aside.
+DECIMAL_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+BINARY_UNITS = {"TiB": 1 << 40, "GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}
+_BYTE_UNITS = {"": 1, "B": 1} | {unit.upper(): size for unit, size in (DECIMAL_UNITS | BINARY_UNITS).items()}
 
 
 def parse_size(text: str) -> int:
     """Bytes from a size such as ``8GiB``, ``512MB`` or a number of bytes; ValueError when it is none."""
     value = text.strip().upper().replace(" ", "")
-    number = value.rstrip("KMGIB")
+    number = value.rstrip("KMGTIB")
     try:
         size = float(number) * _BYTE_UNITS[value[len(number) :]]
     except (ValueError, KeyError, OverflowError):
@@ -450,6 +467,20 @@ def parse_size(text: str) -> int:
     if not 0 <= size < float("inf"):
         raise ValueError(f"'{text}' is not a size")
     return int(size)
+
+
+def format_size(size: int) -> str:
+    """A size in the units it was most likely given in: decimal (``1.0 MB``, ``8.00 GB``) when it is a whole number
+    of hundredths of its decimal unit, as a size a person wrote in MB or GB is; else binary (``8.00 GiB``, and measured
+    sizes). Two decimals from GB/GiB up, one below."""
+    decimal = _unit_for(size, DECIMAL_UNITS)
+    unit, scale = decimal if size * 100 % decimal[1] == 0 else _unit_for(size, BINARY_UNITS)
+    return f"{size / scale:.{2 if scale >= 10**9 else 1}f} {'kB' if unit == 'KB' else unit}"
+
+
+def _unit_for(size: int, units: dict[str, int]) -> tuple[str, int]:
+    """The largest of ``units`` (largest first) that ``size`` reaches, else the smallest."""
+    return next(((unit, scale) for unit, scale in units.items() if size >= scale), list(units.items())[-1])
 
 
 @dataclass(frozen=True)

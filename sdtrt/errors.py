@@ -31,6 +31,18 @@ class ArtifactError(SdtrtError):
     """An input artifact is missing, incomplete, corrupt, or of the wrong stage."""
 
 
+class ArtifactNotFoundError(ArtifactError):
+    """A path or key that names no artifact (nothing there, no manifest, no key of the store, or a key prefix several
+    share); given as --engine, a usage error (the CLI maps it)."""
+
+
+class WrongArtifactError(ArtifactError):
+    """An artifact of a kind the command cannot take (a Q/DQ graph, or one without module scopes, for check-blocks);
+    a usage error (exit 2): the message names what to pass instead."""
+
+    exit_code = 2
+
+
 class StoreError(SdtrtError):
     """The artifact store cannot be used (not writable, not a directory, …)."""
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import as_dict, cache_key
-from .errors import ArtifactError, StoreError
+from .errors import ArtifactError, ArtifactNotFoundError, StoreError
 from .progress import console
 
 MANIFEST = "manifest.json"
@@ -196,7 +196,7 @@ class Artifact:
             return cls(folder, manifest)
         if path.is_file() and path.suffix == ".onnx":
             return cls(folder, external_onnx_manifest(path))
-        raise ArtifactError(
+        raise ArtifactNotFoundError(
             f"'{path}' is not an sdtrt artifact (no {MANIFEST}); pass the directory a stage printed, or an .onnx file"
         )
 
@@ -241,6 +241,7 @@ class VerifyResult:
 class Store:
     def __init__(self, root: Path | str | None = None) -> None:
         self.root = default_root(root).expanduser()
+        self.reused: set[Path] = set()  # the artifacts this object served from the cache, said so once (the CLI)
 
     # ---- reading ------------------------------------------------------------------------------
 
@@ -279,8 +280,10 @@ class Store:
             if len(found) == 1:
                 return found[0]
             if found:
-                raise ArtifactError(f"'{ref}' matches {len(found)} artifacts in {self.root}; give more of the key")
-        raise ArtifactError(
+                raise ArtifactNotFoundError(
+                    f"'{ref}' matches {len(found)} artifacts in {self.root}; give more of the key"
+                )
+        raise ArtifactNotFoundError(
             f"'{ref}' does not exist and is not an artifact key in {self.root}; pass the directory a stage "
             "printed, or a key from `sdtrt cache ls` (with --engines DIR for another store)"
         )
@@ -360,6 +363,7 @@ class Store:
             return None
         hit.mark_used()
         console.print(f"[green]✓[/] {request.stage}: cached [dim]({hit.path})[/]")
+        self.reused.add(hit.path)
         return hit
 
     def keep_log(self, log: Path, name: str) -> Path:

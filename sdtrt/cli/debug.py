@@ -47,7 +47,7 @@ def debug_command(
 
     if not max_error > 0:
         raise RequestError(f"--max-error {max_error}: a normalised error limit must be above 0 (e.g. 0.05)")
-    artifact = o.find_engine(engine, engines)
+    artifact = o.find_engine(engine, engines, option=None)
     source = resolve_model(model) if model else None
     o.ensure_parent(json_out, "--json")
     config = DebugConfig(max_error=max_error, height=height, width=width)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -23,10 +26,11 @@ from ..config import (
     Target,
     TrtBuildConfig,
     WeightBudget,
+    Weights,
     parse_size,
     target_precision_problem,
 )
-from ..errors import ConfigError, RequestError, StoreError
+from ..errors import ArtifactNotFoundError, ConfigError, RequestError, StoreError
 from ..models import ModelSource
 from ..presets import PRESETS
 from ..spec import GraphSpec
@@ -89,6 +93,14 @@ IONamingOpt = Annotated[
     IONaming,
     typer.Option(help="named (sample, timestep, …) or indexed (input_0…, output_0, for torchtrtc --embed-engine)."),
 ]
+WeightsOpt = Annotated[
+    Weights,
+    typer.Option(
+        help="load (the network whole, then traced), stream (traced without weights; the initializers streamed from "
+        "the safetensors files: the same graph, memory of one tensor), or auto (stream over 2 GB of weights with "
+        "torch.export's exporter)."
+    ),
+]
 MethodOpt = Annotated[
     SimplifyMethod,
     typer.Option(
@@ -149,15 +161,34 @@ def open_store(engines: Path | None, cached_ok: bool = False) -> Store:
     return store
 
 
-def find_engine(engine: str, engines: Path | None) -> Artifact:
-    """--engine as a path, or as a key in the --engines store."""
-    return Store(engines).find(engine)
+def find_engine(engine: str, engines: Path | None, option: str | None = "--engine") -> Artifact:
+    """--engine (or the engine argument, ``option`` None) as a path or a key in the --engines store; one that names
+    no artifact is a usage error (exit 2), one that names a broken artifact is not."""
+    try:
+        return Store(engines).find(engine)
+    except ArtifactNotFoundError as exc:
+        raise RequestError(f"{option} {exc}" if option else str(exc)) from None
+
+
+def check_export_options(exporter: Exporter, weights: Weights) -> None:
+    """--exporter with --weights, refused (exit 2) before the model is resolved (a preset may be built)."""
+    try:
+        ExportConfig(exporter=exporter, weights=weights)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from exc
 
 
 def export_config(
-    precision: Precision, exporter: Exporter, opset: int, io_naming: IONaming, component: Component
+    precision: Precision,
+    exporter: Exporter,
+    opset: int,
+    io_naming: IONaming,
+    component: Component,
+    weights: Weights = "auto",
 ) -> ExportConfig:
-    return ExportConfig(precision=precision, opset=opset, exporter=exporter, io_naming=io_naming, component=component)
+    return ExportConfig(
+        precision=precision, opset=opset, exporter=exporter, io_naming=io_naming, component=component, weights=weights
+    )
 
 
 def simplify_config(method: SimplifyMethod, check: bool, memory_budget: str | None = None) -> SimplifyConfig:
@@ -259,28 +290,67 @@ def weight_budget(text: str | None) -> WeightBudget | None:
         raise RequestError(str(exc)) from None
 
 
-def trt_config(
-    profile: ShapeProfile,
-    static: bool,
-    workspace_gb: float | None,
-    optimization_level: int | None,
-    timing_cache: Path | None,
-    refittable: bool = False,
-    tf32: bool | None = None,
-    weight_streaming: bool = False,
-    strip_weights: bool = False,
-) -> TrtBuildConfig:
-    return TrtBuildConfig(
-        profiles=(profile,),
-        static_shapes=static,
-        workspace_gb=workspace_gb,
-        optimization_level=optimization_level,
-        timing_cache=str(timing_cache.resolve()) if timing_cache else None,
-        refittable=refittable,
-        tf32=tf32,
-        weight_streaming=weight_streaming,
-        strip_weights=strip_weights,
-    )
+@dataclasses.dataclass(frozen=True)
+class TrtOptions:
+    """The TensorRT build options `build` and `compile` share; ``with_trt_options`` declares them on a command."""
+
+    static: bool = False
+    workspace_gb: float | None = None
+    optimization_level: int | None = None
+    timing_cache: Path | None = None
+    refittable: bool = False
+    tf32: bool | None = None
+    weight_streaming: bool = False
+    strip_weights: bool = False
+
+    def config(self, profile: ShapeProfile) -> TrtBuildConfig:
+        return TrtBuildConfig(
+            profiles=(profile,),
+            static_shapes=self.static,
+            workspace_gb=self.workspace_gb,
+            optimization_level=self.optimization_level,
+            timing_cache=str(self.timing_cache.resolve()) if self.timing_cache else None,
+            refittable=self.refittable,
+            tf32=self.tf32,
+            weight_streaming=self.weight_streaming,
+            strip_weights=self.strip_weights,
+        )
+
+
+_TRT_OPTION_TYPES = {
+    "static": StaticOpt,
+    "workspace_gb": WorkspaceOpt,
+    "optimization_level": OptLevelOpt,
+    "timing_cache": TimingCacheOpt,
+    "refittable": RefittableOpt,
+    "tf32": TF32Opt,
+    "weight_streaming": WeightStreamingOpt,
+    "strip_weights": StripWeightsOpt,
+}
+
+
+def with_trt_options(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` with the TensorRT build options as its parameters (before --engines), handed to it as one
+    ``trt: TrtOptions`` argument. Typer reads a command's parameters from its signature, so the wrapper shows it
+    one that lists each option (typer/utils.py, get_params_from_function)."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "trt"]
+    at = next(i for i, p in enumerate(own) if p.name == "engines")
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    added = [
+        inspect.Parameter(f.name, kind, default=f.default, annotation=_TRT_OPTION_TYPES[f.name])
+        for f in dataclasses.fields(TrtOptions)
+    ]
+    parameters = [*own[:at], *added, *own[at:]]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> None:
+        trt = TrtOptions(**{name: kwargs.pop(name) for name in _TRT_OPTION_TYPES})
+        command(**kwargs, trt=trt)
+
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    return wrapper
 
 
 def model_for(model: str | None, engine: Artifact | None) -> ModelSource:

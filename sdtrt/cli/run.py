@@ -213,11 +213,12 @@ def check_blocks_command(
 
     Example: sdtrt check-blocks --engine engines/export/6f0b7933d0e6c464 --block transformer_blocks.0
     """
+    from ..block_parity import check_blocks, check_checkable
+
     o.ensure_parent(json_out, "--json")
     artifact = o.find_engine(engine, engines)
+    check_checkable(artifact, block or ())  # before the model resolves (a preset may be built)
     source = o.model_for(model, artifact)
-
-    from ..block_parity import check_blocks
 
     report = check_blocks(source, artifact, block or (), graph_checks, min_cosine, max_abs)
     print_block_report(report, results)
@@ -228,27 +229,45 @@ def check_blocks_command(
 
 
 def print_block_report(report: BlockParityReport, out: Console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     if params := report.checks.get("parameters"):
+        shapes = "; ".join(f"{name}: {shape}" for name, shape in report.checks["output_shapes"].items())
         out.print(
-            f"graph: {params['parameters']} parameters in {params['initializers']} initializers "
-            f"({params['merged_small']} small ones merged), {params['bytes_in_graph']:,} of "
-            f"{params['bytes_expected']:,} bytes; {params['constants']} constants; "
-            f"output shapes {report.checks['output_shapes']}"
+            escape(
+                f"graph: {params['parameters']} parameters in {params['initializers']} initializers "
+                f"({params['merged_small']} small ones merged), {params['bytes_in_graph']:,} of "
+                f"{params['bytes_expected']:,} bytes; {params['constants']} constants; inferred output shapes: {shapes}"
+            )
         )
     table = Table(title=f"{report.precision} blocks vs PyTorch fp32 ({report.model})", title_justify="left")
-    for column in ("block", "output", "max abs", "mean abs", "cosine", ""):
-        table.add_column(column, justify="left" if column in ("block", "output", "") else "right")
+    for column in ("block", "result", "max abs", "mean abs", "cosine", ""):
+        table.add_column(column, justify="left" if column in ("block", "result", "") else "right")
     for row in report.blocks:
         for stats in row["outputs"]:
             table.add_row(
-                row["block"], stats["result"], f"{stats['max_abs']:.3g}", f"{stats['mean_abs']:.3g}",
-                f"{stats['cosine']:.6f}", "[red]FAIL[/]" if row["failures"] else "[green]ok[/]",
+                row["block"], escape(result_label(stats["result"])), f"{stats['max_abs']:.3g}",
+                f"{stats['mean_abs']:.3g}", f"{stats['cosine']:.6f}",
+                "[red]FAIL[/]" if row["failures"] else "[green]ok[/]",
             )  # fmt: skip
     out.print(table)
+    tol = report.tolerances
+    out.print(
+        "block: a module cut out of the graph (run on ONNX Runtime) and the same module loaded alone (PyTorch), on the "
+        "same seeded inputs; result: which of the PyTorch block's results the row compares (returned[1][0]: the first "
+        "item of its second result); max abs, mean abs: the largest and mean |ONNX Runtime - PyTorch| over its "
+        "elements; cosine: their cosine similarity (1: the same)"
+    )
+    out.print(f"tolerances: cosine ≥ {tol['min_cosine']}, max abs ≤ {tol['max_abs']}")
     for failure in report.failures:
-        out.print(f"[red]✗[/] {failure}")
+        out.print(f"[red]✗[/] {escape(failure)}")
+
+
+def result_label(path: str) -> str:
+    """Where a compared output sits in what the PyTorch block returns: "0.1" → returned[0][1]; "" → returned."""
+    keys = [part if part.isdigit() else repr(part) for part in path.split(".") if part]
+    return "returned" + "".join(f"[{key}]" for key in keys)
 
 
 def print_report(report: ValidationReport, out: Console) -> None:

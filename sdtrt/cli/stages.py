@@ -6,7 +6,7 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
@@ -22,6 +22,7 @@ from ..config import (
     QuantPrecision,
     ValidationConfig,
     WrapConfig,
+    parse_level,
 )
 from ..errors import ArtifactError, ConfigError, RequestError
 from ..progress import console
@@ -33,21 +34,13 @@ if TYPE_CHECKING:
     from ..models import ModelSource
     from ..store import Artifact
 
-WeightsOpt = Annotated[
-    Literal["auto", "load", "stream"],
-    typer.Option(
-        help="load (the network whole, then traced), stream (traced without weights; the initializers streamed from "
-        "the safetensors files: the same graph, memory of one tensor), or auto (stream over 2 GB of weights with "
-        "torch.export's exporter)."
-    ),
-]
 InputArg = Annotated[
     str, typer.Argument(help="The previous stage's artifact: a directory or .onnx file, or a key from `cache ls`.")
 ]
 # Quantization (`quantize`, and `compile --precision int8|fp8`).
 QuantPrecisionOpt = Annotated[QuantPrecision, typer.Option("--precision", help="int8, or fp8 (E4M3).")]
 LevelOpt = Annotated[
-    float,
+    str,  # parsed by config.parse_level: a bad level is one line naming the levels, not Typer's error box
     typer.Option(
         help="NVIDIA's quantization level: " + "; ".join(f"{k:g}: {v}" for k, v in QUANT_LEVELS.items()) + "."
     ),
@@ -88,28 +81,20 @@ def export(
     exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
-    weights: WeightsOpt = "auto",
+    weights: o.WeightsOpt = "auto",
     engines: o.EnginesOpt = None,
 ) -> None:
     """Export one of the model's networks (its denoiser by default) to ONNX, with dynamic batch, height and width.
 
     Example: sdtrt export --model tiny --component vae_decoder --precision fp16
     """
-    import dataclasses
-
-    from ..config import ExportConfig
-    from ..errors import ConfigError
     from ..models import resolve_model
     from ..stages import export as export_stage
 
-    try:  # a usage error, refused before the model is resolved (a preset may be built)
-        ExportConfig(exporter=exporter, weights=weights)
-    except ConfigError as exc:
-        raise RequestError(str(exc)) from exc
+    o.check_export_options(exporter, weights)
     store = o.open_store(engines)
     source = resolve_model(model)
-    config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source))
-    config = dataclasses.replace(config, weights=weights)
+    config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source), weights)
     artifact = export_stage.run(config, source, store)
     typer.echo(artifact.path)
 
@@ -117,7 +102,7 @@ def export(
 def quantize(
     model: o.ModelOpt = "tiny",
     precision: QuantPrecisionOpt = "int8",
-    level: LevelOpt = 2.5,
+    level: LevelOpt = "2.5",
     calibration_prompts: CalibrationPromptsOpt = None,
     calibration_steps: CalibrationStepsOpt = QuantizeConfig().calibration_steps,
     algorithm: AlgorithmOpt = "max",
@@ -144,15 +129,23 @@ def quantize(
     typer.echo(artifact.path)
 
 
-def quantize_config(precision: str, level: float, algorithm: str, prompts: str | None, steps: int) -> QuantizeConfig:
+def quantize_config(precision: str, level: str, algorithm: str, prompts: str | None, steps: int) -> QuantizeConfig:
     """The options as a QuantizeConfig, or RequestError (exit 2) before anything loads."""
     try:
         config = QuantizeConfig(
-            precision=cast(QuantPrecision, precision), level=level, algorithm=cast(QuantAlgorithm, algorithm),
-            calibration_steps=steps,
+            precision=cast(QuantPrecision, precision), level=quant_level(level),
+            algorithm=cast(QuantAlgorithm, algorithm), calibration_steps=steps,
         )  # fmt: skip
         chosen = calibration_prompts(prompts)
         return dataclasses.replace(config, calibration_prompts=chosen) if chosen else config
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from exc
+
+
+def quant_level(text: str) -> float:
+    """--level, or RequestError (exit 2) naming NVIDIA's levels."""
+    try:
+        return parse_level(text)
     except ConfigError as exc:
         raise RequestError(str(exc)) from exc
 
@@ -212,6 +205,7 @@ def simplify(
     typer.echo(artifact.path)
 
 
+@o.with_trt_options
 def build(
     source: InputArg,
     target: o.TargetOpt = "auto",
@@ -220,14 +214,7 @@ def build(
     width: o.WidthOpt = None,
     tokens: o.TokensOpt = None,
     optimization: Annotated[OrtOptimization, typer.Option(help="ONNX Runtime graph optimization level.")] = "extended",
-    static: o.StaticOpt = False,
-    workspace_gb: o.WorkspaceOpt = None,
-    optimization_level: o.OptLevelOpt = None,
-    timing_cache: o.TimingCacheOpt = None,
-    refittable: o.RefittableOpt = False,
-    tf32: o.TF32Opt = None,
-    weight_streaming: o.WeightStreamingOpt = False,
-    strip_weights: o.StripWeightsOpt = False,
+    trt: o.TrtOptions = o.TrtOptions(),  # the TensorRT options, declared by with_trt_options
     engines: o.EnginesOpt = None,
 ) -> None:
     """Build an engine from a simplified (or exported) graph for the shapes given.
@@ -242,18 +229,7 @@ def build(
     spec = artifact_spec(artifact)
     o.check_target_precision(target, spec.precision)
     profile = o.shape_profile(spec, batch, height, width, tokens)
-    trt = o.trt_config(
-        profile,
-        static,
-        workspace_gb,
-        optimization_level,
-        timing_cache,
-        refittable,
-        tf32,
-        weight_streaming,
-        strip_weights,
-    )
-    built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt)
+    built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt.config(profile))
     console.print(f"target: {reason}")
     typer.echo(built.path)
 
@@ -270,11 +246,12 @@ def wrap(source: InputArg, engines: o.EnginesOpt = None) -> None:
     typer.echo(wrap_stage.run(WrapConfig(), engine, store).path)
 
 
+@o.with_trt_options
 def compile(
     model: o.ModelOpt = "tiny",
     target: o.TargetOpt = "auto",
     precision: CompilePrecisionOpt = "fp16",
-    level: LevelOpt = 2.5,
+    level: LevelOpt = "2.5",
     calibration_prompts: CalibrationPromptsOpt = None,
     calibration_steps: CalibrationStepsOpt = QuantizeConfig().calibration_steps,
     algorithm: AlgorithmOpt = "max",
@@ -290,19 +267,14 @@ def compile(
     exporter: o.ExporterOpt = "auto",
     opset: o.OpsetOpt = 18,
     io_naming: o.IONamingOpt = "named",
+    weights: o.WeightsOpt = "auto",
     method: o.MethodOpt = "auto",
+    memory_budget: o.MemoryBudgetOpt = None,
     batch: o.BatchOpt = None,
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,
     tokens: o.TokensOpt = None,
-    static: o.StaticOpt = False,
-    workspace_gb: o.WorkspaceOpt = None,
-    optimization_level: o.OptLevelOpt = None,
-    timing_cache: o.TimingCacheOpt = None,
-    refittable: o.RefittableOpt = False,
-    tf32: o.TF32Opt = None,
-    weight_streaming: o.WeightStreamingOpt = False,
-    strip_weights: o.StripWeightsOpt = False,
+    trt: o.TrtOptions = o.TrtOptions(),  # the TensorRT options, declared by with_trt_options
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Check the result against PyTorch (exit 3 on mismatch).")
     ] = True,
@@ -330,8 +302,11 @@ def compile(
     from ..stages import export as export_stage
     from .run import print_report
 
+    o.check_export_options(exporter, weights)
+    simplify_config = o.simplify_config(method, True, memory_budget)
     if revalidate and not validate:
         raise RequestError("--revalidate asks for a validation that --no-validate turns off: pass one of them")
+    quant_level(level)  # a malformed --level is refused whatever the precision
     quantized = None
     if precision in ("int8", "fp8"):
         quantized = quantize_config(precision, level, algorithm, calibration_prompts, calibration_steps)
@@ -350,24 +325,14 @@ def compile(
         check_quantizable(quantized, source)
     chosen_components = parse_components(components, source)
     # Each member's export config is this one with its component; the profile is the denoiser's.
-    export_config = o.export_config(graph_precision, exporter, opset, io_naming, denoiser_component(source))
+    export_config = o.export_config(graph_precision, exporter, opset, io_naming, denoiser_component(source), weights)
     profile = o.shape_profile(export_stage.spec_for(source, export_config), batch, height, width, tokens)
     options: dict[str, Any] = dict(
         target=target,
         export_config=export_config,
-        simplify_config=o.simplify_config(method, check=True),
+        simplify_config=simplify_config,
         profile=profile,
-        trt_config=o.trt_config(
-            profile,
-            static,
-            workspace_gb,
-            optimization_level,
-            timing_cache,
-            refittable,
-            tf32,
-            weight_streaming,
-            strip_weights,
-        ),
+        trt_config=trt.config(profile),
         components=chosen_components,
         revalidate=revalidate,
     )
@@ -381,7 +346,7 @@ def compile(
         validation = ValidationConfig() if validate else None
         result = compile_model(source, store, validation=validation, quantize_config=quantized, **options)
     for artifact in result.artifacts:
-        if artifact.stage == "simplify":
+        if artifact.stage == "simplify" and artifact.path not in store.reused:  # a reused one said "cached" already
             print_simplify_summary(artifact)
     console.print(f"target: {result.target_reason}")
     if result.validation is not None:
@@ -434,7 +399,9 @@ def print_simplify_summary(artifact: Artifact) -> None:
     from ..stages.simplify import op_table_rows
 
     details = artifact.manifest["details"]
-    why = f" ({details['method_reason']})" if details.get("method_reason") else ""
+    # Why the method that ran did: the fallback's reason (onnxsim failed, a Q/DQ graph) where there was one.
+    reason = details.get("fallback_reason") or details.get("method_reason")
+    why = f" ({reason})" if reason else ""
     table = Table(title=escape(f"Simplified with {details['method']}{why}"), title_justify="left")
     table.add_column("op")
     table.add_column("before", justify="right")
@@ -443,8 +410,6 @@ def print_simplify_summary(artifact: Artifact) -> None:
         style = "bold" if op == "Total" else ("green" if after < before else "")
         table.add_row(op, str(before), str(after), style=style)
     console.print(table)
-    if details.get("fallback_reason"):
-        console.print(f"[yellow]fell back to constant folding:[/] {escape(details['fallback_reason'])}")
     if details.get("weights_carried"):
         console.print(f"weights: {escape(details['weights_carried'])}")
     if check := details.get("check"):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
-from ..config import BF16_ON_ONNXRUNTIME, SimplifyConfig, SimplifyMethod
+from ..config import BF16_ON_ONNXRUNTIME, SimplifyConfig, SimplifyMethod, format_size
 from ..errors import SimplifyError
 from ..progress import console, step
 from ..runtime.compare import compare_graphs
@@ -106,7 +106,8 @@ def _simplify(config: SimplifyConfig, source: Artifact, plan: Plan, out_dir: Pat
     if keeps_qdq and method == "onnxsim":
         method, fallback_reason = (
             "fold",
-            "a Q/DQ graph: folded with its Q/DQ nodes kept (onnxsim folds weight Q/DQ pairs)",
+            "a Q/DQ graph: constants folded with its Q/DQ nodes kept (onnxsim folds weight Q/DQ pairs into float "
+            "weights, which TensorRT then runs in high precision)",
         )
     started = time.perf_counter()
     if method == "onnxsim":
@@ -124,7 +125,7 @@ def _simplify(config: SimplifyConfig, source: Artifact, plan: Plan, out_dir: Pat
         with step("Folding constants and cleaning up (onnx-graphsurgeon)"):
             _fold(source.primary, out_path, keep_qdq=keeps_qdq)
     if method == "stream":
-        with step(f"Cleaning up without loading the weights ({_size(weight_bytes)} stay on disk)"):
+        with step(f"Cleaning up without loading the weights ({format_size(weight_bytes)} stay on disk)"):
             weights_carried = stream(source.primary, out_path)
     timings["simplify_s"] = round(time.perf_counter() - started, 3)
     computed_in_fp32 = None
@@ -181,13 +182,13 @@ def choose_method(requested: SimplifyMethod, weight_bytes: int, budget: int) -> 
     if requested != "auto":
         return requested, "asked for with --method"
     if weight_bytes > STREAM_ABOVE:
-        return "stream", f"{_size(weight_bytes)} of weights, over the {_size(STREAM_ABOVE)} auto ever loads"
+        return "stream", f"{format_size(weight_bytes)} of weights, over the {format_size(STREAM_ABOVE)} auto ever loads"
     if weight_bytes * ONNXSIM_PEAK_RATIO > budget:
         return "stream", (
-            f"onnxsim needs ~{ONNXSIM_PEAK_RATIO}x the {_size(weight_bytes)} of weights, over the memory budget "
-            f"({_size(budget)})"
+            f"onnxsim needs ~{ONNXSIM_PEAK_RATIO}x the {format_size(weight_bytes)} of weights, over the memory budget "
+            f"({format_size(budget)})"
         )
-    return "onnxsim", f"{_size(weight_bytes)} of weights: onnxsim fits the memory budget ({_size(budget)})"
+    return "onnxsim", f"{format_size(weight_bytes)} of weights: onnxsim fits the memory budget ({format_size(budget)})"
 
 
 def too_big_to_check(weight_bytes: int, budget: int) -> str | None:
@@ -195,13 +196,10 @@ def too_big_to_check(weight_bytes: int, budget: int) -> str | None:
     if weight_bytes * CHECK_PEAK_RATIO <= budget:
         return None
     return (
-        f"its {_size(weight_bytes)} of weights need up to ~{CHECK_PEAK_RATIO}x that on ONNX Runtime (2.6x measured "
-        f"for SDXL's fp16 UNet), over the memory budget ({_size(budget)}); check it by parts (sdtrt check-blocks)"
+        f"its {format_size(weight_bytes)} of weights need up to ~{CHECK_PEAK_RATIO}x that on ONNX Runtime (2.6x "
+        f"measured for SDXL's fp16 UNet), over the memory budget ({format_size(budget)}); check it by parts "
+        "(sdtrt check-blocks)"
     )
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _onnxsim(source: Path, out_path: Path) -> None:
