@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from .config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig
+from .config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig, format_size
 from .errors import ParityError, StoreError
 from .runtime.compare import tensor_stats
 from .spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
@@ -195,9 +195,9 @@ class HostMemory:
             return None
         limit = "budget" if self.budget is not None else "available"
         return (
-            f"not compared: {label} added {_gb(added)} of host memory, so this case would add ~{_gb(projected)} "
-            f"(attention grows with batch × pixels²), over the {_gb(room)} {limit}; compare it on the GPU engine or "
-            "on a machine with more memory"
+            f"not compared: {label} added {format_size(added)} of host memory, so this case would add "
+            f"~{format_size(int(projected))} (attention grows with batch × pixels²), over the {format_size(room)} "
+            f"{limit}; compare it on the GPU engine or on a machine with more memory"
         )
 
     @contextlib.contextmanager
@@ -214,10 +214,6 @@ class HostMemory:
             self.measured = (case, label, added)
         elif self._size(case) == self._size(self.measured[0]) and added > self.measured[2]:
             self.measured = (case, self.measured[1], added)
-
-
-def _gb(size: float) -> str:
-    return f"{size / 1e9:.1f} GB"
 
 
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:

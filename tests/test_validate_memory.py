@@ -6,23 +6,33 @@ layer; on a 24 GB machine the kernel killed the validation. These tests use a bu
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from sdtrt.config import ValidationConfig
-from sdtrt.validate import validate
-
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+from tests.helpers import run_cli
 
 
-def test_a_case_projected_over_the_memory_budget_is_reported_not_run(tiny, tiny_engine):
-    report = validate(tiny, tiny_engine, ValidationConfig(images=False, memory_budget=1))
+def test_a_case_projected_over_the_memory_budget_is_reported_not_run(tiny_engine, tmp_path):
+    result = run_cli(
+        "validate", "--engine", str(tiny_engine.path), "--model", "tiny", "--no-images", "--memory-budget", "1MB",
+        "--json", str(tmp_path / "report.json"),
+    )  # fmt: skip
 
-    compared = [row["case"] for row in report.tensors]
-    # The optimum (measured first) and the smallest shape are compared; only the largest is projected over 1 byte.
+    assert result.returncode == 0, result.stderr  # what was compared passes; the skipped case is listed, not failed
+    report = json.loads((tmp_path / "report.json").read_text())
+    compared = [row["case"] for row in report["tensors"]]
+    # The optimum (measured first) and the smallest shape are compared; only the largest is projected over 1 MB.
     assert len(compared) == 4 and not any("384x384" in case for case in compared), compared
-    assert len(report.skipped) == 1 and report.skipped[0].startswith("b8 384x384 t=250: not compared:"), report.skipped
-    assert "over the 0.0 GB budget" in report.skipped[0]
-    assert report, report.failures  # what was compared passes; the skipped case is listed, not failed
-    assert report.to_json()["skipped"] == report.skipped
+    assert len(report["skipped"]) == 1, report["skipped"]
+    assert report["skipped"][0].startswith("b8 384x384 t=250: not compared:")
+    assert "over the 1.0 MB budget" in report["skipped"][0]
+    assert "! b8 384x384 t=250: not compared:" in result.stdout
     # Without a budget nothing of tiny is skipped: test_validate.py::test_good_engine_passes compares all 5 cases.
 
+
+def test_a_malformed_memory_budget_is_one_line_before_anything_loads(tiny_engine):
+    result = run_cli("validate", "--engine", str(tiny_engine.path), "--model", "tiny", "--memory-budget", "0")
+
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --memory-budget: memory budget 0 is not a positive size; give a size such as 8GiB or 8GB"
+    ]

@@ -112,8 +112,9 @@ MemoryBudgetOpt = Annotated[
     str | None,
     typer.Option(
         envvar="SDTRT_MEMORY_BUDGET",
-        help="Memory the step may plan with (8GiB, 8GB; default: this machine's): over it, auto streams the "
-        "weights and the ONNX Runtime check (~4x the weights) is skipped, and said so.",
+        help="Memory the step may plan with (8GiB, 8GB; default: this machine's): over it, simplify streams the "
+        "weights and skips its ONNX Runtime check (~4x the weights), and validate lists the cases that would not fit "
+        "instead of running them; each says so.",
     ),
 ]
 TargetOpt = Annotated[
@@ -191,13 +192,20 @@ def export_config(
     )
 
 
-def simplify_config(method: SimplifyMethod, check: bool, memory_budget: str | None = None) -> SimplifyConfig:
-    """--method, --check and --memory-budget (a size, checked before anything loads: exit 2 when malformed)."""
+def memory_budget(text: str | None) -> int | None:
+    """--memory-budget in bytes (a size, checked before anything loads: exit 2 when malformed)."""
     try:
-        budget = parse_size(memory_budget) if memory_budget is not None else None
-        return SimplifyConfig(method=method, check=check, memory_budget=budget)
-    except (ValueError, ConfigError) as exc:
+        budget = parse_size(text) if text is not None else None
+        if budget is not None and budget <= 0:
+            raise ValueError(f"memory budget {text} is not a positive size")
+        return budget
+    except ValueError as exc:
         raise RequestError(f"--memory-budget: {exc}; give a size such as 8GiB or 8GB") from None
+
+
+def simplify_config(method: SimplifyMethod, check: bool, budget: str | None = None) -> SimplifyConfig:
+    """--method, --check and --memory-budget."""
+    return SimplifyConfig(method=method, check=check, memory_budget=memory_budget(budget))
 
 
 def shape_profile(

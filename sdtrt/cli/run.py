@@ -156,6 +156,7 @@ def validate_command(
     min_psnr: Annotated[float | None, typer.Option(help="Override: minimum image PSNR in dB.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
     weight_streaming_budget: o.WeightBudgetOpt = None,
+    memory_budget: o.MemoryBudgetOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Compare an engine (or every member of a set) with PyTorch fp32: tensors, latents, images. Exits 3 on a mismatch.
@@ -169,7 +170,7 @@ def validate_command(
     source = o.model_for(model, artifact)
     config = ValidationConfig(
         steps=steps, scheduler=scheduler, images=images, height=height, width=width, min_cosine=min_cosine,
-        max_abs=max_abs, min_psnr_db=min_psnr, weight_budget=budget,
+        max_abs=max_abs, min_psnr_db=min_psnr, weight_budget=budget, memory_budget=o.memory_budget(memory_budget),
     )  # fmt: skip
     rule = SizeRule.for_model(source)
     check_validation(config, rule, None)

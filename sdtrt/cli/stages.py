@@ -343,7 +343,7 @@ def compile(
         guarded = guard(source, store, quantized, GuardConfig(min_psnr, guard_rounds), **options)
         result = guarded.result
     else:
-        validation = ValidationConfig() if validate else None
+        validation = ValidationConfig(memory_budget=simplify_config.memory_budget) if validate else None
         result = compile_model(source, store, validation=validation, quantize_config=quantized, **options)
     for artifact in result.artifacts:
         if artifact.stage == "simplify" and artifact.path not in store.reused:  # a reused one said "cached" already
