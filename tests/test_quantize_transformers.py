@@ -126,7 +126,9 @@ def test_the_tensorrt_graph_is_16_bit_outside_qdq_and_computes_the_onnxruntime_g
     output = onnxruntime_output(model, narrow, optimized=False)
     stats = tensor_stats(output.float(), fp32)
     print(f"\n{preset} {quantized['config'].precision}: TensorRT graph vs ONNX Runtime graph (fp32): {stats}")
-    assert stats["finite"] and stats["cosine"] > 0.99
+    # Measured: cosine 0.9999997 / 0.9999987 (SD3 fp16, INT8 / FP8), 0.9999955 / 0.9999941 (Flux bf16); a wrong scale
+    # or type gives noise.
+    assert stats["finite"] and stats["cosine"] > 0.9999
 
 
 def widened(model: onnx.ModelProto) -> onnx.ModelProto:
