@@ -149,7 +149,17 @@ def compile_model(
     if quantize_config is not None:
         validation = quantized_tolerances(validation)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
+    if quantize_config is not None:
+        report = replace(report, precision=precision_label(finals, denoiser_component(model)))
     return CompileResult(chosen, reason, artifacts, report, cached)
+
+
+def precision_label(members: dict[str, Artifact], denoiser: str) -> str:
+    """What the report calls the engines' precision, per member: a quantized denoiser by its format, level and both
+    graphs' precisions ("int8 level 2.5 (TensorRT graph fp16 outside Q/DQ; ONNX Runtime graph fp32)"), not by the
+    fp32 IO its ONNX Runtime graph has; one member alone by its label only."""
+    labels = {c: quantize.precision_label(a) or artifact_spec(a).precision for c, a in members.items()}
+    return labels[denoiser] if list(labels) == [denoiser] else ", ".join(f"{c} {label}" for c, label in labels.items())
 
 
 def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:

@@ -12,6 +12,7 @@ from sdtrt.compile import build
 from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig, TrtBuildConfig, default_optimization_level
 from sdtrt.errors import LoraError
 from sdtrt.gpu import quantization_problem
+from sdtrt.onnx_graph import artifact_spec
 from sdtrt.pipeline import load_pipeline
 from sdtrt.stages import build_trt, quantize
 
@@ -72,6 +73,19 @@ def test_tensorrt_builds_the_quantize_artifacts_tensorrt_graph(fp8_unet, tmp_pat
     assert "FP8 Q/DQ: level 4" in build_trt.resolved(TrtBuildConfig(), fp8_unet)[1]
 
 
+def test_the_tensorrt_graph_is_read_as_fp16_from_every_artifact_made_from_it(fp8_unet, fp8_engine, tmp_path):
+    """The TensorRT graph is fp16 outside its Q/DQ pairs where ONNX Runtime's is fp32: the build reads that graph's
+    contract (its engine's IO and TF32 follow an fp16 graph), from the quantize artifact or any later one, and the
+    report names both graphs."""
+    assert build_trt.worker_request(TrtBuildConfig(), fp8_unet, tmp_path)["onnx"].endswith("unet.trt.onnx")
+    for artifact in (fp8_unet, fp8_engine):
+        assert artifact_spec(artifact).precision == "fp32"  # ONNX Runtime's graph, the primary
+        assert quantize.tensorrt_spec(artifact).precision == "fp16"
+        assert build_trt.resolved(TrtBuildConfig(), artifact)[0].tf32 is True  # as for any fp16 graph
+        label = quantize.precision_label(artifact)
+        assert label == "fp8 level 2.5 (TensorRT graph fp16 outside Q/DQ; ONNX Runtime graph fp32)"
+
+
 def test_a_lora_on_a_quantized_engine_is_refused_in_one_line(tiny, fp8_engine, tmp_path):
     lora = peft_lora(tiny, tmp_path / "lora", seed=1, rank=4, alpha=4)
     pipe = load_pipeline(tiny, fp8_engine)
@@ -114,6 +128,7 @@ def test_a_quantized_unet_builds_strongly_typed_and_matches_pytorch(tiny, store,
     assert details["quantization"]["format"] == precision
     assert details["quantization"]["quantize_layers"].get(precision.upper(), 0) > 0
     assert details["optimization_level"]["level"] == 4
+    assert engine.manifest["io"]["precision"] == "fp16"  # the TensorRT graph's, fp16 outside its Q/DQ pairs
     runtime = open_runtime(engine)
     row = compare_case(runtime, load_unet(tiny), runtime.spec, ValidationCase(2, 256, 256, 999.0, 0))
     assert row["finite"] and row["cosine"] >= 0.99

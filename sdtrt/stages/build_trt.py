@@ -19,10 +19,9 @@ from typing import Any
 from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError, ConfigError
 from ..gpu import gpu_environment, require_quantization_support, require_tensorrt, tensorrt_version
-from ..onnx_graph import artifact_spec
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
-from .quantize import quantization, tensorrt_graph
+from .quantize import quantization, tensorrt_graph, tensorrt_spec
 
 STAGE = "build-trt"
 VERSION = 2  # 2: the plan is named after its component (settings added since enter the key only when set)
@@ -46,7 +45,7 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     require_tensorrt()
     if precision:  # before any work: an FP8 plan on an Ampere GPU cannot be built
         require_quantization_support(precision)
-    spec = artifact_spec(source)
+    spec = tensorrt_spec(source)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
     config, level_reason = resolved(config, source)  # the key and manifest say what was built
@@ -94,9 +93,10 @@ def parameter_count(graph: Path) -> int:
 
 
 def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, str]:
-    """The settings as built: TF32 by the graph's precision, the optimization level (unless asked) by the number of
-    parameters in its ONNX weights and whether it is quantized; and why that level."""
-    tf32 = config.tf32_for(artifact_spec(source).precision)
+    """The settings as built: TF32 by the precision of the graph TensorRT builds (a quantized one's is 16-bit), the
+    optimization level (unless asked) by the number of parameters in its ONNX weights and whether it is quantized;
+    and why that level."""
+    tf32 = config.tf32_for(tensorrt_spec(source).precision)
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
     level, reason = default_optimization_level(parameter_count(tensorrt_graph(source)), quantization(source))
@@ -107,7 +107,7 @@ def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, devi
     """The JSON the child process gets: paths, settings, per-input (min, opt, max) shapes and the CUDA device
     whose GPU the manifest records (the current one here; the child would otherwise build on device 0), and for a
     Q/DQ graph its 8-bit format, which the child checks the parsed network for."""
-    spec = artifact_spec(source)
+    spec = tensorrt_spec(source)
     config, _ = resolved(config, source)
     plan = f"{spec.component}.plan"
     workspace = int(config.workspace_gb * (1 << 30)) if config.workspace_gb else 0
@@ -180,7 +180,7 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
         raise BuildError(f"the TensorRT build {how}; its log is {kept}")
     result = json.loads((out_dir / "result.json").read_text())
     (out_dir / "result.json").unlink()
-    spec = artifact_spec(source)
+    spec = tensorrt_spec(source)
     quantized = {"quantization": {"format": request["quantization"], "quantize_layers": result["quantize_layers"]}}
     return {
         "primary": Path(request["plan"]).name,

@@ -8,24 +8,31 @@ denoiser kind: ``DenoiserQuantization``), and the level picks the Linear layers 
 TensorRT demo/Diffusion and ModelOpt's examples/diffusers/quantization/utils.py, one rule for UNets and
 transformers).
 
-Two graphs, because one cannot do both jobs (the manifest's ``graphs`` says which file is which):
+Two graphs from one calibration, because one cannot do both jobs (the manifest's ``graphs`` says which file is which,
+``precision.graph`` each one's precision outside its Q/DQ pairs, and why):
 
-- ``tensorrt``: exported as ModelOpt's diffusers example exports it (onnx_utils/export.py ``modelopt_export_sd``:
-  TorchScript exporter, opset 20; for FP8 ``generate_fp8_scales`` then ``convert_zp_fp8``), its ``trt::`` FP8 ops
-  kept for TensorRT.
-- ``onnxruntime`` (the artifact's primary): the same graph with every ``trt::TRT_FP8QuantizeLinear`` /
-  ``TRT_FP8DequantizeLinear`` rewritten to standard QuantizeLinear/DequantizeLinear (float8e4m3fn zero point,
-  ``saturate=1``), which ONNX Runtime's CPU provider runs: CPU validation checks the scales TensorRT will use.
+- ``tensorrt``: 16 bits outside the Q/DQ pairs, as NVIDIA exports quantized denoisers (``tensorrt_precision``): a
+  strongly typed build runs every op in its graph's type, so an fp32 graph would run attention, norms and the layers
+  kept in high precision in fp32, slower than sdtrt's own fp16 engine. Exported as ModelOpt's diffusers example
+  exports it (onnx_utils/export.py ``modelopt_export_sd``: TorchScript exporter, opset 20; for FP8
+  ``generate_fp8_scales`` then ``convert_zp_fp8``), its ``trt::`` FP8 ops kept for TensorRT.
+- ``onnxruntime`` (the artifact's primary): fp32 outside the Q/DQ pairs, which ONNX Runtime's CPU provider runs well,
+  with every ``trt::TRT_FP8QuantizeLinear`` / ``TRT_FP8DequantizeLinear`` rewritten to standard
+  QuantizeLinear/DequantizeLinear (float8e4m3fn zero point, ``saturate=1``): CPU validation checks the scales TensorRT
+  will use (the same amax; the TensorRT graph holds them rounded to its 16-bit type).
 
-Below level 4 no ``trt::`` op is left (the Linear/Conv quantizers export as standard Q/DQ): one file serves both.
-Calibration runs in fp32 on the CPU. The graph is fp32 outside its Q/DQ pairs, except at level 4: ModelOpt exports
-FP8 attention only from a 16-bit module, so the calibrated module is cast to fp16 for the export (``as_fp16``).
+Calibration runs in fp32 on the CPU. The fp32 graph is exported first; the calibrated module is then cast to 16 bits
+in place (``as_16_bit``) and exported again: each graph is written once, the weights never held twice. At level 4 both
+graphs are fp16 (ModelOpt exports FP8 attention only from a 16-bit module): one export serves both roles.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import io
+import os
 import re
 import shutil
 import sys
@@ -41,7 +48,7 @@ from .. import onnx_graph
 from ..config import QUANT_LEVELS, Component, ExportConfig, Precision, QuantizeConfig
 from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..models import ModelSource
-from ..progress import step
+from ..progress import quiet_loading, step
 from ..spec import GraphSpec, denoiser_component
 from ..store import Artifact, StageRequest, Store, digest, environment
 from . import calibration, export
@@ -51,7 +58,7 @@ if TYPE_CHECKING:
     import torch
 
 STAGE = "quantize"
-VERSION = 1
+VERSION = 2  # 2: the TensorRT graph is 16-bit outside its Q/DQ pairs (it was the fp32 one)
 # ModelOpt's diffusers example exports with opset 20; FP8 QuantizeLinear needs 19 or later.
 OPSET = 20
 # The layers NVIDIA keeps in high precision in a UNet: TensorRT demo/Diffusion's filter_func (proj_out included for
@@ -80,8 +87,7 @@ FP8_ZERO_POINT = "sdtrt_fp8_zero_point"
 def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
     """The quantized denoiser's graphs for ``model`` (a cache hit for the same model, config and calibration set)."""
     check_model(config, model)
-    spec = denoiser_graph_spec(model, config)
-    artifact, _ = store.produce(request_for(config, model), lambda out_dir: _quantize(config, model, spec, out_dir))
+    artifact, _ = store.produce(request_for(config, model), lambda out_dir: _quantize(config, model, out_dir))
     return artifact
 
 
@@ -102,9 +108,37 @@ def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
 
 
 def denoiser_graph_spec(model: ModelSource, config: QuantizeConfig = QuantizeConfig()) -> GraphSpec:
-    """The quantized graph's contract: the denoiser's, fp32 outside the Q/DQ pairs (fp16 at level 4)."""
-    precision: Precision = "fp16" if attention_quantized(config) else "fp32"
-    return export.spec_for(model, ExportConfig(precision=precision, component=denoiser_component(model)))
+    """The contract of the artifact's primary graph, ONNX Runtime's (``graph_specs``)."""
+    return graph_specs(model, config)["onnxruntime"]
+
+
+def graph_specs(model: ModelSource, config: QuantizeConfig = QuantizeConfig()) -> dict[str, GraphSpec]:
+    """Each graph's contract, by role (``tensorrt``, ``onnxruntime``): the denoiser's, in that graph's precision
+    outside its Q/DQ pairs."""
+    precisions: dict[str, Precision] = {
+        "tensorrt": tensorrt_precision(model),
+        # ModelOpt exports FP8 attention only from a 16-bit module (as_16_bit): level 4's graph is fp16 for both.
+        "onnxruntime": "fp16" if attention_quantized(config) else "fp32",
+    }
+    component = denoiser_component(model)
+    return {
+        role: export.spec_for(model, ExportConfig(precision=precision, component=component))
+        for role, precision in precisions.items()
+    }
+
+
+def tensorrt_precision(model: ModelSource) -> Precision:
+    """The TensorRT graph's precision outside its Q/DQ pairs, as NVIDIA exports each family's quantized denoiser.
+
+    fp16 for UNets and SD3: ModelOpt's examples/diffusers/quantization/quantize.py loads the model and sets the Q/DQ
+    type in Half by default (``ModelConfig.model_dtype``, ``trt_high_precision_dtype``), and onnx_utils/export.py traces
+    dummy inputs of the model's dtype; TensorRT demo/Diffusion quantizes SD 1.x/SDXL/SD3.5 with
+    ``SD_FP8_FP16_DEFAULT_CONFIG`` (demo_diffusion/pipeline/diffusion_pipeline.py). bf16 for Flux: demo/Diffusion
+    turns bf16 on for any quantized Flux (flux_pipeline.py: ``self.bf16 = True if int8 or fp8 or fp4``) and sets its
+    Q/DQ type to BFloat16 (``set_quant_precision``); ModelOpt's README builds Flux FP8 with ``trtexec --bf16``.
+    A strongly typed network needs a 16-bit scale to be of its input's type (NvInfer.h IQuantizeLayer: "if the scale
+    data type is DataType::kHALF or DataType::kBF16, it must match the input data type"): ``as_16_bit`` sets both."""
+    return "bf16" if model.family().startswith("flux") else "fp16"
 
 
 def attention_quantized(config: QuantizeConfig) -> bool:
@@ -317,25 +351,35 @@ def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedD
 
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """ModelOpt prints per-quantizer notices and warns about untested versions: progress lines say what runs."""
-    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
-        warnings.simplefilter("ignore")
+    """ModelOpt prints per-quantizer notices (``mtq.quantize``'s "Inserted N quantizers": a bare print in
+    modelopt/torch/quantization/conversion.py) and warns about untested versions: progress lines say what runs, so
+    its output is dropped (SDTRT_DEBUG=1 keeps it, on stderr)."""
+    debug = os.environ.get("SDTRT_DEBUG", "") not in ("", "0")
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr if debug else io.StringIO()):
+        if not debug:
+            warnings.simplefilter("ignore")
         yield
 
 
-def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
+def _quantize(config: QuantizeConfig, model: ModelSource, out_dir: Path) -> dict[str, Any]:
     quantized = quantized_denoiser(config, model)
     timings = dict(quantized.timings)
-    graphs = write_graphs(quantized.network, config, spec, out_dir, timings)
+    specs = graph_specs(model, config)
+    graphs = write_graphs(quantized.network, config, specs, out_dir, timings)
     plan = quantized.plan
     return {
         "primary": graphs["onnxruntime"],
         "family": model.family(),
-        "io": spec.to_json(),
-        "precision": {"graph": spec.precision, "quantized": config.precision, "why": graph_precision_why(spec)},
+        "io": specs["onnxruntime"].to_json(),
+        "precision": {
+            "graph": {role: spec.precision for role, spec in specs.items()},  # outside the Q/DQ pairs
+            "quantized": config.precision,
+            "why": {role: graph_precision_why(role, spec) for role, spec in specs.items()},
+        },
         "graphs": graphs,
         "graphs_why": {
-            "tensorrt": "as ModelOpt's diffusers example exports it; trt:: FP8 ops kept (TensorRT reads them)",
+            "tensorrt": "as NVIDIA exports it (ModelOpt's diffusers example, TensorRT's demo/Diffusion): 16 bits "
+            "outside the Q/DQ pairs, trt:: FP8 ops kept (TensorRT reads them)",
             "onnxruntime": "standard ONNX Q/DQ only (trt:: FP8 ops rewritten), which ONNX Runtime's CPU provider runs",
         },
         "timings": timings,
@@ -357,49 +401,94 @@ def _quantize(config: QuantizeConfig, model: ModelSource, spec: GraphSpec, out_d
     }
 
 
-def graph_precision_why(spec: GraphSpec) -> str:
-    if spec.precision == "fp16":
+def graph_precision_why(role: str, spec: GraphSpec) -> str:
+    if spec.precision == "fp32":
+        return "fp32 outside the Q/DQ pairs: what ONNX Runtime's CPU provider runs well, with the same scales"
+    if role == "onnxruntime":
         return "fp16 outside the Q/DQ pairs: ModelOpt exports FP8 attention only from a 16-bit module"
-    return "fp32 outside the Q/DQ pairs"
+    fp32_ops = " (Resize, Sin and Cos computed in fp32, as for sdtrt's bf16 graphs)" if spec.precision == "bf16" else ""
+    return (
+        f"{spec.precision} outside the Q/DQ pairs{fp32_ops}, as NVIDIA exports this family's quantized denoiser: a "
+        "strongly typed TensorRT build runs every op in the graph's type"
+    )
 
 
 def write_graphs(
-    network: torch.nn.Module, config: QuantizeConfig, spec: GraphSpec, out_dir: Path, timings: dict[str, float]
+    network: torch.nn.Module,
+    config: QuantizeConfig,
+    specs: dict[str, GraphSpec],
+    out_dir: Path,
+    timings: dict[str, float],
 ) -> dict[str, str]:
-    """Export a quantized network (changed in place for FP8, and cast to fp16 for an fp16 ``spec``) and write its
-    graphs into ``out_dir``; returns the file of each role (``tensorrt``, ``onnxruntime``) and adds the steps' times
-    to ``timings``."""
+    """Export a quantized network as each role's spec asks (``graph_specs``) into ``out_dir``; returns each role's file
+    and adds the steps' times to ``timings``.
+
+    The network is changed in place: FP8 scales as ModelOpt's example exports them, then cast to the TensorRT graph's
+    16-bit type after the fp32 export (it is left so)."""
+    if config.precision == "fp8":
+        fp8_scales_as_int8(network)
+    trt, ort = specs["tensorrt"], specs["onnxruntime"]
+    if trt.precision == ort.precision:  # level 4: one 16-bit export for both
+        as_16_bit(network, trt.precision)
+        return _export_graphs(network, config, trt, out_dir, timings, ("tensorrt", "onnxruntime"))
+    graphs = _export_graphs(network, config, ort, out_dir, timings, ("onnxruntime",))
+    as_16_bit(network, trt.precision)  # in place: the weights are never held twice
+    return graphs | _export_graphs(network, config, trt, out_dir, timings, ("tensorrt",))
+
+
+def _export_graphs(
+    network: torch.nn.Module,
+    config: QuantizeConfig,
+    spec: GraphSpec,
+    out_dir: Path,
+    timings: dict[str, float],
+    roles: tuple[str, ...],
+) -> dict[str, str]:
+    """One export of the network as ``spec``, written as the graph of each of ``roles``: the TensorRT graph keeps
+    ModelOpt's trt:: FP8 ops, ONNX Runtime's has them rewritten; where there are none one file serves both."""
     started = time.perf_counter()
     graph, trt_graph = GRAPH.format(component=spec.component), TRT_GRAPH.format(component=spec.component)
     raw_dir = out_dir / "raw"
     raw_dir.mkdir()
-    if config.precision == "fp8":
-        fp8_scales_as_int8(network)
-    if spec.precision == "fp16":
-        as_fp16(network)
-    with step(f"Exporting the quantized {spec.label} (TorchScript exporter, opset {OPSET})"):
+    with step(f"Exporting the quantized {spec.label} in {spec.precision} (TorchScript exporter, opset {OPSET})"):
         _export(network, spec, raw_dir / graph)
-    timings["export_s"] = round(time.perf_counter() - started, 3)
+    _add_time(timings, "export_s", started)
 
     started = time.perf_counter()
-    with step("Writing the TensorRT and ONNX Runtime graphs"):
+    with step(f"Writing the {' and '.join(ROLE_NAMES[role] for role in roles)} graph"):
         proto = onnx_graph.load_graph(raw_dir / graph, with_weights=True)
         onnx_graph.name_dynamic_axes(proto, spec)
         weight_bytes = onnx_graph.weights_on_disk(raw_dir)
         shutil.rmtree(raw_dir)  # its weights are in memory now: one copy on disk at a time (SD 1.5: 3.4 GB)
-        graphs = {"tensorrt": graph, "onnxruntime": graph}
         if config.precision == "fp8":
             proto = convert_zp_fp8(_cleaned(proto))
-            if any(node.domain == "trt" for node in proto.graph.node):  # LayerNorm and attention quantizers (level 4)
+        files = {}
+        if "onnxruntime" not in roles:
+            onnx_graph.save(proto, out_dir / trt_graph, weight_bytes)
+            files["tensorrt"] = trt_graph
+        else:
+            if "tensorrt" in roles and any(node.domain == "trt" for node in proto.graph.node):  # level 4's FP8 ops
                 onnx_graph.save_keeping_weights(proto, out_dir / trt_graph, weight_bytes)
-                graphs["tensorrt"] = trt_graph
-                standard_fp8_qdq(proto)
-        onnx_graph.save(proto, out_dir / graph, weight_bytes)
+                files["tensorrt"] = trt_graph
+            standard_fp8_qdq(proto)
+            onnx_graph.save(proto, out_dir / graph, weight_bytes)
+            files = {role: graph for role in roles} | files
         del proto
-        for name in set(graphs.values()):
+        if spec.precision == "bf16":  # TensorRT builds this graph as it is (no simplify stage applies the passes)
+            from .graph_passes import compute_in_fp32_file
+
+            compute_in_fp32_file(out_dir / files["tensorrt"])
+        for name in set(files.values()):
             onnx_graph.check(out_dir / name)
-    timings["finalize_s"] = round(time.perf_counter() - started, 3)
-    return graphs
+    _add_time(timings, "finalize_s", started)
+    return files
+
+
+ROLE_NAMES = {"tensorrt": "TensorRT", "onnxruntime": "ONNX Runtime"}
+
+
+def _add_time(timings: dict[str, float], name: str, started: float) -> None:
+    timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - started, 3)
 
 
 def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
@@ -411,7 +500,7 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
 
     module = export.graph_module(spec, network)
     config = ExportConfig(precision=spec.precision, opset=OPSET, exporter="torchscript", component=spec.component)
-    dtype = torch.float16 if spec.precision == "fp16" else torch.float32
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision, torch.float32)
     with export_patches("torchscript"), torch.no_grad(), _quiet():
         try:
             export._torch_export(module, spec, config, "torchscript", path, dtype)
@@ -434,17 +523,22 @@ def fp8_scales_as_int8(network: torch.nn.Module) -> None:
                     quantizer._amax = quantizer._amax * (127 / 448.0)
 
 
-def as_fp16(network: torch.nn.Module) -> None:
-    """Cast a network calibrated in fp32 to fp16, its Q/DQ in fp16 too, in place: ModelOpt exports FP8 attention only
-    from a 16-bit module with 16-bit Q/DQ (export_onnx.py export_fp8_mha: "the qdqs must be in 16 bits"), as
-    TensorRT's strongly typed FP8 attention fusion wants it. PyTorch runs fp16 on the CPU (slowly): the export traces
-    the smallest input."""
+def as_16_bit(network: torch.nn.Module, precision: Precision) -> None:
+    """Cast a network calibrated in fp32 to ``precision`` (fp16, bf16), its Q/DQ in that type too, in place: as NVIDIA
+    exports 8-bit denoisers (``tensorrt_precision``), and ModelOpt exports FP8 attention only from a 16-bit module with
+    16-bit Q/DQ (export_onnx.py export_fp8_mha: "the qdqs must be in 16 bits"). With ``trt_high_precision_dtype`` of
+    the input's type, ``export_int8`` writes its scales in that type and no Cast around the Q/DQ (export_onnx.py:
+    "TRT StronglyType requires both weights and amax to be in the BF16/FP16, or the QDQ in Float"); FP8 scales
+    follow the input's type. PyTorch runs fp16 on the CPU (slowly): the export traces the smallest input."""
+    import torch
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    network.half()
+    dtype, name = {"fp16": (torch.float16, "Half"), "bf16": (torch.bfloat16, "BFloat16")}[precision]
+    with quiet_loading():  # diffusers' note on casting with to() instead of from_pretrained: nothing to act on
+        network.to(dtype)
     for module in network.modules():
         if isinstance(module, TensorQuantizer):
-            module.trt_high_precision_dtype = "Half"
+            module.trt_high_precision_dtype = name
 
 
 def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -523,16 +617,48 @@ def qdq_counts(path: Path) -> dict[str, int]:
 def tensorrt_graph(artifact: Artifact) -> Path:
     """The graph TensorRT must build for an artifact made from a quantize artifact (itself, or a later stage
     whose lineage holds one); for other artifacts, their primary graph. The hook for `build` on TensorRT."""
-    for ancestor in artifact.lineage():
-        if ancestor.stage == STAGE:
-            return ancestor.path / ancestor.manifest["graphs"]["tensorrt"]
+    if made_from := quantized_from(artifact):
+        return made_from.path / made_from.manifest["graphs"]["tensorrt"]
     if artifact.primary.suffix != ".onnx":
         raise ArtifactError(f"{artifact.path} holds no ONNX graph for TensorRT")
     return artifact.primary
 
 
+def tensorrt_spec(artifact: Artifact) -> GraphSpec:
+    """The contract of ``tensorrt_graph(artifact)``: a quantize artifact's TensorRT graph has its own precision outside
+    the Q/DQ pairs (16 bits where ONNX Runtime's graph is fp32); any other graph is the artifact's own."""
+    spec = onnx_graph.artifact_spec(artifact)
+    made_from = quantized_from(artifact)
+    return spec if made_from is None else dataclasses.replace(spec, precision=graph_precisions(made_from)["tensorrt"])
+
+
+def graph_precisions(quantized: Artifact) -> dict[str, Precision]:
+    """A quantize artifact's graph precision outside the Q/DQ pairs, by role (VERSION 1 wrote one value for both)."""
+    graph = quantized.manifest["precision"]["graph"]
+    return dict(graph) if isinstance(graph, dict) else {"tensorrt": graph, "onnxruntime": graph}
+
+
 def quantization(artifact: Artifact) -> str | None:
     """The 8-bit format ("int8", "fp8") of the Q/DQ graph an artifact is or was made from (a quantize artifact in
     its lineage), or None."""
-    made_from = next((a for a in artifact.lineage() if a.stage == STAGE), None)
+    made_from = quantized_from(artifact)
     return None if made_from is None else str(made_from.manifest["config"]["precision"])
+
+
+def precision_label(artifact: Artifact) -> str | None:
+    """How a report names the precision of an artifact made from a quantize artifact, both graphs said:
+    "int8 level 2.5 (TensorRT graph fp16 outside Q/DQ; ONNX Runtime graph fp32)"; None for any other."""
+    made_from = quantized_from(artifact)
+    if made_from is None:
+        return None
+    config, graphs = made_from.manifest["config"], graph_precisions(made_from)
+    if graphs["tensorrt"] == graphs["onnxruntime"]:
+        outside = f"TensorRT and ONNX Runtime graphs {graphs['tensorrt']} outside Q/DQ"
+    else:
+        outside = f"TensorRT graph {graphs['tensorrt']} outside Q/DQ; ONNX Runtime graph {graphs['onnxruntime']}"
+    return f"{config['precision']} level {config['level']:g} ({outside})"
+
+
+def quantized_from(artifact: Artifact) -> Artifact | None:
+    """The quantize artifact in ``artifact``'s lineage (itself included), or None."""
+    return next((a for a in artifact.lineage() if a.stage == STAGE), None)
