@@ -146,20 +146,8 @@ def compile_model(
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
-    if quantize_config is not None:
-        validation = quantized_tolerances(validation)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
-    if quantize_config is not None:
-        report = replace(report, precision=precision_label(finals, denoiser_component(model)))
     return CompileResult(chosen, reason, artifacts, report, cached)
-
-
-def precision_label(members: dict[str, Artifact], denoiser: str) -> str:
-    """What the report calls the engines' precision, per member: a quantized denoiser by its format, level and both
-    graphs' precisions ("int8 level 2.5 (TensorRT graph fp16 outside Q/DQ; ONNX Runtime graph fp32)"), not by the
-    fp32 IO its ONNX Runtime graph has; one member alone by its label only."""
-    labels = {c: quantize.precision_label(a) or artifact_spec(a).precision for c, a in members.items()}
-    return labels[denoiser] if list(labels) == [denoiser] else ", ".join(f"{c} {label}" for c, label in labels.items())
 
 
 def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:
@@ -193,18 +181,3 @@ def component_precision(model: ModelSource, component: str, requested: Precision
     if requested == "fp16" and spec_class(component, folder_architecture(model, component)).fp16_problem:
         return "fp32"
     return requested
-
-
-# What 8 bits give on the tiny presets' random weights (tests/test_quantize.py prints them per level): the UNet's
-# output cosine against fp32 stays above 0.99 and its image PSNR above 20 dB, where a broken scale gives noise.
-QUANTIZED_TOLERANCES = ValidationConfig(min_cosine=0.99, max_abs=0.5, min_psnr_db=20.0)
-
-
-def quantized_tolerances(validation: ValidationConfig) -> ValidationConfig:
-    """``validation`` with quantization's tolerances where it sets none (a graph's fp32 ones would always fail)."""
-    return replace(
-        validation,
-        min_cosine=validation.min_cosine if validation.min_cosine is not None else QUANTIZED_TOLERANCES.min_cosine,
-        max_abs=validation.max_abs if validation.max_abs is not None else QUANTIZED_TOLERANCES.max_abs,
-        min_psnr_db=validation.min_psnr_db if validation.min_psnr_db is not None else QUANTIZED_TOLERANCES.min_psnr_db,
-    )

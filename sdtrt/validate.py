@@ -231,7 +231,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from .runtime import check_weight_budget, open_runtime
     from .spec import FOLDERS
     from .stages.engine_set import check_pairing, engine_profile
-    from .stages.quantize import quantization
+    from .stages.quantize import precision_label
 
     members = engine_members(engine)
     check_pairing(members, model)
@@ -251,16 +251,17 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     held_to = {c: tolerance_precision(members[c], r.spec.precision) for c, r in runtimes.items()}
     # The image is as close as its least precise member allows.
     tol = Tolerances.of(config, least_precise(held_to.values()))
-    # A member is labelled by what it computes in: its graph's precision, or its 8-bit format.
-    computes = {c: quantization(members[c]) or r.spec.precision for c, r in runtimes.items()}
-    label = computes[denoiser] if list(computes) == [denoiser] else ", ".join(f"{c} {p}" for c, p in computes.items())
+    # A member is labelled by what it computes in: its graph's precision, or its 8-bit format, level and graphs.
+    computes = {c: precision_label(members[c]) or r.spec.precision for c, r in runtimes.items()}
+    alone = list(runtimes) == [denoiser]
+    label = computes[denoiser] if alone else ", ".join(f"{c} {p}" for c, p in computes.items())
     report = ValidationReport(str(engine.path), model.name, label, tol)
     for component, runtime in runtimes.items():
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
         cases = spec.validation_cases(profile)
-        # The denoiser's rows are the report's main ones; the other members' name their component.
-        prefix = "" if component == denoiser else f"{component} "
+        # A set's rows name their member; a denoiser alone needs no name.
+        prefix = "" if alone else f"{component} "
         memory = HostMemory(config.memory_budget) if runtime.device.type == "cpu" else None
         with step(f"Comparing {spec.label} outputs on {len(cases)} inputs"):
             for case in cases:
