@@ -423,10 +423,10 @@ def prompts_file(folder: Path) -> Path:
 def test_sd15_int8_level_2_5_scale(tmp_path):
     """Issue 22's scale check: sd15-random's UNet (SD 1.5's 859.5 M parameters) quantized to INT8 at level 2.5,
     calibrated on 2 prompts × 2 steps at 512² (guidance batches of 2), and its Q/DQ graph validated on ONNX Runtime
-    against the fp32 pipeline (4 steps at 256²). Quantize runs as `sdtrt quantize` in its own process, so each
-    step's peak is its own (in one process the calibration pipeline and ModelOpt's network stayed beside the
-    validation's, 21.6 GB: the kernel killed it). Prints times, peaks and the image PSNR; random weights say nothing
-    about a trained model's PSNR, so only memory is held to a bound. Disk: the model (~4.2 GB), the graph (3.4 GB)."""
+    against the fp32 pipeline (4 steps at 256²), to 8-bit tolerances. Quantize runs as `sdtrt quantize` in its own
+    process, so each step's peak is its own. Validation compares the cases that fit in memory: the profile's largest
+    (batch 8 at 768²) would hold ~22 GB of attention scores in ONNX Runtime, and is listed as not compared. Prints
+    times, peaks and the image PSNR. Disk: the model (~4.2 GB), the two graphs (3.4 GB fp32, 1.7 GB fp16)."""
     import resource
     import time
 
@@ -455,5 +455,9 @@ def test_sd15_int8_level_2_5_scale(tmp_path):
         f"{details['qdq']['onnxruntime']}; validation peak RSS {validate_peak_gb:.1f} GB; image PSNR "
         f"{report.image['psnr_db']:.1f} dB; UNet tensors {report.tensors[0]}"
     )
+    for skipped in report.skipped:
+        print(f"not compared: {skipped}")
     assert details["qdq"]["onnxruntime"]["QuantizeLinear:INT8"] == 2 * len(details["quantized_layers"])
+    assert details["qdq"]["tensorrt"] == details["qdq"]["onnxruntime"]
     assert quantize_peak_gb < 16 and validate_peak_gb < 16
+    assert report, report.failures
