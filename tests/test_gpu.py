@@ -356,6 +356,35 @@ def test_every_transformer_family_builds_and_validates_on_tensorrt(store, preset
     assert transformer.manifest["details"]["optimization_level"]["level"] == 3
 
 
+@pytest.mark.parametrize(("precision", "level"), [("int8", 2.5), ("fp8", 3.0)])
+def test_a_quantized_flux_transformer_builds_in_bf16_and_runs_on_bfloat16_buffers(store, precision, level):
+    """Flux's TensorRT Q/DQ graph is bf16 outside its Q/DQ pairs (quantize.tensorrt_precision), its scales bf16 too
+    (a 16-bit scale must be of its input's type, NvInfer.h IQuantizeLayer): the strongly typed plan parses Quantize
+    layers of the format, takes and gives torch.bfloat16 (fp32 for the timestep, positions and guidance), and its
+    stand-in follows the fp32 pipeline to 8-bit tolerances."""
+    from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
+    from sdtrt.gpu import gpu_environment, quantization_problem
+    from sdtrt.models import resolve_model
+    from sdtrt.stages import quantize
+
+    env = gpu_environment()
+    if problem := quantization_problem(precision, env["compute_capability"], env["gpu"]):
+        pytest.skip(problem)
+    model = resolve_model("tiny-flux")
+    config = QuantizeConfig(
+        precision=precision, level=level, calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2
+    )
+    engine, _ = build(quantize.run(config, model, store), store, "tensorrt")
+    assert engine.manifest["io"]["precision"] == "bf16"
+    assert engine.manifest["details"]["quantization"]["quantize_layers"].get(precision.upper(), 0) > 0
+    runtime = open_runtime(engine)
+    dtypes = {t.name: t.dtype for t in runtime.spec.inputs()}
+    assert runtime.dtype == torch.bfloat16 and dtypes["hidden_states"] == "bfloat16" and dtypes["timestep"] == "float32"
+    runtime.close()
+    report = validate(model, engine, ValidationConfig(steps=4))
+    assert report, report.failures
+
+
 # ---- issue 21: weight-stripped plans -------------------------------------------------------------------------------
 
 
