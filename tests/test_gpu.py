@@ -259,6 +259,25 @@ def test_debug_runs_on_a_tensorrt_engine(trt_engine):
     assert report.backend == "tensorrt" and report.compared > 10 and math.isfinite(report.largest_error)
 
 
+def test_debug_rebuilds_the_tensorrt_graph_of_a_quantized_engine(tiny, store):
+    """A quantized plan is parsed from the quantize stage's TensorRT graph (fp16 outside its Q/DQ pairs, as the
+    engine's IO), not the fp32 ONNX Runtime graph that is its source's primary: debug rebuilds that graph and feeds it
+    the engine's own fp16 inputs."""
+    import math
+
+    from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
+    from sdtrt.debug import debug
+    from sdtrt.stages import quantize
+
+    config = QuantizeConfig(precision="int8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2)
+    engine, _ = build(
+        quantize.run(config, tiny, store), store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,))
+    )
+    assert engine.manifest["details"]["worker_request"]["onnx"].endswith("unet.trt.onnx")
+    report = debug(engine)
+    assert report.backend == "tensorrt" and report.compared > 10 and math.isfinite(report.largest_error)
+
+
 def test_wrap_refuses_an_engine_from_another_gpu(trt_engine, store, tmp_path):
     """Item 6: not torch-tensorrt's "Unable to deserialize", but what differs and the command that rebuilds it."""
     copy = copy_from_another_gpu(trt_engine, tmp_path)
