@@ -579,6 +579,22 @@ def test_malformed_weight_budgets_are_refused(text):
         WeightBudget.parse(text)
 
 
+@pytest.mark.parametrize(
+    ("precision", "capability", "refused"),
+    [("bf16", "7.5", True), ("bf16", "8.0", False), ("bf16", "12.0", False), ("fp16", "7.5", False)],
+)
+def test_a_bf16_graph_needs_ampere_whatever_its_quantization(precision, capability, refused):
+    """A quantized Flux's TensorRT graph is bf16 outside its Q/DQ pairs: an INT8 Flux engine, whose format Turing runs,
+    still needs Ampere for its bf16 layers (NvInfer.h kBF16), said before the build, not by TensorRT minutes in."""
+    from sdtrt.gpu import quantization_problem
+
+    problem = build_trt.graph_precision_problem(precision, capability, "NVIDIA T4")
+    assert (problem is not None) == refused
+    if refused:
+        assert quantization_problem("int8", capability) is None  # the format alone would pass
+        assert "\n" not in problem and "compute capability 8.0 or newer" in problem and "NVIDIA T4 has 7.5" in problem
+
+
 def test_bf16_is_refused_for_onnxruntime_before_any_work(tmp_path):
     from sdtrt.config import BenchConfig
 
