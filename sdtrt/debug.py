@@ -26,6 +26,8 @@ import numpy as np
 from .errors import ParityError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import onnx
 
     from .config import ShapeProfile
@@ -114,6 +116,7 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
 
     from .onnx_graph import artifact_spec, graph_of
     from .runtime import artifact_profile
+    from .stages.quantize import tensorrt_graph
 
     if engine.stage == "wrap":  # a TorchScript-wrapped plan: the build-trt engine it embeds
         engine = engine.lineage()[1]
@@ -123,7 +126,10 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
         f"debug takes one ONNX graph or TensorRT engine, not a '{engine.stage}' artifact ({engine.path}); pass "
         "the artifact a `build` printed (debug_set takes an engine set)",
     )
-    candidate = onnx.load(str(graph_artifact.primary))
+    # A plan runs the graph its build parsed: for a quantized one the quantize stage's TensorRT graph (16-bit outside
+    # its Q/DQ pairs, as the engine's IO), not the ONNX Runtime graph that is its source's primary.
+    graph = tensorrt_graph(graph_artifact) if engine.stage == "build-trt" else graph_artifact.primary
+    candidate = onnx.load(str(graph))
     profile = artifact_profile(engine) or spec.default_profile()
     size = (config.height or profile.height.min, config.width or profile.width.min)
     feeds = _feeds(spec, profile, *size, config.seed)
@@ -135,7 +141,7 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
     if engine.stage == "build-trt":
         from .stages.build_trt import built_with_tf32
 
-        runner, backend = _tensorrt_runner(graph_artifact, feeds, built_with_tf32(engine.manifest)), "tensorrt"
+        runner, backend = _tensorrt_runner(graph, feeds, built_with_tf32(engine.manifest)), "tensorrt"
     else:
         runner, backend = OnnxrtRunner(session(candidate), name="engine"), "onnxruntime"
     with quiet_polygraphy():
@@ -161,7 +167,7 @@ def _feeds(spec: GraphSpec, profile: ShapeProfile, height: int, width: int, seed
     return {t.name: tensors[t.name].numpy().astype(t.dtype) for t in spec.inputs()}
 
 
-def _tensorrt_runner(graph: Artifact, feeds: dict[str, np.ndarray], tf32: bool) -> Any:
+def _tensorrt_runner(graph: Path, feeds: dict[str, np.ndarray], tf32: bool) -> Any:
     """A TensorRT engine of ``graph`` with every tensor an output, for exactly these input shapes.
 
     Polygraphy's TRT backend: NetworkFromOnnxPath (strongly typed, as sdtrt builds), ModifyNetworkOutputs
@@ -185,9 +191,7 @@ def _tensorrt_runner(graph: Artifact, feeds: dict[str, np.ndarray], tf32: bool) 
     profile = Profile()
     for name, array in feeds.items():
         profile.add(name, min=array.shape, opt=array.shape, max=array.shape)
-    network = ModifyNetworkOutputs(
-        NetworkFromOnnxPath(str(graph.primary), strongly_typed=True), outputs=constants.MARK_ALL
-    )
+    network = ModifyNetworkOutputs(NetworkFromOnnxPath(str(graph), strongly_typed=True), outputs=constants.MARK_ALL)
     return TrtRunner(EngineFromNetwork(network, config=CreateConfig(tf32=tf32, profiles=[profile])), name="engine")
 
 

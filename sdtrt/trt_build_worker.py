@@ -165,6 +165,13 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     # (BuilderFlag.BF16/FP16 are weak typing, removed in TensorRT 11; pyCoreDoc.h NetworkDefinitionCreationFlagDoc).
     # So do INT8 and FP8 Q/DQ graphs: BuilderFlag.INT8 and FP8 are "Deprecated in TensorRT 10.12. Superseded by strong
     # typing" (pyCoreDoc.h BuilderFlagDoc, NvInfer.h BuilderFlag kINT8/kFP8; FP8 only ever enabled FP8 plugin I/O).
+    # trtexec --stronglyTyped drops them all ("setting fp16/int8/bf16/fp8/int4 mode is not allowed if graph is strongly
+    # typed", samples/common/sampleOptions.cpp BuildOptions::parse) and keeps TF32, which still governs the fp32
+    # tensors of a 16-bit graph (the timestep, Flux's rotary positions; NvInfer.h kTF32: "computations on tensors of
+    # type DataType::kFLOAT"). A Q/DQ graph's types are its own: the parser adds a QuantizeLinear (opset 19+) with its
+    # scale's type and a DequantizeLinear whose output is its scale's type (onnx-tensorrt onnxOpImporters.cpp
+    # QuantDequantLinearHelper, strongly typed branch), and a 16-bit scale must be of its input's type (NvInfer.h
+    # IQuantizeLayer), as the quantize stage exports them (quantize.as_16_bit).
     config.builder_optimization_level = request["optimization_level"]
     if request.get("refittable"):
         # REFIT: every weight refittable with any new values (LoRAs). Not REFIT_IDENTICAL, which lets the

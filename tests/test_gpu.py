@@ -259,6 +259,25 @@ def test_debug_runs_on_a_tensorrt_engine(trt_engine):
     assert report.backend == "tensorrt" and report.compared > 10 and math.isfinite(report.largest_error)
 
 
+def test_debug_rebuilds_the_tensorrt_graph_of_a_quantized_engine(tiny, store):
+    """A quantized plan is parsed from the quantize stage's TensorRT graph (fp16 outside its Q/DQ pairs, as the
+    engine's IO), not the fp32 ONNX Runtime graph that is its source's primary: debug rebuilds that graph and feeds it
+    the engine's own fp16 inputs."""
+    import math
+
+    from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
+    from sdtrt.debug import debug
+    from sdtrt.stages import quantize
+
+    config = QuantizeConfig(precision="int8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2)
+    engine, _ = build(
+        quantize.run(config, tiny, store), store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,))
+    )
+    assert engine.manifest["details"]["worker_request"]["onnx"].endswith("unet.trt.onnx")
+    report = debug(engine)
+    assert report.backend == "tensorrt" and report.compared > 10 and math.isfinite(report.largest_error)
+
+
 def test_wrap_refuses_an_engine_from_another_gpu(trt_engine, store, tmp_path):
     """Item 6: not torch-tensorrt's "Unable to deserialize", but what differs and the command that rebuilds it."""
     copy = copy_from_another_gpu(trt_engine, tmp_path)
@@ -354,6 +373,35 @@ def test_every_transformer_family_builds_and_validates_on_tensorrt(store, preset
     assert result.final.stage == "set" and result.validation, result.validation.failures
     transformer = next(a for a in result.artifacts if a.stage == "build-trt" and "transformer" in a.primary.name)
     assert transformer.manifest["details"]["optimization_level"]["level"] == 3
+
+
+@pytest.mark.parametrize(("precision", "level"), [("int8", 2.5), ("fp8", 3.0)])
+def test_a_quantized_flux_transformer_builds_in_bf16_and_runs_on_bfloat16_buffers(store, precision, level):
+    """Flux's TensorRT Q/DQ graph is bf16 outside its Q/DQ pairs (quantize.tensorrt_precision), its scales bf16 too
+    (a 16-bit scale must be of its input's type, NvInfer.h IQuantizeLayer): the strongly typed plan parses Quantize
+    layers of the format, takes and gives torch.bfloat16 (fp32 for the timestep, positions and guidance), and its
+    stand-in follows the fp32 pipeline to 8-bit tolerances."""
+    from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
+    from sdtrt.gpu import gpu_environment, quantization_problem
+    from sdtrt.models import resolve_model
+    from sdtrt.stages import quantize
+
+    env = gpu_environment()
+    if problem := quantization_problem(precision, env["compute_capability"], env["gpu"]):
+        pytest.skip(problem)
+    model = resolve_model("tiny-flux")
+    config = QuantizeConfig(
+        precision=precision, level=level, calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2
+    )
+    engine, _ = build(quantize.run(config, model, store), store, "tensorrt")
+    assert engine.manifest["io"]["precision"] == "bf16"
+    assert engine.manifest["details"]["quantization"]["quantize_layers"].get(precision.upper(), 0) > 0
+    runtime = open_runtime(engine)
+    dtypes = {t.name: t.dtype for t in runtime.spec.inputs()}
+    assert runtime.dtype == torch.bfloat16 and dtypes["hidden_states"] == "bfloat16" and dtypes["timestep"] == "float32"
+    runtime.close()
+    report = validate(model, engine, ValidationConfig(steps=4))
+    assert report, report.failures
 
 
 # ---- issue 21: weight-stripped plans -------------------------------------------------------------------------------

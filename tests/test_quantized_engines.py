@@ -64,9 +64,8 @@ def fp8_engine(fp8_unet, store):
 
 
 def test_tensorrt_builds_the_quantize_artifacts_tensorrt_graph(fp8_unet, tmp_path):
-    """The manifest's TensorRT graph (the one with ModelOpt's trt:: FP8 ops where there are any), built at builder
-    optimization level 4 as NVIDIA builds 8-bit graphs. Below quantization level 4 no trt:: op remains, and one file
-    serves TensorRT and ONNX Runtime alike."""
+    """The manifest's TensorRT graph (16-bit outside its Q/DQ pairs, ModelOpt's trt:: FP8 ops kept where there are
+    any), never the primary ONNX Runtime graph, built at builder optimization level 4 as NVIDIA builds 8-bit graphs."""
     request = build_trt.worker_request(TrtBuildConfig(), fp8_unet, tmp_path)
     assert request["onnx"] == str(fp8_unet.path / fp8_unet.manifest["graphs"]["tensorrt"])
     assert request["quantization"] == "fp8" and request["optimization_level"] == 4

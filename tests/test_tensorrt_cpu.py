@@ -364,6 +364,39 @@ def test_refit_base_weights_are_read_by_name_and_once(tiny_simplified, tmp_path)
     assert "weight map" not in str(e.value)
 
 
+def test_a_refit_supplies_base_weights_from_the_graph_the_plan_was_parsed_from(tiny_simplified, tmp_path):
+    """A quantized plan is parsed from the quantize stage's TensorRT graph (16-bit outside its Q/DQ pairs), never from
+    the primary graph of the artifact it was built from (ONNX Runtime's fp32 one, simplified on compile's way), so the
+    weights a refit must supply come from the graph the build parsed, found in a moved store too."""
+    import shutil
+
+    from sdtrt.runtime.tensorrt import parsed_graph
+    from sdtrt.stages.quantize import tensorrt_graph
+    from sdtrt.store import MANIFEST, Artifact
+
+    store = tmp_path / "engines"
+    quantized, simplified, plan = store / "quantize" / "q", store / "simplify" / "s", store / "build-trt" / "b" / "x"
+    graphs = {"tensorrt": "unet.trt.onnx", "onnxruntime": "unet.onnx"}
+    made_from = [{"kind": "artifact", "path": str(quantized)}]
+    manifests = {
+        quantized: {"stage": "quantize", "primary": "unet.onnx", "graphs": graphs, "inputs": [{"kind": "model"}]},
+        simplified: {"stage": "simplify", "primary": "unet.sim.onnx", "inputs": made_from},
+    }
+    for folder, manifest in manifests.items():
+        folder.mkdir(parents=True)
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    request = {"onnx": str(tensorrt_graph(Artifact.open(simplified)))}  # what build_trt.worker_request names
+    built = {"details": {"worker_request": request}}
+    assert parsed_graph(built, plan) == quantized / "unet.trt.onnx"
+    shutil.move(store, tmp_path / "moved")
+    assert (
+        parsed_graph(built, tmp_path / "moved" / "build-trt" / "b" / "x") == tmp_path / "moved/quantize/q/unet.trt.onnx"
+    )
+
+    request = build_trt.worker_request(TrtBuildConfig(), tiny_simplified, tmp_path)
+    assert parsed_graph({"details": {"worker_request": request}}, plan) == tiny_simplified.primary
+
+
 def test_compile_knows_before_building_whether_it_can_wrap():
     """Item 6: a missing torch-tensorrt is found before any plan is built, and the plans are kept unwrapped."""
     from sdtrt.compile import wrap_problem
@@ -544,6 +577,22 @@ def test_malformed_weight_budgets_are_refused(text):
 
     with pytest.raises(ConfigError, match="weight streaming budget"):
         WeightBudget.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("precision", "capability", "refused"),
+    [("bf16", "7.5", True), ("bf16", "8.0", False), ("bf16", "12.0", False), ("fp16", "7.5", False)],
+)
+def test_a_bf16_graph_needs_ampere_whatever_its_quantization(precision, capability, refused):
+    """A quantized Flux's TensorRT graph is bf16 outside its Q/DQ pairs: an INT8 Flux engine, whose format Turing runs,
+    still needs Ampere for its bf16 layers (NvInfer.h kBF16), said before the build, not by TensorRT minutes in."""
+    from sdtrt.gpu import quantization_problem
+
+    problem = build_trt.graph_precision_problem(precision, capability, "NVIDIA T4")
+    assert (problem is not None) == refused
+    if refused:
+        assert quantization_problem("int8", capability) is None  # the format alone would pass
+        assert "\n" not in problem and "compute capability 8.0 or newer" in problem and "NVIDIA T4 has 7.5" in problem
 
 
 def test_bf16_is_refused_for_onnxruntime_before_any_work(tmp_path):

@@ -228,6 +228,16 @@ class BaseWeights:
         return {name: self._held[name] for name in names}
 
 
+def parsed_graph(manifest: dict[str, Any], plan: Path) -> Path:
+    """The ONNX graph ``plan`` was parsed from, whose initializers name its refittable weights (the ONNX parser names
+    each after its initializer, INetworkDefinition::setWeightsName): the one its build's worker request names, in the
+    plan's store first. For a quantized graph that is the quantize stage's TensorRT graph (16-bit outside its Q/DQ
+    pairs), not the primary graph of the artifact the plan was built from (ONNX Runtime's, fp32), whose weights
+    set_named_weights would refuse (another dtype than get_weights_prototype's)."""
+    parsed = Path(manifest["details"]["worker_request"]["onnx"])
+    return located(parsed.parent, plan.parents[2]) / parsed.name
+
+
 def graph_digest(source: Artifact) -> str:
     """The content of a store artifact's files (its graph and external data), from the sha256 its manifest holds."""
     return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
@@ -336,9 +346,7 @@ class TensorRTRuntime(CudaRuntime):
         self.spec = spec
         self.cuda_graph = cuda_graph
         self._rebuild = rebuild_command(manifest)
-        # The simplify artifact the plan was parsed from (in the plan's store first): its initializers name the weights.
-        built_from = Path(manifest.get("inputs", [{}])[0].get("path", "<simplify artifact>"))
-        self._source = located(built_from, plan.parents[2])
+        self._parsed_graph = parsed_graph(manifest, plan)  # a refit's missing weights come from it
         # Stripped without --refittable (REFIT_IDENTICAL): refits may bring only the graph's own values.
         self._identical_refits_only = refill_from is not None and not manifest.get("config", {}).get("refittable")
         self._base: BaseWeights | None = None  # made on the first refit
@@ -491,7 +499,7 @@ class TensorRTRuntime(CudaRuntime):
         for name, array in weights.items():
             put(name, array)
         if missing := set(refitter.get_missing_weights()) - set(weights):
-            self._base = self._base or BaseWeights(Artifact.open(self._source).primary)
+            self._base = self._base or BaseWeights(self._parsed_graph)
             for name, array in self._base(missing).items():
                 put(name, array)
         self._stream.synchronize()

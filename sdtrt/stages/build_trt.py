@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrtBuildConfig, default_optimization_level
-from ..errors import BuildError, ConfigError
+from ..errors import BuildError, ConfigError, MissingDependencyError
 from ..gpu import gpu_environment, require_quantization_support, require_tensorrt, tensorrt_version
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
@@ -46,6 +46,8 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     if precision:  # before any work: an FP8 plan on an Ampere GPU cannot be built
         require_quantization_support(precision)
     spec = tensorrt_spec(source)
+    if problem := graph_precision_problem(spec.precision, **gpu_environment()):  # a quantized Flux's is bf16
+        raise MissingDependencyError(f"cannot build this TensorRT engine here: {problem}")
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
     config, level_reason = resolved(config, source)  # the key and manifest say what was built
@@ -55,6 +57,24 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     request = stage_request(config, source, env)
     artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store, level_reason))
     return artifact
+
+
+# BF16 runs from Ampere on (NvInfer.h BuilderFlag::kBF16: "only supported by NVIDIA Ampere and later GPUs"); a strongly
+# typed bf16 graph has no fp32 fallback to take elsewhere.
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def graph_precision_problem(precision: str, compute_capability: str, gpu: str = "this GPU") -> str | None:
+    """Why a GPU of ``compute_capability`` ("7.5") cannot run a graph of ``precision``, or None when it can: a bf16
+    graph needs Ampere. A quantized Flux's TensorRT graph is bf16 too (quantize.tensorrt_precision), so INT8, which
+    Turing runs (gpu.quantization_problem), does not make a Flux engine buildable there."""
+    major, _, minor = compute_capability.partition(".")
+    if precision != "bf16" or (int(major), int(minor or 0)) >= BF16_MIN_CAPABILITY:
+        return None
+    return (
+        f"bf16 graphs need a GPU of compute capability 8.0 or newer (Ampere), and {gpu} has {compute_capability}; "
+        "export in fp16 (or quantize a UNet), or build on a newer GPU"
+    )
 
 
 def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str]) -> StageRequest:
