@@ -92,8 +92,10 @@ def test_fp16_overflow_is_caught_as_nan(tiny, tiny_engine, tmp_path):
 
 
 def test_cli_validate_and_generate_with_the_engine(tiny, tiny_engine, tmp_path):
-    result = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", check=True)
+    report = tmp_path / "new" / "deeper" / "v.json"  # its folder is made
+    result = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", "--json", str(report), check=True)
     assert last_line(result.stdout) == "parity: PASS" and "b8 384x384" in result.stdout
+    assert json.loads(report.read_text())["tensors"], "the report as JSON"
 
     from PIL import Image
 
