@@ -22,18 +22,11 @@ def test_the_readme_has_cpu_snippets_to_run():
     assert len(CPU_SNIPPETS) >= 2
 
 
-@pytest.fixture(scope="module")
-def reader_folder(tmp_path_factory: pytest.TempPathFactory):
-    """Where the snippets run, in order, as a reader runs them: a later one finds what an earlier one put in
-    ./engines (tiny's UNet graph, exported and simplified) and builds the rest."""
-    return tmp_path_factory.mktemp("reader")
-
-
 @pytest.mark.parametrize("snippet", CPU_SNIPPETS, ids=[f"snippet{i}" for i in range(len(CPU_SNIPPETS))])
-def test_readme_snippet_runs_as_written_without_third_party_noise(snippet, reader_folder):
+def test_readme_snippet_runs_as_written_without_third_party_noise(snippet, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("SDTRT_ENGINES", "SDTRT_DEBUG")}
     result = subprocess.run(
-        [sys.executable, "-c", snippet], cwd=reader_folder, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
         stdin=subprocess.DEVNULL, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
