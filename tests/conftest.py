@@ -48,6 +48,28 @@ def store(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def streamed_export(tmp_path_factory: pytest.TempPathFactory):
+    """(model, component, precision) → a weight-free traced export whose weights were streamed from the safetensors
+    files into ``.onnx.data`` (every initializer over 1000 bytes): the path and layout multi-GB networks get
+    (``sdtrt export --weights stream``). Its own store, shared by the session's workers: `weights` is not in the
+    cache key, so the session store would answer with the loaded export."""
+    from sdtrt import onnx_graph
+    from sdtrt.config import ExportConfig
+    from sdtrt.stages import export
+    from sdtrt.store import Store
+
+    store = Store(session_dir(tmp_path_factory, "streamed"))
+
+    def get(model, component: str, precision: str):
+        config = ExportConfig(precision, exporter="dynamo", component=component, weights="stream")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
+            return export.run(config, model, store)
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_export(tiny, store):
     from sdtrt.config import ExportConfig
     from sdtrt.stages import export

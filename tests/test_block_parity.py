@@ -47,26 +47,6 @@ def transformer_export(store):
 
 
 @pytest.fixture(scope="module")
-def streamed_export(tmp_path_factory):
-    """(model, component, precision) → a weight-free traced export whose weights were streamed from the safetensors
-    files into ``.onnx.data``: the path and layout multi-GB networks get (``sdtrt export --weights stream``)."""
-    from sdtrt import onnx_graph
-    from sdtrt.config import ExportConfig
-    from sdtrt.stages import export
-    from sdtrt.store import Store
-
-    store = Store(tmp_path_factory.mktemp("streamed"))  # its own store: `weights` is not in the cache key
-
-    def get(model, component: str, precision: str):
-        config = ExportConfig(precision, exporter="dynamo", component=component, weights="stream")
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
-            return export.run(config, model, store)
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def deeper(tmp_path_factory):
     """preset → a copy of the preset whose transformer has more blocks (DEEPER), random weights from a fixed seed."""
     import diffusers
@@ -151,13 +131,14 @@ def test_later_blocks_of_a_deeper_transformer_match(deeper, streamed_export, pre
         assert rows[block]["inputs"].keys() - streams <= set(rows["transformer_blocks.0"]["inputs"]), rows[block]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-sdxl"])
-def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset):
+# The streamed exports test_export_streamed checks against the loaded ones (one export each in the session).
+@pytest.mark.parametrize(("preset", "precision"), [("tiny", "fp32"), ("tiny-sdxl", "fp16")])
+def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset, precision):
     from sdtrt.block_parity import check_blocks
     from sdtrt.models import resolve_model
 
     model = resolve_model(preset)
-    report = check_blocks(model, streamed_export(model, "unet", "fp32"), UNET_BLOCKS)
+    report = check_blocks(model, streamed_export(model, "unet", precision), UNET_BLOCKS)
 
     assert report, report.failures
     # GroupNorm's weights and biases are folded to (C, 1, 1) initializers, equal ones merged: all accounted for.

@@ -17,6 +17,7 @@ from sdtrt.validate import ValidationConfig, image_problems, psnr_db, validate
 from .helpers import last_line, run_cli
 
 FAST = ValidationConfig(steps=4)
+TENSORS = ValidationConfig(images=False)  # a broken engine fails on the tensors already: no images to generate
 
 
 def broken_copy(engine: Artifact, folder: Path, change) -> Path:
@@ -68,7 +69,7 @@ def test_good_engine_passes(tiny, tiny_engine):
 
 def test_perturbed_weights_fail_with_exit_3_and_show_where(tiny, tiny_engine, tmp_path):
     broken = broken_copy(tiny_engine, tmp_path, Perturb())
-    report = validate(tiny, Artifact.open(broken), FAST)
+    report = validate(tiny, Artifact.open(broken), TENSORS)
     assert not report
     assert any("cosine" in f for f in report.failures)
     with pytest.raises(ParityError, match="engine does not match PyTorch"):
@@ -86,14 +87,16 @@ def test_perturbed_weights_fail_with_exit_3_and_show_where(tiny, tiny_engine, tm
 
 def test_fp16_overflow_is_caught_as_nan(tiny, tiny_engine, tmp_path):
     broken = broken_copy(tiny_engine, tmp_path, Overflow())
-    report = validate(tiny, Artifact.open(broken), FAST)
+    report = validate(tiny, Artifact.open(broken), TENSORS)
     assert not report
     assert any("NaN or inf" in f for f in report.failures)
 
 
 def test_cli_validate_and_generate_with_the_engine(tiny, tiny_engine, tmp_path):
-    result = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", check=True)
+    report = tmp_path / "new" / "deeper" / "v.json"  # its folder is made
+    result = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", "--json", str(report), check=True)
     assert last_line(result.stdout) == "parity: PASS" and "b8 384x384" in result.stdout
+    assert json.loads(report.read_text())["tensors"], "the report as JSON"
 
     from PIL import Image
 
