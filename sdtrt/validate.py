@@ -94,6 +94,7 @@ class ValidationReport:
     image: dict[str, Any] | None = None
     failures: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # cases projected over the host's memory: not compared
+    members: list[str] = field(default_factory=list)  # the components compared
 
     def __bool__(self) -> bool:
         return not self.failures
@@ -171,33 +172,45 @@ class HostMemory:
 
     ONNX Runtime computes attention as MatMul, Softmax, MatMul and holds batch × heads × tokens² scores: SD 1.5's
     largest default case (batch 8 at 768²) needs ~22 GB for one layer's. What a case adds to the process's peak is
-    measured, and a larger case is projected by its batch (linearly) and its pixels (squared, as attention grows):
-    a bound that overestimates what the convolutions (linear in pixels) add.
+    measured, and a larger case is projected by its batch (linearly) and the size of one batch item's inputs (squared,
+    as attention over pixels or tokens grows): a bound that overestimates what the convolutions (linear) add. A case
+    no larger than one already run is always compared.
     """
 
+    spec: GraphSpec
     budget: int | None  # bytes a case may add; None: what is available when it is about to run
-    measured: tuple[ValidationCase, str, int] | None = None  # the largest case so far, its label, the bytes it added
+    measured: tuple[float, str, int] | None = None  # the largest case so far: its size, its label, the bytes it added
 
-    @staticmethod
-    def _size(case: ValidationCase) -> float:
-        return case.batch * float(case.height * case.width) ** 2
+    def size(self, case: ValidationCase) -> float:
+        """batch × positions²: the positions are the elements along the inputs' variable axes other than the batch
+        (a UNet's latent pixels, a transformer's image and text tokens); a text encoder, whose 77 tokens are fixed,
+        grows with its batch only."""
+        feeds = self.spec.case_inputs(case)
+        positions = 0
+        for tensor in self.spec.inputs():
+            axes = [i for i, axis in enumerate(tensor.shape) if isinstance(axis, str) and axis != "batch"]
+            positions += math.prod(feeds[tensor.name].shape[i] for i in axes) if axes else 0
+        return case.batch * float(max(positions, 1)) ** 2
 
     def refusal(self, case: ValidationCase) -> str | None:
         """Why ``case`` is not run (None: it fits)."""
         import psutil
 
-        if self.measured is None or self._size(case) <= self._size(self.measured[0]):
+        if self.measured is None or (size := self.size(case)) <= self.measured[0]:
             return None
         base, label, added = self.measured
-        projected = added * self._size(case) / self._size(base)
+        projected = added * size / base
         room = self.budget if self.budget is not None else psutil.virtual_memory().available
         if projected <= room:
             return None
-        limit = "budget" if self.budget is not None else "available"
+        if self.budget is not None:
+            limit, remedy = "budget", "raise --memory-budget where the machine has the memory"
+        else:
+            limit, remedy = "available", "compare it on a machine with more memory"
         return (
             f"not compared: {label} added {format_size(added)} of host memory, so this case would add "
-            f"~{format_size(int(projected))} (attention grows with batch × pixels²), over the {format_size(room)} "
-            f"{limit}; compare it on the GPU engine or on a machine with more memory"
+            f"~{format_size(int(projected))} (ONNX Runtime's attention grows with batch × input size²), over the "
+            f"{format_size(room)} {limit}; {remedy}"
         )
 
     @contextlib.contextmanager
@@ -209,11 +222,11 @@ class HostMemory:
         before = psutil.Process().memory_info().rss
         with rss_sampler() as peak_mb:
             yield
-        added = max(0, int(peak_mb() * 2**20) - before)
-        if self.measured is None or self._size(case) > self._size(self.measured[0]):
-            self.measured = (case, label, added)
-        elif self._size(case) == self._size(self.measured[0]) and added > self.measured[2]:
-            self.measured = (case, self.measured[1], added)
+        added, size = max(0, int(peak_mb() * 2**20) - before), self.size(case)
+        if self.measured is None or size > self.measured[0]:
+            self.measured = (size, label, added)
+        elif size == self.measured[0] and added > self.measured[2]:
+            self.measured = (size, self.measured[1], added)
 
 
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
@@ -255,14 +268,14 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     computes = {c: precision_label(members[c]) or r.spec.precision for c, r in runtimes.items()}
     alone = list(runtimes) == [denoiser]
     label = computes[denoiser] if alone else ", ".join(f"{c} {p}" for c, p in computes.items())
-    report = ValidationReport(str(engine.path), model.name, label, tol)
+    report = ValidationReport(str(engine.path), model.name, label, tol, members=list(runtimes))
     for component, runtime in runtimes.items():
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
         cases = spec.validation_cases(profile)
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
-        memory = HostMemory(config.memory_budget) if runtime.device.type == "cpu" else None
+        memory = HostMemory(spec, config.memory_budget) if runtime.device.type == "cpu" else None
         with step(f"Comparing {spec.label} outputs on {len(cases)} inputs"):
             for case in cases:
                 if memory and (why := memory.refusal(case)):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.helpers import run_cli
 
 
@@ -25,7 +27,8 @@ def test_a_case_projected_over_the_memory_budget_is_reported_not_run(tiny_engine
     assert len(report["skipped"]) == 1, report["skipped"]
     assert report["skipped"][0].startswith("b8 384x384 t=250: not compared:")
     assert "over the 1.0 MB budget" in report["skipped"][0]
-    assert "! b8 384x384 t=250: not compared:" in result.stdout
+    assert "! b8 384x384 t=250: not compared:" in result.stdout and "raise --memory-budget" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "parity: PASS (1 case(s) not compared: see above)"
     # Without a budget nothing of tiny is skipped: test_validate.py::test_good_engine_passes compares all 5 cases.
 
 
@@ -36,3 +39,23 @@ def test_a_malformed_memory_budget_is_one_line_before_anything_loads(tiny_engine
     assert result.stderr.strip().splitlines() == [
         "error: --memory-budget: memory budget 0 is not a positive size; give a size such as 8GiB or 8GB"
     ]
+
+
+def test_a_case_grows_by_its_batch_and_its_inputs_squared_so_a_text_encoder_by_its_batch_only(tiny):
+    """Attention grows with tokens²: a UNet's with its pixels, a text encoder's (77 tokens, whatever the image size)
+    not at all, so its larger cases are projected by their batch alone."""
+    from sdtrt.config import ExportConfig
+    from sdtrt.stages.export import spec_for
+    from sdtrt.validate import HostMemory
+
+    for component, grows_with_pixels in (("unet", True), ("text_encoder", False)):
+        spec = spec_for(tiny, ExportConfig(component=component))
+        profile = spec.default_profile()
+        cases = spec.validation_cases(profile)
+        smallest, largest = min(cases, key=lambda c: c.batch * c.height), max(cases, key=lambda c: c.batch * c.height)
+        memory = HostMemory(spec, None)
+        ratio = memory.size(largest) / memory.size(smallest)
+        batch_ratio = largest.batch / smallest.batch
+        pixel_ratio = (largest.height * largest.width) / (smallest.height * smallest.width)
+        expected = batch_ratio * pixel_ratio**2 if grows_with_pixels else batch_ratio
+        assert ratio == pytest.approx(expected, rel=0.05), (component, ratio, expected)

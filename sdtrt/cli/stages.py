@@ -60,7 +60,7 @@ CompilePrecisionOpt = Annotated[
     str,
     typer.Option(
         help="Graph precision: fp16, bf16 (for --target tensorrt) or fp32; int8 or fp8 quantize the denoiser with "
-        "NVIDIA ModelOpt (see `sdtrt quantize`), the other networks stay fp16."
+        "NVIDIA ModelOpt (see `sdtrt quantize`), the other networks as for fp16 (fp16; a VAE that must upcast fp32)."
     ),
 ]
 

@@ -646,17 +646,15 @@ def quantization(artifact: Artifact) -> str | None:
 
 
 def precision_label(artifact: Artifact) -> str | None:
-    """How a report names the precision of an artifact made from a quantize artifact, both graphs said:
-    "int8 level 2.5 (TensorRT graph fp16 outside Q/DQ; ONNX Runtime graph fp32)"; None for any other."""
+    """How a report names the precision of an artifact made from a quantize artifact: its format, level and the graph
+    it runs, "int8 level 2.5 (ONNX Runtime graph, fp32 outside Q/DQ)" (a TensorRT engine runs the TensorRT graph,
+    anything else ONNX Runtime's); None for any other artifact."""
     made_from = quantized_from(artifact)
     if made_from is None:
         return None
+    role = "tensorrt" if any(a.stage == "build-trt" for a in artifact.lineage()) else "onnxruntime"
     config, graphs = made_from.manifest["config"], graph_precisions(made_from)
-    if graphs["tensorrt"] == graphs["onnxruntime"]:
-        outside = f"TensorRT and ONNX Runtime graphs {graphs['tensorrt']} outside Q/DQ"
-    else:
-        outside = f"TensorRT graph {graphs['tensorrt']} outside Q/DQ; ONNX Runtime graph {graphs['onnxruntime']}"
-    return f"{config['precision']} level {config['level']:g} ({outside})"
+    return f"{config['precision']} level {config['level']:g} ({ROLE_NAMES[role]} graph, {graphs[role]} outside Q/DQ)"
 
 
 def quantized_from(artifact: Artifact) -> Artifact | None:
