@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import onnx_graph
 from .errors import ParityError
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def fp32_replica(model: onnx.ModelProto) -> onnx.ModelProto:
     import onnx
     import onnx_graphsurgeon as gs
 
-    graph = gs.import_onnx(model)
+    graph = onnx_graph.import_for_surgery(model)
     for tensor in graph.tensors().values():
         if isinstance(tensor, gs.Constant) and tensor.values.dtype == np.float16:
             tensor.values = tensor.values.astype(np.float32)

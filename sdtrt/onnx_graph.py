@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -25,6 +26,19 @@ EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 def data_file(onnx_path: Path) -> Path:
     return onnx_path.with_name(onnx_path.name + ".data")
+
+
+def import_for_surgery(model: onnx.ModelProto) -> Any:
+    """``onnx_graphsurgeon.import_onnx(model)`` without its warnings: it warns that FP8 (float8e4m3fn) tensors have no
+    NumPy type while keeping them as they are, then that the `colored` module is missing; neither is for a user."""
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    severity, G_LOGGER.severity = G_LOGGER.severity, G_LOGGER.ERROR
+    try:
+        return gs.import_onnx(model)
+    finally:
+        G_LOGGER.severity = severity
 
 
 def load_graph(path: Path, with_weights: bool = False) -> onnx.ModelProto:

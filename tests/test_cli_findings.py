@@ -74,6 +74,18 @@ def test_compile_takes_the_memory_budget_and_weights_options(tmp_path):
     assert details["memory_budget"] == 100_000
 
 
+def test_onnx_runtimes_optimizer_notes_stay_out_of_the_output(tmp_path):
+    """A streamed UNet graph (the memory budget's pick) makes ONNX Runtime's optimizer warn per Unsqueeze it keeps, in
+    ANSI colours, through its default logger, which the session's log level does not reach."""
+    result = run_cli(
+        "compile", "--target", "onnxruntime", "--components", "unet", "--no-validate", "--memory-budget", "1MB",
+        "--engines", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Cleaning up without loading the weights" in result.stderr  # the streamed graph, which made them
+    assert "[W:onnxruntime" not in result.stderr, result.stderr
+
+
 def test_a_cache_hit_compile_says_each_stage_was_reused_without_its_tables():
     args = ("compile", "--target", "onnxruntime", "--components", "text_encoder", "--no-validate")
     assert run_cli(*args).returncode == 0  # built, or already in the session's store
@@ -187,3 +199,32 @@ def test_build_and_compile_share_the_tensorrt_options(tiny):
     profile = denoiser_spec(tiny).default_profile()
     config = TrtOptions(static=True, optimization_level=2, timing_cache=None).config(profile)
     assert (config.profiles, config.static_shapes, config.optimization_level) == ((profile,), True, 2)
+
+
+def test_graph_surgery_on_an_fp8_graph_prints_no_third_party_warnings(tmp_path):
+    """onnx-graphsurgeon warns that FP8 tensors have no NumPy type (and then that `colored` is missing) while keeping
+    them as they are: a quantized compile printed both. In a fresh process, since it warns once per process."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    fp8 = helper.make_tensor("zero_point", TensorProto.FLOAT8E4M3FN, [1], [0.0])
+    scale = helper.make_tensor("scale", TensorProto.FLOAT, [1], np.ones(1, np.float32))
+    node = helper.make_node("QuantizeLinear", ["x", "scale", "zero_point"], ["y"])
+    graph = helper.make_graph(
+        [node], "fp8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT8E4M3FN, [4])], [scale, fp8],
+    )  # fmt: skip
+    path = tmp_path / "fp8.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+
+    def imported_with(call: str) -> str:
+        code = f"import onnx, onnx_graphsurgeon as gs, sdtrt.onnx_graph as g; {call}(onnx.load({str(path)!r}))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        return done.stdout + done.stderr
+
+    assert "Could not convert: FLOAT8E4M3FN" in imported_with("gs.import_onnx")  # what it prints unmuted
+    assert imported_with("g.import_for_surgery") == ""

@@ -24,12 +24,22 @@ def default_providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in have]
 
 
+def quiet_default_logger() -> None:
+    """Errors only from ONNX Runtime's default logger too: its graph optimizers log there whatever a session's level
+    ("UnsqueezeElimination cannot remove node …", in ANSI colours, per kept Unsqueeze of a streamed graph), and
+    onnx-graphsurgeon's fold_constants opens sessions with default options."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+
+
 def session_options(threads: int = 0, preoptimized: bool = False):  # -> ort.SessionOptions
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
+    quiet_default_logger()
     if preoptimized:  # the build stage already applied and saved the graph optimizations
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return options

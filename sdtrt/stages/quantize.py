@@ -544,7 +544,7 @@ def as_16_bit(network: torch.nn.Module, precision: Precision) -> None:
 def _cleaned(proto: onnx.ModelProto) -> onnx.ModelProto:
     import onnx_graphsurgeon as gs
 
-    graph = gs.import_onnx(proto)
+    graph = onnx_graph.import_for_surgery(proto)
     graph.cleanup().toposort()
     return gs.export_onnx(graph)
 

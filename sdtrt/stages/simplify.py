@@ -34,6 +34,7 @@ from ..config import BF16_ON_ONNXRUNTIME, SimplifyConfig, SimplifyMethod, format
 from ..errors import SimplifyError
 from ..progress import console, step
 from ..runtime.compare import compare_graphs
+from ..runtime.onnxruntime import quiet_default_logger
 from ..store import Artifact, StageRequest, Store, environment
 
 if TYPE_CHECKING:
@@ -215,7 +216,8 @@ def _onnxsim(source: Path, out_path: Path) -> None:
 def _fold(source: Path, out_path: Path, keep_qdq: bool = False) -> None:
     import onnx_graphsurgeon as gs
 
-    graph = gs.import_onnx(onnx_graph.load_graph(source, with_weights=True))
+    graph = onnx_graph.import_for_surgery(onnx_graph.load_graph(source, with_weights=True))
+    quiet_default_logger()  # fold_constants evaluates on ONNX Runtime
     graph.fold_constants(should_exclude_node=_is_qdq if keep_qdq else None).cleanup().toposort()
     weight_bytes = onnx_graph.weights_on_disk(source.parent)
     onnx_graph.save(gs.export_onnx(graph), out_path, weight_bytes)
@@ -233,8 +235,9 @@ def stream(source: Path, out_path: Path) -> str:
 
     model = onnx_graph.load_graph(source)
     weights, listed = _set_weights_aside(model)
-    graph = gs.import_onnx(onnx.shape_inference.infer_shapes(model))
+    graph = onnx_graph.import_for_surgery(onnx.shape_inference.infer_shapes(model))
     _bypass_identities(graph)
+    quiet_default_logger()  # fold_constants evaluates on ONNX Runtime
     graph.fold_constants(size_threshold=SMALL_CONSTANT).cleanup().toposort()
     cleaned = gs.export_onnx(graph)
     dropped = _put_weights_back(cleaned, weights, listed)
