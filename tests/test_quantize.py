@@ -410,6 +410,12 @@ def test_quantize_cli_prints_the_artifact(int8, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert Path(last_line(result.stdout)) == int8.path
+    kept = int8.manifest["details"]["kept_high_precision"]
+    nvidia = sum(why.startswith("kept by NVIDIA") for why in kept.values())
+    # Counted by why, so they are not taken for the guard's (none here).
+    assert f"{len(kept)} in high precision ({nvidia} kept by NVIDIA, {len(kept) - nvidia} left out by level 2.5)" in (
+        result.stderr
+    )
 
 
 def prompts_file(folder: Path) -> Path:
