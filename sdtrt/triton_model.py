@@ -9,7 +9,8 @@ Imported only inside Triton, where ``triton_python_backend_utils`` exists.
 Stopping: on SIGTERM Triton waits for executions in flight before it unloads a model (``finalize`` comes
 only after them), so a long generation would hold the server up to its exit timeout. ``sdtrt serve``
 therefore creates a stop file (``SDTRT_STOP_FILE``) before it signals Triton; the model checks it after
-every denoising step and answers the rows it was running with UNAVAILABLE (HTTP 503).
+every denoising step and answers the rows it was running with UNAVAILABLE (HTTP 503). A killed server leaves no
+one to answer: the model notices between steps that its process (Triton's stub) lost its parent, and exits it.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class TritonPythonModel:
         self.rule = SizeRule.for_pipeline(pipe)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
         self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by `sdtrt serve`; absent under a bare tritonserver
+        # This process is the Python backend's stub, tritonserver's child: once the server is killed it is someone
+        # else's, and a generation would run on for nobody (then the stub would wait for the server, idle, forever).
+        self.server_pid = os.getppid()
 
     def execute(self, requests: list[Any]) -> list[Any]:
         import triton_python_backend_utils as pb_utils
@@ -89,6 +93,8 @@ class TritonPythonModel:
         """ServeError once ``sdtrt serve`` is stopping the server."""
         if self.stop_file is not None and os.path.exists(self.stop_file):
             raise ServeError(f"the server is stopping: the request was interrupted {when}; send it again")
+        if os.getppid() != self.server_pid:  # no one is left to answer, and the stub would wait for it forever
+            os._exit(1)
 
     def stop_between_steps(self, step: int, total: int) -> None:
         self.check_running(f"after {step + 1} of {total} steps")  # raised through the pipeline: it stops now

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from sdtrt.request import GenerateRequest
@@ -186,9 +187,14 @@ def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(re
         client = threading.Thread(target=ask, args=(doomed.config.http_url,))
         client.start()
         time.sleep(2)  # the request is executing: 500 steps take far longer
+        stubs = psutil.Process(doomed.process.pid).children(recursive=True)  # the Python backend's, running it
         doomed.process.kill()
         client.join(60)
     assert isinstance(outcome["result"], ServeError), outcome["result"]
+    assert stubs, "the model runs in a stub process of its own"
+    # An orphaned stub stops the generation at its next step and exits: it would hold a core for minutes.
+    _, alive = psutil.wait_procs(stubs, timeout=60)
+    assert not alive, f"stub processes outlived the killed server: {alive}"
     with _serve(repository, tmp_path) as restarted:
         assert txt2img(restarted.config.http_url, FAST).shape == (SIZE, SIZE, 3)
 
