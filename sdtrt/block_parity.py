@@ -191,10 +191,11 @@ def account_parameters(
 
 def folded_shapes(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The shapes the exporter's constant folding gives a parameter, most likely first: a Linear's weight transposed,
-    a GroupNorm's per-channel weight and bias reshaped to broadcast over height and width ((C,) → (C, 1, 1): the
-    exporter writes GroupNorm as InstanceNormalization, then Mul and Add)."""
+    a table gathered whole at indices that never change (CLIP's position embedding at its position_ids buffer: a
+    (1, positions, width) constant), a GroupNorm's per-channel weight and bias reshaped to broadcast over height and
+    width ((C,) → (C, 1, 1): the exporter writes GroupNorm as InstanceNormalization, then Mul and Add)."""
     if len(shape) == 2:
-        return [shape[::-1], shape]
+        return [shape[::-1], shape, (1, *shape)]
     if len(shape) == 1:
         return [shape, (*shape, 1, 1)]
     return [shape]
@@ -656,6 +657,12 @@ def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any
     from safetensors import safe_open
 
     module = network.get_submodule(block).to_empty(device="cpu")
+    init_weights = getattr(network, "_init_weights", None)
+    if init_weights is not None:
+        # transformers builds on the meta device and sets the buffers no checkpoint stores (CLIP's position_ids) in
+        # _init_weights, as its from_pretrained does (transformers/initialization.py: copy_ into buffers).
+        for submodule in module.modules():
+            init_weights(submodule)
     prefix = block + "."
     by_shard: dict[Path, list[str]] = defaultdict(list)
     for name, stored in params.items():
@@ -667,7 +674,7 @@ def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any
             state |= {n[len(prefix) :]: f.get_tensor(n).to(torch.float32) for n in names}
     module.load_state_dict(state, strict=True)  # every parameter and persistent buffer, or a clear error
     unset = [n for n, _ in module.named_buffers() if n not in state]
-    if unset:
+    if unset and init_weights is None:
         raise ArtifactError(
             f"{block} has buffers the checkpoint does not store ({unset[0]}); it cannot be loaded alone"
         )
@@ -864,6 +871,7 @@ def compare_block(
     import torch
 
     from .runtime.compare import tensor_stats
+    from .runtime.onnxruntime import session_options
 
     np_dtype = onnx.helper.tensor_dtype_to_np_dtype
     matched = arguments.match([name for name, _, _ in cut.data_inputs])
@@ -880,13 +888,15 @@ def compare_block(
     feeds = {name: values[matched[name]].numpy().astype(np_dtype(elem)) for name, elem, _ in cut.data_inputs}
     feeds |= {name: np.zeros(shape, np_dtype(elem)) for name, elem, shape in cut.shape_inputs}
     names = [name for name, _, _ in cut.outputs]
-    session = ort.InferenceSession(str(cut.path), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(cut.path), session_options(), providers=["CPUExecutionProvider"])
     got = dict(zip(names, session.run(names, feeds), strict=True))
     del session
     module = load_block(network, block, params)
     try:
         with torch.no_grad():
-            expected = dict(tensor_leaves(module(**replace_leaves(call.arguments, values))))
+            # Bound again, so that **kwargs reach the block as keywords (CLIP's layers attend causally by is_causal).
+            bound = inspect.BoundArguments(inspect.signature(module.forward), replace_leaves(call.arguments, values))
+            expected = dict(tensor_leaves(module(*bound.args, **bound.kwargs)))
     finally:
         module.to("meta")  # its weights go; the meta network stays whole for the next block
     outputs, side = [], []

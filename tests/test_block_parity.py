@@ -220,3 +220,23 @@ def test_a_torchscript_graph_is_refused_with_what_to_do(store, tiny):
     artifact = export.run(ExportConfig(precision="fp32", exporter="torchscript"), tiny, store)
     with pytest.raises(ArtifactError, match="--exporter dynamo"):
         check_blocks(tiny, artifact, graph_checks=False)
+
+
+def test_a_clip_text_encoder_matches_by_parts_causal_mask_and_position_table_included(store, tiny):
+    """CLIP's layers attend causally only because the encoder passes ``is_causal`` through their ``**kwargs``; its
+    position embedding, gathered at positions that never change, is folded into a (1, 77, width) constant; its
+    embeddings hold a position_ids buffer no checkpoint stores."""
+    from sdtrt.block_parity import check_blocks
+    from sdtrt.config import ExportConfig
+    from sdtrt.stages import export
+
+    artifact = export.run(ExportConfig("fp32", exporter="dynamo", component="text_encoder"), tiny, store)
+    blocks = ["embeddings", "encoder.layers.0", "encoder.layers.1", "final_layer_norm"]
+    report = check_blocks(tiny, artifact, blocks)
+
+    assert report, report.failures
+    params = report.checks["parameters"]
+    assert params["initializers"] + params["merged_small"] == params["parameters"]
+    assert [row["block"] for row in report.blocks] == blocks
+    for row in report.blocks:
+        assert row["outputs"] and all(out["cosine"] >= 0.9999 for out in row["outputs"]), row
