@@ -164,6 +164,8 @@ def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
     leftovers = list((engines / TMP_DIR).iterdir())
     if sig == signal.SIGINT:
         assert leftovers == [], "Ctrl-C cleans up its own temp directory"
+        assert proc.returncode == 130, err.decode()[-500:]
+        assert err.decode().strip().endswith("stages that finished stay cached for the next run")
     assert sorted(store.gc().removed) == sorted(leftovers)
     # The store completes the same export now (in this process: another CLI start costs seconds, proves no more).
     from sdtrt.config import ExportConfig

@@ -33,6 +33,14 @@ app.add_typer(lora.app, name="lora")
 def main() -> None:
     try:
         app()
+    except SystemExit as exc:
+        if interrupted(exc):
+            console.print(
+                "[yellow]interrupted[/]: nothing half-written was kept (an unfinished stage's temporary folder is "
+                "removed); stages that finished stay cached for the next run",
+                soft_wrap=True,
+            )
+        raise
     except SdtrtError as exc:
         if DEBUG:
             raise
@@ -47,3 +55,14 @@ def main() -> None:
             soft_wrap=True,
         )
         sys.exit(1)
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether Ctrl-C ended the command: Typer turns the KeyboardInterrupt into a silent exit 130
+    (typer/core.py, _main: ``raise Exit(130) from e``), which this exit was raised while handling."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
