@@ -144,6 +144,19 @@ class Artifact:
             chain.append(Artifact.open(located(Path(first["path"]), chain[-1].path.parent.parent)))
         return chain
 
+    def component(self) -> str:
+        """The network its graph records; a weight map's is its graph's, a set's (and its validation report's) "set"
+        ("?" where an ancestor is gone)."""
+        try:
+            for made in self.lineage():
+                if made.stage == "set":
+                    return "set"
+                if "io" in made.manifest:
+                    return str(made.manifest["io"]["component"])
+        except ArtifactError:
+            return "?"
+        return "unet"
+
     def file_problems(self, rehash: bool = False) -> list[str]:
         """How the files differ from the manifest ([] when intact).
 
@@ -362,7 +375,7 @@ class Store:
                 )
             return None
         hit.mark_used()
-        console.print(f"[green]✓[/] {request.stage}: cached [dim]({hit.path})[/]")
+        console.print(f"[green]✓[/] {request.stage}: cached {hit.component()} [dim]({hit.path})[/]")
         self.reused.add(hit.path)
         return hit
 

@@ -41,6 +41,8 @@ def test_compile_twice_second_run_is_a_cache_hit(tmp_path):
     assert "Exporting UNet" in first.stderr and "Exporting UNet" not in second.stderr
     for stage in ("export", "simplify", "build-ort", "set"):
         assert f"{stage}: cached" in second.stderr and f"{stage}: cached" not in first.stderr
+    for component in ("unet", "text_encoder", "vae_decoder", "vae_encoder"):  # which network each hit is
+        assert second.stderr.count(f"export: cached {component} ") == 1, second.stderr
     assert "Total" in first.stderr and "Total" not in second.stderr, "op tables for what ran, not for cache hits"
     assert "onnxruntime: requested" in first.stderr
     assert "engine vs PyTorch fp32" in first.stderr, "compile validates by default"

@@ -25,20 +25,6 @@ def _family(artifact: Artifact) -> str:
         return "?"
 
 
-def _component(artifact: Artifact) -> str:
-    """The network its graph records; a weight map's is its graph's, a set's (and its validation report's) "set"
-    ("?" where an ancestor is gone)."""
-    try:
-        for made in artifact.lineage():
-            if made.stage == "set":
-                return "set"
-            if "io" in made.manifest:
-                return str(made.manifest["io"]["component"])
-    except ArtifactError:
-        return "?"
-    return "unet"
-
-
 @app.command("ls")
 def ls(engines: EnginesOpt = None) -> None:
     """List artifacts, one a line: stage, key, component, model family, size, created, made from, path.
@@ -50,7 +36,7 @@ def ls(engines: EnginesOpt = None) -> None:
     for a in store.artifacts():
         source = a.manifest["inputs"][0] if a.manifest.get("inputs") else {}
         rows.append((
-            a.stage, a.key[:16], _component(a), _family(a), f"{_size_mb(a.manifest['files']):.1f}",
+            a.stage, a.key[:16], a.component(), _family(a), f"{_size_mb(a.manifest['files']):.1f}",
             a.manifest.get("created_at", "?"), source.get("name") or source.get("stage", "?"), str(a.path),
         ))  # fmt: skip
     if len(rows) > 1:
