@@ -62,8 +62,10 @@ def test_the_guard_finds_the_outlier_layer_and_meets_the_target(outlier_model, s
 def test_an_unreachable_target_exits_3_in_one_line(outlier_model):
     args = ["compile", "--model", str(outlier_model.path), "--target", "onnxruntime", "--components", "unet"]
     args += ["--precision", "int8", "--calibration-prompts", "1", "--calibration-steps", "2"]
-    unreachable = run_cli(*args, "--min-psnr", "200", "--guard-rounds", "1")
+    # A budget no case fits in: the largest case is compared, the others are over it (the guard's validation too).
+    unreachable = run_cli(*args, "--min-psnr", "200", "--guard-rounds", "1", "--memory-budget", "1KiB")
     assert unreachable.returncode == 3, unreachable.stderr
+    assert "over the 1.0 KiB budget" in unreachable.stderr + unreachable.stdout
     assert "guard: round 1: image PSNR" in unreachable.stderr and "(target 200)" in unreachable.stderr
     last = unreachable.stderr.strip().splitlines()[-1]
     assert "stays at" in last and "< 200 dB after 1 rounds" in last

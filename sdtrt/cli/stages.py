@@ -348,15 +348,17 @@ def compile(
         components=chosen_components,
         revalidate=revalidate,
     )
+    validation = ValidationConfig(memory_budget=simplify_config.memory_budget)
     guarded = None
     if min_psnr is not None and quantized is not None:
         from ..guard import GuardConfig, guard
 
-        guarded = guard(source, store, quantized, GuardConfig(min_psnr, guard_rounds), **options)
+        guarded = guard(source, store, quantized, GuardConfig(min_psnr, guard_rounds), validation, **options)
         result = guarded.result
     else:
-        validation = ValidationConfig(memory_budget=simplify_config.memory_budget) if validate else None
-        result = compile_model(source, store, validation=validation, quantize_config=quantized, **options)
+        result = compile_model(
+            source, store, validation=validation if validate else None, quantize_config=quantized, **options
+        )
     for artifact in result.artifacts:
         if artifact.stage == "simplify" and artifact.path not in store.reused:  # a reused one said "cached" already
             print_simplify_summary(artifact)
