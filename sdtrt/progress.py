@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.markup import escape
@@ -30,6 +30,22 @@ def step(description: str) -> Iterator[None]:
     with console.status(f"{text}…"):
         yield
     console.print(f"[green]✓[/] {text} [dim]({time.perf_counter() - started:.1f} s)[/]")
+
+
+@contextlib.contextmanager
+def counted_steps(description: str, total: int) -> Iterator[Callable[[int, int], None]]:
+    """A bar of steps done on a terminal, one timed line otherwise (a log has no use for a bar's frames, and rich
+    ends a transient bar off a terminal with a blank line). Yields ``on_step(index, total)``."""
+    if not console.is_terminal:
+        with step(f"{description} ({total} step{'' if total == 1 else 's'})"):
+            yield lambda index, total: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(escape(description)), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task(description, total=total)
+        yield lambda index, total: progress.update(bar, completed=index + 1, total=total)
 
 
 @contextlib.contextmanager

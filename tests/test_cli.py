@@ -314,8 +314,11 @@ def test_a_corrupt_engine_is_refused_on_load_and_rebuilt_by_compile(tmp_path, ti
 
     # The engine by its key from `cache ls`, in the store --engines names, for every command that takes one.
     key = f"build-ort/{artifact.name[:8]}"
-    run_cli("generate", "--engine", key, "--engines", str(engines), "--steps", "1", "--out", str(out), check=True)
+    made = run_cli("generate", "--engine", key, "--engines", str(engines), "--steps", "1", "--out", str(out),
+                   check=True)  # fmt: skip
     assert out.is_file()
+    # Off a terminal, the denoising bar is one timed line, and no blank line follows it.
+    assert "✓ Denoising (1 step)" in made.stderr and "\n\n" not in made.stderr, made.stderr
     checked = run_cli("validate", "--engine", key, "--engines", str(engines), "--no-images", check=True)
     assert last_line(checked.stdout) == "parity: PASS" and "engine vs PyTorch fp32" in checked.stdout
     traced = run_cli(

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from ..config import ValidationConfig
 from ..errors import RequestError
-from ..progress import console, results, step
+from ..progress import counted_steps, results, step
 from ..request import (
     FLOW_SCHEDULERS,
     SCHEDULERS,
@@ -114,16 +114,12 @@ def generate_command(
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
     request.pipeline_kwargs(_call_parameters(source, task))  # a missing --mask or --image, before loading
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from ..pipeline import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
-    columns = (TextColumn("Denoising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        bar = progress.add_task("steps", total=steps)
-        result = generate(pipe, request, on_step=lambda i, total: progress.update(bar, completed=i + 1, total=total))
+    with counted_steps("Denoising", steps) as on_step:
+        result = generate(pipe, request, on_step=on_step)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.images[0].save(out)
     typer.echo(out)
