@@ -47,10 +47,12 @@ SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 # passes/common/initializer_deduplication.py, DeduplicateInitializersPass(size_limit=1024)): freshly
 # initialised norm weights (all ones) then share one initializer; larger ones never do.
 DEDUP_MAX_ELEMENTS = 1024
-# The blocks checked by default, per ModuleList of the denoisers: Flux's first and last double-stream block and
-# one single-stream block, SD3's first and last, a UNet's first down block and its last up block (skip connections).
+# The blocks checked by default, per ModuleList (a path in the network): Flux's first and last double-stream block
+# and one single-stream block, SD3's first and last, a UNet's first down block and its last up block (skip
+# connections), a text encoder's first and last layer (CLIP's, SDXL's second CLIP's, T5's).
 DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,),
-                  "up_blocks": (-1,)}  # fmt: skip
+                  "up_blocks": (-1,), "encoder.layers": (0, -1), "text_model.encoder.layers": (0, -1),
+                  "encoder.block": (0, -1)}  # fmt: skip
 # Arguments whose tensors share a shape and say which is which by the op that made them: diffusers' rotary
 # embedding is a (cos, sin) pair (FluxPosEmbed.forward).
 MADE_BY = {"image_rotary_emb": ("Cos", "Sin")}
@@ -348,35 +350,46 @@ def graph_modules(graph: onnx.GraphProto) -> list[str]:
 
 def blocks_summary(modules: Sequence[str]) -> str:
     """The network's blocks, a module list as one range: ``down_blocks.0…3, mid_block, up_blocks.0…3`` (a UNet),
-    ``embeddings, encoder.layers.0…11, final_layer_norm`` (a CLIP text encoder: a module whose one child is a list
-    is skipped)."""
-    children: dict[str, set[str]] = defaultdict(set)
+    ``embeddings, encoder.layers.0…11, final_layer_norm`` (a CLIP text encoder), ``encoder.embed_tokens,
+    encoder.block.0…23, encoder.final_layer_norm`` (T5). A module that only wraps one list (T5's and CLIP's
+    ``encoder``, SDXL's ``text_model``) is looked into; one with several (a UNet's mid_block) is a block."""
+    children: dict[str, list[str]] = defaultdict(list)
     for module in modules:
         parts = module.split(".")
-        for depth in range(1, len(parts)):
-            children[".".join(parts[:depth])].add(parts[depth])
-    blocks: dict[str, list[int]] = {}
-    for module in modules:
-        parts, depth = module.split("."), 1
-        key = parts[0]
-        while len(kids := children[key]) == 1 and not next(iter(kids)).isdigit():
-            key, depth = f"{key}.{next(iter(kids))}", depth + 1
-        is_list = bool(kids) and all(kid.isdigit() for kid in kids)
-        if not is_list:
-            key, depth = parts[0], 1
-        indices = blocks.setdefault(key, [])
-        if is_list and depth < len(parts) and int(parts[depth]) not in indices:
-            indices.append(int(parts[depth]))
-    return ", ".join(
-        f"{key}.{min(found)}…{max(found)}" if len(found) > 1 else f"{key}.{found[0]}" if found else key
-        for key, found in blocks.items()
-    )
+        for depth in range(len(parts)):
+            parent, kid = ".".join(parts[:depth]), parts[depth]
+            if kid not in children[parent]:
+                children[parent].append(kid)
+
+    def is_list(path: str) -> bool:
+        return bool(children[path]) and all(kid.isdigit() for kid in children[path])
+
+    def wraps_one_list(path: str) -> bool:
+        inner = [f"{path}.{kid}" for kid in children[path]]
+        return sum(is_list(p) or wraps_one_list(p) for p in inner) == 1
+
+    def blocks(path: str) -> list[str]:
+        inner = [f"{path}.{kid}".lstrip(".") for kid in children[path]]
+        if path and is_list(path):
+            indices = [int(kid) for kid in children[path]]
+            return [f"{path}.{min(indices)}…{max(indices)}" if len(indices) > 1 else f"{path}.{indices[0]}"]
+        if not path or wraps_one_list(path):
+            return [block for p in inner for block in blocks(p)]
+        return [path]
+
+    return ", ".join(blocks(""))
 
 
 def check_checkable(artifact: Artifact, blocks: Sequence[str] = ()) -> None:
-    """What ``check_blocks`` cannot check, refused (exit 2) from the weight-free graph before any model loads: a
-    quantized (Q/DQ) graph or one without module scopes (WrongArtifactError), a block the graph has no module of or
-    no block named for a graph without DEFAULT_BLOCKS (RequestError)."""
+    """What ``check_blocks`` cannot check, refused (exit 2) from the weight-free graph before any model loads: an
+    artifact with no graph (an engine set), a quantized (Q/DQ) graph or one without module scopes
+    (WrongArtifactError), a block the graph has no module of or no block named for a graph without DEFAULT_BLOCKS
+    (RequestError)."""
+    if artifact.primary.suffix != ".onnx":
+        raise WrongArtifactError(
+            f"{artifact.path} is a {artifact.stage} artifact, which holds no graph: check-blocks checks an export "
+            "(the folder `sdtrt export --exporter dynamo` prints, or an export row of `sdtrt cache ls`)"
+        )
     graph = onnx_graph.load_graph(artifact.primary).graph
     if artifact.stage == "quantize" or any(node.op_type in QDQ_OPS for node in graph.node):
         raise WrongArtifactError(
@@ -388,13 +401,13 @@ def check_checkable(artifact: Artifact, blocks: Sequence[str] = ()) -> None:
     modules = graph_modules(graph)
     if not modules:
         raise WrongArtifactError(NO_SCOPES)
-    if not blocks and not any(module.partition(".")[0] in DEFAULT_BLOCKS for module in modules):
+    if not blocks and not any(module.startswith(f"{key}.") for module in modules for key in DEFAULT_BLOCKS):
         raise RequestError(
             f"the graph has none of {', '.join(DEFAULT_BLOCKS)}, the block lists check-blocks picks from by default; "
             f"name blocks with --block (its blocks: {blocks_summary(modules)})"
         )
     if unknown := [b for b in blocks if b not in modules]:
-        example = next((m for m in modules if m.count(".") >= 2), modules[0])
+        example = next((m for m in modules if m.count(".") >= 4), max(modules, key=lambda m: m.count(".")))
         raise RequestError(
             f"--block {unknown[0]}: the graph has no module of that name; its blocks: {blocks_summary(modules)} "
             f"(or a module inside one, such as {example})"
@@ -651,12 +664,26 @@ def replace_leaves(value: Any, new: dict[tuple[Any, ...], Any], path: tuple[Any,
     return value
 
 
+def stored_names(network: Any, params: dict[str, StoredTensor]) -> dict[str, str]:
+    """Each parameter's name → the name the checkpoint stores it under: its own, or for a weight tied to another
+    (one tensor under two names, T5's encoder.embed_tokens.weight and shared.weight) the one saved."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in network.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    out = {name: name for name in params}
+    for tied in names.values():
+        if saved := next((n for n in tied if n in params), None):
+            out |= {n: saved for n in tied if n not in params}
+    return out
+
+
 def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any:
-    """The meta network's ``block`` made real in fp32 on the CPU, its tensors read by prefix from the shards."""
+    """A copy of the meta network's ``block`` made real in fp32 on the CPU, its tensors read by prefix from the
+    shards (the meta network is left as it was, its tied weights tied)."""
     import torch
     from safetensors import safe_open
 
-    module = network.get_submodule(block).to_empty(device="cpu")
+    module = copy.deepcopy(network.get_submodule(block)).to_empty(device="cpu")
     init_weights = getattr(network, "_init_weights", None)
     if init_weights is not None:
         # transformers builds on the meta device and sets the buffers no checkpoint stores (CLIP's position_ids) in
@@ -664,14 +691,14 @@ def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any
         for submodule in module.modules():
             init_weights(submodule)
     prefix = block + "."
-    by_shard: dict[Path, list[str]] = defaultdict(list)
-    for name, stored in params.items():
+    by_shard: dict[Path, list[tuple[str, str]]] = defaultdict(list)
+    for name, saved in stored_names(network, params).items():
         if name.startswith(prefix):
-            by_shard[stored.shard].append(name)
+            by_shard[params[saved].shard].append((name, saved))
     state: dict[str, torch.Tensor] = {}
     for shard, names in by_shard.items():
         with safe_open(str(shard), framework="pt") as f:
-            state |= {n[len(prefix) :]: f.get_tensor(n).to(torch.float32) for n in names}
+            state |= {name[len(prefix) :]: f.get_tensor(saved).to(torch.float32) for name, saved in names}
     module.load_state_dict(state, strict=True)  # every parameter and persistent buffer, or a clear error
     unset = [n for n, _ in module.named_buffers() if n not in state]
     if unset and init_weights is None:
@@ -792,10 +819,13 @@ class BlockParityReport:
 def default_blocks(network: Any) -> list[str]:
     """DEFAULT_BLOCKS of the network's module lists, as paths (transformer_blocks.0, transformer_blocks.18, …)."""
     out = []
-    for attr, picks in DEFAULT_BLOCKS.items():
-        modules = getattr(network, attr, None)
-        if modules:
-            out += list(dict.fromkeys(f"{attr}.{range(len(modules))[i]}" for i in picks))
+    for path, picks in DEFAULT_BLOCKS.items():
+        try:
+            modules = network.get_submodule(path)
+        except AttributeError:
+            continue
+        if len(modules):
+            out += list(dict.fromkeys(f"{path}.{range(len(modules))[i]}" for i in picks))
     return out
 
 
@@ -892,13 +922,11 @@ def compare_block(
     got = dict(zip(names, session.run(names, feeds), strict=True))
     del session
     module = load_block(network, block, params)
-    try:
-        with torch.no_grad():
-            # Bound again, so that **kwargs reach the block as keywords (CLIP's layers attend causally by is_causal).
-            bound = inspect.BoundArguments(inspect.signature(module.forward), replace_leaves(call.arguments, values))
-            expected = dict(tensor_leaves(module(*bound.args, **bound.kwargs)))
-    finally:
-        module.to("meta")  # its weights go; the meta network stays whole for the next block
+    with torch.no_grad():
+        # Bound again, so that **kwargs reach the block as keywords (CLIP's layers attend causally by is_causal).
+        bound = inspect.BoundArguments(inspect.signature(module.forward), replace_leaves(call.arguments, values))
+        expected = dict(tensor_leaves(module(*bound.args, **bound.kwargs)))
+    del module  # its weights go before the next block's come
     outputs, side = [], []
     for name in names:
         paths = arguments.results(name, call.output)
@@ -913,7 +941,8 @@ def compare_block(
     return {
         "block": block, "nodes": cut.nodes, "weight_bytes": cut.weight_bytes,
         "inputs": {name: ".".join(map(str, path)) for name, path in matched.items()},
-        "shape_inputs": [n for n, _, _ in cut.shape_inputs], "outputs": outputs, "not_compared": side,
+        "shape_inputs": [n for n, _, _ in cut.shape_inputs], "not_compared": side,
+        "outputs": sorted(outputs, key=lambda out: out["result"]),  # returned[0] before returned[1]
     }  # fmt: skip
 
 

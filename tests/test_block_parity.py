@@ -240,3 +240,22 @@ def test_a_clip_text_encoder_matches_by_parts_causal_mask_and_position_table_inc
     assert [row["block"] for row in report.blocks] == blocks
     for row in report.blocks:
         assert row["outputs"] and all(out["cosine"] >= 0.9999 for out in row["outputs"]), row
+
+
+def test_a_t5_encoders_default_blocks_and_its_whole_encoder_with_a_tied_embedding_match(store):
+    """T5's first and last block by default; its ``encoder`` whole reads encoder.embed_tokens.weight, which the
+    checkpoint stores once, as shared.weight (one tensor under two names)."""
+    from sdtrt.block_parity import check_blocks
+    from sdtrt.config import ExportConfig
+    from sdtrt.models import resolve_model
+    from sdtrt.stages import export
+
+    model = resolve_model("tiny-flux")
+    artifact = export.run(ExportConfig("fp32", exporter="dynamo", component="text_encoder_2"), model, store)
+    report = check_blocks(model, artifact)
+    assert report, report.failures
+    assert [row["block"] for row in report.blocks] == ["encoder.block.0", "encoder.block.1"]
+
+    report = check_blocks(model, artifact, ["encoder"], graph_checks=False)
+    assert report, report.failures
+    assert report.blocks[0]["outputs"] and report.blocks[0]["outputs"][0]["cosine"] >= 0.9999

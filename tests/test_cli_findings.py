@@ -143,13 +143,24 @@ def qdq_copy(clip_export, tmp_path_factory):
     return Artifact.open(folder)
 
 
-def test_check_blocks_names_the_blocks_when_a_block_is_unknown(clip_export):
-    """An unknown --block, or none for a graph without the block lists picked by default: one line naming the blocks."""
+def test_check_blocks_names_the_blocks_when_a_block_is_unknown(clip_export, tiny, store):
+    """An unknown --block, or none for a graph without the block lists picked by default (a VAE's): one line naming
+    the blocks, a module that only wraps a list looked into; an engine set, which holds no graph: one line too."""
+    from sdtrt.config import ExportConfig
+    from sdtrt.stages import engine_set, export
+    from sdtrt.stages.engine_set import EngineSetConfig
+
     stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(clip_export.path), "--block", "nope"))
     assert "--block nope: the graph has no module of that name" in stderr
-    assert "its blocks: embeddings, encoder.layers.0…1, final_layer_norm" in stderr
-    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(clip_export.path)))
-    assert "name blocks with --block (its blocks: embeddings, encoder.layers.0…1, final_layer_norm)" in stderr
+    assert "its blocks: embeddings, encoder.layers.0…1, final_layer_norm (or a module inside one, such as " in stderr
+    vae = export.run(ExportConfig(precision="fp32", exporter="dynamo", component="vae_decoder"), tiny, store)
+    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(vae.path)))
+    assert "name blocks with --block (its blocks: post_quant_conv, decoder.conv_in, decoder.mid_block, " in stderr
+    assert "decoder.up_blocks.0…3, decoder.conv_norm_out" in stderr
+    members = {"text_encoder": clip_export, "vae_decoder": vae}
+    engines = engine_set.run(EngineSetConfig(("text_encoder", "vae_decoder")), members, store, tiny)
+    stderr = one_line_usage_error(run_cli("check-blocks", "--engine", str(engines.path)))
+    assert "is a set artifact, which holds no graph: check-blocks checks an export" in stderr
 
 
 def test_check_blocks_refuses_a_quantized_graph_saying_what_to_run(qdq_copy):

@@ -189,12 +189,20 @@ def validate_command(
 
 def check_blocks_command(
     engine: Annotated[str, typer.Option(help="Export artifact (torch.export-based graph): a directory, file or key.")],
-    model: o.EngineModelOpt = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Preset, local diffusers folder, or hub id (default: the model the export was made from).",
+        ),
+    ] = None,
     block: Annotated[
         list[str] | None,
         typer.Option(
             help="A block to cut and compare, e.g. transformer_blocks.0; repeat for several. Default: the first and "
-            "last double-stream, one single-stream (Flux), first and last (SD3), first down and last up (UNet)."
+            "last double-stream, one single-stream (Flux), first and last (SD3), first down and last up (UNet), "
+            "first and last layer (CLIP, T5 text encoders)."
         ),
     ] = None,
     graph_checks: Annotated[
