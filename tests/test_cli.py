@@ -241,6 +241,7 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
         (["generate", "--lora", "{tmp}/missing.safetensors"], "LoRA file {tmp}/missing.safetensors does not exist"),
         (["bench", "--lora", "{tmp}/file:abc"], "'abc' is not a scale"),
         (["compile", "--revalidate", "--no-validate"], "--revalidate asks for a validation that --no-validate"),
+        (["compile", "--calibration-steps", "2"], "--calibration-steps configures the quantization of --precision"),
         (["debug", "0123abcd", "--max-error", "-1"], "--max-error -1.0: a normalised error limit must be above 0"),
     ],
 )

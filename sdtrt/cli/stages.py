@@ -40,12 +40,9 @@ InputArg = Annotated[
 ]
 # Quantization (`quantize`, and `compile --precision int8|fp8`).
 QuantPrecisionOpt = Annotated[QuantPrecision, typer.Option("--precision", help="int8, or fp8 (E4M3).")]
-LevelOpt = Annotated[
-    str,  # parsed by config.parse_level: a bad level is one line naming the levels, not Typer's error box
-    typer.Option(
-        help="NVIDIA's quantization level: " + "; ".join(f"{k:g}: {v}" for k, v in QUANT_LEVELS.items()) + "."
-    ),
-]
+LEVEL_HELP = "NVIDIA's quantization level: " + "; ".join(f"{k:g}: {v}" for k, v in QUANT_LEVELS.items()) + "."
+# A str parsed by config.parse_level: a bad level is one line naming the levels, not Typer's error box.
+LevelOpt = Annotated[str, typer.Option(help=LEVEL_HELP)]
 CalibrationPromptsOpt = Annotated[
     str | None,
     typer.Option(
@@ -53,10 +50,20 @@ CalibrationPromptsOpt = Annotated[
         f"prompts (default {len(QuantizeConfig().calibration_prompts)})."
     ),
 ]
-CalibrationStepsOpt = Annotated[
-    int, typer.Option(help="Denoising steps per calibration prompt; every step's denoiser inputs calibrate.")
+STEPS_HELP = "Denoising steps per calibration prompt; every step's denoiser inputs calibrate."
+CalibrationStepsOpt = Annotated[int, typer.Option(help=STEPS_HELP)]
+ALGORITHM_HELP = "INT8 calibration: max (ModelOpt's preset) or smoothquant."
+AlgorithmOpt = Annotated[QuantAlgorithm, typer.Option(help=ALGORITHM_HELP)]
+# compile's: unset unless given, so that one given without --precision int8|fp8 is refused, not ignored.
+_DEFAULTS = QuantizeConfig()
+CompileLevelOpt = Annotated[str | None, typer.Option("--level", help=f"{LEVEL_HELP} int8/fp8 only (default 2.5).")]
+CompileStepsOpt = Annotated[
+    int | None,
+    typer.Option("--calibration-steps", help=f"{STEPS_HELP} int8/fp8 only (default {_DEFAULTS.calibration_steps})."),
 ]
-AlgorithmOpt = Annotated[QuantAlgorithm, typer.Option(help="INT8 calibration: max (ModelOpt's preset) or smoothquant.")]
+CompileAlgorithmOpt = Annotated[
+    QuantAlgorithm | None, typer.Option("--algorithm", help=f"{ALGORITHM_HELP} int8 only (default max).")
+]
 CompilePrecisionOpt = Annotated[
     str,
     typer.Option(
@@ -141,13 +148,18 @@ def kept_summary(kept: dict[str, str]) -> str:
     return f"{len(kept)} in high precision ({', '.join(f'{n} {why}' for why, n in whys.items())})"
 
 
-def quantize_config(precision: str, level: str, algorithm: str, prompts: str | None, steps: int) -> QuantizeConfig:
-    """The options as a QuantizeConfig, or RequestError (exit 2) before anything loads."""
+def quantize_config(
+    precision: str, level: str | None, algorithm: str | None, prompts: str | None, steps: int | None
+) -> QuantizeConfig:
+    """The options as a QuantizeConfig (QuantizeConfig's defaults for those None), or RequestError (exit 2) before
+    anything loads."""
     try:
         config = QuantizeConfig(
-            precision=cast(QuantPrecision, precision), level=quant_level(level),
-            algorithm=cast(QuantAlgorithm, algorithm), calibration_steps=steps,
-        )  # fmt: skip
+            precision=cast(QuantPrecision, precision),
+            level=_DEFAULTS.level if level is None else quant_level(level),
+            algorithm=cast(QuantAlgorithm, algorithm or _DEFAULTS.algorithm),
+            calibration_steps=_DEFAULTS.calibration_steps if steps is None else steps,
+        )
         chosen = calibration_prompts(prompts)
         return dataclasses.replace(config, calibration_prompts=chosen) if chosen else config
     except ConfigError as exc:
@@ -263,10 +275,10 @@ def compile(
     model: o.ModelOpt = "tiny",
     target: o.TargetOpt = "auto",
     precision: CompilePrecisionOpt = "fp16",
-    level: LevelOpt = "2.5",
+    level: CompileLevelOpt = None,
     calibration_prompts: CalibrationPromptsOpt = None,
-    calibration_steps: CalibrationStepsOpt = QuantizeConfig().calibration_steps,
-    algorithm: AlgorithmOpt = "max",
+    calibration_steps: CompileStepsOpt = None,
+    algorithm: CompileAlgorithmOpt = None,
     min_psnr: Annotated[
         float | None,
         typer.Option(
@@ -318,12 +330,20 @@ def compile(
     simplify_config = o.simplify_config(method, True, memory_budget)
     if revalidate and not validate:
         raise RequestError("--revalidate asks for a validation that --no-validate turns off: pass one of them")
-    quant_level(level)  # a malformed --level is refused whatever the precision
+    if level is not None:
+        quant_level(level)  # a malformed --level is refused whatever the precision
     quantized = None
     if precision in ("int8", "fp8"):
         quantized = quantize_config(precision, level, algorithm, calibration_prompts, calibration_steps)
     elif precision not in ("fp16", "bf16", "fp32"):
         raise RequestError(f"precision '{precision}' is not one of fp16, bf16, fp32, int8, fp8")
+    elif given := [f"--{name}" for name, value in (("level", level), ("algorithm", algorithm),
+                   ("calibration-prompts", calibration_prompts), ("calibration-steps", calibration_steps))
+                   if value is not None]:  # fmt: skip
+        raise RequestError(
+            f"{given[0]} configures the quantization of --precision int8 or fp8, and this compile is {precision}: "
+            f"pass --precision int8 or fp8 with it, or leave {given[0]} out"
+        )
     if min_psnr is not None and not (quantized and validate):
         raise RequestError(
             "--min-psnr is the accuracy guard of an 8-bit compile's validation: use it with --precision int8 or fp8, "
