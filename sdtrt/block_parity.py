@@ -215,9 +215,11 @@ def check_size(spec: GraphSpec) -> tuple[int, int, int, int]:
 
 
 def inputs_label(spec: GraphSpec, batch: int, height: int, width: int, tokens: int) -> str:
-    """The check size in words: "batch 1, 32x48 px" (and ", 10 T5 tokens" for graphs with a T5 axis)."""
+    """The check size in words: "batch 1, 32x48 px" (no size for a text encoder; ", 10 T5 tokens" for graphs with a
+    T5 axis)."""
+    size = f", {height}x{width} px" if spec.reads_pixels else ""
     t5 = f", {tokens} T5 tokens" if spec.default_profile().tokens is not None else ""
-    return f"batch {batch}, {height}x{width} px{t5}"
+    return f"batch {batch}{size}{t5}"
 
 
 def concrete_shapes(proto: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:

@@ -92,6 +92,8 @@ class GraphSpec:
     architecture: ClassVar[str] = ""
     # Why this network's graph is not fp16 unless asked ("": fp16 is fine); compile builds it fp32 instead.
     fp16_problem: ClassVar[str] = ""
+    # Whether the image size shapes its inputs (not a text encoder's): labels name a size only where it does.
+    reads_pixels: ClassVar[bool] = True
 
     precision: Precision
     io_naming: IONaming
@@ -230,18 +232,22 @@ class GraphSpec:
     # ---- validation: the seeded cases validate.py runs for this kind ----------------------------------
 
     def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:
-        """The profile's optimum, smallest and largest shapes, one seed each."""
+        """The profile's optimum, smallest and largest shapes, one seed each; those of equal inputs once (a text
+        encoder's differ by batch and tokens only)."""
         batch, tokens = self.batch_range(profile), self.token_counts(profile)
-        return [
-            ValidationCase(batch[i], profile.height[i], profile.width[i], seed=2 + i, tokens=tokens[i])
-            for i in (1, 0, 2)
-        ]
+        cases: dict[tuple[int, ...], ValidationCase] = {}
+        for i in (1, 0, 2):
+            case = ValidationCase(batch[i], profile.height[i], profile.width[i], seed=2 + i, tokens=tokens[i])
+            shape = (case.batch, case.tokens) + ((case.height, case.width) if self.reads_pixels else ())
+            cases.setdefault(shape, case)
+        return list(cases.values())
 
     def case_inputs(self, case: ValidationCase) -> dict[str, torch.Tensor]:
         return self.sample_inputs(case.batch, case.height, case.width, seed=case.seed, tokens=case.tokens)
 
     def case_label(self, case: ValidationCase) -> str:
-        return f"b{case.batch} {case.height}x{case.width}" + (f" T={case.tokens}" if case.tokens else "")
+        size = f" {case.height}x{case.width}" if self.reads_pixels else ""
+        return f"b{case.batch}{size}" + (f" T={case.tokens}" if case.tokens else "")
 
     @classmethod
     def from_json(cls: type[S], data: dict[str, Any]) -> S:

@@ -15,6 +15,7 @@ class TextEncoderSpec(GraphSpec):
 
     component: ClassVar[Component] = "text_encoder"
     label: ClassVar[str] = "text encoder"
+    reads_pixels: ClassVar[bool] = False
     canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids",)
 
     hidden_size: int = 768
@@ -89,6 +90,7 @@ class T5EncoderSpec(GraphSpec):
 
     component: ClassVar[Component] = "text_encoder_3"
     label: ClassVar[str] = "T5 text encoder"
+    reads_pixels: ClassVar[bool] = False
     architecture: ClassVar[str] = "T5EncoderModel"
     fp16_problem: ClassVar[str] = (
         "T5's feed-forward activations overflow fp16 (transformers keeps its wo projections fp32, "
