@@ -826,7 +826,7 @@ def default_blocks(network: Any) -> list[str]:
             modules = network.get_submodule(path)
         except AttributeError:
             continue
-        if len(modules):
+        if hasattr(modules, "__len__") and len(modules):  # a ModuleList (a module of that name may be no list)
             out += list(dict.fromkeys(f"{path}.{range(len(modules))[i]}" for i in picks))
     return out
 
