@@ -17,9 +17,11 @@ so generations in flight end within a denoising step and Triton exits in seconds
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -157,9 +159,10 @@ class TritonServer:
         self._startup: collections.deque[str] = collections.deque(maxlen=2000)  # output until ready
         self._passing = False  # True once ready: output goes straight to stderr
         self._lock = threading.Lock()
+        # A session of its own: the Python backend's stubs Triton starts are in its process group, which stop() clears.
         self.process = subprocess.Popen(
             command, env=_environment() | {STOP_FILE_ENV: str(self.stop_file)}, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read_output, name="tritonserver-output", daemon=True)
         self._reader.start()
@@ -227,7 +230,10 @@ class TritonServer:
 
         The stop file first (the models end their generations at the next step, answering 503), then
         SIGTERM (Triton waits up to ``exit_timeout_s`` for connections and requests in flight, unloads
-        the models and exits), then SIGKILL if it is still running some seconds after that.
+        the models and exits), then SIGKILL if it is still running some seconds after that. Last, whatever is
+        left of its process group: a server killed from outside leaves its Python backend's stubs behind (Triton's
+        stub, pb_stub.cc, polls its parent and then destroys itself from that thread; one found idle 10 minutes
+        after its server was killed had not exited).
         """
         if self.process.poll() is None:
             self.stop_file.touch()
@@ -237,6 +243,8 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # none left
+            os.killpg(self.process.pid, signal.SIGKILL)
         self._reader.join(10)
         shutil.rmtree(self._stop_dir, ignore_errors=True)
         return self.process.returncode

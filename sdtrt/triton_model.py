@@ -10,7 +10,8 @@ Stopping: on SIGTERM Triton waits for executions in flight before it unloads a m
 only after them), so a long generation would hold the server up to its exit timeout. ``sdtrt serve``
 therefore creates a stop file (``SDTRT_STOP_FILE``) before it signals Triton; the model checks it after
 every denoising step and answers the rows it was running with UNAVAILABLE (HTTP 503). A killed server leaves no
-one to answer: the model notices between steps that its process (Triton's stub) lost its parent, and exits it.
+one to answer: the model notices between steps that its process (Triton's stub) lost its parent, and exits it
+(``sdtrt serve`` also kills the server's process group once the server is gone, idle stubs included).
 """
 
 from __future__ import annotations

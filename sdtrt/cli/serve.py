@@ -85,9 +85,11 @@ def serve_command(
     from ..serve import ServeConfig, start_server
 
     def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM (docker stop, Kubernetes) stops the server like Ctrl-C
+        # SIGTERM (docker stop, Kubernetes) and SIGHUP (its terminal closed; the server, in a session of its own, does
+        # not get that one) stop the server like Ctrl-C.
+        raise KeyboardInterrupt
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, interrupt)
     config = ServeConfig(host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port)
     with start_server(repository, config) as server:
