@@ -686,27 +686,29 @@ def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any
     from safetensors import safe_open
 
     module = copy.deepcopy(network.get_submodule(block)).to_empty(device="cpu")
-    init_weights = getattr(network, "_init_weights", None)
-    if init_weights is not None:
-        # transformers builds on the meta device and sets the buffers no checkpoint stores (CLIP's position_ids) in
-        # _init_weights, as its from_pretrained does (transformers/initialization.py: copy_ into buffers).
-        for submodule in module.modules():
-            init_weights(submodule)
     prefix = block + "."
     by_shard: dict[Path, list[tuple[str, str]]] = defaultdict(list)
     for name, saved in stored_names(network, params).items():
         if name.startswith(prefix):
             by_shard[params[saved].shard].append((name, saved))
+    stored = {name[len(prefix) :] for names in by_shard.values() for name, _ in names}
+    unset = [n for n, _ in module.named_buffers() if n not in stored]
+    if unset:
+        init_weights = getattr(network, "_init_weights", None)
+        if init_weights is None:
+            raise ArtifactError(
+                f"{block} has buffers the checkpoint does not store ({unset[0]}); it cannot be loaded alone"
+            )
+        # transformers builds on the meta device and sets the buffers no checkpoint stores (CLIP's position_ids) in
+        # _init_weights, as its from_pretrained does (transformers/initialization.py: copy_ into buffers). Only
+        # their modules, before loading: _init_weights also draws the weights that loading then replaces.
+        for owner in dict.fromkeys(n.rpartition(".")[0] for n in unset):
+            init_weights(module.get_submodule(owner))
     state: dict[str, torch.Tensor] = {}
     for shard, names in by_shard.items():
         with safe_open(str(shard), framework="pt") as f:
             state |= {name[len(prefix) :]: f.get_tensor(saved).to(torch.float32) for name, saved in names}
     module.load_state_dict(state, strict=True)  # every parameter and persistent buffer, or a clear error
-    unset = [n for n, _ in module.named_buffers() if n not in state]
-    if unset and init_weights is None:
-        raise ArtifactError(
-            f"{block} has buffers the checkpoint does not store ({unset[0]}); it cannot be loaded alone"
-        )
     return module.float().eval()
 
 
