@@ -56,13 +56,16 @@ ALGORITHM_HELP = "INT8 calibration: max (ModelOpt's preset) or smoothquant."
 AlgorithmOpt = Annotated[QuantAlgorithm, typer.Option(help=ALGORITHM_HELP)]
 # compile's: unset unless given, so that one given without --precision int8|fp8 is refused, not ignored.
 _DEFAULTS = QuantizeConfig()
-CompileLevelOpt = Annotated[str | None, typer.Option("--level", help=f"{LEVEL_HELP} int8/fp8 only (default 2.5).")]
+CompileLevelOpt = Annotated[
+    str | None, typer.Option("--level", help=f"{LEVEL_HELP} int8/fp8 only (default {_DEFAULTS.level:g}).")
+]
 CompileStepsOpt = Annotated[
     int | None,
     typer.Option("--calibration-steps", help=f"{STEPS_HELP} int8/fp8 only (default {_DEFAULTS.calibration_steps})."),
 ]
 CompileAlgorithmOpt = Annotated[
-    QuantAlgorithm | None, typer.Option("--algorithm", help=f"{ALGORITHM_HELP} int8 only (default max).")
+    QuantAlgorithm | None,
+    typer.Option("--algorithm", help=f"{ALGORITHM_HELP} int8 only (default {_DEFAULTS.algorithm})."),
 ]
 CompilePrecisionOpt = Annotated[
     str,
