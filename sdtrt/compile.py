@@ -123,18 +123,21 @@ def compile_model(
     components = components or model_components(model)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
+    if chosen == "tensorrt":
+        trt_config = trt_config or TrtBuildConfig(profiles=(profile,))
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
     for component in components:
         config = replace(
             export_config, component=component, precision=component_precision(model, component, export_config.precision)
         )
+        member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         if quantize_config is not None and component == denoiser_component(model):
             exported = quantize.run(quantize_config, model, store)
         else:
             exported = export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
-        built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
+        built, _ = build(simplified, store, chosen, profile, trt_config=member_trt)
         artifacts += [exported, simplified, built]
         if wraps:
             from .stages import wrap
@@ -170,6 +173,15 @@ def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> 
             "a weight streaming budget): use the build-trt artifacts"
         )
     return None
+
+
+def upcast_tf32(config: TrtBuildConfig, requested: Precision, precision: Precision) -> TrtBuildConfig:
+    """The build settings of a member exported in ``precision`` when ``requested`` was asked: a graph made fp32 for
+    range (an upcast VAE, T5) keeps TF32 unless --no-tf32 says otherwise, as NVIDIA's demo builds its fp32 SDXL VAE
+    with tf32=True (demo/Diffusion stable_diffusion_pipeline.py); only an fp32 the user asked for computes in fp32."""
+    if config.tf32 is None and precision == "fp32" and requested != "fp32":
+        return replace(config, tf32=True)
+    return config
 
 
 def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:

@@ -410,7 +410,8 @@ class TrtBuildConfig:
     refittable: bool = False  # BuilderFlag.REFIT: LoRAs refit the weights in place (sdtrt.lora)
     # BuilderFlag.TF32, on in TensorRT by default: fp32 convolutions and matmuls in TF32 (10-bit mantissa).
     # None: off for fp32 graphs ("fp32" means fp32), on for fp16 and bf16 ones (their few fp32 layers, as before);
-    # the build stage resolves it (tf32_for). Keyed only when off, so the keys of earlier builds stay.
+    # the build stage resolves it (tf32_for). compile sets it on for members it made fp32 for range, not asked
+    # (compile.upcast_tf32). Keyed only when off, so the keys of earlier builds stay.
     tf32: bool | None = in_key_unless(None, True)
     # BuilderFlag.WEIGHT_STREAMING: the engine can run with only part of its weights on the GPU, streaming the
     # rest from host memory (a 12 B transformer on a 24 GB GPU); the budget is set when the engine is loaded.

@@ -138,7 +138,7 @@ def tolerance_precision(artifact: Artifact, precision: Precision) -> HeldTo:
     """The precision an engine member is held to: a quantized graph's 8 bits (its graph is fp32 or fp16 outside
     the Q/DQ pairs); fp32 layers of a TensorRT engine built with TF32 multiply with TF32's 10-bit mantissa, as fp16
     does (BuilderFlag.TF32, pyCoreDoc.h), so fp32 tolerances would not say what it computes. sdtrt builds fp32
-    graphs without TF32 unless --tf32 asks."""
+    graphs without TF32 unless --tf32 asks or compile made them fp32 for range (compile.upcast_tf32)."""
     from .stages.build_trt import built_with_tf32
     from .stages.quantize import quantization
 

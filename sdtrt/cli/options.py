@@ -276,7 +276,10 @@ TF32Opt = Annotated[
     bool | None,
     typer.Option(
         "--tf32/--no-tf32",
-        help="TensorRT: fp32 layers may compute in TF32 (default: off for fp32 graphs, on for fp16 ones).",
+        help=(
+            "TensorRT: fp32 layers may compute in TF32 (default: off for --precision fp32 graphs, on for 16-bit "
+            "ones and for members compile makes fp32 for range: upcast VAEs, T5)."
+        ),
     ),
 ]
 

@@ -1,0 +1,64 @@
+"""TensorRT build and runtime rules that need no GPU (review 4: S1, S3, W1, M2, S2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sdtrt.config import ExportConfig, TrtBuildConfig
+
+
+@dataclass
+class _Stub:
+    """Stands in for an artifact: what the stage stub was given."""
+
+    config: Any
+
+
+def _compiled_trt_configs(monkeypatch, tiny, store, precision: str, trt_config: TrtBuildConfig | None):
+    """The (graph precision, TrtBuildConfig) compile hands the TensorRT build of each member, every stage stubbed."""
+    from sdtrt import compile as compile_module
+    from sdtrt.stages import engine_set, export, simplify
+
+    built: dict[str, tuple[str, TrtBuildConfig]] = {}
+
+    def build(source, store, target, profile, trt_config=None):
+        built[source.config.component] = (source.config.precision, trt_config)
+        return source, ""
+
+    monkeypatch.setattr(compile_module, "resolve_target", lambda target: ("tensorrt", "stubbed"))
+    monkeypatch.setattr(compile_module, "torch_tensorrt_missing", lambda: "no torch-tensorrt here")
+    monkeypatch.setattr(compile_module, "build", build)
+    monkeypatch.setattr(export, "run", lambda config, model, store: _Stub(config))
+    monkeypatch.setattr(simplify, "run", lambda config, exported, store: exported)
+    monkeypatch.setattr(engine_set, "run", lambda *args: _Stub(None))
+    compile_module.compile_model(tiny, store, "tensorrt", ExportConfig(precision=precision), trt_config=trt_config)
+    return built
+
+
+def test_a_vae_upcast_for_range_keeps_tf32_and_an_asked_fp32_clears_it(tiny, store, monkeypatch):
+    """S1: in an fp16 compile the VAE is exported fp32 for range (force_upcast), and builds with TF32 on, as NVIDIA's
+    demo builds its fp32 SDXL VAE; with --precision fp32 every member computes in fp32 (TF32 off, in the key)."""
+    from sdtrt.config import cache_key
+
+    def resolved(member: tuple[str, TrtBuildConfig]) -> TrtBuildConfig:  # as build_trt.resolved does
+        precision, config = member
+        return replace(config, tf32=config.tf32_for(precision))
+
+    fp16 = _compiled_trt_configs(monkeypatch, tiny, store, "fp16", None)
+    assert fp16["vae_decoder"][0] == "fp32" and resolved(fp16["vae_decoder"]).tf32 is True
+    assert resolved(fp16["unet"]).tf32 is True
+    fp32 = _compiled_trt_configs(monkeypatch, tiny, store, "fp32", TrtBuildConfig())
+    assert fp32["vae_decoder"][0] == "fp32" and resolved(fp32["vae_decoder"]).tf32 is False
+    # the key tells the two VAE plans apart (TF32 is keyed when off)
+    assert "tf32" not in cache_key(resolved(fp16["vae_decoder"]))
+    assert cache_key(resolved(fp32["vae_decoder"]))["tf32"] is False
+    # --no-tf32 wins over the upcast, --tf32 over the asked fp32
+    assert (
+        _compiled_trt_configs(monkeypatch, tiny, store, "fp16", TrtBuildConfig(tf32=False))["vae_decoder"][1].tf32
+        is False
+    )
+    assert (
+        _compiled_trt_configs(monkeypatch, tiny, store, "fp32", TrtBuildConfig(tf32=True))["vae_decoder"][1].tf32
+        is True
+    )
