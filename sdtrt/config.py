@@ -373,26 +373,29 @@ class OrtBuildConfig:
 
 
 # Builder optimization level when none is asked for: TensorRT's own default (NvInfer.h,
-# IBuilderConfig::setBuilderOptimizationLevel: "The default optimization level is 3"). NVIDIA's demo/Diffusion
-# raises it to 4 only for INT8/FP8 UNet-sized networks and keeps 3 "for all Flux pipelines to reduce GPU memory
-# usage" (dd_argparse.py): levels 4-5 try more tactics and need more build memory, which networks over
-# ~2 B parameters (SD3.5 Large, Flux's 12 B) do not have to spare. So: 4 for 8-bit Q/DQ graphs under the line (as
-# ModelOpt's diffusers example builds them too: `trtexec --builderOptimizationLevel=4 --stronglyTyped`), else 3;
-# the manifest says which rule applied.
+# IBuilderConfig::setBuilderOptimizationLevel: "The default optimization level is 3"), and 4 for 8-bit Q/DQ graphs
+# except Flux's, as NVIDIA's demo/Diffusion chooses (dd_argparse.py process_pipeline_args: `if args.int8 or args.fp8
+# and not is_flux: 4`, "optimization level set to 3 for all Flux pipelines to reduce GPU memory usage") and ModelOpt's
+# diffusers example builds (`trtexec --builderOptimizationLevel=4 --stronglyTyped`). The demo quantizes no SD3; sdtrt
+# treats a quantized SD3 transformer (2-8 B parameters) as the demo treats every non-Flux one: level 4, whose extra
+# tactics need more build memory than level 3 (--optimization-level 3 when that is short). The manifest says why.
 DEFAULT_OPTIMIZATION_LEVEL = 3
-LARGE_NETWORK_PARAMETERS = 2_000_000_000
+FLUX_ARCHITECTURE = "FluxTransformer2DModel"  # spec.FluxTransformerSpec.architecture (config sits below spec)
 
 
-def default_optimization_level(parameters: int, quantization: str | None = None) -> tuple[int, str]:
+def default_optimization_level(
+    parameters: int, quantization: str | None = None, architecture: str = ""
+) -> tuple[int, str]:
     """The builder optimization level for a network of this many parameters (its ONNX weights), quantized to
-    ``quantization`` ("int8", "fp8") or not, and why."""
-    if parameters > LARGE_NETWORK_PARAMETERS:
-        why = "over 2 B parameters: level 3, as NVIDIA's demo keeps for Flux, to bound build memory"
-        return 3, f"{parameters / 1e9:.1f} B parameters, {why}"
+    ``quantization`` ("int8", "fp8") or not, of this ``architecture`` (a GraphSpec's), and why."""
+    size = f"{parameters / 1e9:.1f} B parameters" if parameters >= 1e9 else f"{parameters / 1e6:.0f} M parameters"
+    if quantization and architecture == FLUX_ARCHITECTURE:
+        why = f"{quantization.upper()} Q/DQ Flux: level 3, as NVIDIA's demo keeps for Flux, to bound GPU memory"
+        return 3, f"{size}, {why}"
     if quantization:
         why = f"{quantization.upper()} Q/DQ: level 4, as NVIDIA's demo and ModelOpt's diffusers example build them"
-        return 4, f"{parameters / 1e6:.0f} M parameters, {why}"
-    return DEFAULT_OPTIMIZATION_LEVEL, f"{parameters / 1e6:.0f} M parameters: TensorRT's default level 3"
+        return 4, f"{size}, {why}"
+    return DEFAULT_OPTIMIZATION_LEVEL, f"{size}: TensorRT's default level 3"
 
 
 @dataclass(frozen=True)

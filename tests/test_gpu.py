@@ -396,6 +396,7 @@ def test_a_quantized_flux_transformer_builds_in_bf16_and_runs_on_bfloat16_buffer
     engine, _ = build(quantize.run(config, model, store), store, "tensorrt")
     assert engine.manifest["io"]["precision"] == "bf16"
     assert engine.manifest["details"]["quantization"]["quantize_layers"].get(precision.upper(), 0) > 0
+    assert engine.manifest["details"]["optimization_level"]["level"] == 3  # review 4, S3: the demo keeps Flux at 3
     runtime = open_runtime(engine)
     dtypes = {t.name: t.dtype for t in runtime.spec.inputs()}
     assert runtime.dtype == torch.bfloat16 and dtypes["hidden_states"] == "bfloat16" and dtypes["timestep"] == "float32"

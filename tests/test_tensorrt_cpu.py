@@ -520,8 +520,7 @@ def test_weight_streaming_is_a_build_flag_keyed_only_when_on(tiny_simplified, tm
 def test_the_optimization_level_follows_the_parameter_count(tiny_simplified, tmp_path):
     from sdtrt.config import default_optimization_level
 
-    assert default_optimization_level(2_500_000_000)[0] == 3
-    assert "over 2 B" in default_optimization_level(2_500_000_000)[1]
+    assert default_optimization_level(2_500_000_000) == (3, "2.5 B parameters: TensorRT's default level 3")
     assert "TensorRT's default" in default_optimization_level(1_000_000)[1]
     parameters = build_trt.parameter_count(tiny_simplified.primary)
     assert 0 < parameters < 10_000_000

@@ -114,12 +114,13 @@ def parameter_count(graph: Path) -> int:
 
 def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, str]:
     """The settings as built: TF32 by the precision of the graph TensorRT builds (a quantized one's is 16-bit), the
-    optimization level (unless asked) by the number of parameters in its ONNX weights and whether it is quantized;
+    optimization level (unless asked) by whether it is quantized and a Flux transformer (default_optimization_level);
     and why that level."""
     tf32 = config.tf32_for(tensorrt_spec(source).precision)
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
-    level, reason = default_optimization_level(parameter_count(tensorrt_graph(source)), quantization(source))
+    parameters, architecture = parameter_count(tensorrt_graph(source)), tensorrt_spec(source).architecture
+    level, reason = default_optimization_level(parameters, quantization(source), architecture)
     return replace(config, tf32=tf32, optimization_level=level), reason
 
 
