@@ -27,7 +27,13 @@ from .config import (
     target_precision_problem,
 )
 from .errors import ConfigError
-from .gpu import require_quantization_support, require_tensorrt, tensorrt_missing, torch_tensorrt_missing
+from .gpu import (
+    require_quantization_support,
+    require_refit_support,
+    require_tensorrt,
+    tensorrt_missing,
+    torch_tensorrt_missing,
+)
 from .models import ModelSource
 from .onnx_graph import artifact_spec
 from .spec import denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
@@ -116,6 +122,8 @@ def compile_model(
         raise ConfigError(problem)
     if chosen == "tensorrt" and quantize_config is not None:  # before a minute of calibration, not after
         require_quantization_support(quantize_config.precision)
+    if chosen == "tensorrt" and trt_config is not None and trt_config.refittable:  # before any export
+        require_refit_support()
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built

@@ -91,6 +91,25 @@ def tensorrt_version() -> str:
     return str(trt.__version__)
 
 
+def refit_problem(version: str) -> str | None:
+    """Why a TensorRT of ``version`` must not build REFIT engines, or None: TensorRT 11.3's "Refitting an Engine"
+    page (docs.nvidia.com/deeplearning/tensorrt/11.3.0/inference-library/refitting-engines.html, a known issue of
+    its release notes) says BuilderFlag::kREFIT "may produce incorrect numerical output ... A GEMM bias can be
+    dropped and treated as zero", with no refit at all; 11.4's page no longer says so. REFIT_IDENTICAL is unaffected."""
+    if not re.match(r"11\.3(\.|$)", version):
+        return None
+    return (
+        f"TensorRT {version} may drop GEMM biases from refittable engines (a known issue of TensorRT 11.3), so their "
+        "output can be wrong; build with another TensorRT version, or without --refittable (and without LoRAs)"
+    )
+
+
+def require_refit_support() -> None:
+    """MissingDependencyError, before anything is built, when this TensorRT builds refittable engines wrong."""
+    if problem := refit_problem(tensorrt_version()):
+        raise MissingDependencyError(f"cannot build a refittable TensorRT engine here: {problem}")
+
+
 # What the NVIDIA container ships and pip must never replace (docker/Dockerfile pins them).
 CONTAINER_PACKAGES = re.compile(r"^(torch|torch[-_]tensorrt|tensorrt([-_].*)?|nvidia[-_].*)$", re.IGNORECASE)
 

@@ -62,3 +62,28 @@ def test_a_vae_upcast_for_range_keeps_tf32_and_an_asked_fp32_clears_it(tiny, sto
         _compiled_trt_configs(monkeypatch, tiny, store, "fp32", TrtBuildConfig(tf32=True))["vae_decoder"][1].tf32
         is True
     )
+
+
+def test_refittable_builds_are_refused_on_tensorrt_11_3_before_any_work(tiny, tiny_simplified, store, monkeypatch):
+    """W1: TensorRT 11.3's refit page says kREFIT may drop GEMM biases with no refit at all; REFIT_IDENTICAL is
+    unaffected, so only --refittable is refused, before export (compile) or the worker (build)."""
+    import pytest
+
+    from sdtrt import compile as compile_module
+    from sdtrt import gpu
+    from sdtrt.errors import MissingDependencyError
+    from sdtrt.gpu import refit_problem
+    from sdtrt.stages import build_trt, export
+
+    assert "GEMM biases" in refit_problem("11.3.0.1") and "without --refittable" in refit_problem("11.3")
+    assert (
+        refit_problem("11.4.0.7") is None and refit_problem("10.13.0.35") is None and refit_problem("11.30.1") is None
+    )
+    monkeypatch.setattr(gpu, "tensorrt_version", lambda: "11.3.0.1")
+    monkeypatch.setattr(build_trt, "require_tensorrt", lambda: None)
+    with pytest.raises(MissingDependencyError, match=r"TensorRT 11\.3\.0\.1 may drop GEMM biases"):
+        build_trt.run(TrtBuildConfig(refittable=True), tiny_simplified, store)
+    monkeypatch.setattr(compile_module, "resolve_target", lambda target: ("tensorrt", "stubbed"))
+    monkeypatch.setattr(export, "run", lambda *args: pytest.fail("exported before the refusal"))
+    with pytest.raises(MissingDependencyError, match="another TensorRT version, or without --refittable"):
+        compile_module.compile_model(tiny, store, "tensorrt", trt_config=TrtBuildConfig(refittable=True))

@@ -18,7 +18,13 @@ from typing import Any
 
 from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError, ConfigError, MissingDependencyError
-from ..gpu import gpu_environment, require_quantization_support, require_tensorrt, tensorrt_version
+from ..gpu import (
+    gpu_environment,
+    require_quantization_support,
+    require_refit_support,
+    require_tensorrt,
+    tensorrt_version,
+)
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
 from .quantize import quantization, tensorrt_graph, tensorrt_spec
@@ -43,6 +49,8 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     if config.strip_weights:  # the plan needs its graph at every load: `gc --older-than` must see it used now
         source.mark_used()
     require_tensorrt()
+    if config.refittable:  # before any work: TensorRT 11.3's REFIT engines may lose GEMM biases
+        require_refit_support()
     if precision:  # before any work: an FP8 plan on an Ampere GPU cannot be built
         require_quantization_support(precision)
     spec = tensorrt_spec(source)
