@@ -11,7 +11,7 @@ import re
 from importlib import metadata
 from typing import Any
 
-from .errors import EnvironmentMismatchError, MissingDependencyError
+from .errors import EnvironmentMismatchError, MissingDependencyError, one_line
 
 CONTAINER_HINT = "build and run engines in the NVIDIA container: `make docker-build && make docker-engine MODEL=…`"
 
@@ -41,7 +41,19 @@ def require_tensorrt(what: str = "build a TensorRT engine") -> None:
 
 def torch_tensorrt_missing() -> str | None:
     """What stops wrapping an engine as TorchScript (torch-tensorrt's frontend), or None when nothing does."""
-    return tensorrt_missing() or (None if _installed("torch_tensorrt") else "torch-tensorrt is not installed")
+    if missing := tensorrt_missing():
+        return missing
+    if not _installed("torch_tensorrt"):
+        return "torch-tensorrt is not installed"
+    try:
+        # A build without libtorchtrt.so has no TorchScript frontend, which wrapping (torch_tensorrt.ts) needs
+        # (pytorch/TensorRT py/torch_tensorrt/_features.py: ENABLED_FEATURES.torchscript_frontend = _TS_FE_AVAIL).
+        from torch_tensorrt._features import ENABLED_FEATURES
+    except Exception as exc:  # a torch-tensorrt built for another torch or TensorRT fails here
+        return f"torch-tensorrt does not import ({one_line(exc)})"
+    if not ENABLED_FEATURES.torchscript_frontend:
+        return "torch-tensorrt is installed without its TorchScript frontend (libtorchtrt.so)"
+    return None
 
 
 def require_torch_tensorrt(what: str) -> None:

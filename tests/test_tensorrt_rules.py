@@ -87,3 +87,24 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_before_any_work(tiny, ti
     monkeypatch.setattr(export, "run", lambda *args: pytest.fail("exported before the refusal"))
     with pytest.raises(MissingDependencyError, match="another TensorRT version, or without --refittable"):
         compile_module.compile_model(tiny, store, "tensorrt", trt_config=TrtBuildConfig(refittable=True))
+
+
+def test_a_torch_tensorrt_without_its_torchscript_frontend_is_missing_for_wrapping(monkeypatch):
+    """M7 (review 3 item 12): a torch-tensorrt wheel without libtorchtrt.so imports, but has no TorchScript
+    frontend (pytorch/TensorRT _features.py ENABLED_FEATURES.torchscript_frontend), which wrapping needs."""
+    import sys
+    import types
+    from collections import namedtuple
+
+    from sdtrt import gpu
+
+    features = namedtuple("FeatureSet", ["torchscript_frontend", "torch_tensorrt_runtime"])
+    module = types.ModuleType("torch_tensorrt._features")
+    monkeypatch.setitem(sys.modules, "torch_tensorrt", types.ModuleType("torch_tensorrt"))
+    monkeypatch.setitem(sys.modules, "torch_tensorrt._features", module)
+    monkeypatch.setattr(gpu, "tensorrt_missing", lambda: None)
+    monkeypatch.setattr(gpu, "_installed", lambda name: True)
+    module.ENABLED_FEATURES = features(False, True)  # type: ignore[attr-defined]
+    assert "without its TorchScript frontend" in gpu.torch_tensorrt_missing()
+    module.ENABLED_FEATURES = features(True, True)  # type: ignore[attr-defined]
+    assert gpu.torch_tensorrt_missing() is None

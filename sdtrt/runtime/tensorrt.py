@@ -1,4 +1,7 @@
-"""TensorRT: runs a serialized engine (``{component}.plan``) of any component on a CUDA stream it owns.
+"""TensorRT: runs a serialized engine (``{component}.plan``) of any component on a non-default CUDA stream.
+
+The stream is a ``torch.cuda.Stream``, which PyTorch draws round-robin from its per-device stream pool
+(at::cuda::getStreamFromPool), so another runtime may get the same stream; nothing here relies on owning it.
 
 IO buffers are torch tensors; each call sets input shapes and tensor addresses, binds one buffer per
 output (a text encoder has three) and enqueues
