@@ -222,11 +222,13 @@ class BaseWeights:
         if unread := names - set(self._held):
             self._held |= read_named_initializers(self.graph, unread)
         if absent := sorted(names - set(self._held)):
-            # The ONNX parser names refittable weights after the graph's initializers: a name the graph does
-            # not hold means the plan was not parsed from this graph (no weight map can change that).
+            # The ONNX parser names most refittable weights after initializers, but also after Constant-node
+            # outputs and temporary weights it makes (onnx-tensorrt ModelRefitter.cpp refitOnnxConstantNode,
+            # BatchNorm's createNamedTempWeights(..., refittable=true)), which only the parser can recompute.
             raise LoraError(
-                f"TensorRT needs the weight '{absent[0]}' to refit, and {self.graph} has no initializer of that "
-                "name: the engine was not built from this graph; rebuild it from the graph"
+                f"TensorRT needs the weight '{absent[0]}' to refit, and it is not an initializer of {self.graph} "
+                "(TensorRT may have named a constant the parser made), so sdtrt cannot supply it: this engine takes "
+                "no LoRA by refit; apply the LoRA without the engine (`generate --lora` without `--engine`)"
             )
         return {name: self._held[name] for name in names}
 
