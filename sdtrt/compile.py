@@ -175,10 +175,11 @@ def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> 
             "the engines hold no weights (--strip-weights), so they are not wrapped as TorchScript (a wrapped engine "
             "is never refilled from its graph): use the build-trt artifacts"
         )
-    if config.weight_streaming:  # the TorchScript runtime makes its own execution context: no budget is ever set
+    if config.weight_streaming:  # Torch-TensorRT sets the automatic budget itself (TRTEngine.cpp v2.6.0)
         return (
-            "the engines stream their weights, so they are not wrapped as TorchScript (a wrapped engine cannot take "
-            "a weight streaming budget): use the build-trt artifacts"
+            "the engines stream their weights, so they are not wrapped as TorchScript (not offered yet: a wrapped "
+            "engine would stream with TensorRT's automatic budget and sdtrt has no way to pass one): use the "
+            "build-trt artifacts"
         )
     return None
 

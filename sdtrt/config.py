@@ -490,7 +490,8 @@ def _unit_for(size: int, units: dict[str, int]) -> tuple[str, int]:
 @dataclass(frozen=True)
 class WeightBudget:
     """How much of a weight-streaming engine's streamable weights stay on the GPU: ``auto`` (TensorRT's choice
-    from free memory), a percentage of the streamable weights, or a size (``8GiB``, ``512MB``, bytes)."""
+    from free memory), a percentage of the streamable weights, or a size (``8GiB``, ``512MB``, bytes). It applies to
+    each streaming engine of a set on its own: a size is kept per engine, never split across the set."""
 
     text: str
     percent: float | None = None

@@ -410,8 +410,9 @@ def test_compile_knows_before_building_whether_it_can_wrap():
     )
     two = TrtBuildConfig(profiles=(ShapeProfile(), ShapeProfile.around(768, 64)))
     assert "2 optimization profiles" in wrap_problem(two, None)
-    # The TorchScript runtime makes its own execution context, so no weight streaming budget could ever be set.
-    assert "cannot take a weight streaming budget" in wrap_problem(TrtBuildConfig(weight_streaming=True), None)
+    # Review 4, M6: Torch-TensorRT would set TensorRT's automatic budget itself; sdtrt has no way to pass its own.
+    streamed = wrap_problem(TrtBuildConfig(weight_streaming=True), None)
+    assert "not offered yet" in streamed and "automatic budget and sdtrt has no way to pass one" in streamed
 
 
 def test_a_weight_budget_for_engines_that_do_not_stream_is_refused_before_loading(tiny, tiny_engine):
@@ -551,7 +552,7 @@ def test_weight_budgets_in_bytes(text, streamable, expected):
     from sdtrt.config import WeightBudget
     from sdtrt.runtime.tensorrt import weight_budget_bytes
 
-    assert weight_budget_bytes(WeightBudget.parse(text), streamable, lambda: 1 / 0) == expected
+    assert weight_budget_bytes(WeightBudget.parse(text), streamable, lambda: 1 / 0, lambda: 1 / 0) == expected
 
 
 def truncated_to_int32(budget: int):
@@ -561,16 +562,22 @@ def truncated_to_int32(budget: int):
 
 def test_a_truncated_automatic_budget_is_recovered_or_refused():
     """pyCore.cpp binds get_weight_streaming_automatic_budget through an int32_t, so only the budget's low 32 bits
-    come back: negative, or positive and wrong. The budget is at most the streamable size (NvInferRuntime.h), so
-    it is recovered where one value fits, and refused where several do; never a wrong budget."""
+    come back: negative, or positive and wrong. The budget is at most the streamable size and close under the free
+    memory (NvInferRuntime.h), so it is recovered where one value fits, or one fits under the free memory (review 4,
+    M2: a Flux transformer streams ~24 GB, where `auto` was always refused); refused otherwise, never guessed."""
     from sdtrt.config import WeightBudget
     from sdtrt.runtime.tensorrt import weight_budget_bytes
 
     auto = WeightBudget.parse("auto")
-    assert weight_budget_bytes(auto, 10, truncated_to_int32(7)) == 7
-    assert weight_budget_bytes(auto, 3 << 30, truncated_to_int32(5 << 29)) == 5 << 29  # 2.5 GiB: negative in int32
-    with pytest.raises(ConfigError, match="percentage or a size"):  # 5 GiB + 1 MiB reads as 1 GiB + 1 MiB
-        weight_budget_bytes(auto, 10 << 30, truncated_to_int32((5 << 30) + (1 << 20)))
+    no_free = lambda: 0  # noqa: E731 -- one fitting value needs no free memory to tell it
+    assert weight_budget_bytes(auto, 10, truncated_to_int32(7), no_free) == 7
+    assert weight_budget_bytes(auto, 3 << 30, truncated_to_int32(5 << 29), no_free) == 5 << 29  # 2.5 GiB: negative
+    budget = (5 << 30) + (1 << 20)  # reads as 1 GiB + 1 MiB: 1, 5 or 9 GiB (+ 1 MiB) of 10 GiB streamable
+    assert weight_budget_bytes(auto, 10 << 30, truncated_to_int32(budget), lambda: (5 << 30) + (600 << 20)) == budget
+    flux = 24 << 30  # streamable; TensorRT caps its budget there when the GPU has more free
+    assert weight_budget_bytes(auto, flux, truncated_to_int32(flux), lambda: 70 << 30) == flux
+    with pytest.raises(ConfigError, match=r"none of them within the GPU's .* percentage or a size"):
+        weight_budget_bytes(auto, 10 << 30, truncated_to_int32(budget), lambda: 1 << 29)
 
 
 @pytest.mark.parametrize("text", ["-1", "150%", "lots", "inf", "8XB"])

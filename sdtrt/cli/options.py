@@ -236,8 +236,8 @@ WorkspaceOpt = Annotated[float | None, typer.Option(help="TensorRT: workspace li
 OptLevelOpt = Annotated[
     int | None,
     typer.Option(
-        min=0, max=5, help="TensorRT builder optimization level (default: 3, TensorRT's; networks over 2 B "
-        "parameters keep 3 to bound build memory, as NVIDIA's demo does for Flux)."
+        min=0, max=5, help="TensorRT builder optimization level (default: 3, TensorRT's; 4 for INT8/FP8 graphs "
+        "except Flux's, as NVIDIA's demo builds them)."
     ),
 ]  # fmt: skip
 WeightStreamingOpt = Annotated[
@@ -260,8 +260,9 @@ WeightBudgetOpt = Annotated[
     str | None,
     typer.Option(
         envvar="SDTRT_WEIGHT_STREAMING_BUDGET",
-        help="TensorRT engines built with --weight-streaming: GPU memory for their weights, auto, a percentage "
-        "of the streamable weights (50%) or a size (8GiB); 0 streams the most (default: all on the GPU).",
+        help="TensorRT engines built with --weight-streaming: GPU memory for the weights of each streaming engine "
+        "(not shared across a set): auto (TensorRT's, from free memory), a percentage of its streamable weights "
+        "(50%) or a size (8GiB, each); 0 streams the most (default: all on the GPU).",
     ),
 ]
 TimingCacheOpt = Annotated[
