@@ -106,6 +106,28 @@ def _inline_bf16(tensor: Any) -> np.ndarray:
     return np.asarray(tensor.int32_data, dtype=np.uint32).astype(np.uint16).reshape(shape).view(dtype)
 
 
+def as_torch(array: np.ndarray) -> Any:
+    """A torch tensor sharing ``array``'s memory; bf16 (ml_dtypes') through its 16 bits, which torch.from_numpy
+    refuses as a type it does not know."""
+    import numpy as np
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def as_numpy(tensor: Any) -> np.ndarray:
+    """A CPU tensor as numpy, sharing its memory; bf16 as ml_dtypes' bfloat16 (Tensor.numpy refuses bf16)."""
+    import torch
+
+    from .onnx_weights import numpy_dtype
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(numpy_dtype("bfloat16"))
+    return tensor.numpy()
+
+
 def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:
     """The values of those named initializers the graph has, mapped from its external data (see initializer_values)."""
     return dict(initializer_values(graph_path, names))

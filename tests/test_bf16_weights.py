@@ -66,3 +66,55 @@ def test_bf16_initializers_read_as_bf16_with_an_onnx_that_maps_bfloat16_to_float
     for name, value in values.items():
         assert got[name].dtype.name == "bfloat16", name  # refit_weights sends bf16 by pointer on this name
         assert got[name].shape == value.shape and np.array_equal(got[name].view(np.uint16), value.view(np.uint16))
+
+
+@pytest.fixture(scope="module")
+def bf16_unet_graph(tiny, store):
+    """The tiny UNet's bf16 graph, as the TensorRT target builds it (export and simplify run on the CPU)."""
+    from sdtrt.config import ExportConfig, SimplifyConfig
+    from sdtrt.stages import export, simplify
+
+    return simplify.run(SimplifyConfig(), export.run(ExportConfig(precision="bf16"), tiny, store), store)
+
+
+class Recording:
+    """An engine runtime that takes new weights and keeps them, as a refittable TensorRT runtime would refit."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, np.ndarray]] = []
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.calls.append(weights)
+
+
+def test_loras_on_a_bf16_graph_are_placed_and_computed_in_bf16(tiny, bf16_unet_graph, tmp_path):
+    """M1: a bf16 graph's weights are matched in bf16 (they were matched as fp32, so nothing was placed), and a
+    LoRA is added to the bf16 base weights through their bits (torch.from_numpy refuses ml_dtypes' bfloat16)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from sdtrt.graph_weights import read_initializers
+    from sdtrt.lora import EngineLoras, apply_loras
+    from sdtrt.stages import weight_map
+
+    from .helpers import peft_lora
+
+    made = weight_map.build(bf16_unet_graph.primary, tiny, "unet")
+    assert made.graph_dtype == "bfloat16" and len(made.mapped) > 50 and not made.unmapped
+    path = peft_lora(tiny, tmp_path / "a", seed=1, rank=4, alpha=8)
+    runtime = Recording()
+    apply_loras([EngineLoras("unet", runtime, lambda: made)], [(path, 1.0)], lambda _: "")
+    (weights,) = runtime.calls
+    assert weights and all(w.dtype.name == "bfloat16" for w in weights.values())
+
+    module = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    place = made.mapped[f"{module}.weight"]
+    lora = load_file(path)
+    up, down = (lora[f"unet.{module}.lora_{ab}.weight"].float() for ab in "BA")
+    delta = (8 / 4) * up @ down  # alpha / rank
+    base = read_initializers(bf16_unet_graph.primary, {place.initializer})[place.initializer]
+    base32 = torch.from_numpy(base.astype(np.float32))
+    expected = base32 + (delta.T if place.transpose else delta)
+    got = torch.from_numpy(weights[place.initializer].astype(np.float32))
+    assert not torch.equal(got, base32)
+    assert torch.allclose(got, expected, rtol=2**-7, atol=1e-6)  # within bf16's rounding of the sum

@@ -220,15 +220,16 @@ def test_an_fp32_engine_computes_in_fp32(tiny, store):
     assert float((got - expected).abs().max()) < 1e-3
 
 
-def test_a_refittable_engine_refits_a_b_a_bit_exact(tiny, tiny_simplified, store, tmp_path):
-    """Item 7: build with --refittable, refit LoRA A, then B, then A again: A's output bit for bit."""
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_refittable_engine_refits_a_b_a_bit_exact(tiny, store, tmp_path, precision):
+    """Item 7: build with --refittable, refit LoRA A, then B, then A again: A's output bit for bit. Review 4, M1:
+    a bf16 engine too (its weight map matched in bf16, its LoRA weights computed through their bits)."""
     from sdtrt.pipeline import load_pipeline
 
     from .helpers import peft_lora
 
-    engine, _ = build(
-        tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), refittable=True)
-    )
+    simplified = simplify.run(SimplifyConfig(), export.run(ExportConfig(precision=precision), tiny, store), store)
+    engine, _ = build(simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), refittable=True))
     assert "--refittable" in engine.manifest["reproduce"]
     pipe = load_pipeline(tiny, engine)
     a = peft_lora(tiny, tmp_path / "a", seed=1, rank=4, alpha=8)
