@@ -19,7 +19,7 @@ from .lora_files import LORA_COMPONENTS, LoraSpec
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps
-from .runtime import Runtime, check_weight_budget, open_runtime
+from .runtime import Runtime, check_weight_budget, open_members
 from .spec import FOLDERS, T5EncoderSpec, model_components
 from .stages import weight_map as weight_maps
 from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
@@ -199,8 +199,7 @@ def standins(
 ) -> dict[str, Any]:  # fmt: skip
     """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
     ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
-    opened = opened or {}
-    runtimes = {c: opened.get(c) or open_runtime(a, source, weight_budget=weight_budget) for c, a in members.items()}
+    runtimes = open_members(members, source, weight_budget, opened)
     out: dict[str, EngineModule] = {}
 
     def loras(component: str) -> EngineLoras:

@@ -241,7 +241,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from .pipeline import engine_members, generate, load_pipeline, standins, with_components
     from .progress import step
     from .request import GenerateRequest, SizeRule, check_validation
-    from .runtime import check_weight_budget, open_runtime
+    from .runtime import check_weight_budget, open_members
     from .spec import FOLDERS
     from .stages.engine_set import check_pairing, engine_profile
     from .stages.quantize import precision_label
@@ -253,7 +253,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     denoiser = denoiser_component(model)
     profile = built_for or denoiser_spec(model).default_profile()
     check_weight_budget(members.values(), config.weight_budget)
-    runtimes = {c: open_runtime(a, model, weight_budget=config.weight_budget) for c, a in members.items()}
+    runtimes = open_members(members, model, config.weight_budget)
     rule = SizeRule.for_model(model)
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=rule.applicable(config.guidance), seed=config.seed,

@@ -493,3 +493,29 @@ def test_a_plan_recorded_as_stripped_that_is_not_refittable_is_refused_saying_so
     manifest = trt_engine.manifest | {"weights": refill_record(tiny_simplified)}  # the full, non-refittable plan
     with pytest.raises(ArtifactError, match="the plan is not refittable, so it cannot be stripped; rebuild"):
         TensorRTRuntime(trt_engine.primary, artifact_spec(trt_engine), manifest)
+
+
+def test_the_tensorrt_members_of_a_set_share_one_activation_buffer(tiny, store):
+    """Review 4, S2: the plans of a set run from one buffer of the largest member's device_memory_size_v2 (contexts
+    USER_MANAGED), in turn, eager and from CUDA graphs, and compute what each computes alone with its own memory."""
+    from sdtrt.runtime import open_members
+    from sdtrt.stages.engine_set import engine_members
+
+    config = TrtBuildConfig(profiles=(PROFILE,), refittable=True)  # the set holds the plans, not TorchScript wraps
+    members = engine_members(compile_model(tiny, store, "tensorrt", trt_config=config).final)
+    shared = open_members(members, tiny)
+    alone = {c: open_runtime(a, tiny) for c, a in members.items()}
+    pool = shared["unet"]._shared
+    assert pool is not None and all(r._shared is pool for r in shared.values()) and alone["unet"]._shared is None
+    assert pool.needed == max(int(r._engine.device_memory_size_v2) for r in shared.values())
+    feeds = {c: r.spec.case_inputs(r.spec.validation_cases(PROFILE)[0]) for c, r in shared.items()}
+    expected = {c: r.run(feeds[c]) for c, r in alone.items()}
+    for graphs in (False, True):
+        for _ in range(2):  # each member runs after the others have overwritten the buffer
+            for component, runtime in shared.items():
+                runtime.cuda_graph = graphs
+                got = runtime.run(feeds[component])
+                assert all(torch.equal(got[n], expected[component][n]) for n in got), (component, graphs)
+    assert pool.generation == 1  # one buffer all along: the captured graphs replay against its address
+    for runtime in [*shared.values(), *alone.values()]:
+        runtime.close()

@@ -122,3 +122,35 @@ def test_a_size_budget_is_documented_per_streaming_engine():
     assert "each streaming engine" in option.help and "not shared across a set" in option.help
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
     assert "per streaming engine, not for the set" in readme
+
+
+def test_a_pipelines_plans_share_one_buffer_sized_for_the_largest(monkeypatch):
+    """S2: two or more TensorRT plans of a pipeline share one activation buffer of the largest member's size (as
+    NVIDIA's demo does); fewer, or wrapped engines (their own contexts), keep TensorRT's default. A member that needs
+    more after the buffer was made replaces it, once the device is idle, and bumps the generation that makes every
+    context rebind and re-capture its CUDA graph."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sdtrt.runtime.device_memory import SharedDeviceMemory, shared_for
+
+    def members(*stages: str) -> list[SimpleNamespace]:
+        return [SimpleNamespace(stage=stage) for stage in stages]
+
+    cpu = torch.device("cpu")
+    assert shared_for(members("build-trt"), cpu) is None
+    assert shared_for(members("build-trt", "wrap", "build-ort"), cpu) is None
+    shared = shared_for(members("build-trt", "build-trt", "wrap"), cpu)
+    assert isinstance(shared, SharedDeviceMemory)
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    for size in (3000, 12000, 500):  # text encoder, UNet, VAE decoder
+        shared.reserve(size)
+    first = shared.buffer()
+    assert first.numel() == 12000 and shared.generation == 1 and shared.buffer() is first and not synced
+    shared.reserve(8000)  # fits: the same buffer, nothing to rebind
+    assert shared.buffer() is first and shared.generation == 1
+    shared.reserve(20000)  # a member opened later that needs more
+    assert shared.buffer().numel() == 20000 and shared.generation == 2 and synced == [cpu]

@@ -33,6 +33,7 @@ from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from ..store import Artifact, digest, located
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
+from .device_memory import SharedDeviceMemory
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -348,9 +349,11 @@ class TensorRTRuntime(CudaRuntime):
         manifest: dict[str, Any],
         cuda_graph: bool = False,
         weight_budget: WeightBudget | None = None,
+        device_memory: SharedDeviceMemory | None = None,
     ) -> None:
         """``weight_budget`` limits the GPU memory of an engine built with weight streaming; without one it keeps
-        all its weights on the GPU."""
+        all its weights on the GPU. ``device_memory``: the activation buffer this engine shares with the other
+        members of its pipeline (sdtrt.runtime.device_memory); without one its context holds its own."""
         require_tensorrt("run a TensorRT engine")
         check_engine_environment(manifest)
         refill_from = refill_graph(manifest, plan)  # checked before the plan is read: a stripped plan needs it
@@ -375,8 +378,17 @@ class TensorRTRuntime(CudaRuntime):
             refill_weights(engine, self._logger, refill_from, plan)
         if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
             set_weight_budget(engine, weight_budget, plan, self._rebuild)
+        self._shared, self._bound = device_memory, 0  # which generation of the shared buffer the context uses
+        if device_memory is not None:
+            # After the budget: it adds streaming scratch to device_memory_size_v2, a read-only int64 property
+            # (pyCore.cpp 10.8:1335, 11.1:1428). USER_MANAGED: the context holds no activation memory until
+            # set_device_memory gives it some (create_execution_context(strategy), pyCore.cpp 10.8:1319, 11.1:1422).
+            device_memory.reserve(int(engine.device_memory_size_v2))
+            strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        else:
+            strategy = trt.ExecutionContextAllocationStrategy.STATIC  # TensorRT's default: memory of its own
         # create_execution_context returns None when it cannot allocate the activation memory.
-        context: trt.IExecutionContext | None = engine.create_execution_context()
+        context: trt.IExecutionContext | None = engine.create_execution_context(strategy)
         if context is None:
             raise ArtifactError(f"TensorRT could not create an execution context for {plan} (GPU memory?)")
         self._context = context
@@ -434,6 +446,7 @@ class TensorRTRuntime(CudaRuntime):
         self._stream.wait_stream(caller)
         for tensor in inputs.values():
             tensor.record_stream(self._stream)  # allocated on the caller's stream, read on ours
+        self._attach_shared_memory()
         if self.cuda_graph:
             outputs = self._replay(inputs)
         else:
@@ -443,6 +456,19 @@ class TensorRTRuntime(CudaRuntime):
             self._execute()
         caller.wait_stream(self._stream)
         return outputs
+
+    def _attach_shared_memory(self) -> None:
+        """Point the context at the pipeline's shared buffer: once, and again if the buffer was replaced."""
+        if self._shared is None:
+            return
+        buffer = self._shared.buffer()
+        if self._bound == self._shared.generation:
+            return
+        buffer.record_stream(self._stream)  # not reused while work queued on our stream may still read it
+        # set_device_memory(memory, size) is setDeviceMemoryV2 (pyCore.cpp 10.8:1195, 10.13:1324, 11.1:1301).
+        self._context.set_device_memory(buffer.data_ptr(), buffer.numel())
+        self._graph.drop()  # a graph captured on the old buffer would replay against its address
+        self._bound = self._shared.generation
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._graph.capture(tuple(tuple(t.shape) for t in inputs.values()), lambda: self._capture(inputs))
