@@ -1,12 +1,12 @@
 """``sdtrt debug``: the first layer whose reduced-precision output leaves fp32's, or turns NaN/inf.
 
-The question every "fp16 gives black images" report asks. The engine's graph and an fp32 replica of
-the very same graph (every fp16 weight, cast and tensor widened to fp32, so node and tensor names
-match one to one and only the arithmetic differs) run on one seeded input with every intermediate
-tensor marked as an output — Polygraphy's ``ModifyOutputs`` / ``ModifyNetworkOutputs`` with
-``MARK_ALL`` and its ``Comparator`` — and the engine's tensors are checked in the graph's
-topological order. ONNX graphs run on ONNX Runtime; a TensorRT engine is rebuilt from the graph it
-was made from with every tensor an output (TensorRT cannot expose the layers of a built plan).
+The question every "fp16 gives black images" report asks. The engine's graph and an fp32 replica of the
+very same graph (every fp16 weight, cast and tensor widened to fp32, so node and tensor names match one
+to one and only the arithmetic differs) run on one seeded input, at a size generate would take, with
+every intermediate tensor marked as an output — Polygraphy's ``ModifyOutputs`` /
+``ModifyNetworkOutputs`` with ``MARK_ALL`` and its ``Comparator`` — and the engine's tensors are checked
+in the graph's topological order. ONNX graphs run on ONNX Runtime; a TensorRT engine is rebuilt from the
+graph it was made from with every tensor an output (TensorRT cannot expose the layers of a built plan).
 
 A tensor diverges when its normalised error, max |engine − fp32| / max |fp32|, exceeds the limit
 (default 0.05; healthy fp16 graphs stay near 1e-3 per layer), or when it holds NaN/inf while the
@@ -25,6 +25,7 @@ import numpy as np
 
 from . import onnx_graph
 from .errors import ParityError
+from .onnx_graph import artifact_spec, graph_of
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -109,30 +110,27 @@ def quiet_polygraphy() -> Iterator[None]:
 
 def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSource | None = None) -> DebugReport:
     """Find the first tensor where ``engine`` leaves the fp32 replica of its own graph."""
+    if engine.stage == "wrap":  # a TorchScript-wrapped plan: the build-trt engine it embeds
+        engine = engine.lineage()[1]
+    spec, profile, size = _checked(engine, config, model)
+    graph_artifact = graph_of(
+        engine,
+        f"debug takes one ONNX graph or TensorRT engine, not a '{engine.stage}' artifact ({engine.path}); pass "
+        "the artifact a `build` printed (debug_set takes an engine set)",
+    )
+
     import onnx
     from polygraphy import constants
     from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
 
-    from .onnx_graph import artifact_spec, graph_of
-    from .runtime import artifact_profile
     from .stages.quantize import tensorrt_graph
 
-    if engine.stage == "wrap":  # a TorchScript-wrapped plan: the build-trt engine it embeds
-        engine = engine.lineage()[1]
-    spec = artifact_spec(engine, model)
-    graph_artifact = graph_of(
-        engine,
-        f"debug takes one ONNX graph or TensorRT engine, not a '{engine.stage}' artifact ({engine.path}); pass "
-        "the artifact a `build` printed (debug_set takes an engine set)",
-    )
     # A plan runs the graph its build parsed: for a quantized one the quantize stage's TensorRT graph (16-bit outside
     # its Q/DQ pairs, as the engine's IO), not the ONNX Runtime graph that is its source's primary.
     graph = tensorrt_graph(graph_artifact) if engine.stage == "build-trt" else graph_artifact.primary
     candidate = onnx.load(str(graph))
-    profile = artifact_profile(engine) or spec.default_profile()
-    size = (config.height or profile.height.min, config.width or profile.width.min)
     feeds = _feeds(spec, profile, *size, config.seed)
 
     def session(graph: onnx.ModelProto) -> Any:
@@ -152,10 +150,34 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
 
 
 def debug_set(engine_set: Artifact, config: DebugConfig = DebugConfig()) -> dict[str, DebugReport]:
-    """``debug`` on each member of an engine set, by component (each member records its own graph contract)."""
+    """``debug`` on each member of an engine set, by component (each member records its own graph contract); every
+    member's size is checked before the first one runs."""
     from .stages.engine_set import members
 
-    return {component: debug(member, config) for component, member in members(engine_set).items()}
+    engines = members(engine_set)
+    # The largest grid first: the denoiser's, the set's (generate's SizeRule), so an off-grid side is named as such.
+    for member in sorted(engines.values(), key=lambda member: -artifact_spec(member).pixel_multiple):
+        _checked(member, config)
+    return {component: debug(member, config) for component, member in engines.items()}
+
+
+def _checked(
+    engine: Artifact, config: DebugConfig, model: ModelSource | None = None
+) -> tuple[GraphSpec, ShapeProfile, tuple[int, int]]:
+    """The engine's graph contract, profile (default: its spec's) and the image size to debug it at (default: the
+    profile's smallest), or an error before anything loads (no torch yet): RequestError for a size generate would
+    refuse (off the model's grid, outside the profile the engine records; every intermediate tensor is kept, so a
+    size past it can take tens of GB)."""
+    from .request import check_size
+    from .stages.engine_set import engine_members, engine_profile
+
+    spec = artifact_spec(engine, model)
+    recorded = engine_profile(engine_members(engine))
+    profile = recorded or spec.default_profile()
+    height = profile.height.min if config.height is None else config.height
+    width = profile.width.min if config.width is None else config.width
+    check_size(height, width, spec.pixel_multiple, recorded)
+    return spec, profile, (height, width)
 
 
 def _feeds(spec: GraphSpec, profile: ShapeProfile, height: int, width: int, seed: int) -> dict[str, np.ndarray]:

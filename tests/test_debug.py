@@ -61,6 +61,25 @@ def test_the_replica_is_the_same_graph_in_fp32(tiny_simplified):
     assert {i.type.tensor_type.elem_type for i in replica.graph.input} <= {onnx.TensorProto.FLOAT}
 
 
+@pytest.mark.parametrize(
+    ("height", "problem"),
+    [
+        # The report's 1024 was OOM-killed at 20 GB on the original code; 416 is past the profile as surely.
+        ("416", "height 416 is outside the engine's profile (128..384 px)"),
+        ("100", "height 100 is not a positive multiple of 16 pixels"),
+        ("7", "height 7 is not a positive multiple of 16 pixels"),
+    ],
+)
+def test_a_size_generate_would_refuse_is_refused_before_anything_runs(tiny_set, store, height, problem):
+    """Newcomer 4, crash 1: debug applies generate's size rule to an engine and to a set, exit 2 in one line."""
+    from sdtrt.pipeline import engine_members
+
+    for engine in (engine_members(tiny_set)["unet"].path, tiny_set.path):
+        result = run_cli("debug", str(engine), "--height", height, "--engines", str(store.root))
+        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+        assert problem in result.stderr and "tensors compared" not in result.stdout
+
+
 def test_cli_exit_codes_and_one_line_errors(overflowing, tiny, tiny_simplified, tmp_path, store):
     path, planted = overflowing
     broken = run_cli("debug", str(path), "--json", str(tmp_path / "d.json"))
