@@ -273,18 +273,25 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     return merged
 
 
+def check_size(height: int | None, width: int | None, multiple: int, profile: ShapeProfile | None) -> None:
+    """RequestError for a given side off the model's grid (``multiple`` pixels) or, given the engines' profile, a
+    size outside it (a side not given: the profile's optimum): validate's and debug's size rule. Cheap: run it
+    before loading anything."""
+    for name, value in (("height", height), ("width", width)):
+        if value is not None and (problem := grid_problem(name, value, multiple)):
+            raise RequestError(problem)
+    if profile is not None and (height is not None or width is not None):
+        height = profile.height.opt if height is None else height
+        width = profile.width.opt if width is None else width
+        if problem := profile.size_problem(height, width):
+            raise RequestError(problem)
+
+
 def check_validation(config: ValidationConfig, rule: SizeRule, profile: ShapeProfile | None) -> None:
     """RequestError for what no validation can honour: a size off the model's grid or outside the engines'
     profile (in pixels), a tolerance no comparison can meet or miss. Cheap: run it before loading anything.
     """
-    for name, value in (("height", config.height), ("width", config.width)):
-        if value is not None and (problem := grid_problem(name, value, rule.multiple)):
-            raise RequestError(problem)
-    if profile is not None and (config.height is not None or config.width is not None):
-        height = profile.height.opt if config.height is None else config.height
-        width = profile.width.opt if config.width is None else config.width
-        if problem := profile.size_problem(height, width):
-            raise RequestError(problem)
+    check_size(config.height, config.width, rule.multiple, profile)
     if config.min_cosine is not None and not -1.0 <= config.min_cosine <= 1.0:
         raise RequestError(f"minimum cosine {config.min_cosine} is outside -1..1, the range a cosine similarity has")
     if config.max_abs is not None and not config.max_abs >= 0:
