@@ -46,9 +46,12 @@ class TritonPythonModel:
         if recorded != __version__:
             pb_utils.Logger.log_warn(f"repository written by sdtrt {recorded}, served by sdtrt {__version__}")
         gpu = args["model_instance_kind"] == "GPU"
+        if gpu:  # before any engine opens: they open on the current device, and the stub starts every instance on
+            # device 0 (python_backend src/pb_stub.cc, Stub::Initialize calls `initialize` with no cudaSetDevice)
+            torch.cuda.set_device(int(args["model_instance_device_id"]))
         pipe = load_pipeline(
             resolve_model(str(self.deployment.model)), self.deployment.engine, task="txt2img",
-            dtype=torch.float16 if gpu else torch.float32,
+            dtype=torch.float16 if gpu else torch.float32, weight_budget=self.deployment.weight_budget,
         )  # fmt: skip
         self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
         self.rule = SizeRule.for_pipeline(pipe)
