@@ -1,9 +1,11 @@
-"""Serving checks that need no running server: the Triton model's start on a GPU instance, deploy's budget.
-tests/test_serve.py serves for real."""
+"""Serving checks that need no running server: the Triton model's start on a GPU instance, deploy's budget, serve's
+ports. tests/test_serve.py serves for real."""
 
 from __future__ import annotations
 
+import socket
 import sys
+import time
 import types
 
 import pytest
@@ -55,3 +57,45 @@ def test_deploy_refuses_a_budget_for_a_set_that_does_not_stream(tiny_set, tmp_pa
         "of these was: rebuild with `sdtrt compile --target tensorrt --weight-streaming`, or leave the budget out"
     ]
     assert not (tmp_path / "repo").exists(), "refused before anything is written"
+
+
+def test_serve_refuses_a_port_in_use_before_starting_triton(tmp_path):
+    from sdtrt.serve import free_ports
+
+    model = tmp_path / "repo" / "stable_diffusion"
+    model.mkdir(parents=True)
+    (model / "config.pbtxt").write_text('backend: "python"\n')
+    (model / "sdtrt.json").write_text("{}\n")
+    grpc, metrics = free_ports(2)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        serve = run_cli("serve", str(tmp_path / "repo"), "--http-port", str(port), "--grpc-port", str(grpc),
+                        "--metrics-port", str(metrics), timeout=120)  # fmt: skip
+        took = time.monotonic() - started
+    assert serve.returncode == 2, serve.stderr
+    assert serve.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is not free (Address already in use); pass another --http-port"
+    ]
+    assert took < 30, f"refused after {took:.0f} s: Triton was started"  # the CLI's own start is most of it
+
+
+def test_serve_refuses_one_port_for_two_endpoints():
+    from sdtrt.errors import PortInUseError
+    from sdtrt.serve import ServeConfig, check_ports, free_ports
+
+    (port,) = free_ports(1)
+    with pytest.raises(PortInUseError, match=f"^--metrics-port {port} is also --http-port: give each its own port$"):
+        check_ports(ServeConfig(http_port=port, metrics_port=port))
+
+
+def test_a_server_that_fails_to_start_is_quoted_not_said_to_be_silent():
+    from sdtrt.serve import _failure
+
+    line = (
+        'E1125 21:04:05.123456 4242 main.cc:245] "failed to start HTTP service: Unavailable - Socket '
+        "'127.0.0.1:18100' already in use \""
+    )
+    assert _failure([line]) == "failed to start HTTP service: Unavailable - Socket '127.0.0.1:18100' already in use"
