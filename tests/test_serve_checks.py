@@ -1,5 +1,5 @@
 """Serving checks that need no running server: the Triton model's start on a GPU instance, deploy's budget, serve's
-ports. tests/test_serve.py serves for real."""
+ports, the client's message when nothing listens. tests/test_serve.py serves for real."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 import types
 
 import pytest
+
+from sdtrt.request import GenerateRequest
 
 from .helpers import run_cli
 
@@ -99,3 +101,13 @@ def test_a_server_that_fails_to_start_is_quoted_not_said_to_be_silent():
         "'127.0.0.1:18100' already in use \""
     )
     assert _failure([line]) == "failed to start HTTP service: Unavailable - Socket '127.0.0.1:18100' already in use"
+
+
+def test_client_says_it_cannot_reach_a_server_that_never_answered():
+    from sdtrt.client import txt2img
+    from sdtrt.errors import ServeError
+    from sdtrt.serve import free_ports
+
+    (port,) = free_ports(1)  # nothing listens there
+    with pytest.raises(ServeError, match=rf"^cannot reach Triton at 127\.0\.0\.1:{port}: .*Connection refused"):
+        txt2img(f"127.0.0.1:{port}", GenerateRequest(prompt="a fox"))
