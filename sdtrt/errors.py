@@ -96,8 +96,9 @@ class ServeError(SdtrtError):
     """Triton Inference Server did not start, stopped, or answered a request with an error."""
 
 
-class PortInUseError(ServeError):
-    """A port ``sdtrt serve`` was given is taken: a usage error (exit 2), refused before Triton starts."""
+class ServeAddressError(ServeError):
+    """``sdtrt serve``'s host or one of its ports cannot be bound: a usage error (exit 2), refused before Triton
+    starts."""
 
     exit_code = 2
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .deploy import DEPLOYMENT
-from .errors import MissingDependencyError, PortInUseError, ServeError
+from .errors import MissingDependencyError, ServeAddressError, ServeError
 
 STUB = "triton_python_backend_stub"
 STOP_FILE_ENV = "SDTRT_STOP_FILE"  # exists once the server is stopping; the models check it between steps
@@ -291,19 +292,26 @@ def _failure(problems: list[str]) -> str:
 
 
 def check_ports(config: ServeConfig) -> None:
-    """PortInUseError, before Triton starts, for a port taken or named twice: Triton binds its ports only after
-    loading the models, tens of seconds later."""
+    """ServeAddressError, before Triton starts, for a host that is no address here or a port taken or named twice:
+    Triton binds its ports only after loading the models, tens of seconds later."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(config.host, None, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ServeAddressError(f"--host {config.host} is not an address ({exc.strerror})") from None
     for option, port in config.ports.items():
         if (first := next(o for o, p in config.ports.items() if p == port)) != option:
-            raise PortInUseError(f"{option} {port} is also {first}: give each its own port")
-        with socket.socket() as probe:
+            raise ServeAddressError(f"{option} {port} is also {first}: give each its own port")
+        with socket.socket(family) as probe:
             # SO_REUSEADDR: a port a stopped server left in TIME_WAIT may be bound again, one something listens on not.
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                probe.bind((config.host, port))
+                probe.bind((address[0], port, *address[2:]))  # IPv6 addresses carry flow and scope
             except OSError as exc:
-                raise PortInUseError(
-                    f"port {port} on {config.host} is not free ({exc.strerror}); pass another {option}"
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    problem = f"--host {config.host} is not an address of this machine ({exc.strerror})"
+                    raise ServeAddressError(problem) from None
+                raise ServeAddressError(
+                    f"port {port} on {config.host} cannot be bound ({exc.strerror}); pass another {option}"
                 ) from None
 
 

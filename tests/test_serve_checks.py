@@ -79,18 +79,22 @@ def test_serve_refuses_a_port_in_use_before_starting_triton(tmp_path):
         took = time.monotonic() - started
     assert serve.returncode == 2, serve.stderr
     assert serve.stderr.strip().splitlines() == [
-        f"error: port {port} on 127.0.0.1 is not free (Address already in use); pass another --http-port"
+        f"error: port {port} on 127.0.0.1 cannot be bound (Address already in use); pass another --http-port"
     ]
     assert took < 30, f"refused after {took:.0f} s: Triton was started"  # the CLI's own start is most of it
 
 
-def test_serve_refuses_one_port_for_two_endpoints():
-    from sdtrt.errors import PortInUseError
+def test_serve_refuses_one_port_for_two_endpoints_and_a_host_that_is_no_address():
+    from sdtrt.errors import ServeAddressError
     from sdtrt.serve import ServeConfig, check_ports, free_ports
 
-    (port,) = free_ports(1)
-    with pytest.raises(PortInUseError, match=f"^--metrics-port {port} is also --http-port: give each its own port$"):
-        check_ports(ServeConfig(http_port=port, metrics_port=port))
+    http, grpc = free_ports(2)
+    with pytest.raises(ServeAddressError, match=f"^--metrics-port {http} is also --http-port: give each its own port$"):
+        check_ports(ServeConfig(http_port=http, grpc_port=grpc, metrics_port=http))
+    with pytest.raises(ServeAddressError, match=r"^--host nowhere\.invalid is not an address \("):
+        check_ports(ServeConfig(host="nowhere.invalid"))
+    with pytest.raises(ServeAddressError, match=r"^--host 192\.0\.2\.1 is not an address of this machine \("):
+        check_ports(ServeConfig(host="192.0.2.1", http_port=http, grpc_port=grpc, metrics_port=free_ports(1)[0]))
 
 
 def test_a_server_that_fails_to_start_is_quoted_not_said_to_be_silent():
