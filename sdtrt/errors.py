@@ -96,6 +96,13 @@ class ServeError(SdtrtError):
     """Triton Inference Server did not start, stopped, or answered a request with an error."""
 
 
+class ServeAddressError(ServeError):
+    """``sdtrt serve``'s host or one of its ports cannot be bound: a usage error (exit 2), refused before Triton
+    starts."""
+
+    exit_code = 2
+
+
 class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 
