@@ -96,6 +96,10 @@ class ServeError(SdtrtError):
     """Triton Inference Server did not start, stopped, or answered a request with an error."""
 
 
+class BenchError(SdtrtError):
+    """Every engine backend a benchmark was asked for failed: it measured no engine (exit 1, after its table)."""
+
+
 class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 
