@@ -233,6 +233,12 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
         (["compile", "--height", "100"], "height 100 is not a positive multiple of 16 pixels"),
         (["compile", "--batch", "4:1:2"], "batch range 4:1:2 must satisfy 0 < min <= opt <= max"),
+        (["compile", "--batch", "1:1:1000000"], "batch range 1:1:1000000: at most 64 images per prompt"),
+        (  # FluxPipeline's check_inputs refuses more: every generate on such a set failed
+            ["compile", "--model", "tiny-flux", "--tokens", "32:64:1024"],
+            "tokens range 32:64:1024: SD3 and FLUX.1 pipelines take at most 512 T5 tokens",
+        ),
+        (["compile", "--model", "tiny-sd3", "--tokens", "600"], "take at most 512 T5 tokens (max_sequence_length)"),
         (
             ["validate", "--model", "tiny", "--engine", "0123abcd", "--min-cosine", "2"],
             "minimum cosine 2.0 is outside -1..1",

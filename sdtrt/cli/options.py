@@ -129,8 +129,8 @@ WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MA
 TokensOpt = Annotated[
     str | None,
     typer.Option(
-        help="SD3 / Flux: T5 tokens a prompt may take, N or MIN:OPT:MAX (default 32:T:T, T = 256 for SD3 and "
-        "schnell, 512 for dev); a longer prompt is refused, never cut."
+        help="SD3 / Flux: T5 tokens a prompt may take, N or MIN:OPT:MAX, at most 512 (default 32:256:256 for SD3, "
+        "32:256:512 for schnell, 32:512:512 for dev); a longer prompt is refused, never cut."
     ),
 ]
 
