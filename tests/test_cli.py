@@ -178,6 +178,37 @@ def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
     assert (rerun.path / MANIFEST).is_file() and rerun.path.parent == engines / "export"
 
 
+@pytest.mark.parametrize(
+    ("command", "out", "message"),
+    [
+        ("generate", "noext", "--out {out}: it has no extension; name a .png"),
+        ("generate", "image.xyz", "'.xyz' is not an image format Pillow writes"),
+        ("generate", "ro/image.png", "--out {out}: its folder {tmp}/ro is not writable; pass another path"),
+        ("profile", "ro/prof", "--out {out}: its folder {tmp}/ro is not writable; pass another path"),
+        ("profile", "file/prof", "--out {out}: {tmp}/file is a file, not a folder"),
+        ("client", "ro/image.png", "its folder {tmp}/ro is not writable"),
+    ],
+)
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, command, out, message):
+    """generate's and client's image and profile's folder are written after the whole run: what cannot be written is a
+    usage error before anything loads, as --json's folder is (they ended in 'unexpected ValueError/OSError')."""
+    (tmp_path / "ro").mkdir(mode=0o555)
+    (tmp_path / "file").write_text("a file, where a results folder is asked for")
+    path = tmp_path / out
+    url = ["--url", "127.0.0.1:9"] if command == "client" else []  # nothing listens: reaching it would fail otherwise
+    try:
+        result = subprocess.run(
+            [*_without_dac_override(), sys.executable, "-m", "sdtrt", command, "--steps", "1", "--out", str(path), *url],
+            capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=600,
+            env=os.environ | {"SDTRT_DEBUG": "0"},
+        )  # fmt: skip
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message.format(out=path, tmp=tmp_path) in result.stderr
+    assert not path.exists() and list((tmp_path / "ro").iterdir()) == []
+
+
 def test_version_and_help_do_not_import_the_heavy_libraries():
     assert run_cli("--version", check=True).stdout.strip() == f"sdtrt {__version__}"
     heavy = "('torch', 'diffusers', 'transformers', 'onnx')"
@@ -271,10 +302,11 @@ def test_validate_refuses_a_size_outside_the_engines_profile_in_pixels(tiny_engi
 
 @pytest.mark.parametrize("command", ["generate", "profile"])
 def test_generate_and_profile_refuse_a_size_outside_the_engines_profile_before_loading(tiny_engine, tmp_path, command):
-    result = run_cli(command, "--engine", str(tiny_engine.path), "--height", "1024", "--out", str(tmp_path / "x"))
+    out = tmp_path / ("x.png" if command == "generate" else "x")  # an image file, a folder
+    result = run_cli(command, "--engine", str(tiny_engine.path), "--height", "1024", "--out", str(out))
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
     assert "height 1024 is outside the engine's profile (128..384 px)" in result.stderr
-    assert not (tmp_path / "x").exists()
+    assert not out.exists()
 
 
 def test_results_go_into_folders_that_do_not_exist_yet(tmp_path, tiny_engine):
