@@ -260,6 +260,13 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
             "FLUX.1 pipelines read one only for true",
         ),
         (["compile", "--model", "tiny", "--tokens", "64"], "this model has no T5"),
+        # export's --component in compile's words (it called a network it lists unknown, or showed the cache path)
+        (
+            ["export", "--model", "tiny-flux", "--component", "text_encoder_3"],
+            "model 'tiny-flux' has no text_encoder_3 (it has transformer, text_encoder, text_encoder_2, vae_decoder",
+        ),
+        (["export", "--model", "tiny", "--component", "transformer"], "model 'tiny' has no transformer (it has unet,"),
+        (["compile", "--model", "tiny-sdxl", "--components", "text_encoder_3"], "model 'tiny-sdxl' has no text_encoder_3"),
         (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
         (["compile", "--height", "100"], "height 100 is not a positive multiple of 16 pixels"),
