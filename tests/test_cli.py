@@ -198,7 +198,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, comm
     url = ["--url", "127.0.0.1:9"] if command == "client" else []  # nothing listens: reaching it would fail otherwise
     try:
         result = subprocess.run(
-            [*_without_dac_override(), sys.executable, "-m", "sdtrt", command, "--steps", "1", "--out", str(path), *url],
+            [*_without_dac_override(), sys.executable, "-m", "sdtrt", command, "--steps", "1", "--out", str(path),
+             *url],
             capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=600,
             env=os.environ | {"SDTRT_DEBUG": "0"},
         )  # fmt: skip
@@ -266,7 +267,10 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
             "model 'tiny-flux' has no text_encoder_3 (it has transformer, text_encoder, text_encoder_2, vae_decoder",
         ),
         (["export", "--model", "tiny", "--component", "transformer"], "model 'tiny' has no transformer (it has unet,"),
-        (["compile", "--model", "tiny-sdxl", "--components", "text_encoder_3"], "model 'tiny-sdxl' has no text_encoder_3"),
+        (
+            ["compile", "--model", "tiny-sdxl", "--components", "text_encoder_3"],
+            "model 'tiny-sdxl' has no text_encoder_3",
+        ),
         (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
         (["compile", "--height", "100"], "height 100 is not a positive multiple of 16 pixels"),

@@ -618,10 +618,8 @@ def test_compile_refuses_a_bf16_graph_before_exporting_or_calibrating(preset, pr
     monkeypatch.setattr(quantize, "run", work)
     quantized = QuantizeConfig(precision=precision) if precision == "int8" else None
     export_config = ExportConfig(precision="fp16" if quantized else precision)
-    with pytest.raises(MissingDependencyError, match="bf16 graphs need a GPU of compute capability 8.0 or newer"):
-        compile_module.compile_model(
-            resolve_model(preset), store, "tensorrt", export_config, quantize_config=quantized
-        )
+    with pytest.raises(MissingDependencyError, match=r"bf16 graphs need a GPU of compute capability 8\.0 or newer"):
+        compile_module.compile_model(resolve_model(preset), store, "tensorrt", export_config, quantize_config=quantized)
 
 
 def test_bf16_is_refused_for_onnxruntime_before_any_work(tmp_path):

@@ -124,7 +124,7 @@ CheckOpt = Annotated[
     bool, typer.Option("--check/--no-check", help="Compare the result with its input on ONNX Runtime.")
 ]
 BatchOpt = Annotated[
-    str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4; at most 64, see config.MAX_BATCH).")
+    str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4; at most 64: config.MAX_BATCH).")
 ]
 HeightOpt = Annotated[str | None, typer.Option(help="Pixel height, N or MIN:OPT:MAX (default: from the model).")]
 WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MAX (default: from the model).")]

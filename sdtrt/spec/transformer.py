@@ -68,7 +68,9 @@ class TransformerSpec(DenoiserSpec):
 
     def default_profile(self) -> ShapeProfile:
         profile = ShapeProfile.around(self.latent_sample_size * self.vae_scale_factor, self.pixel_multiple)
-        return dataclasses.replace(profile, guidance=self.doubles_batch, tokens=token_range(self.max_sequence_length, self.pipeline_tokens))
+        return dataclasses.replace(
+            profile, guidance=self.doubles_batch, tokens=token_range(self.max_sequence_length, self.pipeline_tokens)
+        )
 
     @property
     def doubles_batch(self) -> bool:
