@@ -205,6 +205,12 @@ def test_bench_times_a_transformer_engine_set_and_names_it(preset, tmp_path, sto
     assert "transformer/call ms" in result.stdout and "UNet" not in result.stdout
 
 
+def test_profile_names_a_transformer_in_its_step_table(tmp_path):
+    result = run_cli("profile", "--model", "tiny-flux", "--out", str(tmp_path), "--steps", "1", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert "transformer ms" in result.stdout and "UNet" not in result.stdout
+
+
 def test_bench_exits_non_zero_when_every_engine_backend_failed(tmp_path):
     """A bench whose engine backends all failed measured nothing it was run for: one line and exit 1, after the
     table (a backend only unavailable here, tensorrt on a CPU, is skipped and is no failure)."""
