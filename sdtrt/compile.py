@@ -120,10 +120,17 @@ def compile_model(
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     if problem := target_precision_problem(chosen, export_config.precision):
         raise ConfigError(problem)
-    if chosen == "tensorrt" and quantize_config is not None:  # before a minute of calibration, not after
-        require_quantization_support(quantize_config.precision)
-    if chosen == "tensorrt" and trt_config is not None and trt_config.refittable:  # before any export
-        require_refit_support()
+    if chosen == "tensorrt":  # before the exports, or a minute of calibration, not after
+        from .stages import build_trt
+
+        graphs = {export_config.precision}
+        if quantize_config is not None:
+            require_quantization_support(quantize_config.precision)
+            graphs.add(quantize.tensorrt_precision(model))  # the denoiser's TensorRT graph: a quantized Flux's is bf16
+        for precision in sorted(graphs):
+            build_trt.require_graph_precision(precision)
+        if trt_config is not None and trt_config.refittable:
+            require_refit_support()
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built

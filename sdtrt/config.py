@@ -99,6 +99,14 @@ def grid_problem(name: str, value: int, multiple: int) -> str | None:
     )
 
 
+# The most images per prompt a profile may take: four times NVIDIA's demo/Diffusion (max_batch_size 16). A
+# TensorRT engine reserves activation memory for its largest shapes and validation runs the largest batch, so a
+# maximum beyond any GPU's or host's memory (1:1:1000000) would only fail later, at load or at validation.
+MAX_BATCH = 64
+# The most T5 tokens (max_sequence_length) SD3's and FLUX.1's pipelines take: their check_inputs refuse more.
+MAX_T5_TOKENS = 512
+
+
 class Range(NamedTuple):
     """A dimension's minimum, optimum (what the engine is tuned for) and maximum."""
 
@@ -194,6 +202,16 @@ class ShapeProfile:
         for name, rng in ranges:
             if rng is not None and not 0 < rng.min <= rng.opt <= rng.max:
                 raise ConfigError(f"{name} range {rng} must satisfy 0 < min <= opt <= max")
+        if self.batch.max > MAX_BATCH:
+            raise ConfigError(
+                f"batch range {self.batch}: at most {MAX_BATCH} images per prompt (an engine reserves memory for its "
+                "largest batch); generate larger sets in several calls"
+            )
+        if self.tokens is not None and self.tokens.max > MAX_T5_TOKENS:
+            raise ConfigError(
+                f"tokens range {self.tokens}: SD3 and FLUX.1 pipelines take at most {MAX_T5_TOKENS} T5 tokens "
+                f"(max_sequence_length); use a maximum of {MAX_T5_TOKENS} or less"
+            )
         for name, rng in (("height", self.height), ("width", self.width)):
             for value in rng:
                 if problem := grid_problem(name, value, pixel_multiple):

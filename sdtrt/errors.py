@@ -103,6 +103,10 @@ class ServeAddressError(ServeError):
     exit_code = 2
 
 
+class BenchError(SdtrtError):
+    """Every engine backend a benchmark was asked for failed: it measured no engine (exit 1, after its table)."""
+
+
 class ParityError(SdtrtError):
     """An engine's outputs do not match the PyTorch reference within tolerance (CLI exit 3)."""
 

@@ -604,6 +604,33 @@ def test_a_bf16_graph_needs_ampere_whatever_its_quantization(precision, capabili
         assert "\n" not in problem and "compute capability 8.0 or newer" in problem and "NVIDIA T4 has 7.5" in problem
 
 
+@pytest.mark.parametrize(("preset", "precision"), [("tiny", "bf16"), ("tiny-flux", "int8")])
+def test_compile_refuses_a_bf16_graph_before_exporting_or_calibrating(preset, precision, store, monkeypatch):
+    """On a Turing GPU (a T4's 7.5, given here in place of the GPU), a bf16 compile and a quantized Flux (bf16 outside
+    its Q/DQ pairs; INT8 itself runs on 7.5) are refused before any export or calibration: they were refused only by
+    the build, after them."""
+    from sdtrt import compile as compile_module
+    from sdtrt import gpu
+    from sdtrt.config import ExportConfig, QuantizeConfig
+    from sdtrt.models import resolve_model
+    from sdtrt.stages import export, quantize
+
+    t4 = {"gpu": "NVIDIA T4", "compute_capability": "7.5"}
+    for module in (gpu, build_trt):
+        monkeypatch.setattr(module, "gpu_environment", lambda: t4)
+    monkeypatch.setattr(compile_module, "require_tensorrt", lambda: None)
+
+    def work(*args, **kwargs):
+        raise AssertionError("exported or calibrated before the GPU was checked")
+
+    monkeypatch.setattr(export, "run", work)
+    monkeypatch.setattr(quantize, "run", work)
+    quantized = QuantizeConfig(precision=precision) if precision == "int8" else None
+    export_config = ExportConfig(precision="fp16" if quantized else precision)
+    with pytest.raises(MissingDependencyError, match=r"bf16 graphs need a GPU of compute capability 8\.0 or newer"):
+        compile_module.compile_model(resolve_model(preset), store, "tensorrt", export_config, quantize_config=quantized)
+
+
 def test_bf16_is_refused_for_onnxruntime_before_any_work(tmp_path):
     from sdtrt.config import BenchConfig
 

@@ -101,6 +101,7 @@ def generate_command(
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = o.lora_options(lora)
     budget = o.weight_budget(weight_streaming_budget)
+    o.ensure_image_file(out, "--out")
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact)
     request = GenerateRequest(
@@ -120,7 +121,6 @@ def generate_command(
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
     with counted_steps("Denoising", steps) as on_step:
         result = generate(pipe, request, on_step=on_step)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result.images[0].save(out)
     typer.echo(out)
 

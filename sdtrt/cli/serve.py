@@ -125,8 +125,8 @@ def client_command(
 
     from ..client import txt2img
 
+    o.ensure_image_file(out, "--out")
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
     image = txt2img(url, request, model_name, timeout_s=timeout)
-    out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(out)
     typer.echo(out)

@@ -105,6 +105,8 @@ def export(
     o.check_export_options(exporter, weights)
     store = o.open_store(engines)
     source = resolve_model(model)
+    if component is not None:
+        parse_components(component, source)  # a network the model lacks: compile's one line, exit 2
     config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source), weights)
     artifact = export_stage.run(config, source, store)
     typer.echo(artifact.path)

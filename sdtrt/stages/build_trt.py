@@ -54,8 +54,7 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     if precision:  # before any work: an FP8 plan on an Ampere GPU cannot be built
         require_quantization_support(precision)
     spec = tensorrt_spec(source)
-    if problem := graph_precision_problem(spec.precision, **gpu_environment()):  # a quantized Flux's is bf16
-        raise MissingDependencyError(f"cannot build this TensorRT engine here: {problem}")
+    require_graph_precision(spec.precision)  # a quantized Flux's is bf16
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
     config, level_reason = resolved(config, source)  # the key and manifest say what was built
@@ -83,6 +82,13 @@ def graph_precision_problem(precision: str, compute_capability: str, gpu: str = 
         f"bf16 graphs need a GPU of compute capability 8.0 or newer (Ampere), and {gpu} has {compute_capability}; "
         "export in fp16 (or quantize a UNet), or build on a newer GPU"
     )
+
+
+def require_graph_precision(precision: str) -> None:
+    """MissingDependencyError when the current GPU cannot build a TensorRT graph of ``precision``; compile calls it
+    before exporting or calibrating, build before building."""
+    if problem := graph_precision_problem(precision, **gpu_environment()):
+        raise MissingDependencyError(f"cannot build this TensorRT engine here: {problem}")
 
 
 def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str]) -> StageRequest:
