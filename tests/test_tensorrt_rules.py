@@ -18,7 +18,7 @@ class _Stub:
 def _compiled_trt_configs(monkeypatch, tiny, store, precision: str, trt_config: TrtBuildConfig | None):
     """The (graph precision, TrtBuildConfig) compile hands the TensorRT build of each member, every stage stubbed."""
     from sdtrt import compile as compile_module
-    from sdtrt.stages import engine_set, export, simplify
+    from sdtrt.stages import build_trt, engine_set, export, simplify
 
     built: dict[str, tuple[str, TrtBuildConfig]] = {}
 
@@ -27,6 +27,7 @@ def _compiled_trt_configs(monkeypatch, tiny, store, precision: str, trt_config: 
         return source, ""
 
     monkeypatch.setattr(compile_module, "resolve_target", lambda target: ("tensorrt", "stubbed"))
+    monkeypatch.setattr(build_trt, "gpu_environment", lambda: {"gpu": "an Ampere GPU", "compute_capability": "8.6"})
     monkeypatch.setattr(compile_module, "torch_tensorrt_missing", lambda: "no torch-tensorrt here")
     monkeypatch.setattr(compile_module, "build", build)
     monkeypatch.setattr(export, "run", lambda config, model, store: _Stub(config))
@@ -84,6 +85,7 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_before_any_work(tiny, ti
     with pytest.raises(MissingDependencyError, match=r"TensorRT 11\.3\.0\.1 may drop GEMM biases"):
         build_trt.run(TrtBuildConfig(refittable=True), tiny_simplified, store)
     monkeypatch.setattr(compile_module, "resolve_target", lambda target: ("tensorrt", "stubbed"))
+    monkeypatch.setattr(build_trt, "gpu_environment", lambda: {"gpu": "an Ampere GPU", "compute_capability": "8.6"})
     monkeypatch.setattr(export, "run", lambda *args: pytest.fail("exported before the refusal"))
     with pytest.raises(MissingDependencyError, match="another TensorRT version, or without --refittable"):
         compile_module.compile_model(tiny, store, "tensorrt", trt_config=TrtBuildConfig(refittable=True))
