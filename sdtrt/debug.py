@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -161,7 +162,7 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
 
     import onnx
     from polygraphy import constants
-    from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs
+    from polygraphy.backend.onnx import ModifyOutputs
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
 
@@ -173,19 +174,25 @@ def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSou
     candidate = onnx.load(str(graph))
     feeds = _feeds(spec, profile, *size, config.seed)
 
-    def session(graph: onnx.ModelProto) -> Any:
-        return SessionFromOnnx(BytesFromOnnx(ModifyOutputs(graph, outputs=constants.MARK_ALL)), providers=["cpu"])
+    def session(graph: onnx.ModelProto, name: str) -> Any:
+        """ONNX Runtime reads the every-tensor-an-output graph from a file with external data: serialized whole, as
+        Polygraphy's BytesFromOnnx does (SerializeToString), any real UNet's fp32 replica is past protobuf's 2 GB."""
+        path = f"{scratch}/{name}.onnx"
+        marked = ModifyOutputs(graph, outputs=constants.MARK_ALL)()
+        onnx.save_model(marked, path, save_as_external_data=True, location=f"{name}.onnx.data", size_threshold=1024)
+        return SessionFromOnnx(path, providers=["cpu"])
 
-    reference = OnnxrtRunner(session(reference_graph(candidate)), name="fp32")
-    if engine.stage == "build-trt":
-        from .stages.build_trt import built_with_tf32
+    with tempfile.TemporaryDirectory(prefix="sdtrt-debug-") as scratch:
+        reference = OnnxrtRunner(session(reference_graph(candidate), "fp32"), name="fp32")
+        if engine.stage == "build-trt":
+            from .stages.build_trt import built_with_tf32
 
-        tf32 = built_with_tf32(engine.manifest)
-        runner, backend = _tensorrt_runner(graph, feeds, tf32, quantized_tensors(candidate)), "tensorrt"
-    else:
-        runner, backend = OnnxrtRunner(session(candidate), name="engine"), "onnxruntime"
-    with quiet_polygraphy():
-        results = Comparator.run([runner, reference], data_loader=[feeds])
+            tf32 = built_with_tf32(engine.manifest)
+            runner, backend = _tensorrt_runner(graph, feeds, tf32, qdq_tensors(candidate)), "tensorrt"
+        else:
+            runner, backend = OnnxrtRunner(session(candidate, "engine"), name="engine"), "onnxruntime"
+        with quiet_polygraphy():
+            results = Comparator.run([runner, reference], data_loader=[feeds])
     (_, [got]), (_, [expected]) = list(results.items())
     return _compare(str(engine.path), backend, candidate, got, expected, config.max_error)
 
@@ -275,13 +282,16 @@ def _tensorrt_runner(graph: Path, feeds: dict[str, torch.Tensor], tf32: bool, qu
     return TrtRunner(EngineFromNetwork(network, config=CreateConfig(tf32=tf32, profiles=[profile])), name="engine")
 
 
-def quantized_tensors(model: onnx.ModelProto) -> set[str]:
-    """The 8-bit tensors of a graph's Q/DQ pairs: its quantize nodes' outputs, ModelOpt's ``trt::`` FP8 ones too.
+def qdq_tensors(model: onnx.ModelProto) -> set[str]:
+    """The outputs of a graph's Q/DQ pairs (ModelOpt's ``trt::`` FP8 ones too), which debug marks as no TensorRT output.
 
-    Not marked as TensorRT outputs: Polygraphy can view no FP8 output (neither its torch nor its numpy dtype table has
-    fp8: datatype/torch.py, datatype/numpy.py; util.array.view, 0.53.6), and ``_compare`` skips 8-bit tensors anyway.
+    A quantize node's output is 8-bit, which Polygraphy cannot view (neither its torch nor its numpy dtype table has
+    fp8: datatype/torch.py, datatype/numpy.py; util.array.view, 0.53.6). A dequantize node's output left marked would
+    have to be computed as a tensor of its own, so TensorRT could not fold the pair into its consumer's 8-bit kernel,
+    and debug would compare a 16-bit engine instead of the quantized one (TensorRT's developer guide, "Q/DQ Layer
+    Placement": the DQ is fused into the following Conv or MatMul).
     """
-    ops = ("QuantizeLinear", "TRT_FP8QuantizeLinear")
+    ops = ("QuantizeLinear", "TRT_FP8QuantizeLinear", "DequantizeLinear", "TRT_FP8DequantizeLinear")
     return {tensor for node in model.graph.node if node.op_type in ops for tensor in node.output}
 
 

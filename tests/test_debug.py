@@ -219,16 +219,17 @@ def test_a_tensorrt_runners_torch_outputs_are_compared():
     assert 0 < report.largest_error < 2**-8, "bf16's rounding, relative to each tensor's largest value"
 
 
-def test_the_quantized_tensors_of_a_q_dq_graph_are_no_tensorrt_outputs():
-    """Polygraphy has fp8 in neither its torch nor its numpy dtype table, so it cannot view an FP8 network output:
-    the MARK_ALL network leaves the quantize nodes' outputs (ModelOpt's trt:: ones and standard ones) unmarked. The
-    network is a stand-in for TensorRT's INetworkDefinition, as Polygraphy's PostprocessNetwork passes it."""
+def test_the_q_dq_tensors_of_a_graph_are_no_tensorrt_outputs():
+    """Polygraphy has fp8 in neither its torch nor its numpy dtype table, so it cannot view an FP8 network output, and
+    a marked dequantize output would keep TensorRT from fusing the pair into its consumer's 8-bit kernel: the MARK_ALL
+    network leaves the Q/DQ nodes' outputs (ModelOpt's trt:: ones and standard ones) unmarked. The network is a
+    stand-in for TensorRT's INetworkDefinition, as Polygraphy's PostprocessNetwork passes it."""
     from types import SimpleNamespace
 
-    from sdtrt.debug import quantized_tensors, unmark_outputs
+    from sdtrt.debug import qdq_tensors, unmark_outputs
 
-    quantized = quantized_tensors(fp8_level_4_graph())
-    assert quantized == {"x_q", "w_q"}
+    quantized = qdq_tensors(fp8_level_4_graph())
+    assert quantized == {"x_q", "x_dq", "w_q", "w_dq"}
 
     class Network:
         def __init__(self, names: list[str]) -> None:
@@ -246,7 +247,7 @@ def test_the_quantized_tensors_of_a_q_dq_graph_are_no_tensorrt_outputs():
 
     network = Network(["x_q", "x_dq", "w_q", "w_dq", "mm", "y"])
     unmark_outputs(network, quantized)
-    assert [t.name for t in network.outputs] == ["x_dq", "w_dq", "mm", "y"]
+    assert [t.name for t in network.outputs] == ["mm", "y"]
 
 
 @pytest.mark.parametrize(
