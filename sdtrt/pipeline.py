@@ -104,6 +104,8 @@ def load_pipeline(
     into PyTorch networks when no network is an engine.
     ``weight_budget``: GPU memory for the weights of TensorRT engines built with weight streaming (``auto``,
     ``50%``, ``8GiB``; see config.WeightBudget); RequestError when no engine streams.
+    The TensorRT members of one pipeline share one activation buffer (runtime.device_memory): never call two of
+    its networks at the same time (two threads or streams); load a pipeline per thread.
     """
     import diffusers
 
