@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import TEXT_ENCODERS, WeightBudget
-from .errors import LoraError, ModelNotFoundError, RequestError
+from .errors import LoraError
 from .families import Task, accepted, pipeline_class_name
 from .lora import EngineLoras, LoraNetwork, apply_loras, fuse_loras
 from .lora_files import LORA_COMPONENTS, LoraSpec
@@ -51,24 +51,18 @@ def set_scheduler(pipe: Any, name: str) -> None:
     # Only whether the denoiser is a flow-matching transformer matters to the check: a UNet's family is left out.
     transformer = getattr(pipe, "transformer", None)
     family = "unet" if transformer is None else transformer_family(dict(transformer.config))
-    scheduler = getattr(diffusers, check_scheduler(name, family))
+    scheduler = getattr(diffusers, check_scheduler(name, family, type(pipe).__name__))
     if type(pipe).__name__.startswith("LatentConsistencyModel"):
-        scheduler = consistency_scheduler(scheduler, name)
+        scheduler = consistency_scheduler(scheduler)
     pipe.scheduler = scheduler.from_config(pipe.scheduler.config)
 
 
-def consistency_scheduler(scheduler: Any, name: str) -> Any:
-    """``scheduler`` fit for the LatentConsistencyModel pipelines, which step with a consistency scheduler.
+def consistency_scheduler(scheduler: Any) -> Any:
+    """A consistency scheduler (check_scheduler: LCM or TCD) fit for the LatentConsistencyModel pipelines.
 
-    They pass ``original_inference_steps`` to ``set_timesteps`` (only LCM and TCD take it) and hand
-    ``step`` eta=None (diffusers' pipeline_latent_consistency_text2img.py: prepare_extra_step_kwargs(
+    They hand ``step`` eta=None (diffusers' pipeline_latent_consistency_text2img.py: prepare_extra_step_kwargs(
     generator, None)), which TCD cannot take: there None means TCD's own default eta.
     """
-    if "original_inference_steps" not in inspect.signature(scheduler.set_timesteps).parameters:
-        consistency = [n for n, c in SCHEDULERS.items() if c in ("LCMScheduler", "TCDScheduler")]
-        raise RequestError(
-            f"the LatentConsistencyModel pipelines step only with {' or '.join(consistency)}, not {name}"
-        )
     takes_eta = inspect.signature(scheduler.step).parameters.get("eta")
     if takes_eta is None:
         return scheduler
@@ -108,8 +102,6 @@ def load_pipeline(
     import diffusers
 
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    if not source.is_pipeline:
-        raise ModelNotFoundError(f"'{source.path}' is a bare UNet folder; a pipeline needs the whole model folder")
     with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
         cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
     if engine is not None:

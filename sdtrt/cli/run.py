@@ -20,6 +20,7 @@ from ..request import (
     SCHEDULERS,
     GenerateRequest,
     SizeRule,
+    check_pipeline_inputs,
     check_scheduler,
     check_t5_request,
     check_validation,
@@ -27,11 +28,7 @@ from ..request import (
 from . import options as o
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
-
     from ..block_parity import BlockParityReport
-    from ..families import Task
-    from ..models import ModelSource
     from ..validate import ValidationReport
 
 SchedulerOpt = Annotated[
@@ -94,7 +91,7 @@ def generate_command(
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
-    from ..families import TASKS
+    from ..families import TASKS, pipeline_class_name
     from ..stages.engine_set import engine_members, engine_profile
 
     if task is not None and task not in TASKS:
@@ -109,10 +106,11 @@ def generate_command(
     )  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
     o.check_engine_size(artifact, request)
+    pipeline_class = source.pipeline_class()
     if scheduler:
-        check_scheduler(scheduler, source.family())
+        check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
+    check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
-    request.pipeline_kwargs(_call_parameters(source, task))  # a missing --mask or --image, before loading
 
     from ..pipeline import generate, load_pipeline
 
@@ -123,20 +121,6 @@ def generate_command(
     out.parent.mkdir(parents=True, exist_ok=True)
     result.images[0].save(out)
     typer.echo(out)
-
-
-def _call_parameters(source: ModelSource, task: Task | None) -> Collection[str]:
-    """What the pipeline class of ``task`` in the model's family takes (importing it loads no weights)."""
-    import inspect
-
-    import diffusers
-
-    from ..families import pipeline_class_name
-    from ..progress import quiet_loading
-
-    with quiet_loading():
-        cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
-    return inspect.signature(cls.__call__).parameters
 
 
 def validate_command(
@@ -171,7 +155,7 @@ def validate_command(
     rule = SizeRule.for_model(source)
     check_validation(config, rule, None)
     if scheduler:
-        check_scheduler(scheduler, source.family())
+        check_scheduler(scheduler, source.family(), source.pipeline_class() if source.is_pipeline else "")
     o.ensure_parent(json_out, "--json")
     artifact = artifact or o.find_engine(engine, engines)
     check_validation(config, rule, engine_profile(engine_members(artifact)))  # the size, against the engines

@@ -1,0 +1,88 @@
+"""Friction a newcomer met (trial 4): usage errors that came late or in the wrong form, silent waits and cuts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+# Runs the CLI in this process, then reports which heavy libraries it imported: a usage error must come before them.
+HEAVY = ("diffusers", "torch")
+PROBE = f"""
+import runpy, sys
+sys.argv = ["sdtrt", *sys.argv[1:]]
+try:
+    runpy.run_module("sdtrt", run_name="__main__")
+finally:
+    print("imported:", *[m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)
+"""
+
+
+def usage_error_before_loading(*args: str) -> str:
+    """The one ``error:`` line of a usage error (exit 2) that came before diffusers or torch were imported."""
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=os.environ | {"SDTRT_DEBUG": "0"},
+        cwd=REPO, stdin=subprocess.DEVNULL, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    error, imported = result.stderr.strip().splitlines()
+    assert error.startswith("error: ") and imported == "imported:", result.stderr
+    return error
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory):
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("pictures")
+    Image.new("RGB", (64, 64)).save(folder / "in.png")
+    Image.new("L", (64, 64)).save(folder / "mask.png")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--image", "{in}"], "this model's pipeline takes no image: pass --task img2img"),
+        (["--mask", "{mask}"], "takes no mask image: pass --task inpaint and an --image"),
+        (["--task", "img2img", "--image", "{in}", "--mask", "{mask}"], "takes no mask image: pass --task inpaint"),
+        (["--model", "tiny-inpaint"], "this model's pipeline needs an input image: pass --image"),
+        (["--model", "tiny-inpaint", "--image", "{in}"], "needs an input mask image: pass --mask"),
+        (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
+        (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),
+        (["--model", "tiny-lcm", "--image", "{in}", "--mask", "{mask}"], "its family has no inpaint pipeline"),
+    ],
+)
+def test_generate_refuses_inputs_the_pipeline_cannot_take_before_loading_it(args, message, pictures):
+    """Read from model_index.json, not from the pipeline class diffusers would import (8 s idle, 30 s under load)."""
+    args = [a.format(**{"in": pictures / "in.png", "mask": pictures / "mask.png"}) for a in args]
+    assert message in usage_error_before_loading("generate", *args)
+
+
+@pytest.mark.parametrize(
+    ("backends", "message"),
+    [
+        ("torch,foo", "unknown backend 'foo'; choose from torch,"),
+        ("onnxruntime:fp64", "'onnxruntime:fp64': only onnxruntime and tensorrt take a precision"),
+    ],
+)
+def test_bench_refuses_an_unknown_backend_as_a_usage_error(backends, message):
+    assert message in usage_error_before_loading("bench", "--backends", backends)
+
+
+def test_pipeline_inputs_match_diffusers_signatures():
+    """pipeline_inputs reads a class's inputs from its name; each class's __call__ must agree."""
+    import inspect
+
+    import diffusers
+
+    from sdtrt.families import PIPELINE_TASKS, pipeline_inputs
+
+    for name in (name for row in PIPELINE_TASKS for name in row.values()):
+        parameters = inspect.signature(getattr(diffusers, name).__call__).parameters
+        expected = {p for p in ("negative_prompt", "image", "mask_image", "strength") if p in parameters}
+        assert pipeline_inputs(name) == expected, name
