@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from rich.markup import escape
 
 from .config import TEXT_ENCODERS, WeightBudget
 from .errors import LoraError
@@ -18,7 +19,7 @@ from .lora import EngineLoras, LoraNetwork, apply_loras, fuse_loras
 from .lora_files import LORA_COMPONENTS, LoraSpec
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
-from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps
+from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
 from .runtime import Runtime, check_weight_budget, open_runtime
 from .spec import FOLDERS, T5EncoderSpec, model_components
 from .stages import weight_map as weight_maps
@@ -296,9 +297,18 @@ def generate(
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
     kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
-    kwargs |= t5_kwargs(pipe, [p for r in requests for p in (r.prompt, r.negative_prompt) if p])
+    prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
+    kwargs |= t5_kwargs(pipe, prompts)
+    for line in clip_cuts(prompts, _clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
+        console.print(f"[yellow]![/] {escape(line)}")
     with torch.no_grad():
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)
+
+
+def _clip_tokenizers(pipe: Any) -> dict[str, Any]:
+    """Text encoder → tokenizer, for the pipeline's CLIP encoders (SD3's third and Flux's second are T5)."""
+    tokenizers = {f"text_encoder{n}": getattr(pipe, f"tokenizer{n}", None) for n in ("", "_2", "_3")}
+    return {encoder: t for encoder, t in tokenizers.items() if "CLIP" in type(t).__name__}
 
 
 def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:

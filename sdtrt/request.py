@@ -266,6 +266,23 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
             )
 
 
+def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:
+    """A line for each prompt longer than the CLIP ``tokenizers`` (text encoder → its tokenizer) read: the pipelines
+    cut it to their 77 tokens, and sdtrt's quiet loading hides diffusers' warning. ``t5``: a T5 encoder reads it all.
+    """
+    lines = []
+    for prompt in dict.fromkeys(prompts):
+        counts = {encoder: len(tokenizer(prompt).input_ids) for encoder, tokenizer in tokenizers.items()}
+        cut = [encoder for encoder, count in counts.items() if count > tokenizers[encoder].model_max_length]
+        if cut:
+            limit = tokenizers[cut[0]].model_max_length
+            lines.append(
+                f"the prompt {prompt[:30]!r}… is {counts[cut[0]]} CLIP tokens and CLIP reads {limit}: "
+                f"{' and '.join(cut)} see only its first {limit}" + ("; T5 reads all of it" if t5 else "")
+            )
+    return lines
+
+
 def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
     """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux): the engines' ``profile``
     has the token range, and counting tokens needs only the model's tokenizer folder."""

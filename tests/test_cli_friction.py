@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_cli
 
 # Runs the CLI in this process, then reports which heavy libraries it imported: a usage error must come before them.
 HEAVY = ("diffusers", "torch")
@@ -86,3 +86,20 @@ def test_pipeline_inputs_match_diffusers_signatures():
         parameters = inspect.signature(getattr(diffusers, name).__call__).parameters
         expected = {p for p in ("negative_prompt", "image", "mask_image", "strength") if p in parameters}
         assert pipeline_inputs(name) == expected, name
+
+
+def test_a_prompt_longer_than_clip_reads_is_noted_once(tmp_path):
+    """The pipelines cut a prompt to CLIP's 77 tokens; diffusers' warning is quieted with its logs, so sdtrt says so."""
+    from transformers import CLIPTokenizer
+
+    from sdtrt.models import resolve_model
+
+    prompt = "a lighthouse on a cliff at dusk, " * 12
+    count = len(CLIPTokenizer.from_pretrained(resolve_model("tiny-sdxl").path / "tokenizer")(prompt).input_ids)
+    args = ["generate", "--model", "tiny-sdxl", "--steps", "1", "--out", str(tmp_path / "x.png"), "--prompt"]
+    notes = [line for line in run_cli(*args, prompt, check=True).stderr.splitlines() if "CLIP reads" in line]
+    assert notes == [
+        f"! the prompt {prompt[:30]!r}… is {count} CLIP tokens and CLIP reads 77: text_encoder and text_encoder_2 see "
+        "only its first 77"
+    ]
+    assert "CLIP reads" not in run_cli(*args, "a lighthouse", check=True).stderr
