@@ -7,8 +7,8 @@ matter, so any upstream change yields a new key and an unchanged re-run is a cac
 
 Writes are atomic: a stage builds in ``<root>/.tmp/…`` and the finished directory is renamed into
 place, manifest included, in one step. An interrupted stage leaves only a temp directory, which no
-lookup ever returns and ``gc`` removes. Concurrent runs of the same key serialise on a lock file; the
-second finds the first's artifact.
+lookup ever returns and ``gc`` removes. Concurrent runs of the same key serialise on a lock file (locks.py); the
+second says which run it waits for, then finds the first's artifact.
 
 A cache hit never hands out files that differ from their manifest: sizes are checked on every hit,
 and content hashes whenever a file's stat signature (size, mtime, inode) differs from the one
@@ -19,7 +19,6 @@ corrupt hit is rebuilt.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 
 from .config import as_dict, cache_key
 from .errors import ArtifactError, ArtifactNotFoundError, StoreError
+from .locks import exclusive
 from .progress import console
 
 MANIFEST = "manifest.json"
@@ -318,15 +318,6 @@ class Store:
                 "pass --engines DIR or set SDTRT_ENGINES to a writable folder"
             ) from exc
 
-    @contextlib.contextmanager
-    def _lock(self, key: str) -> Iterator[None]:
-        with open(self.root / LOCK_DIR / f"{key[:16]}.lock", "w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
     def produce(self, request: StageRequest, build: Callable[[Path], dict[str, Any]]) -> tuple[Artifact, bool]:
         """The artifact for ``request``: from the store if present, else built by ``build(tmp_dir)``.
 
@@ -336,7 +327,7 @@ class Store:
         if hit := self._intact_hit(request):  # a read-only store serves its hits
             return hit, True
         self.ensure_writable()
-        with self._lock(request.key):
+        with exclusive(self.root / LOCK_DIR / f"{request.key[:16]}.lock", f"{request.stage} {request.key[:16]}"):
             if hit := self._intact_hit(request, quiet=True):  # a concurrent run finished it while we waited
                 return hit, True
             tmp = Path(
