@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from sdtrt.store import Store
 from tests.helpers import REPO, run_cli
 
 # Runs the CLI in this process, then reports which heavy libraries it imported: a usage error must come before them.
@@ -103,3 +104,18 @@ def test_a_prompt_longer_than_clip_reads_is_noted_once(tmp_path):
         "only its first 77"
     ]
     assert "CLIP reads" not in run_cli(*args, "a lighthouse", check=True).stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["export", "--model", "no-such-preset"], "is not a preset"),
+        (["generate", "--model", "/no/such/folder"], "is not a preset"),
+        (["export", "--model", "{tmp}"], "is not a diffusers model"),
+    ],
+)
+def test_a_model_that_is_not_there_is_a_usage_error(tmp_path, args, message):
+    """As an --engine that names no artifact is (exit 2), before anything is written."""
+    engines = tmp_path / "engines"
+    error = usage_error_before_loading(*[a.format(tmp=tmp_path) for a in args], "--engines", str(engines))
+    assert message in error and Store(engines).artifacts() == []
