@@ -303,10 +303,21 @@ class Store:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def ensure_writable(self) -> None:
-        """Fail early, before any expensive work, when the store cannot take a new artifact."""
+    def require_folder(self) -> None:
+        """StoreError unless the root is a folder: a file, or nothing there, is no store to read (listing it would
+        show an empty store)."""
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"engines path '{self.root}' is a file, not a directory; pass --engines DIR")
+        if not self.root.exists():
+            raise StoreError(
+                f"engines directory '{self.root}' does not exist; pass --engines DIR (the folder a compile wrote to) "
+                "or set SDTRT_ENGINES"
+            )
+
+    def ensure_writable(self) -> None:
+        """Fail early, before any expensive work, when the store cannot take a new artifact."""
+        if self.root.exists():
+            self.require_folder()
         try:
             (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
             (self.root / LOCK_DIR).mkdir(exist_ok=True)

@@ -119,3 +119,19 @@ def test_a_model_that_is_not_there_is_a_usage_error(tmp_path, args, message):
     engines = tmp_path / "engines"
     error = usage_error_before_loading(*[a.format(tmp=tmp_path) for a in args], "--engines", str(engines))
     assert message in error and Store(engines).artifacts() == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ls", "--engines", "README.md"], "engines path 'README.md' is a file, not a directory"),
+        (["ls", "--engines", "{tmp}/none"], "engines directory '{tmp}/none' does not exist; pass --engines DIR"),
+        (["verify", "--engines", "{tmp}/none"], "engines directory '{tmp}/none' does not exist"),
+        (["gc", "--engines", "{tmp}/none"], "engines directory '{tmp}/none' does not exist"),
+        (["gc", "--older-than", "-1", "--engines", "{tmp}"], "--older-than -1.0: a number of days must be 0 or more"),
+    ],
+)
+def test_cache_commands_refuse_a_store_that_is_not_there_and_a_negative_age(tmp_path, args, message):
+    """Not "0 artifacts", as if the store were empty; a negative age would list every artifact, as 0 does."""
+    error = usage_error_before_loading("cache", *[a.format(tmp=tmp_path) for a in args])
+    assert message.format(tmp=tmp_path) in error
