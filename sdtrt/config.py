@@ -99,6 +99,10 @@ def grid_problem(name: str, value: int, multiple: int) -> str | None:
     )
 
 
+# An example per kind of range in Range.parse's message: images per prompt, pixels, T5 tokens.
+RANGE_EXAMPLES = {"batch": "1:2:4", "height": "256:512:768", "width": "256:512:768", "tokens": "32:256:512"}
+
+
 class Range(NamedTuple):
     """A dimension's minimum, optimum (what the engine is tuned for) and maximum."""
 
@@ -117,7 +121,7 @@ class Range(NamedTuple):
         if len(values) == 1:
             values *= 3
         if len(values) != 3:
-            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. 256:512:768)")
+            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. {RANGE_EXAMPLES[what]})")
         return cls(*values)
 
     def __str__(self) -> str:

@@ -135,3 +135,12 @@ def test_cache_commands_refuse_a_store_that_is_not_there_and_a_negative_age(tmp_
     """Not "0 artifacts", as if the store were empty; a negative age would list every artifact, as 0 does."""
     error = usage_error_before_loading("cache", *[a.format(tmp=tmp_path) for a in args])
     assert message.format(tmp=tmp_path) in error
+
+
+@pytest.mark.parametrize(
+    ("option", "example"), [("--batch", "batch 'abc' is not N or MIN:OPT:MAX (e.g. 1:2:4)"), ("--height", "(e.g. 256")]
+)
+def test_a_malformed_range_gives_an_example_of_its_own_kind(option, example):
+    """A batch example for --batch (it gave pixels), pixels for --height."""
+    result = run_cli("compile", option, "abc")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and example in result.stderr, result.stderr
