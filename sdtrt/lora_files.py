@@ -330,6 +330,7 @@ def random_lora(
     from peft import LoraConfig, get_peft_model_state_dict
 
     from .models import load_folder, quiet_loading
+    from .store import follow_umask
 
     out = lora_out(out)
     denoiser = model.denoiser_folder  # unet or transformer: component and folder have the same name
@@ -355,5 +356,6 @@ def random_lora(
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         pipeline.save_lora_weights(tmp, weight_name=out.name, **layers)
+        follow_umask(Path(tmp))  # written 0600 (a temporary file), as the store's artifacts are not
         os.replace(Path(tmp) / out.name, out)
     return out

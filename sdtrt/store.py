@@ -348,7 +348,7 @@ class Store:
                 tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; artifacts follow the umask like other files
                 started = time.time()
                 fields = build(tmp)
-                _follow_umask(tmp)
+                follow_umask(tmp)
                 manifest = request.base_manifest() | fields
                 manifest["created_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
                 manifest.setdefault("timings", {})["stage_s"] = round(time.time() - started, 3)
@@ -437,7 +437,7 @@ def _umask() -> int:
     return mask
 
 
-def _follow_umask(folder: Path) -> None:
+def follow_umask(folder: Path) -> None:
     """Give the files a stage wrote the modes the umask gives new files: some writers are stricter (onnx ≥ 1.2x
     writes external data 0600), which a server under another account could not read."""
     mask = _umask()

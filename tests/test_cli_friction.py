@@ -144,3 +144,17 @@ def test_a_malformed_range_gives_an_example_of_its_own_kind(option, example):
     """A batch example for --batch (it gave pixels), pixels for --height."""
     result = run_cli("compile", option, "abc")
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and example in result.stderr, result.stderr
+
+
+def test_a_random_lora_file_follows_the_umask(tiny, tmp_path):
+    """As the store's artifacts do: diffusers writes it 0600 (a temporary file), which another account cannot read."""
+    import stat
+
+    from sdtrt.lora_files import random_lora
+
+    mask = os.umask(0o022)
+    try:
+        path = random_lora(tiny, tmp_path / "random.safetensors", rank=2)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
