@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,25 @@ def test_a_random_lora_file_follows_the_umask(tiny, tmp_path):
     finally:
         os.umask(mask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_ctrl_c_during_generate_says_what_generate_left(tmp_path):
+    """Not compile's note about stages, which generate does not build."""
+    import signal
+    import time
+
+    out = tmp_path / "x.png"
+    args = [sys.executable, "-m", "sdtrt", "generate", "--steps", "1", "--out", str(out)]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as test_cli's interrupted export explains
+    )  # fmt: skip
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and "libtorch" not in maps.read_text():
+        time.sleep(0.05)  # until the command loads the pipeline: torch comes with it
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()[-500:]
+    assert err.decode().strip().splitlines()[-1] == "interrupted: generate stopped before writing its results"
+    assert not out.exists()
