@@ -91,7 +91,7 @@ def load_pipeline(
     ``task`` picks txt2img, img2img or inpaint within the model's family (StableDiffusion…,
     StableDiffusionXL…, LatentConsistencyModel…). ``engine`` is an artifact directory (or file inside
     one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
-    ``compile_model`` returned. Components a set lacks stay PyTorch (one line on stderr says which).
+    ``compile_model`` returned. Components the engine (or set) lacks stay PyTorch (one line on stderr says which).
     Without ``engine`` the pipeline is plain PyTorch (the reference engines are checked against), unless
     ``model`` is a folder an engine pipeline was saved to (``pipe.save_pretrained``): then it runs on the
     engines recorded there again.
@@ -122,8 +122,9 @@ def load_pipeline(
     if members:
         pipe = with_components(pipe, standins(source, members, pipe.vae, dtype, budget))
         on_pytorch = [c for c in model_components(source) if c not in members]
-        if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
-            console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
+        if on_pytorch and engine is not None:  # a saved pipeline's engines were chosen before
+            where = "the engine set" if _as_artifact(engine).stage == "set" else f"the {', '.join(members)} engine"
+            console.print(f"[dim]on PyTorch (not in {where}): {', '.join(on_pytorch)}[/]")
         refuse_diffusers_loras(pipe)
     if loras and lora_networks(pipe):
         set_loras(pipe, loras)

@@ -181,3 +181,14 @@ def test_ctrl_c_during_generate_says_what_generate_left(tmp_path):
     assert proc.returncode == 130, err.decode()[-500:]
     assert err.decode().strip().splitlines()[-1] == "interrupted: generate stopped before writing its results"
     assert not out.exists()
+
+
+def test_one_text_encoder_engine_says_the_rest_runs_on_pytorch(tiny, store, capsys):
+    """As an engine set lacking members does: an engine of one component leaves the others on PyTorch."""
+    from sdtrt.compile import compile_model
+    from sdtrt.pipeline import load_pipeline
+
+    engine = compile_model(tiny, store, "onnxruntime", components=("text_encoder",)).final
+    capsys.readouterr()
+    load_pipeline(tiny, engine)
+    assert "on PyTorch (not in the text_encoder engine): unet, vae_decoder, vae_encoder" in capsys.readouterr().err
