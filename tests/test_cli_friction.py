@@ -192,3 +192,17 @@ def test_one_text_encoder_engine_says_the_rest_runs_on_pytorch(tiny, store, caps
     capsys.readouterr()
     load_pipeline(tiny, engine)
     assert "on PyTorch (not in the text_encoder engine): unet, vae_decoder, vae_encoder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--image", "{tmp}/none.png"], "--image {tmp}/none.png does not exist; pass an image"),
+        (["--mask", "{tmp}"], "--mask {tmp} is a directory; pass an image"),
+        (["--image", "README.md"], "--image: cannot read README.md as an image"),
+    ],
+)
+def test_an_image_that_is_not_there_is_one_line_as_one_that_is_not_an_image(tmp_path, args, message):
+    """sdtrt's one line for each, not Typer's box for a missing file beside sdtrt's line for an unreadable one."""
+    error = usage_error_before_loading("generate", *[a.format(tmp=tmp_path) for a in args])
+    assert message.format(tmp=tmp_path) in error

@@ -40,15 +40,18 @@ SchedulerOpt = Annotated[
 ]
 
 
-def _open_image(path: Path | None, mode: str) -> Any:
+def _open_image(path: Path | None, mode: str, option: str) -> Any:
+    """--image or --mask, opened; one missing or unreadable is a usage error in one line (not Typer's box)."""
     if path is None:
         return None
+    if not path.is_file():
+        raise RequestError(f"{option} {path} {'is a directory' if path.is_dir() else 'does not exist'}; pass an image")
     from PIL import Image, UnidentifiedImageError
 
     try:
         return Image.open(path).convert(mode)
     except (UnidentifiedImageError, OSError) as exc:
-        raise RequestError(f"cannot read {path} as an image: {exc}") from exc
+        raise RequestError(f"{option}: cannot read {path} as an image: {exc}") from exc
 
 
 def register(app: typer.Typer) -> None:
@@ -68,12 +71,8 @@ def generate_command(
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,
-    image: Annotated[
-        Path | None, typer.Option(exists=True, dir_okay=False, help="Input image (img2img, inpainting, SDXL refiner).")
-    ] = None,
-    mask: Annotated[
-        Path | None, typer.Option(exists=True, dir_okay=False, help="Inpainting mask: white is repainted.")
-    ] = None,
+    image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
+    mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
     task: Annotated[
         str | None, typer.Option(help="txt2img, img2img or inpaint (default: the model's own pipeline).")
@@ -102,7 +101,7 @@ def generate_command(
     source = o.model_for(model, artifact)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-        image=_open_image(image, "RGB"), mask_image=_open_image(mask, "L"),
+        image=_open_image(image, "RGB", "--image"), mask_image=_open_image(mask, "L", "--mask"),
     )  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
     o.check_engine_size(artifact, request)
