@@ -206,3 +206,15 @@ def test_an_image_that_is_not_there_is_one_line_as_one_that_is_not_an_image(tmp_
     """sdtrt's one line for each, not Typer's box for a missing file beside sdtrt's line for an unreadable one."""
     error = usage_error_before_loading("generate", *[a.format(tmp=tmp_path) for a in args])
     assert message.format(tmp=tmp_path) in error
+
+
+def test_help_shows_no_value_for_flags_and_the_choices_of_string_options():
+    """A flag takes no value (`--static true` is refused): none is shown. --task, --level, --scheduler list theirs."""
+    compile_help = run_cli("compile", "--help", check=True).stdout
+    generate_help = run_cli("generate", "--help", check=True).stdout
+    assert "<bool>" not in compile_help + generate_help
+    static = next(line for line in compile_help.splitlines() if "--static" in line)
+    assert static.split("--static")[1].split()[0] == "TensorRT:", static
+    assert "--level" in compile_help and "<1|2|2.5|3|4>" in compile_help
+    assert "<txt2img|img2img|inpaint>" in generate_help and "<FILE[:SCALE]>" in generate_help
+    assert "<pndm|ddim|euler|" in generate_help

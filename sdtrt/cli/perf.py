@@ -38,8 +38,9 @@ def bench(
     lora: Annotated[
         list[str] | None,
         typer.Option(
+            metavar=o.LORA_METAVAR,
             help="A LoRA as FILE[:SCALE], put into every backend first (engine builds: refittable); "
-            "reports how long that and a swap take. Repeat for several."
+            "reports how long that and a swap take. Repeat for several.",
         ),
     ] = None,
     engines: o.EnginesOpt = None,

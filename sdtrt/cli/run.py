@@ -14,6 +14,7 @@ from rich.console import Console
 
 from ..config import ValidationConfig
 from ..errors import RequestError
+from ..families import TASKS
 from ..progress import counted_steps, results, step
 from ..request import (
     FLOW_SCHEDULERS,
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
 SchedulerOpt = Annotated[
     str | None,
     typer.Option(
+        metavar=f"<{'|'.join([*SCHEDULERS, *FLOW_SCHEDULERS])}>",
         help=f"Scheduler: {', '.join(SCHEDULERS)} for UNet models; {', '.join(FLOW_SCHEDULERS)} for SD3 / Flux "
-        "(flow-heun: SD3 only). Default: the model's."
+        "(flow-heun: SD3 only). Default: the model's.",
     ),
 ]
 
@@ -75,11 +77,17 @@ def generate_command(
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
     task: Annotated[
-        str | None, typer.Option(help="txt2img, img2img or inpaint (default: the model's own pipeline).")
+        str | None,
+        typer.Option(
+            metavar=f"<{'|'.join(TASKS)}>", help="The pipeline of the model's family to run (default: its own)."
+        ),
     ] = None,
     lora: Annotated[
         list[str] | None,
-        typer.Option(help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild."),
+        typer.Option(
+            metavar=o.LORA_METAVAR,
+            help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild.",
+        ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     weight_streaming_budget: o.WeightBudgetOpt = None,
@@ -90,7 +98,7 @@ def generate_command(
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
-    from ..families import TASKS, pipeline_class_name
+    from ..families import pipeline_class_name
     from ..stages.engine_set import engine_members, engine_profile
 
     if task is not None and task not in TASKS:
