@@ -218,3 +218,19 @@ def test_help_shows_no_value_for_flags_and_the_choices_of_string_options():
     assert "--level" in compile_help and "<1|2|2.5|3|4>" in compile_help
     assert "<txt2img|img2img|inpaint>" in generate_help and "<FILE[:SCALE]>" in generate_help
     assert "<pndm|ddim|euler|" in generate_help
+
+
+def test_an_sd35_lora_on_flux_is_refused_as_an_sd3_lora(tmp_path):
+    """Before its weights are mapped, as a Flux LoRA on SD3 is: SD3.5's attn2 is in no Flux block (a UNet's attn2 is
+    under unet.)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sdtrt.errors import LoraError
+    from sdtrt.lora_files import named_kind, read_lora
+
+    key = "transformer.transformer_blocks.0.attn2.to_k"
+    save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")
+    with pytest.raises(LoraError, match=rf"is an? SD3 LoRA \('{key}.lora_A.weight'\); this model \(flux\) takes Flux"):
+        read_lora(tmp_path / "a.st", "flux")
+    assert named_kind(["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight"]) == "unet"
