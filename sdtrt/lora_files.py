@@ -195,9 +195,16 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
     state_dict, alphas, metadata = _lora_state_dict(path, lora_family)
     networks = lora_family.networks
     if other := next((k for k in state_dict if not k.startswith(tuple(f"{c}." for c in networks))), None):
+        # CLIP's weights are under text_model. (T5's under encoder.): CLIP layers for a network this family has
+        # as T5 (Flux's text_encoder_2) or lacks are from another family's LoRA (SD3's, SDXL's).
+        why = (
+            "a CLIP encoder's weight: a LoRA for another model (SD3, SDXL)?"
+            if ".text_model." in other
+            else "T5 encoders take none, as in diffusers"
+        )
         raise LoraError(
             f"{path}: '{other}' is not a weight of the {', '.join(networks)} networks sdtrt applies "
-            f"{lora_family.label} LoRAs to (T5 encoders take none, as in diffusers)"
+            f"{lora_family.label} LoRAs to ({why})"
         )
     parts = {}
     for component in networks:

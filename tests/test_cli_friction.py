@@ -234,3 +234,17 @@ def test_an_sd35_lora_on_flux_is_refused_as_an_sd3_lora(tmp_path):
     with pytest.raises(LoraError, match=rf"is an? SD3 LoRA \('{key}.lora_A.weight'\); this model \(flux\) takes Flux"):
         read_lora(tmp_path / "a.st", "flux")
     assert named_kind(["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight"]) == "unet"
+
+
+def test_clip_layers_of_another_familys_lora_on_flux_are_not_called_t5(tmp_path):
+    """An SD3 LoRA's CLIP-G layers (text_encoder_2.text_model…) on Flux, whose text_encoder_2 is T5."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sdtrt.errors import LoraError
+    from sdtrt.lora_files import read_lora
+
+    key = "text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")
+    with pytest.raises(LoraError, match=r"to \(a CLIP encoder's weight: a LoRA for another model \(SD3, SDXL\)\?\)"):
+        read_lora(tmp_path / "a.st", "flux")
