@@ -105,6 +105,8 @@ def grid_problem(name: str, value: int, multiple: int) -> str | None:
 MAX_BATCH = 64
 # The most T5 tokens (max_sequence_length) SD3's and FLUX.1's pipelines take: their check_inputs refuse more.
 MAX_T5_TOKENS = 512
+# An example per kind of range in Range.parse's message: images per prompt, pixels, T5 tokens.
+RANGE_EXAMPLES = {"batch": "1:2:4", "height": "256:512:768", "width": "256:512:768", "tokens": "32:256:512"}
 
 
 class Range(NamedTuple):
@@ -125,7 +127,7 @@ class Range(NamedTuple):
         if len(values) == 1:
             values *= 3
         if len(values) != 3:
-            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. 256:512:768)")
+            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. {RANGE_EXAMPLES[what]})")
         return cls(*values)
 
     def __str__(self) -> str:

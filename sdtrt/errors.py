@@ -10,7 +10,10 @@ class SdtrtError(Exception):
 
 
 class ModelNotFoundError(SdtrtError):
-    """The --model value names no preset, local diffusers folder or reachable hub id."""
+    """The --model value names no preset, local diffusers folder or reachable hub id (or lacks a folder the command
+    needs); a usage error (exit 2), as an --engine that names no artifact is."""
+
+    exit_code = 2
 
 
 class UnsupportedModelError(SdtrtError):

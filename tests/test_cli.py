@@ -76,9 +76,6 @@ def test_help_explains_with_an_example(command):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["export", "--model", "no-such-preset"], "is not a preset"),
-        (["export", "--model", "/no/such/folder"], "is not a preset"),
-        (["export", "--model", "{tmp}"], "is not a diffusers model"),
         (["simplify", "{tmp}/corrupt.onnx"], "is not a readable ONNX model"),
         (["simplify", "{tmp}/missing.onnx"], "does not exist"),
     ],

@@ -70,6 +70,7 @@ GuidanceOpt = Annotated[
     # No square brackets: rich reads them as markup and drops them from --help.
     typer.Option(help="Guidance scale (default: 7.5; FLUX.1-dev's distilled guidance 3.5; FLUX.1-schnell takes none)."),
 ]
+LORA_METAVAR = "<FILE[:SCALE]>"
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..config import BENCH_BACKENDS, BenchConfig, Precision
+from ..errors import ConfigError, RequestError
 from ..progress import console, results, step
 from ..request import GenerateRequest, SizeRule
 from . import options as o
@@ -37,8 +38,9 @@ def bench(
     lora: Annotated[
         list[str] | None,
         typer.Option(
+            metavar=o.LORA_METAVAR,
             help="A LoRA as FILE[:SCALE], put into every backend first (engine builds: refittable); "
-            "reports how long that and a swap take. Repeat for several."
+            "reports how long that and a swap take. Repeat for several.",
         ),
     ] = None,
     engines: o.EnginesOpt = None,
@@ -50,16 +52,19 @@ def bench(
     from ..models import resolve_model
 
     loras = tuple(o.lora_options(lora))
+    try:  # backends and their precisions: a usage error before anything loads
+        config = BenchConfig(
+            backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch,
+            height=height, width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
         o.ensure_parent(path, option)
     from ..bench import check_engines_ran, run_bench, write_chart
 
-    config = BenchConfig(
-        backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch, height=height,
-        width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras,
-    )  # fmt: skip
     report = run_bench(
         source, config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
     )
