@@ -88,11 +88,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def grid_problem(name: str, value: int, multiple: int) -> str | None:
-    """Why an image side cannot be generated, or None: the one size rule every command applies."""
+def grid_problem(name: str, value: int, multiple: int, within: Range | None = None) -> str | None:
+    """Why an image side cannot be generated, or None: the one size rule every command applies. ``within``: the
+    engines' range for this side (its ends are on the grid), so the size suggested is one they take."""
     if value > 0 and value % multiple == 0:
         return None
     nearest = max(multiple, round(value / multiple) * multiple)
+    if within is not None:
+        nearest = min(max(nearest, within.min), within.max)
     return (
         f"{name} {value} is not a positive multiple of {multiple} pixels, which this model's denoiser (its "
         f"UNet or transformer) and VAE need; use e.g. {nearest}"

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import DEFAULT_PROMPT, grid_problem
+from .config import DEFAULT_PROMPT, MAX_T5_TOKENS, grid_problem
 from .errors import RequestError
 
 if TYPE_CHECKING:
@@ -256,11 +256,13 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
         count = len(tokenizer(prompt).input_ids)
         if count > limit:
             where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
+            rebuild = built and count <= MAX_T5_TOKENS  # no rebuild takes more than the pipelines do
             raise RequestError(
                 f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
                 + (
-                    ", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens 32:256:512)"
-                    if built
+                    f", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens "
+                    f"32:256:{MAX_T5_TOKENS})"
+                    if rebuild
                     else ""
                 )
             )
@@ -278,7 +280,7 @@ def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = Fal
             limit = tokenizers[cut[0]].model_max_length
             lines.append(
                 f"the prompt {prompt[:30]!r}… is {counts[cut[0]]} CLIP tokens and CLIP reads {limit}: "
-                f"{' and '.join(cut)} see only its first {limit}" + ("; T5 reads all of it" if t5 else "")
+                f"{' and '.join(cut)} {'sees' if len(cut) == 1 else 'see'} only its first {limit}" + ("; T5 reads all of it" if t5 else "")
             )
     return lines
 
@@ -326,7 +328,8 @@ def check_size(height: int | None, width: int | None, multiple: int, profile: Sh
     size outside it (a side not given: the profile's optimum): validate's and debug's size rule. Cheap: run it
     before loading anything."""
     for name, value in (("height", height), ("width", width)):
-        if value is not None and (problem := grid_problem(name, value, multiple)):
+        within = getattr(profile, name) if profile is not None else None
+        if value is not None and (problem := grid_problem(name, value, multiple, within)):
             raise RequestError(problem)
     if profile is not None and (height is not None or width is not None):
         height = profile.height.opt if height is None else height

@@ -248,3 +248,58 @@ def test_clip_layers_of_another_familys_lora_on_flux_are_not_called_t5(tmp_path)
     save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")
     with pytest.raises(LoraError, match=r"to \(a CLIP encoder's weight: a LoRA for another model \(SD3, SDXL\)\?\)"):
         read_lora(tmp_path / "a.st", "flux")
+
+
+class _Tokenizer:
+    """A tokenizer that reads one token per word (what check_t5_prompts and clip_cuts count), of a fixed length."""
+
+    def __init__(self, model_max_length: int = 77) -> None:
+        self.model_max_length = model_max_length
+
+    def __call__(self, prompt: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=prompt.split())
+
+
+def test_a_size_suggested_for_an_engine_is_one_its_profile_takes():
+    """Trial 8: `debug --height 100` on a 128..384 px engine suggested 96, which that engine then refused."""
+    from sdtrt.config import Range, ShapeProfile
+    from sdtrt.errors import RequestError
+    from sdtrt.request import check_size
+
+    profile = ShapeProfile(height=Range(128, 256, 384), width=Range(128, 256, 384))
+    for height, suggested in ((100, 128), (7, 128), (250, 256), (1000, 384)):
+        with pytest.raises(RequestError, match=rf"use e\.g\. {suggested}$"):
+            check_size(height, None, 16, profile)
+    with pytest.raises(RequestError, match=r"use e\.g\. 96$"):  # no engines: the nearest on the grid
+        check_size(100, None, 16, None)
+
+
+def test_a_t5_prompt_no_pipeline_takes_is_not_told_to_rebuild():
+    """Trial 8: a 541-token prompt was told to rebuild with --tokens 32:256:512, which cannot cover it."""
+    from sdtrt.errors import RequestError
+    from sdtrt.request import check_t5_prompts
+
+    with pytest.raises(RequestError, match=r"more than the 256 the engines were built for; shorten it, or rebuild"):
+        check_t5_prompts(["word " * 300], _Tokenizer(), 256, built=True)
+    with pytest.raises(RequestError, match=r"more than the 512 the engines were built for; shorten it$"):
+        check_t5_prompts(["word " * 541], _Tokenizer(), 512, built=True)
+
+
+def test_a_cut_prompt_line_agrees_with_its_encoders():
+    from sdtrt.request import clip_cuts
+
+    long = "word " * 100
+    assert "text_encoder sees only its first 77" in clip_cuts([long], {"text_encoder": _Tokenizer()})[0]
+    both = {"text_encoder": _Tokenizer(), "text_encoder_2": _Tokenizer()}
+    assert "text_encoder and text_encoder_2 see only its first 77" in clip_cuts([long], both)[0]
+
+
+def test_an_out_that_is_a_folder_is_named_as_one(tmp_path):
+    """Trial 8: `generate --out <an existing folder>` was refused for having no extension."""
+    from sdtrt.cli.options import ensure_image_file
+    from sdtrt.errors import RequestError
+
+    with pytest.raises(RequestError, match="is a folder; name a .png"):
+        ensure_image_file(tmp_path, "--out")

@@ -170,6 +170,8 @@ def ensure_image_file(path: Path, option: str) -> None:
     from PIL import Image
 
     Image.init()  # registers every plugin's extensions
+    if path.is_dir():
+        raise RequestError(f"{option} {path} is a folder; name a .png (or .jpg, .webp) file in it")
     if Image.registered_extensions().get(path.suffix.lower()) not in Image.SAVE:
         what = f"'{path.suffix}' is not an image format Pillow writes" if path.suffix else "it has no extension"
         raise RequestError(f"{option} {path}: {what}; name a .png (or .jpg, .webp) file")
