@@ -278,9 +278,10 @@ def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = Fal
         cut = [encoder for encoder, count in counts.items() if count > tokenizers[encoder].model_max_length]
         if cut:
             limit = tokenizers[cut[0]].model_max_length
+            verb = "sees" if len(cut) == 1 else "see"
             lines.append(
                 f"the prompt {prompt[:30]!r}… is {counts[cut[0]]} CLIP tokens and CLIP reads {limit}: "
-                f"{' and '.join(cut)} {'sees' if len(cut) == 1 else 'see'} only its first {limit}" + ("; T5 reads all of it" if t5 else "")
+                f"{' and '.join(cut)} {verb} only its first {limit}" + ("; T5 reads all of it" if t5 else "")
             )
     return lines
 

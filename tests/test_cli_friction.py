@@ -301,5 +301,5 @@ def test_an_out_that_is_a_folder_is_named_as_one(tmp_path):
     from sdtrt.cli.options import ensure_image_file
     from sdtrt.errors import RequestError
 
-    with pytest.raises(RequestError, match="is a folder; name a .png"):
+    with pytest.raises(RequestError, match=r"is a folder; name a \.png"):
         ensure_image_file(tmp_path, "--out")
