@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..config import ShapeProfile, WeightBudget
-from ..errors import ArtifactError, RequestError
+from ..errors import ArtifactError, MissingDependencyError, RequestError
 from .base import Runtime
 
 if TYPE_CHECKING:
@@ -65,6 +65,11 @@ def open_runtime(
 
         preoptimized = artifact.stage == "build-ort"
         return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
+    if artifact.stage == "build-trt" and artifact.manifest.get("target") == "tensorrt-rtx":
+        raise MissingDependencyError(
+            f"{artifact.path} is a TensorRT-RTX plan, and sdtrt has no runtime for TensorRT-RTX plans yet: run it with "
+            "TensorRT-RTX's own runtime on an RTX GPU, or compile with --target tensorrt or onnxruntime to run it here"
+        )
     if artifact.stage == "build-trt":
         from .tensorrt import TensorRTRuntime
 
