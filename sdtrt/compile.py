@@ -161,7 +161,8 @@ def compile_model(
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
     if chosen == "tensorrt-rtx":
-        return validate_graphs(CompileResult(chosen, reason, artifacts), model, graphs, validation, store, revalidate)
+        result = CompileResult(chosen, reason, artifacts)
+        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
     return CompileResult(chosen, reason, artifacts, report, cached)
 
@@ -169,6 +170,7 @@ def compile_model(
 def validate_graphs(
     result: CompileResult,
     model: ModelSource,
+    set_config: EngineSetConfig,
     graphs: dict[str, Artifact],
     validation: ValidationConfig,
     store: Store,
@@ -176,22 +178,18 @@ def validate_graphs(
 ) -> CompileResult:
     """TensorRT-RTX plans finish compiling on the GPU that loads them, so here the graphs they were built from are
     validated against PyTorch on ONNX Runtime (as a set of their own when there are several; bf16 graphs, which ONNX
-    Runtime cannot run, are not), and the result says in one line where the plans themselves validate."""
+    Runtime cannot run, are not), and the result says in one line where the plans themselves can validate."""
     later = (
-        "the TensorRT-RTX plans validate on the first RTX GPU that loads them: "
-        f"`sdtrt validate --engine {result.final.path}` there"
+        f"the TensorRT-RTX plans themselves ({result.final.path}) validate only on an RTX GPU that loads them, with a "
+        "TensorRT-RTX runtime, which sdtrt does not have yet"
     )
     if any(target_precision_problem("onnxruntime", artifact_spec(g).precision) for g in graphs.values()):
         return replace(
             result, validation_note=f"bf16 graphs do not run on ONNX Runtime, so nothing was compared here; {later}"
         )
-    members = (
-        engine_set.run(EngineSetConfig(tuple(graphs)), graphs, store, model)
-        if len(graphs) > 1
-        else next(iter(graphs.values()))
-    )
-    report, cached = stored_validate(model, members, validation, store, revalidate)
-    note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({members.path}); {later}"
+    checked = engine_set.run(set_config, graphs, store, model) if len(graphs) > 1 else next(iter(graphs.values()))
+    report, cached = stored_validate(model, checked, validation, store, revalidate)
+    note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({checked.path}); {later}"
     return replace(result, validation=report, validation_cached=cached, validation_note=note)
 
 

@@ -44,6 +44,12 @@ class Product:
     compute_capabilities: bool
     # Plans begin with these bytes: measured for TensorRT-RTX 1.7 (every plan tests/test_rtx.py builds).
     plan_magic: bytes | None
+    # Refittable (REFIT, REFIT_IDENTICAL) and weight-stripped (STRIP_PLAN) plans need a CUDA GPU at build time, even
+    # ahead of time. Measured with tensorrt_rtx 1.7.1.116 on a machine without one: every such build of sdtrt's tiny
+    # UNet, CLIP and VAE graphs fails in the compiler ("MyelinCheckException: graph_jit.cpp:278: CHECK(status ==
+    # CUDA_SUCCESS) failed", build_serialized_network → None), with or without set_compute_capability, while the same
+    # graphs build without those flags (and with WEIGHT_STREAMING).
+    refit_needs_gpu: bool = False
 
 
 TENSORRT = Product(
@@ -52,7 +58,7 @@ TENSORRT = Product(
 )  # fmt: skip
 TENSORRT_RTX = Product(
     "tensorrt-rtx", "tensorrt_rtx", "TensorRT-RTX", "tensorrt-rtx", builds_on_gpu=False, timing_cache=False,
-    optimization_level=False, compute_capabilities=True, plan_magic=b"vtrt",
+    optimization_level=False, compute_capabilities=True, plan_magic=b"vtrt", refit_needs_gpu=True,
 )  # fmt: skip
 PRODUCTS: dict[str, Product] = {p.name: p for p in (TENSORRT, TENSORRT_RTX)}
 RTX_INSTALL = "install it with `pip install 'sdtrt[rtx]'` (tensorrt-rtx from PyPI: no GPU needed to build)"
@@ -102,6 +108,22 @@ def parse_compute_capabilities(text: str | None) -> tuple[str, ...]:
             f"{DEFAULT_COMPUTE_CAPABILITIES}"
         )
     return wanted
+
+
+def gpu_only_problem(which: Product, refittable: bool, strip_weights: bool) -> str | None:
+    """Why ``which`` cannot build a refittable or weight-stripped plan on this machine (no CUDA GPU), or None."""
+    if not (which.refit_needs_gpu and (refittable or strip_weights)):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    option = "--refittable" if refittable else "--strip-weights"
+    return (
+        f"{option}: {which.label} {load(which).__version__} builds refittable and weight-stripped plans only where a "
+        "CUDA GPU is visible (without one its compiler stops: MyelinCheckException graph_jit.cpp:278, CUDA_SUCCESS), "
+        f"and none is here; build without {option} (--weight-streaming builds), or on a machine with an NVIDIA GPU"
+    )
 
 
 def settings_problem(

@@ -35,7 +35,7 @@ from ..models import ModelSource
 from ..presets import PRESETS
 from ..spec import GraphSpec
 from ..store import Artifact, Store
-from ..trt_products import parse_compute_capabilities, rtx_missing
+from ..trt_products import gpu_only_problem, parse_compute_capabilities, product, rtx_missing
 
 if TYPE_CHECKING:
     from ..request import GenerateRequest
@@ -343,13 +343,15 @@ class TrtOptions:
 
     def check(self, target: Target) -> None:
         """Refuse (exit 2, before any export) what ``target`` cannot build: tensorrt-rtx without TensorRT-RTX, an
-        unknown compute capability, a setting only the other TensorRT product has."""
+        unknown compute capability, a setting only the other TensorRT product has, one that needs a GPU here."""
         if target == "tensorrt-rtx" and (missing := rtx_missing()):
             raise RequestError(f"--target tensorrt-rtx: {missing}")
         try:
-            self.config(ShapeProfile(), target)
+            config = self.config(ShapeProfile(), target)
         except ConfigError as exc:
             raise RequestError(str(exc)) from None
+        if problem := gpu_only_problem(product(config.product), config.refittable, config.strip_weights):
+            raise RequestError(problem)
 
 
 _TRT_OPTION_TYPES = {

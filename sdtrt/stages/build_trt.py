@@ -30,7 +30,15 @@ from ..gpu import (
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
 from ..trt_build_worker import REFUSED_EXIT, layer_summary
-from ..trt_products import DEFAULT_COMPUTE_CAPABILITIES, TENSORRT_RTX, Product, load, product, rtx_missing
+from ..trt_products import (
+    DEFAULT_COMPUTE_CAPABILITIES,
+    TENSORRT_RTX,
+    Product,
+    gpu_only_problem,
+    load,
+    product,
+    rtx_missing,
+)
 from .quantize import quantization, tensorrt_graph, tensorrt_spec
 
 STAGE = "build-trt"
@@ -71,6 +79,8 @@ def build_environment(which: Product, config: TrtBuildConfig, graph_precision: s
     if which is TENSORRT_RTX:
         if missing := rtx_missing():
             raise MissingDependencyError(f"cannot build a TensorRT-RTX plan: {missing}")
+        if problem := gpu_only_problem(which, config.refittable, config.strip_weights):
+            raise MissingDependencyError(problem)
         for capability in config.compute_capabilities:
             gpu = f"compute capability {capability}"
             problem = graph_precision_problem(graph_precision, capability, gpu) or (
