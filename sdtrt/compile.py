@@ -35,7 +35,7 @@ from .spec import denoiser_component, denoiser_spec, folder_architecture, model_
 from .stages import build_ort, engine_set, export, quantize, simplify
 from .stages.engine_set import EngineSetConfig
 from .store import Artifact, Store
-from .trt_products import rtx_missing
+from .trt_products import rtx_missing, rtx_runtime_missing
 from .validate import ValidationReport, stored_validate
 
 
@@ -160,7 +160,7 @@ def compile_model(
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
-    if chosen == "tensorrt-rtx":
+    if chosen == "tensorrt-rtx" and rtx_runtime_missing():  # on an RTX GPU the plans validate as TensorRT's do
         result = CompileResult(chosen, reason, artifacts)
         return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
@@ -176,12 +176,12 @@ def validate_graphs(
     store: Store,
     revalidate: bool,
 ) -> CompileResult:
-    """TensorRT-RTX plans finish compiling on the GPU that loads them, so here the graphs they were built from are
-    validated against PyTorch on ONNX Runtime (as a set of their own when there are several; bf16 graphs, which ONNX
-    Runtime cannot run, are not), and the result says in one line where the plans themselves can validate."""
+    """TensorRT-RTX plans finish compiling on the GPU that loads them, so without one the graphs they were built from
+    are validated against PyTorch on ONNX Runtime (as a set of their own when there are several; bf16 graphs, which
+    ONNX Runtime cannot run, are not), and the result says in one line where the plans themselves validate."""
     later = (
-        f"the TensorRT-RTX plans themselves ({result.final.path}) validate only on an RTX GPU that loads them, with a "
-        "TensorRT-RTX runtime, which sdtrt does not have yet"
+        "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: "
+        f"`sdtrt validate --engine {result.final.path}` there"
     )
     if any(target_precision_problem("onnxruntime", artifact_spec(g).precision) for g in graphs.values()):
         return replace(

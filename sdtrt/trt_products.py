@@ -94,6 +94,19 @@ def rtx_missing() -> str | None:
     return None
 
 
+def rtx_runtime_missing() -> str | None:
+    """Why a TensorRT-RTX plan cannot run here, or None: it needs a CUDA GPU (an RTX-class one of a compute capability
+    it was built for) and the tensorrt_rtx module."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            "no CUDA GPU is visible to torch (TensorRT-RTX plans build anywhere but run on RTX-class GPUs of compute "
+            "capability 8.0 or newer, 7.5 when built for it)"
+        )
+    return rtx_missing()
+
+
 def parse_compute_capabilities(text: str | None) -> tuple[str, ...]:
     """``--compute-capability 8.6,8.9,12.0`` → ("8.6", "8.9", "12.0"), in the order given, once each; ConfigError naming
     the known ones for anything else."""

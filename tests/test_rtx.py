@@ -23,7 +23,7 @@ from sdtrt.models import resolve_model
 from sdtrt.onnx_graph import artifact_spec
 from sdtrt.stages import build_trt, export, quantize, simplify
 from sdtrt.store import Artifact
-from sdtrt.trt_products import COMPUTE_CAPABILITIES, DEFAULT_COMPUTE_CAPABILITIES, TENSORRT_RTX
+from sdtrt.trt_products import COMPUTE_CAPABILITIES, DEFAULT_COMPUTE_CAPABILITIES, TENSORRT_RTX, rtx_runtime_missing
 
 from .helpers import REPO, last_line, run_cli
 
@@ -210,12 +210,16 @@ def trt_chains(source: str, root: str) -> set[str]:
     return chains
 
 
-def test_every_name_the_shared_worker_and_the_rtx_differences_use_exists_in_tensorrt_rtx():
+def test_every_name_the_shared_worker_runtime_and_rtx_differences_use_exists_in_tensorrt_rtx():
     """The worker runs under TensorRT-RTX for real in the tests above; this also covers the lines they do not reach
-    (the timing cache is TensorRT's only, but its names are still bound in TensorRT-RTX 1.7)."""
+    (the timing cache is TensorRT's only, but its names are still bound in TensorRT-RTX 1.7) and the runtime, which
+    needs an RTX GPU to run."""
     import tensorrt_rtx as trt
 
-    sources = [(REPO / "sdtrt/trt_build_worker.py", "trt"), (REPO / "sdtrt/trt_products.py", "rtx")]
+    sources = [
+        (REPO / "sdtrt/trt_build_worker.py", "trt"), (REPO / "sdtrt/trt_products.py", "rtx"),
+        (REPO / "sdtrt/runtime/tensorrt.py", "trt"), (REPO / "sdtrt/runtime/rtx.py", "rtx"),
+    ]  # fmt: skip
     chains = set().union(*(trt_chains(path.read_text(), root) for path, root in sources))
     missing = []
     for chain in sorted(chains):
@@ -227,6 +231,8 @@ def test_every_name_the_shared_worker_and_the_rtx_differences_use_exists_in_tens
     assert missing == []
     assert len(chains) >= 25, sorted(chains)
     assert {"ComputeCapability", "IBuilderConfig.set_compute_capability", "BuilderFlag.STRIP_PLAN"} <= chains
+    assert {"IRuntimeConfig.set_runtime_cache", "IRuntimeCache.deserialize", "CudaGraphStrategy.WHOLE_GRAPH_CAPTURE",
+            "Runtime.get_engine_validity", "ICudaEngine.create_execution_context"} <= chains  # fmt: skip
 
 
 # ---- the command line: refusals before any export, then a whole compile --------------------------------------
@@ -275,7 +281,62 @@ def test_compile_tiny_builds_a_set_of_rtx_plans_and_validates_its_graphs_here():
         assert plan.manifest["target"] == "tensorrt-rtx" and plan.primary.read_bytes()[:4] == b"vtrt"
     said = " ".join(done.stderr.split())  # the console wraps long lines
     assert "validated here: the graphs the plans were built from, on ONNX Runtime" in said
-    assert f"the TensorRT-RTX plans themselves ({final}) validate only on an RTX GPU that loads them" in said
+    assert "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: `sdtrt validate" in said
     assert "unet b2 256x256 t=999" in said and "image PSNR" in said  # the validation table, graphs vs PyTorch
     skipped = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", "--no-validate", check=True)
     assert Path(last_line(skipped.stdout)) == final and "validate" not in skipped.stderr
+
+
+# ---- the runtime: TensorRT's, with TensorRT-RTX's runtime config, runtime cache and validity check -----------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
+def test_an_rtx_plan_is_refused_here_in_one_line_before_it_is_read(graph, store):
+    from sdtrt.runtime import open_runtime
+
+    plan = rtx_build(graph("tiny", "text_encoder"), store)
+    with pytest.raises(MissingDependencyError, match="no CUDA GPU is visible") as caught:
+        open_runtime(plan)
+    assert "\n" not in str(caught.value) and "RTX-class GPUs of compute capability 8.0 or newer" in str(caught.value)
+
+
+def test_the_runtime_cache_is_one_file_per_gpu_and_version_replaced_whole(tmp_path):
+    """Two processes writing the store's runtime cache while a third reads it: every read is one writer's whole
+    file, never a mix or a torn write, and no temporary file is left behind."""
+    from sdtrt.runtime.rtx import cache_file, read_locked
+
+    path = cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.7.1.116")
+    assert path == tmp_path / "runtime-cache" / "NVIDIA-GeForce-RTX-4090-sm8.9-tensorrt-rtx-1.7.1.116.cache"
+    assert cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.8.0") != path
+    assert read_locked(path) == b""
+    writer = (
+        "import sys; from pathlib import Path; from sdtrt.runtime.rtx import write_locked\n"
+        "for i in range(40): write_locked(Path(sys.argv[1]), bytes([int(sys.argv[2])]) * (1 << 20) * (1 + i % 3))\n"
+    )
+    writers = [
+        subprocess.Popen([sys.executable, "-c", writer, str(path), str(n)], cwd=REPO) for n in (1, 2)
+    ]  # fmt: skip
+    seen = set()
+    while any(w.poll() is None for w in writers):
+        if data := read_locked(path):
+            assert len(data) % (1 << 20) == 0 and len(set(data)) == 1
+            seen.add(data[0])
+    assert [w.wait() for w in writers] == [0, 0]
+    assert seen <= {1, 2} and sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]
+
+
+@pytest.mark.skipif(bool(rtx_runtime_missing()), reason=f"runs an RTX plan: {rtx_runtime_missing()}")
+def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph, store):
+    from sdtrt.models import load_unet
+    from sdtrt.runtime import open_runtime
+    from sdtrt.runtime.tensorrt import runtime_cache
+    from sdtrt.spec import ValidationCase
+    from sdtrt.validate import compare_case
+
+    plan = rtx_build(graph("tiny", "unet"), store)
+    for _ in range(2):  # the second load starts from the runtime cache the first left
+        runtime = open_runtime(plan, cuda_graph=True)
+        row = compare_case(runtime, load_unet(tiny), runtime.spec, ValidationCase(2, 256, 256, 999.0, 0))
+        runtime.close()
+        assert row["finite"] and row["cosine"] >= 0.99
+        assert runtime_cache(plan.primary).stat().st_size > 0

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..config import ShapeProfile, WeightBudget
-from ..errors import ArtifactError, MissingDependencyError, RequestError
+from ..errors import ArtifactError, RequestError
 from .base import Runtime
 
 if TYPE_CHECKING:
@@ -46,7 +46,8 @@ def open_runtime(
     artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False,
     weight_budget: WeightBudget | None = None,
 ) -> Runtime:  # fmt: skip
-    """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT; .ts on torch.
+    """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT (or TensorRT-RTX, the
+    product that built them); .ts on torch.
 
     ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest; ``cuda_graph``
     replays TensorRT engines from CUDA graphs; ``weight_budget`` goes to engines built with weight streaming
@@ -65,11 +66,6 @@ def open_runtime(
 
         preoptimized = artifact.stage == "build-ort"
         return OnnxRuntime(artifact.primary, spec, artifact_profile(artifact), preoptimized=preoptimized)
-    if artifact.stage == "build-trt" and artifact.manifest.get("target") == "tensorrt-rtx":
-        raise MissingDependencyError(
-            f"{artifact.path} is a TensorRT-RTX plan, and sdtrt has no runtime for TensorRT-RTX plans yet: run it with "
-            "TensorRT-RTX's own runtime on an RTX GPU, or compile with --target tensorrt or onnxruntime to run it here"
-        )
     if artifact.stage == "build-trt":
         from .tensorrt import TensorRTRuntime
 
