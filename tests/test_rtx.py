@@ -151,17 +151,40 @@ def test_compute_capabilities_are_built_for_keyed_and_recorded(graph, store):
     assert turing.manifest["reproduce"].endswith("--compute-capability 7.5,8.6")
 
 
-def test_an_int8_q_dq_unet_builds_with_its_quantize_layers(tiny, store):
-    """The quantize stage's TensorRT graph (fp16 outside its INT8 Q/DQ pairs), as NVIDIA's ModelOpt exports it."""
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_q_dq_unet_builds_with_its_quantize_layers(tiny, store, precision):
+    """The quantize stage's TensorRT graph (fp16 outside its Q/DQ pairs), as NVIDIA's ModelOpt exports it: only
+    Quantize layers of its own 8-bit type (ModelOpt's trt::TRT_FP8QuantizeLinear included)."""
     quantized = quantize.run(
-        QuantizeConfig(precision="int8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2), tiny, store
+        QuantizeConfig(precision=precision, calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2), tiny, store
     )
-    simplified = simplify.run(SimplifyConfig(), quantized, store)
-    plan = rtx_build(simplified, store)
+    plan = rtx_build(simplify.run(SimplifyConfig(), quantized, store), store)
     details = check_plan(plan, "fp16", 2_000_000)
-    assert details["quantization"]["format"] == "int8"
-    assert details["quantization"]["quantize_layers"].get("INT8", 0) > 0
-    assert "FP8" not in details["quantization"]["quantize_layers"]
+    assert details["quantization"]["format"] == precision
+    layers = details["quantization"]["quantize_layers"]
+    assert layers.get(precision.upper(), 0) > 0 and set(layers) == {precision.upper()}
+    assert details["layer_types"][precision.upper()] >= layers[precision.upper()]
+
+
+TINY_PRESETS = [
+    "tiny-sd2", "tiny-sdxl", "tiny-sdxl-refiner", "tiny-inpaint", "tiny-lcm", "tiny-controlnet",
+    "tiny-sdxl-controlnet", "tiny-sd3", "tiny-flux", "tiny-flux-schnell",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_every_component_of_every_tiny_preset_builds(store, preset):
+    """What `compile --target tensorrt-rtx` builds for each family (tiny itself: the CLI test below), each member at
+    the precision compile gives it (fp16; VAEs and T5 fp32)."""
+    from sdtrt.compile import compile_model
+    from sdtrt.spec import model_components
+
+    model = resolve_model(preset)
+    result = compile_model(model, store, "tensorrt-rtx")
+    plans = [a for a in result.artifacts if a.stage == "build-trt"]
+    assert [artifact_spec(p).component for p in plans] == list(model_components(model))
+    for plan in plans:
+        check_plan(plan, plan.manifest["io"]["precision"], 500_000)
 
 
 def test_a_network_without_layers_of_the_graphs_precision_is_refused_in_one_line(graph, store, tmp_path):
