@@ -352,7 +352,7 @@ def test_the_runtime_cache_is_one_file_per_gpu_and_version_replaced_whole(tmp_pa
 def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph, store):
     from sdtrt.models import load_unet
     from sdtrt.runtime import open_runtime
-    from sdtrt.runtime.tensorrt import runtime_cache
+    from sdtrt.runtime.rtx import store_cache_file
     from sdtrt.spec import ValidationCase
     from sdtrt.validate import compare_case
 
@@ -362,4 +362,4 @@ def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph,
         row = compare_case(runtime, load_unet(tiny), runtime.spec, ValidationCase(2, 256, 256, 999.0, 0))
         runtime.close()
         assert row["finite"] and row["cosine"] >= 0.99
-        assert runtime_cache(plan.primary).stat().st_size > 0
+        assert store_cache_file(plan.primary).stat().st_size > 0

@@ -17,6 +17,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ..errors import ArtifactError, EnvironmentMismatchError
+from ..gpu import gpu_environment
+from ..trt_products import TENSORRT_RTX, load
 
 if TYPE_CHECKING:
     import tensorrt_rtx as rtx
@@ -46,6 +48,12 @@ def cache_file(store_root: Path, gpu: str, compute_capability: str, version: str
     rejected by IRuntimeCache.deserialize anyway: tensorrt_rtx 1.7's docstring)."""
     name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{gpu}-sm{compute_capability}-tensorrt-rtx-{version}").strip("-")
     return store_root / CACHE_DIR / f"{name}.cache"
+
+
+def store_cache_file(plan: Path) -> Path:
+    """The runtime cache of the store the plan is in (STORE/build-trt/KEY/unet.plan) for this GPU and TensorRT-RTX."""
+    env = gpu_environment()
+    return cache_file(plan.resolve().parents[2], env["gpu"], env["compute_capability"], load(TENSORRT_RTX).__version__)
 
 
 def read_locked(path: Path) -> bytes:

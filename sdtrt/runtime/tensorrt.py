@@ -27,7 +27,7 @@ import torch
 
 from ..config import WeightBudget
 from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError, MissingDependencyError, RefitError
-from ..gpu import check_engine_environment, gpu_environment, rebuild_command, require_tensorrt
+from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from ..store import Artifact, digest, located
 from ..trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
@@ -324,15 +324,6 @@ def refit_weights(trt: ModuleType, array: np.ndarray) -> trt.Weights:
     return trt.Weights(array)
 
 
-def runtime_cache(plan: Path) -> Path:
-    """The runtime cache file of the store the plan is in (STORE/build-trt/KEY/unet.plan), for this GPU and
-    TensorRT-RTX version."""
-    env = gpu_environment()
-    return rtx.cache_file(
-        plan.resolve().parents[2], env["gpu"], env["compute_capability"], load(TENSORRT_RTX).__version__
-    )
-
-
 class TensorRTRuntime(CudaRuntime):
     name = "tensorrt"
 
@@ -381,7 +372,9 @@ class TensorRTRuntime(CudaRuntime):
         if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
             set_weight_budget(engine, weight_budget, plan, self._rebuild)
         # TensorRT-RTX compiles the plan for this GPU here, with the store's runtime cache (and its own CUDA graphs).
-        self._jit = rtx.RuntimeCache(trt, engine, runtime_cache(plan), cuda_graph) if which is TENSORRT_RTX else None
+        self._jit = (
+            None if which is not TENSORRT_RTX else rtx.RuntimeCache(trt, engine, rtx.store_cache_file(plan), cuda_graph)
+        )
         # create_execution_context returns None when it cannot allocate the activation memory.
         context: trt.IExecutionContext | None = (  # type: ignore[name-defined]
             engine.create_execution_context()
