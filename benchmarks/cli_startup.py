@@ -4,6 +4,9 @@ Each command runs as a fresh process, `--repeats` times after one untimed warm-u
 the tiny preset and the export artifact, so `export` is then a full cache hit). Prints the median
 wall time and peak RSS of each, and the ratio to `python -c pass` measured in the same run.
 
+`generate` rows use tiny's ONNX Runtime engine set (compiled first, without validation): one step, nearly all of it
+importing diffusers' pipeline (and torch with it); a usage error (`--image` on a txt2img model) comes before that.
+
     python benchmarks/cli_startup.py --repeats 5
 """
 
@@ -17,19 +20,26 @@ import sys
 import tempfile
 import time
 
-GOALS = {"--help": 1.0, "cache ls": 1.0, "export (cache hit)": 2.0}  # seconds, from issue 8
+GOALS = {"--help": 1.0, "cache ls": 1.0, "export (cache hit)": 2.0, "generate usage error": 2.0}  # seconds
 
 
-def timed(argv: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of one child process (its own rusage, from wait4)."""
+def timed(argv: list[str], expected: int = 0) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of one child process (its own rusage, from wait4) that exits ``expected``."""
     started = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - started
     proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
+    if proc.returncode != expected:
         raise SystemExit(f"{' '.join(argv)} exited {proc.returncode}")
     return seconds, usage.ru_maxrss / 1024
+
+
+def tiny_set(engines: str) -> str:
+    """The path of tiny's ONNX Runtime engine set, compiled into ``engines`` (a cache hit after the first time)."""
+    argv = [sys.executable, "-m", "sdtrt", "compile", "--model", "tiny", "--target", "onnxruntime", "--no-validate"]
+    done = subprocess.run([*argv, "--engines", engines], capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def main() -> None:
@@ -38,17 +48,22 @@ def main() -> None:
     args = parser.parse_args()
     engines = tempfile.mkdtemp(prefix="sdtrt-startup-")
     sdtrt = [sys.executable, "-m", "sdtrt"]
+    out = os.path.join(engines, "image.png")
+    generate = [*sdtrt, "generate", "--engine", tiny_set(engines), "--steps", "1", "--out", out]
     commands = {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "--help": [*sdtrt, "--help"],
-        "--version": [*sdtrt, "--version"],
-        "cache ls": [*sdtrt, "cache", "ls", "--engines", engines],
-        "export (cache hit)": [*sdtrt, "export", "--model", "tiny", "--engines", engines],
+        "python -c pass": ([sys.executable, "-c", "pass"], 0),
+        "--help": ([*sdtrt, "--help"], 0),
+        "--version": ([*sdtrt, "--version"], 0),
+        "cache ls": ([*sdtrt, "cache", "ls", "--engines", engines], 0),
+        "export (cache hit)": ([*sdtrt, "export", "--model", "tiny", "--engines", engines], 0),
+        "generate (1 step)": (generate, 0),
+        # --image: the image the row above wrote; tiny's pipeline (txt2img) takes none, exit 2
+        "generate usage error": ([*generate, "--image", out], 2),
     }
     rows = []
-    for name, argv in commands.items():
-        timed(argv)  # warm-up: file cache, preset and export artifact
-        runs = [timed(argv) for _ in range(args.repeats)]
+    for name, (argv, expected) in commands.items():
+        timed(argv, expected)  # warm-up: file cache, preset and export artifact
+        runs = [timed(argv, expected) for _ in range(args.repeats)]
         seconds = [r[0] for r in runs]
         rows.append((name, statistics.median(seconds), min(seconds), max(seconds), max(r[1] for r in runs)))
     baseline = rows[0][1]

@@ -8,13 +8,14 @@ guidance) and the VAE decode, from the same spans
 
 JSON format (stable; other tools read it)::
 
-    {"format": 1, "config": {...}, "environment": {...}, "backends": [
+    {"format": 1, "config": {..., "denoiser": "unet" | "transformer"}, "environment": {...}, "backends": [
       {"name", "status": "ok" | "skipped" | "failed", "reason", "load_s", "warmup_s",
        "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
        "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
        "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy", "lora_apply_s", "lora_swap_s": STATS}]}
 
-STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); speed-ups are
+STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); the ``unet`` stage
+and ``unet_call_ms`` time the model's denoiser, whichever ``config.denoiser`` says it is; speed-ups are
 ratios of median totals against the first backend that ran; ``noisy`` is true where the slowest
 timed run took over NOISY_RATIO times the fastest (a busy machine: do not read ratios from it).
 With LoRAs (``config.loras``), ``lora_apply_s`` is putting them in the first time (engines: weight
@@ -35,11 +36,11 @@ from typing import Any, cast
 import torch
 
 from .config import BenchConfig, ExportConfig, Precision, Range, ShapeProfile, Target, TrtBuildConfig
-from .errors import one_line
+from .errors import BenchError, one_line
 from .models import ModelSource
 from .pipeline import generate, load_pipeline
 from .request import GenerateRequest, SizeRule
-from .spec import FOLDERS, denoiser_component
+from .spec import FOLDERS, denoiser_component, denoiser_spec
 from .store import Store, environment
 from .timing import Stats, rss_sampler
 from .trace import Span, Tracer, instrument_pipeline
@@ -88,15 +89,18 @@ def breakdown(spans: list[Span]) -> dict[str, float]:
     }
 
 
+def denoiser_label(component: str) -> str:
+    """How tables name the denoiser the ``unet`` stage times: SD3's and Flux's is a transformer."""
+    return "UNet" if component == "unet" else component
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _bench_profile(model: ModelSource, config: BenchConfig) -> ShapeProfile:
     """An engine profile around the default that certainly covers the benchmarked shape."""
-    from .stages.export import spec_for
-
-    default = spec_for(model, ExportConfig()).default_profile()
+    default = denoiser_spec(model).default_profile()  # the UNet's or the transformer's
     h = config.height or default.height.opt
     w = config.width or default.width.opt
     return ShapeProfile(
@@ -238,10 +242,19 @@ def run_bench(
     }
     return {
         "format": FORMAT,
-        "config": asdict(config) | {"model": model.name},
+        "config": asdict(config) | {"model": model.name, "denoiser": denoiser_component(model)},
         "environment": env,
         "backends": [asdict(r) for r in results],
     }
+
+
+def check_engines_ran(report: dict[str, Any]) -> None:
+    """BenchError when engine backends were asked for and every one failed (none merely skipped as unavailable
+    here): the run has no engine figures, which were its point, so it must not look like a success."""
+    engines = [b for b in report["backends"] if not b["name"].startswith("torch")]
+    failed = [b["name"] for b in engines if b["status"] == "failed"]
+    if failed and not any(b["status"] == "ok" for b in engines):
+        raise BenchError(f"every engine backend failed ({', '.join(failed)}); the reasons are above")
 
 
 def write_chart(report: dict[str, Any], path: Any) -> None:
@@ -252,7 +265,8 @@ def write_chart(report: dict[str, Any], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     ran = [b for b in report["backends"] if b["status"] == "ok"]
-    parts = [("text_encoder", "text encoder"), ("unet", "UNet"), ("scheduler_guidance", "scheduler + guidance"),
+    unet = denoiser_label(report["config"].get("denoiser", "unet"))
+    parts = [("text_encoder", "text encoder"), ("unet", unet), ("scheduler_guidance", "scheduler + guidance"),
              ("vae_decode", "VAE decode")]  # fmt: skip
     colors = ["#8e6bb8", "#2f7ed8", "#f7a35c", "#4caf50", "#bbbbbb"]
     fig, ax = plt.subplots(figsize=(9, 1.8 + 0.7 * max(1, len(ran))))

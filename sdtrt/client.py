@@ -55,6 +55,7 @@ def txt2img(
     ServeError with the server's message when it refuses the request, cannot be reached, or has not
     answered within ``timeout_s`` seconds.
     """
+    import socket
     from http.client import HTTPException
 
     import numpy as np
@@ -72,7 +73,9 @@ def txt2img(
             f"Triton at {address} did not answer within {timeout_s:g} s (busy with other requests, or stuck); "
             "try again later, or pass a longer --timeout"
         ) from exc
-    except (OSError, HTTPException) as exc:  # refused, reset, or closed mid-request (geventhttpclient)
+    except (ConnectionRefusedError, socket.gaierror) as exc:  # no connection was ever made
+        raise ServeError(f"cannot reach Triton at {address}: {one_line(exc)}; is `sdtrt serve` running there?") from exc
+    except (OSError, HTTPException) as exc:  # reset, or closed mid-request (geventhttpclient)
         raise ServeError(f"lost Triton at {address}: {one_line(exc)}; is `sdtrt serve` running?") from exc
     finally:
         client.close()  # an open connection holds a stopping server up to its exit timeout

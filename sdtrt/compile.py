@@ -28,7 +28,13 @@ from .config import (
     target_precision_problem,
 )
 from .errors import ConfigError, MissingDependencyError
-from .gpu import require_quantization_support, require_tensorrt, tensorrt_missing, torch_tensorrt_missing
+from .gpu import (
+    require_quantization_support,
+    require_refit_support,
+    require_tensorrt,
+    tensorrt_missing,
+    torch_tensorrt_missing,
+)
 from .models import ModelSource
 from .onnx_graph import artifact_spec
 from .spec import denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
@@ -126,8 +132,19 @@ def compile_model(
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     if problem := target_precision_problem(chosen, export_config.precision):
         raise ConfigError(problem)
-    if chosen == "tensorrt" and quantize_config is not None:  # before a minute of calibration, not after
-        require_quantization_support(quantize_config.precision)
+    if chosen == "tensorrt":  # before the exports, or a minute of calibration, not after
+        from .stages import build_trt
+
+        precisions = {export_config.precision}
+        if quantize_config is not None:
+            require_quantization_support(quantize_config.precision)
+            precisions.add(
+                quantize.tensorrt_precision(model)
+            )  # the denoiser's TensorRT graph: a quantized Flux's is bf16
+        for precision in sorted(precisions):
+            build_trt.require_graph_precision(precision)
+        if trt_config is not None and trt_config.refittable:
+            require_refit_support()
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
@@ -135,6 +152,8 @@ def compile_model(
     components = components or model_components(model)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
+    if chosen in ("tensorrt", "tensorrt-rtx"):
+        trt_config = trt_config or TrtBuildConfig(profiles=(profile,))
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
     graphs: dict[str, Artifact] = {}
@@ -142,13 +161,14 @@ def compile_model(
         config = replace(
             export_config, component=component, precision=component_precision(model, component, export_config.precision)
         )
+        member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         if quantize_config is not None and component == denoiser_component(model):
             exported = quantize.run(quantize_config, model, store)
         else:
             exported = export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
         graphs[component] = simplified
-        built, _ = build(simplified, store, chosen, profile, trt_config=trt_config)
+        built, _ = build(simplified, store, chosen, profile, trt_config=member_trt)
         artifacts += [exported, simplified, built]
         if wraps:
             from .stages import wrap
@@ -207,12 +227,22 @@ def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> 
             "the engines hold no weights (--strip-weights), so they are not wrapped as TorchScript (a wrapped engine "
             "is never refilled from its graph): use the build-trt artifacts"
         )
-    if config.weight_streaming:  # the TorchScript runtime makes its own execution context: no budget is ever set
+    if config.weight_streaming:  # Torch-TensorRT sets the automatic budget itself (TRTEngine.cpp v2.6.0)
         return (
-            "the engines stream their weights, so they are not wrapped as TorchScript (a wrapped engine cannot take "
-            "a weight streaming budget): use the build-trt artifacts"
+            "the engines stream their weights, so they are not wrapped as TorchScript (not offered yet: a wrapped "
+            "engine would stream with TensorRT's automatic budget and sdtrt has no way to pass one): use the "
+            "build-trt artifacts"
         )
     return None
+
+
+def upcast_tf32(config: TrtBuildConfig, requested: Precision, precision: Precision) -> TrtBuildConfig:
+    """The build settings of a member exported in ``precision`` when ``requested`` was asked: a graph made fp32 for
+    range (an upcast VAE, T5) keeps TF32 unless --no-tf32 says otherwise, as NVIDIA's demo builds its fp32 SDXL VAE
+    with tf32=True (demo/Diffusion stable_diffusion_pipeline.py); only an fp32 the user asked for computes in fp32."""
+    if config.tf32 is None and precision == "fp32" and requested != "fp32":
+        return replace(config, tf32=True)
+    return config
 
 
 def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:

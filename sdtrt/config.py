@@ -101,6 +101,16 @@ def grid_problem(name: str, value: int, multiple: int) -> str | None:
     )
 
 
+# The most images per prompt a profile may take: four times NVIDIA's demo/Diffusion (max_batch_size 16). A
+# TensorRT engine reserves activation memory for its largest shapes and validation runs the largest batch, so a
+# maximum beyond any GPU's or host's memory (1:1:1000000) would only fail later, at load or at validation.
+MAX_BATCH = 64
+# The most T5 tokens (max_sequence_length) SD3's and FLUX.1's pipelines take: their check_inputs refuse more.
+MAX_T5_TOKENS = 512
+# An example per kind of range in Range.parse's message: images per prompt, pixels, T5 tokens.
+RANGE_EXAMPLES = {"batch": "1:2:4", "height": "256:512:768", "width": "256:512:768", "tokens": "32:256:512"}
+
+
 class Range(NamedTuple):
     """A dimension's minimum, optimum (what the engine is tuned for) and maximum."""
 
@@ -119,7 +129,7 @@ class Range(NamedTuple):
         if len(values) == 1:
             values *= 3
         if len(values) != 3:
-            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. 256:512:768)")
+            raise ConfigError(f"{what} '{text}' is not N or MIN:OPT:MAX (e.g. {RANGE_EXAMPLES[what]})")
         return cls(*values)
 
     def __str__(self) -> str:
@@ -196,6 +206,16 @@ class ShapeProfile:
         for name, rng in ranges:
             if rng is not None and not 0 < rng.min <= rng.opt <= rng.max:
                 raise ConfigError(f"{name} range {rng} must satisfy 0 < min <= opt <= max")
+        if self.batch.max > MAX_BATCH:
+            raise ConfigError(
+                f"batch range {self.batch}: at most {MAX_BATCH} images per prompt (an engine reserves memory for its "
+                "largest batch); generate larger sets in several calls"
+            )
+        if self.tokens is not None and self.tokens.max > MAX_T5_TOKENS:
+            raise ConfigError(
+                f"tokens range {self.tokens}: SD3 and FLUX.1 pipelines take at most {MAX_T5_TOKENS} T5 tokens "
+                f"(max_sequence_length); use a maximum of {MAX_T5_TOKENS} or less"
+            )
         for name, rng in (("height", self.height), ("width", self.width)):
             for value in rng:
                 if problem := grid_problem(name, value, pixel_multiple):
@@ -375,26 +395,29 @@ class OrtBuildConfig:
 
 
 # Builder optimization level when none is asked for: TensorRT's own default (NvInfer.h,
-# IBuilderConfig::setBuilderOptimizationLevel: "The default optimization level is 3"). NVIDIA's demo/Diffusion
-# raises it to 4 only for INT8/FP8 UNet-sized networks and keeps 3 "for all Flux pipelines to reduce GPU memory
-# usage" (dd_argparse.py): levels 4-5 try more tactics and need more build memory, which networks over
-# ~2 B parameters (SD3.5 Large, Flux's 12 B) do not have to spare. So: 4 for 8-bit Q/DQ graphs under the line (as
-# ModelOpt's diffusers example builds them too: `trtexec --builderOptimizationLevel=4 --stronglyTyped`), else 3;
-# the manifest says which rule applied.
+# IBuilderConfig::setBuilderOptimizationLevel: "The default optimization level is 3"), and 4 for 8-bit Q/DQ graphs
+# except Flux's, as NVIDIA's demo/Diffusion chooses (dd_argparse.py process_pipeline_args: `if args.int8 or args.fp8
+# and not is_flux: 4`, "optimization level set to 3 for all Flux pipelines to reduce GPU memory usage") and ModelOpt's
+# diffusers example builds (`trtexec --builderOptimizationLevel=4 --stronglyTyped`). The demo quantizes no SD3; sdtrt
+# treats a quantized SD3 transformer (2-8 B parameters) as the demo treats every non-Flux one: level 4, whose extra
+# tactics need more build memory than level 3 (--optimization-level 3 when that is short). The manifest says why.
 DEFAULT_OPTIMIZATION_LEVEL = 3
-LARGE_NETWORK_PARAMETERS = 2_000_000_000
+FLUX_ARCHITECTURE = "FluxTransformer2DModel"  # spec.FluxTransformerSpec.architecture (config sits below spec)
 
 
-def default_optimization_level(parameters: int, quantization: str | None = None) -> tuple[int, str]:
+def default_optimization_level(
+    parameters: int, quantization: str | None = None, architecture: str = ""
+) -> tuple[int, str]:
     """The builder optimization level for a network of this many parameters (its ONNX weights), quantized to
-    ``quantization`` ("int8", "fp8") or not, and why."""
-    if parameters > LARGE_NETWORK_PARAMETERS:
-        why = "over 2 B parameters: level 3, as NVIDIA's demo keeps for Flux, to bound build memory"
-        return 3, f"{parameters / 1e9:.1f} B parameters, {why}"
+    ``quantization`` ("int8", "fp8") or not, of this ``architecture`` (a GraphSpec's), and why."""
+    size = f"{parameters / 1e9:.1f} B parameters" if parameters >= 1e9 else f"{parameters / 1e6:.0f} M parameters"
+    if quantization and architecture == FLUX_ARCHITECTURE:
+        why = f"{quantization.upper()} Q/DQ Flux: level 3, as NVIDIA's demo keeps for Flux, to bound GPU memory"
+        return 3, f"{size}, {why}"
     if quantization:
         why = f"{quantization.upper()} Q/DQ: level 4, as NVIDIA's demo and ModelOpt's diffusers example build them"
-        return 4, f"{parameters / 1e6:.0f} M parameters, {why}"
-    return DEFAULT_OPTIMIZATION_LEVEL, f"{parameters / 1e6:.0f} M parameters: TensorRT's default level 3"
+        return 4, f"{size}, {why}"
+    return DEFAULT_OPTIMIZATION_LEVEL, f"{size}: TensorRT's default level 3"
 
 
 @dataclass(frozen=True)
@@ -412,7 +435,8 @@ class TrtBuildConfig:
     refittable: bool = False  # BuilderFlag.REFIT: LoRAs refit the weights in place (sdtrt.lora)
     # BuilderFlag.TF32, on in TensorRT by default: fp32 convolutions and matmuls in TF32 (10-bit mantissa).
     # None: off for fp32 graphs ("fp32" means fp32), on for fp16 and bf16 ones (their few fp32 layers, as before);
-    # the build stage resolves it (tf32_for). Keyed only when off, so the keys of earlier builds stay.
+    # the build stage resolves it (tf32_for). compile sets it on for members it made fp32 for range, not asked
+    # (compile.upcast_tf32). Keyed only when off, so the keys of earlier builds stay.
     tf32: bool | None = in_key_unless(None, True)
     # BuilderFlag.WEIGHT_STREAMING: the engine can run with only part of its weights on the GPU, streaming the
     # rest from host memory (a 12 B transformer on a 24 GB GPU); the budget is set when the engine is loaded.
@@ -495,7 +519,8 @@ def _unit_for(size: int, units: dict[str, int]) -> tuple[str, int]:
 @dataclass(frozen=True)
 class WeightBudget:
     """How much of a weight-streaming engine's streamable weights stay on the GPU: ``auto`` (TensorRT's choice
-    from free memory), a percentage of the streamable weights, or a size (``8GiB``, ``512MB``, bytes)."""
+    from free memory), a percentage of the streamable weights, or a size (``8GiB``, ``512MB``, bytes). It applies to
+    each streaming engine of a set on its own: a size is kept per engine, never split across the set."""
 
     text: str
     percent: float | None = None

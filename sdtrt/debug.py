@@ -1,12 +1,13 @@
 """``sdtrt debug``: the first layer whose reduced-precision output leaves fp32's, or turns NaN/inf.
 
-The question every "fp16 gives black images" report asks. The engine's graph and an fp32 replica of
-the very same graph (every fp16 weight, cast and tensor widened to fp32, so node and tensor names
-match one to one and only the arithmetic differs) run on one seeded input with every intermediate
-tensor marked as an output — Polygraphy's ``ModifyOutputs`` / ``ModifyNetworkOutputs`` with
-``MARK_ALL`` and its ``Comparator`` — and the engine's tensors are checked in the graph's
-topological order. ONNX graphs run on ONNX Runtime; a TensorRT engine is rebuilt from the graph it
-was made from with every tensor an output (TensorRT cannot expose the layers of a built plan).
+The question every "fp16 gives black images" report asks. The engine's graph and an fp32 replica of the
+very same graph (every fp16 and bf16 weight, cast and tensor widened to fp32, ModelOpt's trt:: FP8 Q/DQ
+made standard, so node and tensor names match one to one and only the arithmetic differs) run on one
+seeded input, at a size generate would take, with every intermediate tensor marked as an output —
+Polygraphy's ``ModifyOutputs`` / ``ModifyNetworkOutputs`` with ``MARK_ALL`` and its ``Comparator`` — and
+the engine's tensors are checked in the graph's topological order. ONNX graphs run on ONNX Runtime; a
+TensorRT engine is rebuilt from the graph it was made from with every tensor an output (TensorRT cannot
+expose the layers of a built plan).
 
 A tensor diverges when its normalised error, max |engine − fp32| / max |fp32|, exceeds the limit
 (default 0.05; healthy fp16 graphs stay near 1e-3 per layer), or when it holds NaN/inf while the
@@ -16,7 +17,9 @@ fp32 one does not.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import onnx_graph
-from .errors import ParityError
+from .errors import ParityError, WrongArtifactError
+from .onnx_graph import artifact_spec, graph_of
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import onnx
+    import torch
 
     from .config import ShapeProfile
     from .models import ModelSource
@@ -79,23 +84,60 @@ class DebugReport:
 
 
 def fp32_replica(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same graph with every fp16 weight, cast target and tensor type widened to fp32."""
+    """The same graph with every fp16 and bf16 weight, cast target and tensor type widened to fp32."""
     import onnx
     import onnx_graphsurgeon as gs
 
     graph = onnx_graph.import_for_surgery(model)
     for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Constant) and tensor.values.dtype == np.float16:
-            tensor.values = tensor.values.astype(np.float32)
-        elif isinstance(tensor, gs.Variable) and tensor.dtype == np.float16:
+        # A Constant's dtype is read before its values load, so FP8 zero points and other weights stay as stored.
+        if isinstance(tensor, gs.Constant) and _narrow(tensor.dtype):
+            tensor.values = _widened(tensor.values)
+        elif isinstance(tensor, gs.Variable) and _narrow(tensor.dtype):
             tensor.dtype = np.float32
     for node in graph.nodes:
-        if node.op == "Cast" and node.attrs.get("to") == onnx.TensorProto.FLOAT16:
+        if node.op == "Cast" and node.attrs.get("to") in _NARROW_TYPES:
             node.attrs["to"] = onnx.TensorProto.FLOAT
         for value in node.attrs.values():  # e.g. ConstantOfShape's value
-            if isinstance(value, gs.Constant) and value.values.dtype == np.float16:
-                value.values = value.values.astype(np.float32)
+            if isinstance(value, gs.Constant) and _narrow(value.dtype):
+                value.values = _widened(value.values)
     return gs.export_onnx(graph)
+
+
+def reference_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """What ONNX Runtime runs as the fp32 truth for ``model``: its fp32 replica, with ModelOpt's ``trt::`` FP8 Q/DQ
+    (FP8 level 4's TensorRT graph; only TensorRT's ONNX parser has importers for that domain) as standard ONNX Q/DQ.
+    Node and tensor names stay those of ``model``."""
+    from .stages.quantize import standard_fp8_qdq
+
+    replica = fp32_replica(model)  # a new proto: the rewrite below leaves ``model`` as TensorRT parses it
+    standard_fp8_qdq(replica)
+    return replica
+
+
+# onnx-graphsurgeon types what numpy lacks (bf16) by its TensorProto enum (0.5+: importers/onnx_importer.py
+# get_onnx_tensor_dtype, and LazyValues.dtype before a Constant's values load); loaded bf16 values are
+# ml_dtypes.bfloat16 arrays (onnx >= 1.19 numpy_helper.to_array).
+_NARROW_TYPES = (10, 16)  # onnx.TensorProto.FLOAT16, BFLOAT16: onnx.proto fixes these enum values
+
+
+def _narrow(dtype: Any) -> bool:
+    """Whether an onnx-graphsurgeon dtype (numpy dtype, TensorProto enum, or None: unknown) is fp16 or bf16."""
+    import ml_dtypes
+
+    if dtype is None:
+        return False
+    if isinstance(dtype, int):
+        return dtype in _NARROW_TYPES
+    return np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _widened(values: np.ndarray) -> np.ndarray:
+    """fp32 values of fp16 or bf16 ones. bf16 is fp32's upper 16 bits, so its bits are widened rather than its
+    dtype cast: that also reads onnx 1.18's uint16-based bfloat16 arrays right. onnx <= 1.17 loads bf16 as fp32."""
+    if values.dtype.itemsize == 4 or values.dtype == np.float16:
+        return values.astype(np.float32)
+    return np.asarray(values.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)  # 0-d: a scalar
 
 
 @contextlib.contextmanager
@@ -109,67 +151,108 @@ def quiet_polygraphy() -> Iterator[None]:
 
 def debug(engine: Artifact, config: DebugConfig = DebugConfig(), model: ModelSource | None = None) -> DebugReport:
     """Find the first tensor where ``engine`` leaves the fp32 replica of its own graph."""
-    import onnx
-    from polygraphy import constants
-    from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs
-    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import Comparator
-
-    from .onnx_graph import artifact_spec, graph_of
-    from .runtime import artifact_profile
-    from .stages.quantize import tensorrt_graph
-
     if engine.stage == "wrap":  # a TorchScript-wrapped plan: the build-trt engine it embeds
         engine = engine.lineage()[1]
-    spec = artifact_spec(engine, model)
+    spec, profile, size = _checked(engine, config, model)
     graph_artifact = graph_of(
         engine,
         f"debug takes one ONNX graph or TensorRT engine, not a '{engine.stage}' artifact ({engine.path}); pass "
         "the artifact a `build` printed (debug_set takes an engine set)",
     )
+
+    import onnx
+    from polygraphy import constants
+    from polygraphy.backend.onnx import ModifyOutputs
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator
+
+    from .stages.quantize import tensorrt_graph
+
     # A plan runs the graph its build parsed: for a quantized one the quantize stage's TensorRT graph (16-bit outside
     # its Q/DQ pairs, as the engine's IO), not the ONNX Runtime graph that is its source's primary.
     graph = tensorrt_graph(graph_artifact) if engine.stage == "build-trt" else graph_artifact.primary
     candidate = onnx.load(str(graph))
-    profile = artifact_profile(engine) or spec.default_profile()
-    size = (config.height or profile.height.min, config.width or profile.width.min)
     feeds = _feeds(spec, profile, *size, config.seed)
 
-    def session(graph: onnx.ModelProto) -> Any:
-        return SessionFromOnnx(BytesFromOnnx(ModifyOutputs(graph, outputs=constants.MARK_ALL)), providers=["cpu"])
+    def session(graph: onnx.ModelProto, name: str) -> Any:
+        """ONNX Runtime reads the every-tensor-an-output graph from a file with external data: serialized whole, as
+        Polygraphy's BytesFromOnnx does (SerializeToString), any real UNet's fp32 replica is past protobuf's 2 GB."""
+        path = f"{scratch}/{name}.onnx"
+        marked = ModifyOutputs(graph, outputs=constants.MARK_ALL)()
+        onnx.save_model(marked, path, save_as_external_data=True, location=f"{name}.onnx.data", size_threshold=1024)
+        return SessionFromOnnx(path, providers=["cpu"])
 
-    reference = OnnxrtRunner(session(fp32_replica(candidate)), name="fp32")
-    if engine.stage == "build-trt":
-        from .stages.build_trt import built_with_tf32
+    with tempfile.TemporaryDirectory(prefix="sdtrt-debug-") as scratch:
+        reference = OnnxrtRunner(session(reference_graph(candidate), "fp32"), name="fp32")
+        if engine.stage == "build-trt":
+            from .stages.build_trt import built_with_tf32
 
-        runner, backend = _tensorrt_runner(graph, feeds, built_with_tf32(engine.manifest)), "tensorrt"
-    else:
-        runner, backend = OnnxrtRunner(session(candidate), name="engine"), "onnxruntime"
-    with quiet_polygraphy():
-        results = Comparator.run([runner, reference], data_loader=[feeds])
+            tf32 = built_with_tf32(engine.manifest)
+            runner, backend = _tensorrt_runner(graph, feeds, tf32, qdq_tensors(candidate)), "tensorrt"
+        else:
+            runner, backend = OnnxrtRunner(session(candidate, "engine"), name="engine"), "onnxruntime"
+        with quiet_polygraphy():
+            results = Comparator.run([runner, reference], data_loader=[feeds])
     (_, [got]), (_, [expected]) = list(results.items())
     return _compare(str(engine.path), backend, candidate, got, expected, config.max_error)
 
 
 def debug_set(engine_set: Artifact, config: DebugConfig = DebugConfig()) -> dict[str, DebugReport]:
-    """``debug`` on each member of an engine set, by component (each member records its own graph contract)."""
+    """``debug`` on each member of an engine set, by component (each member records its own graph contract); every
+    member's size is checked before the first one runs."""
     from .stages.engine_set import members
 
-    return {component: debug(member, config) for component, member in members(engine_set).items()}
+    engines = members(engine_set)
+    # The largest grid first: the denoiser's, the set's (generate's SizeRule), so an off-grid side is named as such.
+    for member in sorted(engines.values(), key=lambda member: -artifact_spec(member).pixel_multiple):
+        _checked(member, config)
+    return {component: debug(member, config) for component, member in engines.items()}
 
 
-def _feeds(spec: GraphSpec, profile: ShapeProfile, height: int, width: int, seed: int) -> dict[str, np.ndarray]:
+def _checked(
+    engine: Artifact, config: DebugConfig, model: ModelSource | None = None
+) -> tuple[GraphSpec, ShapeProfile, tuple[int, int]]:
+    """The engine's graph contract, profile (default: its spec's) and the image size to debug it at (default: the
+    profile's smallest), or an error before anything loads (no torch yet): RequestError for a size generate would
+    refuse (off the model's grid, outside the profile the engine records; every intermediate tensor is kept, so a
+    size past it can take tens of GB), WrongArtifactError for a bf16 graph that would run on ONNX Runtime."""
+    from .request import check_size
+    from .stages.engine_set import engine_members, engine_profile
+
+    spec = artifact_spec(engine, model)
+    if spec.precision == "bf16" and engine.stage != "build-trt":
+        raise WrongArtifactError(
+            f"{engine.path} is a bf16 graph, and debug runs ONNX graphs on ONNX Runtime, which cannot run bf16 (it has "
+            "no bfloat16 Conv, Gemm or Add kernels): debug the TensorRT engine built from it"
+        )
+    recorded = engine_profile(engine_members(engine))
+    profile = recorded or spec.default_profile()
+    height = profile.height.min if config.height is None else config.height
+    width = profile.width.min if config.width is None else config.width
+    check_size(height, width, spec.pixel_multiple, recorded)
+    return spec, profile, (height, width)
+
+
+def _feeds(spec: GraphSpec, profile: ShapeProfile, height: int, width: int, seed: int) -> dict[str, torch.Tensor]:
     """One seeded input in the graph's own dtypes: the profile's smallest batch (the UNet's doubled, as guidance
-    does) and, for graphs that take T5 tokens, its fewest tokens."""
+    does) and, for graphs that take T5 tokens, its fewest tokens.
+
+    torch tensors, as Polygraphy has a bf16 type only in its torch table (datatype/torch.py; datatype/numpy.py has
+    none): fed torch tensors, TrtRunner allocates torch outputs and views them in the engine's dtypes
+    (backend/trt/runner.py _infer_impl, use_torch), OnnxrtRunner returns torch tensors (Polygraphy 0.53.6).
+    """
+    import torch
+
     from .spec import UNetSpec
 
     batch = 2 * profile.batch.min if isinstance(spec, UNetSpec) else profile.batch.min
     tensors = spec.sample_inputs(batch, height, width, seed=seed, tokens=spec.token_counts(profile).min)
-    return {t.name: tensors[t.name].numpy().astype(t.dtype) for t in spec.inputs()}
+    return {t.name: tensors[t.name].to(getattr(torch, t.dtype)) for t in spec.inputs()}
 
 
-def _tensorrt_runner(graph: Path, feeds: dict[str, np.ndarray], tf32: bool) -> Any:
-    """A TensorRT engine of ``graph`` with every tensor an output, for exactly these input shapes.
+def _tensorrt_runner(graph: Path, feeds: dict[str, torch.Tensor], tf32: bool, quantized: set[str]) -> Any:
+    """A TensorRT engine of ``graph`` with every tensor but the ``quantized`` ones an output, for exactly these
+    input shapes.
 
     Polygraphy's TRT backend: NetworkFromOnnxPath (strongly typed, as sdtrt builds), ModifyNetworkOutputs
     with MARK_ALL, one static Profile, EngineFromNetwork, TrtRunner (tools/Polygraphy/polygraphy/backend/trt/).
@@ -185,15 +268,38 @@ def _tensorrt_runner(graph: Path, feeds: dict[str, np.ndarray], tf32: bool) -> A
         EngineFromNetwork,
         ModifyNetworkOutputs,
         NetworkFromOnnxPath,
+        PostprocessNetwork,
         Profile,
         TrtRunner,
     )
 
     profile = Profile()
-    for name, array in feeds.items():
-        profile.add(name, min=array.shape, opt=array.shape, max=array.shape)
+    for name, tensor in feeds.items():
+        shape = tuple(tensor.shape)
+        profile.add(name, min=shape, opt=shape, max=shape)
     network = ModifyNetworkOutputs(NetworkFromOnnxPath(str(graph), strongly_typed=True), outputs=constants.MARK_ALL)
+    network = PostprocessNetwork(network, func=functools.partial(unmark_outputs, names=quantized))
     return TrtRunner(EngineFromNetwork(network, config=CreateConfig(tf32=tf32, profiles=[profile])), name="engine")
+
+
+def qdq_tensors(model: onnx.ModelProto) -> set[str]:
+    """The outputs of a graph's Q/DQ pairs (ModelOpt's ``trt::`` FP8 ones too), which debug marks as no TensorRT output.
+
+    A quantize node's output is 8-bit, which Polygraphy cannot view (neither its torch nor its numpy dtype table has
+    fp8: datatype/torch.py, datatype/numpy.py; util.array.view, 0.53.6). A dequantize node's output left marked would
+    have to be computed as a tensor of its own, so TensorRT could not fold the pair into its consumer's 8-bit kernel,
+    and debug would compare a 16-bit engine instead of the quantized one (TensorRT's developer guide, "Q/DQ Layer
+    Placement": the DQ is fused into the following Conv or MatMul).
+    """
+    ops = ("QuantizeLinear", "TRT_FP8QuantizeLinear", "DequantizeLinear", "TRT_FP8DequantizeLinear")
+    return {tensor for node in model.graph.node if node.op_type in ops for tensor in node.output}
+
+
+def unmark_outputs(network: Any, names: set[str]) -> None:
+    """Unmark the network outputs among ``names`` (a TensorRT INetworkDefinition; names not in it are ignored)."""
+    for tensor in [network.get_output(i) for i in range(network.num_outputs)]:
+        if tensor.name in names:
+            network.unmark_output(tensor)
 
 
 def _compare(engine: str, backend: str, graph: onnx.ModelProto, got: Any, expected: Any, limit: float) -> DebugReport:
@@ -204,7 +310,7 @@ def _compare(engine: str, backend: str, graph: onnx.ModelProto, got: Any, expect
         for tensor in node.output:
             if tensor not in got or tensor not in expected:
                 continue  # not an output of this backend (TensorRT fuses some layers away)
-            a, b = np.asarray(got[tensor]), np.asarray(expected[tensor])
+            a, b = _numpy(got[tensor]), _numpy(expected[tensor])
             if a.dtype.kind not in "fc" or a.size == 0 or a.shape != b.shape:
                 continue
             a, b = a.astype(np.float64), b.astype(np.float64)
@@ -222,3 +328,17 @@ def _compare(engine: str, backend: str, graph: onnx.ModelProto, got: Any, expect
     report.largest_error = max((r["error"] for r in rows), default=0.0)
     report.worst = sorted(rows, key=lambda r: r["error"], reverse=True)[:5]
     return report
+
+
+def _numpy(value: Any) -> np.ndarray:
+    """A runner's output as numpy. Of torch's dtypes numpy lacks, bf16 compares as fp32 and FP8 (the quantized
+    tensor of a Q/DQ pair) stays bytes, as ONNX Runtime returns it, which ``_compare`` skips."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return np.asarray(value)
+    if value.dtype == torch.bfloat16:
+        value = value.float()
+    elif value.is_floating_point() and value.element_size() == 1:
+        value = value.view(torch.uint8)
+    return value.numpy(force=True)

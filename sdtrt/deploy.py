@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import __version__
-from .config import ShapeProfile, as_dict
+from .config import ShapeProfile, WeightBudget, as_dict
 from .errors import ArtifactError, ConfigError
 from .families import pipeline_class_name
 from .models import ModelSource
@@ -54,8 +54,11 @@ class TritonDeployConfig:
     dynamic_batching: bool = True  # requests sharing size, steps and guidance run as one pipeline call
     max_queue_delay_us: int = 20_000  # how long a request waits for others to batch with
     kind: InstanceKind = "auto"  # auto: KIND_GPU for TensorRT engines, KIND_CPU otherwise
+    weight_budget: str | None = None  # WeightBudget text for engines built with weight streaming (default: none)
 
     def __post_init__(self) -> None:
+        if self.weight_budget is not None:
+            WeightBudget.parse(self.weight_budget)  # ConfigError when malformed
         if not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"model name '{self.name}' may hold only letters, digits, '_' and '-'")
         if self.instances < 1 or self.max_batch < 1 or self.max_steps < 1 or self.max_queue_delay_us < 0:
@@ -93,6 +96,13 @@ class Deployment:
         """The bound on a request's steps; repositories written before there was one get the default."""
         return int(self.record["config"].get("max_steps", TritonDeployConfig.max_steps))
 
+    @property
+    def weight_budget(self) -> str | None:
+        """The weight-streaming budget the instances load the engines with (``sdtrt deploy triton
+        --weight-streaming-budget``); None keeps every weight on the GPU."""
+        budget = self.record["config"].get("weight_budget")
+        return str(budget) if budget is not None else None
+
 
 def deploy_triton(
     engine: Artifact, out: Path, config: TritonDeployConfig = TritonDeployConfig(), model: ModelSource | None = None
@@ -102,9 +112,12 @@ def deploy_triton(
     ``model`` is needed only where the engine's manifest names no model that exists here.
     """
     from .pipeline import engine_members
+    from .runtime import check_weight_budget
     from .stages.engine_set import engine_profile, recorded_model
 
     members = engine_members(engine)
+    budget = WeightBudget.parse(config.weight_budget) if config.weight_budget is not None else None
+    check_weight_budget(members.values(), budget)  # RequestError: no member streams, so it would change nothing
     source = model or recorded_model(engine)
     pipeline_class_name(source.pipeline_class(), "txt2img")  # UnsupportedModelError for refiners and the like
     profile = engine_profile(members)  # every member of a set records compile's one profile

@@ -10,7 +10,10 @@ class SdtrtError(Exception):
 
 
 class ModelNotFoundError(SdtrtError):
-    """The --model value names no preset, local diffusers folder or reachable hub id."""
+    """The --model value names no preset, local diffusers folder or reachable hub id (or lacks a folder the command
+    needs); a usage error (exit 2), as an --engine that names no artifact is."""
+
+    exit_code = 2
 
 
 class UnsupportedModelError(SdtrtError):
@@ -94,6 +97,17 @@ class RefitError(LoraError):
 
 class ServeError(SdtrtError):
     """Triton Inference Server did not start, stopped, or answered a request with an error."""
+
+
+class ServeAddressError(ServeError):
+    """``sdtrt serve``'s host or one of its ports cannot be bound: a usage error (exit 2), refused before Triton
+    starts."""
+
+    exit_code = 2
+
+
+class BenchError(SdtrtError):
+    """Every engine backend a benchmark was asked for failed: it measured no engine (exit 1, after its table)."""
 
 
 class ParityError(SdtrtError):

@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import UnsupportedModelError
+from .errors import RequestError, UnsupportedModelError
 
 Task = Literal["txt2img", "img2img", "inpaint"]
 TASKS: tuple[Task, ...] = ("txt2img", "img2img", "inpaint")
@@ -130,12 +130,31 @@ def pipeline_class_name(index_class: str, task: Task | None) -> str:
     """The diffusers class for ``task`` in the family of the pipeline ``model_index.json`` names."""
     if task is None:
         return index_class
-    row = next((r for r in PIPELINE_TASKS if index_class in r.values()), None)
-    if row is None:
+    row = family_tasks(index_class)
+    if not row:
         raise UnsupportedModelError(f"'{index_class}' pipelines are not supported; sdtrt supports {SUPPORTED}")
     if task not in row:
-        raise UnsupportedModelError(f"the {index_class} family has no {task} pipeline (it has {', '.join(row)})")
+        raise RequestError(f"the {index_class} family has no {task} pipeline (it has {', '.join(row)})")
     return row[task]
+
+
+def pipeline_inputs(class_name: str) -> frozenset[str]:
+    """Which of a request's optional inputs (negative_prompt, image, mask_image, strength) the ``__call__`` of a
+    PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported (8 s), and
+    tests hold this to diffusers' signatures. ControlNet pipelines take their control image as ``image``."""
+    img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name
+    inputs = {
+        "negative_prompt": not class_name.startswith("LatentConsistencyModel"),
+        "image": img2img or inpaint or "ControlNet" in class_name,
+        "mask_image": inpaint,
+        "strength": img2img or inpaint,
+    }
+    return frozenset(name for name, taken in inputs.items() if taken)
+
+
+def family_tasks(index_class: str) -> dict[Task, str]:
+    """The task → pipeline class row of the family ``model_index.json``'s class belongs to ({} for none)."""
+    return next((row for row in PIPELINE_TASKS if index_class in row.values()), {})
 
 
 def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import re
 from importlib import metadata
 from typing import Any
 
-from .errors import EnvironmentMismatchError, MissingDependencyError
+from .errors import EnvironmentMismatchError, MissingDependencyError, one_line
 
 CONTAINER_HINT = "build and run engines in the NVIDIA container: `make docker-build && make docker-engine MODEL=…`"
 
@@ -41,7 +41,19 @@ def require_tensorrt(what: str = "build a TensorRT engine") -> None:
 
 def torch_tensorrt_missing() -> str | None:
     """What stops wrapping an engine as TorchScript (torch-tensorrt's frontend), or None when nothing does."""
-    return tensorrt_missing() or (None if _installed("torch_tensorrt") else "torch-tensorrt is not installed")
+    if missing := tensorrt_missing():
+        return missing
+    if not _installed("torch_tensorrt"):
+        return "torch-tensorrt is not installed"
+    try:
+        # A build without libtorchtrt.so has no TorchScript frontend, which wrapping (torch_tensorrt.ts) needs
+        # (pytorch/TensorRT py/torch_tensorrt/_features.py: ENABLED_FEATURES.torchscript_frontend = _TS_FE_AVAIL).
+        from torch_tensorrt._features import ENABLED_FEATURES
+    except Exception as exc:  # a torch-tensorrt built for another torch or TensorRT fails here
+        return f"torch-tensorrt does not import ({one_line(exc)})"
+    if not ENABLED_FEATURES.torchscript_frontend:
+        return "torch-tensorrt is installed without its TorchScript frontend (libtorchtrt.so)"
+    return None
 
 
 def require_torch_tensorrt(what: str) -> None:
@@ -89,6 +101,25 @@ def tensorrt_version() -> str:
     import tensorrt as trt
 
     return str(trt.__version__)
+
+
+def refit_problem(version: str) -> str | None:
+    """Why a TensorRT of ``version`` must not build REFIT engines, or None: TensorRT 11.3's "Refitting an Engine"
+    page (docs.nvidia.com/deeplearning/tensorrt/11.3.0/inference-library/refitting-engines.html, a known issue of
+    its release notes) says BuilderFlag::kREFIT "may produce incorrect numerical output ... A GEMM bias can be
+    dropped and treated as zero", with no refit at all; 11.4's page no longer says so. REFIT_IDENTICAL is unaffected."""
+    if not re.match(r"11\.3(\.|$)", version):
+        return None
+    return (
+        f"TensorRT {version} may drop GEMM biases from refittable engines (a known issue of TensorRT 11.3), so their "
+        "output can be wrong; build with another TensorRT version, or without --refittable (and without LoRAs)"
+    )
+
+
+def require_refit_support() -> None:
+    """MissingDependencyError, before anything is built, when this TensorRT builds refittable engines wrong."""
+    if problem := refit_problem(tensorrt_version()):
+        raise MissingDependencyError(f"cannot build a refittable TensorRT engine here: {problem}")
 
 
 # What the NVIDIA container ships and pip must never replace (docker/Dockerfile pins them).

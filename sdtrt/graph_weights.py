@@ -72,20 +72,60 @@ def initializer_values(graph_path: Path, names: set[str] | None = None, min_rank
 def tensor_value(tensor: Any, base_dir: Path) -> np.ndarray:
     """An initializer's value: inline data converted, external data mapped from its file (never read whole)."""
     import numpy as np
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
     from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
+    from .onnx_weights import numpy_dtype
+
+    # onnx < 1.19 maps BFLOAT16 to float32 (onnx/mapping.py v1.17.0:49-51) and its to_array widens bf16 to float32
+    # (1.17) or returns a uint16-named view (1.18): bf16 is read as ml_dtypes.bfloat16 here, whatever the onnx.
+    bf16 = tensor.data_type == TensorProto.BFLOAT16
     if not uses_external_data(tensor):
-        return numpy_helper.to_array(tensor)
+        return _inline_bf16(tensor) if bf16 else numpy_helper.to_array(tensor)
     info = ExternalDataInfo(tensor)
     path = (base_dir / info.location).resolve()
     if base_dir not in path.parents:
         raise ArtifactError(f"initializer {tensor.name} points outside its graph's folder ({info.location}); re-export")
-    dtype, shape = helper.tensor_dtype_to_np_dtype(tensor.data_type), tuple(tensor.dims)
+    dtype = numpy_dtype("bfloat16") if bf16 else helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    shape = tuple(tensor.dims)
     if math.prod(shape) == 0:  # an empty tensor: nothing to map
         return np.zeros(shape, dtype)
     # A view, not the np.memmap subclass, so arithmetic on it gives plain arrays.
     return np.memmap(path, dtype=dtype, mode="r", offset=info.offset or 0, shape=shape).view(np.ndarray)
+
+
+def _inline_bf16(tensor: Any) -> np.ndarray:
+    """An inline bf16 tensor: raw little-endian bytes, or (onnx.proto) each value's 16 bits in an int32_data entry."""
+    import numpy as np
+
+    from .onnx_weights import numpy_dtype
+
+    dtype, shape = numpy_dtype("bfloat16"), tuple(tensor.dims)
+    if tensor.HasField("raw_data"):
+        return np.frombuffer(tensor.raw_data, dtype="<u2").reshape(shape).view(dtype)
+    return np.asarray(tensor.int32_data, dtype=np.uint32).astype(np.uint16).reshape(shape).view(dtype)
+
+
+def as_torch(array: np.ndarray) -> Any:
+    """A torch tensor sharing ``array``'s memory; bf16 (ml_dtypes') through its 16 bits, which torch.from_numpy
+    refuses as a type it does not know."""
+    import numpy as np
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def as_numpy(tensor: Any) -> np.ndarray:
+    """A CPU tensor as numpy, sharing its memory; bf16 as ml_dtypes' bfloat16 (Tensor.numpy refuses bf16)."""
+    import torch
+
+    from .onnx_weights import numpy_dtype
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(numpy_dtype("bfloat16"))
+    return tensor.numpy()
 
 
 def read_named_initializers(graph_path: Path, names: set[str]) -> dict[str, np.ndarray]:

@@ -60,6 +60,8 @@ class EngineLoras:
         """
         import torch
 
+        from .graph_weights import as_numpy, as_torch
+
         if not self._changed and not any(self.component in lora.parts for lora, _ in files):
             return {}, set()  # at base and staying there: no weight map to make, nothing to swap
         weight_map = self._map_or_make()
@@ -76,7 +78,7 @@ class EngineLoras:
                 continue
             with warnings.catch_warnings():  # base is read-only (onnx's to_array); it is only read here
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-                stored = torch.from_numpy(base)
+                stored = as_torch(base)
             # Always a copy: .float() of an fp32 graph's weight would be the base itself, and adding a LoRA to it
             # would change the base every later set starts from. Cast on all cores (numpy's astype uses one).
             weight = stored.to(torch.float32, copy=True)
@@ -86,7 +88,7 @@ class EngineLoras:
                     pair.add_to(weight[:, slice(*place.columns)], scale, place.transpose)
                 else:
                     pair.add_to(weight.view(len(weight), -1), scale, place.transpose)
-            weights[name] = weight.to(stored.dtype).numpy()
+            weights[name] = as_numpy(weight.to(stored.dtype))
         return weights, set(touched)
 
     def swap(self, weights: dict[str, np.ndarray], changed: set[str], active: list[tuple[Path, float]]) -> None:

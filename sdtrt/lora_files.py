@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,13 @@ LORA_FAMILIES = {
     "sd3": LoraFamily("SD3", "StableDiffusion3Pipeline", ("transformer", "text_encoder", "text_encoder_2")),
     "flux": LoraFamily("Flux", "FluxPipeline", ("transformer", "text_encoder"), (("return_alphas", True),)),
 }
-# Module names only one kind's LoRAs have (diffusers' and kohya's): a file naming them is for that kind.
+# Module names only one kind's LoRAs have (diffusers' and kohya's), as patterns searched in its keys: a file naming
+# them is for that kind. SD3.5's joint blocks have a second attention (attn2) that Flux's have not, and UNet keys
+# name theirs under unet. (SD3.0's LoRAs name nothing Flux's could not.)
 FAMILY_MARKERS = {
-    "flux": ("single_transformer_blocks", "lora_unet_double_blocks_", "lora_unet_single_blocks_", "proj_mlp"),
-    "unet": ("down_blocks", "up_blocks", "mid_block"),
+    "flux": r"single_transformer_blocks|lora_unet_double_blocks_|lora_unet_single_blocks_|proj_mlp",
+    "unet": r"down_blocks|up_blocks|mid_block",
+    "sd3": r"^transformer\.transformer_blocks\.\d+\.attn2\.",
 }
 # What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target. The
 # transformer's cover SD3's joint blocks (SD3.5's attn2 too) and Flux's double- and single-stream blocks.
@@ -75,7 +79,12 @@ def lora_kind(family: str) -> str:
 
 def named_kind(keys: Sequence[str]) -> str | None:
     """The kind of model a LoRA's key names say it is for (FAMILY_MARKERS), or None where they do not say."""
-    return next((kind for kind, marks in FAMILY_MARKERS.items() if any(m in k for k in keys for m in marks)), None)
+    return next((kind for kind in FAMILY_MARKERS if marked(keys, kind)), None)
+
+
+def marked(keys: Sequence[str], kind: str) -> str | None:
+    """The first key that names a module only ``kind``'s LoRAs have."""
+    return next((k for k in keys if re.search(FAMILY_MARKERS[kind], k)), None)
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
@@ -186,9 +195,16 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
     state_dict, alphas, metadata = _lora_state_dict(path, lora_family)
     networks = lora_family.networks
     if other := next((k for k in state_dict if not k.startswith(tuple(f"{c}." for c in networks))), None):
+        # CLIP's weights are under text_model. (T5's under encoder.): CLIP layers for a network this family has
+        # as T5 (Flux's text_encoder_2) or lacks are from another family's LoRA (SD3's, SDXL's).
+        why = (
+            "a CLIP encoder's weight: a LoRA for another model (SD3, SDXL)?"
+            if ".text_model." in other
+            else "T5 encoders take none, as in diffusers"
+        )
         raise LoraError(
             f"{path}: '{other}' is not a weight of the {', '.join(networks)} networks sdtrt applies "
-            f"{lora_family.label} LoRAs to (T5 encoders take none, as in diffusers)"
+            f"{lora_family.label} LoRAs to ({why})"
         )
     parts = {}
     for component in networks:
@@ -218,9 +234,8 @@ def _kind_for(path: Path, keys: list[str], family: str | None) -> str:
         return named or ("sd3" if any(k.startswith("transformer.") for k in keys) else "unet")
     kind = lora_kind(family)
     if named not in (None, kind):
-        mark = next(k for k in keys if any(m in k for m in FAMILY_MARKERS[named]))
-        raise LoraError(f"{path} is a {LORA_FAMILIES[named].label} LoRA ('{mark}'); this model ({family}) "
-                        f"takes {LORA_FAMILIES[kind].label} LoRAs")  # fmt: skip
+        raise LoraError(f"{path} is a {LORA_FAMILIES[named].label} LoRA ('{marked(keys, named)}'); this model "
+                        f"({family}) takes {LORA_FAMILIES[kind].label} LoRAs")  # fmt: skip
     return kind
 
 
@@ -330,6 +345,7 @@ def random_lora(
     from peft import LoraConfig, get_peft_model_state_dict
 
     from .models import load_folder, quiet_loading
+    from .store import follow_umask
 
     out = lora_out(out)
     denoiser = model.denoiser_folder  # unet or transformer: component and folder have the same name
@@ -355,5 +371,6 @@ def random_lora(
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         pipeline.save_lora_weights(tmp, weight_name=out.name, **layers)
+        follow_umask(Path(tmp))  # written 0600 (a temporary file), as the store's artifacts are not
         os.replace(Path(tmp) / out.name, out)
     return out

@@ -62,7 +62,9 @@ class ModelSource:
         return path
 
     def pipeline_class(self) -> str:
-        """The diffusers pipeline class ``model_index.json`` names."""
+        """The diffusers pipeline class ``model_index.json`` names; ModelNotFoundError for a bare UNet folder."""
+        if not self.is_pipeline:
+            raise ModelNotFoundError(f"'{self.path}' is a bare UNet folder; a pipeline needs the whole model folder")
         return str(json.loads((self.path / "model_index.json").read_text()).get("_class_name", ""))
 
     def has(self, folder: str) -> bool:

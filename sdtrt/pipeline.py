@@ -10,16 +10,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from rich.markup import escape
 
 from .config import TEXT_ENCODERS, WeightBudget
-from .errors import LoraError, ModelNotFoundError, RequestError
+from .errors import LoraError
 from .families import Task, accepted, pipeline_class_name
 from .lora import EngineLoras, LoraNetwork, apply_loras, fuse_loras
 from .lora_files import LORA_COMPONENTS, LoraSpec
 from .models import ModelSource, load_folder, quiet_loading, resolve_model
 from .progress import console
-from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps
-from .runtime import Runtime, check_weight_budget, open_runtime
+from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
+from .runtime import Runtime, check_weight_budget, open_members
 from .spec import FOLDERS, T5EncoderSpec, model_components
 from .stages import weight_map as weight_maps
 from .stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
@@ -51,24 +52,18 @@ def set_scheduler(pipe: Any, name: str) -> None:
     # Only whether the denoiser is a flow-matching transformer matters to the check: a UNet's family is left out.
     transformer = getattr(pipe, "transformer", None)
     family = "unet" if transformer is None else transformer_family(dict(transformer.config))
-    scheduler = getattr(diffusers, check_scheduler(name, family))
+    scheduler = getattr(diffusers, check_scheduler(name, family, type(pipe).__name__))
     if type(pipe).__name__.startswith("LatentConsistencyModel"):
-        scheduler = consistency_scheduler(scheduler, name)
+        scheduler = consistency_scheduler(scheduler)
     pipe.scheduler = scheduler.from_config(pipe.scheduler.config)
 
 
-def consistency_scheduler(scheduler: Any, name: str) -> Any:
-    """``scheduler`` fit for the LatentConsistencyModel pipelines, which step with a consistency scheduler.
+def consistency_scheduler(scheduler: Any) -> Any:
+    """A consistency scheduler (check_scheduler: LCM or TCD) fit for the LatentConsistencyModel pipelines.
 
-    They pass ``original_inference_steps`` to ``set_timesteps`` (only LCM and TCD take it) and hand
-    ``step`` eta=None (diffusers' pipeline_latent_consistency_text2img.py: prepare_extra_step_kwargs(
+    They hand ``step`` eta=None (diffusers' pipeline_latent_consistency_text2img.py: prepare_extra_step_kwargs(
     generator, None)), which TCD cannot take: there None means TCD's own default eta.
     """
-    if "original_inference_steps" not in inspect.signature(scheduler.set_timesteps).parameters:
-        consistency = [n for n, c in SCHEDULERS.items() if c in ("LCMScheduler", "TCDScheduler")]
-        raise RequestError(
-            f"the LatentConsistencyModel pipelines step only with {' or '.join(consistency)}, not {name}"
-        )
     takes_eta = inspect.signature(scheduler.step).parameters.get("eta")
     if takes_eta is None:
         return scheduler
@@ -96,7 +91,7 @@ def load_pipeline(
     ``task`` picks txt2img, img2img or inpaint within the model's family (StableDiffusion…,
     StableDiffusionXL…, LatentConsistencyModel…). ``engine`` is an artifact directory (or file inside
     one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
-    ``compile_model`` returned. Components a set lacks stay PyTorch (one line on stderr says which).
+    ``compile_model`` returned. Components the engine (or set) lacks stay PyTorch (one line on stderr says which).
     Without ``engine`` the pipeline is plain PyTorch (the reference engines are checked against), unless
     ``model`` is a folder an engine pipeline was saved to (``pipe.save_pretrained``): then it runs on the
     engines recorded there again.
@@ -104,12 +99,12 @@ def load_pipeline(
     into PyTorch networks when no network is an engine.
     ``weight_budget``: GPU memory for the weights of TensorRT engines built with weight streaming (``auto``,
     ``50%``, ``8GiB``; see config.WeightBudget); RequestError when no engine streams.
+    The TensorRT members of one pipeline share one activation buffer (runtime.device_memory): never call two of
+    its networks at the same time (two threads or streams); load a pipeline per thread.
     """
     import diffusers
 
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    if not source.is_pipeline:
-        raise ModelNotFoundError(f"'{source.path}' is a bare UNet folder; a pipeline needs the whole model folder")
     with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
         cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
     if engine is not None:
@@ -129,8 +124,9 @@ def load_pipeline(
     if members:
         pipe = with_components(pipe, standins(source, members, pipe.vae, dtype, budget))
         on_pytorch = [c for c in model_components(source) if c not in members]
-        if on_pytorch and engine is not None and _as_artifact(engine).stage == "set":
-            console.print(f"[dim]on PyTorch (not in the engine set): {', '.join(on_pytorch)}[/]")
+        if on_pytorch and engine is not None:  # a saved pipeline's engines were chosen before
+            where = "the engine set" if _as_artifact(engine).stage == "set" else f"the {', '.join(members)} engine"
+            console.print(f"[dim]on PyTorch (not in {where}): {', '.join(on_pytorch)}[/]")
         refuse_diffusers_loras(pipe)
     if loras and lora_networks(pipe):
         set_loras(pipe, loras)
@@ -199,8 +195,7 @@ def standins(
 ) -> dict[str, Any]:  # fmt: skip
     """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
     ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
-    opened = opened or {}
-    runtimes = {c: opened.get(c) or open_runtime(a, source, weight_budget=weight_budget) for c, a in members.items()}
+    runtimes = open_members(members, source, weight_budget, opened)
     out: dict[str, EngineModule] = {}
 
     def loras(component: str) -> EngineLoras:
@@ -304,9 +299,18 @@ def generate(
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
     kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
-    kwargs |= t5_kwargs(pipe, [p for r in requests for p in (r.prompt, r.negative_prompt) if p])
+    prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
+    kwargs |= t5_kwargs(pipe, prompts)
+    for line in clip_cuts(prompts, _clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
+        console.print(f"[yellow]![/] {escape(line)}")
     with torch.no_grad():
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)
+
+
+def _clip_tokenizers(pipe: Any) -> dict[str, Any]:
+    """Text encoder → tokenizer, for the pipeline's CLIP encoders (SD3's third and Flux's second are T5)."""
+    tokenizers = {f"text_encoder{n}": getattr(pipe, f"tokenizer{n}", None) for n in ("", "_2", "_3")}
+    return {encoder: t for encoder, t in tokenizers.items() if "CLIP" in type(t).__name__}
 
 
 def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:

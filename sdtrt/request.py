@@ -17,6 +17,7 @@ from .errors import RequestError
 
 if TYPE_CHECKING:
     from .config import ShapeProfile, ValidationConfig
+    from .families import Task
     from .models import ModelSource
     from .spec import DenoiserSpec
 
@@ -46,8 +47,13 @@ FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
 NOT_FOR_FLUX = ("flow-heun",)
 
 
-def check_scheduler(name: str, family: str) -> str:
-    """The diffusers class name for a --scheduler value a model of ``family`` (models.family()) can step with."""
+# The LatentConsistencyModel pipelines pass original_inference_steps to set_timesteps, which only these take.
+CONSISTENCY_SCHEDULERS = ("lcm", "tcd")
+
+
+def check_scheduler(name: str, family: str, pipeline_class: str = "") -> str:
+    """The diffusers class name for a --scheduler value a model of ``family`` (models.family()) can step with, in a
+    pipeline of class ``pipeline_class`` (diffusers' name; "": any)."""
     flow = family in FLOW_FAMILIES
     if name not in SCHEDULERS and name not in FLOW_SCHEDULERS:
         raise RequestError(f"scheduler '{name}' is not one of {', '.join([*SCHEDULERS, *FLOW_SCHEDULERS])}")
@@ -58,6 +64,10 @@ def check_scheduler(name: str, family: str) -> str:
         kind = "a flow-matching (SD3 / Flux) model" if flow else "a UNet model"
         raise RequestError(
             f"scheduler '{name}' cannot drive {kind} of family {family}; use one of {', '.join(offered)}"
+        )
+    if pipeline_class.startswith("LatentConsistencyModel") and name not in CONSISTENCY_SCHEDULERS:
+        raise RequestError(
+            f"the LatentConsistencyModel pipelines step only with {' or '.join(CONSISTENCY_SCHEDULERS)}, not {name}"
         )
     return offered[name]
 
@@ -174,6 +184,17 @@ class GenerateRequest:
             )
         return dataclasses.replace(self, height=height, width=width, guidance=guidance)
 
+    def check_inputs(self, accepts: Collection[str], image_fix: str = "") -> None:
+        """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
+        for one it takes none of (``image_fix`` says what to do then); light: no torch."""
+        for name, flag in (("image", "--image"), ("mask_image", "--mask")):
+            if name in accepts and getattr(self, name) is None:
+                raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
+        for name in ("negative_prompt", "image", "mask_image"):
+            if getattr(self, name) is not None and name not in accepts:
+                fix = "" if name == "negative_prompt" else image_fix
+                raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
+
     def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
         """Keyword arguments for a pipeline whose ``__call__`` takes ``accepts``; RequestError for what it lacks.
 
@@ -194,15 +215,25 @@ class GenerateRequest:
             "mask_image": self.mask_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
-        for name, flag in (("image", "--image"), ("mask_image", "--mask")):
-            if name in accepts and wanted[name] is None:
-                raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
-        for name in ("negative_prompt", "image", "mask_image"):
-            if wanted[name] is not None and name not in accepts:
-                raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}")
+        self.check_inputs(accepts)
         if "strength" in accepts and self.image is not None:
             wanted["strength"] = self.strength
         return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
+
+
+def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task | None) -> None:
+    """``request.check_inputs`` against the pipeline ``task`` picks in the family of ``index_class`` (the class
+    model_index.json names), before diffusers is imported; an image or mask it takes none of is answered with the
+    --task whose pipeline takes it."""
+    from .families import family_tasks, pipeline_class_name, pipeline_inputs
+
+    wanted: Task = "inpaint" if request.mask_image is not None else "img2img"
+    row = family_tasks(index_class)
+    if wanted in row:
+        fix = f": pass --task {wanted}" + (" and an --image" if request.image is None else "")
+    else:
+        fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
+    request.check_inputs(pipeline_inputs(pipeline_class_name(index_class, task)), fix)
 
 
 def check_steps(steps: int, scheduler_config: Any) -> None:
@@ -233,6 +264,23 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
                     else ""
                 )
             )
+
+
+def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:
+    """A line for each prompt longer than the CLIP ``tokenizers`` (text encoder → its tokenizer) read: the pipelines
+    cut it to their 77 tokens, and sdtrt's quiet loading hides diffusers' warning. ``t5``: a T5 encoder reads it all.
+    """
+    lines = []
+    for prompt in dict.fromkeys(prompts):
+        counts = {encoder: len(tokenizer(prompt).input_ids) for encoder, tokenizer in tokenizers.items()}
+        cut = [encoder for encoder, count in counts.items() if count > tokenizers[encoder].model_max_length]
+        if cut:
+            limit = tokenizers[cut[0]].model_max_length
+            lines.append(
+                f"the prompt {prompt[:30]!r}… is {counts[cut[0]]} CLIP tokens and CLIP reads {limit}: "
+                f"{' and '.join(cut)} see only its first {limit}" + ("; T5 reads all of it" if t5 else "")
+            )
+    return lines
 
 
 def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
@@ -273,18 +321,25 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     return merged
 
 
+def check_size(height: int | None, width: int | None, multiple: int, profile: ShapeProfile | None) -> None:
+    """RequestError for a given side off the model's grid (``multiple`` pixels) or, given the engines' profile, a
+    size outside it (a side not given: the profile's optimum): validate's and debug's size rule. Cheap: run it
+    before loading anything."""
+    for name, value in (("height", height), ("width", width)):
+        if value is not None and (problem := grid_problem(name, value, multiple)):
+            raise RequestError(problem)
+    if profile is not None and (height is not None or width is not None):
+        height = profile.height.opt if height is None else height
+        width = profile.width.opt if width is None else width
+        if problem := profile.size_problem(height, width):
+            raise RequestError(problem)
+
+
 def check_validation(config: ValidationConfig, rule: SizeRule, profile: ShapeProfile | None) -> None:
     """RequestError for what no validation can honour: a size off the model's grid or outside the engines'
     profile (in pixels), a tolerance no comparison can meet or miss. Cheap: run it before loading anything.
     """
-    for name, value in (("height", config.height), ("width", config.width)):
-        if value is not None and (problem := grid_problem(name, value, rule.multiple)):
-            raise RequestError(problem)
-    if profile is not None and (config.height is not None or config.width is not None):
-        height = profile.height.opt if config.height is None else config.height
-        width = profile.width.opt if config.width is None else config.width
-        if problem := profile.size_problem(height, width):
-            raise RequestError(problem)
+    check_size(config.height, config.width, rule.multiple, profile)
     if config.min_cosine is not None and not -1.0 <= config.min_cosine <= 1.0:
         raise RequestError(f"minimum cosine {config.min_cosine} is outside -1..1, the range a cosine similarity has")
     if config.max_abs is not None and not config.max_abs >= 0:

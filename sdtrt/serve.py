@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .deploy import DEPLOYMENT
-from .errors import MissingDependencyError, ServeError
+from .errors import MissingDependencyError, ServeAddressError, ServeError
 
 STUB = "triton_python_backend_stub"
 STOP_FILE_ENV = "SDTRT_STOP_FILE"  # exists once the server is stopping; the models check it between steps
@@ -44,6 +45,7 @@ STOP_FILE_ENV = "SDTRT_STOP_FILE"  # exists once the server is stopping; the mod
 LOG_PROBLEM = re.compile(r"^(?:[WE]\d{4} \S+ \d+ \S+\] |error: )")
 # ... except these, which every start on a machine without a GPU prints.
 LOG_NOISE = ("pinned memory", "CudaDriverHelper", "NVML", "DCGM")
+LOG_ERROR = re.compile(r'^E\d{4} \S+ \d+ \S+\] "?(?P<message>.*?)\s*"?\s*$')
 LOAD_FAILED = re.compile(r"failed to load '(?P<model>[^']+)' version \d+: (?:Internal: )?(?P<reason>.*?)\"?$")
 
 
@@ -55,6 +57,11 @@ class ServeConfig:
     metrics_port: int = 8002
     start_timeout_s: float = 300.0  # until every model in the repository is ready
     exit_timeout_s: int = 10  # on stop, how long Triton waits for open connections and requests in flight
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """The option that sets each port → the port."""
+        return {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
 
     @property
     def http_url(self) -> str:
@@ -145,6 +152,7 @@ class TritonServer:
         self.config = config
         self.log = log
         check_repository(self.repository)
+        check_ports(config)
         command = [
             *tritonserver_command(),
             f"--model-repository={self.repository.resolve()}",
@@ -277,8 +285,34 @@ def _failure(problems: list[str]) -> str:
     for line in problems:
         if found := LOAD_FAILED.search(line):
             return f"model '{found['model']}' failed to load: {found['reason']}"
-    errors = [line.removeprefix("error: ") for line in problems if line.startswith("error: ")]
+    errors = [line.removeprefix("error: ") for line in problems if line.startswith("error: ")] or [
+        found["message"] for line in problems if (found := LOG_ERROR.match(line))
+    ]
     return errors[-1] if errors else "it printed no error"
+
+
+def check_ports(config: ServeConfig) -> None:
+    """ServeAddressError, before Triton starts, for a host that is no address here or a port taken or named twice:
+    Triton binds its ports only after loading the models, tens of seconds later."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(config.host, None, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ServeAddressError(f"--host {config.host} is not an address ({exc.strerror})") from None
+    for option, port in config.ports.items():
+        if (first := next(o for o, p in config.ports.items() if p == port)) != option:
+            raise ServeAddressError(f"{option} {port} is also {first}: give each its own port")
+        with socket.socket(family) as probe:
+            # SO_REUSEADDR: a port a stopped server left in TIME_WAIT may be bound again, one something listens on not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((address[0], port, *address[2:]))  # IPv6 addresses carry flow and scope
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    problem = f"--host {config.host} is not an address of this machine ({exc.strerror})"
+                    raise ServeAddressError(problem) from None
+                raise ServeAddressError(
+                    f"port {port} on {config.host} cannot be bound ({exc.strerror}); pass another {option}"
+                ) from None
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

@@ -7,8 +7,8 @@ matter, so any upstream change yields a new key and an unchanged re-run is a cac
 
 Writes are atomic: a stage builds in ``<root>/.tmp/…`` and the finished directory is renamed into
 place, manifest included, in one step. An interrupted stage leaves only a temp directory, which no
-lookup ever returns and ``gc`` removes. Concurrent runs of the same key serialise on a lock file; the
-second finds the first's artifact.
+lookup ever returns and ``gc`` removes. Concurrent runs of the same key serialise on a lock file (locks.py); the
+second says which run it waits for, then finds the first's artifact.
 
 A cache hit never hands out files that differ from their manifest: sizes are checked on every hit,
 and content hashes whenever a file's stat signature (size, mtime, inode) differs from the one
@@ -19,7 +19,6 @@ corrupt hit is rebuilt.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 
 from .config import as_dict, cache_key
 from .errors import ArtifactError, ArtifactNotFoundError, StoreError
+from .locks import exclusive
 from .progress import console
 
 MANIFEST = "manifest.json"
@@ -303,10 +303,21 @@ class Store:
 
     # ---- writing ------------------------------------------------------------------------------
 
-    def ensure_writable(self) -> None:
-        """Fail early, before any expensive work, when the store cannot take a new artifact."""
+    def require_folder(self) -> None:
+        """StoreError unless the root is a folder: a file, or nothing there, is no store to read (listing it would
+        show an empty store)."""
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"engines path '{self.root}' is a file, not a directory; pass --engines DIR")
+        if not self.root.exists():
+            raise StoreError(
+                f"engines directory '{self.root}' does not exist; pass --engines DIR (the folder a compile wrote to) "
+                "or set SDTRT_ENGINES"
+            )
+
+    def ensure_writable(self) -> None:
+        """Fail early, before any expensive work, when the store cannot take a new artifact."""
+        if self.root.exists():
+            self.require_folder()
         try:
             (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
             (self.root / LOCK_DIR).mkdir(exist_ok=True)
@@ -318,15 +329,6 @@ class Store:
                 "pass --engines DIR or set SDTRT_ENGINES to a writable folder"
             ) from exc
 
-    @contextlib.contextmanager
-    def _lock(self, key: str) -> Iterator[None]:
-        with open(self.root / LOCK_DIR / f"{key[:16]}.lock", "w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
     def produce(self, request: StageRequest, build: Callable[[Path], dict[str, Any]]) -> tuple[Artifact, bool]:
         """The artifact for ``request``: from the store if present, else built by ``build(tmp_dir)``.
 
@@ -336,7 +338,7 @@ class Store:
         if hit := self._intact_hit(request):  # a read-only store serves its hits
             return hit, True
         self.ensure_writable()
-        with self._lock(request.key):
+        with exclusive(self.root / LOCK_DIR / f"{request.key[:16]}.lock", f"{request.stage} {request.key[:16]}"):
             if hit := self._intact_hit(request, quiet=True):  # a concurrent run finished it while we waited
                 return hit, True
             tmp = Path(
@@ -346,7 +348,7 @@ class Store:
                 tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; artifacts follow the umask like other files
                 started = time.time()
                 fields = build(tmp)
-                _follow_umask(tmp)
+                follow_umask(tmp)
                 manifest = request.base_manifest() | fields
                 manifest["created_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
                 manifest.setdefault("timings", {})["stage_s"] = round(time.time() - started, 3)
@@ -435,7 +437,7 @@ def _umask() -> int:
     return mask
 
 
-def _follow_umask(folder: Path) -> None:
+def follow_umask(folder: Path) -> None:
     """Give the files a stage wrote the modes the umask gives new files: some writers are stricter (onnx ≥ 1.2x
     writes external data 0600), which a server under another account could not read."""
     mask = _umask()

@@ -46,13 +46,17 @@ class TritonPythonModel:
         if recorded != __version__:
             pb_utils.Logger.log_warn(f"repository written by sdtrt {recorded}, served by sdtrt {__version__}")
         gpu = args["model_instance_kind"] == "GPU"
+        if gpu:  # before any engine opens: they open on the current device, and the stub starts every instance on
+            # device 0 (python_backend src/pb_stub.cc, Stub::Initialize calls `initialize` with no cudaSetDevice)
+            torch.cuda.set_device(int(args["model_instance_device_id"]))
         pipe = load_pipeline(
             resolve_model(str(self.deployment.model)), self.deployment.engine, task="txt2img",
-            dtype=torch.float16 if gpu else torch.float32,
+            dtype=torch.float16 if gpu else torch.float32, weight_budget=self.deployment.weight_budget,
         )  # fmt: skip
         self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
         self.rule = SizeRule.for_pipeline(pipe)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
+        self.counters = RequestCounters(args["model_name"], args["model_version"])
         self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by `sdtrt serve`; absent under a bare tritonserver
         # This process is the Python backend's stub, tritonserver's child: once the server is killed it is someone
         # else's, and a generation would run on for nobody (then the stub would wait for the server, idle, forever).
@@ -63,13 +67,13 @@ class TritonPythonModel:
 
         from .pipeline import generate
 
-        errors: dict[int, Any] = {}  # request index → TritonError: INVALID_ARG (HTTP 400) for a bad request
+        errors: dict[int, SdtrtError] = {}  # request index → why it gets no image
         rows: list[tuple[int, GenerateRequest]] = []
         for index, request in enumerate(requests):
             try:
                 rows += [(index, row) for row in self.parse(request)]
             except SdtrtError as exc:
-                errors[index] = _error(exc)
+                errors[index] = exc
         images: dict[int, list[np.ndarray]] = {}
         rows.sort(key=lambda row: row[1].batch_key)  # stable: a request's rows stay in order
         for _, grouped in itertools.groupby(rows, key=lambda row: row[1].batch_key):
@@ -79,16 +83,21 @@ class TritonPythonModel:
                     self.check_running("before it started")
                     result = generate(self.pipe, [row for _, row in chunk], on_step=self.stop_between_steps)
                 except SdtrtError as exc:
-                    errors.update((index, _error(exc)) for index, _ in chunk)
+                    errors.update((index, exc) for index, _ in chunk)
                     continue
                 for (index, _), image in zip(chunk, result.images, strict=True):
                     images.setdefault(index, []).append(np.asarray(image, dtype=np.uint8))
-        return [
-            pb_utils.InferenceResponse(error=errors[i])
-            if i in errors
-            else pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))])
-            for i in range(len(requests))
-        ]
+        responses = []
+        for i in range(len(requests)):
+            if i in errors:
+                code, reason = _outcome(errors[i])
+                self.counters.failure[reason].increment(1)
+                error = pb_utils.TritonError(one_line(errors[i]), getattr(pb_utils.TritonError, code))
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                self.counters.success.increment(1)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))]))
+        return responses
 
     def check_running(self, when: str) -> None:
         """ServeError once ``sdtrt serve`` is stopping the server."""
@@ -138,18 +147,42 @@ class TritonPythonModel:
         return rows
 
 
-def _error(exc: SdtrtError) -> Any:
-    import triton_python_backend_utils as pb_utils
+class RequestCounters:
+    """``sdtrt_request_success`` and ``sdtrt_request_failure{reason}`` on Triton's /metrics, per model and version.
 
-    # HTTP 400 for a bad request, 503 while the server stops (triton-inference-server/server
-    # src/http_server.cc HttpCodeFromError: UNAVAILABLE → EVHTP_RES_SERVUNAVAIL), 500 otherwise.
+    Triton's own ``nv_inference_request_failure`` cannot count a request this model refuses: the Python backend
+    reports every request of an execution as a success unless ``execute`` itself raised (python_backend
+    src/python_be.cc, TRITONBACKEND_ModelInstanceExecute builds its PbMetricReporter without the responses, and
+    only an error from ProcessRequests sets it to failure; r24.10, Triton 2.51, to main). Raising would fail every
+    request of the batch, as INTERNAL (HTTP 500). Instances share the counters: Triton's registry merges families
+    and label sets of one name (core src/metric_family.cc, prometheus-cpp).
+    """
+
+    REASONS = ("refused", "stopping", "error")  # HTTP 400, 503, 500
+
+    def __init__(self, model: str, version: str) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        labels = {"model": model, "version": version}
+        counter = pb_utils.MetricFamily.COUNTER
+        # The families are kept: a family must outlive its metrics (python_backend README, Custom Metrics).
+        self.families = (
+            pb_utils.MetricFamily("sdtrt_request_success", "Requests answered with images", counter),
+            pb_utils.MetricFamily("sdtrt_request_failure", "Requests answered with an error, by reason", counter),
+        )
+        self.success = self.families[0].Metric(labels)
+        self.failure = {reason: self.families[1].Metric(labels | {"reason": reason}) for reason in self.REASONS}
+
+
+def _outcome(exc: SdtrtError) -> tuple[str, str]:
+    """The TritonError code and failure reason for ``exc``: HTTP 400 for a bad request, 503 while the server stops
+    (triton-inference-server/server src/http_server.cc HttpCodeFromError: UNAVAILABLE → EVHTP_RES_SERVUNAVAIL),
+    500 otherwise."""
     if isinstance(exc, RequestError):
-        code = pb_utils.TritonError.INVALID_ARG
-    elif isinstance(exc, ServeError):
-        code = pb_utils.TritonError.UNAVAILABLE
-    else:
-        code = pb_utils.TritonError.INTERNAL
-    return pb_utils.TritonError(one_line(exc), code)
+        return "INVALID_ARG", "refused"
+    if isinstance(exc, ServeError):
+        return "UNAVAILABLE", "stopping"
+    return "INTERNAL", "error"
 
 
 def _text(value: Any, name: str) -> str:

@@ -138,7 +138,7 @@ def tolerance_precision(artifact: Artifact, precision: Precision) -> HeldTo:
     """The precision an engine member is held to: a quantized graph's 8 bits (its graph is fp32 or fp16 outside
     the Q/DQ pairs); fp32 layers of a TensorRT engine built with TF32 multiply with TF32's 10-bit mantissa, as fp16
     does (BuilderFlag.TF32, pyCoreDoc.h), so fp32 tolerances would not say what it computes. sdtrt builds fp32
-    graphs without TF32 unless --tf32 asks."""
+    graphs without TF32 unless --tf32 asks or compile made them fp32 for range (compile.upcast_tf32)."""
     from .stages.build_trt import built_with_tf32
     from .stages.quantize import quantization
 
@@ -174,7 +174,8 @@ class HostMemory:
     largest default case (batch 8 at 768²) needs ~22 GB for one layer's. What a case adds to the process's peak is
     measured, and a larger case is projected by its batch (linearly) and the size of one batch item's inputs (squared,
     as attention over pixels or tokens grows): a bound that overestimates what the convolutions (linear) add. A case
-    no larger than one already run is always compared.
+    no larger than one already run is always compared, unless its own inputs alone are over the memory: that is
+    checked from their shapes, before any case ran, without allocating them.
     """
 
     spec: GraphSpec
@@ -185,33 +186,44 @@ class HostMemory:
         """batch × positions²: the positions are the elements along the inputs' variable axes other than the batch
         (a UNet's latent pixels, a transformer's image and text tokens); a text encoder, whose 77 tokens are fixed,
         grows with its batch only."""
-        feeds = self.spec.case_inputs(case)
+        shapes = self.shapes(case)
         positions = 0
         for tensor in self.spec.inputs():
             axes = [i for i, axis in enumerate(tensor.shape) if isinstance(axis, str) and axis != "batch"]
-            positions += math.prod(feeds[tensor.name].shape[i] for i in axes) if axes else 0
+            positions += math.prod(shapes[tensor.name][i] for i in axes) if axes else 0
         return case.batch * float(max(positions, 1)) ** 2
+
+    def shapes(self, case: ValidationCase) -> dict[str, tuple[int, ...]]:
+        """The case's input shapes (what ``spec.case_inputs`` would allocate)."""
+        return self.spec.input_shapes(case.batch, case.height, case.width, case.tokens)
+
+    def input_bytes(self, case: ValidationCase) -> int:
+        """What the case's inputs take: case_inputs draws them float32 or int32, 4 bytes an element."""
+        return sum(4 * math.prod(shape) for shape in self.shapes(case).values())
 
     def refusal(self, case: ValidationCase) -> str | None:
         """Why ``case`` is not run (None: it fits)."""
         import psutil
 
-        if self.measured is None or (size := self.size(case)) <= self.measured[0]:
-            return None
-        base, label, added = self.measured
-        projected = added * size / base
         room = self.budget if self.budget is not None else psutil.virtual_memory().available
-        if projected <= room:
+        if (inputs := self.input_bytes(case)) > room:
+            need = f"its inputs alone take {format_size(inputs)}"
+        elif self.measured is None or (size := self.size(case)) <= self.measured[0]:
             return None
+        else:
+            base, label, added = self.measured
+            projected = added * size / base
+            if projected <= room:
+                return None
+            need = (
+                f"{label} added {format_size(added)} of host memory, so this case would add "
+                f"~{format_size(int(projected))} (ONNX Runtime's attention grows with batch × input size²)"
+            )
         if self.budget is not None:
             limit, remedy = "budget", "raise --memory-budget where the machine has the memory"
         else:
             limit, remedy = "available", "compare it on a machine with more memory"
-        return (
-            f"not compared: {label} added {format_size(added)} of host memory, so this case would add "
-            f"~{format_size(int(projected))} (ONNX Runtime's attention grows with batch × input size²), over the "
-            f"{format_size(room)} {limit}; {remedy}"
-        )
+        return f"not compared: {need}, over the {format_size(room)} {limit}; {remedy}"
 
     @contextlib.contextmanager
     def measuring(self, case: ValidationCase, label: str) -> Iterator[None]:
@@ -241,7 +253,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from .pipeline import engine_members, generate, load_pipeline, standins, with_components
     from .progress import step
     from .request import GenerateRequest, SizeRule, check_validation
-    from .runtime import check_weight_budget, open_runtime
+    from .runtime import check_weight_budget, open_members
     from .spec import FOLDERS
     from .stages.engine_set import check_pairing, engine_profile
     from .stages.quantize import precision_label
@@ -253,7 +265,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     denoiser = denoiser_component(model)
     profile = built_for or denoiser_spec(model).default_profile()
     check_weight_budget(members.values(), config.weight_budget)
-    runtimes = {c: open_runtime(a, model, weight_budget=config.weight_budget) for c, a in members.items()}
+    runtimes = open_members(members, model, config.weight_budget)
     rule = SizeRule.for_model(model)
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=rule.applicable(config.guidance), seed=config.seed,

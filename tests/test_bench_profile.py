@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
@@ -184,3 +187,44 @@ def test_a_failing_profile_run_stops_its_sampler(tiny_engine, tmp_path):
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: "), result.stderr
     assert "steps 2000 is more than this scheduler's 1000" in result.stderr
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3"])
+def test_bench_times_a_transformer_engine_set_and_names_it(preset, tmp_path, store):
+    """The engine backend's profile is the transformer's (it asked for a UNet's, which SD3 and Flux lack), and the
+    table names the denoiser it timed."""
+    report_file = tmp_path / "b.json"
+    args = ["bench", "--model", preset, "--backends", "onnxruntime", "--steps", "1", "--warmup", "0", "--repeats", "1"]
+    result = run_cli(*args, "--json", str(report_file), "--engines", str(store.root), env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_file.read_text())
+    (engine_run,) = report["backends"]
+    assert engine_run["status"] == "ok", engine_run["reason"]
+    assert engine_run["total_s"]["median"] > 0 and engine_run["unet_calls"] >= 1
+    assert report["config"]["denoiser"] == "transformer"
+    assert "transformer/call ms" in result.stdout and "UNet" not in result.stdout
+
+
+def test_profile_names_a_transformer_in_its_step_table(tmp_path):
+    result = run_cli("profile", "--model", "tiny-flux", "--out", str(tmp_path), "--steps", "1", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert "transformer ms" in result.stdout and "UNet" not in result.stdout
+
+
+def test_bench_exits_non_zero_when_every_engine_backend_failed(tmp_path):
+    """A bench whose engine backends all failed measured nothing it was run for: one line and exit 1, after the
+    table (a backend only unavailable here, tensorrt on a CPU, is skipped and is no failure)."""
+    script = (
+        "import sys, sdtrt.bench as b\n"
+        "def broken(name, *args):\n"
+        "    raise b._Skip('no CUDA GPU') if name == 'tensorrt' else RuntimeError('no engine today')\n"
+        "b.load_backend = broken\n"
+        "from sdtrt.cli import main\n"
+        "sys.argv = ['sdtrt', 'bench', '--backends', 'onnxruntime,tensorrt', '--steps', '1', '--repeats', '1']\n"
+        "main()\n"
+    )
+    env = os.environ | {"SDTRT_DEBUG": "0"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 1, result.stderr
+    assert "onnxruntime failed: RuntimeError: no engine today" in result.stdout
+    assert last_line(result.stderr) == "error: every engine backend failed (onnxruntime); the reasons are above"

@@ -76,9 +76,6 @@ def test_help_explains_with_an_example(command):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["export", "--model", "no-such-preset"], "is not a preset"),
-        (["export", "--model", "/no/such/folder"], "is not a preset"),
-        (["export", "--model", "{tmp}"], "is not a diffusers model"),
         (["simplify", "{tmp}/corrupt.onnx"], "is not a readable ONNX model"),
         (["simplify", "{tmp}/missing.onnx"], "does not exist"),
     ],
@@ -178,6 +175,38 @@ def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
     assert (rerun.path / MANIFEST).is_file() and rerun.path.parent == engines / "export"
 
 
+@pytest.mark.parametrize(
+    ("command", "out", "message"),
+    [
+        ("generate", "noext", "--out {out}: it has no extension; name a .png"),
+        ("generate", "image.xyz", "'.xyz' is not an image format Pillow writes"),
+        ("generate", "ro/image.png", "--out {out}: its folder {tmp}/ro is not writable; pass another path"),
+        ("profile", "ro/prof", "--out {out}: its folder {tmp}/ro is not writable; pass another path"),
+        ("profile", "file/prof", "--out {out}: {tmp}/file is a file, not a folder"),
+        ("client", "ro/image.png", "its folder {tmp}/ro is not writable"),
+    ],
+)
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(tmp_path, command, out, message):
+    """generate's and client's image and profile's folder are written after the whole run: what cannot be written is a
+    usage error before anything loads, as --json's folder is (they ended in 'unexpected ValueError/OSError')."""
+    (tmp_path / "ro").mkdir(mode=0o555)
+    (tmp_path / "file").write_text("a file, where a results folder is asked for")
+    path = tmp_path / out
+    url = ["--url", "127.0.0.1:9"] if command == "client" else []  # nothing listens: reaching it would fail otherwise
+    try:
+        result = subprocess.run(
+            [*_without_dac_override(), sys.executable, "-m", "sdtrt", command, "--steps", "1", "--out", str(path),
+             *url],
+            capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL, timeout=600,
+            env=os.environ | {"SDTRT_DEBUG": "0"},
+        )  # fmt: skip
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message.format(out=path, tmp=tmp_path) in result.stderr
+    assert not path.exists() and list((tmp_path / "ro").iterdir()) == []
+
+
 def test_version_and_help_do_not_import_the_heavy_libraries():
     assert run_cli("--version", check=True).stdout.strip() == f"sdtrt {__version__}"
     heavy = "('torch', 'diffusers', 'transformers', 'onnx')"
@@ -229,10 +258,26 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
             "FLUX.1 pipelines read one only for true",
         ),
         (["compile", "--model", "tiny", "--tokens", "64"], "this model has no T5"),
+        # export's --component in compile's words (it called a network it lists unknown, or showed the cache path)
+        (
+            ["export", "--model", "tiny-flux", "--component", "text_encoder_3"],
+            "model 'tiny-flux' has no text_encoder_3 (it has transformer, text_encoder, text_encoder_2, vae_decoder",
+        ),
+        (["export", "--model", "tiny", "--component", "transformer"], "model 'tiny' has no transformer (it has unet,"),
+        (
+            ["compile", "--model", "tiny-sdxl", "--components", "text_encoder_3"],
+            "model 'tiny-sdxl' has no text_encoder_3",
+        ),
         (["profile", "--out", "{tmp}/prof", "--width", "8"], "width 8 is not a positive multiple of 16"),
         (["bench", "--height", "300"], "height 300 is not a positive multiple of 16"),
         (["compile", "--height", "100"], "height 100 is not a positive multiple of 16 pixels"),
         (["compile", "--batch", "4:1:2"], "batch range 4:1:2 must satisfy 0 < min <= opt <= max"),
+        (["compile", "--batch", "1:1:1000000"], "batch range 1:1:1000000: at most 64 images per prompt"),
+        (  # FluxPipeline's check_inputs refuses more: every generate on such a set failed
+            ["compile", "--model", "tiny-flux", "--tokens", "32:64:1024"],
+            "tokens range 32:64:1024: SD3 and FLUX.1 pipelines take at most 512 T5 tokens",
+        ),
+        (["compile", "--model", "tiny-sd3", "--tokens", "600"], "take at most 512 T5 tokens (max_sequence_length)"),
         (
             ["validate", "--model", "tiny", "--engine", "0123abcd", "--min-cosine", "2"],
             "minimum cosine 2.0 is outside -1..1",
@@ -265,10 +310,11 @@ def test_validate_refuses_a_size_outside_the_engines_profile_in_pixels(tiny_engi
 
 @pytest.mark.parametrize("command", ["generate", "profile"])
 def test_generate_and_profile_refuse_a_size_outside_the_engines_profile_before_loading(tiny_engine, tmp_path, command):
-    result = run_cli(command, "--engine", str(tiny_engine.path), "--height", "1024", "--out", str(tmp_path / "x"))
+    out = tmp_path / ("x.png" if command == "generate" else "x")  # an image file, a folder
+    result = run_cli(command, "--engine", str(tiny_engine.path), "--height", "1024", "--out", str(out))
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
     assert "height 1024 is outside the engine's profile (128..384 px)" in result.stderr
-    assert not (tmp_path / "x").exists()
+    assert not out.exists()
 
 
 def test_results_go_into_folders_that_do_not_exist_yet(tmp_path, tiny_engine):

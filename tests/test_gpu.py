@@ -220,15 +220,16 @@ def test_an_fp32_engine_computes_in_fp32(tiny, store):
     assert float((got - expected).abs().max()) < 1e-3
 
 
-def test_a_refittable_engine_refits_a_b_a_bit_exact(tiny, tiny_simplified, store, tmp_path):
-    """Item 7: build with --refittable, refit LoRA A, then B, then A again: A's output bit for bit."""
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_refittable_engine_refits_a_b_a_bit_exact(tiny, store, tmp_path, precision):
+    """Item 7: build with --refittable, refit LoRA A, then B, then A again: A's output bit for bit. Review 4, M1:
+    a bf16 engine too (its weight map matched in bf16, its LoRA weights computed through their bits)."""
     from sdtrt.pipeline import load_pipeline
 
     from .helpers import peft_lora
 
-    engine, _ = build(
-        tiny_simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), refittable=True)
-    )
+    simplified = simplify.run(SimplifyConfig(), export.run(ExportConfig(precision=precision), tiny, store), store)
+    engine, _ = build(simplified, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(PROFILE,), refittable=True))
     assert "--refittable" in engine.manifest["reproduce"]
     pipe = load_pipeline(tiny, engine)
     a = peft_lora(tiny, tmp_path / "a", seed=1, rank=4, alpha=8)
@@ -396,6 +397,7 @@ def test_a_quantized_flux_transformer_builds_in_bf16_and_runs_on_bfloat16_buffer
     engine, _ = build(quantize.run(config, model, store), store, "tensorrt")
     assert engine.manifest["io"]["precision"] == "bf16"
     assert engine.manifest["details"]["quantization"]["quantize_layers"].get(precision.upper(), 0) > 0
+    assert engine.manifest["details"]["optimization_level"]["level"] == 3  # review 4, S3: the demo keeps Flux at 3
     runtime = open_runtime(engine)
     dtypes = {t.name: t.dtype for t in runtime.spec.inputs()}
     assert runtime.dtype == torch.bfloat16 and dtypes["hidden_states"] == "bfloat16" and dtypes["timestep"] == "float32"
@@ -491,3 +493,29 @@ def test_a_plan_recorded_as_stripped_that_is_not_refittable_is_refused_saying_so
     manifest = trt_engine.manifest | {"weights": refill_record(tiny_simplified)}  # the full, non-refittable plan
     with pytest.raises(ArtifactError, match="the plan is not refittable, so it cannot be stripped; rebuild"):
         TensorRTRuntime(trt_engine.primary, artifact_spec(trt_engine), manifest)
+
+
+def test_the_tensorrt_members_of_a_set_share_one_activation_buffer(tiny, store):
+    """Review 4, S2: the plans of a set run from one buffer of the largest member's device_memory_size_v2 (contexts
+    USER_MANAGED), in turn, eager and from CUDA graphs, and compute what each computes alone with its own memory."""
+    from sdtrt.runtime import open_members
+    from sdtrt.stages.engine_set import engine_members
+
+    config = TrtBuildConfig(profiles=(PROFILE,), refittable=True)  # the set holds the plans, not TorchScript wraps
+    members = engine_members(compile_model(tiny, store, "tensorrt", trt_config=config).final)
+    shared = open_members(members, tiny)
+    alone = {c: open_runtime(a, tiny) for c, a in members.items()}
+    pool = shared["unet"]._shared
+    assert pool is not None and all(r._shared is pool for r in shared.values()) and alone["unet"]._shared is None
+    assert pool.needed == max(int(r._engine.device_memory_size_v2) for r in shared.values())
+    feeds = {c: r.spec.case_inputs(r.spec.validation_cases(PROFILE)[0]) for c, r in shared.items()}
+    expected = {c: r.run(feeds[c]) for c, r in alone.items()}
+    for graphs in (False, True):
+        for _ in range(2):  # each member runs after the others have overwritten the buffer
+            for component, runtime in shared.items():
+                runtime.cuda_graph = graphs
+                got = runtime.run(feeds[component])
+                assert all(torch.equal(got[n], expected[component][n]) for n in got), (component, graphs)
+    assert pool.generation == 1  # one buffer all along: the captured graphs replay against its address
+    for runtime in [*shared.values(), *alone.values()]:
+        runtime.close()

@@ -14,6 +14,7 @@ from sdtrt.errors import LoraError
 from sdtrt.gpu import quantization_problem
 from sdtrt.onnx_graph import artifact_spec
 from sdtrt.pipeline import load_pipeline
+from sdtrt.spec import FluxTransformerSpec
 from sdtrt.stages import build_trt, quantize
 
 from .helpers import peft_lora, run_cli
@@ -42,11 +43,16 @@ def test_8bit_engines_need_their_compute_capability(precision, capability, refus
         assert f"NVIDIA X has {capability}" in problem and "use --precision" in problem
 
 
-def test_q_dq_graphs_build_at_level_4_as_nvidia_builds_them_unless_huge():
+def test_q_dq_graphs_build_at_level_4_as_nvidia_builds_them_unless_flux():
+    """Review 4, S3: demo dd_argparse.py sets 4 for `int8 or fp8 and not is_flux`: an FP8 SD3.5 Large (8 B) gets 4,
+    only Flux keeps 3 (for GPU memory), whatever the size."""
     assert default_optimization_level(900_000_000, "int8")[0] == 4
     assert "FP8 Q/DQ: level 4" in default_optimization_level(900_000_000, "fp8")[1]
     assert default_optimization_level(900_000_000)[0] == 3
-    assert default_optimization_level(12_000_000_000, "fp8")[0] == 3  # Flux: NVIDIA's demo keeps 3 for memory
+    assert default_optimization_level(8_100_000_000, "fp8", "SD3Transformer2DModel")[0] == 4
+    level, why = default_optimization_level(12_000_000_000, "fp8", FluxTransformerSpec.architecture)
+    assert level == 3 and "Flux" in why
+    assert default_optimization_level(1_000_000, "int8", FluxTransformerSpec.architecture)[0] == 3  # tiny Flux too
 
 
 # ---- with a real quantized UNet: ModelOpt FP8 on tiny, two graphs (a minute on two cores) ------------------------

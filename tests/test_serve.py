@@ -64,12 +64,15 @@ def server(repository, tmp_path_factory):
     assert running.process.returncode == 0, "SIGTERM stops Triton cleanly"
 
 
-def _metric(server, name: str) -> float:
+def _metric(server, name: str, **labels: str) -> float:
+    """The value of counter ``name`` for the model, with exactly these other labels."""
+    wanted = {"model": "stable_diffusion", "version": "1"} | labels
     with urllib.request.urlopen(server.config.metrics_url, timeout=10) as answer:
         text = answer.read().decode()
-    found = re.search(rf'^{name}{{model="stable_diffusion",version="1"}} (\S+)$', text, re.MULTILINE)
-    assert found, f"{name} not in the metrics"
-    return float(found.group(1))
+    for found in re.finditer(rf"^{name}{{(.*)}} (\S+)$", text, re.MULTILINE):
+        if dict(re.findall(r'(\w+)="([^"]*)"', found.group(1))) == wanted:
+            return float(found.group(2))
+    raise AssertionError(f"{name}{wanted} not in the metrics")
 
 
 def _raw_infer(server, **inputs: np.ndarray):
@@ -169,6 +172,22 @@ def test_bad_request_gets_a_clear_error_and_the_next_succeeds(server, inputs, me
     size = np.array([[SIZE]], dtype=np.int32)
     good = _raw_infer(server, **PROMPT, steps=np.array([[1]], dtype=np.int32), height=size, width=size)
     assert good.as_numpy("image").shape == (1, SIZE, SIZE, 3)
+
+
+def test_a_refused_request_counts_as_a_failure(server):
+    from tritonclient.utils import InferenceServerException
+
+    from sdtrt.client import txt2img
+
+    names = {"success": ("sdtrt_request_success", {}), "refused": ("sdtrt_request_failure", {"reason": "refused"}),
+             "triton_success": ("nv_inference_request_success", {})}  # fmt: skip
+    before = {key: _metric(server, name, **labels) for key, (name, labels) in names.items()}
+    txt2img(server.config.http_url, FAST)
+    with pytest.raises(InferenceServerException) as failed:
+        _raw_infer(server, **PROMPT, height=np.array([[100]], dtype=np.int32))
+    assert failed.value.status() == "400" and "height 100 is not a positive multiple" in failed.value.message()
+    counted = {key: _metric(server, name, **labels) - before[key] for key, (name, labels) in names.items()}
+    assert counted == {"success": 1, "refused": 1, "triton_success": 2}, "Triton's own counter cannot tell (README)"
 
 
 def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(repository, tmp_path):

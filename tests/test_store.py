@@ -118,6 +118,37 @@ def test_concurrent_runs_of_one_key_produce_one_artifact(tmp_path):
     assert len(store.artifacts()) == 1 and all(store.verify())
 
 
+def test_a_run_waiting_for_anothers_lock_says_so_naming_it(tmp_path, capsys):
+    """A second run of a key waits for the first's lock, and says once which run (its pid) holds it for what."""
+    import threading
+
+    building, release = threading.Event(), threading.Event()
+
+    def build(out: Path) -> dict:
+        building.set()
+        release.wait(30)
+        return write_payload("first")(out)
+
+    store, request = Store(tmp_path), toy_request()
+    first = threading.Thread(target=store.produce, args=(request, build))
+    first.start()
+    assert building.wait(30)
+    second: list[tuple[Artifact, bool]] = []
+    waiting = threading.Thread(target=lambda: second.append(Store(tmp_path).produce(request, write_payload("no"))))
+    waiting.start()
+    err = ""
+    for _ in range(300):  # until the waiting run has said so
+        err += capsys.readouterr().err
+        if "waiting:" in err:
+            break
+        time.sleep(0.1)
+    release.set()
+    first.join(30)
+    waiting.join(30)
+    assert f"waiting: another sdtrt run (pid {os.getpid()}) is making toy {request.key[:16]}" in err
+    assert err.count("waiting:") == 1 and second[0][1], "the waiting run takes the first's artifact"
+
+
 def test_engines_path_that_is_a_file_is_refused(tmp_path):
     target = tmp_path / "engines"
     target.write_text("")

@@ -59,3 +59,20 @@ def test_a_case_grows_by_its_batch_and_its_inputs_squared_so_a_text_encoder_by_i
         pixel_ratio = (largest.height * largest.width) / (smallest.height * smallest.width)
         expected = batch_ratio * pixel_ratio**2 if grows_with_pixels else batch_ratio
         assert ratio == pytest.approx(expected, rel=0.05), (component, ratio, expected)
+
+
+def test_a_case_whose_own_inputs_exceed_the_budget_is_not_compared_nor_allocated(tiny):
+    """A case whose inputs alone are over the memory is listed, even before any case ran to project from: its
+    inputs are sized from their shapes (batch 1,000,000 would have allocated 147 GB to find that out)."""
+    from sdtrt.config import parse_size
+    from sdtrt.spec import ValidationCase, denoiser_spec
+    from sdtrt.validate import HostMemory
+
+    memory = HostMemory(denoiser_spec(tiny), parse_size("4GiB"))
+    huge = ValidationCase(1_000_000, 384, 384)
+    why = memory.refusal(huge)
+    assert why is not None and why.startswith("not compared: its inputs alone take "), why
+    assert "over the 4.00 GiB budget; raise --memory-budget" in why
+    memory.measured = (1.0, "b1 128x128 t=500", 1)  # after a case ran, the same: sized, not drawn
+    assert memory.refusal(huge) == why and memory.size(huge) > 0
+    assert memory.refusal(ValidationCase(2, 256, 256)) is None  # a case of the default profile still fits

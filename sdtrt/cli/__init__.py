@@ -35,11 +35,7 @@ def main() -> None:
         app()
     except SystemExit as exc:
         if interrupted(exc):
-            console.print(
-                "[yellow]interrupted[/]: nothing half-written was kept (an unfinished stage's temporary folder is "
-                "removed); stages that finished stay cached for the next run",
-                soft_wrap=True,
-            )
+            console.print(f"[yellow]interrupted[/]: {interrupted_note(sys.argv[1:])}", soft_wrap=True)
         raise
     except SdtrtError as exc:
         if DEBUG:
@@ -55,6 +51,21 @@ def main() -> None:
             soft_wrap=True,
         )
         sys.exit(1)
+
+
+# Commands that build no stage of their own: they write their results (an image, a report) only at the end.
+RESULT_COMMANDS = ("generate", "validate", "profile", "debug", "check-blocks")
+
+
+def interrupted_note(args: list[str]) -> str:
+    """What Ctrl-C left behind, for the command in ``args`` (the command line after ``sdtrt``)."""
+    command = next((arg for arg in args if not arg.startswith("-")), "")
+    if command in RESULT_COMMANDS:
+        return f"{command} stopped before writing its results"
+    return (
+        "nothing half-written was kept (an unfinished stage's temporary folder is removed); stages that finished "
+        "stay cached for the next run"
+    )
 
 
 def interrupted(exc: BaseException) -> bool:

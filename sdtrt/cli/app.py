@@ -40,6 +40,24 @@ if not sys.stdout.isatty():
     os.environ.setdefault("TERMINAL_WIDTH", "160")
 
 
+def _flags_show_no_value() -> None:
+    """typer 0.29's rich help gives every option a value column, flags too (``--help <bool>``, ``--static <bool>``),
+    though a flag takes none (``--static true`` is refused); its plain help leaves flags out (core.py,
+    TyperOption.get_help_record), as this does for the rich one."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # a typer without it draws no value column
+        return
+
+    def display_type_rich(self: TyperOption, ctx: object) -> str | None:
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_show_no_value()
+
 app = typer.Typer(
     name="sdtrt",
     help="Make Stable Diffusion fast on NVIDIA GPUs: export, simplify, build and validate engines of every network.",

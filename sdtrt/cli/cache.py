@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from ..errors import ArtifactError, StoreError
+from ..errors import ArtifactError, RequestError, StoreError
 from ..store import Artifact, Store
 from .options import EnginesOpt
 
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)
+
+
+def _store(engines: Path | None) -> Store:
+    """The --engines store to read: a path that is no folder is a usage error (exit 2), not an empty store."""
+    store = Store(engines)
+    try:
+        store.require_folder()
+    except StoreError as exc:
+        raise RequestError(str(exc)) from None
+    return store
 
 
 def _size_mb(files: list[dict[str, Any]]) -> float:
@@ -31,7 +42,7 @@ def ls(engines: EnginesOpt = None) -> None:
 
     Example: sdtrt cache ls --engines engines/ | grep build-ort
     """
-    store = Store(engines)
+    store = _store(engines)
     rows = [("stage", "key", "component", "family", "size MB", "created", "from", "path")]
     for a in store.artifacts():
         source = a.manifest["inputs"][0] if a.manifest.get("inputs") else {}
@@ -52,7 +63,7 @@ def verify(engines: EnginesOpt = None) -> None:
 
     Example: sdtrt cache verify
     """
-    results = Store(engines).verify()
+    results = _store(engines).verify()
     for r in results:
         status = "ok" if r else "CORRUPT: " + "; ".join(r.problems)
         typer.echo(f"{r.artifact.stage:10s} {r.artifact.key[:16]}  {status}")
@@ -76,7 +87,9 @@ def gc(
 
     Example: sdtrt cache gc --older-than 30 --dry-run
     """
-    result = Store(engines).gc(older_than_days=older_than, corrupt=corrupt, dry_run=dry_run)
+    if older_than is not None and not older_than >= 0:  # -1 would list every artifact, as 0 does
+        raise RequestError(f"--older-than {older_than}: a number of days must be 0 or more")
+    result = _store(engines).gc(older_than_days=older_than, corrupt=corrupt, dry_run=dry_run)
     for path in result.removed:
         typer.echo(("would remove " if dry_run else "removed ") + str(path))
     typer.echo(f"{len(result.removed)} entries {'to remove' if dry_run else 'removed'}")

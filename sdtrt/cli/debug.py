@@ -27,9 +27,13 @@ def debug_command(
         float, typer.Option(help="Normalised error (max |engine - fp32| / max |fp32|) past which a tensor diverges.")
     ] = 0.05,
     height: Annotated[
-        int | None, typer.Option(help="Input height in pixels (default: the profile's smallest).")
+        int | None,
+        typer.Option(help="Input height in pixels, on the model's grid and in the profile (default: its smallest)."),
     ] = None,
-    width: Annotated[int | None, typer.Option(help="Input width in pixels (default: the profile's smallest).")] = None,
+    width: Annotated[
+        int | None,
+        typer.Option(help="Input width in pixels, on the model's grid and in the profile (default: its smallest)."),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
     engines: o.EnginesOpt = None,
 ) -> None:

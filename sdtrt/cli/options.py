@@ -71,6 +71,7 @@ GuidanceOpt = Annotated[
     # No square brackets: rich reads them as markup and drops them from --help.
     typer.Option(help="Guidance scale (default: 7.5; FLUX.1-dev's distilled guidance 3.5; FLUX.1-schnell takes none)."),
 ]
+LORA_METAVAR = "<FILE[:SCALE]>"
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 
 
@@ -128,21 +129,23 @@ TargetOpt = Annotated[
 CheckOpt = Annotated[
     bool, typer.Option("--check/--no-check", help="Compare the result with its input on ONNX Runtime.")
 ]
-BatchOpt = Annotated[str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4).")]
+BatchOpt = Annotated[
+    str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4; at most 64: config.MAX_BATCH).")
+]
 HeightOpt = Annotated[str | None, typer.Option(help="Pixel height, N or MIN:OPT:MAX (default: from the model).")]
 WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MAX (default: from the model).")]
 TokensOpt = Annotated[
     str | None,
     typer.Option(
-        help="SD3 / Flux: T5 tokens a prompt may take, N or MIN:OPT:MAX (default 32:T:T, T = 256 for SD3 and "
-        "schnell, 512 for dev); a longer prompt is refused, never cut."
+        help="SD3 / Flux: T5 tokens a prompt may take, N or MIN:OPT:MAX, at most 512 (default 32:256:256 for SD3, "
+        "32:256:512 for schnell, 32:512:512 for dev); a longer prompt is refused, never cut."
     ),
 ]
 
 
 def ensure_parent(path: Path | None, option: str) -> None:
-    """Make the folder a results file (--json, --chart, --time-file) goes into, before the run, or refuse
-    (exit 2) when it cannot be made: results are written after the whole run and must not be lost then."""
+    """Make the folder a results file (--json, --chart, --time-file, generate's --out) goes into, before the run,
+    or refuse (exit 2) when it cannot be made: results are written after the whole run and must not be lost then."""
     if path is None:
         return
     if path.is_dir():
@@ -151,8 +154,31 @@ def ensure_parent(path: Path | None, option: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise RequestError(f"{option} {path}: cannot make its folder ({exc.strerror}); pass another path") from exc
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise RequestError(f"{option} {path}: its folder {path.parent} is not writable; pass another path")
+    check_folder(path.parent, option, path)
+
+
+def check_folder(folder: Path, option: str, given: Path | None = None) -> None:
+    """RequestError (exit 2) unless ``folder`` is a writable folder or can be made as one (profile's --out, made
+    when its results are written; or the folder of the file ``given``)."""
+    given = given or folder
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise RequestError(f"{option} {given}: {existing} is a file, not a folder; pass another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        its = "its folder " if existing != given else ""
+        raise RequestError(f"{option} {given}: {its}{existing} is not writable; pass another path")
+
+
+def ensure_image_file(path: Path, option: str) -> None:
+    """``ensure_parent`` for an image file, whose extension must name a format Pillow writes (it picks the format by
+    extension, so a missing or unknown one failed after the whole generation)."""
+    from PIL import Image
+
+    Image.init()  # registers every plugin's extensions
+    if Image.registered_extensions().get(path.suffix.lower()) not in Image.SAVE:
+        what = f"'{path.suffix}' is not an image format Pillow writes" if path.suffix else "it has no extension"
+        raise RequestError(f"{option} {path}: {what}; name a .png (or .jpg, .webp) file")
+    ensure_parent(path, option)
 
 
 def open_store(engines: Path | None, cached_ok: bool = False) -> Store:
@@ -241,8 +267,8 @@ WorkspaceOpt = Annotated[float | None, typer.Option(help="TensorRT: workspace li
 OptLevelOpt = Annotated[
     int | None,
     typer.Option(
-        min=0, max=5, help="TensorRT builder optimization level (default: 3, TensorRT's; networks over 2 B "
-        "parameters keep 3 to bound build memory, as NVIDIA's demo does for Flux)."
+        min=0, max=5, help="TensorRT builder optimization level (default: 3, TensorRT's; 4 for INT8/FP8 graphs "
+        "except Flux's, as NVIDIA's demo builds them)."
     ),
 ]  # fmt: skip
 WeightStreamingOpt = Annotated[
@@ -265,8 +291,9 @@ WeightBudgetOpt = Annotated[
     str | None,
     typer.Option(
         envvar="SDTRT_WEIGHT_STREAMING_BUDGET",
-        help="TensorRT engines built with --weight-streaming: GPU memory for their weights, auto, a percentage "
-        "of the streamable weights (50%) or a size (8GiB); 0 streams the most (default: all on the GPU).",
+        help="TensorRT engines built with --weight-streaming: GPU memory for the weights of each streaming engine "
+        "(not shared across a set): auto (TensorRT's, from free memory), a percentage of its streamable weights "
+        "(50%) or a size (8GiB, each); 0 streams the most (default: all on the GPU).",
     ),
 ]
 TimingCacheOpt = Annotated[
@@ -289,7 +316,10 @@ TF32Opt = Annotated[
     bool | None,
     typer.Option(
         "--tf32/--no-tf32",
-        help="TensorRT: fp32 layers may compute in TF32 (default: off for fp32 graphs, on for fp16 ones).",
+        help=(
+            "TensorRT: fp32 layers may compute in TF32 (default: off for --precision fp32 graphs, on for 16-bit "
+            "ones and for members compile makes fp32 for range: upcast VAEs, T5)."
+        ),
     ),
 ]
 

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..config import BENCH_BACKENDS, BenchConfig, Precision
+from ..errors import ConfigError, RequestError
 from ..progress import console, results, step
 from ..request import GenerateRequest, SizeRule
 from . import options as o
@@ -37,8 +38,9 @@ def bench(
     lora: Annotated[
         list[str] | None,
         typer.Option(
+            metavar=o.LORA_METAVAR,
             help="A LoRA as FILE[:SCALE], put into every backend first (engine builds: refittable); "
-            "reports how long that and a swap take. Repeat for several."
+            "reports how long that and a swap take. Repeat for several.",
         ),
     ] = None,
     engines: o.EnginesOpt = None,
@@ -50,16 +52,19 @@ def bench(
     from ..models import resolve_model
 
     loras = tuple(o.lora_options(lora))
+    try:  # backends and their precisions: a usage error before anything loads
+        config = BenchConfig(
+            backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch,
+            height=height, width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
         o.ensure_parent(path, option)
-    from ..bench import run_bench, write_chart
+    from ..bench import check_engines_ran, run_bench, write_chart
 
-    config = BenchConfig(
-        backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch, height=height,
-        width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras,
-    )  # fmt: skip
     report = run_bench(
         source, config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
     )
@@ -72,6 +77,7 @@ def bench(
     if chart:
         write_chart(report, chart)
         console.print(f"chart: {chart}")
+    check_engines_ran(report)
 
 
 def _cell(stats: dict[str, float] | None) -> str:
@@ -82,7 +88,7 @@ def print_bench(report: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..bench import NOISY_RATIO
+    from ..bench import NOISY_RATIO, denoiser_label
 
     cfg = report["config"]
     table = Table(
@@ -90,7 +96,8 @@ def print_bench(report: dict) -> None:
         f"(seconds; {report['environment']['device']})",
         title_justify="left",
     )
-    columns = ["backend", "load", "total", "min–max", "text enc", "denoise", "UNet", "UNet/call ms", "sched+guid",
+    unet = denoiser_label(cfg.get("denoiser", "unet"))
+    columns = ["backend", "load", "total", "min–max", "text enc", "denoise", unet, f"{unet}/call ms", "sched+guid",
                "VAE", "RSS MB", "speed-up"]  # fmt: skip
     for c in columns:
         table.add_column(c, justify="left" if c == "backend" else "right")
@@ -141,6 +148,7 @@ def profile_command(
 
     Example: sdtrt profile --model tiny --out prof --trace diffusers.schedulers.scheduling_pndm.PNDMScheduler.step
     """
+    o.check_folder(out, "--out")
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact)
     request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
@@ -149,15 +157,18 @@ def profile_command(
 
     from rich.table import Table
 
+    from ..bench import denoiser_label
     from ..profile import OUTLIER_FACTOR, profile_generation
+    from ..spec import denoiser_component
 
     with step("Profiling one generation"):
         result = profile_generation(
             source, artifact, out,
             request, tuple(trace or ()), warmup=warmup,
         )  # fmt: skip
+    unet = denoiser_label(denoiser_component(source))
     table = Table(title=f"per step (outlier: > {OUTLIER_FACTOR}× the median)", title_justify="left")
-    for c in ("step", "timestep", "ms", "UNet ms", "other ms", "syncs", ""):
+    for c in ("step", "timestep", "ms", f"{unet} ms", "other ms", "syncs", ""):
         table.add_column(c, justify="right")
     for r in result.steps:
         table.add_row(

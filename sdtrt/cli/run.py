@@ -14,12 +14,14 @@ from rich.console import Console
 
 from ..config import ValidationConfig
 from ..errors import RequestError
+from ..families import TASKS
 from ..progress import counted_steps, results, step
 from ..request import (
     FLOW_SCHEDULERS,
     SCHEDULERS,
     GenerateRequest,
     SizeRule,
+    check_pipeline_inputs,
     check_scheduler,
     check_t5_request,
     check_validation,
@@ -27,31 +29,31 @@ from ..request import (
 from . import options as o
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
-
     from ..block_parity import BlockParityReport
-    from ..families import Task
-    from ..models import ModelSource
     from ..validate import ValidationReport
 
 SchedulerOpt = Annotated[
     str | None,
     typer.Option(
+        metavar=f"<{'|'.join([*SCHEDULERS, *FLOW_SCHEDULERS])}>",
         help=f"Scheduler: {', '.join(SCHEDULERS)} for UNet models; {', '.join(FLOW_SCHEDULERS)} for SD3 / Flux "
-        "(flow-heun: SD3 only). Default: the model's."
+        "(flow-heun: SD3 only). Default: the model's.",
     ),
 ]
 
 
-def _open_image(path: Path | None, mode: str) -> Any:
+def _open_image(path: Path | None, mode: str, option: str) -> Any:
+    """--image or --mask, opened; one missing or unreadable is a usage error in one line (not Typer's box)."""
     if path is None:
         return None
+    if not path.is_file():
+        raise RequestError(f"{option} {path} {'is a directory' if path.is_dir() else 'does not exist'}; pass an image")
     from PIL import Image, UnidentifiedImageError
 
     try:
         return Image.open(path).convert(mode)
     except (UnidentifiedImageError, OSError) as exc:
-        raise RequestError(f"cannot read {path} as an image: {exc}") from exc
+        raise RequestError(f"{option}: cannot read {path} as an image: {exc}") from exc
 
 
 def register(app: typer.Typer) -> None:
@@ -71,19 +73,21 @@ def generate_command(
     height: o.HeightPxOpt = None,
     width: o.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,
-    image: Annotated[
-        Path | None, typer.Option(exists=True, dir_okay=False, help="Input image (img2img, inpainting, SDXL refiner).")
-    ] = None,
-    mask: Annotated[
-        Path | None, typer.Option(exists=True, dir_okay=False, help="Inpainting mask: white is repainted.")
-    ] = None,
+    image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
+    mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
     task: Annotated[
-        str | None, typer.Option(help="txt2img, img2img or inpaint (default: the model's own pipeline).")
+        str | None,
+        typer.Option(
+            metavar=f"<{'|'.join(TASKS)}>", help="The pipeline of the model's family to run (default: its own)."
+        ),
     ] = None,
     lora: Annotated[
         list[str] | None,
-        typer.Option(help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild."),
+        typer.Option(
+            metavar=o.LORA_METAVAR,
+            help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild.",
+        ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     weight_streaming_budget: o.WeightBudgetOpt = None,
@@ -94,25 +98,27 @@ def generate_command(
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
-    from ..families import TASKS
+    from ..families import pipeline_class_name
     from ..stages.engine_set import engine_members, engine_profile
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = o.lora_options(lora)
     budget = o.weight_budget(weight_streaming_budget)
+    o.ensure_image_file(out, "--out")
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-        image=_open_image(image, "RGB"), mask_image=_open_image(mask, "L"),
+        image=_open_image(image, "RGB", "--image"), mask_image=_open_image(mask, "L", "--mask"),
     )  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
     o.check_engine_size(artifact, request)
+    pipeline_class = source.pipeline_class()
     if scheduler:
-        check_scheduler(scheduler, source.family())
+        check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
+    check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
-    request.pipeline_kwargs(_call_parameters(source, task))  # a missing --mask or --image, before loading
 
     from ..pipeline import generate, load_pipeline
 
@@ -120,23 +126,8 @@ def generate_command(
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
     with counted_steps("Denoising", steps) as on_step:
         result = generate(pipe, request, on_step=on_step)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result.images[0].save(out)
     typer.echo(out)
-
-
-def _call_parameters(source: ModelSource, task: Task | None) -> Collection[str]:
-    """What the pipeline class of ``task`` in the model's family takes (importing it loads no weights)."""
-    import inspect
-
-    import diffusers
-
-    from ..families import pipeline_class_name
-    from ..progress import quiet_loading
-
-    with quiet_loading():
-        cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
-    return inspect.signature(cls.__call__).parameters
 
 
 def validate_command(
@@ -171,7 +162,7 @@ def validate_command(
     rule = SizeRule.for_model(source)
     check_validation(config, rule, None)
     if scheduler:
-        check_scheduler(scheduler, source.family())
+        check_scheduler(scheduler, source.family(), source.pipeline_class() if source.is_pipeline else "")
     o.ensure_parent(json_out, "--json")
     artifact = artifact or o.find_engine(engine, engines)
     check_validation(config, rule, engine_profile(engine_members(artifact)))  # the size, against the engines

@@ -50,6 +50,7 @@ def deploy_triton_command(
     kind: Annotated[
         InstanceKind, typer.Option(help="auto (GPU for TensorRT engines), cpu or gpu.")
     ] = TritonDeployConfig.kind,
+    weight_streaming_budget: o.WeightBudgetOpt = None,
     engines: o.EnginesOpt = None,
 ) -> None:
     """Write a Triton model repository: a Python-backend model serving text-to-image on the engine.
@@ -59,9 +60,11 @@ def deploy_triton_command(
     from ..deploy import deploy_triton
     from ..models import resolve_model
 
+    budget = o.weight_budget(weight_streaming_budget)  # exit 2 when malformed, before anything loads
     config = TritonDeployConfig(
         name=name, instances=instances, max_batch=max_batch, max_steps=max_steps,
         dynamic_batching=dynamic_batching, max_queue_delay_us=queue_delay_us, kind=kind,
+        weight_budget=budget.text if budget else None,
     )  # fmt: skip
     source = resolve_model(model) if model else None
     deployment = deploy_triton(o.find_engine(engine, engines), out, config, source)
@@ -122,8 +125,8 @@ def client_command(
 
     from ..client import txt2img
 
+    o.ensure_image_file(out, "--out")
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
     image = txt2img(url, request, model_name, timeout_s=timeout)
-    out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(image).save(out)
     typer.echo(out)

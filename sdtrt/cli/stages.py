@@ -42,7 +42,8 @@ InputArg = Annotated[
 QuantPrecisionOpt = Annotated[QuantPrecision, typer.Option("--precision", help="int8, or fp8 (E4M3).")]
 LEVEL_HELP = "NVIDIA's quantization level: " + "; ".join(f"{k:g}: {v}" for k, v in QUANT_LEVELS.items()) + "."
 # A str parsed by config.parse_level: a bad level is one line naming the levels, not Typer's error box.
-LevelOpt = Annotated[str, typer.Option(help=LEVEL_HELP)]
+LEVEL_METAVAR = f"<{'|'.join(f'{k:g}' for k in QUANT_LEVELS)}>"
+LevelOpt = Annotated[str, typer.Option(metavar=LEVEL_METAVAR, help=LEVEL_HELP)]
 CalibrationPromptsOpt = Annotated[
     str | None,
     typer.Option(
@@ -57,7 +58,8 @@ AlgorithmOpt = Annotated[QuantAlgorithm, typer.Option(help=ALGORITHM_HELP)]
 # compile's: unset unless given, so that one given without --precision int8|fp8 is refused, not ignored.
 _DEFAULTS = QuantizeConfig()
 CompileLevelOpt = Annotated[
-    str | None, typer.Option("--level", help=f"{LEVEL_HELP} int8/fp8 only (default {_DEFAULTS.level:g}).")
+    str | None,
+    typer.Option("--level", metavar=LEVEL_METAVAR, help=f"{LEVEL_HELP} int8/fp8 only (default {_DEFAULTS.level:g})."),
 ]
 CompileStepsOpt = Annotated[
     int | None,
@@ -105,6 +107,8 @@ def export(
     o.check_export_options(exporter, weights)
     store = o.open_store(engines)
     source = resolve_model(model)
+    if component is not None:
+        parse_components(component, source)  # a network the model lacks: compile's one line, exit 2
     config = o.export_config(precision, exporter, opset, io_naming, component or denoiser_component(source), weights)
     artifact = export_stage.run(config, source, store)
     typer.echo(artifact.path)

@@ -8,7 +8,7 @@ and tools use them, and they use nothing above.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from ..config import ShapeProfile, WeightBudget
@@ -18,8 +18,9 @@ from .base import Runtime
 if TYPE_CHECKING:
     from ..models import ModelSource
     from ..store import Artifact
+    from .device_memory import SharedDeviceMemory
 
-__all__ = ["Runtime", "artifact_profile", "check_weight_budget", "open_runtime"]
+__all__ = ["Runtime", "artifact_profile", "check_weight_budget", "open_members", "open_runtime"]
 
 
 def artifact_profile(artifact: Artifact) -> ShapeProfile | None:
@@ -44,14 +45,15 @@ def check_weight_budget(artifacts: Iterable[Artifact], weight_budget: WeightBudg
 
 def open_runtime(
     artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False,
-    weight_budget: WeightBudget | None = None,
+    weight_budget: WeightBudget | None = None, device_memory: SharedDeviceMemory | None = None,
 ) -> Runtime:  # fmt: skip
     """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT (or TensorRT-RTX, the
     product that built them); .ts on torch.
 
     ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest; ``cuda_graph``
     replays TensorRT engines from CUDA graphs; ``weight_budget`` goes to engines built with weight streaming
-    (others keep all their weights on the GPU: an engine set may stream only its largest member).
+    (others keep all their weights on the GPU: an engine set may stream only its largest member);
+    ``device_memory`` is the activation buffer a TensorRT plan shares with the members it runs in turn with.
     """
     from ..onnx_graph import ONNX_STAGES, artifact_spec
 
@@ -70,7 +72,9 @@ def open_runtime(
         from .tensorrt import TensorRTRuntime
 
         budget = weight_budget if streams_weights(artifact) else None
-        return TensorRTRuntime(artifact.primary, spec, artifact.manifest, cuda_graph=cuda_graph, weight_budget=budget)
+        return TensorRTRuntime(
+            artifact.primary, spec, artifact.manifest, cuda_graph, weight_budget=budget, device_memory=device_memory
+        )
     if artifact.stage == "wrap":
         from .torchscript import TorchScriptRuntime
 
@@ -78,3 +82,19 @@ def open_runtime(
     raise ArtifactError(
         f"no runtime loads '{artifact.stage}' artifacts; pass an export, simplify, build or wrap artifact"
     )
+
+
+def open_members(
+    members: Mapping[str, Artifact], model: ModelSource | None = None, weight_budget: WeightBudget | None = None,
+    opened: Mapping[str, Runtime] | None = None,
+) -> dict[str, Runtime]:  # fmt: skip
+    """The runtimes of a pipeline's members (those not ``opened`` already), whose TensorRT plans share one
+    activation buffer: a pipeline runs its members one after another (sdtrt.runtime.device_memory)."""
+    from .device_memory import shared_for
+
+    opened = opened or {}
+    shared = shared_for(a for c, a in members.items() if c not in opened)
+    return {
+        c: opened.get(c) or open_runtime(a, model, weight_budget=weight_budget, device_memory=shared)
+        for c, a in members.items()
+    }

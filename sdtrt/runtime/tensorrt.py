@@ -1,4 +1,7 @@
-"""TensorRT: runs a serialized engine (``{component}.plan``) of any component on a CUDA stream it owns.
+"""TensorRT: runs a serialized engine (``{component}.plan``) of any component on a non-default CUDA stream.
+
+The stream is a ``torch.cuda.Stream``, which PyTorch draws round-robin from its per-device stream pool
+(at::cuda::getStreamFromPool), so another runtime may get the same stream; nothing here relies on owning it.
 
 IO buffers are torch tensors; each call sets input shapes and tensor addresses, binds one buffer per
 output (a text encoder has three) and enqueues
@@ -33,6 +36,7 @@ from ..store import Artifact, digest, located
 from ..trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
 from . import rtx
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
+from .device_memory import SharedDeviceMemory
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -100,35 +104,41 @@ def engine_io_problem(trt: ModuleType, engine: trt.ICudaEngine, spec: GraphSpec)
     return None
 
 
-def weight_budget_bytes(budget: WeightBudget, streamable: int, automatic: Callable[[], int]) -> int:
-    """The bytes of streamable weights to keep on the GPU for ``budget``; ``automatic`` asks TensorRT."""
+def weight_budget_bytes(
+    budget: WeightBudget, streamable: int, automatic: Callable[[], int], free: Callable[[], int]
+) -> int:
+    """The bytes of streamable weights to keep on the GPU for ``budget``; ``automatic`` asks TensorRT, ``free`` the
+    GPU (its free bytes, read right after)."""
     if budget.percent is not None:
         return int(budget.percent / 100 * streamable)  # as demo/Diffusion's Engine.load computes a percentage
     if budget.size is not None:
         return budget.size
-    return untruncated_automatic_budget(automatic(), streamable)
+    return untruncated_automatic_budget(automatic(), streamable, free())
 
 
 INT32_VALUES = 1 << 32
 
 
-def untruncated_automatic_budget(low_bits: int, streamable: int) -> int:
-    """TensorRT's automatic budget from the 32 bits its Python binding keeps of it, where only one value fits.
+def untruncated_automatic_budget(low_bits: int, streamable: int, free: int) -> int:
+    """TensorRT's automatic budget from the 32 bits its Python binding keeps of it and the GPU's ``free`` bytes.
 
     pyCore.cpp (TensorRT 10.1 to 11.1) binds get_weight_streaming_automatic_budget as
     ``[](ICudaEngine& self) -> int32_t { return self.getWeightStreamingAutomaticBudget(); }`` over an int64_t
-    call, so a budget of 2 GiB or more comes back negative or as a smaller positive number. NvInferRuntime.h
-    getWeightStreamingAutomaticBudget caps the budget at getStreamableWeightsSize(), so the budget is the one
-    value from 0 to ``streamable`` with these low bits; with several such values (4 GiB or more of streamable
-    weights) there is no telling which, and the budget is refused rather than guessed.
+    call, so a budget of 2 GiB or more comes back negative or as a smaller positive number: the budget is one of the
+    values from 0 to ``streamable`` with these low bits, 4 GiB apart (NvInferRuntime.h getWeightStreamingAutomatic
+    Budget caps it at getStreamableWeightsSize()). The same header says the budget "is close to the current free
+    memory size, leaving some space for other memory needs", so of several values it is the largest one at or under
+    the free memory. With none there, there is no telling which, and the budget is refused rather than guessed.
     """
     fits = range(low_bits % INT32_VALUES, streamable + 1, INT32_VALUES)
     if len(fits) == 1:
         return fits[0]
+    if under := [b for b in fits if b <= free]:
+        return under[-1]
     raise ConfigError(
         f"TensorRT's automatic weight streaming budget comes through its Python binding as 32 bits ({low_bits}), "
-        f"which fit {len(fits)} budgets for {streamable} bytes of streamable weights; give "
-        "--weight-streaming-budget as a percentage or a size instead"
+        f"which fit {len(fits)} budgets for {streamable} bytes of streamable weights, none of them within the GPU's "
+        f"{free} free bytes; give --weight-streaming-budget as a percentage or a size instead"
     )
 
 
@@ -150,7 +160,9 @@ def set_weight_budget(engine: trt.ICudaEngine, budget: WeightBudget, plan: Path,
             f"{plan} was built without weight streaming, so it takes no --weight-streaming-budget; rebuild it with "
             f"`{rebuild} --weight-streaming`, or leave the budget out"
         )
-    wanted = weight_budget_bytes(budget, streamable, engine.get_weight_streaming_automatic_budget)
+    # torch.cuda.mem_get_info is cudaMemGetInfo: the free memory TensorRT's automatic budget is close under.
+    automatic, free = engine.get_weight_streaming_automatic_budget, lambda: torch.cuda.mem_get_info()[0]
+    wanted = weight_budget_bytes(budget, streamable, automatic, free)
     engine.weight_streaming_budget_v2 = wanted
     if (held := int(engine.weight_streaming_budget_v2)) not in (wanted, min(wanted, streamable)):
         raise ConfigError(
@@ -222,11 +234,13 @@ class BaseWeights:
         if unread := names - set(self._held):
             self._held |= read_named_initializers(self.graph, unread)
         if absent := sorted(names - set(self._held)):
-            # The ONNX parser names refittable weights after the graph's initializers: a name the graph does
-            # not hold means the plan was not parsed from this graph (no weight map can change that).
+            # The ONNX parser names most refittable weights after initializers, but also after Constant-node
+            # outputs and temporary weights it makes (onnx-tensorrt ModelRefitter.cpp refitOnnxConstantNode,
+            # BatchNorm's createNamedTempWeights(..., refittable=true)), which only the parser can recompute.
             raise LoraError(
-                f"TensorRT needs the weight '{absent[0]}' to refit, and {self.graph} has no initializer of that "
-                "name: the engine was not built from this graph; rebuild it from the graph"
+                f"TensorRT needs the weight '{absent[0]}' to refit, and it is not an initializer of {self.graph} "
+                "(TensorRT may have named a constant the parser made), so sdtrt cannot supply it: this engine takes "
+                "no LoRA by refit; apply the LoRA without the engine (`generate --lora` without `--engine`)"
             )
         return {name: self._held[name] for name in names}
 
@@ -334,9 +348,11 @@ class TensorRTRuntime(CudaRuntime):
         manifest: dict[str, Any],
         cuda_graph: bool = False,
         weight_budget: WeightBudget | None = None,
+        device_memory: SharedDeviceMemory | None = None,
     ) -> None:
         """``weight_budget`` limits the GPU memory of an engine built with weight streaming; without one it keeps
-        all its weights on the GPU."""
+        all its weights on the GPU. ``device_memory``: the activation buffer this engine shares with the other
+        members of its pipeline (sdtrt.runtime.device_memory); without one its context holds its own."""
         which = product(manifest.get("target", "tensorrt"))  # a TensorRT-RTX plan loads through TensorRT-RTX
         if which is TENSORRT_RTX:  # its validity is read from the plan's header below
             if missing := rtx_runtime_missing():
@@ -375,11 +391,22 @@ class TensorRTRuntime(CudaRuntime):
         self._jit = (
             None if which is not TENSORRT_RTX else rtx.RuntimeCache(trt, engine, rtx.store_cache_file(plan), cuda_graph)
         )
+        # A TensorRT-RTX context is made from its runtime config with memory of its own: the shared activation buffer
+        # is the datacenter TensorRT's (its USER_MANAGED path is not written for TensorRT-RTX yet).
+        self._shared, self._bound = (device_memory if self._jit is None else None), 0  # the buffer generation bound
+        if self._jit is not None:
+            strategy_or_config: Any = self._jit.config
+        elif self._shared is not None:
+            # After the budget: it adds streaming scratch to device_memory_size_v2, a read-only int64 property
+            # (pyCore.cpp 10.8:1335, 11.1:1428). USER_MANAGED: the context holds no activation memory until
+            # set_device_memory gives it some (create_execution_context(strategy), pyCore.cpp 10.8:1319, 11.1:1422).
+            self._shared.reserve(int(engine.device_memory_size_v2))
+            strategy_or_config = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        else:
+            strategy_or_config = trt.ExecutionContextAllocationStrategy.STATIC  # TensorRT's default: its own memory
         # create_execution_context returns None when it cannot allocate the activation memory.
-        context: trt.IExecutionContext | None = (  # type: ignore[name-defined]
-            engine.create_execution_context()
-            if self._jit is None
-            else engine.create_execution_context(self._jit.config)
+        context: trt.IExecutionContext | None = engine.create_execution_context(  # type: ignore[name-defined]
+            strategy_or_config
         )
         if context is None:
             raise ArtifactError(f"TensorRT could not create an execution context for {plan} (GPU memory?)")
@@ -438,6 +465,7 @@ class TensorRTRuntime(CudaRuntime):
         self._stream.wait_stream(caller)
         for tensor in inputs.values():
             tensor.record_stream(self._stream)  # allocated on the caller's stream, read on ours
+        self._attach_shared_memory()
         if self.cuda_graph:
             outputs = self._replay(inputs)
         else:
@@ -447,6 +475,19 @@ class TensorRTRuntime(CudaRuntime):
             self._execute()
         caller.wait_stream(self._stream)
         return outputs
+
+    def _attach_shared_memory(self) -> None:
+        """Point the context at the pipeline's shared buffer: once, and again if the buffer was replaced."""
+        if self._shared is None:
+            return
+        buffer = self._shared.buffer()
+        if self._bound == self._shared.generation:
+            return
+        buffer.record_stream(self._stream)  # not reused while work queued on our stream may still read it
+        # set_device_memory(memory, size) is setDeviceMemoryV2 (pyCore.cpp 10.8:1195, 10.13:1324, 11.1:1301).
+        self._context.set_device_memory(buffer.data_ptr(), buffer.numel())
+        self._graph.drop()  # a graph captured on the old buffer would replay against its address
+        self._bound = self._shared.generation
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._graph.capture(tuple(tuple(t.shape) for t in inputs.values()), lambda: self._capture(inputs))

@@ -98,6 +98,8 @@ class T5EncoderSpec(GraphSpec):
     )
     canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids",)
     canonical_outputs: ClassVar[tuple[str, ...]] = ("last_hidden_state",)
+    # max_sequence_length when the pipeline is called without one: StableDiffusion3Pipeline's.
+    pipeline_tokens: ClassVar[int] = 256
 
     hidden_size: int = 4096
     vocab_size: int = 32128
@@ -137,7 +139,7 @@ class T5EncoderSpec(GraphSpec):
         return Range(1, 1, profile.batch.max)  # one call per prompt list, positive and negative apart
 
     def default_profile(self) -> ShapeProfile:
-        return ShapeProfile(tokens=token_range(self.max_sequence_length))
+        return ShapeProfile(tokens=token_range(self.max_sequence_length, self.pipeline_tokens))
 
 
 @dataclass(frozen=True)
@@ -145,3 +147,4 @@ class T5Encoder2Spec(T5EncoderSpec):
     """Flux's T5, in ``text_encoder_2``."""
 
     component: ClassVar[Component] = "text_encoder_2"
+    pipeline_tokens: ClassVar[int] = 512  # FluxPipeline's, dev's and schnell's alike

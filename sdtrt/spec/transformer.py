@@ -30,6 +30,8 @@ class TransformerSpec(DenoiserSpec):
     pooled_projection_dim: int = 2048
     out_channels: int = 16
     max_sequence_length: int = 256  # T5's default token count (the pipelines' max_sequence_length)
+    # max_sequence_length when the pipeline is called without one (the profile covers it too).
+    pipeline_tokens: ClassVar[int]
 
     @classmethod
     def for_model(
@@ -66,7 +68,9 @@ class TransformerSpec(DenoiserSpec):
 
     def default_profile(self) -> ShapeProfile:
         profile = ShapeProfile.around(self.latent_sample_size * self.vae_scale_factor, self.pixel_multiple)
-        return dataclasses.replace(profile, guidance=self.doubles_batch, tokens=token_range(self.max_sequence_length))
+        return dataclasses.replace(
+            profile, guidance=self.doubles_batch, tokens=token_range(self.max_sequence_length, self.pipeline_tokens)
+        )
 
     @property
     def doubles_batch(self) -> bool:
@@ -95,6 +99,7 @@ class SD3TransformerSpec(TransformerSpec):
     pooled CLIP ``[B, 2048]``; classifier-free guidance doubles B. Latents are cut into patch_size² patches."""
 
     architecture: ClassVar[str] = "SD3Transformer2DModel"
+    pipeline_tokens: ClassVar[int] = 256  # StableDiffusion3Pipeline's
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
@@ -130,6 +135,7 @@ class FluxTransformerSpec(TransformerSpec):
     doubling (true CFG runs two passes at B). The timestep is the schedule's t / 1000, as FluxPipeline passes it."""
 
     architecture: ClassVar[str] = "FluxTransformer2DModel"
+    pipeline_tokens: ClassVar[int] = 512  # FluxPipeline's, dev's and schnell's alike
     timestep_scale: ClassVar[float] = 1e-3
     grid: ClassVar[dict[str, str]] = {}  # no latent height/width among the inputs: pixel_multiple says it
 

@@ -24,6 +24,7 @@ from ..gpu import (
     gpu_environment,
     quantization_problem,
     require_quantization_support,
+    require_refit_support,
     require_tensorrt,
     tensorrt_version,
 )
@@ -90,10 +91,11 @@ def build_environment(which: Product, config: TrtBuildConfig, graph_precision: s
                 raise ConfigError(f"cannot build this TensorRT-RTX plan for {capability}: {problem}")
         return environment("torch") | {"tensorrt-rtx": str(load(which).__version__)}
     require_tensorrt()
+    if config.refittable:  # before any work: TensorRT 11.3's REFIT engines may lose GEMM biases
+        require_refit_support()
     if quantized:  # before any work: an FP8 plan on an Ampere GPU cannot be built
         require_quantization_support(quantized)
-    if problem := graph_precision_problem(graph_precision, **gpu_environment()):  # a quantized Flux's is bf16
-        raise MissingDependencyError(f"cannot build this TensorRT engine here: {problem}")
+    require_graph_precision(graph_precision)  # a quantized Flux's is bf16
     return environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
 
 
@@ -113,6 +115,13 @@ def graph_precision_problem(precision: str, compute_capability: str, gpu: str = 
         f"bf16 graphs need a GPU of compute capability 8.0 or newer (Ampere), and {gpu} has {compute_capability}; "
         "export in fp16 (or quantize a UNet), or build on a newer GPU"
     )
+
+
+def require_graph_precision(precision: str) -> None:
+    """MissingDependencyError when the current GPU cannot build a TensorRT graph of ``precision``; compile calls it
+    before exporting or calibrating, build before building."""
+    if problem := graph_precision_problem(precision, **gpu_environment()):
+        raise MissingDependencyError(f"cannot build this TensorRT engine here: {problem}")
 
 
 def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str]) -> StageRequest:
@@ -152,14 +161,15 @@ def parameter_count(graph: Path) -> int:
 
 def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, str]:
     """The settings as built: TF32 by the precision of the graph TensorRT builds (a quantized one's is 16-bit), the
-    optimization level (unless asked) by the number of parameters in its ONNX weights and whether it is quantized;
+    optimization level (unless asked) by whether it is quantized and a Flux transformer (default_optimization_level);
     and why that level."""
     tf32 = config.tf32_for(tensorrt_spec(source).precision)
     if not product(config.product).optimization_level:
         return replace(config, tf32=tf32), "none: TensorRT-RTX does no autotuning at build time (sdtrt/trt_products.py)"
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
-    level, reason = default_optimization_level(parameter_count(tensorrt_graph(source)), quantization(source))
+    parameters, architecture = parameter_count(tensorrt_graph(source)), tensorrt_spec(source).architecture
+    level, reason = default_optimization_level(parameters, quantization(source), architecture)
     return replace(config, tf32=tf32, optimization_level=level), reason
 
 

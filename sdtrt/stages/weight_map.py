@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import onnx_graph
 from ..errors import LoraError, UnsupportedModelError
-from ..graph_weights import Placement, WeightMap, initializer_values
-from ..onnx_weights import read_tensor, safetensors_file_index
+from ..graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
+from ..onnx_weights import numpy_dtype, read_tensor, safetensors_file_index
 from ..progress import quiet_loading, step
 from ..spec import FOLDERS
 from ..store import Artifact, StageRequest, Store, environment
@@ -134,7 +134,6 @@ def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[
     Each read maps only its own bytes and lets them go: a handle open on a whole shard would keep every page it
     touched in the process (a 23.8 GB Flux transformer's map passed 10 GB that way).
     """
-    import numpy as np
     import torch
 
     folder = FOLDERS[component]
@@ -149,7 +148,7 @@ def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[
             continue
         wanted = torch.float32 if keep_fp32 & set(name.split(".")) else dtype
         stored = headers(file)[f"{name}.weight"]
-        yield param, torch.from_numpy(read_tensor(stored, np.dtype(str(wanted).removeprefix("torch."))))
+        yield param, as_torch(read_tensor(stored, numpy_dtype(str(wanted).removeprefix("torch."))))
 
 
 def _meta_network(model: ModelSource, folder: str) -> Any:
@@ -225,12 +224,14 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
     for name, array in graph_weights():
         dtypes.add(array.dtype.name)
         by_content.setdefault(_content_key(array), []).append(name)
-    graph_dtype = "float16" if "float16" in dtypes else "float32"
+    # A 16-bit graph's weights are matched in its dtype, exactly as export cast them; bf16 (ml_dtypes' in the graph,
+    # torch's in the network) is compared by its bits on both sides (as_numpy).
+    graph_dtype = next((d for d in ("bfloat16", "float16") if d in dtypes), "float32")
     shapes: dict[str, tuple[int, ...]] = {}
     found: dict[str, list[tuple[str, bool]]] = {}
     unplaced: dict[str, tuple[str, tuple[int, ...], str]] = {}  # Linear weights found nowhere: their transpose's key
     absent: dict[str, str] = {}
-    for param, weight in network(torch.float16 if graph_dtype == "float16" else torch.float32):
+    for param, weight in network(getattr(torch, graph_dtype)):
         if weight is None:
             absent[param] = "the model's weight files do not hold it (tied to or derived from another weight)"
             continue
@@ -239,10 +240,10 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
         found[param] = [
             (name, transposed)
             for tensor, transposed in candidates
-            for name in by_content.get(_content_key(tensor.contiguous().numpy()), [])
+            for name in by_content.get(_content_key(as_numpy(tensor.contiguous())), [])
         ]
         if not found[param] and weight.ndim == 2:
-            unplaced[param] = _content_key(weight.T.contiguous().numpy())
+            unplaced[param] = _content_key(as_numpy(weight.T.contiguous()))
     holders: dict[str, list[str]] = {}
     for param, hits in found.items():
         for name, _ in hits:
