@@ -71,6 +71,7 @@ demo: setup
 
 # The full chain for MODEL. TARGET=auto: TensorRT where a CUDA GPU and TensorRT are present (the
 # container), else ONNX Runtime, and it says which and why. On a CPU machine run `make setup` first.
+# TARGET=tensorrt-rtx: TensorRT for RTX plans, built here with or without a GPU (the dev extra installs it).
 engine:
 	$(PYTHON) -m sdtrt compile --model "$(MODEL)" --target $(TARGET) --engines "$(ENGINES)"
 

@@ -1,7 +1,8 @@
 """The whole chain for one model and target.
 
-onnxruntime: export → simplify → build-ort          (per component)
-tensorrt:    export → simplify → build-trt → wrap  (per component; one-profile engines are wrapped)
+onnxruntime:  export → simplify → build-ort          (per component)
+tensorrt:     export → simplify → build-trt → wrap  (per component; one-profile engines are wrapped)
+tensorrt-rtx: export → simplify → build-trt         (per component; TensorRT-RTX plans, built without a GPU)
 then, for several components, set: one artifact over their engines.
 Each stage is a cache hit when nothing it depends on changed; validation runs on the final artifact.
 """
@@ -26,7 +27,7 @@ from .config import (
     WrapConfig,
     target_precision_problem,
 )
-from .errors import ConfigError
+from .errors import ConfigError, MissingDependencyError
 from .gpu import (
     require_quantization_support,
     require_refit_support,
@@ -40,6 +41,7 @@ from .spec import denoiser_component, denoiser_spec, folder_architecture, model_
 from .stages import build_ort, engine_set, export, quantize, simplify
 from .stages.engine_set import EngineSetConfig
 from .store import Artifact, Store
+from .trt_products import rtx_missing, rtx_runtime_missing
 from .validate import ValidationReport, stored_validate
 
 
@@ -52,6 +54,8 @@ class CompileResult:
     artifacts: list[Artifact] = field(default_factory=list)
     validation: ValidationReport | None = None
     validation_cached: bool = False  # the report stored with these engines, not a new run
+    # What validation could not check here, in one line (TensorRT-RTX plans on a machine without an RTX GPU).
+    validation_note: str | None = None
 
     @property
     def final(self) -> Artifact:
@@ -68,6 +72,13 @@ def resolve_target(target: Target) -> tuple[ConcreteTarget, str]:
     if target == "tensorrt":
         require_tensorrt()
         return "tensorrt", "tensorrt: requested"
+    if target == "tensorrt-rtx":
+        if missing := rtx_missing():
+            raise MissingDependencyError(f"cannot build TensorRT-RTX plans here: {missing}")
+        return (
+            "tensorrt-rtx",
+            "tensorrt-rtx: requested (plans built ahead of time, finished on the GPU that loads them)",
+        )
     return "onnxruntime", "onnxruntime: requested"
 
 
@@ -88,10 +99,11 @@ def build(
     if problem := target_precision_problem(chosen, spec.precision):
         raise ConfigError(problem)
     profile = profile or spec.default_profile()
-    if chosen == "tensorrt":
+    if chosen in ("tensorrt", "tensorrt-rtx"):
         from .stages import build_trt
 
-        return build_trt.run(trt_config or TrtBuildConfig(profiles=(profile,)), source, store), reason
+        config = replace(trt_config or TrtBuildConfig(profiles=(profile,)), product=chosen)
+        return build_trt.run(config, source, store), reason
     return build_ort.run(OrtBuildConfig(profile=profile, optimization=ort_optimization), source, store), reason
 
 
@@ -123,11 +135,13 @@ def compile_model(
     if chosen == "tensorrt":  # before the exports, or a minute of calibration, not after
         from .stages import build_trt
 
-        graphs = {export_config.precision}
+        precisions = {export_config.precision}
         if quantize_config is not None:
             require_quantization_support(quantize_config.precision)
-            graphs.add(quantize.tensorrt_precision(model))  # the denoiser's TensorRT graph: a quantized Flux's is bf16
-        for precision in sorted(graphs):
+            precisions.add(
+                quantize.tensorrt_precision(model)
+            )  # the denoiser's TensorRT graph: a quantized Flux's is bf16
+        for precision in sorted(precisions):
             build_trt.require_graph_precision(precision)
         if trt_config is not None and trt_config.refittable:
             require_refit_support()
@@ -138,10 +152,11 @@ def compile_model(
     components = components or model_components(model)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
-    if chosen == "tensorrt":
+    if chosen in ("tensorrt", "tensorrt-rtx"):
         trt_config = trt_config or TrtBuildConfig(profiles=(profile,))
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
+    graphs: dict[str, Artifact] = {}
     for component in components:
         config = replace(
             export_config, component=component, precision=component_precision(model, component, export_config.precision)
@@ -152,6 +167,7 @@ def compile_model(
         else:
             exported = export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
+        graphs[component] = simplified
         built, _ = build(simplified, store, chosen, profile, trt_config=member_trt)
         artifacts += [exported, simplified, built]
         if wraps:
@@ -164,8 +180,37 @@ def compile_model(
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
+    if chosen == "tensorrt-rtx" and rtx_runtime_missing():  # on an RTX GPU the plans validate as TensorRT's do
+        result = CompileResult(chosen, reason, artifacts)
+        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
     return CompileResult(chosen, reason, artifacts, report, cached)
+
+
+def validate_graphs(
+    result: CompileResult,
+    model: ModelSource,
+    set_config: EngineSetConfig,
+    graphs: dict[str, Artifact],
+    validation: ValidationConfig,
+    store: Store,
+    revalidate: bool,
+) -> CompileResult:
+    """TensorRT-RTX plans finish compiling on the GPU that loads them, so without one the graphs they were built from
+    are validated against PyTorch on ONNX Runtime (as a set of their own when there are several; bf16 graphs, which
+    ONNX Runtime cannot run, are not), and the result says in one line where the plans themselves validate."""
+    later = (
+        "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: "
+        f"`sdtrt validate --engine {result.final.path}` there"
+    )
+    if any(target_precision_problem("onnxruntime", artifact_spec(g).precision) for g in graphs.values()):
+        return replace(
+            result, validation_note=f"bf16 graphs do not run on ONNX Runtime, so nothing was compared here; {later}"
+        )
+    checked = engine_set.run(set_config, graphs, store, model) if len(graphs) > 1 else next(iter(graphs.values()))
+    report, cached = stored_validate(model, checked, validation, store, revalidate)
+    note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({checked.path}); {later}"
+    return replace(result, validation=report, validation_cached=cached, validation_note=note)
 
 
 def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:

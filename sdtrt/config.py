@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from .errors import ConfigError
+from .trt_products import ProductName, product, settings_problem
 
 Precision = Literal["fp16", "bf16", "fp32"]
 PRECISIONS: tuple[Precision, ...] = ("fp16", "bf16", "fp32")
@@ -20,8 +21,9 @@ IONaming = Literal["named", "indexed"]
 Weights = Literal["auto", "load", "stream"]
 SimplifyMethod = Literal["auto", "onnxsim", "fold", "stream"]
 OrtOptimization = Literal["basic", "extended"]
-ConcreteTarget = Literal["onnxruntime", "tensorrt"]
-Target = Literal["auto", "onnxruntime", "tensorrt"]
+# tensorrt-rtx: NVIDIA TensorRT for RTX, built ahead of time without a GPU (sdtrt/trt_products.py).
+ConcreteTarget = Literal["onnxruntime", "tensorrt", "tensorrt-rtx"]
+Target = Literal["auto", "onnxruntime", "tensorrt", "tensorrt-rtx"]
 # The networks a pipeline calls, each exported and built as its own graph.
 # A model's denoiser is a UNet (SD 1.x/2.x, SDXL) or a transformer (SD3, Flux); text_encoder_3 is SD3's T5.
 Component = Literal[
@@ -448,10 +450,17 @@ class TrtBuildConfig:
     strip_weights: bool = in_key_unless(False, False)
     # A timing cache makes rebuilds faster; it does not change what the engine computes.
     timing_cache: str | None = not_in_key(None)
+    # Which TensorRT builds the plan (sdtrt/trt_products.py), and for TensorRT-RTX the compute capabilities it runs on
+    # ("8.6", …; empty: TensorRT-RTX's default set). Keyed only when not the datacenter default, so earlier keys stay.
+    product: ProductName = in_key_unless("tensorrt", "tensorrt")
+    compute_capabilities: tuple[str, ...] = in_key_unless((), ())
 
     def __post_init__(self) -> None:
         if not self.profiles:
             raise ConfigError("a TensorRT build needs at least one shape profile")
+        which = product(self.product)
+        if problem := settings_problem(which, self.compute_capabilities, self.timing_cache, self.optimization_level):
+            raise ConfigError(problem)
         if self.optimization_level is not None and not 0 <= self.optimization_level <= 5:
             raise ConfigError(f"builder optimization level {self.optimization_level} is outside 0..5")
         if self.workspace_gb is not None and self.workspace_gb <= 0:

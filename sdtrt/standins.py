@@ -422,7 +422,10 @@ class EngineVAE(EngineModule, AutoencoderKL):
         size = self.config.sample_size
         sample_px = size[0] if isinstance(size, list | tuple) else size
         scale = 2 ** (len(self.config.block_out_channels) - 1)
-        self.tile_latent_min_size = min(sample_px // scale, *tile_limits(decoder, scale), *tile_limits(encoder, scale))
+        # One tuple: min() of a lone int (no engine profile on record, as for a graph) is a TypeError.
+        self.tile_latent_min_size = min(
+            (sample_px // scale, *tile_limits(decoder, scale), *tile_limits(encoder, scale))
+        )
         self.tile_sample_min_size = self.tile_latent_min_size * scale
 
 

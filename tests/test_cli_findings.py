@@ -205,10 +205,10 @@ def test_build_and_compile_share_the_tensorrt_options(tiny):
 
     for command in (stages.build, stages.compile):
         names = list(inspect.signature(command).parameters)
-        assert names[-9:] == ["static", "workspace_gb", "optimization_level", "timing_cache", "refittable", "tf32",
-                              "weight_streaming", "strip_weights", "engines"]  # fmt: skip
+        assert names[-10:] == ["static", "workspace_gb", "optimization_level", "timing_cache", "refittable", "tf32",
+                               "weight_streaming", "strip_weights", "compute_capability", "engines"]  # fmt: skip
     profile = denoiser_spec(tiny).default_profile()
-    config = TrtOptions(static=True, optimization_level=2, timing_cache=None).config(profile)
+    config = TrtOptions(static=True, optimization_level=2, timing_cache=None).config(profile, "tensorrt")
     assert (config.profiles, config.static_shapes, config.optimization_level) == ((profile,), True, 2)
 
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core contracts and store", ("sdtrt", "sdtrt.errors", "sdtrt.config", "sdtrt.families", "sdtrt.spec",
                                   "sdtrt.progress", "sdtrt.gpu", "sdtrt.store", "sdtrt.onnx_graph",
-                                  "sdtrt.graph_weights", "sdtrt.onnx_weights")),
+                                  "sdtrt.graph_weights", "sdtrt.onnx_weights", "sdtrt.trt_products")),
     ("model sources", ("sdtrt.presets", "sdtrt.models", "sdtrt.random_weights")),
     ("runtimes", ("sdtrt.runtime",)),
     ("stages", ("sdtrt.patches", "sdtrt.stages", "sdtrt.trt_build_worker")),
@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )  # fmt: skip
 
 # Core modules are imported by everything, the CLI's --help included: no heavy library at import.
-HEAVY = ("torch", "diffusers", "transformers", "onnxruntime", "tensorrt", "torch_tensorrt")
+HEAVY = ("torch", "diffusers", "transformers", "onnxruntime", "tensorrt", "tensorrt_rtx", "torch_tensorrt")
 
 
 @dataclass(frozen=True)

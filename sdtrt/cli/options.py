@@ -35,6 +35,7 @@ from ..models import ModelSource
 from ..presets import PRESETS
 from ..spec import GraphSpec
 from ..store import Artifact, Store
+from ..trt_products import gpu_only_problem, parse_compute_capabilities, product, rtx_missing
 
 if TYPE_CHECKING:
     from ..request import GenerateRequest
@@ -119,7 +120,11 @@ MemoryBudgetOpt = Annotated[
     ),
 ]
 TargetOpt = Annotated[
-    Target, typer.Option(help="tensorrt (needs a CUDA GPU), onnxruntime, or auto: TensorRT where possible.")
+    Target,
+    typer.Option(
+        help="tensorrt (needs a CUDA GPU), tensorrt-rtx (TensorRT for RTX plans, built here with or without a GPU, "
+        "run on RTX GPUs), onnxruntime, or auto: TensorRT where possible."
+    ),
 ]
 CheckOpt = Annotated[
     bool, typer.Option("--check/--no-check", help="Compare the result with its input on ONNX Runtime.")
@@ -301,6 +306,14 @@ RefittableOpt = Annotated[
     bool, typer.Option("--refittable", help="TensorRT: weights refittable in place, so LoRAs need no rebuild.")
 ]
 
+ComputeCapabilityOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="TensorRT-RTX: the GPUs' compute capabilities the plan runs on, comma-separated (8.6,8.9,12.0; 7.5 "
+        "only when asked; default: TensorRT-RTX's own set, 8.0 and later)."
+    ),
+]
+
 TF32Opt = Annotated[
     bool | None,
     typer.Option(
@@ -342,8 +355,10 @@ class TrtOptions:
     tf32: bool | None = None
     weight_streaming: bool = False
     strip_weights: bool = False
+    compute_capability: str | None = None
 
-    def config(self, profile: ShapeProfile) -> TrtBuildConfig:
+    def config(self, profile: ShapeProfile, target: Target) -> TrtBuildConfig:
+        """The build config for ``target``'s TensorRT product (the datacenter one unless tensorrt-rtx)."""
         return TrtBuildConfig(
             profiles=(profile,),
             static_shapes=self.static,
@@ -354,7 +369,21 @@ class TrtOptions:
             tf32=self.tf32,
             weight_streaming=self.weight_streaming,
             strip_weights=self.strip_weights,
+            product="tensorrt-rtx" if target == "tensorrt-rtx" else "tensorrt",
+            compute_capabilities=parse_compute_capabilities(self.compute_capability),
         )
+
+    def check(self, target: Target) -> None:
+        """Refuse (exit 2, before any export) what ``target`` cannot build: tensorrt-rtx without TensorRT-RTX, an
+        unknown compute capability, a setting only the other TensorRT product has, one that needs a GPU here."""
+        if target == "tensorrt-rtx" and (missing := rtx_missing()):
+            raise RequestError(f"--target tensorrt-rtx: {missing}")
+        try:
+            config = self.config(ShapeProfile(), target)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from None
+        if problem := gpu_only_problem(product(config.product), config.refittable, config.strip_weights):
+            raise RequestError(problem)
 
 
 _TRT_OPTION_TYPES = {
@@ -366,6 +395,7 @@ _TRT_OPTION_TYPES = {
     "tf32": TF32Opt,
     "weight_streaming": WeightStreamingOpt,
     "strip_weights": StripWeightsOpt,
+    "compute_capability": ComputeCapabilityOpt,
 }
 
 

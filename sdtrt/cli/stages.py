@@ -255,12 +255,13 @@ def build(
     from ..compile import build as build_engine
     from ..onnx_graph import ONNX_STAGES, artifact_spec
 
+    trt.check(target)
     store = o.open_store(engines)
     artifact = one_graph(store.find(source), "build", ONNX_STAGES, "simplify")
     spec = artifact_spec(artifact)
     o.check_target_precision(target, spec.precision)
     profile = o.shape_profile(spec, batch, height, width, tokens)
-    built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt.config(profile))
+    built, reason = build_engine(artifact, store, target, profile, optimization, trt_config=trt.config(profile, target))
     console.print(f"target: {reason}")
     typer.echo(built.path)
 
@@ -324,6 +325,7 @@ def compile(
     """Run every stage for a target in order, then validate; unchanged stages are cache hits.
 
     onnxruntime: export → simplify → build, per component.  tensorrt: export → simplify → build → wrap.
+    tensorrt-rtx: export → simplify → build (TensorRT-RTX plans, built without a GPU; their graphs are validated).
     Several components end in an engine set, whose directory is printed last.
 
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
@@ -334,6 +336,7 @@ def compile(
     from .run import print_report
 
     o.check_export_options(exporter, weights)
+    trt.check(target)
     simplify_config = o.simplify_config(method, True, memory_budget)
     if revalidate and not validate:
         raise RequestError("--revalidate asks for a validation that --no-validate turns off: pass one of them")
@@ -371,7 +374,7 @@ def compile(
         export_config=export_config,
         simplify_config=simplify_config,
         profile=profile,
-        trt_config=trt.config(profile),
+        trt_config=trt.config(profile, target),
         components=chosen_components,
         revalidate=revalidate,
     )
@@ -390,6 +393,10 @@ def compile(
         if artifact.stage == "simplify" and artifact.path not in store.reused:  # a reused one said "cached" already
             print_simplify_summary(artifact)
     console.print(f"target: {result.target_reason}")
+    if result.validation_note:
+        from rich.markup import escape
+
+        console.print(f"validate: {escape(result.validation_note)}")
     if result.validation is not None:
         if result.validation_cached:
             console.print("[green]✓[/] validate: cached report for these engines [dim](--revalidate runs it again)[/]")

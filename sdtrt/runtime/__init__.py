@@ -47,7 +47,8 @@ def open_runtime(
     artifact: Artifact, model: ModelSource | None = None, cuda_graph: bool = False,
     weight_budget: WeightBudget | None = None, device_memory: SharedDeviceMemory | None = None,
 ) -> Runtime:  # fmt: skip
-    """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT; .ts on torch.
+    """The runtime that runs this artifact: ONNX graphs on ONNX Runtime; plans on TensorRT (or TensorRT-RTX, the
+    product that built them); .ts on torch.
 
     ``model`` supplies the UNet's proportions for a bare .onnx that has no manifest; ``cuda_graph``
     replays TensorRT engines from CUDA graphs; ``weight_budget`` goes to engines built with weight streaming

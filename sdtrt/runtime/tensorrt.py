@@ -22,16 +22,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..config import WeightBudget
-from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError, RefitError
+from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError, MissingDependencyError, RefitError
 from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
 from ..spec import GraphSpec
 from ..store import Artifact, digest, located
+from ..trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
+from . import rtx
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 from .device_memory import SharedDeviceMemory
 
@@ -74,10 +77,10 @@ def _engine_profile(engine: trt.ICudaEngine, names: tuple[str, ...], index: int)
     return shapes
 
 
-def engine_io_problem(engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
-    """Why this engine's IO differs from the spec its manifest records (names, direction, dtype), or None."""
+def engine_io_problem(trt: ModuleType, engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
+    """Why this engine's IO differs from the spec its manifest records (names, direction, dtype), or None; ``trt``
+    is the module of the product that built it (TensorRT-RTX binds the same names)."""
     import numpy as np
-    import tensorrt as trt
 
     names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
     expected = [(t, trt.TensorIOMode.INPUT) for t in spec.inputs()] + [
@@ -282,7 +285,7 @@ def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
     return source.primary
 
 
-def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, plan: Path) -> None:
+def refill_weights(trt: ModuleType, engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, plan: Path) -> None:
     """Put a weight-stripped plan's weights back from the ONNX graph it was built from, before any execution context.
 
     As samples/python/sample_weight_stripping/refit_engine_and_infer.py does (TensorRT 10.0 on): a Refitter over
@@ -296,20 +299,18 @@ def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, pl
     until create_execution_context splits them between host and GPU (NvInfer.h kWEIGHT_STREAMING), so the refit
     writes them where the split takes them from, and the budget is set after it, as before.
     """
-    import tensorrt as trt
-
     failed = f"TensorRT could not refill the weights of {plan} (built with --strip-weights) from {graph}"
     # createInferRefitter gives no refitter for an engine that is not refittable ("Parameter check failed ...
     # condition: e.isRefittable()", NVIDIA/TensorRT#2783), and pybind11 turns a factory's nullptr into a bare
     # TypeError (pyCore.cpp binds trt.Refitter through py::init(factory)).
     if not engine.refittable:
         raise ArtifactError(f"{failed}: the plan is not refittable, so it cannot be stripped; rebuild the engine")
-    refitter: trt.Refitter = trt.Refitter(engine, logger)
+    refitter: trt.Refitter = trt.Refitter(engine, logger)  # type: ignore[name-defined]
     # The parser refitter owns the weights it reads (onnx-tensorrt ModelRefitter: convertOnnxWeights with
     # ownAllWeights) and hands TensorRT pointers to them, which must stay valid until refit_cuda_engine returns
     # (NvInferRuntime.h setNamedWeights): it lives to the end of this function, and the refitter keeps it alive
     # (pyOnnx.cpp py::keep_alive<2, 1>). Both go when this returns, with their host copy of every weight.
-    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter, logger)
+    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter, logger)  # type: ignore[name-defined]
     if not parser.refit_from_file(str(graph)):
         # Some onnx-tensorrt versions only log a failure (ONNXTRT_CATCH_LOG), leaving num_errors at 0.
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "see its messages above"
@@ -324,7 +325,7 @@ def refill_weights(engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, pl
         raise ArtifactError(f"{failed}: refit_cuda_engine returned False; see the TensorRT messages above")
 
 
-def refit_weights(array: np.ndarray) -> trt.Weights:
+def refit_weights(trt: ModuleType, array: np.ndarray) -> trt.Weights:
     """TensorRT Weights over a contiguous host array, which must outlive the refit.
 
     trt.Weights(array) maps numpy dtypes to TensorRT's and raises ValueError for ml_dtypes' bfloat16, the dtype ONNX
@@ -332,8 +333,6 @@ def refit_weights(array: np.ndarray) -> trt.Weights:
     through the pointer constructor ``Weights(type, ptr, count)`` instead, as demo/Diffusion's Engine.refit passes
     every weight (python/src/infer/pyFoundationalTypes.cpp ``weights_pointer_constructor``).
     """
-    import tensorrt as trt
-
     if array.dtype.name == "bfloat16":
         return trt.Weights(trt.DataType.BF16, array.ctypes.data, array.size)
     return trt.Weights(array)
@@ -354,41 +353,61 @@ class TensorRTRuntime(CudaRuntime):
         """``weight_budget`` limits the GPU memory of an engine built with weight streaming; without one it keeps
         all its weights on the GPU. ``device_memory``: the activation buffer this engine shares with the other
         members of its pipeline (sdtrt.runtime.device_memory); without one its context holds its own."""
-        require_tensorrt("run a TensorRT engine")
-        check_engine_environment(manifest)
+        which = product(manifest.get("target", "tensorrt"))  # a TensorRT-RTX plan loads through TensorRT-RTX
+        if which is TENSORRT_RTX:  # its validity is read from the plan's header below
+            if missing := rtx_runtime_missing():
+                raise MissingDependencyError(f"cannot run a TensorRT-RTX plan here: {missing}")
+        else:
+            require_tensorrt("run a TensorRT engine")
+            check_engine_environment(manifest)
         refill_from = refill_graph(manifest, plan)  # checked before the plan is read: a stripped plan needs it
-        import tensorrt as trt
+        # The product's module under the name the annotations use (they name TensorRT's classes for
+        # tests/test_tensorrt_api.py; mypy takes this local for a variable there, hence the ignores).
+        trt = self._trt = load(which)
 
         self.spec = spec
-        self.cuda_graph = cuda_graph
+        # TensorRT-RTX captures CUDA graphs itself, through its runtime config: no torch capture around it.
+        self.cuda_graph = cuda_graph and which is not TENSORRT_RTX
         self._rebuild = rebuild_command(manifest)
         self._parsed_graph = parsed_graph(manifest, plan)  # a refit's missing weights come from it
         # Stripped without --refittable (REFIT_IDENTICAL): refits may bring only the graph's own values.
         self._identical_refits_only = refill_from is not None and not manifest.get("config", {}).get("refittable")
         self._base: BaseWeights | None = None  # made on the first refit
         self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime: trt.Runtime = trt.Runtime(self._logger)
-        engine: trt.ICudaEngine = self._runtime.deserialize_cuda_engine(plan.read_bytes())
+        self._runtime: trt.Runtime = trt.Runtime(self._logger)  # type: ignore[name-defined]
+        if which is TENSORRT_RTX:
+            rtx.check_validity(trt, self._runtime, plan, self._rebuild)
+        engine: trt.ICudaEngine = self._runtime.deserialize_cuda_engine(plan.read_bytes())  # type: ignore[name-defined]
         if engine is None:
             raise ArtifactError(f"TensorRT could not deserialize {plan}; rebuild it with `{self._rebuild}`")
-        self._engine: trt.ICudaEngine = engine
-        if problem := engine_io_problem(engine, spec):
+        self._engine: trt.ICudaEngine = engine  # type: ignore[name-defined]
+        if problem := engine_io_problem(trt, engine, spec):
             raise ArtifactError(f"{plan} does not match its manifest: {problem}; rebuild it with `{self._rebuild}`")
         if refill_from is not None:
-            refill_weights(engine, self._logger, refill_from, plan)
+            refill_weights(trt, engine, self._logger, refill_from, plan)
         if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
             set_weight_budget(engine, weight_budget, plan, self._rebuild)
-        self._shared, self._bound = device_memory, 0  # which generation of the shared buffer the context uses
-        if device_memory is not None:
+        # TensorRT-RTX compiles the plan for this GPU here, with the store's runtime cache (and its own CUDA graphs).
+        self._jit = (
+            None if which is not TENSORRT_RTX else rtx.RuntimeCache(trt, engine, rtx.store_cache_file(plan), cuda_graph)
+        )
+        # A TensorRT-RTX context is made from its runtime config with memory of its own: the shared activation buffer
+        # is the datacenter TensorRT's (its USER_MANAGED path is not written for TensorRT-RTX yet).
+        self._shared, self._bound = (device_memory if self._jit is None else None), 0  # the buffer generation bound
+        if self._jit is not None:
+            strategy_or_config: Any = self._jit.config
+        elif self._shared is not None:
             # After the budget: it adds streaming scratch to device_memory_size_v2, a read-only int64 property
             # (pyCore.cpp 10.8:1335, 11.1:1428). USER_MANAGED: the context holds no activation memory until
             # set_device_memory gives it some (create_execution_context(strategy), pyCore.cpp 10.8:1319, 11.1:1422).
-            device_memory.reserve(int(engine.device_memory_size_v2))
-            strategy = trt.ExecutionContextAllocationStrategy.USER_MANAGED
+            self._shared.reserve(int(engine.device_memory_size_v2))
+            strategy_or_config = trt.ExecutionContextAllocationStrategy.USER_MANAGED
         else:
-            strategy = trt.ExecutionContextAllocationStrategy.STATIC  # TensorRT's default: memory of its own
+            strategy_or_config = trt.ExecutionContextAllocationStrategy.STATIC  # TensorRT's default: its own memory
         # create_execution_context returns None when it cannot allocate the activation memory.
-        context: trt.IExecutionContext | None = engine.create_execution_context(strategy)
+        context: trt.IExecutionContext | None = engine.create_execution_context(  # type: ignore[name-defined]
+            strategy_or_config
+        )
         if context is None:
             raise ArtifactError(f"TensorRT could not create an execution context for {plan} (GPU memory?)")
         self._context = context
@@ -513,8 +532,7 @@ class TensorRTRuntime(CudaRuntime):
             self._refit(weights)
 
     def _refit(self, weights: dict[str, np.ndarray]) -> None:
-        import tensorrt as trt
-
+        trt = self._trt
         if self._identical_refits_only:
             # A REFIT_IDENTICAL engine is refittable ("Create a refittable engine under the assumption that the refit
             # weights will be identical"), but other values are undefined behaviour (NvInfer.h kREFIT_IDENTICAL).
@@ -527,12 +545,12 @@ class TensorRTRuntime(CudaRuntime):
                 f"this TensorRT engine was built without --refittable; rebuild it with "
                 f"`{self._rebuild} --refittable` to take LoRAs"
             )
-        refitter: trt.Refitter = trt.Refitter(self._engine, self._logger)
+        refitter: trt.Refitter = trt.Refitter(self._engine, self._logger)  # type: ignore[name-defined]
         held = []  # TensorRT reads the host buffers until refit_cuda_engine returns
 
         def put(name: str, array: np.ndarray) -> None:
             held.append(np.ascontiguousarray(array))
-            if not refitter.set_named_weights(name, refit_weights(held[-1])):
+            if not refitter.set_named_weights(name, refit_weights(trt, held[-1])):
                 raise LoraError(f"TensorRT refused new weights for '{name}' (not refittable, or another size/dtype)")
 
         for name, array in weights.items():
@@ -554,6 +572,8 @@ class TensorRTRuntime(CudaRuntime):
         # Memory bound to the context must outlive the work queued on it (pyCoreDoc.h, execute_async_v3).
         with torch.cuda.device(self._device):
             self._stream.synchronize()
+        if self._jit is not None:  # what TensorRT-RTX compiled for this GPU, for the next load
+            self._jit.save()
         self._graph.drop()
         self._context = None
         self._engine = None

@@ -1,7 +1,9 @@
-"""Build stage, TensorRT target: ONNX → serialized engine (``{component}.plan``), in a child process.
+"""Build stage, TensorRT targets: ONNX → serialized engine (``{component}.plan``), in a child process.
 
-The engine is specific to the TensorRT version and the GPU's compute capability, so both enter the
-cache key and the manifest; the runtime refuses an engine built for anything else.
+A datacenter TensorRT engine is specific to the TensorRT version and the GPU's compute capability, so both enter
+the cache key and the manifest; the runtime refuses an engine built for anything else. A TensorRT-RTX plan is built
+without a GPU for a set of compute capabilities (``--compute-capability``, or TensorRT-RTX's default), which enter the
+key and manifest with the TensorRT-RTX version (sdtrt/trt_products.py names how the two differ).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..config import TrtBuildConfig, default_optimization_level
 from ..errors import BuildError, ConfigError, MissingDependencyError
 from ..gpu import (
     gpu_environment,
+    quantization_problem,
     require_quantization_support,
     require_refit_support,
     require_tensorrt,
@@ -27,6 +30,16 @@ from ..gpu import (
 )
 from ..progress import step
 from ..store import Artifact, StageRequest, Store, environment
+from ..trt_build_worker import REFUSED_EXIT, layer_summary
+from ..trt_products import (
+    DEFAULT_COMPUTE_CAPABILITIES,
+    TENSORRT_RTX,
+    Product,
+    gpu_only_problem,
+    load,
+    product,
+    rtx_missing,
+)
 from .quantize import quantization, tensorrt_graph, tensorrt_spec
 
 STAGE = "build-trt"
@@ -48,22 +61,42 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
         raise ConfigError(f"--strip-weights is not offered for {precision} engines yet; build without it")
     if config.strip_weights:  # the plan needs its graph at every load: `gc --older-than` must see it used now
         source.mark_used()
-    require_tensorrt()
-    if config.refittable:  # before any work: TensorRT 11.3's REFIT engines may lose GEMM biases
-        require_refit_support()
-    if precision:  # before any work: an FP8 plan on an Ampere GPU cannot be built
-        require_quantization_support(precision)
     spec = tensorrt_spec(source)
-    require_graph_precision(spec.precision)  # a quantized Flux's is bf16
+    which = product(config.product)
+    env = build_environment(which, config, spec.precision, precision)
     for profile in config.effective_profiles():
         profile.check(spec.pixel_multiple)
     config, level_reason = resolved(config, source)  # the key and manifest say what was built
-    # trt.__version__, not a distribution's: with only tensorrt-cu12/-cu13 installed there is no
-    # `tensorrt` distribution, and the runtime compares against trt.__version__.
-    env = environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
     request = stage_request(config, source, env)
     artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store, level_reason))
     return artifact
+
+
+def build_environment(which: Product, config: TrtBuildConfig, graph_precision: str, quantized: str | None) -> dict:
+    """What keys the plan beyond its config, once this machine is known to build it: the datacenter TensorRT's version
+    and the GPU it builds on (which must run the graph's precision); TensorRT-RTX's version (each compute capability
+    asked for must run it too). trt.__version__, not a distribution's: with only tensorrt-cu12/-cu13 installed there
+    is no `tensorrt` distribution, and the runtime compares against trt.__version__."""
+    if which is TENSORRT_RTX:
+        if missing := rtx_missing():
+            raise MissingDependencyError(f"cannot build a TensorRT-RTX plan: {missing}")
+        if problem := gpu_only_problem(which, config.refittable, config.strip_weights):
+            raise MissingDependencyError(problem)
+        for capability in config.compute_capabilities:
+            gpu = f"compute capability {capability}"
+            problem = graph_precision_problem(graph_precision, capability, gpu) or (
+                quantization_problem(quantized, capability, gpu) if quantized else None
+            )
+            if problem:
+                raise ConfigError(f"cannot build this TensorRT-RTX plan for {capability}: {problem}")
+        return environment("torch") | {"tensorrt-rtx": str(load(which).__version__)}
+    require_tensorrt()
+    if config.refittable:  # before any work: TensorRT 11.3's REFIT engines may lose GEMM biases
+        require_refit_support()
+    if quantized:  # before any work: an FP8 plan on an Ampere GPU cannot be built
+        require_quantization_support(quantized)
+    require_graph_precision(graph_precision)  # a quantized Flux's is bf16
+    return environment("torch") | {"tensorrt": tensorrt_version()} | gpu_environment()
 
 
 # BF16 runs from Ampere on (NvInfer.h BuilderFlag::kBF16: "only supported by NVIDIA Ampere and later GPUs"); a strongly
@@ -131,6 +164,8 @@ def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, 
     optimization level (unless asked) by whether it is quantized and a Flux transformer (default_optimization_level);
     and why that level."""
     tf32 = config.tf32_for(tensorrt_spec(source).precision)
+    if not product(config.product).optimization_level:
+        return replace(config, tf32=tf32), "none: TensorRT-RTX does no autotuning at build time (sdtrt/trt_products.py)"
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
     parameters, architecture = parameter_count(tensorrt_graph(source)), tensorrt_spec(source).architecture
@@ -141,7 +176,8 @@ def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, 
 def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, device: int = 0) -> dict[str, Any]:
     """The JSON the child process gets: paths, settings, per-input (min, opt, max) shapes and the CUDA device
     whose GPU the manifest records (the current one here; the child would otherwise build on device 0), and for a
-    Q/DQ graph its 8-bit format, which the child checks the parsed network for."""
+    Q/DQ graph its 8-bit format, which the child checks the parsed network for, as it checks for layers of the graph's
+    precision; the product, and for TensorRT-RTX the compute capabilities to build for."""
     spec = tensorrt_spec(source)
     config, _ = resolved(config, source)
     plan = f"{spec.component}.plan"
@@ -163,6 +199,9 @@ def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, devi
         "weight_streaming": config.weight_streaming,
         "strip_weights": config.strip_weights,
         "device": device,
+        "product": config.product,
+        "precision": spec.precision,
+        "compute_capabilities": list(config.compute_capabilities),
     }
 
 
@@ -177,7 +216,7 @@ def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
     """`sdtrt build` with every setting of this engine: what a rebuild must repeat (several profiles: the first,
     as the CLI takes one). Shell-quoted: users paste it."""
     profile = config.profiles[0]
-    words = [f"sdtrt build {shlex.quote(str(source))} --target tensorrt"]
+    words = [f"sdtrt build {shlex.quote(str(source))} --target {config.product}"]
     words += [f"--batch {profile.batch}", f"--height {profile.height}", f"--width {profile.width}"]
     words += [f"--tokens {profile.tokens}"] if profile.tokens else []
     words += [] if config.optimization_level is None else [f"--optimization-level {config.optimization_level}"]
@@ -187,50 +226,77 @@ def reproduce_command(config: TrtBuildConfig, source: Path) -> str:
     words += [] if config.tf32 is None else ["--tf32" if config.tf32 else "--no-tf32"]
     words += ["--weight-streaming"] if config.weight_streaming else []
     words += ["--strip-weights"] if config.strip_weights else []
+    words += [f"--compute-capability {','.join(config.compute_capabilities)}"] if config.compute_capabilities else []
     return " ".join(words)
 
 
 def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store, level_reason: str) -> dict[str, Any]:
-    import torch
-
-    request = worker_request(config, source, out_dir, torch.cuda.current_device())
+    which = product(config.product)
+    request = worker_request(config, source, out_dir, current_device() if which.builds_on_gpu else 0)
     request_path = out_dir / "request.json"
     request_path.write_text(json.dumps(request, indent=2))
     log_path = out_dir / LOG_NAME
     started = time.perf_counter()
-    with step("Building the TensorRT engine (minutes for SD 1.5)"), log_path.open("w") as log:
+    how_long = "minutes for SD 1.5" if which.builds_on_gpu else "ahead of time on the CPU; seconds for tiny models"
+    with step(f"Building the {which.label} plan ({how_long})"), log_path.open("w") as log:
         proc = subprocess.run(
             [sys.executable, "-m", "sdtrt.trt_build_worker", str(request_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
+    result_path = out_dir / "result.json"
     if proc.returncode != 0:
         kept = store.keep_log(log_path, f"{STAGE}-{time.strftime('%Y%m%d-%H%M%S')}.log")
+        if proc.returncode == REFUSED_EXIT and result_path.is_file():  # the worker's own one-line reason
+            raise BuildError(f"{json.loads(result_path.read_text())['refused']} (build log: {kept})")
         how = (
             f"was killed by {signal.Signals(-proc.returncode).name} (often: out of host or GPU memory)"
             if proc.returncode < 0
             else f"exited with code {proc.returncode}"
         )
-        raise BuildError(f"the TensorRT build {how}; its log is {kept}")
-    result = json.loads((out_dir / "result.json").read_text())
-    (out_dir / "result.json").unlink()
+        raise BuildError(f"the {which.label} build {how}; its log is {kept}")
+    result = json.loads(result_path.read_text())
+    result_path.unlink()
+    plan = Path(request["plan"])
+    check_plan(plan, which)
     spec = tensorrt_spec(source)
     quantized = {"quantization": {"format": request["quantization"], "quantize_layers": result["quantize_layers"]}}
+    targets = {"compute_capabilities": list(config.compute_capabilities) or DEFAULT_COMPUTE_CAPABILITIES}
     return {
-        "primary": Path(request["plan"]).name,
+        "primary": plan.name,
         "io": spec.to_json(),
         "profile": config.effective_profiles()[0].to_json(),
         "profiles": [p.to_json() for p in config.effective_profiles()],
-        "target": "tensorrt",
+        "target": which.name,
         "timings": {"build_s": round(time.perf_counter() - started, 3)},
         "details": {
-            "tensorrt": result["tensorrt"],
+            which.name: result["version"],
             "network_layers": result["layers"],
+            # What was built, by the type each layer computes in; the worker refused a network with none in the
+            # graph's precision.
+            "layer_types": result["layer_types"],
+            "layers": layer_summary(result["layer_types"]),
+            "plan_bytes": plan.stat().st_size,
             "parameters": parameter_count(Path(request["onnx"])),
             "optimization_level": {"level": config.optimization_level, "why": level_reason},
             "worker_request": request,
         }
-        | (quantized if request["quantization"] else {}),
+        | (quantized if request["quantization"] else {})
+        | (targets if which.compute_capabilities else {}),
         "reproduce": reproduce_command(config, source.path),
     } | ({"weights": refill_record(source)} if config.strip_weights else {})
+
+
+def current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def check_plan(plan: Path, which: Product) -> None:
+    """BuildError unless the plan is there and starts as the product's plans do (TensorRT-RTX 1.7's: ``vtrt``)."""
+    with plan.open("rb") as file:
+        head = file.read(len(which.plan_magic or b""))
+    if which.plan_magic and head != which.plan_magic:
+        raise BuildError(f"{plan} does not start as a {which.label} plan does ({which.plan_magic!r}, found {head!r})")

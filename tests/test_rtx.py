@@ -1,0 +1,365 @@
+"""Real TensorRT-RTX plans, built here on the CPU (no GPU needed) by the build worker the datacenter TensorRT uses.
+
+Each build runs NVIDIA's real tensorrt_rtx library in the worker process and is checked for what was built: the plan's
+magic bytes and size, the manifest, the parsed network's layer types. Seconds per tiny component.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdtrt.compile import build
+from sdtrt.config import DEFAULT_PROMPT, ExportConfig, QuantizeConfig, SimplifyConfig, TrtBuildConfig
+from sdtrt.errors import MissingDependencyError
+from sdtrt.models import resolve_model
+from sdtrt.onnx_graph import artifact_spec
+from sdtrt.stages import build_trt, export, quantize, simplify
+from sdtrt.store import Artifact
+from sdtrt.trt_products import COMPUTE_CAPABILITIES, DEFAULT_COMPUTE_CAPABILITIES, TENSORRT_RTX, rtx_runtime_missing
+
+from .helpers import REPO, last_line, run_cli
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("tensorrt_rtx") is None,
+    reason="TensorRT-RTX is not installed: pip install 'sdtrt[rtx]' (the dev extra has it)",
+)
+
+# Measured with tensorrt_rtx 1.7.1.116 (sdtrt/trt_products.py, Product.refit_needs_gpu).
+GPU_ONLY = "TensorRT-RTX builds refittable and weight-stripped plans only where a CUDA GPU is visible"
+# What each graph precision's layers compute in, as the manifest spells layer types.
+LAYER_TYPE = {"fp16": "HALF", "bf16": "BF16", "fp32": "FLOAT"}
+
+
+def rtx_version() -> str:
+    import tensorrt_rtx
+
+    return str(tensorrt_rtx.__version__)
+
+
+@pytest.fixture(scope="module")
+def graph(store):
+    """(preset, component, precision) → its simplified graph, as compile makes it."""
+
+    def get(preset: str, component: str, precision: str = "fp16"):
+        exported = export.run(ExportConfig(precision=precision, component=component), resolve_model(preset), store)
+        return simplify.run(SimplifyConfig(), exported, store)
+
+    return get
+
+
+def rtx_build(source, store, **settings):
+    profile = artifact_spec(source).default_profile()
+    return build(
+        source,
+        store,
+        "tensorrt-rtx",
+        trt_config=TrtBuildConfig(profiles=(profile,), product="tensorrt-rtx", **settings),
+    )[0]
+
+
+def check_plan(plan, precision: str, min_bytes: int) -> dict:
+    """The plan is TensorRT-RTX's, of a plausible size, and its manifest says what was built; returns its details."""
+    head = plan.primary.read_bytes()[:4]
+    size = plan.primary.stat().st_size
+    details = plan.manifest["details"]
+    print(f"\n{plan.primary.name} ({precision}): {size / 1e6:.1f} MB in {plan.manifest['timings']['build_s']:.1f} s; "
+          f"{details['layers']}")  # fmt: skip
+    assert head == TENSORRT_RTX.plan_magic == b"vtrt"
+    assert size >= min_bytes and size == details["plan_bytes"]
+    assert plan.manifest["target"] == "tensorrt-rtx" and plan.manifest["config"]["product"] == "tensorrt-rtx"
+    assert plan.manifest["environment"]["tensorrt-rtx"] == details["tensorrt-rtx"] == rtx_version()
+    assert "tensorrt" not in plan.manifest["environment"] and "gpu" not in plan.manifest["environment"]
+    layer_types = details["layer_types"]
+    assert layer_types[LAYER_TYPE[precision]] > 0, layer_types
+    assert sum(layer_types.values()) <= details["network_layers"]  # layers without outputs are not counted
+    assert (
+        details["layers"].startswith(f"{sum(layer_types.values())} layers: ") and f" {precision}" in details["layers"]
+    )
+    assert details["optimization_level"]["level"] is None  # TensorRT-RTX does no autotuning: nothing is set
+    assert plan.manifest["reproduce"].split()[3:5] == ["--target", "tensorrt-rtx"]
+    return details
+
+
+@pytest.mark.parametrize(
+    ("preset", "component", "precision", "min_bytes"),
+    [
+        ("tiny", "unet", "fp16", 5_000_000),
+        ("tiny", "text_encoder", "fp16", 1_000_000),
+        ("tiny", "vae_decoder", "fp32", 2_000_000),  # tiny's VAE asks to be upcast: fp32, as compile exports it
+        ("tiny-flux", "transformer", "bf16", 1_000_000),
+        ("tiny-sd3", "transformer", "fp16", 2_000_000),
+    ],
+)
+def test_a_real_plan_is_built_from_each_kind_of_graph(graph, store, preset, component, precision, min_bytes):
+    details = check_plan(rtx_build(graph(preset, component, precision), store), precision, min_bytes)
+    assert details["compute_capabilities"] == DEFAULT_COMPUTE_CAPABILITIES
+
+
+def test_a_weight_streaming_plan_builds_and_says_so(graph, store):
+    source = graph("tiny", "unet")
+    streaming = rtx_build(source, store, weight_streaming=True)
+    assert streaming.key != rtx_build(source, store).key
+    check_plan(streaming, "fp16", 5_000_000)
+    assert streaming.manifest["details"]["worker_request"]["weight_streaming"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs a CUDA GPU: {GPU_ONLY}")
+def test_stripped_and_refittable_plans_build_where_a_gpu_is_visible(graph, store):
+    """STRIP_PLAN leaves the weights out (a fraction of the full plan, refilled from the recorded graph); REFIT keeps
+    them, refittable; each is its own key."""
+    source = graph("tiny", "unet")
+    full = rtx_build(source, store)
+    stripped = rtx_build(source, store, strip_weights=True)
+    refittable = rtx_build(source, store, refittable=True)
+    assert len({full.key, stripped.key, refittable.key}) == 3
+    check_plan(stripped, "fp16", 10_000)
+    check_plan(refittable, "fp16", 5_000_000)
+    assert stripped.primary.stat().st_size < full.primary.stat().st_size / 2
+    assert stripped.manifest["weights"]["in_plan"] is False
+    assert stripped.manifest["weights"]["refill_from"]["graph"] == source.primary.name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
+@pytest.mark.parametrize("option", ["--refittable", "--strip-weights"])
+def test_without_a_gpu_refittable_and_stripped_plans_are_refused_before_any_export(graph, store, tmp_path, option):
+    done = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", option, "--engines", str(tmp_path))
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert (
+        f"{option}: TensorRT-RTX {rtx_version()} builds refittable and weight-stripped plans only where a CUDA GPU"
+        in done.stderr
+    )
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(MissingDependencyError, match=r"graph_jit\.cpp:278"):  # the library refuses before its worker
+        rtx_build(graph("tiny", "text_encoder"), store, refittable=True)
+
+
+def test_compute_capabilities_are_built_for_keyed_and_recorded(graph, store):
+    source = graph("tiny", "text_encoder")
+    default = rtx_build(source, store)
+    turing = rtx_build(source, store, compute_capabilities=("7.5", "8.6"))
+    assert turing.key != default.key
+    details = check_plan(turing, "fp16", 1_000_000)
+    assert details["compute_capabilities"] == ["7.5", "8.6"]
+    assert turing.manifest["reproduce"].endswith("--compute-capability 7.5,8.6")
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_q_dq_unet_builds_with_its_quantize_layers(tiny, store, precision):
+    """The quantize stage's TensorRT graph (fp16 outside its Q/DQ pairs), as NVIDIA's ModelOpt exports it: only
+    Quantize layers of its own 8-bit type (ModelOpt's trt::TRT_FP8QuantizeLinear included)."""
+    quantized = quantize.run(
+        QuantizeConfig(precision=precision, calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2), tiny, store
+    )
+    plan = rtx_build(simplify.run(SimplifyConfig(), quantized, store), store)
+    details = check_plan(plan, "fp16", 2_000_000)
+    assert details["quantization"]["format"] == precision
+    layers = details["quantization"]["quantize_layers"]
+    assert layers.get(precision.upper(), 0) > 0 and set(layers) == {precision.upper()}
+    assert details["layer_types"][precision.upper()] >= layers[precision.upper()]
+
+
+TINY_PRESETS = [
+    "tiny-sd2", "tiny-sdxl", "tiny-sdxl-refiner", "tiny-inpaint", "tiny-lcm", "tiny-controlnet",
+    "tiny-sdxl-controlnet", "tiny-sd3", "tiny-flux", "tiny-flux-schnell",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_every_component_of_every_tiny_preset_builds(store, preset):
+    """What `compile --target tensorrt-rtx` builds for each family (tiny itself: the CLI test below), each member at
+    the precision compile gives it (fp16; VAEs and T5 fp32)."""
+    from sdtrt.compile import compile_model
+    from sdtrt.spec import model_components
+
+    model = resolve_model(preset)
+    result = compile_model(model, store, "tensorrt-rtx")
+    plans = [a for a in result.artifacts if a.stage == "build-trt"]
+    assert [artifact_spec(p).component for p in plans] == list(model_components(model))
+    for plan in plans:
+        check_plan(plan, plan.manifest["io"]["precision"], 500_000)
+
+
+def test_a_network_without_layers_of_the_graphs_precision_is_refused_in_one_line(graph, store, tmp_path):
+    """What was built, not what was asked: an fp32 graph asked for as fp16 is refused by the worker after parsing
+    (exit 2, its reason in the result file), never built into an fp32 plan (roboflow/rf-detr#1453)."""
+    source = graph("tiny", "vae_decoder", "fp32")
+    request = build_trt.worker_request(TrtBuildConfig(product="tensorrt-rtx"), source, tmp_path)
+    assert request["precision"] == "fp32"
+    request["precision"] = "fp16"
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    done = subprocess.run(
+        [sys.executable, "-m", "sdtrt.trt_build_worker", str(tmp_path / "request.json")],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    refused = json.loads((tmp_path / "result.json").read_text())["refused"]
+    assert "\n" not in refused and "no fp16 layer" in refused and "fp32" in refused and "--precision fp16" in refused
+    assert not (tmp_path / "vae_decoder.plan").exists()
+
+
+def test_the_compute_capabilities_sdtrt_names_are_the_modules_targets():
+    import tensorrt_rtx as trt
+
+    members = set(trt.ComputeCapability.__members__) - {"NONE", "CURRENT"}
+    assert set(COMPUTE_CAPABILITIES.values()) == members
+
+
+def trt_chains(source: str, root: str) -> set[str]:
+    """Every ``root.A.B`` attribute chain in ``source`` (names, enum members), and ``Class.member`` for the attributes
+    used on variables annotated ``root.Class``."""
+    tree = ast.parse(source)
+    chains, typed = set(), {}
+    for node in ast.walk(tree):
+        annotation = getattr(node, "annotation", None)
+        target = getattr(node, "target", None) if isinstance(node, ast.AnnAssign) else node
+        name = target.id if isinstance(target, ast.Name) else getattr(node, "arg", None)
+        if name and isinstance(annotation, ast.Attribute) and ast.unparse(annotation).startswith(f"{root}."):
+            typed[name] = ast.unparse(annotation).removeprefix(f"{root}.")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in typed:
+            chains.add(f"{typed[node.value.id]}.{node.attr}")
+        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
+            text = ast.unparse(node)
+            if text.startswith(f"{root}.") and "(" not in text:
+                chains.add(text.removeprefix(f"{root}."))
+    return chains
+
+
+def test_every_name_the_shared_worker_runtime_and_rtx_differences_use_exists_in_tensorrt_rtx():
+    """The worker runs under TensorRT-RTX for real in the tests above; this also covers the lines they do not reach
+    (the timing cache is TensorRT's only, but its names are still bound in TensorRT-RTX 1.7) and the runtime, which
+    needs an RTX GPU to run."""
+    import tensorrt_rtx as trt
+
+    sources = [
+        (REPO / "sdtrt/trt_build_worker.py", "trt"), (REPO / "sdtrt/trt_products.py", "rtx"),
+        (REPO / "sdtrt/runtime/tensorrt.py", "trt"), (REPO / "sdtrt/runtime/rtx.py", "rtx"),
+    ]  # fmt: skip
+    chains = set().union(*(trt_chains(path.read_text(), root) for path, root in sources))
+    missing = []
+    for chain in sorted(chains):
+        found = trt
+        for part in chain.split("."):
+            found = getattr(found, part, None)
+        if found is None:
+            missing.append(chain)
+    assert missing == []
+    assert len(chains) >= 25, sorted(chains)
+    assert {"ComputeCapability", "IBuilderConfig.set_compute_capability", "BuilderFlag.STRIP_PLAN"} <= chains
+    assert {"IRuntimeConfig.set_runtime_cache", "IRuntimeCache.deserialize", "CudaGraphStrategy.WHOLE_GRAPH_CAPTURE",
+            "Runtime.get_engine_validity", "ICudaEngine.create_execution_context"} <= chains  # fmt: skip
+
+
+# ---- the command line: refusals before any export, then a whole compile --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--compute-capability", "9.0"], "compute capability '9.0' is not one TensorRT-RTX builds for"),
+        (["--timing-cache", "t.cache"], "--timing-cache needs a GPU at build time"),
+        (["--optimization-level", "4"], "does no autotuning at build time"),
+    ],
+)
+def test_options_an_rtx_build_cannot_take_are_refused_before_any_export(tmp_path, options, expected):
+    done = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", *options, "--engines", str(tmp_path))
+    assert done.returncode == 2 and expected in last_line(done.stderr)
+    assert not any(tmp_path.iterdir())  # nothing exported
+
+
+def test_compute_capabilities_are_refused_for_the_datacenter_target(tmp_path):
+    done = run_cli("compile", "--target", "tensorrt", "--compute-capability", "8.6", "--engines", str(tmp_path))
+    assert done.returncode == 2 and "use --target tensorrt-rtx" in last_line(done.stderr)
+
+
+def test_the_target_without_tensorrt_rtx_is_refused_in_one_line(tmp_path):
+    """A tensorrt_rtx that cannot be imported (as where its libraries are missing) shadows the installed one."""
+    shadow = tmp_path / "shadow" / "tensorrt_rtx"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('libtensorrt_rtx.so: cannot open shared object file')\n")
+    env = {"PYTHONPATH": f"{shadow.parent}:{REPO}"}
+    done = run_cli("compile", "--target", "tensorrt-rtx", "--engines", str(tmp_path / "engines"), env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "pip install 'sdtrt[rtx]'" in done.stderr
+    assert not (tmp_path / "engines").exists() or not any((tmp_path / "engines").iterdir())
+
+
+def test_compile_tiny_builds_a_set_of_rtx_plans_and_validates_its_graphs_here():
+    done = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", check=True)
+    final = Path(last_line(done.stdout))
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["stage"] == "set"
+    members = {i["component"]: i for i in manifest["inputs"]}
+    assert set(members) == {"unet", "text_encoder", "vae_decoder", "vae_encoder"}
+    for member in members.values():
+        plan = Artifact.open(Path(member["path"]))
+        assert plan.manifest["target"] == "tensorrt-rtx" and plan.primary.read_bytes()[:4] == b"vtrt"
+    said = " ".join(done.stderr.split())  # the console wraps long lines
+    assert "validated here: the graphs the plans were built from, on ONNX Runtime" in said
+    assert "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: `sdtrt validate" in said
+    assert "unet b2 256x256 t=999" in said and "image PSNR" in said  # the validation table, graphs vs PyTorch
+    skipped = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", "--no-validate", check=True)
+    assert Path(last_line(skipped.stdout)) == final and "validate" not in skipped.stderr
+
+
+# ---- the runtime: TensorRT's, with TensorRT-RTX's runtime config, runtime cache and validity check -----------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
+def test_an_rtx_plan_is_refused_here_in_one_line_before_it_is_read(graph, store):
+    from sdtrt.runtime import open_runtime
+
+    plan = rtx_build(graph("tiny", "text_encoder"), store)
+    with pytest.raises(MissingDependencyError, match="no CUDA GPU is visible") as caught:
+        open_runtime(plan)
+    assert "\n" not in str(caught.value) and "RTX-class GPUs of compute capability 8.0 or newer" in str(caught.value)
+
+
+def test_the_runtime_cache_is_one_file_per_gpu_and_version_replaced_whole(tmp_path):
+    """Two processes writing the store's runtime cache while a third reads it: every read is one writer's whole
+    file, never a mix or a torn write, and no temporary file is left behind."""
+    from sdtrt.runtime.rtx import cache_file, read_locked
+
+    path = cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.7.1.116")
+    assert path == tmp_path / "runtime-cache" / "NVIDIA-GeForce-RTX-4090-sm8.9-tensorrt-rtx-1.7.1.116.cache"
+    assert cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.8.0") != path
+    assert read_locked(path) == b""
+    writer = (
+        "import sys; from pathlib import Path; from sdtrt.runtime.rtx import write_locked\n"
+        "for i in range(40): write_locked(Path(sys.argv[1]), bytes([int(sys.argv[2])]) * (1 << 20) * (1 + i % 3))\n"
+    )
+    writers = [
+        subprocess.Popen([sys.executable, "-c", writer, str(path), str(n)], cwd=REPO) for n in (1, 2)
+    ]  # fmt: skip
+    seen = set()
+    while any(w.poll() is None for w in writers):
+        if data := read_locked(path):
+            assert len(data) % (1 << 20) == 0 and len(set(data)) == 1
+            seen.add(data[0])
+    assert [w.wait() for w in writers] == [0, 0]
+    assert seen <= {1, 2} and sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]
+
+
+@pytest.mark.skipif(bool(rtx_runtime_missing()), reason=f"runs an RTX plan: {rtx_runtime_missing()}")
+def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph, store):
+    from sdtrt.models import load_unet
+    from sdtrt.runtime import open_runtime
+    from sdtrt.runtime.rtx import store_cache_file
+    from sdtrt.spec import ValidationCase
+    from sdtrt.validate import compare_case
+
+    plan = rtx_build(graph("tiny", "unet"), store)
+    for _ in range(2):  # the second load starts from the runtime cache the first left
+        runtime = open_runtime(plan, cuda_graph=True)
+        row = compare_case(runtime, load_unet(tiny), runtime.spec, ValidationCase(2, 256, 256, 999.0, 0))
+        runtime.close()
+        assert row["finite"] and row["cosine"] >= 0.99
+        assert store_cache_file(plan.primary).stat().st_size > 0
