@@ -60,7 +60,11 @@ def pictures(tmp_path_factory):
     ],
 )
 def test_generate_refuses_inputs_the_pipeline_cannot_take_before_loading_it(args, message, pictures):
-    """Read from model_index.json, not from the pipeline class diffusers would import (8 s idle, 30 s under load)."""
+    """Read from model_index.json, not from the pipeline class diffusers would import (8 s idle, 30 s under load).
+    The preset is made first, here: making it (once per models cache) needs diffusers, refusing must not."""
+    from sdtrt.models import resolve_model
+
+    resolve_model(args[args.index("--model") + 1] if "--model" in args else "tiny")
     args = [a.format(**{"in": pictures / "in.png", "mask": pictures / "mask.png"}) for a in args]
     assert message in usage_error_before_loading("generate", *args)
 
