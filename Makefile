@@ -63,6 +63,14 @@ BIG_MODEL ?= flux-random
 bench-big: setup
 	$(VENV)/bin/python benchmarks/big_export.py --model $(BIG_MODEL)
 
+# Wall time, peak RSS and output size of the ONNX Runtime and TensorRT-RTX builds of a model's fp16 UNet, each build
+# in its own process, side by side (benchmarks/rtx_build.py; the store defaults to /tmp/rtxbench-store). Not part of
+# `make test`.
+RTX_MODEL ?= sd15-random
+.PHONY: bench-rtx
+bench-rtx: setup
+	$(VENV)/bin/python benchmarks/rtx_build.py --model $(RTX_MODEL)
+
 # The whole CPU chain on the tiny model: compile (ONNX Runtime target, validated once) → generate.
 demo: setup
 	@set -e; engine=$$($(VENV)/bin/sdtrt compile --model tiny --target onnxruntime --engines $(ENGINES)); \

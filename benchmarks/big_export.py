@@ -70,13 +70,15 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     return {"blocks": [row["block"] for row in report.blocks], "passed": bool(report), "failures": report.failures}
 
 
-def child(step: str, argv: list[str], state: dict[str, Any]) -> dict[str, Any]:
-    """Run ``step`` in a child process: its wall time, peak RSS (ru_maxrss of that child alone) and result."""
+def child(step: str, argv: list[str], state: dict[str, Any], script: str = __file__) -> dict[str, Any]:
+    """Run ``step`` in a child process (``script``, which must take --child STEP --state FILE and write its result to
+    FILE, as this one does): its wall time, peak RSS and result. The peak is ru_maxrss from wait4: that child's, or its
+    largest waited-for descendant's (a build worker's) when larger."""
     with tempfile.TemporaryDirectory() as tmp:
         state_file = Path(tmp) / "state.json"
         state_file.write_text(json.dumps(state))
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", step, "--state", str(state_file)])
+        proc = subprocess.Popen([sys.executable, script, *argv, "--child", step, "--state", str(state_file)])
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - started
         code = os.waitstatus_to_exitcode(status)
@@ -102,8 +104,7 @@ def main() -> None:
         os.environ["SDTRT_MODELS"] = args.models
     if args.child:
         state_file = Path(args.state)
-        state = json.loads(state_file.read_text())
-        state_file.write_text(json.dumps(run_step(args.child, args, state)))
+        state_file.write_text(json.dumps(run_step(args.child, args, json.loads(state_file.read_text()))))
         return
 
     state: dict[str, Any] = {}
