@@ -194,6 +194,8 @@ def parser_refusal(parser: trt.OnnxParser, label: str) -> Refused:
     pyOnnx.cpp); the rest are in the log."""
     for index in range(parser.num_errors):
         print(f"[sdtrt] ONNX parser error: {parser.get_error(index)}", file=sys.stderr, flush=True)
+    if not parser.num_errors:  # a failure the parser only logged: get_error(0) would be None
+        return Refused(f"{label}'s ONNX parser refused the graph and recorded no error; see the build log")
     first = parser.get_error(0)
     where = f"node {first.node_name()} ({first.node_operator()})" if first.node_operator() else "the graph"
     more = f"; {parser.num_errors - 1} more in the log" if parser.num_errors > 1 else ""

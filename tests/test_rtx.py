@@ -348,6 +348,29 @@ def test_the_runtime_cache_is_one_file_per_gpu_and_version_replaced_whole(tmp_pa
     assert seen <= {1, 2} and sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]
 
 
+def test_a_runtime_cache_whose_lock_cannot_be_made_is_still_read(tmp_path):
+    """A read-only store: no lock file can be made beside the cache (here: a folder stands in its way, since root writes
+    anywhere), so the cache is read without one instead of failing the plan's load."""
+    from sdtrt.runtime.rtx import cache_file, read_locked
+
+    path = cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.7.1.116")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"kernels")
+    path.with_name(f".{path.name}.lock").mkdir()
+    assert read_locked(path) == b"kernels"
+
+
+def test_a_parser_failure_with_no_recorded_error_is_refused_in_one_line():
+    """onnx-tensorrt may only log a failure: parse_from_file returns False with num_errors 0, and get_error(0) is then
+    None (the parser stands in for TensorRT's OnnxParser with no error recorded)."""
+    from types import SimpleNamespace
+
+    from sdtrt.trt_build_worker import Refused, parser_refusal
+
+    refusal = parser_refusal(SimpleNamespace(num_errors=0, get_error=lambda index: None), "unet")  # type: ignore[arg-type]
+    assert isinstance(refusal, Refused) and "recorded no error; see the build log" in str(refusal)
+
+
 @pytest.mark.skipif(bool(rtx_runtime_missing()), reason=f"runs an RTX plan: {rtx_runtime_missing()}")
 def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph, store):
     from sdtrt.models import load_unet

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ArtifactError, EnvironmentMismatchError
 from ..gpu import gpu_environment
@@ -62,8 +62,11 @@ def read_locked(path: Path) -> bytes:
 
     if not path.is_file():
         return b""
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_SH)
+    try:
+        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            return path.read_bytes()
+    except OSError:  # a read-only store: no lock file can be made, and no writer can replace the cache there
         return path.read_bytes()
 
 
@@ -80,10 +83,16 @@ def write_locked(path: Path, data: bytes) -> None:
         tmp.replace(path)
 
 
+# One IRuntimeCache per cache file in a process, shared by every plan that loads with it, as NVIDIA's demo shares one
+# across a pipeline's engines (demo/utils/pipeline.py activate_engines: engine.runtime_cache = runtime_cache): each
+# plan's own cache, saved over the one file, would keep only the last plan's kernels.
+_CACHES: dict[Path, Any] = {}  # the tensorrt_rtx.IRuntimeCache of each file
+
+
 class RuntimeCache:
     # ``rtx`` is the tensorrt_rtx module, under the name the annotations use (mypy takes it for a variable there).
     """A runtime config with the store's runtime cache for this GPU (and CUDA graphs when asked), for
-    create_execution_context; ``save`` writes what the JIT compiled back to the store."""
+    create_execution_context; ``save`` writes what the JIT compiled, for every plan of this process, to the store."""
 
     def __init__(self, rtx: ModuleType, engine: rtx.ICudaEngine, path: Path, cuda_graph: bool) -> None:
         config: rtx.IRuntimeConfig = engine.create_runtime_config()  # type: ignore[name-defined]
@@ -91,12 +100,15 @@ class RuntimeCache:
             raise ArtifactError("TensorRT-RTX could not create a runtime config")
         if cuda_graph:  # TensorRT-RTX captures and replays the whole graph itself (demo/utils/engine.py activate)
             config.cuda_graph_strategy = rtx.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE
-        cache: rtx.IRuntimeCache = config.create_runtime_cache()  # type: ignore[name-defined]
+        cache = _CACHES.get(path)
         if cache is None:
-            raise ArtifactError("TensorRT-RTX could not create a runtime cache")
-        # deserialize returns False, leaving the cache empty, for a blob of another GPU, driver or version.
-        if (data := read_locked(path)) and not cache.deserialize(data):
-            print(f"[sdtrt] the runtime cache {path} does not fit this GPU or TensorRT-RTX; starting an empty one")
+            fresh: rtx.IRuntimeCache = config.create_runtime_cache()  # type: ignore[name-defined]
+            if fresh is None:
+                raise ArtifactError("TensorRT-RTX could not create a runtime cache")
+            # deserialize returns False, leaving the cache empty, for a blob of another GPU, driver or version.
+            if (data := read_locked(path)) and not fresh.deserialize(data):
+                print(f"[sdtrt] the runtime cache {path} does not fit this GPU or TensorRT-RTX; starting an empty one")
+            cache = _CACHES[path] = fresh
         if not config.set_runtime_cache(cache):
             raise ArtifactError("TensorRT-RTX refused the runtime cache")
         self.config, self.cache, self.path = config, cache, path

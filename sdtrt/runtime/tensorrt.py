@@ -410,6 +410,8 @@ class TensorRTRuntime(CudaRuntime):
         )
         if context is None:
             raise ArtifactError(f"TensorRT could not create an execution context for {plan} (GPU memory?)")
+        if self._jit is not None:  # most of the JIT ran in create_execution_context: kept even if close() never runs
+            self._jit.save()
         self._context = context
         self._profiles = [_engine_profile(engine, spec.input_names, i) for i in range(engine.num_optimization_profiles)]
         self._active_profile = 0
