@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,17 @@ def child(step: str, argv: list[str], state: dict[str, Any], script: str = __fil
     return out | ({"result": result} if code == 0 else {"error": f"exited {code} (its stderr above says why)"})
 
 
+def ran_as_child(args: argparse.Namespace, run_step: Callable[..., dict[str, Any]]) -> bool:
+    """Set the presets cache; in a child (--child STEP --state FILE), run that step on the state file and say so."""
+    if args.models:
+        os.environ["SDTRT_MODELS"] = args.models
+    if not args.child:
+        return False
+    state_file = Path(args.state)
+    state_file.write_text(json.dumps(run_step(args.child, args, json.loads(state_file.read_text()))))
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="flux-random, sd35-large-random, sdxl-random, any preset")
@@ -100,11 +112,7 @@ def main() -> None:
     parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.models:
-        os.environ["SDTRT_MODELS"] = args.models
-    if args.child:
-        state_file = Path(args.state)
-        state_file.write_text(json.dumps(run_step(args.child, args, json.loads(state_file.read_text()))))
+    if ran_as_child(args, run_step):
         return
 
     state: dict[str, Any] = {}

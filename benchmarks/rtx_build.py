@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from big_export import child  # this folder is sys.path[0] when the script runs
+from big_export import child, ran_as_child  # this folder is sys.path[0] when the script runs
 
 STEPS = ("export", "simplify", "onnxruntime", "tensorrt-rtx")
 BUILDS = ("onnxruntime", "tensorrt-rtx")
@@ -79,11 +79,7 @@ def main() -> None:
     parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.models:
-        os.environ["SDTRT_MODELS"] = args.models
-    if args.child:
-        state_file = Path(args.state)
-        state_file.write_text(json.dumps(run_step(args.child, args, json.loads(state_file.read_text()))))
+    if ran_as_child(args, run_step):
         return
 
     rows: dict[str, dict[str, Any]] = {}
