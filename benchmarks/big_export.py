@@ -33,20 +33,20 @@ NEEDS = {"export": "preset", "simplify": "export", "weight-map": "simplify", "bl
 
 def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     """One step, in this (child) process; returns what later steps need and what to report."""
-    from sdtrt.models import resolve_model
-    from sdtrt.store import Artifact, Store
+    from sdtrt.core.store import Artifact, Store
+    from sdtrt.sources.models import resolve_model
 
     model = resolve_model(args.model)
     component = args.component or model.denoiser_folder
     store = Store(Path(args.engines))
     if step == "preset":
-        from sdtrt.block_parity import stored_tensors
         from sdtrt.spec import FOLDERS
+        from sdtrt.tools.block_parity import stored_tensors
 
         tensors = stored_tensors(model.component_dir(FOLDERS[component]))
         return {"model": str(model.path), "component": component, "parameters": sum(t.numel for t in tensors.values())}
     if step == "export":
-        from sdtrt.config import ExportConfig
+        from sdtrt.core.config import ExportConfig
         from sdtrt.stages import export
 
         overrides = {k: v for k, v in (("precision", args.precision), ("exporter", args.exporter)) if v}
@@ -54,7 +54,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
         return {"export": str(artifact.path), "precision": artifact.manifest["io"]["precision"],
                 "exporter": artifact.manifest["details"]["exporter"]}  # fmt: skip
     if step == "simplify":
-        from sdtrt.config import SimplifyConfig, parse_size
+        from sdtrt.core.config import SimplifyConfig, parse_size
         from sdtrt.stages import simplify
 
         budget = parse_size(args.memory_budget) if args.memory_budget else None
@@ -65,7 +65,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
 
         mapped = weight_map.for_engine(Artifact.open(state["simplify"]), model, component)
         return {"mapped": len(mapped.mapped), "unmapped": len(mapped.unmapped)}
-    from sdtrt.block_parity import check_blocks
+    from sdtrt.tools.block_parity import check_blocks
 
     report = check_blocks(model, Artifact.open(state["export"]))
     return {"blocks": [row["block"] for row in report.blocks], "passed": bool(report), "failures": report.failures}

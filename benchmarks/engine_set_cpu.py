@@ -16,13 +16,13 @@ import argparse
 import resource
 import time
 
-from sdtrt.compile import compile_model
-from sdtrt.config import ExportConfig
-from sdtrt.models import resolve_model
-from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.store import Store
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.sources.models import resolve_model
 from sdtrt.stages.engine_set import members
-from sdtrt.store import Store
-from sdtrt.validate import psnr_db
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.validate import psnr_db
 
 
 def main() -> None:

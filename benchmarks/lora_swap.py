@@ -1,6 +1,6 @@
 """A LoRA swap against a fresh compile of the same target (ONNX Runtime, UNet only), on the CPU.
 
-Makes two random rank-8 LoRAs on the attention and feed-forward projections (sdtrt.lora_files.random_lora,
+Makes two random rank-8 LoRAs on the attention and feed-forward projections (sdtrt.lora.files.random_lora,
 as `sdtrt lora random` does), compiles the UNet into a fresh temporary store (export → simplify →
 build-ort, no validation), then times on the loaded pipeline: the first LoRA (weight map made and
 base weights read), a swap to a second one, a swap back, and `clear_loras()`. Each swap recomputes
@@ -19,11 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from sdtrt.compile import compile_model
-from sdtrt.lora_files import random_lora
-from sdtrt.models import resolve_model
-from sdtrt.pipeline import load_pipeline
-from sdtrt.store import Store
+from sdtrt.core.store import Store
+from sdtrt.lora.files import random_lora
+from sdtrt.pipeline.loading import load_pipeline
+from sdtrt.sources.models import resolve_model
+from sdtrt.tools.compile import compile_model
 
 
 def main() -> None:

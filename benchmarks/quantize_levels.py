@@ -26,10 +26,10 @@ def main() -> None:
     parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
     args = parser.parse_args()
 
-    from sdtrt.compile import compile_model
-    from sdtrt.config import CALIBRATION_PROMPTS, QuantizeConfig, ValidationConfig
-    from sdtrt.models import resolve_model
-    from sdtrt.store import Store
+    from sdtrt.core.config import CALIBRATION_PROMPTS, QuantizeConfig, ValidationConfig
+    from sdtrt.core.store import Store
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
 
     model, store = resolve_model(args.model), Store(args.engines)
     rows = []

@@ -34,11 +34,11 @@ BUILDS = ("onnxruntime", "tensorrt-rtx")
 
 def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     """One step, in this (child) process; returns what later steps need and what to report."""
-    from sdtrt.models import resolve_model
-    from sdtrt.store import Artifact, Store
+    from sdtrt.core.store import Artifact, Store
+    from sdtrt.sources.models import resolve_model
 
     if step == "export":
-        from sdtrt.config import ExportConfig
+        from sdtrt.core.config import ExportConfig
         from sdtrt.stages import export
 
         model = resolve_model(args.model)
@@ -48,14 +48,14 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
         cached = artifact.path in store.reused
         return {"export": str(artifact.path), "component": model.denoiser_folder, "cached": cached}
     if step == "simplify":
-        from sdtrt.config import SimplifyConfig
+        from sdtrt.core.config import SimplifyConfig
         from sdtrt.stages import simplify
 
         store = Store(args.engines)
         artifact = simplify.run(SimplifyConfig(), Artifact.open(state["export"]), store)
         return {"simplify": str(artifact.path), "method": artifact.manifest["details"]["method"],
                 "cached": artifact.path in store.reused}  # fmt: skip
-    from sdtrt.compile import build
+    from sdtrt.tools.compile import build
 
     artifact, _ = build(Artifact.open(state["simplify"]), Store(state["builds"]), step)  # type: ignore[arg-type]
     manifest = artifact.manifest

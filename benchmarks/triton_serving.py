@@ -20,13 +20,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sdtrt.client import txt2img
-from sdtrt.compile import compile_model
-from sdtrt.deploy import TritonDeployConfig, deploy_triton
-from sdtrt.models import resolve_model
-from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
-from sdtrt.serve import ServeConfig, free_ports, start_server
-from sdtrt.store import Store
+from sdtrt.core.store import Store
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.serving.client import txt2img
+from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+from sdtrt.serving.serve import ServeConfig, free_ports, start_server
+from sdtrt.sources.models import resolve_model
+from sdtrt.tools.compile import compile_model
 
 
 def summary(name: str, concurrency: int, latencies: list[float], wall_s: float) -> dict[str, float | str | int]:

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from sdtrt.compile import compile_model
-from sdtrt.config import ExportConfig, Range, ShapeProfile
-from sdtrt.models import load_unet, resolve_model
+from sdtrt.core.config import ExportConfig, Range, ShapeProfile
+from sdtrt.core.store import Store
 from sdtrt.runtime import open_runtime
 from sdtrt.runtime.torch import TorchRuntime
+from sdtrt.sources.models import load_unet, resolve_model
 from sdtrt.stages.export import spec_for
-from sdtrt.store import Store
-from sdtrt.timing import time_calls
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.timing import time_calls
 
 
 def main() -> None:

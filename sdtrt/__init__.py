@@ -1,7 +1,138 @@
 """sdtrt: make Stable Diffusion fast on NVIDIA GPUs.
 
-Export a diffusers UNet to ONNX, simplify it, build a TensorRT (or ONNX Runtime) engine, and drop it
-into a diffusers pipeline, validated against PyTorch.
+Export a diffusers model's networks to ONNX, simplify them, build TensorRT, TensorRT-RTX or ONNX Runtime engines,
+and drop them into the family's own diffusers pipeline, validated against PyTorch.
+
+The public API is importable from here (``from sdtrt import load_pipeline, compile_model``). Each name is imported
+on first use (PEP 562), so that ``import sdtrt`` and the CLI's ``--help`` load no torch, diffusers or ONNX.
+The folders below are the layers, bottom to top: core, spec, graph, sources, runtime, stages, lora, standins,
+pipeline, tools, serving, cli; a module imports only from its own layer or below.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# Public name → the module that defines it.
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("load_pipeline", "set_loras", "generate", "set_scheduler"), "sdtrt.pipeline.loading"),
+    "GenerateRequest": "sdtrt.pipeline.request",
+    **dict.fromkeys(("compile_model", "CompileResult"), "sdtrt.tools.compile"),
+    **dict.fromkeys(("validate", "ValidationReport"), "sdtrt.tools.validate"),
+    "run_bench": "sdtrt.tools.bench",
+    "profile_generation": "sdtrt.tools.profile",
+    **dict.fromkeys(("debug", "DebugConfig", "DebugReport"), "sdtrt.tools.debug"),
+    **dict.fromkeys(("guard", "GuardConfig", "GuardReport"), "sdtrt.tools.guard"),
+    **dict.fromkeys(("deploy_triton", "TritonDeployConfig"), "sdtrt.serving.deploy"),
+    **dict.fromkeys(("start_server", "ServeConfig"), "sdtrt.serving.serve"),
+    **dict.fromkeys(("resolve_model", "ModelSource"), "sdtrt.sources.models"),
+    **dict.fromkeys(("Store", "Artifact"), "sdtrt.core.store"),
+    **dict.fromkeys(
+        (
+            "ExportConfig",
+            "SimplifyConfig",
+            "QuantizeConfig",
+            "OrtBuildConfig",
+            "TrtBuildConfig",
+            "WrapConfig",
+            "ValidationConfig",
+            "BenchConfig",
+            "ShapeProfile",
+        ),
+        "sdtrt.core.config",
+    ),
+    **dict.fromkeys(
+        (
+            "SdtrtError",
+            "ModelNotFoundError",
+            "UnsupportedModelError",
+            "ConfigError",
+            "RequestError",
+            "ArtifactError",
+            "ArtifactNotFoundError",
+            "StoreError",
+            "ExportError",
+            "SimplifyError",
+            "BuildError",
+            "EnvironmentMismatchError",
+            "EngineMismatchError",
+            "MissingDependencyError",
+            "EngineInputError",
+            "LoraError",
+            "RefitError",
+            "ServeError",
+            "BenchError",
+            "ParityError",
+        ),
+        "sdtrt.core.errors",
+    ),
+}
+# The stages, as modules: each has ``run(config, input, store) -> Artifact`` (``from sdtrt import export``).
+_STAGES = ("export", "simplify", "quantize", "build_ort", "build_trt", "wrap", "engine_set")
+__all__ = ["__version__", *_EXPORTS, *_STAGES]
+
+if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is off for this file)
+    from sdtrt.core.config import (
+        BenchConfig,
+        ExportConfig,
+        OrtBuildConfig,
+        QuantizeConfig,
+        ShapeProfile,
+        SimplifyConfig,
+        TrtBuildConfig,
+        ValidationConfig,
+        WrapConfig,
+    )
+    from sdtrt.core.errors import (
+        ArtifactError,
+        ArtifactNotFoundError,
+        BenchError,
+        BuildError,
+        ConfigError,
+        EngineInputError,
+        EngineMismatchError,
+        EnvironmentMismatchError,
+        ExportError,
+        LoraError,
+        MissingDependencyError,
+        ModelNotFoundError,
+        ParityError,
+        RefitError,
+        RequestError,
+        SdtrtError,
+        ServeError,
+        SimplifyError,
+        StoreError,
+        UnsupportedModelError,
+    )
+    from sdtrt.core.store import Artifact, Store
+    from sdtrt.stages import build_ort, build_trt, engine_set, export, quantize, simplify, wrap
+    from sdtrt.pipeline.loading import generate, load_pipeline, set_loras, set_scheduler
+    from sdtrt.pipeline.request import GenerateRequest
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.serving.serve import ServeConfig, start_server
+    from sdtrt.sources.models import ModelSource, resolve_model
+    from sdtrt.tools.bench import run_bench
+    from sdtrt.tools.compile import CompileResult, compile_model
+    from sdtrt.tools.debug import DebugConfig, DebugReport, debug
+    from sdtrt.tools.guard import GuardConfig, GuardReport, guard
+    from sdtrt.tools.profile import profile_generation
+    from sdtrt.tools.validate import ValidationReport, validate
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STAGES:
+        value = importlib.import_module(f"sdtrt.stages.{name}")
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'sdtrt' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -30,7 +30,7 @@ def offline_models_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny():
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
 
     return resolve_model("tiny")
 
@@ -40,7 +40,7 @@ def store(tmp_path_factory: pytest.TempPathFactory):
     """The session's artifact store. The CLI runs of the tests use it too (SDTRT_ENGINES) unless they pass
     --engines: the store is content-addressed and locked per key, so what one test compiled is a cache hit
     for the next, in this process or another."""
-    from sdtrt.store import Store
+    from sdtrt.core.store import Store
 
     root = session_dir(tmp_path_factory, "engines")
     os.environ["SDTRT_ENGINES"] = str(root)
@@ -53,10 +53,10 @@ def streamed_export(tmp_path_factory: pytest.TempPathFactory):
     files into ``.onnx.data`` (every initializer over 1000 bytes): the path and layout multi-GB networks get
     (``sdtrt export --weights stream``). Its own store, shared by the session's workers: `weights` is not in the
     cache key, so the session store would answer with the loaded export."""
-    from sdtrt import onnx_graph
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.core.store import Store
+    from sdtrt.graph import onnx_graph
     from sdtrt.stages import export
-    from sdtrt.store import Store
 
     store = Store(session_dir(tmp_path_factory, "streamed"))
 
@@ -71,7 +71,7 @@ def streamed_export(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="session")
 def tiny_export(tiny, store):
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
     from sdtrt.stages import export
 
     return export.run(ExportConfig(), tiny, store)
@@ -79,7 +79,7 @@ def tiny_export(tiny, store):
 
 @pytest.fixture(scope="session")
 def tiny_simplified(tiny_export, store):
-    from sdtrt.config import SimplifyConfig
+    from sdtrt.core.config import SimplifyConfig
     from sdtrt.stages import simplify
 
     return simplify.run(SimplifyConfig(), tiny_export, store)
@@ -88,7 +88,7 @@ def tiny_simplified(tiny_export, store):
 @pytest.fixture(scope="session")
 def tiny_engine(tiny, store):
     """The ONNX Runtime UNet engine for tiny, as `sdtrt compile --target onnxruntime --components unet` builds it."""
-    from sdtrt.compile import compile_model
+    from sdtrt.tools.compile import compile_model
 
     return compile_model(tiny, store, target="onnxruntime", components=("unet",)).final
 
@@ -96,7 +96,7 @@ def tiny_engine(tiny, store):
 @pytest.fixture(scope="session")
 def tiny_set(tiny, store):
     """tiny's whole ONNX Runtime engine set (fp16, every component), as `sdtrt compile` builds it on a CPU."""
-    from sdtrt.compile import compile_model
+    from sdtrt.tools.compile import compile_model
 
     return compile_model(tiny, store, "onnxruntime").final
 
@@ -104,9 +104,9 @@ def tiny_set(tiny, store):
 @pytest.fixture(scope="session")
 def fp32_engine_sets(store):
     """preset → its fp32 ONNX Runtime engine set (every component), compiled on first use."""
-    from sdtrt.compile import compile_model
-    from sdtrt.config import ExportConfig
-    from sdtrt.models import resolve_model
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
 
     built: dict[str, object] = {}
 
@@ -124,7 +124,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
-    from sdtrt.gpu import tensorrt_missing
+    from sdtrt.core.gpu import tensorrt_missing
 
     missing = tensorrt_missing()
     if missing:

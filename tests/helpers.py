@@ -67,7 +67,7 @@ def peft_lora(model, folder, seed: int, rank: int, alpha: int, networks=("unet",
     from diffusers import StableDiffusionXLPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from sdtrt.models import load_folder
+    from sdtrt.sources.models import load_folder
 
     torch.manual_seed(seed)
     layers = {}
@@ -88,7 +88,7 @@ def external_copy(artifact, folder: Path, edit=None):
 
     import onnx
 
-    from sdtrt.store import Artifact, describe_files, digest
+    from sdtrt.core.store import Artifact, describe_files, digest
 
     folder.mkdir(parents=True)
     path = folder / artifact.primary.name

@@ -10,16 +10,16 @@ import sys
 import pytest
 from PIL import Image
 
-from sdtrt.bench import BackendResult, BenchConfig, breakdown, compare, run_bench, write_chart
-from sdtrt.errors import ConfigError, RequestError
-from sdtrt.profile import profile_generation
-from sdtrt.request import GenerateRequest
-from sdtrt.trace import Span, Tracer, resolve_qualified, trace_qualified
+from sdtrt.core.errors import ConfigError, RequestError
+from sdtrt.pipeline.request import GenerateRequest
+from sdtrt.tools.bench import BackendResult, BenchConfig, breakdown, compare, run_bench, write_chart
+from sdtrt.tools.profile import profile_generation
+from sdtrt.tools.trace import Span, Tracer, resolve_qualified, trace_qualified
 
 from .helpers import last_line, peft_lora, run_cli
 
 PNDM_STEP = "diffusers.schedulers.scheduling_pndm.PNDMScheduler.step"
-ENGINE_FORWARD = "sdtrt.unet.EngineUNet.forward"
+ENGINE_FORWARD = "sdtrt.standins.unet.EngineUNet.forward"
 
 
 def test_bench_cli_json_time_file_and_chart(tmp_path, store):
@@ -168,7 +168,7 @@ def test_chart_from_a_report(tmp_path):
 def test_time_calls_excludes_warmup_and_times_each_repeat():
     import time
 
-    from sdtrt.timing import time_calls
+    from sdtrt.tools.timing import time_calls
 
     calls = []
 
@@ -215,7 +215,7 @@ def test_bench_exits_non_zero_when_every_engine_backend_failed(tmp_path):
     """A bench whose engine backends all failed measured nothing it was run for: one line and exit 1, after the
     table (a backend only unavailable here, tensorrt on a CPU, is skipped and is no failure)."""
     script = (
-        "import sys, sdtrt.bench as b\n"
+        "import sys, sdtrt.tools.bench as b\n"
         "def broken(name, *args):\n"
         "    raise b._Skip('no CUDA GPU') if name == 'tensorrt' else RuntimeError('no engine today')\n"
         "b.load_backend = broken\n"

@@ -42,7 +42,7 @@ def test_bf16_initializers_read_as_bf16_with_an_onnx_that_maps_bfloat16_to_float
     data would be mapped 4 bytes an element, and inline data would come back float32, which a refit rejects."""
     from onnx.external_data_helper import uses_external_data
 
-    from sdtrt.graph_weights import read_initializers
+    from sdtrt.graph.graph_weights import read_initializers
 
     graph, values = _bf16_graph(tmp_path)
     stored = {i.name: uses_external_data(i) for i in onnx.load(str(graph), load_external_data=False).graph.initializer}
@@ -71,7 +71,7 @@ def test_bf16_initializers_read_as_bf16_with_an_onnx_that_maps_bfloat16_to_float
 @pytest.fixture(scope="module")
 def bf16_unet_graph(tiny, store):
     """The tiny UNet's bf16 graph, as the TensorRT target builds it (export and simplify run on the CPU)."""
-    from sdtrt.config import ExportConfig, SimplifyConfig
+    from sdtrt.core.config import ExportConfig, SimplifyConfig
     from sdtrt.stages import export, simplify
 
     return simplify.run(SimplifyConfig(), export.run(ExportConfig(precision="bf16"), tiny, store), store)
@@ -93,8 +93,8 @@ def test_loras_on_a_bf16_graph_are_placed_and_computed_in_bf16(tiny, bf16_unet_g
     import torch
     from safetensors.torch import load_file
 
-    from sdtrt.graph_weights import read_initializers
-    from sdtrt.lora import EngineLoras, apply_loras
+    from sdtrt.graph.graph_weights import read_initializers
+    from sdtrt.lora.refit import EngineLoras, apply_loras
     from sdtrt.stages import weight_map
 
     from .helpers import peft_lora

@@ -1,4 +1,4 @@
-"""Parity by parts (sdtrt.block_parity): graph checks without weights, single blocks cut out of the exported graph
+"""Parity by parts (sdtrt.tools.block_parity): graph checks without weights, single blocks cut out of the exported graph
 and run on ONNX Runtime against the PyTorch block loaded alone, on tiny-flux, tiny-sd3 and tiny UNet exports, and on
 deeper tiny transformers whose later blocks read what earlier ones made."""
 
@@ -31,8 +31,8 @@ UNET_BLOCKS = ["down_blocks.0", "down_blocks.1", "mid_block", "up_blocks.0", "up
 @pytest.fixture(scope="module")
 def transformer_export(store):
     """(preset, precision) → the transformer's export artifact, today's export path with its default exporter."""
-    from sdtrt.config import ExportConfig
-    from sdtrt.models import resolve_model
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
     from sdtrt.stages import export
 
     made = {}
@@ -52,7 +52,7 @@ def deeper(tmp_path_factory):
     import diffusers
     import torch
 
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
 
     made = {}
 
@@ -75,7 +75,7 @@ def deeper(tmp_path_factory):
 
 def with_external_data(artifact, folder: Path):
     """A copy of an export artifact whose weights live in ``transformer.onnx.data``, as large exports are saved."""
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     copy = folder / "export"
     shutil.copytree(artifact.path, copy)
@@ -89,8 +89,8 @@ def with_external_data(artifact, folder: Path):
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 @pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3"])
 def test_export_matches_the_model_by_parts(transformer_export, preset, precision):
-    from sdtrt.block_parity import check_blocks
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.block_parity import check_blocks
 
     report = check_blocks(resolve_model(preset), transformer_export(preset, precision))
 
@@ -111,7 +111,7 @@ def test_export_matches_the_model_by_parts(transformer_export, preset, precision
 
 @pytest.mark.parametrize(("preset", "precision"), [("tiny-flux", "fp32"), ("tiny-flux", "fp16"), ("tiny-sd3", "fp32")])
 def test_later_blocks_of_a_deeper_transformer_match(deeper, streamed_export, preset, precision):
-    from sdtrt.block_parity import check_blocks
+    from sdtrt.tools.block_parity import check_blocks
 
     model = deeper(preset)
     report = check_blocks(model, streamed_export(model, "transformer", precision), DEEPER_BLOCKS[preset],
@@ -134,8 +134,8 @@ def test_later_blocks_of_a_deeper_transformer_match(deeper, streamed_export, pre
 # The streamed exports test_export_streamed checks against the loaded ones (one export each in the session).
 @pytest.mark.parametrize(("preset", "precision"), [("tiny", "fp32"), ("tiny-sdxl", "fp16")])
 def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset, precision):
-    from sdtrt.block_parity import check_blocks
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.block_parity import check_blocks
 
     model = resolve_model(preset)
     report = check_blocks(model, streamed_export(model, "unet", precision), UNET_BLOCKS)
@@ -157,16 +157,16 @@ def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset, 
 
 
 def test_a_unets_default_blocks_include_one_with_skip_connections():
-    from sdtrt.block_parity import default_blocks, meta_network
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.block_parity import default_blocks, meta_network
 
     assert default_blocks(meta_network(resolve_model("tiny-sdxl"), "unet")) == ["down_blocks.0", "up_blocks.1"]
 
 
 def test_blocks_are_streamed_from_external_data_and_a_corrupt_weight_fails(transformer_export, tmp_path):
-    from sdtrt.block_parity import check_blocks
-    from sdtrt.errors import ParityError
-    from sdtrt.models import resolve_model
+    from sdtrt.core.errors import ParityError
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.block_parity import check_blocks
 
     model = resolve_model("tiny-flux")
     artifact = with_external_data(transformer_export("tiny-flux", "fp32"), tmp_path)
@@ -212,10 +212,10 @@ def test_check_blocks_cli_exits_3_on_a_corrupt_block(transformer_export, tmp_pat
 
 
 def test_a_torchscript_graph_is_refused_with_what_to_do(store, tiny):
-    from sdtrt.block_parity import check_blocks
-    from sdtrt.config import ExportConfig
-    from sdtrt.errors import ArtifactError
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.core.errors import ArtifactError
     from sdtrt.stages import export
+    from sdtrt.tools.block_parity import check_blocks
 
     artifact = export.run(ExportConfig(precision="fp32", exporter="torchscript"), tiny, store)
     with pytest.raises(ArtifactError, match="--exporter dynamo"):
@@ -226,9 +226,9 @@ def test_a_clip_text_encoder_matches_by_parts_causal_mask_and_position_table_inc
     """CLIP's layers attend causally only because the encoder passes ``is_causal`` through their ``**kwargs``; its
     position embedding, gathered at positions that never change, is folded into a (1, 77, width) constant; its
     embeddings hold a position_ids buffer no checkpoint stores."""
-    from sdtrt.block_parity import check_blocks
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
     from sdtrt.stages import export
+    from sdtrt.tools.block_parity import check_blocks
 
     artifact = export.run(ExportConfig("fp32", exporter="dynamo", component="text_encoder"), tiny, store)
     blocks = ["embeddings", "encoder.layers.0", "encoder.layers.1", "final_layer_norm"]
@@ -245,10 +245,10 @@ def test_a_clip_text_encoder_matches_by_parts_causal_mask_and_position_table_inc
 def test_a_t5_encoders_default_blocks_and_its_whole_encoder_with_a_tied_embedding_match(store):
     """T5's first and last block by default; its ``encoder`` whole reads encoder.embed_tokens.weight, which the
     checkpoint stores once, as shared.weight (one tensor under two names)."""
-    from sdtrt.block_parity import check_blocks
-    from sdtrt.config import ExportConfig
-    from sdtrt.models import resolve_model
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
     from sdtrt.stages import export
+    from sdtrt.tools.block_parity import check_blocks
 
     model = resolve_model("tiny-flux")
     artifact = export.run(ExportConfig("fp32", exporter="dynamo", component="text_encoder_2"), model, store)

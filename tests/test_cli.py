@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from sdtrt import __version__
-from sdtrt.errors import one_line
-from sdtrt.store import MANIFEST, TMP_DIR, Store
+from sdtrt.core.errors import one_line
+from sdtrt.core.store import MANIFEST, TMP_DIR, Store
 
 from .helpers import REPO, last_line, private_store, run_cli
 
@@ -167,8 +167,8 @@ def test_interrupted_export_leaves_nothing_complete(tmp_path, sig):
         assert err.decode().strip().endswith("stages that finished stay cached for the next run")
     assert sorted(store.gc().removed) == sorted(leftovers)
     # The store completes the same export now (in this process: another CLI start costs seconds, proves no more).
-    from sdtrt.config import ExportConfig
-    from sdtrt.models import resolve_model
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
     from sdtrt.stages import export
 
     rerun = export.run(ExportConfig(precision="fp32"), resolve_model("tiny"), store)

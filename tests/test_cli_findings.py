@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.store import Artifact
+from sdtrt.core.store import Artifact
 from tests.helpers import last_line, run_cli
 
 
@@ -44,7 +44,7 @@ def test_an_engine_that_names_no_artifact_is_a_usage_error(command, tmp_path):
 
 def test_sizes_show_in_the_units_given():
     """1MB is 10^6 bytes and shows as 1.0 MB, 1MiB as 1.0 MiB; measured sizes show in binary units."""
-    from sdtrt.config import format_size, parse_size
+    from sdtrt.core.config import format_size, parse_size
     from sdtrt.stages.simplify import choose_method
 
     given = {"1MB": "1.0 MB", "1mib": "1.0 MiB", "8GB": "8.00 GB", "8GiB": "8.00 GiB", "512MB": "512.0 MB",
@@ -99,7 +99,7 @@ def test_a_cache_hit_compile_says_each_stage_was_reused_without_its_tables():
 @pytest.fixture(scope="module")
 def clip_export(tiny, store):
     """tiny's fp32 text encoder exported by torch.export (module scopes on its nodes), ~20 s."""
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
     from sdtrt.stages import export
 
     return export.run(ExportConfig(precision="fp32", exporter="dynamo", component="text_encoder"), tiny, store)
@@ -130,7 +130,7 @@ def qdq_copy(clip_export, tmp_path_factory):
 
     import onnx
 
-    from sdtrt.store import describe_files, digest
+    from sdtrt.core.store import describe_files, digest
 
     folder = tmp_path_factory.mktemp("qdq") / "export"
     shutil.copytree(clip_export.path, folder)
@@ -146,7 +146,7 @@ def qdq_copy(clip_export, tmp_path_factory):
 def test_check_blocks_names_the_blocks_when_a_block_is_unknown(clip_export, tiny, store):
     """An unknown --block, or none for a graph without the block lists picked by default (a VAE's): one line naming
     the blocks, a module that only wraps a list looked into; an engine set, which holds no graph: one line too."""
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
     from sdtrt.stages import engine_set, export
     from sdtrt.stages.engine_set import EngineSetConfig
 
@@ -182,8 +182,8 @@ def test_the_block_table_says_what_its_columns_are():
     """The check-blocks table: a result column in words (returned[1][0]), and a legend with the tolerances."""
     from rich.console import Console
 
-    from sdtrt.block_parity import BlockParityReport
     from sdtrt.cli.run import print_block_report
+    from sdtrt.tools.block_parity import BlockParityReport
 
     stats = {"output": "add_7", "max_abs": 1e-6, "mean_abs": 1e-7, "cosine": 1.0, "finite": True}
     report = BlockParityReport("g.onnx", "tiny", "fp32", {"min_cosine": 0.9999, "max_abs": 1e-3, "min_psnr_db": 30})
@@ -233,7 +233,7 @@ def test_graph_surgery_on_an_fp8_graph_prints_no_third_party_warnings(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
 
     def imported_with(call: str) -> str:
-        code = f"import onnx, onnx_graphsurgeon as gs, sdtrt.onnx_graph as g; {call}(onnx.load({str(path)!r}))"
+        code = f"import onnx, onnx_graphsurgeon as gs, sdtrt.graph.onnx_graph as g; {call}(onnx.load({str(path)!r}))"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         return done.stdout + done.stderr
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sdtrt.store import Store
+from sdtrt.core.store import Store
 from tests.helpers import REPO, run_cli
 
 # Runs the CLI in this process, then reports which heavy libraries it imported: a usage error must come before them.
@@ -62,7 +62,7 @@ def pictures(tmp_path_factory):
 def test_generate_refuses_inputs_the_pipeline_cannot_take_before_loading_it(args, message, pictures):
     """Read from model_index.json, not from the pipeline class diffusers would import (8 s idle, 30 s under load).
     The preset is made first, here: making it (once per models cache) needs diffusers, refusing must not."""
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
 
     resolve_model(args[args.index("--model") + 1] if "--model" in args else "tiny")
     args = [a.format(**{"in": pictures / "in.png", "mask": pictures / "mask.png"}) for a in args]
@@ -86,7 +86,7 @@ def test_pipeline_inputs_match_diffusers_signatures():
 
     import diffusers
 
-    from sdtrt.families import PIPELINE_TASKS, pipeline_inputs
+    from sdtrt.core.families import PIPELINE_TASKS, pipeline_inputs
 
     for name in (name for row in PIPELINE_TASKS for name in row.values()):
         parameters = inspect.signature(getattr(diffusers, name).__call__).parameters
@@ -98,7 +98,7 @@ def test_a_prompt_longer_than_clip_reads_is_noted_once(tmp_path):
     """The pipelines cut a prompt to CLIP's 77 tokens; diffusers' warning is quieted with its logs, so sdtrt says so."""
     from transformers import CLIPTokenizer
 
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
 
     prompt = "a lighthouse on a cliff at dusk, " * 12
     count = len(CLIPTokenizer.from_pretrained(resolve_model("tiny-sdxl").path / "tokenizer")(prompt).input_ids)
@@ -155,7 +155,7 @@ def test_a_random_lora_file_follows_the_umask(tiny, tmp_path):
     """As the store's artifacts do: diffusers writes it 0600 (a temporary file), which another account cannot read."""
     import stat
 
-    from sdtrt.lora_files import random_lora
+    from sdtrt.lora.files import random_lora
 
     mask = os.umask(0o022)
     try:
@@ -189,8 +189,8 @@ def test_ctrl_c_during_generate_says_what_generate_left(tmp_path):
 
 def test_one_text_encoder_engine_says_the_rest_runs_on_pytorch(tiny, store, capsys):
     """As an engine set lacking members does: an engine of one component leaves the others on PyTorch."""
-    from sdtrt.compile import compile_model
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.pipeline.loading import load_pipeline
+    from sdtrt.tools.compile import compile_model
 
     engine = compile_model(tiny, store, "onnxruntime", components=("text_encoder",)).final
     capsys.readouterr()
@@ -230,8 +230,8 @@ def test_an_sd35_lora_on_flux_is_refused_as_an_sd3_lora(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from sdtrt.errors import LoraError
-    from sdtrt.lora_files import named_kind, read_lora
+    from sdtrt.core.errors import LoraError
+    from sdtrt.lora.files import named_kind, read_lora
 
     key = "transformer.transformer_blocks.0.attn2.to_k"
     save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")
@@ -245,8 +245,8 @@ def test_clip_layers_of_another_familys_lora_on_flux_are_not_called_t5(tmp_path)
     import torch
     from safetensors.torch import save_file
 
-    from sdtrt.errors import LoraError
-    from sdtrt.lora_files import read_lora
+    from sdtrt.core.errors import LoraError
+    from sdtrt.lora.files import read_lora
 
     key = "text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj"
     save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")
@@ -268,9 +268,9 @@ class _Tokenizer:
 
 def test_a_size_suggested_for_an_engine_is_one_its_profile_takes():
     """Trial 8: `debug --height 100` on a 128..384 px engine suggested 96, which that engine then refused."""
-    from sdtrt.config import Range, ShapeProfile
-    from sdtrt.errors import RequestError
-    from sdtrt.request import check_size
+    from sdtrt.core.config import Range, ShapeProfile
+    from sdtrt.core.errors import RequestError
+    from sdtrt.pipeline.request import check_size
 
     profile = ShapeProfile(height=Range(128, 256, 384), width=Range(128, 256, 384))
     for height, suggested in ((100, 128), (7, 128), (250, 256), (1000, 384)):
@@ -282,8 +282,8 @@ def test_a_size_suggested_for_an_engine_is_one_its_profile_takes():
 
 def test_a_t5_prompt_no_pipeline_takes_is_not_told_to_rebuild():
     """Trial 8: a 541-token prompt was told to rebuild with --tokens 32:256:512, which cannot cover it."""
-    from sdtrt.errors import RequestError
-    from sdtrt.request import check_t5_prompts
+    from sdtrt.core.errors import RequestError
+    from sdtrt.pipeline.request import check_t5_prompts
 
     with pytest.raises(RequestError, match=r"more than the 256 the engines were built for; shorten it, or rebuild"):
         check_t5_prompts(["word " * 300], _Tokenizer(), 256, built=True)
@@ -292,7 +292,7 @@ def test_a_t5_prompt_no_pipeline_takes_is_not_told_to_rebuild():
 
 
 def test_a_cut_prompt_line_agrees_with_its_encoders():
-    from sdtrt.request import clip_cuts
+    from sdtrt.pipeline.request import clip_cuts
 
     long = "word " * 100
     assert "text_encoder sees only its first 77" in clip_cuts([long], {"text_encoder": _Tokenizer()})[0]
@@ -303,7 +303,7 @@ def test_a_cut_prompt_line_agrees_with_its_encoders():
 def test_an_out_that_is_a_folder_is_named_as_one(tmp_path):
     """Trial 8: `generate --out <an existing folder>` was refused for having no extension."""
     from sdtrt.cli.options import ensure_image_file
-    from sdtrt.errors import RequestError
+    from sdtrt.core.errors import RequestError
 
     with pytest.raises(RequestError, match=r"is a folder; name a \.png"):
         ensure_image_file(tmp_path, "--out")

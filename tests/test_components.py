@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdtrt.config import ExportConfig, OrtBuildConfig, SimplifyConfig
-from sdtrt.errors import ArtifactError, ConfigError, EngineInputError, ModelNotFoundError
-from sdtrt.models import load_folder, resolve_model
-from sdtrt.onnx_graph import artifact_spec
+from sdtrt.core.config import ExportConfig, OrtBuildConfig, SimplifyConfig
+from sdtrt.core.errors import ArtifactError, ConfigError, EngineInputError, ModelNotFoundError
+from sdtrt.core.store import Artifact
+from sdtrt.graph.onnx_graph import artifact_spec
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import TextEncoderSpec, UNetSpec, VaeDecoderSpec, VaeEncoderSpec, component_spec, spec_from_json
 from sdtrt.stages import build_ort, export, simplify
-from sdtrt.store import Artifact
-from sdtrt.unet import EngineUNet
-from sdtrt.validate import tensor_stats
+from sdtrt.standins.unet import EngineUNet
+from sdtrt.tools.validate import tensor_stats
 
 from .helpers import last_line, run_cli
 
@@ -125,8 +125,8 @@ ALL = ("unet", "text_encoder", "vae_decoder", "vae_encoder")
 
 @pytest.fixture(scope="module")
 def tiny_set(tiny, store):
-    from sdtrt.compile import compile_model
-    from sdtrt.config import ValidationConfig
+    from sdtrt.core.config import ValidationConfig
+    from sdtrt.tools.compile import compile_model
 
     result = compile_model(tiny, store, "onnxruntime", components=ALL, validation=ValidationConfig(steps=4))
     return result
@@ -148,9 +148,9 @@ def test_compile_validates_every_member_and_the_swapped_image(tiny_set):
 
 @pytest.mark.parametrize("scheduler", ["euler", "dpm++"])
 def test_the_set_drop_in_matches_pytorch(tiny, tiny_set, scheduler):
-    from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
-    from sdtrt.standins import EngineTextEncoder, EngineVAE
-    from sdtrt.validate import psnr_db
+    from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+    from sdtrt.standins.base import EngineTextEncoder, EngineVAE
+    from sdtrt.tools.validate import psnr_db
 
     engine = load_pipeline(tiny, tiny_set, scheduler=scheduler)
     assert isinstance(engine.unet, EngineUNet) and isinstance(engine.text_encoder, EngineTextEncoder)
@@ -164,7 +164,7 @@ def test_the_set_drop_in_matches_pytorch(tiny, tiny_set, scheduler):
 
 
 def test_clip_skip_on_the_text_encoder_engine(tiny, tiny_set):
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.pipeline.loading import load_pipeline
 
     engine = load_pipeline(tiny, tiny_set)
     embeds, _ = engine.encode_prompt("a red fox", "cpu", 1, False, clip_skip=1)
@@ -180,8 +180,8 @@ def test_clip_skip_on_the_text_encoder_engine(tiny, tiny_set):
 
 
 def test_img2img_encodes_with_the_vae_encoder_engine(tiny, tiny_set):
-    from sdtrt.pipeline import load_pipeline
-    from sdtrt.validate import psnr_db
+    from sdtrt.pipeline.loading import load_pipeline
+    from sdtrt.tools.validate import psnr_db
 
     init = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(0))
     kwargs = dict(prompt="a watercolor", image=init, strength=0.6, num_inference_steps=5, output_type="np")
@@ -192,7 +192,7 @@ def test_img2img_encodes_with_the_vae_encoder_engine(tiny, tiny_set):
 
 
 def test_a_set_without_some_members_keeps_pytorch_for_them(tiny, store, tiny_set, capsys):
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.pipeline.loading import load_pipeline
     from sdtrt.stages import engine_set
     from sdtrt.stages.engine_set import EngineSetConfig
 
@@ -206,7 +206,7 @@ def test_a_set_without_some_members_keeps_pytorch_for_them(tiny, store, tiny_set
 
 
 def test_sets_are_cache_hits_and_unet_alone_is_todays_result(tiny, store, tiny_set):
-    from sdtrt.compile import compile_model
+    from sdtrt.tools.compile import compile_model
 
     again = compile_model(tiny, store, "onnxruntime", components=ALL)
     assert again.final.path == tiny_set.final.path

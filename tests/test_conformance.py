@@ -22,10 +22,10 @@ from diffusers import (
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
 from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from sdtrt.errors import ArtifactError, EngineInputError
-from sdtrt.models import resolve_model
-from sdtrt.pipeline import load_pipeline
-from sdtrt.standins import EngineModule
+from sdtrt.core.errors import ArtifactError, EngineInputError
+from sdtrt.pipeline.loading import load_pipeline
+from sdtrt.sources.models import resolve_model
+from sdtrt.standins.base import EngineModule
 
 PRESETS = ("tiny", "tiny-sdxl")
 CALL = dict(prompt="a lighthouse at dusk", num_inference_steps=2, height=128, width=128)

@@ -10,11 +10,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from sdtrt.config import ExportConfig, SimplifyConfig
-from sdtrt.debug import debug, fp32_replica, reference_graph
-from sdtrt.errors import ParityError, WrongArtifactError
+from sdtrt.core.config import ExportConfig, SimplifyConfig
+from sdtrt.core.errors import ParityError, WrongArtifactError
+from sdtrt.core.store import Artifact
 from sdtrt.stages import export, simplify
-from sdtrt.store import Artifact
+from sdtrt.tools.debug import debug, fp32_replica, reference_graph
 
 from .helpers import last_line, run_cli
 
@@ -87,9 +87,9 @@ def test_the_replica_of_a_bf16_graph_runs_on_onnxruntime_as_fp32(tiny, bf16_unet
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
 
-    from sdtrt.debug import _feeds
-    from sdtrt.models import load_unet
-    from sdtrt.onnx_graph import artifact_spec
+    from sdtrt.graph.onnx_graph import artifact_spec
+    from sdtrt.sources.models import load_unet
+    from sdtrt.tools.debug import _feeds
 
     model = onnx.load(str(bf16_unet.primary))
     assert onnx.TensorProto.BFLOAT16 in elem_types(model)
@@ -120,8 +120,8 @@ def test_debug_runs_on_a_bf16_tensorrt_engine(bf16_unet, store):
     are compared as fp32 with the replica's."""
     import math
 
-    from sdtrt.compile import build
-    from sdtrt.config import Range, ShapeProfile, TrtBuildConfig
+    from sdtrt.core.config import Range, ShapeProfile, TrtBuildConfig
+    from sdtrt.tools.compile import build
 
     profile = ShapeProfile(Range(1, 1, 2), Range(128, 256, 384), Range(128, 256, 384))
     engine, _ = build(bf16_unet, store, "tensorrt", trt_config=TrtBuildConfig(profiles=(profile,)))
@@ -202,7 +202,7 @@ def test_a_tensorrt_runners_torch_outputs_are_compared():
     from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
-    from sdtrt.debug import _compare
+    from sdtrt.tools.debug import _compare
 
     model = fp8_level_4_graph()
     graph = BytesFromOnnx(ModifyOutputs(reference_graph(model), outputs=constants.MARK_ALL))
@@ -226,7 +226,7 @@ def test_the_q_dq_tensors_of_a_graph_are_no_tensorrt_outputs():
     stand-in for TensorRT's INetworkDefinition, as Polygraphy's PostprocessNetwork passes it."""
     from types import SimpleNamespace
 
-    from sdtrt.debug import qdq_tensors, unmark_outputs
+    from sdtrt.tools.debug import qdq_tensors, unmark_outputs
 
     quantized = qdq_tensors(fp8_level_4_graph())
     assert quantized == {"x_q", "x_dq", "w_q", "w_dq"}
@@ -261,7 +261,7 @@ def test_the_q_dq_tensors_of_a_graph_are_no_tensorrt_outputs():
 )
 def test_a_size_generate_would_refuse_is_refused_before_anything_runs(tiny_set, store, height, problem):
     """Newcomer 4, crash 1: debug applies generate's size rule to an engine and to a set, exit 2 in one line."""
-    from sdtrt.pipeline import engine_members
+    from sdtrt.pipeline.loading import engine_members
 
     for engine in (engine_members(tiny_set)["unet"].path, tiny_set.path):
         result = run_cli("debug", str(engine), "--height", height, "--engines", str(store.root))
@@ -308,7 +308,7 @@ def test_single_graph_commands_given_a_set_name_its_members(tiny_set, store, com
 
 
 def test_a_non_graph_artifact_is_named_by_its_stage(tiny, tiny_set, store):
-    from sdtrt.pipeline import engine_members
+    from sdtrt.pipeline.loading import engine_members
     from sdtrt.stages import weight_map
 
     weight_map.for_engine(engine_members(tiny_set)["unet"], tiny)
@@ -321,7 +321,7 @@ def test_a_non_graph_artifact_is_named_by_its_stage(tiny, tiny_set, store):
 @pytest.fixture(scope="module")
 def transformer_graphs(store):
     """SD3's fp16 transformer and Flux's T5 (fp32, as T5 is built by default), exported alone."""
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
 
     sd3, flux = resolve_model("tiny-sd3"), resolve_model("tiny-flux")
     return {

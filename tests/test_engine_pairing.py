@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from sdtrt.compile import compile_model
-from sdtrt.errors import EngineMismatchError
-from sdtrt.models import resolve_model
-from sdtrt.onnx_graph import artifact_spec
+from sdtrt.core.errors import EngineMismatchError
+from sdtrt.graph.onnx_graph import artifact_spec
+from sdtrt.sources.models import resolve_model
 from sdtrt.spec import DenoiserSpec
 from sdtrt.stages.engine_set import check_pairing, engine_members, engine_profile
-from sdtrt.validate import ValidationConfig, validate
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.validate import ValidationConfig, validate
 
 from .helpers import REPO, last_line, private_store, run_cli
 from .test_cli import _without_dac_override

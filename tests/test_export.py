@@ -5,13 +5,13 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from sdtrt import onnx_graph
-from sdtrt.config import ExportConfig
-from sdtrt.models import load_unet
+from sdtrt.core.config import ExportConfig
+from sdtrt.graph import onnx_graph
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import load_unet
 from sdtrt.spec import ValidationCase
 from sdtrt.stages import export
-from sdtrt.validate import compare_case
+from sdtrt.tools.validate import compare_case
 
 # Three batch/resolution combinations inside the tiny model's default profile (pixels, CFG batch).
 PROFILE_CASES = [
@@ -77,9 +77,9 @@ def test_indexed_io_names_for_torchtrtc(tiny, store):
 
 def test_large_models_use_one_external_data_file(tiny, tmp_path, monkeypatch):
     """Over the threshold (2 GB in real use) weights go to unet.onnx.data, and checks still pass."""
-    from sdtrt.config import SimplifyConfig
+    from sdtrt.core.config import SimplifyConfig
+    from sdtrt.core.store import Store
     from sdtrt.stages import simplify
-    from sdtrt.store import Store
 
     monkeypatch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 100_000)
     store = Store(tmp_path)

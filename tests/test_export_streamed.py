@@ -16,15 +16,15 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from sdtrt import onnx_graph
-from sdtrt.config import ExportConfig
-from sdtrt.errors import ConfigError, ExportError
-from sdtrt.models import ModelSource, load_folder, resolve_model
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.errors import ConfigError, ExportError
+from sdtrt.core.store import Store
+from sdtrt.graph import onnx_graph
 from sdtrt.runtime.onnxruntime import OnnxRuntime
+from sdtrt.sources.models import ModelSource, load_folder, resolve_model
 from sdtrt.spec import FOLDERS, ValidationCase
 from sdtrt.stages import export
-from sdtrt.store import Store
-from sdtrt.validate import Tolerances, check_tensor_row, compare_case
+from sdtrt.tools.validate import Tolerances, check_tensor_row, compare_case
 
 # (preset, component, precision): a UNet in fp32 and SDXL's in fp16 (tiny's fp16 UNet takes the same path, less
 # SDXL's extra inputs), SD3's and Flux's transformers, a T5 (fp16 keeps its `wo` fp32) and a CLIP text encoder (its

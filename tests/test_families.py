@@ -13,16 +13,16 @@ import onnx
 import pytest
 import torch
 
-from sdtrt.compile import compile_model
-from sdtrt.errors import EngineInputError, RequestError
-from sdtrt.models import resolve_model
-from sdtrt.pipeline import generate, load_pipeline
-from sdtrt.request import GenerateRequest
+from sdtrt.core.errors import EngineInputError, RequestError
+from sdtrt.pipeline.loading import generate, load_pipeline
+from sdtrt.pipeline.request import GenerateRequest
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import resolve_model
 from sdtrt.spec import component_spec, model_components
-from sdtrt.standins import EngineTextEncoder
-from sdtrt.unet import EngineUNet
-from sdtrt.validate import psnr_db, with_input_images
+from sdtrt.standins.base import EngineTextEncoder
+from sdtrt.standins.unet import EngineUNet
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.validate import psnr_db, with_input_images
 
 from .helpers import last_line, run_cli, softmax_input_types
 
@@ -135,7 +135,7 @@ def test_cli_inpaints_with_a_mask_and_lists_the_family(family_sets, store, tmp_p
 
 def test_the_tensorrt_build_profiles_every_sdxl_input(family_sets, tmp_path):
     """The TensorRT worker gets min/opt/max shapes for the added conditioning too (built on GPUs only)."""
-    from sdtrt.config import Range, ShapeProfile, TrtBuildConfig
+    from sdtrt.core.config import Range, ShapeProfile, TrtBuildConfig
     from sdtrt.stages import build_trt
     from sdtrt.stages.engine_set import members
 
@@ -178,7 +178,7 @@ def test_a_controlnet_unet_engine_takes_zeros_without_a_controlnet_and_residuals
 def test_two_controlnets_sum_their_residuals_as_diffusers_does(family_sets):
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
-    from sdtrt.pipeline import with_components
+    from sdtrt.pipeline.loading import with_components
 
     model = resolve_model("tiny-controlnet")
     reference, engine = load_pipeline(model), load_pipeline(model, family_sets("tiny-controlnet"))

@@ -11,15 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdtrt.compile import build, compile_model
-from sdtrt.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, TrtBuildConfig, WeightBudget, WrapConfig
-from sdtrt.errors import ArtifactError, EngineInputError, EnvironmentMismatchError, RequestError
-from sdtrt.models import load_unet
+from sdtrt.core.config import (
+    ExportConfig,
+    Range,
+    ShapeProfile,
+    SimplifyConfig,
+    TrtBuildConfig,
+    WeightBudget,
+    WrapConfig,
+)
+from sdtrt.core.errors import ArtifactError, EngineInputError, EnvironmentMismatchError, RequestError
+from sdtrt.core.store import MANIFEST, Artifact
 from sdtrt.runtime import check_weight_budget, open_runtime
+from sdtrt.sources.models import load_unet
 from sdtrt.spec import ValidationCase
 from sdtrt.stages import export, simplify, wrap
-from sdtrt.store import MANIFEST, Artifact
-from sdtrt.validate import ValidationConfig, compare_case, validate
+from sdtrt.tools.compile import build, compile_model
+from sdtrt.tools.validate import ValidationConfig, compare_case, validate
 
 pytestmark = pytest.mark.gpu
 
@@ -146,7 +154,7 @@ def test_an_engine_with_two_profiles_is_kept_unwrapped(tiny, tiny_simplified, st
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda-graph"])
 def test_component_engines_match_onnx_runtime(tiny, store, component, cuda_graph):
     """Several outputs (the text encoder's three), int32 token ids and fp32 VAEs bind and run."""
-    from sdtrt.compile import component_precision
+    from sdtrt.tools.compile import component_precision
 
     config = ExportConfig(component=component, precision=component_precision(tiny, component, "fp16"))
     simplified = simplify.run(SimplifyConfig(), export.run(config, tiny, store), store)
@@ -166,7 +174,7 @@ def test_component_engines_match_onnx_runtime(tiny, store, component, cuda_graph
 
 
 def test_compile_tensorrt_builds_validates_and_generates_with_the_whole_set(tiny, store):
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.pipeline.loading import load_pipeline
 
     result = compile_model(tiny, store, "tensorrt", profile=PROFILE, validation=ValidationConfig(steps=4))
     assert result.final.stage == "set"
@@ -185,7 +193,7 @@ def test_compile_tensorrt_builds_validates_and_generates_with_the_whole_set(tiny
 
 @pytest.mark.parametrize("preset", ["tiny-sd2", "tiny-sdxl", "tiny-sdxl-refiner", "tiny-inpaint", "tiny-lcm"])
 def test_every_family_builds_and_validates_on_tensorrt(store, preset):
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
 
     result = compile_model(resolve_model(preset), store, "tensorrt", validation=ValidationConfig(steps=4))
     assert result.final.stage == "set" and result.validation, result.validation.failures
@@ -224,7 +232,7 @@ def test_an_fp32_engine_computes_in_fp32(tiny, store):
 def test_a_refittable_engine_refits_a_b_a_bit_exact(tiny, store, tmp_path, precision):
     """Item 7: build with --refittable, refit LoRA A, then B, then A again: A's output bit for bit. Review 4, M1:
     a bf16 engine too (its weight map matched in bf16, its LoRA weights computed through their bits)."""
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.pipeline.loading import load_pipeline
 
     from .helpers import peft_lora
 
@@ -254,7 +262,7 @@ def test_debug_runs_on_a_tensorrt_engine(trt_engine):
     """Item 7: `sdtrt debug` rebuilds the engine's graph with every tensor an output, TF32 as the engine has it."""
     import math
 
-    from sdtrt.debug import debug
+    from sdtrt.tools.debug import debug
 
     report = debug(trt_engine)
     assert report.backend == "tensorrt" and report.compared > 10 and math.isfinite(report.largest_error)
@@ -266,9 +274,9 @@ def test_debug_rebuilds_the_tensorrt_graph_of_a_quantized_engine(tiny, store):
     the engine's own fp16 inputs."""
     import math
 
-    from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
-    from sdtrt.debug import debug
+    from sdtrt.core.config import DEFAULT_PROMPT, QuantizeConfig
     from sdtrt.stages import quantize
+    from sdtrt.tools.debug import debug
 
     config = QuantizeConfig(precision="int8", calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2)
     engine, _ = build(
@@ -307,7 +315,7 @@ def bf16_unet(tiny, store):
 
 def test_a_bf16_engine_builds_and_matches_pytorch(bf16_unet, reference_cpu):
     """Strongly typed bf16: bfloat16 IO, Resize computed in fp32, held to bf16's tolerances."""
-    from sdtrt.validate import Tolerances, check_tensor_row
+    from sdtrt.tools.validate import Tolerances, check_tensor_row
 
     runtime = open_runtime(bf16_unet)
     assert runtime.dtype == torch.bfloat16 and bf16_unet.manifest["config"]["tf32"] is True
@@ -320,7 +328,7 @@ def test_a_bf16_engine_refits_with_bf16_weights(tiny, store):
     ``type``): the refit passes them by pointer. Refitting a conv kernel with its own value changes nothing."""
     import onnx
 
-    from sdtrt.graph_weights import read_named_initializers
+    from sdtrt.graph.graph_weights import read_named_initializers
 
     simplified = simplify.run(SimplifyConfig(), export.run(ExportConfig(precision="bf16"), tiny, store), store)
     config = TrtBuildConfig(profiles=(PROFILE,), refittable=True)
@@ -360,8 +368,8 @@ def test_a_weight_streaming_engine_runs_within_a_budget(tiny, tiny_simplified, s
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_every_transformer_family_builds_and_validates_on_tensorrt(store, preset, precision):
     """Runs once the transformer families land (issue 20 items 1-5); skips while their presets do not exist."""
-    from sdtrt.errors import SdtrtError
-    from sdtrt.models import resolve_model
+    from sdtrt.core.errors import SdtrtError
+    from sdtrt.sources.models import resolve_model
 
     try:
         model = resolve_model(preset)
@@ -382,9 +390,9 @@ def test_a_quantized_flux_transformer_builds_in_bf16_and_runs_on_bfloat16_buffer
     (a 16-bit scale must be of its input's type, NvInfer.h IQuantizeLayer): the strongly typed plan parses Quantize
     layers of the format, takes and gives torch.bfloat16 (fp32 for the timestep, positions and guidance), and its
     stand-in follows the fp32 pipeline to 8-bit tolerances."""
-    from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
-    from sdtrt.gpu import gpu_environment, quantization_problem
-    from sdtrt.models import resolve_model
+    from sdtrt.core.config import DEFAULT_PROMPT, QuantizeConfig
+    from sdtrt.core.gpu import gpu_environment, quantization_problem
+    from sdtrt.sources.models import resolve_model
     from sdtrt.stages import quantize
 
     env = gpu_environment()
@@ -437,8 +445,8 @@ def test_a_stripped_plan_is_small_and_refilled_at_load(tiny_simplified, store, t
 
 def test_a_stripped_plan_without_refittable_takes_no_lora(tiny, tiny_simplified, store, tmp_path):
     """REFIT_IDENTICAL makes other values undefined behaviour: a LoRA is refused, saying how to rebuild."""
-    from sdtrt.errors import LoraError
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.core.errors import LoraError
+    from sdtrt.pipeline.loading import load_pipeline
 
     from .helpers import peft_lora
 
@@ -449,7 +457,7 @@ def test_a_stripped_plan_without_refittable_takes_no_lora(tiny, tiny_simplified,
 
 def test_a_stripped_refittable_plan_takes_loras_as_the_full_one_does(tiny, tiny_simplified, store, tmp_path):
     """--strip-weights --refittable (REFIT: all weights stripped): LoRAs refit it from base weights as before."""
-    from sdtrt.pipeline import load_pipeline
+    from sdtrt.pipeline.loading import load_pipeline
 
     from .helpers import peft_lora
 
@@ -486,7 +494,7 @@ def test_a_stripped_weight_streaming_plan_runs_within_a_budget(tiny_simplified, 
 def test_a_plan_recorded_as_stripped_that_is_not_refittable_is_refused_saying_so(tiny_simplified, trt_engine):
     """refill_weights asks ICudaEngine.refittable first: trt.Refitter over a plan that is not refittable would be a
     bare TypeError from pybind11 (a factory's nullptr), not a message saying to rebuild."""
-    from sdtrt.onnx_graph import artifact_spec
+    from sdtrt.graph.onnx_graph import artifact_spec
     from sdtrt.runtime.tensorrt import TensorRTRuntime
     from sdtrt.stages.build_trt import refill_record
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig
-from sdtrt.guard import GuardConfig, guard, worst_layers
-from sdtrt.models import resolve_model
+from sdtrt.core.config import DEFAULT_PROMPT, QuantizeConfig
+from sdtrt.sources.models import resolve_model
+from sdtrt.tools.guard import GuardConfig, guard, worst_layers
 
 from .helpers import run_cli
 

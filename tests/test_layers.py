@@ -1,8 +1,9 @@
 """The package's layers: a module imports only from its own layer or below, and no imports go round in a cycle.
 
-Read from the source (AST), nothing imported. Every import counts, lazy ones inside functions
-included; those under ``if TYPE_CHECKING:`` do not (they never run). The table is the README's
-Layout section; a new module gets a row there and here.
+The layers are the package's folders (``sdtrt/core/``, ``sdtrt/spec/``, …), bottom to top in ``LAYER_ORDER``: a
+module's layer is the folder it is in, so a new module needs no table entry. Read from the source (AST), nothing
+imported. Every import counts, lazy ones inside functions included; those under ``if TYPE_CHECKING:`` do not (they
+never run).
 """
 
 from __future__ import annotations
@@ -16,22 +17,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Bottom to top. A name covers the module and, for a package, everything in it.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core contracts and store", ("sdtrt", "sdtrt.errors", "sdtrt.config", "sdtrt.families", "sdtrt.spec",
-                                  "sdtrt.progress", "sdtrt.gpu", "sdtrt.store", "sdtrt.onnx_graph",
-                                  "sdtrt.graph_weights", "sdtrt.onnx_weights", "sdtrt.trt_products")),
-    ("model sources", ("sdtrt.presets", "sdtrt.models", "sdtrt.random_weights")),
-    ("runtimes", ("sdtrt.runtime",)),
-    ("stages", ("sdtrt.patches", "sdtrt.stages", "sdtrt.trt_build_worker")),
-    ("LoRA", ("sdtrt.lora_files", "sdtrt.lora")),
-    ("stand-ins", ("sdtrt.standins", "sdtrt.unet", "sdtrt.transformer", "sdtrt.controlnet")),
-    ("pipelines", ("sdtrt.request", "sdtrt.pipeline")),
-    ("tools", ("sdtrt.trace", "sdtrt.timing", "sdtrt.validate", "sdtrt.compile", "sdtrt.bench", "sdtrt.profile",
-               "sdtrt.debug", "sdtrt.block_parity", "sdtrt.guard")),
-    ("serving", ("sdtrt.deploy", "sdtrt.triton_model", "sdtrt.serve", "sdtrt.client")),
-    ("cli", ("sdtrt.cli", "sdtrt.__main__")),
+# The layer folders, bottom to top (docs/layout.md says what each holds).
+LAYER_ORDER = (
+    "core", "spec", "graph", "sources", "runtime", "stages", "lora", "standins", "pipeline", "tools", "serving", "cli",
 )  # fmt: skip
+# The only modules outside a layer folder: the package's facade (its public names are imported by name on first
+# use, with importlib, so it has no import to check) sits with core; ``python -m sdtrt`` is the CLI.
+TOP_LEVEL = {"sdtrt": "core", "sdtrt.__main__": "cli"}
+
+
+def layers_from_folders(package: Path) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(layer, the dotted names it covers) bottom to top, read from ``package``'s folders."""
+    folders = sorted(p.parent.name for p in package.glob("*/__init__.py"))
+    unknown = [f for f in folders if f not in LAYER_ORDER]
+    assert not unknown, f"folders that are in no layer (add them to LAYER_ORDER, in order): {unknown}"
+    return tuple(
+        (layer, tuple([f"{package.name}.{layer}"] + [m for m, at in TOP_LEVEL.items() if at == layer]))
+        for layer in LAYER_ORDER
+    )
+
+
+LAYERS = layers_from_folders(ROOT / "sdtrt")
 
 # Core modules are imported by everything, the CLI's --help included: no heavy library at import.
 HEAVY = ("torch", "diffusers", "transformers", "onnxruntime", "tensorrt", "tensorrt_rtx", "torch_tensorrt")
@@ -189,7 +195,7 @@ def package_imports() -> list[Import]:
 
 def test_every_module_has_a_layer():
     unplaced = [m for m in module_files(ROOT / "sdtrt") if layer_of(m) is None]
-    assert not unplaced, f"modules in no layer (add them to LAYERS and the README's Layout): {unplaced}"
+    assert not unplaced, f"modules outside the layer folders (move each into the folder of its layer): {unplaced}"
 
 
 def test_no_module_imports_from_a_higher_layer(package_imports):

@@ -16,17 +16,17 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from sdtrt.compile import compile_model
-from sdtrt.errors import LoraError, RefitError
-from sdtrt.graph_weights import read_initializers
-from sdtrt.lora import EngineLoras, apply_loras
-from sdtrt.lora_files import parse_lora_option
-from sdtrt.models import load_folder, resolve_model
-from sdtrt.pipeline import GenerateRequest, generate, load_pipeline, set_loras
+from sdtrt.core.errors import LoraError, RefitError
+from sdtrt.core.store import Artifact
+from sdtrt.graph.graph_weights import read_initializers
+from sdtrt.lora.files import parse_lora_option
+from sdtrt.lora.refit import EngineLoras, apply_loras
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline, set_loras
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.stages import weight_map
-from sdtrt.store import Artifact
-from sdtrt.validate import psnr_db
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.validate import psnr_db
 
 from .helpers import last_line, peft_lora, run_cli
 
@@ -184,7 +184,7 @@ def test_a_text_encoder_lora_needs_the_text_encoder_on_an_engine(tiny, tiny_set,
     assert fresh.unet.loras._map is not None and fresh.text_encoder.loras._map is None  # no text encoder map made
     set_loras(set_pipe, [(loras["a"], 0.8)])
     before = [image(pipe) for pipe in (set_pipe, engine_pipe)]
-    with pytest.raises(LoraError, match=r"changes the text encoder \(text_encoder\) too: .* sdtrt.pipeline.set_loras"):
+    with pytest.raises(LoraError, match=r"changes the text encoder \(text_encoder\) too: .* sdtrt.set_loras"):
         set_pipe.unet.set_loras([(loras["both"], 1.0)])
     with pytest.raises(LoraError, match=r"changes the text encoder \(text_encoder\), which runs on PyTorch in this"):
         set_loras(engine_pipe, [(loras["text"], 1.0)])  # a UNet engine: the text encoder is PyTorch's
@@ -243,7 +243,7 @@ def test_bad_input_is_one_line_and_the_engine_keeps_its_weights(loras, engine_pi
     assert np.array_equal(image(engine_pipe), with_a)
     assert engine_pipe.unet.loras.active[0][1] == 0.8
     for call in (lambda: engine_pipe.load_lora_weights(loras["b"]), lambda: engine_pipe.fuse_lora(lora_scale=0.5)):
-        with pytest.raises(LoraError, match=r"works on PyTorch networks.*use sdtrt.pipeline.set_loras"):
+        with pytest.raises(LoraError, match=r"works on PyTorch networks.*use sdtrt.set_loras"):
             call()  # diffusers' own LoRA methods: a pointer to set_loras, not a deep AttributeError or a no-op
     engine_pipe.unet.set_loras([(Path(loras["a"]).parent, 0.8)])  # the folder save_lora_weights wrote
     assert np.array_equal(image(engine_pipe), with_a)
@@ -362,7 +362,7 @@ def test_lora_random_makes_a_file_diffusers_and_sdtrt_read(tiny, tmp_path):
 
 
 def test_a_lora_for_a_network_the_pipeline_lacks_is_called_another_architecture(set_pipe, tmp_path):
-    from sdtrt.lora_files import random_lora
+    from sdtrt.lora.files import random_lora
 
     sdxl = random_lora(resolve_model("tiny-sdxl"), tmp_path / "xl.safetensors", text_encoders=True)
     with pytest.raises(LoraError, match=r"second text encoder \(text_encoder_2\), which this pipeline does not have"):

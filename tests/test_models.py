@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from sdtrt.errors import ModelNotFoundError, UnsupportedModelError
-from sdtrt.families import check_supported_unet
-from sdtrt.models import resolve_model
+from sdtrt.core.errors import ModelNotFoundError, UnsupportedModelError
+from sdtrt.core.families import check_supported_unet
+from sdtrt.sources.models import resolve_model
 
 
 def test_tiny_preset_is_a_complete_cached_pipeline(tiny):
@@ -73,7 +73,7 @@ def test_unsupported_conditioning_is_refused_saying_what_is_supported(tiny, extr
 def test_folder_digest_hashes_a_weight_file_once_and_again_when_it_changes(tiny, tmp_path):
     import shutil
 
-    from sdtrt import models
+    from sdtrt.sources import models
 
     folder = tmp_path / "model"
     shutil.copytree(tiny.path, folder)

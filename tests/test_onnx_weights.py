@@ -1,4 +1,4 @@
-"""The streamed writer (sdtrt/onnx_weights.py) on hand-made onnx_ir models: what it writes and what disk it frees."""
+"""The streamed writer (graph/onnx_weights.py) on hand-made onnx_ir models: what it writes and what disk it frees."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from sdtrt.onnx_weights import save_streamed
+from sdtrt.graph.onnx_weights import save_streamed
 
 
 def spilled_model(tmp_path: Path) -> tuple[object, Path, list[np.ndarray]]:
@@ -77,7 +77,7 @@ def test_two_graphs_saved_from_one_proto_each_get_their_data_file(tmp_path, monk
     must not point into the first one's data file (onnx.save_model moves the weights out of the proto it saves)."""
     from onnx import helper
 
-    from sdtrt import onnx_graph
+    from sdtrt.graph import onnx_graph
 
     monkeypatch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
     weight = np.arange(4096, dtype=np.float32).reshape(64, 64)

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from sdtrt.patches import EXPORT_PATCHES, broadcast_to_as_expand, concat_as_cat, export_patches
+from sdtrt.stages.patches import EXPORT_PATCHES, broadcast_to_as_expand, concat_as_cat, export_patches
 
 TORCH_RMS_NORM = torch.nn.functional.rms_norm
 

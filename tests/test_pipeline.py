@@ -7,11 +7,11 @@ import pytest
 import torch
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
-from sdtrt.errors import EngineInputError, ModelNotFoundError, RequestError
-from sdtrt.pipeline import SCHEDULERS, GenerateRequest, generate, load_pipeline, set_scheduler
+from sdtrt.core.errors import EngineInputError, ModelNotFoundError, RequestError
+from sdtrt.pipeline.loading import SCHEDULERS, GenerateRequest, generate, load_pipeline, set_scheduler
 from sdtrt.runtime import open_runtime
-from sdtrt.unet import EngineUNet
-from sdtrt.validate import psnr_db
+from sdtrt.standins.unet import EngineUNet
+from sdtrt.tools.validate import psnr_db
 
 REQUEST = GenerateRequest(prompt="a red fox in the snow", steps=5, height=128, width=192, seed=3)
 
@@ -158,7 +158,7 @@ def test_more_steps_than_the_scheduler_spaces_is_a_request_error(reference):
 
 
 def test_load_pipeline_takes_what_compile_model_returns(tiny, store):
-    from sdtrt.compile import compile_model
+    from sdtrt.tools.compile import compile_model
 
     result = compile_model(tiny, store, target="onnxruntime")
     pipe = load_pipeline(tiny, result)

@@ -9,7 +9,7 @@ import diffusers
 import numpy as np
 import pytest
 
-from sdtrt.presets import PRESETS
+from sdtrt.sources.presets import PRESETS
 
 TINY = [name for name in PRESETS if name.startswith("tiny")]
 
@@ -18,7 +18,7 @@ TINY = [name for name in PRESETS if name.startswith("tiny")]
 def test_default_profiles_cover_what_the_pipeline_passes_by_default(preset):
     """The set's profile (the denoiser's, which compile gives every member) and each T5 engine's own default take the
     images per prompt and the T5 token count (max_sequence_length) the family's pipeline passes when not told."""
-    from sdtrt.models import resolve_model
+    from sdtrt.sources.models import resolve_model
     from sdtrt.spec import component_spec, denoiser_spec, model_components
 
     model = resolve_model(preset)
@@ -37,9 +37,9 @@ def test_default_profiles_cover_what_the_pipeline_passes_by_default(preset):
 def test_a_schnell_set_answers_the_pipelines_default_call(fp32_engine_sets):
     """FluxPipeline passes max_sequence_length=512 by default; schnell's engines are tuned for 256 T5 tokens and
     must still take 512 (they refused it with EngineInputError)."""
-    from sdtrt.models import resolve_model
-    from sdtrt.pipeline import load_pipeline
-    from sdtrt.request import SizeRule
+    from sdtrt.pipeline.loading import load_pipeline
+    from sdtrt.pipeline.request import SizeRule
+    from sdtrt.sources.models import resolve_model
 
     model = resolve_model("tiny-flux-schnell")
     pipe = load_pipeline(model, fp32_engine_sets("tiny-flux-schnell"))

@@ -11,8 +11,8 @@ import onnx
 import pytest
 import torch
 
-from sdtrt.config import QuantizeConfig, SimplifyConfig
-from sdtrt.errors import ConfigError
+from sdtrt.core.config import QuantizeConfig, SimplifyConfig
+from sdtrt.core.errors import ConfigError
 from sdtrt.runtime.compare import tensor_stats
 from sdtrt.stages import quantize, simplify
 from tests.helpers import last_line, run_cli
@@ -135,7 +135,7 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_c
     agrees with the whole fake-quantized UNet to the format's noise floor."""
     import onnxruntime as ort
 
-    from sdtrt.models import load_unet
+    from sdtrt.sources.models import load_unet
     from sdtrt.stages.export import graph_module
 
     spec = quantize.denoiser_graph_spec(tiny)
@@ -289,7 +289,7 @@ def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(
     and at the LayerNorms; the ONNX Runtime graph has them as standard FP8 Q/DQ, and runs on a calibrated step."""
     from diffusers.models.attention_processor import Attention
 
-    from sdtrt.models import load_unet, resolve_model
+    from sdtrt.sources.models import load_unet, resolve_model
     from sdtrt.stages.export import graph_module
 
     model = resolve_model("tiny-sd2")
@@ -321,7 +321,7 @@ def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(
 
 
 def test_levels_select_nvidias_layers(tiny):
-    from sdtrt.models import load_unet
+    from sdtrt.sources.models import load_unet
 
     unet = load_unet(tiny)
     plans = {level: quantize.plan_layers(unet, QuantizeConfig(precision="fp8", level=level)) for level in (1, 2, 3, 4)}
@@ -371,8 +371,8 @@ def test_cache_key_follows_calibration_set_and_level(tiny, int8, store):
 
 
 def test_compile_int8_validates_on_onnxruntime(tiny, store, int8):
-    from sdtrt.compile import compile_model
-    from sdtrt.config import ValidationConfig
+    from sdtrt.core.config import ValidationConfig
+    from sdtrt.tools.compile import compile_model
 
     result = compile_model(
         tiny, store, "onnxruntime", components=("unet",), quantize_config=INT8, validation=ValidationConfig(steps=4)
@@ -436,10 +436,10 @@ def test_sd15_int8_level_2_5_scale(tmp_path):
     import resource
     import time
 
-    from sdtrt.config import ValidationConfig
-    from sdtrt.models import resolve_model
-    from sdtrt.store import Artifact
-    from sdtrt.validate import validate
+    from sdtrt.core.config import ValidationConfig
+    from sdtrt.core.store import Artifact
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.validate import validate
 
     started = time.perf_counter()
     result = run_cli(

@@ -13,10 +13,10 @@ import onnx
 import pytest
 import torch
 
-from sdtrt.config import QuantizeConfig, ValidationConfig
-from sdtrt.errors import ConfigError
-from sdtrt.models import resolve_model
+from sdtrt.core.config import QuantizeConfig, ValidationConfig
+from sdtrt.core.errors import ConfigError
 from sdtrt.runtime.compare import tensor_stats
+from sdtrt.sources.models import resolve_model
 from sdtrt.stages import calibration, quantize
 from tests.helpers import run_cli
 from tests.test_quantize import onnxruntime_output, qdq_zero_point_types, quantized_modules
@@ -161,7 +161,7 @@ def widened(model: onnx.ModelProto) -> onnx.ModelProto:
 def test_levels_select_nvidias_linear_layers(preset):
     """NVIDIA's quantize_lvl on a transformer: level 2 the feed-forward Linears, 2.5 adds to_q/to_k/to_v, 3 every
     Linear; never the layers it keeps (a Flux single block's proj_out is quantized, the final one is not)."""
-    from sdtrt.models import load_folder
+    from sdtrt.sources.models import load_folder
 
     model = resolve_model(preset)
     network = load_folder(model, "transformer", torch.float32)
@@ -222,7 +222,7 @@ def test_calibration_records_the_transformers_own_inputs():
 def test_compile_quantizes_only_the_transformer(preset, config, store):
     """``compile --precision int8|fp8`` of a transformer model: the denoiser's chain starts at the quantize stage, and
     the image against the fp32 pipeline's is reported (random tiny weights: a sanity bound only)."""
-    from sdtrt.compile import compile_model
+    from sdtrt.tools.compile import compile_model
 
     result = compile_model(
         resolve_model(preset), store, "onnxruntime", components=("transformer",), quantize_config=config,
@@ -243,7 +243,7 @@ def test_compile_quantizes_only_the_transformer(preset, config, store):
 
 def test_the_guard_ranks_a_transformers_quantized_layers():
     """The accuracy guard's ranking records the calibration calls on the pipeline's transformer (Flux: no unet)."""
-    from sdtrt.guard import rank_layers
+    from sdtrt.tools.guard import rank_layers
 
     model = resolve_model("tiny-flux")
     config = dataclasses.replace(INT8, calibration_prompts=INT8.calibration_prompts[:1])

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.compile import build
-from sdtrt.config import DEFAULT_PROMPT, QuantizeConfig, TrtBuildConfig, default_optimization_level
-from sdtrt.errors import LoraError
-from sdtrt.gpu import quantization_problem
-from sdtrt.onnx_graph import artifact_spec
-from sdtrt.pipeline import load_pipeline
+from sdtrt.core.config import DEFAULT_PROMPT, QuantizeConfig, TrtBuildConfig, default_optimization_level
+from sdtrt.core.errors import LoraError
+from sdtrt.core.gpu import quantization_problem
+from sdtrt.graph.onnx_graph import artifact_spec
+from sdtrt.pipeline.loading import load_pipeline
 from sdtrt.spec import FluxTransformerSpec
 from sdtrt.stages import build_trt, quantize
+from sdtrt.tools.compile import build
 
 from .helpers import peft_lora, run_cli
 
@@ -110,13 +110,13 @@ def test_a_lora_on_a_quantized_engine_is_refused_in_one_line(tiny, fp8_engine, t
 def test_a_quantized_unet_builds_strongly_typed_and_matches_pytorch(tiny, store, precision):
     """Below the format's compute capability the build is refused before it starts; else the plan quantizes to
     that type (the worker counts the parsed network's Quantize layers) and its output follows fp32 PyTorch."""
-    from sdtrt.config import Range, ShapeProfile
-    from sdtrt.errors import MissingDependencyError
-    from sdtrt.gpu import gpu_environment
-    from sdtrt.models import load_unet
+    from sdtrt.core.config import Range, ShapeProfile
+    from sdtrt.core.errors import MissingDependencyError
+    from sdtrt.core.gpu import gpu_environment
     from sdtrt.runtime import open_runtime
+    from sdtrt.sources.models import load_unet
     from sdtrt.spec import ValidationCase
-    from sdtrt.validate import compare_case
+    from sdtrt.tools.validate import compare_case
 
     quantized = quantize.run(
         QuantizeConfig(precision=precision, calibration_prompts=(DEFAULT_PROMPT,), calibration_steps=2), tiny, store

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sdtrt.presets import PRESETS, Recipe, build, ensure_preset, save_streamed
+from sdtrt.sources.presets import PRESETS, Recipe, build, ensure_preset, save_streamed
 
 SMALL_SHARDS = 20_000  # bytes: every tiny network spans several shards
 

@@ -16,14 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdtrt.compile import build
-from sdtrt.config import DEFAULT_PROMPT, ExportConfig, QuantizeConfig, SimplifyConfig, TrtBuildConfig
-from sdtrt.errors import MissingDependencyError
-from sdtrt.models import resolve_model
-from sdtrt.onnx_graph import artifact_spec
+from sdtrt.core.config import DEFAULT_PROMPT, ExportConfig, QuantizeConfig, SimplifyConfig, TrtBuildConfig
+from sdtrt.core.errors import MissingDependencyError
+from sdtrt.core.store import Artifact
+from sdtrt.core.trt_products import (
+    COMPUTE_CAPABILITIES,
+    DEFAULT_COMPUTE_CAPABILITIES,
+    TENSORRT_RTX,
+    rtx_runtime_missing,
+)
+from sdtrt.graph.onnx_graph import artifact_spec
+from sdtrt.sources.models import resolve_model
 from sdtrt.stages import build_trt, export, quantize, simplify
-from sdtrt.store import Artifact
-from sdtrt.trt_products import COMPUTE_CAPABILITIES, DEFAULT_COMPUTE_CAPABILITIES, TENSORRT_RTX, rtx_runtime_missing
+from sdtrt.tools.compile import build
 
 from .helpers import REPO, last_line, run_cli
 
@@ -32,7 +37,7 @@ pytestmark = pytest.mark.skipif(
     reason="TensorRT-RTX is not installed: pip install 'sdtrt[rtx]' (the dev extra has it)",
 )
 
-# Measured with tensorrt_rtx 1.7.1.116 (sdtrt/trt_products.py, Product.refit_needs_gpu).
+# Measured with tensorrt_rtx 1.7.1.116 (sdtrt/core/trt_products.py, Product.refit_needs_gpu).
 GPU_ONLY = "TensorRT-RTX builds refittable and weight-stripped plans only where a CUDA GPU is visible"
 # What each graph precision's layers compute in, as the manifest spells layer types.
 LAYER_TYPE = {"fp16": "HALF", "bf16": "BF16", "fp32": "FLOAT"}
@@ -176,8 +181,8 @@ TINY_PRESETS = [
 def test_every_component_of_every_tiny_preset_builds(store, preset):
     """What `compile --target tensorrt-rtx` builds for each family (tiny itself: the CLI test below), each member at
     the precision compile gives it (fp16; VAEs and T5 fp32)."""
-    from sdtrt.compile import compile_model
     from sdtrt.spec import model_components
+    from sdtrt.tools.compile import compile_model
 
     model = resolve_model(preset)
     result = compile_model(model, store, "tensorrt-rtx")
@@ -196,7 +201,7 @@ def test_a_network_without_layers_of_the_graphs_precision_is_refused_in_one_line
     request["precision"] = "fp16"
     (tmp_path / "request.json").write_text(json.dumps(request))
     done = subprocess.run(
-        [sys.executable, "-m", "sdtrt.trt_build_worker", str(tmp_path / "request.json")],
+        [sys.executable, "-m", "sdtrt.stages.trt_build_worker", str(tmp_path / "request.json")],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
@@ -240,7 +245,7 @@ def test_every_name_the_shared_worker_runtime_and_rtx_differences_use_exists_in_
     import tensorrt_rtx as trt
 
     sources = [
-        (REPO / "sdtrt/trt_build_worker.py", "trt"), (REPO / "sdtrt/trt_products.py", "rtx"),
+        (REPO / "sdtrt/stages/trt_build_worker.py", "trt"), (REPO / "sdtrt/core/trt_products.py", "rtx"),
         (REPO / "sdtrt/runtime/tensorrt.py", "trt"), (REPO / "sdtrt/runtime/rtx.py", "rtx"),
     ]  # fmt: skip
     chains = set().union(*(trt_chains(path.read_text(), root) for path, root in sources))
@@ -365,7 +370,7 @@ def test_a_parser_failure_with_no_recorded_error_is_refused_in_one_line():
     None (the parser stands in for TensorRT's OnnxParser with no error recorded)."""
     from types import SimpleNamespace
 
-    from sdtrt.trt_build_worker import Refused, parser_refusal
+    from sdtrt.stages.trt_build_worker import Refused, parser_refusal
 
     refusal = parser_refusal(SimpleNamespace(num_errors=0, get_error=lambda index: None), "unet")  # type: ignore[arg-type]
     assert isinstance(refusal, Refused) and "recorded no error; see the build log" in str(refusal)
@@ -373,11 +378,11 @@ def test_a_parser_failure_with_no_recorded_error_is_refused_in_one_line():
 
 @pytest.mark.skipif(bool(rtx_runtime_missing()), reason=f"runs an RTX plan: {rtx_runtime_missing()}")
 def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph, store):
-    from sdtrt.models import load_unet
     from sdtrt.runtime import open_runtime
     from sdtrt.runtime.rtx import store_cache_file
+    from sdtrt.sources.models import load_unet
     from sdtrt.spec import ValidationCase
-    from sdtrt.validate import compare_case
+    from sdtrt.tools.validate import compare_case
 
     plan = rtx_build(graph("tiny", "unet"), store)
     for _ in range(2):  # the second load starts from the runtime cache the first left

@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pytest
 
-from sdtrt.request import GenerateRequest
+from sdtrt.pipeline.request import GenerateRequest
 
 from .helpers import last_line, run_cli
 
@@ -37,7 +37,7 @@ SLOW = GenerateRequest(prompt="slow", steps=500, height=SIZE, width=SIZE)  # abo
 @pytest.fixture(scope="module")
 def repository(tiny_set, tmp_path_factory):
     """The deployment, written and then moved: the server must need nothing outside it."""
-    from sdtrt.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
 
     written = tmp_path_factory.mktemp("written") / "repo"
     deploy_triton(tiny_set, written, TritonDeployConfig(max_steps=MAX_STEPS))
@@ -47,7 +47,7 @@ def repository(tiny_set, tmp_path_factory):
 
 
 def _serve(repository: Path, log_dir: Path):
-    from sdtrt.serve import ServeConfig, free_ports, start_server
+    from sdtrt.serving.serve import ServeConfig, free_ports, start_server
 
     http, grpc, metrics = free_ports(3)
     config = ServeConfig(http_port=http, grpc_port=grpc, metrics_port=metrics, start_timeout_s=120)
@@ -102,14 +102,14 @@ def test_deploy_records_what_it_serves(repository, tiny_set):
     config = (model / "config.pbtxt").read_text()
     for line in ('backend: "python"', "max_batch_size: 4", "KIND_CPU", "dynamic_batching", 'name: "image"'):
         assert line in config
-    assert "from sdtrt.triton_model import TritonPythonModel" in (model / "1" / "model.py").read_text()
+    assert "from sdtrt.serving.triton_model import TritonPythonModel" in (model / "1" / "model.py").read_text()
     assert not list((model / "1" / "diffusers" / "unet").glob("*.safetensors")), "the UNet engine replaces them"
     assert (model / "1" / "diffusers" / "text_encoder" / "model.safetensors").is_file()
 
 
 def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_path):
-    from sdtrt.deploy import TritonDeployConfig, deploy_triton
-    from sdtrt.errors import ConfigError
+    from sdtrt.core.errors import ConfigError
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
 
     deployment = deploy_triton(tiny_engine, tmp_path, TritonDeployConfig(name="unet_only", kind="cpu"))
     assert set(deployment.record["members"]) == {"unet"} and deployment.engine.is_dir()
@@ -120,8 +120,8 @@ def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_pat
 
 
 def test_server_image_equals_in_process_generate(server, tiny, tiny_set):
-    from sdtrt.client import txt2img
-    from sdtrt.pipeline import generate, load_pipeline
+    from sdtrt.pipeline.loading import generate, load_pipeline
+    from sdtrt.serving.client import txt2img
 
     served = txt2img(server.config.http_url, FAST)
     local = np.asarray(generate(load_pipeline(tiny, tiny_set), FAST).images[0])
@@ -130,7 +130,7 @@ def test_server_image_equals_in_process_generate(server, tiny, tiny_set):
 
 
 def test_concurrent_requests_all_succeed_are_batched_and_counted(server):
-    from sdtrt.client import txt2img
+    from sdtrt.serving.client import txt2img
 
     requests = [GenerateRequest(prompt=f"request {i}", steps=2, seed=i, height=SIZE, width=SIZE) for i in range(8)]
     before = {m: _metric(server, m) for m in ("nv_inference_request_success", "nv_inference_exec_count")}
@@ -177,7 +177,7 @@ def test_bad_request_gets_a_clear_error_and_the_next_succeeds(server, inputs, me
 def test_a_refused_request_counts_as_a_failure(server):
     from tritonclient.utils import InferenceServerException
 
-    from sdtrt.client import txt2img
+    from sdtrt.serving.client import txt2img
 
     names = {"success": ("sdtrt_request_success", {}), "refused": ("sdtrt_request_failure", {"reason": "refused"}),
              "triton_success": ("nv_inference_request_success", {})}  # fmt: skip
@@ -191,8 +191,8 @@ def test_a_refused_request_counts_as_a_failure(server):
 
 
 def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(repository, tmp_path):
-    from sdtrt.client import txt2img
-    from sdtrt.errors import ServeError
+    from sdtrt.core.errors import ServeError
+    from sdtrt.serving.client import txt2img
 
     outcome: dict[str, BaseException | np.ndarray] = {}
 
@@ -239,7 +239,7 @@ def test_cli_deploy_and_client(server, tiny_set, store, tmp_path):
         "--seed", str(FAST.seed), "--height", str(SIZE), "--width", str(SIZE), "--out", str(out), check=True,
     )  # fmt: skip
     assert last_line(asked.stdout) == str(out)
-    from sdtrt.client import txt2img
+    from sdtrt.serving.client import txt2img
 
     np.testing.assert_array_equal(np.asarray(Image.open(out)), txt2img(server.config.http_url, FAST))
     refused = run_cli("client", "--url", server.config.http_url, "--height", "100", "--out", str(out))
@@ -248,7 +248,7 @@ def test_cli_deploy_and_client(server, tiny_set, store, tmp_path):
 
 def _serve_cli(repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """``sdtrt serve`` as a user starts it, its output in ``log``; the process and its HTTP address."""
-    from sdtrt.serve import free_ports
+    from sdtrt.serving.serve import free_ports
 
     http, grpc, metrics = free_ports(3)
     with log.open("wb") as out:
@@ -261,8 +261,8 @@ def _serve_cli(repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], st
 
 
 def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(repository, tmp_path):
-    from sdtrt.client import txt2img
-    from sdtrt.errors import ServeError
+    from sdtrt.core.errors import ServeError
+    from sdtrt.serving.client import txt2img
 
     log = tmp_path / "serve.log"
     serve, url = _serve_cli(repository, log)
@@ -340,11 +340,11 @@ def test_a_flux_schnell_set_is_deployed_and_served(store, tmp_path):
     """A transformer engine set (Flux.1-schnell: no guidance, 16-px grid) served as the UNet sets are."""
     from tritonclient.utils import InferenceServerException
 
-    from sdtrt.compile import compile_model
-    from sdtrt.config import ExportConfig
-    from sdtrt.deploy import TritonDeployConfig, deploy_triton
-    from sdtrt.models import resolve_model
-    from sdtrt.pipeline import generate, load_pipeline
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.pipeline.loading import generate, load_pipeline
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
 
     source = resolve_model("tiny-flux-schnell")  # the set tests/test_transformer_pipelines.py compiles too
     flux = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final

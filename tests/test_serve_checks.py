@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from sdtrt.request import GenerateRequest
+from sdtrt.pipeline.request import GenerateRequest
 
 from .helpers import run_cli
 
@@ -24,10 +24,10 @@ def test_a_gpu_instance_selects_its_device_before_any_engine_opens_and_loads_wit
 ):
     import torch
 
-    import sdtrt.pipeline
+    import sdtrt.pipeline.loading
     import sdtrt.runtime
-    from sdtrt.deploy import TritonDeployConfig, deploy_triton
-    from sdtrt.triton_model import TritonPythonModel
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.serving.triton_model import TritonPythonModel
 
     monkeypatch.setattr(sdtrt.runtime, "streams_weights", lambda artifact: True)  # no TensorRT plan builds here
     deployment = deploy_triton(tiny_set, tmp_path, TritonDeployConfig(weight_budget="50%"))
@@ -40,7 +40,7 @@ def test_a_gpu_instance_selects_its_device_before_any_engine_opens_and_loads_wit
         raise Loaded
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: order.append(("set_device", device)))
-    monkeypatch.setattr(sdtrt.pipeline, "load_pipeline", load_pipeline)
+    monkeypatch.setattr(sdtrt.pipeline.loading, "load_pipeline", load_pipeline)
     logger = types.SimpleNamespace(log_warn=print)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.SimpleNamespace(Logger=logger))
     args = {"model_repository": str(deployment.folder), "model_name": "stable_diffusion", "model_version": "1",
@@ -62,7 +62,7 @@ def test_deploy_refuses_a_budget_for_a_set_that_does_not_stream(tiny_set, tmp_pa
 
 
 def test_serve_refuses_a_port_in_use_before_starting_triton(tmp_path):
-    from sdtrt.serve import free_ports
+    from sdtrt.serving.serve import free_ports
 
     model = tmp_path / "repo" / "stable_diffusion"
     model.mkdir(parents=True)
@@ -85,8 +85,8 @@ def test_serve_refuses_a_port_in_use_before_starting_triton(tmp_path):
 
 
 def test_serve_refuses_one_port_for_two_endpoints_and_a_host_that_is_no_address():
-    from sdtrt.errors import ServeAddressError
-    from sdtrt.serve import ServeConfig, check_ports, free_ports
+    from sdtrt.core.errors import ServeAddressError
+    from sdtrt.serving.serve import ServeConfig, check_ports, free_ports
 
     http, grpc = free_ports(2)
     with pytest.raises(ServeAddressError, match=f"^--metrics-port {http} is also --http-port: give each its own port$"):
@@ -98,7 +98,7 @@ def test_serve_refuses_one_port_for_two_endpoints_and_a_host_that_is_no_address(
 
 
 def test_a_server_that_fails_to_start_is_quoted_not_said_to_be_silent():
-    from sdtrt.serve import _failure
+    from sdtrt.serving.serve import _failure
 
     line = (
         'E1125 21:04:05.123456 4242 main.cc:245] "failed to start HTTP service: Unavailable - Socket '
@@ -108,9 +108,9 @@ def test_a_server_that_fails_to_start_is_quoted_not_said_to_be_silent():
 
 
 def test_client_says_it_cannot_reach_a_server_that_never_answered():
-    from sdtrt.client import txt2img
-    from sdtrt.errors import ServeError
-    from sdtrt.serve import free_ports
+    from sdtrt.core.errors import ServeError
+    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.serve import free_ports
 
     (port,) = free_ports(1)  # nothing listens there
     with pytest.raises(ServeError, match=rf"^cannot reach Triton at 127\.0\.0\.1:{port}: .*Connection refused"):

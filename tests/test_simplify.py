@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.config import SimplifyConfig
-from sdtrt.errors import ArtifactError, SimplifyError
-from sdtrt.models import load_unet
+from sdtrt.core.config import SimplifyConfig
+from sdtrt.core.errors import ArtifactError, SimplifyError
+from sdtrt.core.store import Artifact, Store
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import load_unet
 from sdtrt.spec import ValidationCase
 from sdtrt.stages import simplify
-from sdtrt.store import Artifact, Store
-from sdtrt.validate import compare_case
+from sdtrt.tools.validate import compare_case
 
 
 def test_onnxsim_reduces_nodes_and_output_still_matches(tiny, tiny_simplified):

@@ -16,9 +16,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo
 
-from sdtrt.config import SimplifyConfig
+from sdtrt.core.config import SimplifyConfig
+from sdtrt.core.store import Artifact, Store
 from sdtrt.stages import simplify
-from sdtrt.store import Artifact, Store
 
 from .helpers import REPO, external_copy, last_line, run_cli
 
@@ -126,9 +126,9 @@ def test_cli_stream_says_how_the_weights_were_carried(tiny_export, tmp_path):
 CHILD = """
 import resource, sys
 import onnx, onnx_graphsurgeon, onnxruntime  # what the stage imports, before the limit
-from sdtrt.config import SimplifyConfig
+from sdtrt.core.config import SimplifyConfig
 from sdtrt.stages import simplify
-from sdtrt.store import Artifact, Store
+from sdtrt.core.store import Artifact, Store
 
 size = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (size + 2**29, size + 2**29))  # 512 MiB more: less than the weights

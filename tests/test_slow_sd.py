@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from sdtrt.config import ExportConfig, SimplifyConfig
-from sdtrt.models import ModelSource, load_unet, resolve_model
+from sdtrt.core.config import ExportConfig, SimplifyConfig
+from sdtrt.core.store import Artifact, Store
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import ModelSource, load_unet, resolve_model
 from sdtrt.spec import ValidationCase
 from sdtrt.stages import export, simplify
-from sdtrt.store import Artifact, Store
-from sdtrt.validate import compare_case
+from sdtrt.tools.validate import compare_case
 
 from .helpers import softmax_input_types
 
@@ -70,9 +70,9 @@ def test_fp16_export_simplify_and_parity(tmp_path, preset, size, batch):
 def test_sd15_loras_on_unet_and_text_encoder_engines_match_diffusers(tmp_path):
     """Issue 12's scale check on sd15-random, ONNX Runtime: two LoRAs at different scales, one of them on
     the UNet and the text encoder, against diffusers' fused pipeline; times each set_loras."""
-    from sdtrt.compile import compile_model
-    from sdtrt.pipeline import GenerateRequest, generate, load_pipeline, set_loras
-    from sdtrt.validate import psnr_db
+    from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline, set_loras
+    from sdtrt.tools.compile import compile_model
+    from sdtrt.tools.validate import psnr_db
 
     from .helpers import peft_lora
 

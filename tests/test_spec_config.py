@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.config import Range, ShapeProfile
-from sdtrt.errors import ConfigError
+from sdtrt.core.config import Range, ShapeProfile
+from sdtrt.core.errors import ConfigError
 from sdtrt.spec import UNetSpec
 
 SD15 = {"in_channels": 4, "out_channels": 4, "cross_attention_dim": 768, "sample_size": 64,
@@ -61,7 +61,7 @@ def test_profile_checks_order_and_grid():
 def test_bf16_graphs_have_bfloat16_tensors_and_export_with_torch_export():
     import torch
 
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
     from sdtrt.runtime.base import TORCH_DTYPES
 
     spec = UNetSpec.from_config(SD15, 8, "bf16")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from sdtrt.config import ExportConfig, SimplifyConfig, not_in_key
-from sdtrt.errors import ArtifactError, StoreError
-from sdtrt.store import MANIFEST, TMP_DIR, Artifact, StageRequest, Store
+from sdtrt.core.config import ExportConfig, SimplifyConfig, not_in_key
+from sdtrt.core.errors import ArtifactError, StoreError
+from sdtrt.core.store import MANIFEST, TMP_DIR, Artifact, StageRequest, Store
 
 
 @dataclass(frozen=True)

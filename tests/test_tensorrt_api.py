@@ -12,7 +12,7 @@ from .helpers import REPO
 from .trt_api import Signature, check_source, load_api
 
 STUBS = Path(os.environ.get("SDTRT_TRT_STUBS", REPO / ".cache" / "trt-stubs"))
-TRT_MODULES = ["sdtrt/gpu.py", "sdtrt/runtime/tensorrt.py", "sdtrt/trt_build_worker.py"]
+TRT_MODULES = ["sdtrt/core/gpu.py", "sdtrt/runtime/tensorrt.py", "sdtrt/stages/trt_build_worker.py"]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_refit_calls_are_checked(api):
     runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
     for call in ("refitter.set_named_weights(", "refitter.get_missing_weights()", "refitter.refit_cuda_engine()"):
         assert call in runtime
-    assert "trt.BuilderFlag.REFIT)" in (REPO / "sdtrt/trt_build_worker.py").read_text()
+    assert "trt.BuilderFlag.REFIT)" in (REPO / "sdtrt/stages/trt_build_worker.py").read_text()
     source = """
 import tensorrt as trt
 def f(engine: trt.ICudaEngine, logger: trt.ILogger):
@@ -173,7 +173,7 @@ def test_weight_streaming_and_bf16_calls_are_checked(api):
         "trt.DataType.BF16",
     ):
         assert use in runtime
-    assert "trt.BuilderFlag.WEIGHT_STREAMING)" in (REPO / "sdtrt/trt_build_worker.py").read_text()
+    assert "trt.BuilderFlag.WEIGHT_STREAMING)" in (REPO / "sdtrt/stages/trt_build_worker.py").read_text()
     source = """
 import tensorrt as trt
 def f(engine: trt.ICudaEngine):
@@ -187,7 +187,7 @@ def f(engine: trt.ICudaEngine):
 
 def test_weight_stripping_calls_are_checked(api):
     """Issue 21: the strip flags and the ONNX refitter are in the checked surface, and misuses of them are caught."""
-    worker = (REPO / "sdtrt/trt_build_worker.py").read_text()
+    worker = (REPO / "sdtrt/stages/trt_build_worker.py").read_text()
     for use in ("trt.BuilderFlag.STRIP_PLAN)", "trt.BuilderFlag.REFIT_IDENTICAL)", "parser.parse_from_file("):
         assert use in worker
     runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from sdtrt.compile import resolve_target
-from sdtrt.config import Range, ShapeProfile, TrtBuildConfig
-from sdtrt.errors import ArtifactError, ConfigError, MissingDependencyError
-from sdtrt.gpu import engine_mismatch, tensorrt_missing
+from sdtrt.core.config import Range, ShapeProfile, TrtBuildConfig
+from sdtrt.core.errors import ArtifactError, ConfigError, MissingDependencyError
+from sdtrt.core.gpu import engine_mismatch, tensorrt_missing
+from sdtrt.core.store import StageRequest
 from sdtrt.runtime.tensorrt import describe_profiles, graph_digest, refill_graph, select_profile
 from sdtrt.stages import build_trt, wrap
-from sdtrt.store import StageRequest
+from sdtrt.tools.compile import resolve_target
 
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
@@ -103,7 +103,7 @@ def test_wrapped_module_results_are_named_in_binding_order(tiny):
 
 
 def test_misaligned_tensors_are_copied_before_tensorrt_sees_them():
-    from sdtrt.errors import EngineInputError
+    from sdtrt.core.errors import EngineInputError
     from sdtrt.runtime.tensorrt import TENSOR_ALIGNMENT, aligned, require
 
     base = torch.zeros(1024, dtype=torch.float16)
@@ -166,7 +166,7 @@ class TimingCacheConfig:
 
 
 def test_a_timing_cache_from_another_gpu_falls_back_to_an_empty_one(tmp_path, capsys):
-    from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
+    from sdtrt.stages.trt_build_worker import save_timing_cache, use_timing_cache
 
     path = tmp_path / "cache.bin"
     path.write_bytes(b"other-gpu:gemm")
@@ -180,7 +180,7 @@ def test_a_timing_cache_from_another_gpu_falls_back_to_an_empty_one(tmp_path, ca
 
 
 def test_builds_sharing_a_timing_cache_keep_each_others_entries(tmp_path, capsys):
-    from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
+    from sdtrt.stages.trt_build_worker import save_timing_cache, use_timing_cache
 
     path = tmp_path / "cache.bin"
     first, second = TimingCacheConfig(tuned="conv"), TimingCacheConfig(tuned="matmul")
@@ -197,7 +197,7 @@ def test_builds_sharing_a_timing_cache_keep_each_others_entries(tmp_path, capsys
 
 
 def test_saving_the_timing_cache_never_fails_the_build(tmp_path, capsys):
-    from sdtrt.trt_build_worker import save_timing_cache, use_timing_cache
+    from sdtrt.stages.trt_build_worker import save_timing_cache, use_timing_cache
 
     save_timing_cache(TimingCacheConfig(keep=False), tmp_path / "cache.bin")
     assert not (tmp_path / "cache.bin").exists() and "kept no timing cache" in capsys.readouterr().err
@@ -217,7 +217,7 @@ def test_the_tensorrt_version_comes_from_the_module_not_a_distribution(monkeypat
     import types
     from importlib import metadata
 
-    from sdtrt.gpu import tensorrt_version
+    from sdtrt.core.gpu import tensorrt_version
 
     monkeypatch.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="10.8.0.43"))
     with pytest.raises(metadata.PackageNotFoundError):
@@ -226,7 +226,7 @@ def test_the_tensorrt_version_comes_from_the_module_not_a_distribution(monkeypat
 
 
 def test_container_pins_come_from_installed_versions():
-    from sdtrt.gpu import pinned_requirements
+    from sdtrt.core.gpu import pinned_requirements
 
     pins = pinned_requirements()
     assert f"torch=={torch.__version__}" in pins
@@ -236,8 +236,8 @@ def test_container_pins_come_from_installed_versions():
 def test_an_engine_with_several_profiles_is_not_wrapped(tiny_simplified, tmp_path):
     import json
 
-    from sdtrt.config import WrapConfig
-    from sdtrt.store import MANIFEST, Artifact, Store
+    from sdtrt.core.config import WrapConfig
+    from sdtrt.core.store import MANIFEST, Artifact, Store
 
     folder = tmp_path / "build-trt"
     folder.mkdir()
@@ -253,7 +253,7 @@ def test_an_engine_with_several_profiles_is_not_wrapped(tiny_simplified, tmp_pat
 
 def test_a_refused_capture_leaves_no_graph_for_the_old_shape():
     """Item 2: a request that fails to bind (out of profile) must not leave the old shape marked as captured."""
-    from sdtrt.errors import EngineInputError
+    from sdtrt.core.errors import EngineInputError
     from sdtrt.runtime.tensorrt import CapturedGraph
 
     captures = []
@@ -277,7 +277,7 @@ def test_a_refused_capture_leaves_no_graph_for_the_old_shape():
 
 def test_fp32_means_fp32_and_only_tf32_off_enters_the_key(tiny_simplified, tmp_path):
     """Item 3: TF32 is off for fp32 graphs unless asked; engines keyed as before keep their keys."""
-    from sdtrt.config import cache_key
+    from sdtrt.core.config import cache_key
 
     assert TrtBuildConfig().tf32_for("fp32") is False and TrtBuildConfig().tf32_for("fp16") is True
     assert TrtBuildConfig(tf32=True).tf32_for("fp32") is True and TrtBuildConfig(tf32=False).tf32_for("fp16") is False
@@ -299,7 +299,7 @@ def test_debug_rebuilds_with_the_engines_own_tf32():
 
 def test_the_rebuild_advice_repeats_every_setting():
     """Item 6: rebuilding must keep --refittable, the optimization level, the profile and TF32."""
-    from sdtrt.gpu import rebuild_command
+    from sdtrt.core.gpu import rebuild_command
 
     config = TrtBuildConfig(
         profiles=(ShapeProfile(Range(1, 1, 2), Range(256, 512, 768), Range(256, 512, 768)),),
@@ -344,7 +344,7 @@ def test_refit_base_weights_are_read_by_name_and_once(tiny_simplified, tmp_path)
     import onnx
     from onnx import numpy_helper
 
-    from sdtrt.errors import LoraError
+    from sdtrt.core.errors import LoraError
     from sdtrt.runtime.tensorrt import BaseWeights
 
     folder = tmp_path / "graph"
@@ -373,9 +373,9 @@ def test_a_refit_supplies_base_weights_from_the_graph_the_plan_was_parsed_from(t
     weights a refit must supply come from the graph the build parsed, found in a moved store too."""
     import shutil
 
+    from sdtrt.core.store import MANIFEST, Artifact
     from sdtrt.runtime.tensorrt import parsed_graph
     from sdtrt.stages.quantize import tensorrt_graph
-    from sdtrt.store import MANIFEST, Artifact
 
     store = tmp_path / "engines"
     quantized, simplified, plan = store / "quantize" / "q", store / "simplify" / "s", store / "build-trt" / "b" / "x"
@@ -402,7 +402,7 @@ def test_a_refit_supplies_base_weights_from_the_graph_the_plan_was_parsed_from(t
 
 def test_compile_knows_before_building_whether_it_can_wrap():
     """Item 6: a missing torch-tensorrt is found before any plan is built, and the plans are kept unwrapped."""
-    from sdtrt.compile import wrap_problem
+    from sdtrt.tools.compile import wrap_problem
 
     assert wrap_problem(TrtBuildConfig(), None) is None
     assert "torch-tensorrt is not installed, so the engines are not wrapped" in wrap_problem(
@@ -418,10 +418,10 @@ def test_compile_knows_before_building_whether_it_can_wrap():
 def test_a_weight_budget_for_engines_that_do_not_stream_is_refused_before_loading(tiny, tiny_engine):
     """The budget is an argument (load_pipeline, ValidationConfig), not a process-wide variable; engines without
     weight streaming (here ONNX Runtime's) cannot take one, and saying so beats ignoring it."""
-    from sdtrt.config import ValidationConfig, WeightBudget
-    from sdtrt.errors import RequestError
-    from sdtrt.pipeline import load_pipeline
-    from sdtrt.validate import validate
+    from sdtrt.core.config import ValidationConfig, WeightBudget
+    from sdtrt.core.errors import RequestError
+    from sdtrt.pipeline.loading import load_pipeline
+    from sdtrt.tools.validate import validate
 
     from .helpers import last_line, run_cli
 
@@ -439,7 +439,7 @@ def test_base_weights_read_with_the_onnx_of_the_container(tiny_simplified, tmp_p
     import onnx
     from onnx import external_data_helper, numpy_helper
 
-    from sdtrt.graph_weights import read_initializers
+    from sdtrt.graph.graph_weights import read_initializers
 
     def load_as_onnx_117(tensor: onnx.TensorProto, base_dir: str) -> None:  # onnx 1.17 external_data_helper.py
         with open(Path(base_dir) / external_data_helper.ExternalDataInfo(tensor).location, "rb") as data_file:
@@ -486,8 +486,8 @@ def test_the_reproduce_command_parses_with_the_cli(tmp_path):
 def test_validation_holds_a_tf32_engine_to_the_tolerances_of_its_arithmetic(tmp_path):
     """Item 3: an fp32 engine that computes in TF32 (asked with --tf32, or built before the setting) is held to
     fp16's tolerances, through its wrap too; an fp32 engine built without TF32 keeps fp32's."""
-    from sdtrt.store import MANIFEST, Artifact
-    from sdtrt.validate import tolerance_precision
+    from sdtrt.core.store import MANIFEST, Artifact
+    from sdtrt.tools.validate import tolerance_precision
 
     def artifact(name: str, stage: str, config: dict, source: Path | None = None) -> Artifact:
         folder = tmp_path / name
@@ -522,7 +522,7 @@ def test_weight_streaming_is_a_build_flag_keyed_only_when_on(tiny_simplified, tm
 
 
 def test_the_optimization_level_follows_the_parameter_count(tiny_simplified, tmp_path):
-    from sdtrt.config import default_optimization_level
+    from sdtrt.core.config import default_optimization_level
 
     assert default_optimization_level(2_500_000_000) == (3, "2.5 B parameters: TensorRT's default level 3")
     assert "TensorRT's default" in default_optimization_level(1_000_000)[1]
@@ -549,7 +549,7 @@ def test_bf16_graphs_build_like_fp16_ones():
     [("50%", 1000, 500), ("0%", 1000, 0), ("1GiB", 10, 1 << 30), ("512MB", 10, 512_000_000), ("0", 10, 0)],
 )
 def test_weight_budgets_in_bytes(text, streamable, expected):
-    from sdtrt.config import WeightBudget
+    from sdtrt.core.config import WeightBudget
     from sdtrt.runtime.tensorrt import weight_budget_bytes
 
     assert weight_budget_bytes(WeightBudget.parse(text), streamable, lambda: 1 / 0, lambda: 1 / 0) == expected
@@ -565,7 +565,7 @@ def test_a_truncated_automatic_budget_is_recovered_or_refused():
     come back: negative, or positive and wrong. The budget is at most the streamable size and close under the free
     memory (NvInferRuntime.h), so it is recovered where one value fits, or one fits under the free memory (review 4,
     M2: a Flux transformer streams ~24 GB, where `auto` was always refused); refused otherwise, never guessed."""
-    from sdtrt.config import WeightBudget
+    from sdtrt.core.config import WeightBudget
     from sdtrt.runtime.tensorrt import weight_budget_bytes
 
     auto = WeightBudget.parse("auto")
@@ -582,7 +582,7 @@ def test_a_truncated_automatic_budget_is_recovered_or_refused():
 
 @pytest.mark.parametrize("text", ["-1", "150%", "lots", "inf", "8XB"])
 def test_malformed_weight_budgets_are_refused(text):
-    from sdtrt.config import WeightBudget
+    from sdtrt.core.config import WeightBudget
 
     with pytest.raises(ConfigError, match="weight streaming budget"):
         WeightBudget.parse(text)
@@ -595,7 +595,7 @@ def test_malformed_weight_budgets_are_refused(text):
 def test_a_bf16_graph_needs_ampere_whatever_its_quantization(precision, capability, refused):
     """A quantized Flux's TensorRT graph is bf16 outside its Q/DQ pairs: an INT8 Flux engine, whose format Turing runs,
     still needs Ampere for its bf16 layers (NvInfer.h kBF16), said before the build, not by TensorRT minutes in."""
-    from sdtrt.gpu import quantization_problem
+    from sdtrt.core.gpu import quantization_problem
 
     problem = build_trt.graph_precision_problem(precision, capability, "NVIDIA T4")
     assert (problem is not None) == refused
@@ -609,11 +609,11 @@ def test_compile_refuses_a_bf16_graph_before_exporting_or_calibrating(preset, pr
     """On a Turing GPU (a T4's 7.5, given here in place of the GPU), a bf16 compile and a quantized Flux (bf16 outside
     its Q/DQ pairs; INT8 itself runs on 7.5) are refused before any export or calibration: they were refused only by
     the build, after them."""
-    from sdtrt import compile as compile_module
-    from sdtrt import gpu
-    from sdtrt.config import ExportConfig, QuantizeConfig
-    from sdtrt.models import resolve_model
+    from sdtrt.core import gpu
+    from sdtrt.core.config import ExportConfig, QuantizeConfig
+    from sdtrt.sources.models import resolve_model
     from sdtrt.stages import export, quantize
+    from sdtrt.tools import compile as compile_module
 
     t4 = {"gpu": "NVIDIA T4", "compute_capability": "7.5"}
     for module in (gpu, build_trt):
@@ -632,7 +632,7 @@ def test_compile_refuses_a_bf16_graph_before_exporting_or_calibrating(preset, pr
 
 
 def test_bf16_is_refused_for_onnxruntime_before_any_work(tmp_path):
-    from sdtrt.config import BenchConfig
+    from sdtrt.core.config import BenchConfig
 
     from .helpers import last_line, run_cli
 
@@ -658,7 +658,7 @@ def test_the_weight_streaming_options_are_checked_at_the_cli():
 
 
 def test_bf16_engines_are_held_to_looser_tolerances():
-    from sdtrt.validate import Tolerances, least_precise
+    from sdtrt.tools.validate import Tolerances, least_precise
 
     bf16, fp16 = Tolerances.for_precision("bf16"), Tolerances.for_precision("fp16")
     assert bf16.min_cosine < fp16.min_cosine and bf16.max_abs > fp16.max_abs and bf16.min_psnr_db < fp16.min_psnr_db
@@ -683,7 +683,7 @@ def test_a_stripped_plan_is_keyed_by_its_graphs_content(tiny_simplified, tmp_pat
     """The same simplify key with other bytes (a non-deterministic export made again) must not hit the old plan."""
     import copy
 
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     again = copy.deepcopy(tiny_simplified.manifest)
     again["files"][0]["sha256"] = "0" * 64
@@ -698,7 +698,7 @@ def test_a_stripped_plan_is_keyed_by_its_graphs_content(tiny_simplified, tmp_pat
 
 
 def test_a_stripped_plan_records_the_graph_that_refills_it(tiny_simplified, tmp_path):
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     assert refill_graph({"config": {}}, tmp_path / "unet.plan") is None  # a plan with its weights
     manifest = {"weights": build_trt.refill_record(tiny_simplified)}
@@ -715,7 +715,7 @@ def test_a_stripped_plan_whose_graph_is_gone_or_changed_is_refused(tiny_simplifi
     """The load checks the graph against the digest the build recorded, before TensorRT reads anything."""
     import shutil
 
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     folder = tmp_path / "simplify" / "graph"
     shutil.copytree(tiny_simplified.path, folder)
@@ -747,7 +747,7 @@ def test_only_store_graphs_are_stripped(tiny_simplified, store, tmp_path):
     """An .onnx outside the store could change under the plan unchecked: refused before any TensorRT work."""
     import shutil
 
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     folder = tmp_path / "mine"
     shutil.copytree(tiny_simplified.path, folder)
@@ -760,8 +760,8 @@ def test_only_store_graphs_are_stripped(tiny_simplified, store, tmp_path):
 
 def test_stripped_plans_are_never_wrapped(store, tmp_path):
     """Torch-TensorRT deserializes a wrapped plan itself: nothing would refill its weights."""
-    from sdtrt.compile import wrap_problem
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
+    from sdtrt.tools.compile import wrap_problem
 
     assert "hold no weights (--strip-weights), so they are not wrapped" in wrap_problem(
         TrtBuildConfig(strip_weights=True), None
@@ -795,7 +795,7 @@ def test_a_stripped_plan_finds_its_graph_from_any_working_directory(tiny_simplif
     built, or a load from another directory would call the graph gone."""
     import shutil
 
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     shutil.copytree(tiny_simplified.path, tmp_path / "engines" / "simplify" / "graph")
     monkeypatch.chdir(tmp_path)
@@ -812,8 +812,8 @@ def test_a_stripped_plan_takes_its_graph_along_to_a_moved_store_and_a_triton_rep
     writes (a store of its own), holds the graph beside the plan, under the same stage and key."""
     import shutil
 
-    from sdtrt.deploy import refill_graphs
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
+    from sdtrt.serving.deploy import refill_graphs
 
     built = tmp_path / "engines"
     shutil.copytree(tiny_simplified.path, built / "simplify" / "graph")
@@ -843,7 +843,7 @@ def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_p
     import shutil
     import time
 
-    from sdtrt.store import MANIFEST, Artifact, Store
+    from sdtrt.core.store import MANIFEST, Artifact, Store
 
     root = tmp_path / "engines"
     folder = root / "simplify" / "graph"
@@ -868,7 +868,7 @@ def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_p
 def test_a_quantized_graph_is_not_stripped(store, tmp_path):
     """A quantized plan is built from the quantize stage's TensorRT graph, not the primary graph a stripped plan
     would be refilled from: refused before any TensorRT work."""
-    from sdtrt.store import Artifact
+    from sdtrt.core.store import Artifact
 
     quantized = Artifact(tmp_path, {"stage": "quantize", "config": {"precision": "int8"}, "inputs": [{}]})
     with pytest.raises(ConfigError, match="--strip-weights is not offered for int8 engines yet"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sdtrt.config import ExportConfig, TrtBuildConfig
+from sdtrt.core.config import ExportConfig, TrtBuildConfig
 
 
 @dataclass
@@ -17,8 +17,8 @@ class _Stub:
 
 def _compiled_trt_configs(monkeypatch, tiny, store, precision: str, trt_config: TrtBuildConfig | None):
     """The (graph precision, TrtBuildConfig) compile hands the TensorRT build of each member, every stage stubbed."""
-    from sdtrt import compile as compile_module
     from sdtrt.stages import build_trt, engine_set, export, simplify
+    from sdtrt.tools import compile as compile_module
 
     built: dict[str, tuple[str, TrtBuildConfig]] = {}
 
@@ -40,7 +40,7 @@ def _compiled_trt_configs(monkeypatch, tiny, store, precision: str, trt_config: 
 def test_a_vae_upcast_for_range_keeps_tf32_and_an_asked_fp32_clears_it(tiny, store, monkeypatch):
     """S1: in an fp16 compile the VAE is exported fp32 for range (force_upcast), and builds with TF32 on, as NVIDIA's
     demo builds its fp32 SDXL VAE; with --precision fp32 every member computes in fp32 (TF32 off, in the key)."""
-    from sdtrt.config import cache_key
+    from sdtrt.core.config import cache_key
 
     def resolved(member: tuple[str, TrtBuildConfig]) -> TrtBuildConfig:  # as build_trt.resolved does
         precision, config = member
@@ -70,11 +70,11 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_before_any_work(tiny, ti
     unaffected, so only --refittable is refused, before export (compile) or the worker (build)."""
     import pytest
 
-    from sdtrt import compile as compile_module
-    from sdtrt import gpu
-    from sdtrt.errors import MissingDependencyError
-    from sdtrt.gpu import refit_problem
+    from sdtrt.core import gpu
+    from sdtrt.core.errors import MissingDependencyError
+    from sdtrt.core.gpu import refit_problem
     from sdtrt.stages import build_trt, export
+    from sdtrt.tools import compile as compile_module
 
     assert "GEMM biases" in refit_problem("11.3.0.1") and "without --refittable" in refit_problem("11.3")
     assert (
@@ -98,7 +98,7 @@ def test_a_torch_tensorrt_without_its_torchscript_frontend_is_missing_for_wrappi
     import types
     from collections import namedtuple
 
-    from sdtrt import gpu
+    from sdtrt.core import gpu
 
     features = namedtuple("FeatureSet", ["torchscript_frontend", "torch_tensorrt_runtime"])
     module = types.ModuleType("torch_tensorrt._features")

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from sdtrt.compile import compile_model
-from sdtrt.config import ExportConfig
-from sdtrt.errors import LoraError
-from sdtrt.lora import EngineLoras, apply_loras, fuse_loras
-from sdtrt.lora_files import random_lora, read_lora
-from sdtrt.models import load_folder, resolve_model
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.errors import LoraError
+from sdtrt.lora.files import random_lora, read_lora
+from sdtrt.lora.refit import EngineLoras, apply_loras, fuse_loras
 from sdtrt.runtime import open_runtime
+from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import component_spec
 from sdtrt.stages import weight_map
 from sdtrt.stages.engine_set import engine_members
+from sdtrt.tools.compile import compile_model
 
 from .helpers import run_cli
 
@@ -231,7 +231,7 @@ def test_a_lora_of_another_family_is_refused_before_the_engine_changes(models, t
 
 
 def test_random_transformer_loras_and_their_coverage(models, engines, loras, tmp_path):
-    from sdtrt.lora_files import describe
+    from sdtrt.lora.files import describe
 
     sd3 = describe(read_lora(random_lora(models["tiny-sd3"], tmp_path / "sd3.safetensors", text_encoders=True)))
     assert sd3["family"] == "SD3" and ", text_encoder (12 modules), text_encoder_2 (12 modules)" in sd3["networks"]

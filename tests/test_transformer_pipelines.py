@@ -12,13 +12,13 @@ import pytest
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from sdtrt.config import ExportConfig
-from sdtrt.errors import EngineInputError, RequestError
-from sdtrt.pipeline import GenerateRequest, generate, load_pipeline
-from sdtrt.request import FLOW_SCHEDULERS, NOT_FOR_FLUX
-from sdtrt.standins import EngineModule, EngineT5
-from sdtrt.transformer import EngineTransformer
-from sdtrt.validate import psnr_db
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.errors import EngineInputError, RequestError
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.pipeline.request import FLOW_SCHEDULERS, NOT_FOR_FLUX
+from sdtrt.standins.base import EngineModule, EngineT5
+from sdtrt.standins.transformer import EngineTransformer
+from sdtrt.tools.validate import psnr_db
 
 FAMILIES = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 # What each family is asked with: SD3 a negative prompt, Flux dev guidance 3.5, schnell nothing more.
@@ -28,8 +28,8 @@ LONG_PROMPT = "a photo of an astronaut riding a horse on the moon, " * 5  # over
 
 class Family:
     def __init__(self, name: str, store) -> None:
-        from sdtrt.compile import compile_model
-        from sdtrt.models import resolve_model
+        from sdtrt.sources.models import resolve_model
+        from sdtrt.tools.compile import compile_model
 
         self.name, self.source = name, resolve_model(name)
         self.engine = compile_model(self.source, store, "onnxruntime", ExportConfig(precision="fp32")).final
@@ -141,8 +141,8 @@ def test_saved_engine_pipeline_loads_on_its_engines(family, tmp_path):
 def test_loras_match_diffusers_fused_pipeline_and_switch_without_rebuild(family, tmp_path):
     """A LoRA put into the transformer engine's weights (no rebuild) gives diffusers' load_lora_weights + fuse_lora
     image; A → B → A gives A's image bit for bit (weights always come from the base); clearing gives the base's."""
-    from sdtrt.lora_files import random_lora
-    from sdtrt.pipeline import set_loras
+    from sdtrt.lora.files import random_lora
+    from sdtrt.pipeline.loading import set_loras
 
     _, engine = family.pipelines()
     request = family.request(height=128, width=128)
@@ -191,9 +191,9 @@ def test_flow_schedulers_drive_the_engine_set(family, scheduler):
 
 def test_every_text_encoder_is_timed(family):
     """bench's and profile's "text_encoder" spans cover CLIP-L, CLIP-G and T5, not only the first encoder."""
-    from sdtrt.bench import breakdown
-    from sdtrt.config import TEXT_ENCODERS
-    from sdtrt.trace import Tracer, instrument_pipeline
+    from sdtrt.core.config import TEXT_ENCODERS
+    from sdtrt.tools.bench import breakdown
+    from sdtrt.tools.trace import Tracer, instrument_pipeline
 
     _, engine = family.pipelines()
     tracer = Tracer()

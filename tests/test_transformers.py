@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from sdtrt.models import resolve_model
+from sdtrt.sources.models import resolve_model
 
 TRANSFORMER_PRESETS = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 
@@ -62,7 +62,7 @@ def test_sd35_medium_preset_has_the_real_parameter_count():
     import diffusers
     from accelerate import init_empty_weights
 
-    from sdtrt.presets import PRESETS
+    from sdtrt.sources.presets import PRESETS
 
     class_name, kwargs = PRESETS["sd35-medium-random"].denoiser
     with init_empty_weights():
@@ -80,7 +80,7 @@ def test_sd35_medium_preset_has_the_real_parameter_count():
      ("tiny-flux-schnell", "flux-schnell", ("FluxImg2ImgPipeline", "FluxInpaintPipeline"))],
 )  # fmt: skip
 def test_families_come_from_the_transformer_config(preset, family, pipelines):
-    from sdtrt.families import pipeline_class_name
+    from sdtrt.core.families import pipeline_class_name
     from sdtrt.spec import denoiser_component
 
     model = resolve_model(preset)
@@ -93,7 +93,7 @@ def test_families_come_from_the_transformer_config(preset, family, pipelines):
 def test_unsupported_transformers_are_still_refused_in_one_line(tmp_path):
     import shutil
 
-    from sdtrt.errors import UnsupportedModelError
+    from sdtrt.core.errors import UnsupportedModelError
 
     folder = tmp_path / "pixart"
     shutil.copytree(resolve_model("tiny-flux").path, folder)
@@ -111,8 +111,8 @@ COMPILED = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 
 @pytest.fixture(scope="module", params=COMPILED)
 def compiled(request, store):
-    from sdtrt.compile import compile_model
-    from sdtrt.config import ExportConfig, ValidationConfig
+    from sdtrt.core.config import ExportConfig, ValidationConfig
+    from sdtrt.tools.compile import compile_model
 
     model = resolve_model(request.param)
     result = compile_model(
@@ -133,7 +133,7 @@ def test_every_network_matches_pytorch_on_onnx_runtime(compiled):
 
 
 def test_graph_io_is_the_spec_and_t5_is_fp32_with_its_reason(compiled):
-    from sdtrt.onnx_graph import graph_io
+    from sdtrt.graph.onnx_graph import graph_io
     from sdtrt.spec import spec_from_json
 
     model, result = compiled
@@ -149,8 +149,8 @@ def test_graph_io_is_the_spec_and_t5_is_fp32_with_its_reason(compiled):
         if spec.architecture == "T5EncoderModel":
             assert exported.manifest["precision"]["graph"] == "fp32"
     # Asked for fp16, compile still builds T5 in fp32, deciding by the folder's class (text_encoder_2 in Flux).
-    from sdtrt.compile import component_precision
     from sdtrt.spec import FOLDERS, model_components
+    from sdtrt.tools.compile import component_precision
 
     for component in model_components(model):
         t5 = model.component_class(FOLDERS[component])[1] == "T5EncoderModel"
@@ -159,8 +159,8 @@ def test_graph_io_is_the_spec_and_t5_is_fp32_with_its_reason(compiled):
 
 
 def test_flux_sizes_off_the_16_pixel_grid_are_refused_in_one_line():
-    from sdtrt.errors import RequestError
-    from sdtrt.request import SizeRule
+    from sdtrt.core.errors import RequestError
+    from sdtrt.pipeline.request import SizeRule
 
     rule = SizeRule.for_model(resolve_model("tiny-flux"))
     assert rule.multiple == 16 and rule.resolve(256, 384) == (256, 384)
@@ -192,15 +192,15 @@ def test_sd35_medium_transformer_export_simplify_and_parity_at_1024():
     before the engine runs: both at once took 21 GB here, and the machine paged its weights in and out."""
     import gc
 
-    from sdtrt.config import ExportConfig, OrtBuildConfig, ShapeProfile, SimplifyConfig
-    from sdtrt.config import Range as R
-    from sdtrt.models import load_folder
+    from sdtrt.core.config import ExportConfig, OrtBuildConfig, ShapeProfile, SimplifyConfig
+    from sdtrt.core.config import Range as R
+    from sdtrt.core.store import Store
     from sdtrt.runtime import open_runtime
     from sdtrt.runtime.compare import tensor_stats
+    from sdtrt.sources.models import load_folder
     from sdtrt.spec import ValidationCase, denoiser_spec
     from sdtrt.stages import build_ort, export, simplify
     from sdtrt.stages.export import graph_module
-    from sdtrt.store import Store
 
     model = resolve_model("sd35-medium-random")
     assert model.family() == "sd3"
@@ -228,8 +228,8 @@ def test_the_t5_token_range_is_a_compile_option():
     """--tokens sets the profile's T5 range (what a too-long prompt's message says to rebuild with); refused, before
     any work, for a model without T5 or a range out of order."""
     from sdtrt.cli.options import shape_profile
-    from sdtrt.config import Range
-    from sdtrt.errors import RequestError
+    from sdtrt.core.config import Range
+    from sdtrt.core.errors import RequestError
     from sdtrt.spec import denoiser_spec
 
     from .helpers import last_line, run_cli
@@ -260,8 +260,8 @@ def test_cache_ls_calls_a_sets_validation_report_a_set(compiled, store):
 @pytest.mark.parametrize(("preset", "guidance"), [("tiny", 7.5), ("tiny-flux", 3.5), ("tiny-flux-schnell", None)])
 def test_validate_and_bench_run_with_the_models_own_guidance(preset, guidance):
     """Their configs left guidance at 7.5, so Flux dev was validated and timed at 7.5, not its 3.5."""
-    from sdtrt.config import BenchConfig, ValidationConfig
-    from sdtrt.request import SizeRule
+    from sdtrt.core.config import BenchConfig, ValidationConfig
+    from sdtrt.pipeline.request import SizeRule
 
     rule = SizeRule.for_model(resolve_model(preset))
     assert rule.applicable(ValidationConfig().guidance) == rule.applicable(BenchConfig().guidance) == guidance

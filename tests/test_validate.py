@@ -10,9 +10,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from sdtrt.errors import ParityError
-from sdtrt.store import Artifact
-from sdtrt.validate import ValidationConfig, image_problems, psnr_db, validate
+from sdtrt.core.errors import ParityError
+from sdtrt.core.store import Artifact
+from sdtrt.tools.validate import ValidationConfig, image_problems, psnr_db, validate
 
 from .helpers import last_line, run_cli
 

@@ -44,9 +44,9 @@ def test_a_malformed_memory_budget_is_one_line_before_anything_loads(tiny_engine
 def test_a_case_grows_by_its_batch_and_its_inputs_squared_so_a_text_encoder_by_its_batch_only(tiny):
     """Attention grows with tokens²: a UNet's with its pixels, a text encoder's (77 tokens, whatever the image size)
     not at all, so its larger cases are projected by their batch alone."""
-    from sdtrt.config import ExportConfig
+    from sdtrt.core.config import ExportConfig
     from sdtrt.stages.export import spec_for
-    from sdtrt.validate import HostMemory
+    from sdtrt.tools.validate import HostMemory
 
     for component, grows_with_pixels in (("unet", True), ("text_encoder", False)):
         spec = spec_for(tiny, ExportConfig(component=component))
@@ -64,9 +64,9 @@ def test_a_case_grows_by_its_batch_and_its_inputs_squared_so_a_text_encoder_by_i
 def test_a_case_whose_own_inputs_exceed_the_budget_is_not_compared_nor_allocated(tiny):
     """A case whose inputs alone are over the memory is listed, even before any case ran to project from: its
     inputs are sized from their shapes (batch 1,000,000 would have allocated 147 GB to find that out)."""
-    from sdtrt.config import parse_size
+    from sdtrt.core.config import parse_size
     from sdtrt.spec import ValidationCase, denoiser_spec
-    from sdtrt.validate import HostMemory
+    from sdtrt.tools.validate import HostMemory
 
     memory = HostMemory(denoiser_spec(tiny), parse_size("4GiB"))
     huge = ValidationCase(1_000_000, 384, 384)

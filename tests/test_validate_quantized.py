@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.config import QuantizeConfig, ValidationConfig
+from sdtrt.core.config import QuantizeConfig, ValidationConfig
 from sdtrt.stages import quantize
-from sdtrt.validate import Tolerances, validate
+from sdtrt.tools.validate import Tolerances, validate
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

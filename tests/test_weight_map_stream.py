@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from sdtrt.config import ExportConfig, SimplifyConfig
-from sdtrt.models import load_folder, resolve_model
+from sdtrt.core.config import ExportConfig, SimplifyConfig
+from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import FOLDERS
 from sdtrt.stages import export, simplify, weight_map
 

@@ -12,8 +12,8 @@ import sys
 
 from rich.markup import escape
 
-from ..errors import SdtrtError, one_line
-from ..progress import console
+from ..core.errors import SdtrtError, one_line
+from ..core.progress import console
 from .app import DEBUG, app  # first of the CLI's modules: it quiets third-party libraries before they load
 
 # isort: split

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
-from ..errors import ArtifactError, RequestError, StoreError
-from ..store import Artifact, Store
+from ..core.errors import ArtifactError, RequestError, StoreError
+from ..core.store import Artifact, Store
 from .options import EnginesOpt
 
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)

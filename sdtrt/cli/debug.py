@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..errors import RequestError
-from ..progress import results, step
+from ..core.errors import RequestError
+from ..core.progress import results, step
 from . import options as o
 
 
@@ -45,9 +45,9 @@ def debug_command(
 
     Example: sdtrt debug engines/build-ort/2a06c39aaf814d52 --json debug.json
     """
-    from ..debug import DebugConfig, debug, debug_set
-    from ..errors import ParityError
-    from ..models import resolve_model
+    from ..core.errors import ParityError
+    from ..sources.models import resolve_model
+    from ..tools.debug import DebugConfig, debug, debug_set
 
     if not max_error > 0:
         raise RequestError(f"--max-error {max_error}: a normalised error limit must be above 0 (e.g. 0.05)")

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..errors import LoraError
-from ..progress import results, step
+from ..core.errors import LoraError
+from ..core.progress import results, step
 from . import options as o
 
 app = typer.Typer(
@@ -35,8 +35,8 @@ def inspect_command(
     """
     from rich.table import Table
 
-    from ..lora import coverage
-    from ..lora_files import describe, read_lora
+    from ..lora.files import describe, read_lora
+    from ..lora.refit import coverage
 
     artifact = o.find_engine(engine, engines) if engine else None
     source = o.model_for(model, artifact) if artifact or model else None
@@ -46,7 +46,7 @@ def inspect_command(
         results.print(escape(f"{key}: {summary[key]}"))
     fits = None
     if artifact and source:
-        from ..pipeline import engine_members
+        from ..pipeline.loading import engine_members
         from ..stages.weight_map import for_engine
 
         members = engine_members(artifact)
@@ -86,8 +86,8 @@ def random_command(
 
     Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders
     """
-    from ..lora_files import lora_out, random_lora
-    from ..models import resolve_model
+    from ..lora.files import lora_out, random_lora
+    from ..sources.models import resolve_model
 
     out = lora_out(out)  # a usage error, before the model loads
     with step(f"Making a random rank-{rank} LoRA for {model}"):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..config import (
+from ..core.config import (
     COMPONENTS,
     Component,
     ExportConfig,
@@ -30,15 +30,15 @@ from ..config import (
     parse_size,
     target_precision_problem,
 )
-from ..errors import ArtifactNotFoundError, ConfigError, RequestError, StoreError
-from ..models import ModelSource
-from ..presets import PRESETS
+from ..core.errors import ArtifactNotFoundError, ConfigError, RequestError, StoreError
+from ..core.store import Artifact, Store
+from ..core.trt_products import gpu_only_problem, parse_compute_capabilities, product, rtx_missing
+from ..sources.models import ModelSource
+from ..sources.presets import PRESETS
 from ..spec import GraphSpec
-from ..store import Artifact, Store
-from ..trt_products import gpu_only_problem, parse_compute_capabilities, product, rtx_missing
 
 if TYPE_CHECKING:
-    from ..request import GenerateRequest
+    from ..pipeline.request import GenerateRequest
 
 ModelOpt = Annotated[
     str,
@@ -328,7 +328,7 @@ TF32Opt = Annotated[
 
 def check_target_precision(target: Target, precision: Precision) -> None:
     """A precision the target cannot build is a usage error (exit 2), before any model loads."""
-    from ..compile import resolve_target
+    from ..tools.compile import resolve_target
 
     if problem := target_precision_problem(resolve_target(target)[0], precision):
         raise RequestError(problem)
@@ -426,7 +426,7 @@ def with_trt_options(command: Callable[..., None]) -> Callable[..., None]:
 def model_for(model: str | None, engine: Artifact | None) -> ModelSource:
     """``--model`` when given (checked against ``engine``: exit 2 when the engine was made from another model),
     else the model ``engine`` was made from, else the tiny preset."""
-    from ..models import resolve_model
+    from ..sources.models import resolve_model
     from ..stages.engine_set import check_pairing, engine_members, recorded_model
 
     if model:
@@ -453,8 +453,8 @@ def check_engine_size(artifact: Artifact | None, request: GenerateRequest) -> No
 def lora_options(values: list[str] | None) -> list[tuple[str, float]]:
     """``--lora FILE[:SCALE]`` options, checked before anything loads: a bad scale or a missing file is a
     usage error (exit 2); what is inside the file is checked where it is read."""
-    from ..errors import LoraError
-    from ..lora_files import parse_lora_option
+    from ..core.errors import LoraError
+    from ..lora.files import parse_lora_option
 
     loras = []
     for value in values or []:

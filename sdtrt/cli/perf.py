@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 
-from ..config import BENCH_BACKENDS, BenchConfig, Precision
-from ..errors import ConfigError, RequestError
-from ..progress import console, results, step
-from ..request import GenerateRequest, SizeRule
+from ..core.config import BENCH_BACKENDS, BenchConfig, Precision
+from ..core.errors import ConfigError, RequestError
+from ..core.progress import console, results, step
+from ..pipeline.request import GenerateRequest, SizeRule
 from . import options as o
 
 
@@ -49,7 +49,7 @@ def bench(
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
     """
-    from ..models import resolve_model
+    from ..sources.models import resolve_model
 
     loras = tuple(o.lora_options(lora))
     try:  # backends and their precisions: a usage error before anything loads
@@ -63,7 +63,7 @@ def bench(
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
         o.ensure_parent(path, option)
-    from ..bench import check_engines_ran, run_bench, write_chart
+    from ..tools.bench import check_engines_ran, run_bench, write_chart
 
     report = run_bench(
         source, config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
@@ -88,7 +88,7 @@ def print_bench(report: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..bench import NOISY_RATIO, denoiser_label
+    from ..tools.bench import NOISY_RATIO, denoiser_label
 
     cfg = report["config"]
     table = Table(
@@ -157,9 +157,9 @@ def profile_command(
 
     from rich.table import Table
 
-    from ..bench import denoiser_label
-    from ..profile import OUTLIER_FACTOR, profile_generation
     from ..spec import denoiser_component
+    from ..tools.bench import denoiser_label
+    from ..tools.profile import OUTLIER_FACTOR, profile_generation
 
     with step("Profiling one generation"):
         result = profile_generation(

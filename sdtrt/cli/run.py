@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from ..config import ValidationConfig
-from ..errors import RequestError
-from ..families import TASKS
-from ..progress import counted_steps, results, step
-from ..request import (
+from ..core.config import ValidationConfig
+from ..core.errors import RequestError
+from ..core.families import TASKS
+from ..core.progress import counted_steps, results, step
+from ..pipeline.request import (
     FLOW_SCHEDULERS,
     SCHEDULERS,
     GenerateRequest,
@@ -29,8 +29,8 @@ from ..request import (
 from . import options as o
 
 if TYPE_CHECKING:
-    from ..block_parity import BlockParityReport
-    from ..validate import ValidationReport
+    from ..tools.block_parity import BlockParityReport
+    from ..tools.validate import ValidationReport
 
 SchedulerOpt = Annotated[
     str | None,
@@ -98,7 +98,7 @@ def generate_command(
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     """
-    from ..families import pipeline_class_name
+    from ..core.families import pipeline_class_name
     from ..stages.engine_set import engine_members, engine_profile
 
     if task is not None and task not in TASKS:
@@ -120,7 +120,7 @@ def generate_command(
     check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
 
-    from ..pipeline import generate, load_pipeline
+    from ..pipeline.loading import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
@@ -167,7 +167,7 @@ def validate_command(
     artifact = artifact or o.find_engine(engine, engines)
     check_validation(config, rule, engine_profile(engine_members(artifact)))  # the size, against the engines
 
-    from ..validate import validate
+    from ..tools.validate import validate
 
     report = validate(source, artifact, config)
     print_report(report, results)
@@ -210,7 +210,7 @@ def check_blocks_command(
 
     Example: sdtrt check-blocks --engine engines/export/6f0b7933d0e6c464 --block transformer_blocks.0
     """
-    from ..block_parity import check_blocks, check_checkable
+    from ..tools.block_parity import check_blocks, check_checkable
 
     o.ensure_parent(json_out, "--json")
     artifact = o.find_engine(engine, engines)

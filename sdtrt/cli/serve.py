@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from ..client import TIMEOUT_S
-from ..deploy import InstanceKind, TritonDeployConfig
-from ..request import GenerateRequest
+from ..pipeline.request import GenerateRequest
+from ..serving.client import TIMEOUT_S
+from ..serving.deploy import InstanceKind, TritonDeployConfig
 from . import options as o
 
 deploy_app = typer.Typer(help="Write a serving deployment of an engine.", no_args_is_help=True)
@@ -57,8 +57,8 @@ def deploy_triton_command(
 
     Example: sdtrt deploy triton --engine engines/set/2a06c39aaf814d52 --out model_repository
     """
-    from ..deploy import deploy_triton
-    from ..models import resolve_model
+    from ..serving.deploy import deploy_triton
+    from ..sources.models import resolve_model
 
     budget = o.weight_budget(weight_streaming_budget)  # exit 2 when malformed, before anything loads
     config = TritonDeployConfig(
@@ -84,8 +84,8 @@ def serve_command(
 
     Example: sdtrt serve model_repository --http-port 8000
     """
-    from ..progress import console
-    from ..serve import ServeConfig, start_server
+    from ..core.progress import console
+    from ..serving.serve import ServeConfig, start_server
 
     def interrupt(signum: int, _frame: object) -> None:
         # SIGTERM (docker stop, Kubernetes) and SIGHUP (its terminal closed; the server, in a session of its own, does
@@ -123,7 +123,7 @@ def client_command(
     """
     from PIL import Image
 
-    from ..client import txt2img
+    from ..serving.client import txt2img
 
     o.ensure_image_file(out, "--out")
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)

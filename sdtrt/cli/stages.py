@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from ..config import (
+from ..core.config import (
     CALIBRATION_PROMPTS,
     COMPONENTS,
     QUANT_LEVELS,
@@ -25,15 +25,15 @@ from ..config import (
     WrapConfig,
     parse_level,
 )
-from ..errors import ArtifactError, ConfigError, RequestError
-from ..progress import console
+from ..core.errors import ArtifactError, ConfigError, RequestError
+from ..core.progress import console
 from ..spec import denoiser_component, model_components
 from . import options as o
 
 if TYPE_CHECKING:
-    from ..guard import GuardReport
-    from ..models import ModelSource
-    from ..store import Artifact
+    from ..core.store import Artifact
+    from ..sources.models import ModelSource
+    from ..tools.guard import GuardReport
 
 InputArg = Annotated[
     str, typer.Argument(help="The previous stage's artifact: a directory or .onnx file, or a key from `cache ls`.")
@@ -101,7 +101,7 @@ def export(
 
     Example: sdtrt export --model tiny --component vae_decoder --precision fp16
     """
-    from ..models import resolve_model
+    from ..sources.models import resolve_model
     from ..stages import export as export_stage
 
     o.check_export_options(exporter, weights)
@@ -128,7 +128,7 @@ def quantize(
     Writes the graph ONNX Runtime runs (the artifact's primary, for simplify/build/validate) and the one TensorRT
     builds (the manifest's `graphs`). Example: sdtrt quantize --model tiny --precision fp8 --level 3
     """
-    from ..models import resolve_model
+    from ..sources.models import resolve_model
     from ..stages import quantize as quantize_stage
 
     config = quantize_config(precision, level, algorithm, calibration_prompts, calibration_steps)
@@ -225,7 +225,7 @@ def simplify(
 
     Example: sdtrt simplify engines/export/1d00aad79ae0e190 --memory-budget 8GiB
     """
-    from ..onnx_graph import ONNX_STAGES
+    from ..graph.onnx_graph import ONNX_STAGES
     from ..stages import simplify as simplify_stage
 
     config = o.simplify_config(method, check, memory_budget)
@@ -252,8 +252,8 @@ def build(
 
     Example: sdtrt build engines/simplify/070be7b4789a3682 --target tensorrt --height 256:512:768
     """
-    from ..compile import build as build_engine
-    from ..onnx_graph import ONNX_STAGES, artifact_spec
+    from ..graph.onnx_graph import ONNX_STAGES, artifact_spec
+    from ..tools.compile import build as build_engine
 
     trt.check(target)
     store = o.open_store(engines)
@@ -330,9 +330,9 @@ def compile(
 
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
     """
-    from ..compile import compile_model
-    from ..models import resolve_model
+    from ..sources.models import resolve_model
     from ..stages import export as export_stage
+    from ..tools.compile import compile_model
     from .run import print_report
 
     o.check_export_options(exporter, weights)
@@ -381,7 +381,7 @@ def compile(
     validation = ValidationConfig(memory_budget=simplify_config.memory_budget)
     guarded = None
     if min_psnr is not None and quantized is not None:
-        from ..guard import GuardConfig, guard
+        from ..tools.guard import GuardConfig, guard
 
         guarded = guard(source, store, quantized, GuardConfig(min_psnr, guard_rounds), validation, **options)
         result = guarded.result

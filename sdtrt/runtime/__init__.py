@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from ..config import ShapeProfile, WeightBudget
-from ..errors import ArtifactError, RequestError
+from ..core.config import ShapeProfile, WeightBudget
+from ..core.errors import ArtifactError, RequestError
 from .base import Runtime
 
 if TYPE_CHECKING:
-    from ..models import ModelSource
-    from ..store import Artifact
+    from ..core.store import Artifact
+    from ..sources.models import ModelSource
     from .device_memory import SharedDeviceMemory
 
 __all__ = ["Runtime", "artifact_profile", "check_weight_budget", "open_members", "open_runtime"]
@@ -55,12 +55,12 @@ def open_runtime(
     (others keep all their weights on the GPU: an engine set may stream only its largest member);
     ``device_memory`` is the activation buffer a TensorRT plan shares with the members it runs in turn with.
     """
-    from ..onnx_graph import ONNX_STAGES, artifact_spec
+    from ..graph.onnx_graph import ONNX_STAGES, artifact_spec
 
     artifact.require_intact()
     spec = artifact_spec(artifact, model)
     if artifact.stage in ONNX_STAGES:
-        from ..config import target_precision_problem
+        from ..core.config import target_precision_problem
         from .onnxruntime import OnnxRuntime
 
         if problem := target_precision_problem("onnxruntime", spec.precision):

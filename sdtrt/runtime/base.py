@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..config import ShapeProfile
-from ..errors import EngineInputError
+from ..core.config import ShapeProfile
+from ..core.errors import EngineInputError
 
 if TYPE_CHECKING:
     from ..spec import GraphSpec

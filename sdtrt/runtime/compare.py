@@ -1,7 +1,7 @@
 """Comparing outputs: tensor statistics, and two graphs of one component run side by side on ONNX Runtime.
 
 Here, below the stages, because simplify and build-ort accept a graph only when it gives what its
-input graph gives; validation (sdtrt.validate) builds its PyTorch comparisons on the same statistics.
+input graph gives; validation (sdtrt.tools.validate) builds its PyTorch comparisons on the same statistics.
 """
 
 from __future__ import annotations

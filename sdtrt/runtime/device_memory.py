@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..store import Artifact
+    from ..core.store import Artifact
 
 
 class SharedDeviceMemory:

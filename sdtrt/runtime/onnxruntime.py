@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ShapeProfile
-from ..errors import ArtifactError, one_line
+from ..core.config import ShapeProfile
+from ..core.errors import ArtifactError, one_line
 from ..spec import GraphSpec
 from .base import TORCH_DTYPES, check_feeds, typed_inputs
 

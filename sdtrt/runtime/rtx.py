@@ -16,9 +16,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ArtifactError, EnvironmentMismatchError
-from ..gpu import gpu_environment
-from ..trt_products import TENSORRT_RTX, load
+from ..core.errors import ArtifactError, EnvironmentMismatchError
+from ..core.gpu import gpu_environment
+from ..core.trt_products import TENSORRT_RTX, load
 
 if TYPE_CHECKING:
     import tensorrt_rtx as rtx

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..config import WeightBudget
-from ..errors import ArtifactError, ConfigError, EngineInputError, LoraError, MissingDependencyError, RefitError
-from ..gpu import check_engine_environment, rebuild_command, require_tensorrt
+from ..core.config import WeightBudget
+from ..core.errors import ArtifactError, ConfigError, EngineInputError, LoraError, MissingDependencyError, RefitError
+from ..core.gpu import check_engine_environment, rebuild_command, require_tensorrt
+from ..core.store import Artifact, digest, located
+from ..core.trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
 from ..spec import GraphSpec
-from ..store import Artifact, digest, located
-from ..trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
 from . import rtx
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 from .device_memory import SharedDeviceMemory
@@ -229,7 +229,7 @@ class BaseWeights:
         self._held: dict[str, np.ndarray] = {}
 
     def __call__(self, names: set[str]) -> dict[str, np.ndarray]:
-        from ..graph_weights import read_named_initializers
+        from ..graph.graph_weights import read_named_initializers
 
         if unread := names - set(self._held):
             self._held |= read_named_initializers(self.graph, unread)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ShapeProfile
+from ..core.config import ShapeProfile
 from ..spec import UNetSpec
 from .base import check_feeds
 

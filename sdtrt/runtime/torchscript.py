@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ShapeProfile
-from ..gpu import require_torch_tensorrt
+from ..core.config import ShapeProfile
+from ..core.gpu import require_torch_tensorrt
 from ..spec import GraphSpec
 from .base import CudaRuntime, check_feeds, typed_inputs
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import COMPONENTS, Component, IONaming, Precision
-from ..errors import ArtifactError
+from ..core.config import COMPONENTS, Component, IONaming, Precision
+from ..core.errors import ArtifactError
 from .base import (
     AXIS_LABELS,
     FOLDERS,

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from ..config import Component, IONaming, Precision, Range, ShapeProfile
+from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
 
 if TYPE_CHECKING:
     import torch

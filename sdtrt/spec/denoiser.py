@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config import Range, ShapeProfile
-from ..families import UNetConditioning
+from ..core.config import Range, ShapeProfile
+from ..core.families import UNetConditioning
 from .base import TEXT_TOKENS, GraphSpec, TensorSpec, ValidationCase, scaled_axis
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..config import Component, IONaming, Precision, Range, ShapeProfile
+from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
 from .base import FOLDERS, TEXT_TOKENS, GraphSpec, ModelConfigs, TensorSpec, token_range
 
 
@@ -110,7 +110,7 @@ class T5EncoderSpec(GraphSpec):
         cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
     ) -> T5EncoderSpec:
         """This component's contract for ``model``: T5's width and vocabulary, the family's token count."""
-        from ..families import T5_TOKENS, transformer_family
+        from ..core.families import T5_TOKENS, transformer_family
 
         config = model.component_config(FOLDERS[cls.component])
         tokens = (

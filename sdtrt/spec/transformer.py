@@ -11,9 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..config import Component, IONaming, Precision, ShapeProfile
-from ..errors import ArtifactError
-from ..families import T5_TOKENS, transformer_family
+from ..core.config import Component, IONaming, Precision, ShapeProfile
+from ..core.errors import ArtifactError
+from ..core.families import T5_TOKENS, transformer_family
 from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
 from .denoiser import DenoiserSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..config import Component, IONaming, Precision
+from ..core.config import Component, IONaming, Precision
 from .base import NAMED_INPUTS, NAMED_OUTPUT, ModelConfigs, TensorSpec
 from .denoiser import DenoiserSpec, residual_layout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import Component, IONaming, Precision, ShapeProfile
+from ..core.config import Component, IONaming, Precision, ShapeProfile
 from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
 
 

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import onnx_graph
-from ..config import OrtBuildConfig
-from ..progress import step
+from ..core.config import OrtBuildConfig
+from ..core.progress import step
+from ..core.store import Artifact, StageRequest, Store, environment
+from ..graph import onnx_graph
 from ..runtime.compare import compare_graphs
 from ..runtime.onnxruntime import session_options
-from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "build-ort"
 VERSION = 1

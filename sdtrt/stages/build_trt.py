@@ -3,7 +3,7 @@
 A datacenter TensorRT engine is specific to the TensorRT version and the GPU's compute capability, so both enter
 the cache key and the manifest; the runtime refuses an engine built for anything else. A TensorRT-RTX plan is built
 without a GPU for a set of compute capabilities (``--compute-capability``, or TensorRT-RTX's default), which enter the
-key and manifest with the TensorRT-RTX version (sdtrt/trt_products.py names how the two differ).
+key and manifest with the TensorRT-RTX version (sdtrt/core/trt_products.py names how the two differ).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..config import TrtBuildConfig, default_optimization_level
-from ..errors import BuildError, ConfigError, MissingDependencyError
-from ..gpu import (
+from ..core.config import TrtBuildConfig, default_optimization_level
+from ..core.errors import BuildError, ConfigError, MissingDependencyError
+from ..core.gpu import (
     gpu_environment,
     quantization_problem,
     require_quantization_support,
@@ -28,10 +28,9 @@ from ..gpu import (
     require_tensorrt,
     tensorrt_version,
 )
-from ..progress import step
-from ..store import Artifact, StageRequest, Store, environment
-from ..trt_build_worker import REFUSED_EXIT, layer_summary
-from ..trt_products import (
+from ..core.progress import step
+from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.trt_products import (
     DEFAULT_COMPUTE_CAPABILITIES,
     TENSORRT_RTX,
     Product,
@@ -41,6 +40,7 @@ from ..trt_products import (
     rtx_missing,
 )
 from .quantize import quantization, tensorrt_graph, tensorrt_spec
+from .trt_build_worker import REFUSED_EXIT, layer_summary
 
 STAGE = "build-trt"
 VERSION = 2  # 2: the plan is named after its component (settings added since enter the key only when set)
@@ -154,7 +154,7 @@ def parameter_count(graph: Path) -> int:
     """How many weights the graph holds: its initializers' elements, read from the graph without its weights."""
     import math
 
-    from ..onnx_graph import load_graph
+    from ..graph.onnx_graph import load_graph
 
     return sum(math.prod(init.dims) for init in load_graph(graph).graph.initializer)
 
@@ -165,7 +165,9 @@ def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, 
     and why that level."""
     tf32 = config.tf32_for(tensorrt_spec(source).precision)
     if not product(config.product).optimization_level:
-        return replace(config, tf32=tf32), "none: TensorRT-RTX does no autotuning at build time (sdtrt/trt_products.py)"
+        return replace(
+            config, tf32=tf32
+        ), "none: TensorRT-RTX does no autotuning at build time (sdtrt/core/trt_products.py)"
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
     parameters, architecture = parameter_count(tensorrt_graph(source)), tensorrt_spec(source).architecture
@@ -240,7 +242,7 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
     how_long = "minutes for SD 1.5" if which.builds_on_gpu else "ahead of time on the CPU; seconds for tiny models"
     with step(f"Building the {which.label} plan ({how_long})"), log_path.open("w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "sdtrt.trt_build_worker", str(request_path)],
+            [sys.executable, "-m", "sdtrt.stages.trt_build_worker", str(request_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -15,16 +15,16 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..families import accepted
-from ..progress import quiet_loading
+from ..core.errors import ConfigError
+from ..core.families import accepted
+from ..core.progress import quiet_loading
 from ..spec import denoiser_component
 
 if TYPE_CHECKING:
     import torch
 
-    from ..config import QuantizeConfig
-    from ..models import ModelSource
+    from ..core.config import QuantizeConfig
+    from ..sources.models import ModelSource
 
 
 @dataclass

@@ -10,12 +10,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import COMPONENTS, Component, ShapeProfile
-from ..errors import ArtifactError, ConfigError, EngineMismatchError
-from ..models import ModelSource, resolve_model
-from ..onnx_graph import artifact_spec
+from ..core.config import COMPONENTS, Component, ShapeProfile
+from ..core.errors import ArtifactError, ConfigError, EngineMismatchError
+from ..core.store import Artifact, StageRequest, Store, environment
+from ..graph.onnx_graph import artifact_spec
+from ..sources.models import ModelSource, resolve_model
 from ..spec import FOLDERS, component_spec, model_components, spec_from_json
-from ..store import Artifact, StageRequest, Store, environment
 
 STAGE = "set"
 VERSION = 1

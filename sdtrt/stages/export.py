@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .. import onnx_graph, onnx_weights
-from ..config import ExportConfig
-from ..errors import ExportError, one_line
-from ..models import ModelSource, load_folder
-from ..progress import quiet_loading, step
+from ..core.config import ExportConfig
+from ..core.errors import ExportError, one_line
+from ..core.progress import quiet_loading, step
+from ..core.store import Artifact, StageRequest, Store, digest, environment
+from ..graph import onnx_graph, onnx_weights
+from ..sources.models import ModelSource, load_folder
 from ..spec import FOLDERS, GraphSpec, component_spec
-from ..store import Artifact, StageRequest, Store, digest, environment
 
 if TYPE_CHECKING:
     import torch
@@ -148,7 +148,7 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> L
         return config.weights
     if exporter_for(config, spec) != "dynamo":
         return "load"
-    from ..onnx_weights import weights_size
+    from ..graph.onnx_weights import weights_size
 
     return "stream" if weights_size(model.component_dir(FOLDERS[spec.component])) > STREAM_ABOVE else "load"
 
@@ -264,7 +264,7 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
 def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
     import torch
 
-    from ..patches import export_patches
+    from .patches import export_patches
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision, torch.float32)
     timings: dict[str, float] = {}

@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import onnx_graph
-from ..config import QUANT_LEVELS, Component, ExportConfig, Precision, QuantizeConfig
-from ..errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
-from ..models import ModelSource
-from ..progress import quiet_loading, step
+from ..core.config import QUANT_LEVELS, Component, ExportConfig, Precision, QuantizeConfig
+from ..core.errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
+from ..core.progress import quiet_loading, step
+from ..core.store import Artifact, StageRequest, Store, digest, environment
+from ..graph import onnx_graph
+from ..sources.models import ModelSource
 from ..spec import GraphSpec, denoiser_component
-from ..store import Artifact, StageRequest, Store, digest, environment
 from . import calibration, export
 
 if TYPE_CHECKING:
@@ -496,7 +496,7 @@ def _export(network: torch.nn.Module, spec: GraphSpec, path: Path) -> None:
     on them as shipped)."""
     import torch
 
-    from ..patches import export_patches
+    from .patches import export_patches
 
     module = export.graph_module(spec, network)
     config = ExportConfig(precision=spec.precision, opset=OPSET, exporter="torchscript", component=spec.component)

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import onnx_graph
-from ..config import BF16_ON_ONNXRUNTIME, SimplifyConfig, SimplifyMethod, format_size
-from ..errors import SimplifyError
-from ..progress import console, step
+from ..core.config import BF16_ON_ONNXRUNTIME, SimplifyConfig, SimplifyMethod, format_size
+from ..core.errors import SimplifyError
+from ..core.progress import console, step
+from ..core.store import Artifact, StageRequest, Store, environment
+from ..graph import onnx_graph
 from ..runtime.compare import compare_graphs
 from ..runtime.onnxruntime import quiet_default_logger
-from ..store import Artifact, StageRequest, Store, environment
 
 if TYPE_CHECKING:
     import onnx

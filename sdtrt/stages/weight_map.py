@@ -10,7 +10,7 @@ initializer's columns (onnxsim's fuse_qkv pass packs CLIP's q/k/v projections in
 Flux's q/k/v and add_q/k/v projections reach the engine graph packed too).
 A parameter found nowhere (folded into something else), found twice (ambiguous), or sharing its
 initializer with another parameter (deduplicated constants) is listed as unmapped with the
-reason, and a LoRA touching it is refused by name (sdtrt.lora).
+reason, and a LoRA touching it is refused by name (sdtrt.lora.refit).
 
 The map is its own small artifact, ``weight-map/<key>/weight_map.json``, not part of the simplify
 artifact: it reads every weight of the graph and of the network, which only engines that take LoRAs should pay
@@ -40,19 +40,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import onnx_graph
-from ..errors import LoraError, UnsupportedModelError
-from ..graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
-from ..onnx_weights import numpy_dtype, read_tensor, safetensors_file_index
-from ..progress import quiet_loading, step
+from ..core.errors import LoraError, UnsupportedModelError
+from ..core.progress import quiet_loading, step
+from ..core.store import Artifact, StageRequest, Store, environment
+from ..graph import onnx_graph
+from ..graph.graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
+from ..graph.onnx_weights import numpy_dtype, read_tensor, safetensors_file_index
 from ..spec import FOLDERS
-from ..store import Artifact, StageRequest, Store, environment
 from .quantize import quantization
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..models import ModelSource
+    from ..sources.models import ModelSource
 
 STAGE = "weight-map"
 VERSION = 2  # 2: packed q/k/v initializers (Placement.columns)
@@ -113,7 +113,7 @@ def _produce(graph: Artifact, model: ModelSource, component: str, out_dir: Path)
 
 def lora_parameters(network: Any) -> dict[str, Any]:
     """The weights a LoRA can touch: every Linear and Conv2d weight, by state-dict name (CLIP's without
-    ``text_model.``, as sdtrt.lora_files.peft_names names LoRA modules)."""
+    ``text_model.``, as sdtrt.lora.files.peft_names names LoRA modules)."""
     return {param: module.weight.detach() for param, _, module in _lora_modules(network)}
 
 

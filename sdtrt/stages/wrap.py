@@ -18,12 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import WrapConfig
-from ..errors import ArtifactError
-from ..gpu import check_engine_environment, gpu_environment, require_torch_tensorrt, tensorrt_version
-from ..onnx_graph import artifact_spec
-from ..progress import step
-from ..store import Artifact, StageRequest, Store, environment
+from ..core.config import WrapConfig
+from ..core.errors import ArtifactError
+from ..core.gpu import check_engine_environment, gpu_environment, require_torch_tensorrt, tensorrt_version
+from ..core.progress import step
+from ..core.store import Artifact, StageRequest, Store, environment
+from ..graph.onnx_graph import artifact_spec
 
 STAGE = "wrap"
 VERSION = 2  # 2: the module is named after its component

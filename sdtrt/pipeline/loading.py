@@ -1,0 +1,337 @@
+"""Ready diffusers pipelines whose networks are engines: same class, same call, same images."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from functools import partial, wraps
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from rich.markup import escape
+
+from ..core.config import TEXT_ENCODERS, WeightBudget
+from ..core.errors import LoraError
+from ..core.families import Task, accepted, pipeline_class_name
+from ..core.progress import console
+from ..core.store import Artifact
+from ..lora.files import LORA_COMPONENTS, LoraSpec
+from ..lora.refit import EngineLoras, LoraNetwork, apply_loras, fuse_loras
+from ..runtime import Runtime, check_weight_budget, open_members
+from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_model
+from ..spec import FOLDERS, T5EncoderSpec, model_components
+from ..stages import weight_map as weight_maps
+from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
+from ..standins.base import (
+    EngineModule,
+    EngineT5,
+    EngineTextEncoder,
+    EngineVAE,
+    final_layer_norm,
+    saved_engines,
+    text_encoder_config,
+)
+from ..standins.unet import EngineUNet
+from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
+
+if TYPE_CHECKING:
+    from ..tools.compile import CompileResult
+
+__all__ = [
+    "SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_loras", "set_scheduler", "with_components"
+]  # fmt: skip
+
+
+def set_scheduler(pipe: Any, name: str) -> None:
+    import diffusers
+
+    from ..core.families import transformer_family
+
+    # Only whether the denoiser is a flow-matching transformer matters to the check: a UNet's family is left out.
+    transformer = getattr(pipe, "transformer", None)
+    family = "unet" if transformer is None else transformer_family(dict(transformer.config))
+    scheduler = getattr(diffusers, check_scheduler(name, family, type(pipe).__name__))
+    if type(pipe).__name__.startswith("LatentConsistencyModel"):
+        scheduler = consistency_scheduler(scheduler)
+    pipe.scheduler = scheduler.from_config(pipe.scheduler.config)
+
+
+def consistency_scheduler(scheduler: Any) -> Any:
+    """A consistency scheduler (check_scheduler: LCM or TCD) fit for the LatentConsistencyModel pipelines.
+
+    They hand ``step`` eta=None (diffusers' pipeline_latent_consistency_text2img.py: prepare_extra_step_kwargs(
+    generator, None)), which TCD cannot take: there None means TCD's own default eta.
+    """
+    takes_eta = inspect.signature(scheduler.step).parameters.get("eta")
+    if takes_eta is None:
+        return scheduler
+
+    @wraps(scheduler.step)  # the pipeline reads step's signature to decide what to pass (generator, eta)
+    def step(self: Any, *args: Any, eta: float | None = None, **kwargs: Any) -> Any:
+        return scheduler.step(self, *args, eta=takes_eta.default if eta is None else eta, **kwargs)
+
+    return type(scheduler.__name__, (scheduler,), {"step": step})
+
+
+def load_pipeline(
+    model: str | ModelSource,
+    engine: str | os.PathLike[str] | Artifact | CompileResult | None = None,
+    *,
+    scheduler: str | None = None,
+    task: Task | None = None,
+    dtype: torch.dtype = torch.float32,
+    loras: Sequence[LoraSpec] = (),
+    weight_budget: WeightBudget | str | None = None,
+) -> Any:
+    """The diffusers pipeline ``model_index.json`` names (or its family's ``task`` variant); with ``engine``,
+    its networks run on engines.
+
+    ``task`` picks txt2img, img2img or inpaint within the model's family (StableDiffusion…,
+    StableDiffusionXL…, LatentConsistencyModel…). ``engine`` is an artifact directory (or file inside
+    one) from ``sdtrt compile``/``build`` — a UNet engine or an engine set — an Artifact, or what
+    ``compile_model`` returned. Components the engine (or set) lacks stay PyTorch (one line on stderr says which).
+    Without ``engine`` the pipeline is plain PyTorch (the reference engines are checked against), unless
+    ``model`` is a folder an engine pipeline was saved to (``pipe.save_pretrained``): then it runs on the
+    engines recorded there again.
+    ``loras``: (file, scale) pairs, put into the engines' weights (``set_loras``), or fused by diffusers
+    into PyTorch networks when no network is an engine.
+    ``weight_budget``: GPU memory for the weights of TensorRT engines built with weight streaming (``auto``,
+    ``50%``, ``8GiB``; see config.WeightBudget); RequestError when no engine streams.
+    The TensorRT members of one pipeline share one activation buffer (runtime.device_memory): never call two of
+    its networks at the same time (two threads or streams); load a pipeline per thread.
+    """
+    import diffusers
+
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    with quiet_loading():  # importing the pipelines makes transformers warn about torchvision
+        cls = getattr(diffusers, pipeline_class_name(source.pipeline_class(), task))
+    if engine is not None:
+        members = engine_members(_as_artifact(engine))
+    else:
+        members = {c: Artifact.open(path) for c, path in saved_engines(source.path).items()}
+    budget = WeightBudget.parse(weight_budget) if isinstance(weight_budget, str) else weight_budget
+    check_weight_budget(members.values(), budget)
+    # Skip loading what engines replace (3.4 GB for SD 1.5's UNet); diffusers type-checks components
+    # given to from_pretrained, so the stand-ins go in through the constructor.
+    skipped = {FOLDERS[c]: None for c in members if not (c == "vae_encoder" and "vae_decoder" not in members)}
+    no_checker = {"safety_checker": None, "requires_safety_checker": False}
+    with quiet_loading():
+        pipe = cls.from_pretrained(
+            source.path, dtype=dtype, local_files_only=True, **accepted(cls, no_checker), **skipped
+        )
+    if members:
+        pipe = with_components(pipe, standins(source, members, pipe.vae, dtype, budget))
+        on_pytorch = [c for c in model_components(source) if c not in members]
+        if on_pytorch and engine is not None:  # a saved pipeline's engines were chosen before
+            where = "the engine set" if _as_artifact(engine).stage == "set" else f"the {', '.join(members)} engine"
+            console.print(f"[dim]on PyTorch (not in {where}): {', '.join(on_pytorch)}[/]")
+        refuse_diffusers_loras(pipe)
+    if loras and lora_networks(pipe):
+        set_loras(pipe, loras)
+    elif loras:
+        fuse_loras(pipe, loras)
+    pipe.set_progress_bar_config(disable=True)
+    if scheduler:
+        set_scheduler(pipe, scheduler)
+    return pipe
+
+
+# diffusers' LoRA methods change PyTorch modules: on engines they would fail deep inside diffusers
+# (load_lora_weights) or silently do nothing (fuse_lora).
+DIFFUSERS_LORA_METHODS = (
+    "load_lora_weights", "fuse_lora", "unfuse_lora", "set_adapters", "unload_lora_weights", "delete_adapters",
+    "enable_lora", "disable_lora",
+)  # fmt: skip
+
+
+def refuse_diffusers_loras(pipe: Any) -> None:
+    """Make diffusers' LoRA methods on an engine pipeline raise a LoraError that says what to call instead."""
+
+    def refusal(name: str) -> Callable[..., None]:
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise LoraError(
+                f"pipe.{name} works on PyTorch networks, and this pipeline's run on engines: use "
+                "sdtrt.set_loras(pipe, [(file, scale)]) or load_pipeline(..., loras=[(file, scale)])"
+            )
+
+        return refuse
+
+    for name in DIFFUSERS_LORA_METHODS:
+        if hasattr(pipe, name):
+            setattr(pipe, name, refusal(name))
+
+
+def lora_networks(pipe: Any) -> list[EngineLoras]:
+    """The LoRAs of each engine network in ``pipe`` that takes them (UNet, text encoders)."""
+    networks = (getattr(pipe, c, None) for c in LORA_COMPONENTS)
+    return [n.loras for n in networks if isinstance(n, LoraNetwork) and n.loras is not None]
+
+
+def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
+    """Put these (file, scale) LoRAs into every engine network of ``pipe``: UNet and text encoders alike.
+
+    Each weight is computed from the engine's base weights (any earlier set is undone); all files are
+    checked before any engine changes, so LoraError leaves the pipeline as it was. ``[]`` clears them.
+    """
+    networks = lora_networks(pipe)
+    if not networks:
+        raise LoraError(
+            "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
+        )
+
+    def elsewhere(network: str) -> str:
+        if getattr(pipe, network, None) is None:  # an SDXL LoRA's second text encoder on an SD 1.x pipeline
+            return ", which this pipeline does not have: a LoRA for another architecture?"
+        return ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
+
+    apply_loras(networks, loras, elsewhere)
+
+
+def standins(
+    source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype,
+    weight_budget: WeightBudget | None = None, opened: dict[str, Runtime] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
+    ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
+    runtimes = open_members(members, source, weight_budget, opened)
+    out: dict[str, EngineModule] = {}
+
+    def loras(component: str) -> EngineLoras:
+        return EngineLoras(
+            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component),
+            family=source.family(),
+        )  # fmt: skip
+
+    for component, runtime in runtimes.items():
+        if component in NETWORK_STANDINS:
+            out[FOLDERS[component]] = NETWORK_STANDINS[component](source, component, runtime, dtype, loras)
+    if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
+        out["vae"] = EngineVAE(
+            source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
+            pytorch=(lambda: vae) if vae is not None else (lambda: load_folder(source, "vae")), dtype=dtype,
+        )  # fmt: skip
+    for folder, standin in out.items():  # what save_pretrained writes: the PyTorch files and the engines
+        standin.model_folder = source.component_dir(folder)
+        standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
+    return out
+
+
+StandIn = Callable[[ModelSource, str, Runtime, torch.dtype, Callable[[str], EngineLoras]], EngineModule]
+
+
+def _unet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any) -> EngineModule:
+    return EngineUNet(runtime, source.unet_config(), dtype=dtype, loras=loras(component))
+
+
+def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any) -> EngineModule:
+    from ..standins.transformer import EngineTransformer
+
+    return EngineTransformer(runtime, source.component_config(FOLDERS[component]), dtype=dtype, loras=loras(component))
+
+
+def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
+    from ..standins.controlnet import EngineControlNet
+
+    return EngineControlNet(runtime, source.component_config(FOLDERS[component]), dtype=dtype)
+
+
+def _text_encoder(
+    source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any
+) -> EngineModule:
+    """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2)."""
+    config = text_encoder_config(source, FOLDERS[component])
+    if isinstance(runtime.spec, T5EncoderSpec):
+        return EngineT5(runtime, config, dtype=dtype)
+    norm = final_layer_norm(source, config, FOLDERS[component])
+    return EngineTextEncoder(runtime, config, norm, dtype=dtype, loras=loras(component))
+
+
+# Engine component → its stand-in (the VAE's two halves make one EngineVAE, above). A new network is a row.
+NETWORK_STANDINS: dict[str, StandIn] = {
+    "unet": _unet, "transformer": _transformer, "controlnet": _controlnet,
+    **dict.fromkeys(TEXT_ENCODERS, _text_encoder),
+}  # fmt: skip
+
+
+def _as_artifact(engine: str | os.PathLike[str] | Artifact | CompileResult) -> Artifact:
+    if isinstance(engine, Artifact):
+        return engine
+    if isinstance(engine, str | os.PathLike):
+        return Artifact.open(Path(engine))
+    return engine.final  # a CompileResult: the artifact a runtime loads
+
+
+def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
+    """The same pipeline (shared components) with some components replaced.
+
+    Built through the constructor, not by assigning ``pipe.unet``: pipelines derive state from
+    their components' configs in ``__init__`` (e.g. whether ``sample_size`` is an int).
+    """
+    # Settings registered beside the components (requires_aesthetics_score, force_zeros_for_empty_prompt, …).
+    settings = accepted(type(pipe), {k: v for k, v in pipe.config.items() if k not in pipe.components})
+    replaced = type(pipe)(**pipe.components | replacements, **settings)
+    replaced.set_progress_bar_config(disable=True)
+    return replaced
+
+
+def generate(
+    pipe: Any,
+    request: GenerateRequest | Sequence[GenerateRequest],
+    on_step: Callable[[int, int], None] | None = None,
+    output_type: str = "pil",
+) -> Any:
+    """Run the pipeline once; ``on_step(step_index, total_steps)`` is called after every denoising step.
+
+    Several text-to-image requests that share size, steps and guidance run as one batch, an image
+    each, in order (``batch_kwargs``). The total comes from the scheduler: some (PNDM) run more UNet
+    steps than ``request.steps``.
+    """
+
+    def callback(_pipe: Any, step: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if on_step is not None:
+            on_step(step, len(_pipe.scheduler.timesteps))
+        return kwargs
+
+    rule = SizeRule.for_pipeline(pipe)
+    requests = [request] if isinstance(request, GenerateRequest) else request
+    for each in requests:
+        check_steps(each.steps, pipe.scheduler.config)
+    kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
+    prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
+    kwargs |= t5_kwargs(pipe, prompts)
+    for line in clip_cuts(prompts, _clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
+        console.print(f"[yellow]![/] {escape(line)}")
+    with torch.no_grad():
+        return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)
+
+
+def _clip_tokenizers(pipe: Any) -> dict[str, Any]:
+    """Text encoder → tokenizer, for the pipeline's CLIP encoders (SD3's third and Flux's second are T5)."""
+    tokenizers = {f"text_encoder{n}": getattr(pipe, f"tokenizer{n}", None) for n in ("", "_2", "_3")}
+    return {encoder: t for encoder, t in tokenizers.items() if "CLIP" in type(t).__name__}
+
+
+def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
+    """``max_sequence_length`` for a pipeline with T5 (SD3, Flux): the most tokens its T5 engine's profile takes
+    (the pipeline's default on PyTorch). T5 pads every prompt to it; a longer prompt is refused (RequestError),
+    never cut as the tokenizer would cut it.
+    """
+    t5_name = next((n for n in ("text_encoder_3", "text_encoder_2") if _is_t5(getattr(pipe, n, None))), None)
+    if t5_name is None:
+        return {}
+    limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+    profiles = [getattr(getattr(getattr(pipe, n), "runtime", None), "profile", None) for n in (t5_name, "transformer")]
+    built = [p.tokens.max for p in profiles if p is not None and p.tokens is not None]
+    limit = min(built) if built else limit
+    from .request import check_t5_prompts  # shared with the CLI's check before loading
+
+    check_t5_prompts(prompts, getattr(pipe, t5_name.replace("text_encoder", "tokenizer")), limit, bool(built))
+    return {"max_sequence_length": limit}
+
+
+def _is_t5(module: Any) -> bool:
+    from transformers import T5EncoderModel
+
+    return isinstance(module, T5EncoderModel)

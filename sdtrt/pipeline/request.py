@@ -1,0 +1,352 @@
+"""What a user asks a pipeline for — prompt, steps, seed, image size, scheduler — checked before any work.
+
+Light to import (no torch at import time): the CLI builds and checks a request before it loads a model,
+so a bad value fails in a second with one line, not after the pipeline has loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..core.config import DEFAULT_PROMPT, MAX_T5_TOKENS, grid_problem
+from ..core.errors import RequestError
+
+if TYPE_CHECKING:
+    from ..core.config import ShapeProfile, ValidationConfig
+    from ..core.families import Task
+    from ..sources.models import ModelSource
+    from ..spec import DenoiserSpec
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+DEFAULT_GUIDANCE = 7.5  # a request's guidance when it gives none (FLUX.1-dev: FluxPipeline's 3.5)
+FLUX_GUIDANCE = 3.5
+
+# --scheduler names → diffusers classes (all built from the model's own scheduler config).
+SCHEDULERS = {
+    "pndm": "PNDMScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler-a": "EulerAncestralDiscreteScheduler",
+    "dpm++": "DPMSolverMultistepScheduler",
+    "lms": "LMSDiscreteScheduler",  # needs scipy, a dependency of sdtrt for this reason
+    "unipc": "UniPCMultistepScheduler",
+    "lcm": "LCMScheduler",  # consistency schedulers: the ones LatentConsistencyModelPipeline steps with
+    "tcd": "TCDScheduler",
+}
+# The flow-matching schedulers SD3's and Flux's pipelines step with (their transformers predict a velocity,
+# which the schedulers above cannot take). FlowMatchHeun's set_timesteps takes no sigmas, which FluxPipeline
+# always passes (diffusers 0.42.1 pipeline_flux.py retrieve_timesteps): SD3 only. FlowMatchLCMScheduler runs
+# in both, but draws each step's noise from torch's global generator (the pipelines hand step none), so a
+# seed would not reproduce its image: not offered.
+FLOW_SCHEDULERS = {"flow-euler": "FlowMatchEulerDiscreteScheduler", "flow-heun": "FlowMatchHeunDiscreteScheduler"}
+FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
+NOT_FOR_FLUX = ("flow-heun",)
+
+
+# The LatentConsistencyModel pipelines pass original_inference_steps to set_timesteps, which only these take.
+CONSISTENCY_SCHEDULERS = ("lcm", "tcd")
+
+
+def check_scheduler(name: str, family: str, pipeline_class: str = "") -> str:
+    """The diffusers class name for a --scheduler value a model of ``family`` (models.family()) can step with, in a
+    pipeline of class ``pipeline_class`` (diffusers' name; "": any)."""
+    flow = family in FLOW_FAMILIES
+    if name not in SCHEDULERS and name not in FLOW_SCHEDULERS:
+        raise RequestError(f"scheduler '{name}' is not one of {', '.join([*SCHEDULERS, *FLOW_SCHEDULERS])}")
+    offered = FLOW_SCHEDULERS if flow else SCHEDULERS
+    if family.startswith("flux"):
+        offered = {n: c for n, c in offered.items() if n not in NOT_FOR_FLUX}
+    if name not in offered:
+        kind = "a flow-matching (SD3 / Flux) model" if flow else "a UNet model"
+        raise RequestError(
+            f"scheduler '{name}' cannot drive {kind} of family {family}; use one of {', '.join(offered)}"
+        )
+    if pipeline_class.startswith("LatentConsistencyModel") and name not in CONSISTENCY_SCHEDULERS:
+        raise RequestError(
+            f"the LatentConsistencyModel pipelines step only with {' or '.join(CONSISTENCY_SCHEDULERS)}, not {name}"
+        )
+    return offered[name]
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """The image sizes (and guidance) a model can generate: one rule, from its denoiser's and VAE's configs."""
+
+    multiple: int  # pixels: the VAE's scale factor times the denoiser's latent multiple
+    default_height: int
+    default_width: int
+    default_guidance: float | None = DEFAULT_GUIDANCE  # None: the model takes no guidance (FLUX.1-schnell)
+    # FluxPipeline reads a negative prompt only for true CFG (true_cfg_scale > 1), which a request does not ask for.
+    takes_negative_prompt: bool = True
+
+    @classmethod
+    def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
+        from ..spec import FluxTransformerSpec
+
+        native = spec.latent_sample_size * spec.vae_scale_factor
+        if isinstance(spec, FluxTransformerSpec):
+            guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
+            return cls(spec.pixel_multiple, native, native, guidance, takes_negative_prompt=False)
+        return cls(spec.pixel_multiple, native, native)
+
+    @classmethod
+    def for_pipeline(cls, pipe: Any) -> SizeRule:
+        """The rule of a loaded pipeline's denoiser: its UNet, or SD3's / Flux's transformer."""
+        from ..spec import UNetSpec
+        from ..spec.transformer import TRANSFORMER_KINDS
+
+        factor = pipe.vae_scale_factor
+        if getattr(pipe, "transformer", None) is None:
+            return cls.for_denoiser(UNetSpec.from_config(dict(pipe.unet.config), factor))
+        config = dict(pipe.transformer.config)
+        kind = TRANSFORMER_KINDS[config["_class_name"]]
+        fields = kind.fields_from(config, dict(pipe.vae.config), factor)
+        return cls.for_denoiser(kind(precision="fp32", io_naming="named", vae_scale_factor=factor, **fields))
+
+    def applicable(self, guidance: float | None) -> float | None:
+        """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's
+        (None configured: the model's own)."""
+        if self.default_guidance is None:
+            return None
+        return self.default_guidance if guidance is None else guidance
+
+    def resolve_guidance(self, guidance: float | None) -> float | None:
+        """The guidance to run with: the model's default for None; RequestError for one a model cannot take."""
+        if self.default_guidance is None and guidance is not None:
+            raise RequestError(
+                f"guidance {guidance} was given, but this model has no guidance embedding (FLUX.1-schnell, "
+                "a guidance-distilled model): leave --guidance out"
+            )
+        return self.default_guidance if guidance is None else guidance
+
+    @classmethod
+    def for_model(cls, model: ModelSource) -> SizeRule:
+        from ..spec import denoiser_spec
+
+        return cls.for_denoiser(denoiser_spec(model))
+
+    def resolve(self, height: int | None, width: int | None) -> tuple[int, int]:
+        """Both sides, a missing one taking the model's default; RequestError for a size off the grid."""
+        sides = (
+            ("height", self.default_height if height is None else height),
+            ("width", self.default_width if width is None else width),
+        )
+        for name, value in sides:
+            if problem := grid_problem(name, value, self.multiple):
+                raise RequestError(problem)
+        return sides[0][1], sides[1][1]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str = DEFAULT_PROMPT
+    negative_prompt: str | None = None
+    steps: int = 20
+    guidance: float | None = None  # None: the model's (7.5; FLUX.1-dev 3.5; FLUX.1-schnell takes none)
+    seed: int = 0
+    height: int | None = None  # None: the model's default
+    width: int | None = None
+    images: int = 1  # per prompt
+    # img2img / inpaint / refiner pipelines: the input image and mask (PIL images, arrays or tensors).
+    image: Any = None
+    mask_image: Any = None
+    strength: float = 0.6
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise RequestError(f"steps {self.steps} must be at least 1")
+        if self.images < 1:
+            raise RequestError(f"images per prompt {self.images} must be at least 1")
+        if not 0 <= self.seed <= SEED_MAX:
+            raise RequestError(f"seed {self.seed} is outside 0..{SEED_MAX}, the range torch's random generator takes")
+        if self.guidance is not None and not math.isfinite(self.guidance):
+            raise RequestError(f"guidance {self.guidance} must be a finite number")
+
+    @property
+    def batch_key(self) -> tuple[int, float | None, int, int]:
+        """What text-to-image requests must share to run as one pipeline call (sized requests)."""
+        return self.steps, self.guidance, self.height or 0, self.width or 0
+
+    def sized_for(self, rule: SizeRule) -> GenerateRequest:
+        """This request with both sides set and on the model's grid (diffusers would reset a lone side), and the
+        model's guidance (RequestError where it takes none and one was given)."""
+        height, width = rule.resolve(self.height, self.width)
+        guidance = rule.resolve_guidance(self.guidance)
+        if self.negative_prompt and not rule.takes_negative_prompt:
+            raise RequestError(
+                "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
+                "(true_cfg_scale > 1: two transformer passes a step), which generate does not run: leave it out, "
+                "or call the pipeline with negative_prompt and true_cfg_scale from Python"
+            )
+        return dataclasses.replace(self, height=height, width=width, guidance=guidance)
+
+    def check_inputs(self, accepts: Collection[str], image_fix: str = "") -> None:
+        """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
+        for one it takes none of (``image_fix`` says what to do then); light: no torch."""
+        for name, flag in (("image", "--image"), ("mask_image", "--mask")):
+            if name in accepts and getattr(self, name) is None:
+                raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
+        for name in ("negative_prompt", "image", "mask_image"):
+            if getattr(self, name) is not None and name not in accepts:
+                fix = "" if name == "negative_prompt" else image_fix
+                raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
+
+    def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
+        """Keyword arguments for a pipeline whose ``__call__`` takes ``accepts``; RequestError for what it lacks.
+
+        Pipelines differ: LCM's takes no negative prompt, img2img and inpaint ones need an image (and a
+        mask), and txt2img ones take no strength.
+        """
+        import torch
+
+        wanted: dict[str, Any] = {
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "num_inference_steps": self.steps,
+            "guidance_scale": self.guidance,
+            "height": self.height,
+            "width": self.width,
+            "num_images_per_prompt": self.images,
+            "image": self.image,
+            "mask_image": self.mask_image,
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
+        self.check_inputs(accepts)
+        if "strength" in accepts and self.image is not None:
+            wanted["strength"] = self.strength
+        return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
+
+
+def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task | None) -> None:
+    """``request.check_inputs`` against the pipeline ``task`` picks in the family of ``index_class`` (the class
+    model_index.json names), before diffusers is imported; an image or mask it takes none of is answered with the
+    --task whose pipeline takes it."""
+    from ..core.families import family_tasks, pipeline_class_name, pipeline_inputs
+
+    wanted: Task = "inpaint" if request.mask_image is not None else "img2img"
+    row = family_tasks(index_class)
+    if wanted in row:
+        fix = f": pass --task {wanted}" + (" and an --image" if request.image is None else "")
+    else:
+        fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
+    request.check_inputs(pipeline_inputs(pipeline_class_name(index_class, task)), fix)
+
+
+def check_steps(steps: int, scheduler_config: Any) -> None:
+    """RequestError when the scheduler cannot run ``steps`` steps: none spaces more steps than the timesteps it was
+    trained on (PNDM then fails with an IndexError deep in diffusers), and the consistency schedulers (LCM, TCD)
+    no more than the ``original_inference_steps`` they were distilled with."""
+    limits = (
+        ("timesteps it was trained on", scheduler_config.get("num_train_timesteps")),
+        ("original inference steps (a consistency model)", scheduler_config.get("original_inference_steps")),
+    )
+    for what, limit in limits:
+        if limit and steps > limit:
+            raise RequestError(f"steps {steps} is more than this scheduler's {limit} {what}; ask for at most {limit}")
+
+
+def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
+    """RequestError for a prompt of more T5 tokens than ``limit``: what the engines were ``built`` for, or the
+    pipeline's max_sequence_length. Such a prompt is refused, never cut as the tokenizer would cut it."""
+    for prompt in prompts:
+        count = len(tokenizer(prompt).input_ids)
+        if count > limit:
+            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
+            rebuild = built and count <= MAX_T5_TOKENS  # no rebuild takes more than the pipelines do
+            raise RequestError(
+                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
+                + (
+                    f", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens "
+                    f"32:256:{MAX_T5_TOKENS})"
+                    if rebuild
+                    else ""
+                )
+            )
+
+
+def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:
+    """A line for each prompt longer than the CLIP ``tokenizers`` (text encoder → its tokenizer) read: the pipelines
+    cut it to their 77 tokens, and sdtrt's quiet loading hides diffusers' warning. ``t5``: a T5 encoder reads it all.
+    """
+    lines = []
+    for prompt in dict.fromkeys(prompts):
+        counts = {encoder: len(tokenizer(prompt).input_ids) for encoder, tokenizer in tokenizers.items()}
+        cut = [encoder for encoder, count in counts.items() if count > tokenizers[encoder].model_max_length]
+        if cut:
+            limit = tokenizers[cut[0]].model_max_length
+            verb = "sees" if len(cut) == 1 else "see"
+            lines.append(
+                f"the prompt {prompt[:30]!r}… is {counts[cut[0]]} CLIP tokens and CLIP reads {limit}: "
+                f"{' and '.join(cut)} {verb} only its first {limit}" + ("; T5 reads all of it" if t5 else "")
+            )
+    return lines
+
+
+def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
+    """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux): the engines' ``profile``
+    has the token range, and counting tokens needs only the model's tokenizer folder."""
+    from ..core.families import T5_TOKENS
+
+    family = model.family()
+    if family not in T5_TOKENS:
+        return
+    from transformers import AutoTokenizer
+
+    built = profile is not None and profile.tokens is not None
+    limit = profile.tokens.max if profile is not None and profile.tokens is not None else T5_TOKENS[family]
+    tokenizer = AutoTokenizer.from_pretrained(model.path / T5_TOKENIZERS[family], local_files_only=True)
+    check_t5_prompts([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
+
+
+# T5's tokenizer folder: SD3's third text encoder, Flux's second.
+T5_TOKENIZERS = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "flux-schnell": "tokenizer_2"}
+
+
+def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:
+    """Keyword arguments for one pipeline call that serves every request: one image each, in order.
+
+    Text-to-image requests that share size, steps and guidance batch; prompts, negative prompts and
+    generators become lists (diffusers draws each image's noise from its own generator, so an image
+    depends on its seed, not on the batch it ran in). One request gives ``pipeline_kwargs`` unchanged.
+    """
+    each = [r.pipeline_kwargs(accepts) for r in requests]
+    if len(each) == 1:
+        return each[0]
+    if len({r.batch_key for r in requests}) > 1 or any(r.images != 1 or r.image is not None for r in requests):
+        raise RequestError("only text-to-image requests of one image that share size, steps and guidance batch")
+    merged = each[0] | {"prompt": [k["prompt"] for k in each], "generator": [k["generator"] for k in each]}
+    if any(r.negative_prompt is not None for r in requests):
+        merged["negative_prompt"] = [r.negative_prompt or "" for r in requests]  # "" is what None means
+    return merged
+
+
+def check_size(height: int | None, width: int | None, multiple: int, profile: ShapeProfile | None) -> None:
+    """RequestError for a given side off the model's grid (``multiple`` pixels) or, given the engines' profile, a
+    size outside it (a side not given: the profile's optimum): validate's and debug's size rule. Cheap: run it
+    before loading anything."""
+    for name, value in (("height", height), ("width", width)):
+        within = getattr(profile, name) if profile is not None else None
+        if value is not None and (problem := grid_problem(name, value, multiple, within)):
+            raise RequestError(problem)
+    if profile is not None and (height is not None or width is not None):
+        height = profile.height.opt if height is None else height
+        width = profile.width.opt if width is None else width
+        if problem := profile.size_problem(height, width):
+            raise RequestError(problem)
+
+
+def check_validation(config: ValidationConfig, rule: SizeRule, profile: ShapeProfile | None) -> None:
+    """RequestError for what no validation can honour: a size off the model's grid or outside the engines'
+    profile (in pixels), a tolerance no comparison can meet or miss. Cheap: run it before loading anything.
+    """
+    check_size(config.height, config.width, rule.multiple, profile)
+    if config.min_cosine is not None and not -1.0 <= config.min_cosine <= 1.0:
+        raise RequestError(f"minimum cosine {config.min_cosine} is outside -1..1, the range a cosine similarity has")
+    if config.max_abs is not None and not config.max_abs >= 0:
+        raise RequestError(f"maximum absolute error {config.max_abs} must be 0 or more")
+    if config.min_psnr_db is not None and math.isnan(config.min_psnr_db):
+        raise RequestError("minimum PSNR must be a number of dB, not NaN")

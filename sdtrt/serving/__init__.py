@@ -1,0 +1,1 @@
+"""Triton Inference Server: the model repository, the Python backend model, the server and a client."""

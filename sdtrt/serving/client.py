@@ -1,0 +1,82 @@
+"""A client for the text-to-image model ``sdtrt deploy triton`` serves (tritonclient, HTTP/REST).
+
+Request: ``prompt`` BYTES ``[n, 1]`` (one row per image), optional ``negative_prompt`` BYTES, ``steps``
+INT32, ``guidance`` FP32, ``seed`` UINT64, ``height`` and ``width`` INT32, each ``[n, 1]``. Response:
+``image`` UINT8 ``[n, height, width, 3]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import ServeError, one_line
+from ..pipeline.request import GenerateRequest
+from .deploy import TritonDeployConfig
+
+if TYPE_CHECKING:  # numpy is imported where it is used: the CLI imports this module at startup
+    import numpy as np
+
+TIMEOUT_S = 300.0  # for an answer: a busy server queues requests, a stopped or stuck one never answers
+
+# input → (Triton datatype, numpy dtype)
+DATATYPES = {
+    "prompt": ("BYTES", "object"),
+    "negative_prompt": ("BYTES", "object"),
+    "steps": ("INT32", "int32"),
+    "guidance": ("FP32", "float32"),
+    "seed": ("UINT64", "uint64"),
+    "height": ("INT32", "int32"),
+    "width": ("INT32", "int32"),
+}
+
+
+def request_inputs(request: GenerateRequest) -> list[Any]:
+    """The request as tritonclient HTTP inputs, one row; values left at None are not sent (the server's defaults)."""
+    import numpy as np
+    import tritonclient.http as http
+
+    inputs = []
+    for name, (datatype, dtype) in DATATYPES.items():
+        value = getattr(request, name)
+        if value is None:
+            continue
+        data = np.array([[value.encode() if isinstance(value, str) else value]], dtype=dtype)
+        tensor = http.InferInput(name, list(data.shape), datatype)
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    return inputs
+
+
+def txt2img(
+    url: str, request: GenerateRequest, model: str = TritonDeployConfig.name, timeout_s: float = TIMEOUT_S
+) -> np.ndarray:
+    """One image (UINT8 ``[height, width, 3]``) from the server at ``url`` (``host:port``, ``http://`` optional).
+
+    ServeError with the server's message when it refuses the request, cannot be reached, or has not
+    answered within ``timeout_s`` seconds.
+    """
+    import socket
+    from http.client import HTTPException
+
+    import numpy as np
+    import tritonclient.http as http
+    from tritonclient.utils import InferenceServerException
+
+    address = url.removeprefix("http://").rstrip("/")
+    client = http.InferenceServerClient(address, connection_timeout=timeout_s, network_timeout=timeout_s)
+    try:
+        result = client.infer(model, request_inputs(request))
+    except InferenceServerException as exc:
+        raise ServeError(f"the server at {address} answered: {one_line(exc)}") from exc
+    except TimeoutError as exc:  # geventhttpclient's network_timeout: socket.timeout, i.e. TimeoutError
+        raise ServeError(
+            f"Triton at {address} did not answer within {timeout_s:g} s (busy with other requests, or stuck); "
+            "try again later, or pass a longer --timeout"
+        ) from exc
+    except (ConnectionRefusedError, socket.gaierror) as exc:  # no connection was ever made
+        raise ServeError(f"cannot reach Triton at {address}: {one_line(exc)}; is `sdtrt serve` running there?") from exc
+    except (OSError, HTTPException) as exc:  # reset, or closed mid-request (geventhttpclient)
+        raise ServeError(f"lost Triton at {address}: {one_line(exc)}; is `sdtrt serve` running?") from exc
+    finally:
+        client.close()  # an open connection holds a stopping server up to its exit timeout
+    return np.asarray(result.as_numpy("image"))[0]

@@ -1,0 +1,192 @@
+"""The model ``sdtrt deploy triton`` writes, run by Triton's Python backend: text-to-image on engines.
+
+Triton hands ``execute`` the requests its dynamic batcher gathered. Each row of each request becomes
+a ``GenerateRequest``, checked as the CLI checks one (steps, seed, size on the model's grid and inside
+the engine's profile): a bad request gets a Triton error of one line and never fails the others.
+Rows that share size, steps and guidance run as one pipeline call of at most ``max_batch`` images.
+Imported only inside Triton, where ``triton_python_backend_utils`` exists.
+
+Stopping: on SIGTERM Triton waits for executions in flight before it unloads a model (``finalize`` comes
+only after them), so a long generation would hold the server up to its exit timeout. ``sdtrt serve``
+therefore creates a stop file (``SDTRT_STOP_FILE``) before it signals Triton; the model checks it after
+every denoising step and answers the rows it was running with UNAVAILABLE (HTTP 503). A killed server leaves no
+one to answer: the model notices between steps that its process (Triton's stub) lost its parent, and exits it
+(``sdtrt serve`` also kills the server's process group once the server is gone, idle stubs included).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..core.errors import RequestError, SdtrtError, ServeError, one_line
+from ..pipeline.request import GenerateRequest, SizeRule
+from .serve import STOP_FILE_ENV
+
+OPTIONAL = ("negative_prompt", "steps", "guidance", "seed", "height", "width")
+DEFAULTS = GenerateRequest()
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        import torch
+        import triton_python_backend_utils as pb_utils
+
+        from ..pipeline.loading import load_pipeline
+        from ..sources.models import resolve_model
+        from .deploy import Deployment
+
+        self.deployment = Deployment.open(Path(args["model_repository"]))
+        recorded = self.deployment.record["sdtrt_version"]
+        if recorded != __version__:
+            pb_utils.Logger.log_warn(f"repository written by sdtrt {recorded}, served by sdtrt {__version__}")
+        gpu = args["model_instance_kind"] == "GPU"
+        if gpu:  # before any engine opens: they open on the current device, and the stub starts every instance on
+            # device 0 (python_backend src/pb_stub.cc, Stub::Initialize calls `initialize` with no cudaSetDevice)
+            torch.cuda.set_device(int(args["model_instance_device_id"]))
+        pipe = load_pipeline(
+            resolve_model(str(self.deployment.model)), self.deployment.engine, task="txt2img",
+            dtype=torch.float16 if gpu else torch.float32, weight_budget=self.deployment.weight_budget,
+        )  # fmt: skip
+        self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
+        self.rule = SizeRule.for_pipeline(pipe)
+        self.max_batch = int(self.deployment.record["config"]["max_batch"])
+        self.counters = RequestCounters(args["model_name"], args["model_version"])
+        self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by `sdtrt serve`; absent under a bare tritonserver
+        # This process is the Python backend's stub, tritonserver's child: once the server is killed it is someone
+        # else's, and a generation would run on for nobody (then the stub would wait for the server, idle, forever).
+        self.server_pid = os.getppid()
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        import triton_python_backend_utils as pb_utils
+
+        from ..pipeline.loading import generate
+
+        errors: dict[int, SdtrtError] = {}  # request index → why it gets no image
+        rows: list[tuple[int, GenerateRequest]] = []
+        for index, request in enumerate(requests):
+            try:
+                rows += [(index, row) for row in self.parse(request)]
+            except SdtrtError as exc:
+                errors[index] = exc
+        images: dict[int, list[np.ndarray]] = {}
+        rows.sort(key=lambda row: row[1].batch_key)  # stable: a request's rows stay in order
+        for _, grouped in itertools.groupby(rows, key=lambda row: row[1].batch_key):
+            group = list(grouped)
+            for chunk in (group[i : i + self.max_batch] for i in range(0, len(group), self.max_batch)):
+                try:
+                    self.check_running("before it started")
+                    result = generate(self.pipe, [row for _, row in chunk], on_step=self.stop_between_steps)
+                except SdtrtError as exc:
+                    errors.update((index, exc) for index, _ in chunk)
+                    continue
+                for (index, _), image in zip(chunk, result.images, strict=True):
+                    images.setdefault(index, []).append(np.asarray(image, dtype=np.uint8))
+        responses = []
+        for i in range(len(requests)):
+            if i in errors:
+                code, reason = _outcome(errors[i])
+                self.counters.failure[reason].increment(1)
+                error = pb_utils.TritonError(one_line(errors[i]), getattr(pb_utils.TritonError, code))
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                self.counters.success.increment(1)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))]))
+        return responses
+
+    def check_running(self, when: str) -> None:
+        """ServeError once ``sdtrt serve`` is stopping the server."""
+        if self.stop_file is not None and os.path.exists(self.stop_file):
+            raise ServeError(f"the server is stopping: the request was interrupted {when}; send it again")
+        if os.getppid() != self.server_pid:  # no one is left to answer, and the stub would wait for it forever
+            os._exit(1)
+
+    def stop_between_steps(self, step: int, total: int) -> None:
+        self.check_running(f"after {step + 1} of {total} steps")  # raised through the pipeline: it stops now
+
+    def parse(self, request: Any) -> list[GenerateRequest]:
+        """The request's rows as checked GenerateRequests; RequestError for the first problem."""
+        import triton_python_backend_utils as pb_utils
+
+        columns: dict[str, list[Any]] = {}
+        for name in ("prompt", *OPTIONAL):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                columns[name] = list(tensor.as_numpy().reshape(-1))
+        if "prompt" not in columns:
+            raise RequestError("the request has no 'prompt' input; send one BYTES prompt per image")
+        rows = []
+        for i in range(len(columns["prompt"])):  # Triton checked that every input has as many rows
+            value = {name: values[i] for name, values in columns.items()}
+            negative = value.get("negative_prompt")
+            row = GenerateRequest(
+                prompt=_text(value["prompt"], "prompt"),
+                negative_prompt=None if negative is None else _text(negative, "negative_prompt"),
+                steps=int(value.get("steps", DEFAULTS.steps)),
+                guidance=float(value["guidance"]) if "guidance" in value else None,
+                seed=int(value.get("seed", DEFAULTS.seed)),
+                height=int(value["height"]) if "height" in value else None,
+                width=int(value["width"]) if "width" in value else None,
+            ).sized_for(self.rule)
+            if row.steps > self.deployment.max_steps:
+                raise RequestError(
+                    f"steps {row.steps} is more than this deployment serves (at most {self.deployment.max_steps}); "
+                    "ask for fewer, or redeploy with a larger `sdtrt deploy triton --max-steps`"
+                )
+            assert row.height is not None and row.width is not None  # sized_for sets both
+            if problem := self.deployment.profile.size_problem(row.height, row.width):
+                raise RequestError(problem)
+            rows.append(row)
+        if len({row.batch_key for row in rows}) > 1:
+            raise RequestError("the rows of one request must share height, width, steps and guidance")
+        return rows
+
+
+class RequestCounters:
+    """``sdtrt_request_success`` and ``sdtrt_request_failure{reason}`` on Triton's /metrics, per model and version.
+
+    Triton's own ``nv_inference_request_failure`` cannot count a request this model refuses: the Python backend
+    reports every request of an execution as a success unless ``execute`` itself raised (python_backend
+    src/python_be.cc, TRITONBACKEND_ModelInstanceExecute builds its PbMetricReporter without the responses, and
+    only an error from ProcessRequests sets it to failure; r24.10, Triton 2.51, to main). Raising would fail every
+    request of the batch, as INTERNAL (HTTP 500). Instances share the counters: Triton's registry merges families
+    and label sets of one name (core src/metric_family.cc, prometheus-cpp).
+    """
+
+    REASONS = ("refused", "stopping", "error")  # HTTP 400, 503, 500
+
+    def __init__(self, model: str, version: str) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        labels = {"model": model, "version": version}
+        counter = pb_utils.MetricFamily.COUNTER
+        # The families are kept: a family must outlive its metrics (python_backend README, Custom Metrics).
+        self.families = (
+            pb_utils.MetricFamily("sdtrt_request_success", "Requests answered with images", counter),
+            pb_utils.MetricFamily("sdtrt_request_failure", "Requests answered with an error, by reason", counter),
+        )
+        self.success = self.families[0].Metric(labels)
+        self.failure = {reason: self.families[1].Metric(labels | {"reason": reason}) for reason in self.REASONS}
+
+
+def _outcome(exc: SdtrtError) -> tuple[str, str]:
+    """The TritonError code and failure reason for ``exc``: HTTP 400 for a bad request, 503 while the server stops
+    (triton-inference-server/server src/http_server.cc HttpCodeFromError: UNAVAILABLE → EVHTP_RES_SERVUNAVAIL),
+    500 otherwise."""
+    if isinstance(exc, RequestError):
+        return "INVALID_ARG", "refused"
+    if isinstance(exc, ServeError):
+        return "UNAVAILABLE", "stopping"
+    return "INTERNAL", "error"
+
+
+def _text(value: Any, name: str) -> str:
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"input '{name}' is not UTF-8 text ({exc.reason}); send it as UTF-8 BYTES") from exc

@@ -1,0 +1,461 @@
+"""Offline presets: whole pipelines of every supported family, built from configs with random weights.
+
+Each is built once with a fixed seed and saved under the models cache, so later stages see an
+ordinary diffusers folder. ``tiny*`` presets follow their family's shape rules (channel counts,
+head dims, conditioning sizes) at test size; ``*-random`` ones have the real architectures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .random_weights import SHARD_SIZE, empty_weights, save_random
+
+PRESET_SEED = 0
+
+PRESET_VERSION = 3  # 3: the multi-GB presets are written by streaming (other random values)
+
+
+def ensure_preset(name: str, cache_dir: Path) -> Path:
+    """The preset's folder, built on first use; an interrupted build leaves nothing behind."""
+    dest = cache_dir / f"{name}-v{PRESET_VERSION}"
+    if (dest / "model_index.json").is_file():
+        return dest
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    try:
+        from ..core.progress import quiet_loading
+
+        recipe = PRESETS[name]
+        with quiet_loading():
+            if recipe.streamed:
+                save_streamed(recipe, tmp)
+            else:
+                build(recipe).save_pretrained(tmp, safe_serialization=True)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished first; theirs is identical
+            if not (dest / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE) -> None:
+    """The folder ``build(recipe).save_pretrained(folder, safe_serialization=True, max_shard_size=…)`` writes,
+    its networks never in memory: each is built on the meta device and its random tensors streamed to disk
+    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them."""
+    import torch
+
+    pipeline = build(recipe, empty=True)
+    for name, component in pipeline.components.items():
+        if isinstance(component, torch.nn.Module):
+            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size)
+        elif component is not None:
+            component.save_pretrained(folder / name)
+    pipeline.save_config(folder)
+
+
+def _byte_level_tokenizer(folder: Path, max_length: int = 77) -> Any:
+    """A CLIP tokenizer over a byte-level vocabulary: every text tokenizes, nothing is downloaded.
+
+    transformers 5.x builds a 3-token vocabulary from CLIPTokenizer(vocab_file=…), so the files are
+    written to a folder and loaded with from_pretrained.
+    """
+    from transformers import CLIPTokenizer
+
+    byte_chars = _bytes_to_unicode()
+    tokens = byte_chars + [c + "</w>" for c in byte_chars]
+    merges = [("t", "h"), ("th", "e</w>"), ("a", "n"), ("an", "d</w>"), ("i", "n"), ("o", "n</w>")]
+    tokens += ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=max_length)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for raw bytes (the GPT-2/CLIP table)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _unigram_t5_tokenizer(max_length: int = 512) -> Any:
+    """A T5 tokenizer over a Unigram vocabulary of single characters (▁-prefixed word starts, SentencePiece's
+    way): every text tokenizes, nothing is downloaded. Special tokens as T5's: <pad> 0, </s> 1, <unk> 2."""
+    import string
+
+    from transformers import T5Tokenizer
+
+    chars = string.ascii_letters + string.digits + string.punctuation
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
+    pieces += [("▁" + w, -1.0) for w in ("the", "and", "a", "of")]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+# Stable Diffusion's noise schedule, shared by every family here.
+SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+TINY_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(16, 16, 32, 32),
+    norm_num_groups=16, sample_size=256, down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+)  # fmt: skip  # four blocks: the VAE scale factor is 8, as in real SD
+SD_VAE = dict(
+    block_out_channels=(128, 256, 512, 512), latent_channels=4, layers_per_block=2, sample_size=512,
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+)  # fmt: skip
+TINY_UNET = dict(
+    sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+    norm_num_groups=16, cross_attention_dim=32, attention_head_dim=8,
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+)  # fmt: skip
+TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+# SDXL at test size: two 32-wide text encoders (cross-attention 64), 8-dim time-id sinusoids.
+TINY_SDXL_UNET = dict(
+    sample_size=32, layers_per_block=1, block_out_channels=(32, 64), norm_num_groups=16,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2), use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=8, cross_attention_dim=64,
+    projection_class_embeddings_input_dim=32 + 6 * 8,
+)  # fmt: skip
+TINY_SDXL_CLIP = dict(TINY_CLIP, projection_dim=32, hidden_act="gelu")
+SDXL_EULER = ("EulerDiscreteScheduler", dict(steps_offset=1, timestep_spacing="leading"))
+
+
+Network = tuple[str, dict[str, Any]]  # a network's class name and its config kwargs
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A pipeline to build: its class, each network's class and config kwargs, and the scheduler.
+
+    ``text_encoders`` fill text_encoder, text_encoder_2, … in order (None: the pipeline has none there,
+    as SDXL's refiner has no first one); each gets the tokenizer its class reads.
+    """
+
+    pipeline: str
+    denoiser: Network  # UNet2DConditionModel → unet/, a *Transformer2DModel → transformer/
+    vae: dict[str, Any]
+    text_encoders: tuple[Network | None, ...]
+    scheduler: tuple[str, dict[str, Any]] = ("PNDMScheduler", {})
+    settings: dict[str, Any] = field(default_factory=dict)  # pipeline __init__ settings
+    dtype: str = "float32"  # the networks' torch dtype (multi-GB architectures: fp16, or bf16 as their checkpoints)
+    streamed: bool = False  # networks written by streaming random tensors (random_weights.py), never built whole
+    controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
+
+    @property
+    def denoiser_folder(self) -> str:
+        return "unet" if self.denoiser[0] == "UNet2DConditionModel" else "transformer"
+
+
+def unet(config: dict[str, Any] | None = None, **overrides: Any) -> Network:
+    return ("UNet2DConditionModel", (config or {}) | overrides)
+
+
+def clip(kwargs: dict[str, Any], projection: bool = False) -> Network:
+    """A CLIP text tower; ``projection``: with the pooled projection SDXL and SD3 read (text_embeds)."""
+    return ("CLIPTextModelWithProjection" if projection else "CLIPTextModel", kwargs)
+
+
+def t5(config: dict[str, Any], **overrides: Any) -> Network:
+    return ("T5EncoderModel", config | overrides)
+
+
+def build(recipe: Recipe, empty: bool = False) -> Any:
+    """The recipe's pipeline, its networks with random weights; ``empty``: their parameters on the meta device."""
+    import diffusers
+    import torch
+
+    from ..core.families import accepted
+
+    torch.manual_seed(PRESET_SEED)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, recipe.dtype))
+    try:
+        with empty_weights() if empty else contextlib.nullcontext():
+            parts = _networks(recipe)
+    finally:
+        torch.set_default_dtype(previous)
+    scheduler_class, scheduler_kwargs = recipe.scheduler
+    scheduler_cls = getattr(diffusers, scheduler_class)
+    # SD's noise schedule for the DDPM-style schedulers; flow-matching ones (SD3, Flux) have no betas.
+    betas = SD_BETAS if "beta_start" in inspect.signature(scheduler_cls).parameters else {}
+    scheduler = scheduler_cls(**(betas | scheduler_kwargs))
+    if betas:  # other schedulers built from this config (DDIM from PNDM's) read clip_sample: SD's is False
+        scheduler.register_to_config(clip_sample=False)
+    pipeline_class = getattr(diffusers, recipe.pipeline)
+    optional = {"safety_checker": None, "feature_extractor": None, "image_encoder": None,
+                "requires_safety_checker": False}  # fmt: skip
+    return pipeline_class(**accepted(pipeline_class, optional | parts | {"scheduler": scheduler} | recipe.settings))
+
+
+def _networks(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's networks and tokenizers by pipeline component name."""
+    import diffusers
+
+    denoiser_class, denoiser_kwargs = recipe.denoiser
+    parts: dict[str, Any] = {
+        recipe.denoiser_folder: getattr(diffusers, denoiser_class)(**denoiser_kwargs),
+        "vae": diffusers.AutoencoderKL(**recipe.vae),
+    }
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
+    for i, network in enumerate(recipe.text_encoders):
+        suffix = f"_{i + 1}" if i else ""
+        encoder, tokenizer = _text_encoder(network, tokenizers)
+        parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
+    if recipe.controlnet is not None:
+        parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
+    return parts
+
+
+def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[Any, Any]:
+    """A random text encoder of the network's class and the tokenizer it reads; (None, None) for no network."""
+    if network is None:
+        return None, None
+    import transformers
+
+    class_name, kwargs = network
+    text = dict(kwargs)
+    if class_name == "T5EncoderModel":
+        tokenizer = tokenizers["t5"]
+        config: Any = transformers.T5Config(
+            vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, **text,
+        )  # fmt: skip
+    else:
+        tokenizer = tokenizers["clip"]
+        config = transformers.CLIPTextConfig(
+            vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=77,
+            **text,
+        )  # fmt: skip
+    return getattr(transformers, class_name)(config), tokenizer
+
+
+# fmt: off
+def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
+    """A ControlNet copied from the UNet, its zero-initialised output convolutions made random.
+
+    A fresh ControlNet adds exactly zero (its "zero convolutions"), so engines that dropped its
+    residuals would still match; random ones make every residual count.
+    """
+    import torch
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, **kwargs)
+    zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                  controlnet.controlnet_cond_embedding.conv_out]  # fmt: skip
+    with torch.no_grad():
+        for conv in zero_convs:
+            conv.weight.normal_(std=0.05)
+    return controlnet
+
+
+def _clip(hidden: int, layers: int, heads: int, projection: int, act: str = "quick_gelu") -> dict[str, Any]:
+    """A full-size CLIP text tower: 49,408 tokens, a 4× MLP."""
+    return dict(vocab_size=49408, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, projection_dim=projection, hidden_act=act)  # fmt: skip
+
+
+CLIP_L = _clip(768, 12, 12, 768)  # SD 1.x, SDXL's first
+OPENCLIP_H = _clip(1024, 23, 16, 512, "gelu")  # SD 2.x
+OPENCLIP_BIGG = _clip(1280, 32, 20, 1280, "gelu")  # SDXL's second
+
+
+SD1_PNDM = ("PNDMScheduler", dict(skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False))
+SD2_DDIM_V = (
+    "DDIMScheduler",
+    dict(clip_sample=False, steps_offset=1, set_alpha_to_one=False, prediction_type="v_prediction"),
+)
+# The transformer generation: 16-channel VAEs without quant convs, the shift and scale their pipelines apply.
+SD3_VAE = dict(latent_channels=16, shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False,
+               use_post_quant_conv=False)  # fmt: skip
+FLUX_VAE = dict(SD3_VAE, shift_factor=0.1159, scaling_factor=0.3611)
+SD3_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0))
+FLUX_DEV_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                 max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096))  # fmt: skip
+FLUX_SCHNELL_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=1.0))
+# T5 v1.1 (gated GELU) at test size; its width is the transformers' joint_attention_dim, at least CLIP-L + CLIP-G.
+TINY_T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_attention_num_buckets=8,
+               feed_forward_proj="gated-gelu")  # fmt: skip
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24,
+              feed_forward_proj="gated-gelu")  # fmt: skip
+# SD3 at test size, with SD3.5's dual-attention layer and qk RMS-norm; pooled = CLIP-L + CLIP-G projections.
+TINY_SD3 = ("SD3Transformer2DModel", dict(
+    sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+    num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=64, pooled_projection_dim=64,
+    pos_embed_max_size=96, dual_attention_layers=(0,), qk_norm="rms_norm",
+))
+# Flux at test size: 16 latent channels packed 2×2 (64), rotary axes summing to the head size.
+TINY_FLUX = ("FluxTransformer2DModel", dict(
+    patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+))
+TINY_SD3_ENCODERS = (clip(TINY_SDXL_CLIP, projection=True), clip(TINY_SDXL_CLIP, projection=True), t5(TINY_T5))
+TINY_FLUX_ENCODERS = (clip(TINY_CLIP), t5(TINY_T5))
+
+PRESETS: dict[str, Recipe] = {
+    "tiny": Recipe("StableDiffusionPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM),
+    "tiny-sd2": Recipe(
+        "StableDiffusionPipeline",
+        unet(TINY_UNET, attention_head_dim=(2, 4), use_linear_projection=True, upcast_attention=True),
+        TINY_VAE,
+        (clip(dict(TINY_CLIP, hidden_act="gelu")),),
+        scheduler=SD2_DDIM_V,
+    ),
+    "tiny-inpaint": Recipe(
+        "StableDiffusionInpaintPipeline", unet(TINY_UNET, in_channels=9), TINY_VAE, (clip(TINY_CLIP),),
+        scheduler=SD1_PNDM,
+    ),
+    "tiny-lcm": Recipe(
+        "LatentConsistencyModelPipeline",
+        unet(TINY_UNET, time_cond_proj_dim=32),
+        TINY_VAE,
+        (clip(TINY_CLIP),),
+        scheduler=("LCMScheduler", {}),
+    ),
+    "tiny-sdxl": Recipe(
+        "StableDiffusionXLPipeline", unet(TINY_SDXL_UNET), TINY_VAE,
+        (clip(TINY_CLIP), clip(TINY_SDXL_CLIP, projection=True)), scheduler=SDXL_EULER,
+    ),
+    "tiny-sdxl-refiner": Recipe(
+        "StableDiffusionXLImg2ImgPipeline",
+        unet(TINY_SDXL_UNET, cross_attention_dim=32, projection_class_embeddings_input_dim=32 + 5 * 8),
+        TINY_VAE,
+        (None, clip(TINY_SDXL_CLIP, projection=True)),
+        scheduler=SDXL_EULER,
+        settings={"requires_aesthetics_score": True},
+    ),
+    "tiny-controlnet": Recipe(
+        "StableDiffusionControlNetPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM,
+        controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
+    ),
+    "tiny-sdxl-controlnet": Recipe(
+        "StableDiffusionXLControlNetPipeline", unet(TINY_SDXL_UNET), TINY_VAE,
+        (clip(TINY_CLIP), clip(TINY_SDXL_CLIP, projection=True)),
+        scheduler=SDXL_EULER, controlnet=dict(conditioning_embedding_out_channels=(8, 8, 16, 16)),
+    ),
+    # SD3 / SD3.5: CLIP-L + CLIP-G + T5, an MMDiT transformer, flow matching.
+    "tiny-sd3": Recipe("StableDiffusion3Pipeline", TINY_SD3, dict(TINY_VAE, **SD3_VAE), TINY_SD3_ENCODERS,
+                       scheduler=SD3_FLOW),
+    # Flux.1 dev (guidance embedding) and schnell (none): CLIP-L (pooled) + T5, a DiT on packed latents.
+    "tiny-flux": Recipe("FluxPipeline", TINY_FLUX, dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS,
+                        scheduler=FLUX_DEV_FLOW),
+    "tiny-flux-schnell": Recipe(
+        "FluxPipeline", (TINY_FLUX[0], dict(TINY_FLUX[1], guidance_embeds=False)), dict(TINY_VAE, **FLUX_VAE),
+        TINY_FLUX_ENCODERS, scheduler=FLUX_SCHNELL_FLOW,
+    ),
+    # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
+    "sd15-random": Recipe(
+        "StableDiffusionPipeline",
+        unet(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
+        SD_VAE,
+        (clip(CLIP_L),),
+        scheduler=SD1_PNDM,
+    ),
+    # Stable Diffusion 2.1 (768, v-prediction): OpenCLIP-H text encoder, linear projections, upcast attention.
+    "sd21-random": Recipe(
+        "StableDiffusionPipeline",
+        unet(
+            sample_size=96,
+            cross_attention_dim=1024,
+            attention_head_dim=(5, 10, 20, 20),
+            use_linear_projection=True,
+            upcast_attention=True,
+        ),
+        SD_VAE,
+        (clip(OPENCLIP_H),),
+        scheduler=SD2_DDIM_V,
+    ),
+    # SDXL base 1.0 (UNet 2.6 B parameters): CLIP-L + OpenCLIP-bigG, written in fp16 by streaming.
+    "sdxl-random": Recipe(
+        "StableDiffusionXLPipeline",
+        unet(
+            sample_size=128,
+            block_out_channels=(320, 640, 1280),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(5, 10, 20),
+            transformer_layers_per_block=(1, 2, 10),
+            cross_attention_dim=2048,
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,
+        ),
+        dict(SD_VAE, sample_size=1024, scaling_factor=0.13025),
+        (clip(CLIP_L), clip(OPENCLIP_BIGG, projection=True)),
+        scheduler=SDXL_EULER,
+        dtype="float16",
+        streamed=True,
+    ),
+    # SD3.5 Medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json): MMDiT-X, 24 layers of
+    # 24 × 64 heads, dual attention in layers 0-12, qk RMS-norm; 2.24 B parameters plus a 0.23 B positional
+    # embedding buffer (384² × 1536) = 2.47 B in the state dict, the real 4.94 GB bf16 file. CLIP-L and
+    # OpenCLIP-bigG whole; T5-XXL at full width but 2 of its 24 layers (this preset is about the transformer;
+    # the whole T5 would add 9 GB). Written in fp16 by streaming.
+    "sd35-medium-random": Recipe(
+        "StableDiffusion3Pipeline",
+        ("SD3Transformer2DModel", dict(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+            num_attention_heads=24, caption_projection_dim=1536, joint_attention_dim=4096, pooled_projection_dim=2048,
+            pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+        )),
+        dict(SD_VAE, sample_size=1024, **SD3_VAE),
+        (clip(CLIP_L, projection=True), clip(OPENCLIP_BIGG, projection=True), t5(T5_XXL, num_layers=2)),
+        scheduler=SD3_FLOW,
+        dtype="float16",
+        streamed=True,
+    ),
+    # FLUX.1 dev (black-forest-labs/FLUX.1-dev transformer/config.json): 19 double-stream + 38 single-stream blocks,
+    # 24 heads × 128 = 3072 wide, T5 width 4096, pooled CLIP 768, guidance embedding, rotary axes (16, 56, 56):
+    # 11.9 B parameters, 23.8 GB in bf16 as the real checkpoint. CLIP-L (pooled), the whole T5-XXL encoder
+    # (google/t5-v1_1-xxl, 4.76 B), Flux's VAE (vae/config.json: SD's layout, 16 latent channels). ~34 GB on disk.
+    "flux-random": Recipe(
+        "FluxPipeline",
+        ("FluxTransformer2DModel", dict(
+            patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        )),
+        dict(SD_VAE, sample_size=1024, **FLUX_VAE),
+        (clip(CLIP_L), t5(T5_XXL)),
+        scheduler=FLUX_DEV_FLOW,
+        dtype="bfloat16",
+        streamed=True,
+    ),
+    # SD3.5 Large (stabilityai/stable-diffusion-3.5-large transformer/config.json): MMDiT, 38 layers of 38 × 64
+    # heads (2432 wide), no dual attention, qk RMS-norm, positional grid 192²: 8.1 B parameters. CLIP-L,
+    # OpenCLIP-bigG, the whole T5-XXL; bf16 as the real checkpoint.
+    "sd35-large-random": Recipe(
+        "StableDiffusion3Pipeline",
+        ("SD3Transformer2DModel", dict(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64,
+            num_attention_heads=38, caption_projection_dim=2432, joint_attention_dim=4096, pooled_projection_dim=2048,
+            pos_embed_max_size=192, qk_norm="rms_norm",
+        )),
+        dict(SD_VAE, sample_size=1024, **SD3_VAE),
+        (clip(CLIP_L, projection=True), clip(OPENCLIP_BIGG, projection=True), t5(T5_XXL)),
+        scheduler=SD3_FLOW,
+        dtype="bfloat16",
+        streamed=True,
+    ),
+}
+# fmt: on

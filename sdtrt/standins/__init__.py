@@ -1,0 +1,1 @@
+"""Engine stand-ins: modules with diffusers' call signatures whose forward runs an engine."""

@@ -1,0 +1,134 @@
+"""EngineTransformer: what SD3's and Flux's pipelines call instead of their SD3Transformer2DModel /
+FluxTransformer2DModel.
+
+It keeps diffusers' call (the union of both forwards' keyword arguments), ``config``, ``dtype``, ``device``
+and the output class, feeds the engine exactly what the pipeline passed (the graph was exported from the
+real forward: Flux's ``timestep / 1000`` and its ``guidance`` go in as given), and refuses what the
+engine's graph cannot do: skip-layer guidance, a LoRA scale, ControlNet block samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+from ..core.errors import ArtifactError, EngineInputError
+from ..lora.refit import EngineLoras, LoraNetwork
+from ..runtime import Runtime
+from ..spec import FluxTransformerSpec, TransformerSpec
+from .base import EngineModule
+from .unet import normalise_timestep
+
+# Keyword arguments of the diffusers forwards that change what the network computes, and why an engine
+# cannot: each given (not None) is refused with its reason.
+REFUSED = {
+    "skip_layers": "SD3's skip-layer guidance (skip_guidance_layers) runs the transformer without some of its "
+    "layers, and an engine's layers are fixed at build: leave skip_guidance_layers unset, or run this pipeline "
+    "on PyTorch (load_pipeline without an engine)",
+    "block_controlnet_hidden_states": "SD3 ControlNet block samples need a transformer graph with their inputs, "
+    "which sdtrt does not export: run this pipeline on PyTorch (load_pipeline without an engine)",
+    "controlnet_block_samples": "Flux ControlNet block samples need a transformer graph with their inputs, "
+    "which sdtrt does not export: run this pipeline on PyTorch (load_pipeline without an engine)",
+    "controlnet_single_block_samples": "Flux ControlNet block samples need a transformer graph with their inputs, "
+    "which sdtrt does not export: run this pipeline on PyTorch (load_pipeline without an engine)",
+}
+IGNORED_DEFAULTS = {"controlnet_blocks_repeat": False}  # Flux's: meaningful only with ControlNet samples
+
+
+class EngineTransformer(EngineModule, LoraNetwork):
+    """An SD3Transformer2DModel / FluxTransformer2DModel stand-in backed by a transformer engine.
+
+    ``EngineTransformer(runtime, …)`` makes the subclass that is an instance of the class the engine's
+    graph was exported from (its spec's kind).
+    """
+
+    def __new__(cls, runtime: Runtime, *args: Any, **kwargs: Any) -> EngineTransformer:
+        if cls is EngineTransformer:
+            cls = EngineFluxTransformer if isinstance(runtime.spec, FluxTransformerSpec) else EngineSD3Transformer
+        return super().__new__(cls)
+
+    def __init__(
+        self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None,
+        loras: EngineLoras | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(config, dtype or runtime.dtype, [runtime])
+        if not isinstance(runtime.spec, TransformerSpec):
+            raise ArtifactError(
+                f"this is a {runtime.spec.component} engine; a pipeline's transformer needs a transformer engine"
+            )
+        self.spec: TransformerSpec = runtime.spec
+        self.runtime = runtime
+        self.loras = loras  # set_loras puts LoRA weights into the engine, from its base weights
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        pooled_projections: torch.Tensor | None = None,
+        timestep: torch.Tensor | float | int | None = None,
+        img_ids: torch.Tensor | None = None,
+        txt_ids: torch.Tensor | None = None,
+        guidance: torch.Tensor | float | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        self._refuse(joint_attention_kwargs, kwargs)
+        batch, device = hidden_states.shape[0], hidden_states.device
+        given = {
+            "hidden_states": hidden_states,
+            "encoder_hidden_states": encoder_hidden_states,
+            "pooled_projections": pooled_projections,
+            "timestep": None if timestep is None else normalise_timestep(timestep, batch, device),
+            "img_ids": img_ids,
+            "txt_ids": txt_ids,
+            "guidance": None if guidance is None else normalise_timestep(guidance, batch, device),
+        }
+        wanted = self.spec.canonical_inputs
+        present = {name: value for name, value in given.items() if value is not None}
+        if missing := [name for name in wanted if name not in present]:
+            raise EngineInputError(
+                f"this {self.spec.architecture} engine needs {missing}, which the pipeline did not pass"
+            )
+        if extra := [name for name in present if name not in wanted]:
+            hint = " (FLUX.1-schnell has no guidance embedding)" if "guidance" in extra else ""
+            raise EngineInputError(f"this {self.spec.architecture} engine takes no {', '.join(extra)}{hint}")
+        feeds = {graph: present[name] for graph, name in zip(self.spec.input_names, wanted, strict=True)}
+        out = self.runtime.run(feeds)[self.spec.output_name].to(device, hidden_states.dtype)
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+    def _refuse(self, joint_attention_kwargs: dict[str, Any] | None, kwargs: dict[str, Any]) -> None:
+        """EngineInputError for a feature the engine cannot run; TypeError for a keyword no forward takes."""
+        attention = dict(joint_attention_kwargs or {})
+        if attention.pop("scale", 1.0) != 1.0:
+            raise EngineInputError(
+                "joint_attention_kwargs['scale'] (a LoRA scale) is not applied by a transformer engine: put LoRAs "
+                "into its weights with sdtrt.set_loras(pipe, [(file, scale)]) instead"
+            )
+        if attention:
+            raise EngineInputError(
+                f"joint_attention_kwargs {sorted(attention)} change the engine's attention (IP-Adapter?), which is "
+                "fixed at build: run this pipeline on PyTorch (load_pipeline without an engine) to use them"
+            )
+        for name, value in kwargs.items():
+            if name in REFUSED:
+                if value is not None:
+                    raise EngineInputError(f"{name}: {REFUSED[name]}")
+            elif name not in IGNORED_DEFAULTS:
+                raise TypeError(f"{type(self).__name__}.forward() got an unexpected keyword argument '{name}'")
+            elif value != IGNORED_DEFAULTS[name]:
+                raise EngineInputError(
+                    f"{name}={value!r} needs ControlNet block samples, which an engine takes none of"
+                )
+
+
+# EngineModule's `to` and `save_pretrained` (first in the MRO) are the ones called.
+class EngineSD3Transformer(EngineTransformer, SD3Transformer2DModel):
+    """A transformer engine standing in for SD3's / SD3.5's SD3Transformer2DModel."""
+
+
+class EngineFluxTransformer(EngineTransformer, FluxTransformer2DModel):
+    """A transformer engine standing in for Flux.1's FluxTransformer2DModel."""

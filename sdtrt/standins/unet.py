@@ -1,0 +1,153 @@
+"""EngineUNet: the module a diffusers pipeline calls instead of its UNet2DConditionModel.
+
+It keeps the UNet's call signature, ``config``, ``dtype`` and ``device`` and its output class, so
+pipelines and schedulers cannot tell the difference, and it refuses inputs the engine was not built
+for instead of silently dropping them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from diffusers import UNet2DConditionModel
+from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
+
+from ..core.errors import ArtifactError, EngineInputError
+from ..lora.refit import LoraNetwork
+from ..runtime import Runtime
+from ..spec import UNetSpec, residual_names
+from .base import EngineModule
+
+if TYPE_CHECKING:
+    from ..lora.refit import EngineLoras
+
+# Keyword inputs of UNet2DConditionModel.forward; those an engine's graph has are fed to it, a given
+# one it lacks is refused.
+OPTIONAL_INPUTS = (
+    "class_labels",
+    "timestep_cond",
+    "attention_mask",
+    "added_cond_kwargs",
+    "down_block_additional_residuals",
+    "mid_block_additional_residual",
+    "down_intrablock_additional_residuals",
+    "encoder_attention_mask",
+)
+
+
+def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device: torch.device) -> torch.Tensor:
+    """Any timestep a scheduler hands over (number, 0-d, [1] or [B]; int or float) → float32 [B]."""
+    t = torch.as_tensor(timestep, device=device).to(torch.float32).flatten()
+    if t.numel() == 1:
+        return t.expand(batch).contiguous()
+    if t.numel() != batch:
+        raise EngineInputError(f"timestep has {t.numel()} values for a batch of {batch}; pass one or one per sample")
+    return t
+
+
+class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
+    """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        config: dict[str, Any],
+        dtype: torch.dtype | None = None,
+        loras: EngineLoras | None = None,
+    ) -> None:
+        super().__init__(config, dtype or runtime.dtype, [runtime])
+        if not isinstance(runtime.spec, UNetSpec):
+            raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
+        self.spec = runtime.spec
+        self.runtime = runtime
+        if "projection_class_embeddings_input_dim" in config:
+            # SDXL pipelines check their time ids against add_embedding.linear_1.in_features.
+            width = config["projection_class_embeddings_input_dim"]
+            self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(in_features=width))
+        self.loras = loras
+
+    def enable_freeu(self, *args: Any, **kwargs: Any) -> None:
+        raise EngineInputError(
+            "FreeU rescales the UNet's skip and backbone features inside its up blocks, and an engine's graph is "
+            "fixed at build: run this pipeline on PyTorch (load_pipeline without an engine) to use FreeU"
+        )
+
+    def disable_freeu(self) -> None:
+        """A no-op: FreeU is never on in an engine."""
+
+    def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
+        raise EngineInputError(
+            "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine was built "
+            "without them: IP-Adapter needs an engine built with its image-projection inputs, which sdtrt does "
+            "not export yet; run this pipeline on PyTorch (load_pipeline without an engine) to use it"
+        )
+
+    def forward(
+        self,
+        sample: torch.Tensor,
+        timestep: torch.Tensor | float | int,
+        encoder_hidden_states: torch.Tensor,
+        *args: Any,
+        cross_attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool = True,
+        **kwargs: Any,
+    ) -> UNet2DConditionOutput | tuple[torch.Tensor]:
+        if args:
+            raise EngineInputError(f"EngineUNet takes extra inputs by keyword only; got {len(args)} positional")
+        unknown = sorted(set(kwargs) - set(OPTIONAL_INPUTS))
+        if unknown:
+            raise TypeError(f"EngineUNet.forward() got unexpected keyword arguments {unknown}")
+        if cross_attention_kwargs and cross_attention_kwargs.get("scale", 1.0) != 1.0:
+            raise EngineInputError("cross_attention_kwargs['scale'] (a LoRA scale) is baked into the engine's weights")
+        spec = self.spec
+        sample_name, timestep_name, text_name, *extra_names = spec.input_names
+        feeds = {
+            sample_name: sample,
+            timestep_name: normalise_timestep(timestep, sample.shape[0], sample.device),
+            text_name: encoder_hidden_states,
+        } | dict(zip(extra_names, self._extras(sample, kwargs), strict=True))
+        out = self.runtime.run(feeds)[spec.output_name].to(sample.device, sample.dtype)
+        return UNet2DConditionOutput(sample=out) if return_dict else (out,)
+
+    def _extras(self, sample: torch.Tensor, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The graph's extra inputs, in its order, from the keywords the pipeline passed; refuses the rest."""
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        values = dict(given.pop("added_cond_kwargs", None) or {})
+        if "timestep_cond" in given:
+            values["timestep_cond"] = given.pop("timestep_cond")
+        if self.spec.residuals:
+            down = given.pop("down_block_additional_residuals", None)
+            values |= self._residuals(sample, down, given.pop("mid_block_additional_residual", None))
+        wanted = self.spec.canonical_inputs[3:]
+        if given:
+            problem = f"cannot take {sorted(given)}"
+        elif missing := [name for name in wanted if name not in values]:
+            problem = f"needs {missing}, which the pipeline did not pass"
+        elif extra := sorted(set(values) - set(wanted)):
+            problem = f"has no input for {extra}"
+        else:
+            return [values[name] for name in wanted]
+        hint = " (ControlNet residuals need a UNet compiled from a model with a controlnet/ folder)"
+        raise EngineInputError(
+            f"this UNet engine takes {', '.join(wanted) or 'no inputs'} beyond sample, timestep and "
+            f"encoder_hidden_states; it {problem}{hint if 'residual' in problem else ''}"
+        )
+
+    def _residuals(self, sample: torch.Tensor, down: Any, mid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """ControlNet residuals by input name; zeros when no ControlNet runs (adding zero changes nothing)."""
+        names = residual_names(len(self.spec.residuals))
+        if down is None and mid is None:
+            batch, _, height, width = sample.shape
+            return {
+                name: sample.new_zeros(batch, channels, height // k, width // k)
+                for name, (channels, k) in zip(names, self.spec.residuals, strict=True)
+            }
+        tensors = (*(down or ()), mid)
+        if len(tensors) != len(names) or mid is None:
+            raise EngineInputError(
+                f"this UNet engine takes {len(names) - 1} down-block residuals and a mid-block one; got "
+                f"{len(tensors) - 1 if mid is not None else len(tensors)} and {'one' if mid is not None else 'none'}"
+            )
+        return dict(zip(names, tensors, strict=True))

@@ -1,0 +1,256 @@
+"""The whole chain for one model and target.
+
+onnxruntime:  export → simplify → build-ort          (per component)
+tensorrt:     export → simplify → build-trt → wrap  (per component; one-profile engines are wrapped)
+tensorrt-rtx: export → simplify → build-trt         (per component; TensorRT-RTX plans, built without a GPU)
+then, for several components, set: one artifact over their engines.
+Each stage is a cache hit when nothing it depends on changed; validation runs on the final artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..core.config import (
+    Component,
+    ConcreteTarget,
+    ExportConfig,
+    OrtBuildConfig,
+    OrtOptimization,
+    Precision,
+    QuantizeConfig,
+    ShapeProfile,
+    SimplifyConfig,
+    Target,
+    TrtBuildConfig,
+    ValidationConfig,
+    WrapConfig,
+    target_precision_problem,
+)
+from ..core.errors import ConfigError, MissingDependencyError
+from ..core.gpu import (
+    require_quantization_support,
+    require_refit_support,
+    require_tensorrt,
+    tensorrt_missing,
+    torch_tensorrt_missing,
+)
+from ..core.store import Artifact, Store
+from ..core.trt_products import rtx_missing, rtx_runtime_missing
+from ..graph.onnx_graph import artifact_spec
+from ..sources.models import ModelSource
+from ..spec import denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
+from ..stages import build_ort, engine_set, export, quantize, simplify
+from ..stages.engine_set import EngineSetConfig
+from .validate import ValidationReport, stored_validate
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """Every artifact the chain produced, in order; ``final`` is what a runtime loads."""
+
+    target: ConcreteTarget
+    target_reason: str
+    artifacts: list[Artifact] = field(default_factory=list)
+    validation: ValidationReport | None = None
+    validation_cached: bool = False  # the report stored with these engines, not a new run
+    # What validation could not check here, in one line (TensorRT-RTX plans on a machine without an RTX GPU).
+    validation_note: str | None = None
+
+    @property
+    def final(self) -> Artifact:
+        return self.artifacts[-1]
+
+
+def resolve_target(target: Target) -> tuple[ConcreteTarget, str]:
+    """The concrete target and a sentence saying why it was chosen."""
+    missing = tensorrt_missing()
+    if target == "auto":
+        if missing is None:
+            return "tensorrt", "auto: a CUDA GPU and TensorRT are present"
+        return "onnxruntime", f"auto: {missing}, so the ONNX Runtime target was chosen"
+    if target == "tensorrt":
+        require_tensorrt()
+        return "tensorrt", "tensorrt: requested"
+    if target == "tensorrt-rtx":
+        if missing := rtx_missing():
+            raise MissingDependencyError(f"cannot build TensorRT-RTX plans here: {missing}")
+        return (
+            "tensorrt-rtx",
+            "tensorrt-rtx: requested (plans built ahead of time, finished on the GPU that loads them)",
+        )
+    return "onnxruntime", "onnxruntime: requested"
+
+
+def build(
+    source: Artifact,
+    store: Store,
+    target: Target = "auto",
+    profile: ShapeProfile | None = None,
+    ort_optimization: OrtOptimization = "extended",
+    trt_config: TrtBuildConfig | None = None,
+) -> tuple[Artifact, str]:
+    """Build an engine for ``target`` from an ONNX artifact; returns it and why that target was used.
+
+    ``trt_config`` (TensorRT) carries its own profiles; otherwise ``profile`` (default: the model's).
+    """
+    chosen, reason = resolve_target(target)
+    spec = artifact_spec(source)
+    if problem := target_precision_problem(chosen, spec.precision):
+        raise ConfigError(problem)
+    profile = profile or spec.default_profile()
+    if chosen in ("tensorrt", "tensorrt-rtx"):
+        from ..stages import build_trt
+
+        config = replace(trt_config or TrtBuildConfig(profiles=(profile,)), product=chosen)
+        return build_trt.run(config, source, store), reason
+    return build_ort.run(OrtBuildConfig(profile=profile, optimization=ort_optimization), source, store), reason
+
+
+def compile_model(
+    model: ModelSource,
+    store: Store,
+    target: Target = "auto",
+    export_config: ExportConfig = ExportConfig(),
+    simplify_config: SimplifyConfig = SimplifyConfig(),
+    profile: ShapeProfile | None = None,
+    trt_config: TrtBuildConfig | None = None,
+    validation: ValidationConfig | None = None,
+    components: tuple[Component, ...] | None = None,
+    revalidate: bool = False,
+    quantize_config: QuantizeConfig | None = None,
+) -> CompileResult:
+    """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
+
+    One component gives its engine; several give an engine set over them (for TensorRT the TorchScript
+    wraps, or the plans when ``trt_config.refittable``: LoRAs refit plans). ``components`` defaults to
+    every one the model has. Precision comes from ``export_config``, except for a VAE that asks to be
+    upcast: fp32. The validation report stored for the final artifact and config is reused unless
+    ``revalidate``. ``quantize_config``: the denoiser is quantized (INT8/FP8 Q/DQ graph) instead of exported,
+    and validated to quantization's tolerances where ``validation`` leaves them open.
+    """
+    chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
+    if problem := target_precision_problem(chosen, export_config.precision):
+        raise ConfigError(problem)
+    if chosen == "tensorrt":  # before the exports, or a minute of calibration, not after
+        from ..stages import build_trt
+
+        precisions = {export_config.precision}
+        if quantize_config is not None:
+            require_quantization_support(quantize_config.precision)
+            precisions.add(
+                quantize.tensorrt_precision(model)
+            )  # the denoiser's TensorRT graph: a quantized Flux's is bf16
+        for precision in sorted(precisions):
+            build_trt.require_graph_precision(precision)
+        if trt_config is not None and trt_config.refittable:
+            require_refit_support()
+    unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
+    if unwrapped:
+        reason += f"; {unwrapped}"  # known before any plan is built
+    wraps = chosen == "tensorrt" and unwrapped is None
+    components = components or model_components(model)
+    # One user profile for every member: the denoiser's.
+    profile = profile or denoiser_spec(model).default_profile()
+    if chosen in ("tensorrt", "tensorrt-rtx"):
+        trt_config = trt_config or TrtBuildConfig(profiles=(profile,))
+    artifacts: list[Artifact] = []
+    finals: dict[str, Artifact] = {}
+    graphs: dict[str, Artifact] = {}
+    for component in components:
+        config = replace(
+            export_config, component=component, precision=component_precision(model, component, export_config.precision)
+        )
+        member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
+        if quantize_config is not None and component == denoiser_component(model):
+            exported = quantize.run(quantize_config, model, store)
+        else:
+            exported = export.run(config, model, store)
+        simplified = simplify.run(simplify_config, exported, store)
+        graphs[component] = simplified
+        built, _ = build(simplified, store, chosen, profile, trt_config=member_trt)
+        artifacts += [exported, simplified, built]
+        if wraps:
+            from ..stages import wrap
+
+            artifacts.append(wrap.run(WrapConfig(), built, store))
+        # A wrapped engine cannot be refit: a refittable build's set holds the plans, LoRAs' way in.
+        finals[component] = built if trt_config is not None and trt_config.refittable else artifacts[-1]
+    if len(components) > 1:
+        artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
+    if validation is None:
+        return CompileResult(chosen, reason, artifacts)
+    if chosen == "tensorrt-rtx" and rtx_runtime_missing():  # on an RTX GPU the plans validate as TensorRT's do
+        result = CompileResult(chosen, reason, artifacts)
+        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate)
+    report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
+    return CompileResult(chosen, reason, artifacts, report, cached)
+
+
+def validate_graphs(
+    result: CompileResult,
+    model: ModelSource,
+    set_config: EngineSetConfig,
+    graphs: dict[str, Artifact],
+    validation: ValidationConfig,
+    store: Store,
+    revalidate: bool,
+) -> CompileResult:
+    """TensorRT-RTX plans finish compiling on the GPU that loads them, so without one the graphs they were built from
+    are validated against PyTorch on ONNX Runtime (as a set of their own when there are several; bf16 graphs, which
+    ONNX Runtime cannot run, are not), and the result says in one line where the plans themselves validate."""
+    later = (
+        "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: "
+        f"`sdtrt validate --engine {result.final.path}` there"
+    )
+    if any(target_precision_problem("onnxruntime", artifact_spec(g).precision) for g in graphs.values()):
+        return replace(
+            result, validation_note=f"bf16 graphs do not run on ONNX Runtime, so nothing was compared here; {later}"
+        )
+    checked = engine_set.run(set_config, graphs, store, model) if len(graphs) > 1 else next(iter(graphs.values()))
+    report, cached = stored_validate(model, checked, validation, store, revalidate)
+    note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({checked.path}); {later}"
+    return replace(result, validation=report, validation_cached=cached, validation_note=note)
+
+
+def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:
+    """Why the TensorRT engines will not be wrapped as TorchScript, or None when they will be."""
+    if torch_tensorrt_missing:
+        return f"{torch_tensorrt_missing}, so the engines are not wrapped as TorchScript: use the build-trt artifacts"
+    if (profiles := len(config.effective_profiles())) > 1:
+        return (
+            f"the engines have {profiles} optimization profiles, so they are not wrapped as TorchScript "
+            "(a wrapped engine runs profile 0 only): use the build-trt artifacts"
+        )
+    if config.strip_weights:  # Torch-TensorRT deserializes the plan itself: nothing would refill its weights
+        return (
+            "the engines hold no weights (--strip-weights), so they are not wrapped as TorchScript (a wrapped engine "
+            "is never refilled from its graph): use the build-trt artifacts"
+        )
+    if config.weight_streaming:  # Torch-TensorRT sets the automatic budget itself (TRTEngine.cpp v2.6.0)
+        return (
+            "the engines stream their weights, so they are not wrapped as TorchScript (not offered yet: a wrapped "
+            "engine would stream with TensorRT's automatic budget and sdtrt has no way to pass one): use the "
+            "build-trt artifacts"
+        )
+    return None
+
+
+def upcast_tf32(config: TrtBuildConfig, requested: Precision, precision: Precision) -> TrtBuildConfig:
+    """The build settings of a member exported in ``precision`` when ``requested`` was asked: a graph made fp32 for
+    range (an upcast VAE, T5) keeps TF32 unless --no-tf32 says otherwise, as NVIDIA's demo builds its fp32 SDXL VAE
+    with tf32=True (demo/Diffusion stable_diffusion_pipeline.py); only an fp32 the user asked for computes in fp32."""
+    if config.tf32 is None and precision == "fp32" and requested != "fp32":
+        return replace(config, tf32=True)
+    return config
+
+
+def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:
+    """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images) and for networks whose class
+    overflows fp16 (T5: the spec of the folder's class says why; the export manifest records it), else
+    ``requested``."""
+    if component.startswith("vae") and model.component_config("vae").get("force_upcast", True):
+        return "fp32"
+    if requested == "fp16" and spec_class(component, folder_architecture(model, component)).fp16_problem:
+        return "fp32"
+    return requested
