@@ -5,7 +5,7 @@ and drop them into the family's own diffusers pipeline, validated against PyTorc
 
 The public API is importable from here (``from sdtrt import load_pipeline, compile_model``). Each name is imported
 on first use (PEP 562), so that ``import sdtrt`` and the CLI's ``--help`` load no torch, diffusers or ONNX.
-The folders below are the layers, bottom to top: core, spec, graph, sources, runtime, stages, lora, standins,
+The folders below are the layers, bottom to top: core, sources, spec, graph, runtime, stages, lora, standins,
 pipeline, tools, serving, cli; a module imports only from its own layer or below.
 """
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The layer folders, bottom to top (docs/layout.md says what each holds).
 LAYER_ORDER = (
-    "core", "spec", "graph", "sources", "runtime", "stages", "lora", "standins", "pipeline", "tools", "serving", "cli",
+    "core", "sources", "spec", "graph", "runtime", "stages", "lora", "standins", "pipeline", "tools", "serving", "cli",
 )  # fmt: skip
 # The only modules outside a layer folder: the package's facade (its public names are imported by name on first
 # use, with importlib, so it has no import to check) sits with core; ``python -m sdtrt`` is the CLI.
@@ -69,27 +69,27 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _statements(tree: ast.AST, top_level: bool = True):
-    """(import statement, runs at import time) for every import not under ``if TYPE_CHECKING:``."""
+def _statements(tree: ast.AST, top_level: bool = True, typing_too: bool = False):
+    """(import statement, runs at import time) for every import not under ``if TYPE_CHECKING:`` (unless typing_too)."""
     for child in ast.iter_child_nodes(tree):
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child, top_level
         elif isinstance(child, ast.If) and _is_type_checking(child):
-            for other in child.orelse:
-                yield from _statements(ast.Module(body=[other], type_ignores=[]), top_level)
+            for other in child.body * typing_too + child.orelse:
+                yield from _statements(ast.Module(body=[other], type_ignores=[]), top_level, typing_too)
         else:
             inner = top_level and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-            yield from _statements(child, inner)
+            yield from _statements(child, inner, typing_too)
 
 
-def imports(package: Path) -> list[Import]:
+def imports(package: Path, typing_too: bool = False) -> list[Import]:
     """Every import of one of ``package``'s modules by another, resolved to the module it names."""
     files = module_files(package)
     root = package.name
     out = []
     for name, path in files.items():
         is_package = path.name == "__init__.py"
-        for node, top_level in _statements(ast.parse(path.read_text(), str(path))):
+        for node, top_level in _statements(ast.parse(path.read_text(), str(path)), typing_too=typing_too):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -201,6 +201,15 @@ def test_every_module_has_a_layer():
 def test_no_module_imports_from_a_higher_layer(package_imports):
     problems = upward_imports(package_imports)
     assert not problems, "imports from a higher layer:\n" + "\n".join(problems)
+
+
+def test_not_even_a_type_annotation_reaches_up_a_layer():
+    """Type-only imports never run, but a lower layer that names a higher one's types still depends on it.
+
+    The package's facade is the exception: it names the whole public API for type checkers.
+    """
+    problems = upward_imports([i for i in imports(ROOT / "sdtrt", typing_too=True) if i.importer != "sdtrt"])
+    assert not problems, "type-only imports from a higher layer:\n" + "\n".join(problems)
 
 
 def test_no_import_cycles(package_imports):

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Sequence
 from functools import partial, wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from rich.markup import escape
@@ -36,12 +36,16 @@ from ..standins.base import (
 from ..standins.unet import EngineUNet
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
 
-if TYPE_CHECKING:
-    from ..tools.compile import CompileResult
-
 __all__ = [
     "SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_loras", "set_scheduler", "with_components"
 ]  # fmt: skip
+
+
+class Built(Protocol):
+    """What names the artifact a runtime loads: ``sdtrt.CompileResult`` does (its ``final``)."""
+
+    @property
+    def final(self) -> Artifact: ...
 
 
 def set_scheduler(pipe: Any, name: str) -> None:
@@ -77,7 +81,7 @@ def consistency_scheduler(scheduler: Any) -> Any:
 
 def load_pipeline(
     model: str | ModelSource,
-    engine: str | os.PathLike[str] | Artifact | CompileResult | None = None,
+    engine: str | os.PathLike[str] | Artifact | Built | None = None,
     *,
     scheduler: str | None = None,
     task: Task | None = None,
@@ -255,12 +259,12 @@ NETWORK_STANDINS: dict[str, StandIn] = {
 }  # fmt: skip
 
 
-def _as_artifact(engine: str | os.PathLike[str] | Artifact | CompileResult) -> Artifact:
+def _as_artifact(engine: str | os.PathLike[str] | Artifact | Built) -> Artifact:
     if isinstance(engine, Artifact):
         return engine
     if isinstance(engine, str | os.PathLike):
         return Artifact.open(Path(engine))
-    return engine.final  # a CompileResult: the artifact a runtime loads
+    return engine.final
 
 
 def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
