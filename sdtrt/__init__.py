@@ -109,12 +109,12 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is of
         UnsupportedModelError,
     )
     from sdtrt.core.store import Artifact, Store
-    from sdtrt.stages import build_ort, build_trt, engine_set, export, quantize, simplify, wrap
     from sdtrt.pipeline.loading import generate, load_pipeline, set_loras, set_scheduler
     from sdtrt.pipeline.request import GenerateRequest
     from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
     from sdtrt.serving.serve import ServeConfig, start_server
     from sdtrt.sources.models import ModelSource, resolve_model
+    from sdtrt.stages import build_ort, build_trt, engine_set, export, quantize, simplify, wrap
     from sdtrt.tools.bench import run_bench
     from sdtrt.tools.compile import CompileResult, compile_model
     from sdtrt.tools.debug import DebugConfig, DebugReport, debug

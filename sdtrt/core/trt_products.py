@@ -70,6 +70,7 @@ COMPUTE_CAPABILITIES = {"7.5": "SM75", "8.0": "SM80", "8.6": "SM86", "8.9": "SM8
 # Left unset, TensorRT-RTX builds for "all RTX compute capabilities, Ampere and later"; Turing (7.5) must be asked for
 # (NVIDIA/TensorRT-RTX samples/apiUsage/python/api_usage.py).
 DEFAULT_COMPUTE_CAPABILITIES = "TensorRT-RTX's default: 8.0 and later (Ampere, Ada, Blackwell)"
+RTX_DEFAULT_CAPABILITIES = tuple(c for c in COMPUTE_CAPABILITIES if c != "7.5")  # the set that sentence names
 
 
 def product(name: str) -> Product:

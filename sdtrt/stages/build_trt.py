@@ -32,6 +32,7 @@ from ..core.progress import step
 from ..core.store import Artifact, StageRequest, Store, environment
 from ..core.trt_products import (
     DEFAULT_COMPUTE_CAPABILITIES,
+    RTX_DEFAULT_CAPABILITIES,
     TENSORRT_RTX,
     Product,
     gpu_only_problem,
@@ -165,14 +166,24 @@ def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, 
     and why that level."""
     tf32 = config.tf32_for(tensorrt_spec(source).precision)
     if not product(config.product).optimization_level:
-        return replace(
-            config, tf32=tf32
-        ), "none: TensorRT-RTX does no autotuning at build time (sdtrt/core/trt_products.py)"
+        config = replace(config, tf32=tf32, compute_capabilities=runnable_capabilities(config, source))
+        return config, "none: TensorRT-RTX does no autotuning at build time (sdtrt/core/trt_products.py)"
     if config.optimization_level is not None:
         return replace(config, tf32=tf32), f"level {config.optimization_level}: asked for"
     parameters, architecture = parameter_count(tensorrt_graph(source)), tensorrt_spec(source).architecture
     level, reason = default_optimization_level(parameters, quantization(source), architecture)
     return replace(config, tf32=tf32, optimization_level=level), reason
+
+
+def runnable_capabilities(config: TrtBuildConfig, source: Artifact) -> tuple[str, ...]:
+    """The compute capabilities a TensorRT-RTX plan is built for: those asked for; else TensorRT-RTX's default set
+    (8.0 and later), narrowed for a Q/DQ graph to the GPUs with its 8-bit Tensor Cores (FP8: 8.9 and later), so that
+    an 8.0 or 8.6 GPU never loads an FP8 plan it cannot run. The narrowed set enters the key and the manifest."""
+    quantized = quantization(source)
+    if config.compute_capabilities or not quantized:
+        return config.compute_capabilities
+    runnable = tuple(c for c in RTX_DEFAULT_CAPABILITIES if quantization_problem(quantized, c) is None)
+    return () if runnable == RTX_DEFAULT_CAPABILITIES else runnable
 
 
 def worker_request(config: TrtBuildConfig, source: Artifact, out_dir: Path, device: int = 0) -> dict[str, Any]:
