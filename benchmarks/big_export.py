@@ -33,7 +33,8 @@ NEEDS = {"export": "preset", "simplify": "export", "weight-map": "simplify", "bl
 
 def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     """One step, in this (child) process; returns what later steps need and what to report."""
-    from sdtrt.core.store import Artifact, Store
+    from sdtrt.core.artifact import Artifact
+    from sdtrt.core.store import Store
     from sdtrt.sources.models import resolve_model
 
     model = resolve_model(args.model)

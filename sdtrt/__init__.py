@@ -29,21 +29,15 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("deploy_triton", "TritonDeployConfig"), "sdtrt.serving.deploy"),
     **dict.fromkeys(("start_server", "ServeConfig"), "sdtrt.serving.serve"),
     **dict.fromkeys(("resolve_model", "ModelSource"), "sdtrt.sources.models"),
-    **dict.fromkeys(("Store", "Artifact"), "sdtrt.core.store"),
-    **dict.fromkeys(
-        (
-            "ExportConfig",
-            "SimplifyConfig",
-            "QuantizeConfig",
-            "OrtBuildConfig",
-            "TrtBuildConfig",
-            "WrapConfig",
-            "ValidationConfig",
-            "BenchConfig",
-            "ShapeProfile",
-        ),
-        "sdtrt.core.config",
-    ),
+    "Store": "sdtrt.core.store",
+    "Artifact": "sdtrt.core.artifact",
+    "ExportConfig": "sdtrt.core.config.export",
+    "SimplifyConfig": "sdtrt.core.config.simplify",
+    "QuantizeConfig": "sdtrt.core.config.quantize",
+    **dict.fromkeys(("OrtBuildConfig", "TrtBuildConfig", "WrapConfig"), "sdtrt.core.config.build"),
+    "ValidationConfig": "sdtrt.core.config.validation",
+    "BenchConfig": "sdtrt.core.config.bench",
+    "ShapeProfile": "sdtrt.core.config.shapes",
     **dict.fromkeys(
         (
             "SdtrtError",
@@ -75,17 +69,14 @@ _STAGES = ("export", "simplify", "quantize", "build_ort", "build_trt", "wrap", "
 __all__ = ["__version__", *_EXPORTS, *_STAGES]
 
 if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is off for this file)
-    from sdtrt.core.config import (
-        BenchConfig,
-        ExportConfig,
-        OrtBuildConfig,
-        QuantizeConfig,
-        ShapeProfile,
-        SimplifyConfig,
-        TrtBuildConfig,
-        ValidationConfig,
-        WrapConfig,
-    )
+    from sdtrt.core.artifact import Artifact
+    from sdtrt.core.config.bench import BenchConfig
+    from sdtrt.core.config.build import OrtBuildConfig, TrtBuildConfig, WrapConfig
+    from sdtrt.core.config.export import ExportConfig
+    from sdtrt.core.config.quantize import QuantizeConfig
+    from sdtrt.core.config.shapes import ShapeProfile
+    from sdtrt.core.config.simplify import SimplifyConfig
+    from sdtrt.core.config.validation import ValidationConfig
     from sdtrt.core.errors import (
         ArtifactError,
         ArtifactNotFoundError,
@@ -108,7 +99,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is of
         StoreError,
         UnsupportedModelError,
     )
-    from sdtrt.core.store import Artifact, Store
+    from sdtrt.core.store import Store
     from sdtrt.pipeline.loading import generate, load_pipeline, set_loras, set_scheduler
     from sdtrt.pipeline.request import GenerateRequest
     from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton

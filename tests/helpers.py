@@ -88,7 +88,8 @@ def external_copy(artifact, folder: Path, edit=None):
 
     import onnx
 
-    from sdtrt.core.store import Artifact, describe_files, digest
+    from sdtrt.core.artifact import Artifact, describe_files
+    from sdtrt.core.stage_request import digest
 
     folder.mkdir(parents=True)
     path = folder / artifact.primary.name

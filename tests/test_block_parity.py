@@ -75,7 +75,7 @@ def deeper(tmp_path_factory):
 
 def with_external_data(artifact, folder: Path):
     """A copy of an export artifact whose weights live in ``transformer.onnx.data``, as large exports are saved."""
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     copy = folder / "export"
     shutil.copytree(artifact.path, copy)

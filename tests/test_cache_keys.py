@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from sdtrt import ExportConfig, OrtBuildConfig, QuantizeConfig, SimplifyConfig, TrtBuildConfig, WrapConfig
-from sdtrt.core.store import StageRequest
+from sdtrt.core.stage_request import StageRequest
 from sdtrt.stages import build_ort, build_trt, engine_set, export, quantize, simplify, wrap
 
 KEYS = {

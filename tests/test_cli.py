@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from sdtrt import __version__
+from sdtrt.core.artifact import MANIFEST
 from sdtrt.core.errors import one_line
-from sdtrt.core.store import MANIFEST, TMP_DIR, Store
+from sdtrt.core.store import TMP_DIR, Store
 
 from .helpers import REPO, last_line, private_store, run_cli
 

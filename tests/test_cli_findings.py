@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdtrt.core.store import Artifact
+from sdtrt.core.artifact import Artifact
 from tests.helpers import last_line, run_cli
 
 
@@ -130,7 +130,8 @@ def qdq_copy(clip_export, tmp_path_factory):
 
     import onnx
 
-    from sdtrt.core.store import describe_files, digest
+    from sdtrt.core.artifact import describe_files
+    from sdtrt.core.stage_request import digest
 
     folder = tmp_path_factory.mktemp("qdq") / "export"
     shutil.copytree(clip_export.path, folder)

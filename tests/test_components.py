@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import ExportConfig, OrtBuildConfig, SimplifyConfig
 from sdtrt.core.errors import ArtifactError, ConfigError, EngineInputError, ModelNotFoundError
-from sdtrt.core.store import Artifact
 from sdtrt.graph.onnx_graph import artifact_spec
 from sdtrt.runtime import open_runtime
 from sdtrt.sources.models import load_folder, resolve_model

@@ -10,9 +10,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import ExportConfig, SimplifyConfig
 from sdtrt.core.errors import ParityError, WrongArtifactError
-from sdtrt.core.store import Artifact
 from sdtrt.stages import export, simplify
 from sdtrt.tools.debug import debug, fp32_replica, reference_graph
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdtrt.core.artifact import MANIFEST, Artifact
 from sdtrt.core.config import (
     ExportConfig,
     Range,
@@ -21,7 +22,6 @@ from sdtrt.core.config import (
     WrapConfig,
 )
 from sdtrt.core.errors import ArtifactError, EngineInputError, EnvironmentMismatchError, RequestError
-from sdtrt.core.store import MANIFEST, Artifact
 from sdtrt.runtime import check_weight_budget, open_runtime
 from sdtrt.sources.models import load_unet
 from sdtrt.spec import ValidationCase

@@ -16,8 +16,8 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.errors import LoraError, RefitError
-from sdtrt.core.store import Artifact
 from sdtrt.graph.graph_weights import read_initializers
 from sdtrt.lora.files import parse_lora_option
 from sdtrt.lora.refit import EngineLoras, apply_loras

@@ -436,8 +436,8 @@ def test_sd15_int8_level_2_5_scale(tmp_path):
     import resource
     import time
 
+    from sdtrt.core.artifact import Artifact
     from sdtrt.core.config import ValidationConfig
-    from sdtrt.core.store import Artifact
     from sdtrt.sources.models import resolve_model
     from sdtrt.tools.validate import validate
 

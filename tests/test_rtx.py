@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import DEFAULT_PROMPT, ExportConfig, QuantizeConfig, SimplifyConfig, TrtBuildConfig
 from sdtrt.core.errors import MissingDependencyError
-from sdtrt.core.store import Artifact
 from sdtrt.core.trt_products import (
     COMPUTE_CAPABILITIES,
     DEFAULT_COMPUTE_CAPABILITIES,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import SimplifyConfig
 from sdtrt.core.errors import ArtifactError, SimplifyError
-from sdtrt.core.store import Artifact, Store
+from sdtrt.core.store import Store
 from sdtrt.runtime import open_runtime
 from sdtrt.sources.models import load_unet
 from sdtrt.spec import ValidationCase

@@ -16,8 +16,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import SimplifyConfig
-from sdtrt.core.store import Artifact, Store
+from sdtrt.core.store import Store
 from sdtrt.stages import simplify
 
 from .helpers import REPO, external_copy, last_line, run_cli
@@ -128,7 +129,8 @@ import resource, sys
 import onnx, onnx_graphsurgeon, onnxruntime  # what the stage imports, before the limit
 from sdtrt.core.config import SimplifyConfig
 from sdtrt.stages import simplify
-from sdtrt.core.store import Artifact, Store
+from sdtrt.core.artifact import Artifact
+from sdtrt.core.store import Store
 
 size = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (size + 2**29, size + 2**29))  # 512 MiB more: less than the weights

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import ExportConfig, SimplifyConfig
-from sdtrt.core.store import Artifact, Store
+from sdtrt.core.store import Store
 from sdtrt.runtime import open_runtime
 from sdtrt.sources.models import ModelSource, load_unet, resolve_model
 from sdtrt.spec import ValidationCase

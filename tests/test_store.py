@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from sdtrt.core.artifact import MANIFEST, Artifact
 from sdtrt.core.config import ExportConfig, SimplifyConfig, not_in_key
 from sdtrt.core.errors import ArtifactError, StoreError
-from sdtrt.core.store import MANIFEST, TMP_DIR, Artifact, StageRequest, Store
+from sdtrt.core.stage_request import StageRequest
+from sdtrt.core.store import TMP_DIR, Store
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from sdtrt.core.config import Range, ShapeProfile, TrtBuildConfig
 from sdtrt.core.errors import ArtifactError, ConfigError, MissingDependencyError
 from sdtrt.core.gpu import engine_mismatch, tensorrt_missing
-from sdtrt.core.store import StageRequest
+from sdtrt.core.stage_request import StageRequest
 from sdtrt.runtime.tensorrt import describe_profiles, graph_digest, refill_graph, select_profile
 from sdtrt.stages import build_trt, wrap
 from sdtrt.tools.compile import resolve_target
@@ -236,8 +236,9 @@ def test_container_pins_come_from_installed_versions():
 def test_an_engine_with_several_profiles_is_not_wrapped(tiny_simplified, tmp_path):
     import json
 
+    from sdtrt.core.artifact import MANIFEST, Artifact
     from sdtrt.core.config import WrapConfig
-    from sdtrt.core.store import MANIFEST, Artifact, Store
+    from sdtrt.core.store import Store
 
     folder = tmp_path / "build-trt"
     folder.mkdir()
@@ -373,7 +374,7 @@ def test_a_refit_supplies_base_weights_from_the_graph_the_plan_was_parsed_from(t
     weights a refit must supply come from the graph the build parsed, found in a moved store too."""
     import shutil
 
-    from sdtrt.core.store import MANIFEST, Artifact
+    from sdtrt.core.artifact import MANIFEST, Artifact
     from sdtrt.runtime.tensorrt import parsed_graph
     from sdtrt.stages.quantize import tensorrt_graph
 
@@ -486,7 +487,7 @@ def test_the_reproduce_command_parses_with_the_cli(tmp_path):
 def test_validation_holds_a_tf32_engine_to_the_tolerances_of_its_arithmetic(tmp_path):
     """Item 3: an fp32 engine that computes in TF32 (asked with --tf32, or built before the setting) is held to
     fp16's tolerances, through its wrap too; an fp32 engine built without TF32 keeps fp32's."""
-    from sdtrt.core.store import MANIFEST, Artifact
+    from sdtrt.core.artifact import MANIFEST, Artifact
     from sdtrt.tools.validate import tolerance_precision
 
     def artifact(name: str, stage: str, config: dict, source: Path | None = None) -> Artifact:
@@ -683,7 +684,7 @@ def test_a_stripped_plan_is_keyed_by_its_graphs_content(tiny_simplified, tmp_pat
     """The same simplify key with other bytes (a non-deterministic export made again) must not hit the old plan."""
     import copy
 
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     again = copy.deepcopy(tiny_simplified.manifest)
     again["files"][0]["sha256"] = "0" * 64
@@ -698,7 +699,7 @@ def test_a_stripped_plan_is_keyed_by_its_graphs_content(tiny_simplified, tmp_pat
 
 
 def test_a_stripped_plan_records_the_graph_that_refills_it(tiny_simplified, tmp_path):
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     assert refill_graph({"config": {}}, tmp_path / "unet.plan") is None  # a plan with its weights
     manifest = {"weights": build_trt.refill_record(tiny_simplified)}
@@ -715,7 +716,7 @@ def test_a_stripped_plan_whose_graph_is_gone_or_changed_is_refused(tiny_simplifi
     """The load checks the graph against the digest the build recorded, before TensorRT reads anything."""
     import shutil
 
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     folder = tmp_path / "simplify" / "graph"
     shutil.copytree(tiny_simplified.path, folder)
@@ -747,7 +748,7 @@ def test_only_store_graphs_are_stripped(tiny_simplified, store, tmp_path):
     """An .onnx outside the store could change under the plan unchecked: refused before any TensorRT work."""
     import shutil
 
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     folder = tmp_path / "mine"
     shutil.copytree(tiny_simplified.path, folder)
@@ -760,7 +761,7 @@ def test_only_store_graphs_are_stripped(tiny_simplified, store, tmp_path):
 
 def test_stripped_plans_are_never_wrapped(store, tmp_path):
     """Torch-TensorRT deserializes a wrapped plan itself: nothing would refill its weights."""
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
     from sdtrt.tools.compile import wrap_problem
 
     assert "hold no weights (--strip-weights), so they are not wrapped" in wrap_problem(
@@ -795,7 +796,7 @@ def test_a_stripped_plan_finds_its_graph_from_any_working_directory(tiny_simplif
     built, or a load from another directory would call the graph gone."""
     import shutil
 
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     shutil.copytree(tiny_simplified.path, tmp_path / "engines" / "simplify" / "graph")
     monkeypatch.chdir(tmp_path)
@@ -812,7 +813,7 @@ def test_a_stripped_plan_takes_its_graph_along_to_a_moved_store_and_a_triton_rep
     writes (a store of its own), holds the graph beside the plan, under the same stage and key."""
     import shutil
 
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
     from sdtrt.serving.deploy import refill_graphs
 
     built = tmp_path / "engines"
@@ -843,7 +844,8 @@ def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_p
     import shutil
     import time
 
-    from sdtrt.core.store import MANIFEST, Artifact, Store
+    from sdtrt.core.artifact import MANIFEST, Artifact
+    from sdtrt.core.store import Store
 
     root = tmp_path / "engines"
     folder = root / "simplify" / "graph"
@@ -868,7 +870,7 @@ def test_the_graph_of_a_stripped_plan_stays_in_use_for_gc(tiny_simplified, tmp_p
 def test_a_quantized_graph_is_not_stripped(store, tmp_path):
     """A quantized plan is built from the quantize stage's TensorRT graph, not the primary graph a stripped plan
     would be refilled from: refused before any TensorRT work."""
-    from sdtrt.core.store import Artifact
+    from sdtrt.core.artifact import Artifact
 
     quantized = Artifact(tmp_path, {"stage": "quantize", "config": {"precision": "int8"}, "inputs": [{}]})
     with pytest.raises(ConfigError, match="--strip-weights is not offered for int8 engines yet"):

@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from sdtrt.core.artifact import Artifact
 from sdtrt.core.errors import ParityError
-from sdtrt.core.store import Artifact
 from sdtrt.tools.validate import ValidationConfig, image_problems, psnr_db, validate
 
 from .helpers import last_line, run_cli

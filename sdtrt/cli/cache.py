@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
+from ..core.artifact import Artifact
 from ..core.errors import ArtifactError, RequestError, StoreError
-from ..core.store import Artifact, Store
+from ..core.store import Store
 from .options import EnginesOpt
 
 app = typer.Typer(help="Inspect and clean the artifact store.", no_args_is_help=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..core.artifact import Artifact
 from ..core.config import (
     COMPONENTS,
     Component,
@@ -31,7 +32,7 @@ from ..core.config import (
     target_precision_problem,
 )
 from ..core.errors import ArtifactNotFoundError, ConfigError, RequestError, StoreError
-from ..core.store import Artifact, Store
+from ..core.store import Store
 from ..core.trt_products import gpu_only_problem, parse_compute_capabilities, product, rtx_missing
 from ..sources.models import ModelSource
 from ..sources.presets import PRESETS

@@ -31,7 +31,7 @@ from ..spec import denoiser_component, model_components
 from . import options as o
 
 if TYPE_CHECKING:
-    from ..core.store import Artifact
+    from ..core.artifact import Artifact
     from ..sources.models import ModelSource
     from ..tools.guard import GuardReport
 

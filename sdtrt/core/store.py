@@ -19,227 +19,32 @@ corrupt hit is rebuilt.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from importlib import metadata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import as_dict, cache_key
+from .artifact import MANIFEST, Artifact, describe_files
 from .errors import ArtifactError, ArtifactNotFoundError, StoreError
+from .integrity import _signature, _write_signatures
 from .locks import exclusive
 from .progress import console
+from .stage_request import StageRequest
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
 TMP_DIR = ".tmp"
 LOCK_DIR = ".locks"
 LOG_DIR = "logs"  # logs of failed builds, kept for the user
-VERIFIED = ".verified.json"  # stat signatures of the files as they last hashed clean
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def default_root(engines: Path | str | None = None) -> Path:
     """--engines DIR, else $SDTRT_ENGINES, else ./engines."""
     return Path(engines or os.environ.get("SDTRT_ENGINES") or "engines")
-
-
-def environment(*packages: str) -> dict[str, str]:
-    """Versions of the named distributions (and Python): the parts of a key no config shows."""
-    env = {"python": platform.python_version()}
-    for name in packages:
-        try:
-            env[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            env[name] = "absent"
-    return env
-
-
-def digest(data: Any) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class StageRequest:
-    """What a stage is asked to produce; its key names the artifact before any work is done."""
-
-    stage: str
-    version: int
-    config: Any  # a frozen config dataclass from sdtrt.core.config
-    inputs: list[dict[str, Any]]  # each has "digest": a model digest or an upstream artifact key
-    environment: dict[str, str]
-
-    @property
-    def key(self) -> str:
-        return digest(
-            {
-                "stage": self.stage,
-                "version": self.version,
-                "config": cache_key(self.config),
-                "inputs": [i["digest"] for i in self.inputs],
-                "environment": self.environment,
-            }
-        )
-
-    def base_manifest(self) -> dict[str, Any]:
-        return {
-            "format": MANIFEST_FORMAT,
-            "stage": self.stage,
-            "stage_version": self.version,
-            "key": self.key,
-            "config": as_dict(self.config),
-            "config_key": cache_key(self.config),
-            "inputs": self.inputs,
-            "environment": self.environment,
-        }
-
-
-@dataclass(frozen=True)
-class Artifact:
-    """A finished stage output: a directory and its manifest."""
-
-    path: Path
-    manifest: dict[str, Any] = field(repr=False)
-
-    @property
-    def key(self) -> str:
-        return str(self.manifest["key"])
-
-    @property
-    def stage(self) -> str:
-        return str(self.manifest["stage"])
-
-    @property
-    def primary(self) -> Path:
-        """The artifact's main file (the .onnx, the .plan, …)."""
-        return self.path / self.manifest["primary"]
-
-    def mark_used(self) -> None:
-        """Record a use now (the manifest's mtime), which `gc --older-than` reads; a read-only store keeps none."""
-        with contextlib.suppress(OSError):
-            os.utime(self.path / MANIFEST)
-
-    def as_input(self) -> dict[str, Any]:
-        return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path.resolve())}
-
-    def lineage(self) -> list[Artifact]:
-        """This artifact and the ones it was made from, newest first, back to the one made from a model."""
-        chain = [self]
-        while (first := (chain[-1].manifest.get("inputs") or [{}])[0]).get("kind") == "artifact":
-            chain.append(Artifact.open(located(Path(first["path"]), chain[-1].path.parent.parent)))
-        return chain
-
-    def component(self) -> str:
-        """The network its graph records; a weight map's is its graph's, a set's (and its validation report's) "set"
-        ("?" where an ancestor is gone)."""
-        try:
-            for made in self.lineage():
-                if made.stage == "set":
-                    return "set"
-                if "io" in made.manifest:
-                    return str(made.manifest["io"]["component"])
-        except ArtifactError:
-            return "?"
-        return "unet"
-
-    def file_problems(self, rehash: bool = False) -> list[str]:
-        """How the files differ from the manifest ([] when intact).
-
-        Sizes are always compared; contents are hashed where a file changed on disk since it last
-        hashed clean, or everywhere with ``rehash``. A clean result is recorded (where writable).
-        """
-        entries = self.manifest.get("files", [])
-        recorded = {} if rehash else _read_signatures(self.path)
-        problems, signatures = [], {}
-        for entry in entries:
-            f = self.path / entry["name"]
-            if not f.is_file():
-                problems.append(f"{entry['name']} is missing")
-                continue
-            signature = _signature(f)
-            if signature[0] != entry["size"]:
-                problems.append(f"{entry['name']} has {signature[0]} bytes, the manifest {entry['size']}")
-            elif recorded.get(entry["name"]) != signature and file_sha256(f) != entry["sha256"]:
-                problems.append(f"{entry['name']} differs from the manifest (sha256)")
-            signatures[entry["name"]] = signature
-        if not problems and entries and signatures != recorded:
-            _write_signatures(self.path, signatures)
-        return problems
-
-    def require_intact(self) -> None:
-        """ArtifactError, naming the first problem and how to rebuild, unless the files match the manifest."""
-        if problems := self.file_problems():
-            raise ArtifactError(
-                f"artifact {self.path} is corrupt: {problems[0]}; rebuild it with "
-                f"`{self.manifest.get('reproduce', 'the stage that made it')}` "
-                "(and `sdtrt cache gc --corrupt` removes corrupt artifacts)"
-            )
-
-    @classmethod
-    def open(cls, path: Path | str) -> Artifact:
-        """An artifact from its directory, its manifest, or any file inside it.
-
-        A bare .onnx outside the store becomes an ``external`` artifact keyed by its content.
-        """
-        path = Path(path)
-        if not path.exists():
-            raise ArtifactError(f"'{path}' does not exist; pass an artifact directory or its .onnx file")
-        folder = path if path.is_dir() else path.parent
-        manifest_path = folder / MANIFEST
-        if manifest_path.is_file():
-            try:
-                manifest = json.loads(manifest_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ArtifactError(f"{manifest_path} is not valid JSON ({exc}); rebuild this artifact") from exc
-            return cls(folder, manifest)
-        if path.is_file() and path.suffix == ".onnx":
-            return cls(folder, external_onnx_manifest(path))
-        raise ArtifactNotFoundError(
-            f"'{path}' is not an sdtrt artifact (no {MANIFEST}); pass the directory a stage printed, or an .onnx file"
-        )
-
-
-def located(recorded: Path, store_root: Path) -> Path:
-    """Where an artifact recorded at ``recorded`` (``<root>/<stage>/<key>``) is, seen from the store at ``store_root``:
-    its stage and key there when that is an artifact (a store moved elsewhere, a Triton repository that `sdtrt
-    deploy` wrote), else the recorded path."""
-    beside = store_root / recorded.parent.name / recorded.name
-    return beside if (beside / MANIFEST).is_file() else recorded
-
-
-def external_onnx_manifest(path: Path) -> dict[str, Any]:
-    """A manifest for an .onnx made outside sdtrt, keyed by the content of it and its data files."""
-    files = [path, *sorted(path.parent.glob(path.name + ".data"))]
-    return {
-        "format": MANIFEST_FORMAT,
-        "stage": "external",
-        "key": digest([file_sha256(f) for f in files]),
-        "primary": path.name,
-        "files": [],
-    }
-
-
-def describe_files(folder: Path) -> list[dict[str, Any]]:
-    return [
-        {"name": str(f.relative_to(folder)), "size": f.stat().st_size, "sha256": file_sha256(f)}
-        for f in sorted(folder.rglob("*"))
-        if f.is_file() and f.name not in (MANIFEST, VERIFIED)
-    ]
 
 
 @dataclass(frozen=True)
@@ -445,24 +250,6 @@ def follow_umask(folder: Path) -> None:
         if path.is_file() and not path.is_symlink():
             mode = path.stat().st_mode
             path.chmod((0o666 | (mode & 0o111)) & ~mask)
-
-
-def _signature(path: Path) -> list[int]:
-    stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
-
-
-def _read_signatures(folder: Path) -> dict[str, list[int]]:
-    try:
-        return dict(json.loads((folder / VERIFIED).read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_signatures(folder: Path, signatures: dict[str, list[int]]) -> None:
-    """Best effort: a read-only store simply re-hashes on every use."""
-    with contextlib.suppress(OSError):
-        (folder / VERIFIED).write_text(json.dumps(signatures))
 
 
 def _owner_alive(tmp_name: str) -> bool:

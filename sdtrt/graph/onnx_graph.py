@@ -13,9 +13,9 @@ from typing import Any
 
 import onnx
 
+from ..core.artifact import Artifact
 from ..core.config import IONaming, Precision
 from ..core.errors import ArtifactError
-from ..core.store import Artifact
 from ..spec import NAMED_INPUTS, GraphSpec, ModelConfigs, TensorSpec, UNetSpec, spec_from_json
 
 # Artifacts whose primary file is an ONNX graph.

@@ -12,11 +12,11 @@ from typing import Any, Protocol
 import torch
 from rich.markup import escape
 
+from ..core.artifact import Artifact
 from ..core.config import TEXT_ENCODERS, WeightBudget
 from ..core.errors import LoraError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
-from ..core.store import Artifact
 from ..lora.files import LORA_COMPONENTS, LoraSpec
 from ..lora.refit import EngineLoras, LoraNetwork, apply_loras, fuse_loras
 from ..runtime import Runtime, check_weight_budget, open_members

@@ -16,7 +16,7 @@ from ..core.errors import ArtifactError, RequestError
 from .base import Runtime
 
 if TYPE_CHECKING:
-    from ..core.store import Artifact
+    from ..core.artifact import Artifact
     from ..sources.models import ModelSource
     from .device_memory import SharedDeviceMemory
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..core.store import Artifact
+    from ..core.artifact import Artifact
 
 
 class SharedDeviceMemory:

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..core.artifact import Artifact, located
 from ..core.config import WeightBudget
 from ..core.errors import ArtifactError, ConfigError, EngineInputError, LoraError, MissingDependencyError, RefitError
 from ..core.gpu import check_engine_environment, rebuild_command, require_tensorrt
-from ..core.store import Artifact, digest, located
+from ..core.stage_request import digest
 from ..core.trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
 from ..spec import GraphSpec
 from . import rtx

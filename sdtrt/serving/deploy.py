@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import __version__
+from ..core.artifact import Artifact
 from ..core.config import ShapeProfile, WeightBudget, as_dict
 from ..core.errors import ArtifactError, ConfigError
 from ..core.families import pipeline_class_name
-from ..core.store import Artifact
 from ..sources.models import ModelSource
 from ..spec import DENOISERS, FOLDERS
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.errors import ModelNotFoundError, UnsupportedModelError
+from ..core.integrity import file_sha256
 from ..core.progress import quiet_loading
-from ..core.store import file_sha256
 
 SourceKind = Literal["preset", "folder", "hub"]
 

@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..core.artifact import Artifact
 from ..core.config import OrtBuildConfig
 from ..core.progress import step
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..graph import onnx_graph
 from ..runtime.compare import compare_graphs
 from ..runtime.onnxruntime import session_options

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..core.artifact import Artifact
 from ..core.config import TrtBuildConfig, default_optimization_level
 from ..core.errors import BuildError, ConfigError, MissingDependencyError
 from ..core.gpu import (
@@ -29,7 +30,8 @@ from ..core.gpu import (
     tensorrt_version,
 )
 from ..core.progress import step
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..core.trt_products import (
     DEFAULT_COMPUTE_CAPABILITIES,
     RTX_DEFAULT_CAPABILITIES,

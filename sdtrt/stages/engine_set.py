@@ -10,9 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..core.artifact import Artifact
 from ..core.config import COMPONENTS, Component, ShapeProfile
 from ..core.errors import ArtifactError, ConfigError, EngineMismatchError
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource, resolve_model
 from ..spec import FOLDERS, component_spec, model_components, spec_from_json

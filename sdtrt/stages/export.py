@@ -22,10 +22,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..core.artifact import Artifact
 from ..core.config import ExportConfig
 from ..core.errors import ExportError, one_line
 from ..core.progress import quiet_loading, step
-from ..core.store import Artifact, StageRequest, Store, digest, environment
+from ..core.stage_request import StageRequest, digest, environment
+from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
 from ..sources.models import ModelSource, load_folder
 from ..spec import FOLDERS, GraphSpec, component_spec

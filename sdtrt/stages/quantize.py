@@ -44,10 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.artifact import Artifact
 from ..core.config import QUANT_LEVELS, Component, ExportConfig, Precision, QuantizeConfig
 from ..core.errors import ArtifactError, ConfigError, ExportError, MissingDependencyError, one_line
 from ..core.progress import quiet_loading, step
-from ..core.store import Artifact, StageRequest, Store, digest, environment
+from ..core.stage_request import StageRequest, digest, environment
+from ..core.store import Store
 from ..graph import onnx_graph
 from ..sources.models import ModelSource
 from ..spec import GraphSpec, denoiser_component

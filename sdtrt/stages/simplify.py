@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.artifact import Artifact
 from ..core.config import BF16_ON_ONNXRUNTIME, SimplifyConfig, SimplifyMethod, format_size
 from ..core.errors import SimplifyError
 from ..core.progress import console, step
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..graph import onnx_graph
 from ..runtime.compare import compare_graphs
 from ..runtime.onnxruntime import quiet_default_logger

@@ -40,9 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.artifact import Artifact
 from ..core.errors import LoraError, UnsupportedModelError
 from ..core.progress import quiet_loading, step
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..graph import onnx_graph
 from ..graph.graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
 from ..graph.onnx_weights import numpy_dtype, read_tensor, safetensors_file_index

@@ -18,11 +18,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..core.artifact import Artifact
 from ..core.config import WrapConfig
 from ..core.errors import ArtifactError
 from ..core.gpu import check_engine_environment, gpu_environment, require_torch_tensorrt, tensorrt_version
 from ..core.progress import step
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 
 STAGE = "wrap"

@@ -37,7 +37,8 @@ import torch
 
 from ..core.config import BenchConfig, ExportConfig, Precision, Range, ShapeProfile, Target, TrtBuildConfig
 from ..core.errors import BenchError, one_line
-from ..core.store import Store, environment
+from ..core.stage_request import environment
+from ..core.store import Store
 from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
 from ..sources.models import ModelSource

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
-    from ..core.store import Artifact
+    from ..core.artifact import Artifact
     from ..sources.models import ModelSource
     from .validate import Tolerances
 

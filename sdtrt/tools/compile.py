@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..core.artifact import Artifact
 from ..core.config import (
     Component,
     ConcreteTarget,
@@ -35,7 +36,7 @@ from ..core.gpu import (
     tensorrt_missing,
     torch_tensorrt_missing,
 )
-from ..core.store import Artifact, Store
+from ..core.store import Store
 from ..core.trt_products import rtx_missing, rtx_runtime_missing
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     import onnx
     import torch
 
+    from ..core.artifact import Artifact
     from ..core.config import ShapeProfile
-    from ..core.store import Artifact
     from ..sources.models import ModelSource
     from ..spec import GraphSpec
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..core.store import Artifact
+from ..core.artifact import Artifact
 from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
 from ..sources.models import ModelSource

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from ..core.artifact import Artifact
 from ..core.config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig, format_size
 from ..core.errors import ParityError, StoreError
-from ..core.store import Artifact, StageRequest, Store, environment
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
 from ..runtime.compare import tensor_stats
 from ..spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
 

@@ -1,0 +1,65 @@
+"""The export stage's configuration: torch → ONNX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+from .components import COMPONENTS, TEXT_ENCODERS, Component
+from .keys import not_in_key
+from .precision import PRECISIONS, Precision
+
+Exporter = Literal["auto", "dynamo", "torchscript"]
+IONaming = Literal["named", "indexed"]
+Weights = Literal["auto", "load", "stream"]
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """torch → ONNX. The UNet's batch, height and width are always dynamic axes."""
+
+    precision: Precision = "fp16"
+    opset: int = 18
+    # Both exporters were verified against PyTorch fp32 on ONNX Runtime. "auto" takes the
+    # TorchScript-based one (the tiny UNet in ~1 s instead of ~40 s, SD 1.5 in ~30 s instead of ~60 s)
+    # except for fp16 text encoders, where it writes LayerNorms with fp32 weights on fp16 inputs, a
+    # graph ONNX Runtime refuses (transformers keeps CLIP's LayerNorms fp32); torch.export's does not.
+    exporter: Exporter = "auto"
+    # "indexed" names IO input_0.. / output_0, which `torchtrtc --embed-engine` expects.
+    io_naming: IONaming = "named"
+    component: Component = "unet"
+    # How weights reach the graph: "load" the network whole, or "stream" them from the safetensors files into a
+    # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams big folders
+    # (stages/export.py).
+    weights: Weights = not_in_key("auto")
+
+    @property
+    def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
+        if self.exporter != "auto":
+            return self.exporter
+        # bf16: torch.export's, the one measured on bf16 UNet, VAE and CLIP graphs.
+        if self.precision == "bf16" or (self.component in TEXT_ENCODERS and self.precision == "fp16"):
+            return "dynamo"
+        return "torchscript"
+
+    def __post_init__(self) -> None:
+        if self.component not in COMPONENTS:
+            raise ConfigError(f"component '{self.component}' is not one of {', '.join(COMPONENTS)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
+        if self.exporter not in ("auto", "dynamo", "torchscript"):
+            raise ConfigError(f"exporter '{self.exporter}' is not auto, dynamo or torchscript")
+        if self.exporter == "torchscript" and self.component in TEXT_ENCODERS and self.precision == "fp16":
+            raise ConfigError(
+                "the TorchScript-based exporter writes an invalid fp16 text encoder graph (fp32 LayerNorm weights "
+                "on fp16 inputs); use --exporter dynamo (or auto)"
+            )
+        if self.io_naming not in ("named", "indexed"):
+            raise ConfigError(f"io naming '{self.io_naming}' is not named or indexed")
+        if self.weights not in ("auto", "load", "stream"):
+            raise ConfigError(f"weights '{self.weights}' is not auto, load or stream")
+        if self.weights == "stream" and self.exporter == "torchscript":
+            raise ConfigError("streamed weights need torch.export's exporter; use --exporter dynamo (or auto)")
+        if not 14 <= self.opset <= 23:
+            raise ConfigError(f"opset {self.opset} is outside 14..23, the range sdtrt exports")
