@@ -42,7 +42,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     store = Store(Path(args.engines))
     if step == "preset":
         from sdtrt.spec import FOLDERS
-        from sdtrt.tools.block_parity import stored_tensors
+        from sdtrt.tools.block_parity.stored import stored_tensors
 
         tensors = stored_tensors(model.component_dir(FOLDERS[component]))
         return {"model": str(model.path), "component": component, "parameters": sum(t.numel for t in tensors.values())}

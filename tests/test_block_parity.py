@@ -158,7 +158,8 @@ def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset, 
 
 def test_a_unets_default_blocks_include_one_with_skip_connections():
     from sdtrt.sources.models import resolve_model
-    from sdtrt.tools.block_parity import default_blocks, meta_network
+    from sdtrt.tools.block_parity import default_blocks
+    from sdtrt.tools.block_parity.torch_block import meta_network
 
     assert default_blocks(meta_network(resolve_model("tiny-sdxl"), "unet")) == ["down_blocks.0", "up_blocks.1"]
 
