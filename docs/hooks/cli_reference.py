@@ -28,13 +28,15 @@ def root_command() -> Any:
         sys.path.insert(0, str(REPO))
     import typer.main
 
-    import sdtrt.cli  # registers the command modules on the app
+    import sdtrt.cli  # noqa: F401  (registers the command modules on the app)
     from sdtrt.cli.app import app
 
     return typer.main.get_command(app)
 
 
-def walk(command: Any, path: tuple[str, ...] = ("sdtrt",), parent: Any = None) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+def walk(
+    command: Any, path: tuple[str, ...] = ("sdtrt",), parent: Any = None
+) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
     """(command path, command, its context) for the command and every subcommand below it, in registration order."""
     ctx = command.make_context(path[-1], [], parent=parent, resilient_parsing=True)
     yield path, command, ctx

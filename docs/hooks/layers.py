@@ -24,11 +24,15 @@ def layers() -> list[tuple[str, tuple[str, ...]]]:
     """``LAYERS`` of tests/test_layers.py, read from its source."""
     tree = ast.parse(TABLE.read_text(), str(TABLE))
     for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target = node.targets[0]
-        if isinstance(target, ast.Name) and target.id == "LAYERS" and node.value is not None:
-            return [(name, tuple(modules)) for name, modules in ast.literal_eval(node.value)]
+        target: ast.expr
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "LAYERS" and value is not None:
+            return [(name, tuple(modules)) for name, modules in ast.literal_eval(value)]
     raise ValueError(f"{TABLE} has no LAYERS table")
 
 
