@@ -24,7 +24,7 @@ EXAMPLE = re.compile(r"(?:^|(?<=\. ))([A-Z][\w -]*): (sdtrt .+)$")
 
 def root_command() -> Any:
     """The click command Typer builds from sdtrt's app, every command registered."""
-    if str(REPO) not in sys.path:
+    if sys.path[:1] != [str(REPO)]:  # this checkout's sdtrt, before any installed one
         sys.path.insert(0, str(REPO))
     import typer.main
 
