@@ -27,7 +27,7 @@ DOCKER_MOUNTS := -v "$(abspath $(ENGINES))":/workspace/sdtrt/engines \
 # Inside the NVIDIA container there is no venv: use the image's Python, which has sdtrt installed.
 PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 
-.PHONY: setup test test-slow lint demo engine serve docker-build docker-engine docker-serve clean
+.PHONY: setup test test-slow lint docs demo engine serve docker-build docker-engine docker-serve clean
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,10 @@ lint: setup
 	$(VENV)/bin/ruff check sdtrt tests benchmarks
 	$(VENV)/bin/ruff format --check sdtrt tests benchmarks
 	$(VENV)/bin/mypy sdtrt
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails it.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
 
 # Wall time and peak RSS of preset → export → simplify → weight map → block parity on a big network, each step in
 # its own process (benchmarks/big_export.py). Not part of `make test`.
