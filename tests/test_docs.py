@@ -98,16 +98,14 @@ def test_the_cli_reference_lists_every_command_with_its_options(site):
 
 def test_the_layer_list_names_every_layer(site):
     page = (site / "architecture" / "index.html").read_text()
-    for name in ("core contracts and store", "model sources", "runtimes", "stages", "stand-ins", "cli"):
+    for name in ("core", "sources", "runtime", "stages", "standins", "cli"):
         assert name in page, name
 
 
-# The README that replaces README.md once the package's top exports its API (shorter: the docs hold the rest).
-PROPOSED_README = REPO / "README.proposed.md"
 # Every ```python block of the docs and the READMEs: (file, index, code).
 DOC_SNIPPETS = [
     (str(path.relative_to(REPO)), i, code)
-    for path in sorted([*DOCS.rglob("*.md"), REPO / "README.md", PROPOSED_README])
+    for path in sorted([*DOCS.rglob("*.md"), REPO / "README.md"])
     if path.is_file() and "hooks" not in path.parts
     for i, code in enumerate(python_blocks(path))
 ]
@@ -124,71 +122,31 @@ def sdtrt_imports(code: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-@pytest.mark.parametrize("where,index,code", [s for s in DOC_SNIPPETS if s[0] != "README.md"])
+@pytest.mark.parametrize("where,index,code", DOC_SNIPPETS)
 def test_docs_snippets_import_only_from_the_package_top(where, index, code):
     deep = [module for module, _ in sdtrt_imports(code) if module != "sdtrt"]
     assert not deep, f"{where} snippet {index} imports {deep}: use `from sdtrt import …`"
 
 
-GETTING_STARTED = [s for s in DOC_SNIPPETS if Path(s[0]).name.startswith("getting-started") and "cuda" not in s[2]]
-
-
-def test_getting_started_has_cpu_snippets_to_run():
-    assert len(GETTING_STARTED) >= 2
-
-
 def exported() -> set[str]:
-    """The names ``sdtrt/__init__.py`` lists in ``__all__`` (none before the top-level API lands)."""
+    """The public names ``sdtrt/__init__.py`` lists in ``__all__``."""
     import sdtrt
 
-    return set(getattr(sdtrt, "__all__", ()))
-
-
-@pytest.mark.parametrize("where,index,code", GETTING_STARTED, ids=[f"{s[0]}:{s[1]}" for s in GETTING_STARTED])
-def test_getting_started_snippet_runs_as_written_without_third_party_noise(where, index, code, tmp_path, store):
-    """Each snippet as written, in a fresh process, in a folder whose ``engines`` is the session's store: the page
-    starts from the store `make demo` filled, and so the snippets' compiles are the cache hits they say they are."""
-    names = {name for _, names in sdtrt_imports(code) for name in names}
-    if not_yet := sorted(names - exported()):
-        pytest.skip(f"sdtrt does not export {not_yet} yet (the top-level API)")
-    (tmp_path / "engines").symlink_to(store.root, target_is_directory=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("SDTRT_ENGINES", "SDTRT_DEBUG")}
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-        stdin=subprocess.DEVNULL, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    for noise in NOISE:
-        assert noise not in result.stderr, f"library use printed {noise!r}:\n{result.stderr[-2000:]}"
+    return set(sdtrt.__all__)
 
 
 def test_the_api_reference_documents_every_exported_name():
     names = exported()
-    if not names:
-        pytest.skip("sdtrt has no __all__ yet (the top-level API)")
     page = (DOCS / "reference" / "api.md").read_text()
     documented = set(re.findall(r"^::: sdtrt\.(\w+)$", page, flags=re.M))
     assert names - {"__version__"} <= documented, f"exported but not documented: {sorted(names - documented)}"
 
 
-@pytest.mark.parametrize("readme", ["README.md", "README.proposed.md"])
+@pytest.mark.parametrize("readme", ["README.md", "CONTRIBUTING.md"])
 def test_the_readmes_links_reach_files_of_the_repository(readme):
     """The READMEs link into docs/ by path (GitHub renders them), which mkdocs --strict does not check."""
     path = REPO / readme
-    if not path.is_file():
-        pytest.skip(f"no {readme}")
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     links = [link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in link]
     broken = [link for link in links if link and not (REPO / link).exists()]
     assert not broken, f"{readme} links to what the repository lacks: {broken}"
-
-
-def test_the_proposed_readme_is_short_and_links_every_page_of_the_guides():
-    if not PROPOSED_README.is_file():
-        pytest.skip("README.proposed.md has replaced README.md")
-    text = PROPOSED_README.read_text()
-    assert len(text.splitlines()) < 250
-    for phrase in ("make setup", "make engine", "make docker-engine", "from sdtrt import"):
-        assert phrase in text, phrase
-    for page in (DOCS / "guide").glob("*.md"):
-        assert f"docs/guide/{page.name}" in text, f"README.proposed.md does not link docs/guide/{page.name}"

@@ -1,8 +1,8 @@
 """MkDocs hook: the package's layer table on the architecture page, generated from the table the tests enforce.
 
-``tests/test_layers.py`` holds ``LAYERS`` (bottom to top, each a name and the modules in it) and fails when a
-module imports from a layer above its own or belongs to no layer. This hook reads that table from the test's
-source (AST, nothing imported) and each module's docstring, and replaces the marker in ``docs/architecture.md``
+``tests/test_layers.py`` holds ``LAYER_ORDER`` (the package's folders, bottom to top) and fails when a module imports
+from a layer above its own or lies outside the layer folders. This hook reads that order from the test's source (AST,
+nothing imported), walks each folder and reads each module's docstring, and replaces the marker in ``docs/architecture.md``
 with one section per layer, so the page cannot drift from what the tests check.
 """
 
@@ -21,19 +21,20 @@ TABLE = REPO / "tests" / "test_layers.py"
 
 
 def layers() -> list[tuple[str, tuple[str, ...]]]:
-    """``LAYERS`` of tests/test_layers.py, read from its source."""
+    """The layers bottom to top, each a folder of the package (``LAYER_ORDER`` of tests/test_layers.py, read from
+    its source) with the top-level modules ``TOP_LEVEL`` places in it."""
     tree = ast.parse(TABLE.read_text(), str(TABLE))
+    found: dict[str, Any] = {}
     for node in tree.body:
-        target: ast.expr
-        if isinstance(node, ast.AnnAssign):
-            target, value = node.target, node.value
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        else:
-            continue
-        if isinstance(target, ast.Name) and target.id == "LAYERS" and value is not None:
-            return [(name, tuple(modules)) for name, modules in ast.literal_eval(value)]
-    raise ValueError(f"{TABLE} has no LAYERS table")
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("LAYER_ORDER", "TOP_LEVEL"):
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+    if set(found) != {"LAYER_ORDER", "TOP_LEVEL"}:
+        raise ValueError(f"{TABLE} has no LAYER_ORDER and TOP_LEVEL")
+    return [
+        (folder, (f"sdtrt.{folder}", *(m for m, at in found["TOP_LEVEL"].items() if at == folder)))
+        for folder in found["LAYER_ORDER"]
+    ]
 
 
 def module_file(module: str) -> Path | None:

@@ -1,1 +1,1 @@
-"""Core contracts: errors, configs, families, the store, progress, locks, timing. Light at import."""
+"""Core contracts: errors, configs, families, the artifact store and its locks, progress, the GPU and TensorRT products."""
