@@ -200,11 +200,11 @@ def test_build_and_compile_share_the_tensorrt_options(tiny):
     """with_trt_options declares the TensorRT options once; each command gets them as one TrtOptions."""
     import inspect
 
-    from sdtrt.cli import stages
-    from sdtrt.cli.options import TrtOptions
+    from sdtrt.cli import compile, stages
+    from sdtrt.cli.build_options import TrtOptions
     from sdtrt.spec import denoiser_spec
 
-    for command in (stages.build, stages.compile):
+    for command in (stages.build, compile.compile):
         names = list(inspect.signature(command).parameters)
         assert names[-10:] == ["static", "workspace_gb", "optimization_level", "timing_cache", "refittable", "tf32",
                                "weight_streaming", "strip_weights", "compute_capability", "engines"]  # fmt: skip

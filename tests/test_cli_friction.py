@@ -302,7 +302,7 @@ def test_a_cut_prompt_line_agrees_with_its_encoders():
 
 def test_an_out_that_is_a_folder_is_named_as_one(tmp_path):
     """Trial 8: `generate --out <an existing folder>` was refused for having no extension."""
-    from sdtrt.cli.options import ensure_image_file
+    from sdtrt.cli.result_files import ensure_image_file
     from sdtrt.core.errors import RequestError
 
     with pytest.raises(RequestError, match=r"is a folder; name a \.png"):

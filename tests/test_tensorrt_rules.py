@@ -118,7 +118,7 @@ def test_a_size_budget_is_documented_per_streaming_engine():
     from pathlib import Path
     from typing import get_args
 
-    from sdtrt.cli.options import WeightBudgetOpt
+    from sdtrt.cli.request_options import WeightBudgetOpt
 
     (option,) = get_args(WeightBudgetOpt)[1:]
     assert "each streaming engine" in option.help and "not shared across a set" in option.help

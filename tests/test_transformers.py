@@ -227,7 +227,7 @@ def test_sd35_medium_transformer_export_simplify_and_parity_at_1024():
 def test_the_t5_token_range_is_a_compile_option():
     """--tokens sets the profile's T5 range (what a too-long prompt's message says to rebuild with); refused, before
     any work, for a model without T5 or a range out of order."""
-    from sdtrt.cli.options import shape_profile
+    from sdtrt.cli.build_options import shape_profile
     from sdtrt.core.config import Range
     from sdtrt.core.errors import RequestError
     from sdtrt.spec import denoiser_spec

@@ -19,9 +19,10 @@ from .app import DEBUG, app  # first of the CLI's modules: it quiets third-party
 # isort: split
 # Command modules import torch, diffusers and onnx inside their commands only, so that `--help`,
 # `cache` and cache hits start in a fraction of a second.
-from . import cache, debug, lora, perf, run, serve, stages
+from . import cache, compile, debug, lora, perf, run, serve, stages
 
 stages.register(app)
+compile.register(app)
 run.register(app)
 perf.register(app)
 debug.register(app)

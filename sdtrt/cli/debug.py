@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from ..core.errors import RequestError
 from ..core.progress import results, step
-from . import options as o
+from . import result_files, store_options
 
 
 def register(app: typer.Typer) -> None:
@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
 
 
 def debug_command(
-    engine: Annotated[str, typer.Argument(help=f"{o.ENGINE_HELP} (a set: each member), or a bare .onnx.")],
+    engine: Annotated[str, typer.Argument(help=f"{store_options.ENGINE_HELP} (a set: each member), or a bare .onnx.")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="For a bare .onnx that is no SD UNet: the model it is from.")
     ] = None,
@@ -35,7 +35,7 @@ def debug_command(
         typer.Option(help="Input width in pixels, on the model's grid and in the profile (default: its smallest)."),
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
-    engines: o.EnginesOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Find the first layer whose output diverges from fp32 or turns NaN/inf. Exits 3 when one does.
 
@@ -51,9 +51,9 @@ def debug_command(
 
     if not max_error > 0:
         raise RequestError(f"--max-error {max_error}: a normalised error limit must be above 0 (e.g. 0.05)")
-    artifact = o.find_engine(engine, engines, option=None)
+    artifact = store_options.find_engine(engine, engines, option=None)
     source = resolve_model(model) if model else None
-    o.ensure_parent(json_out, "--json")
+    result_files.ensure_parent(json_out, "--json")
     config = DebugConfig(max_error=max_error, height=height, width=width)
     is_set = artifact.stage == "set"
     with step("Running the engine and its fp32 replica with every tensor an output"):

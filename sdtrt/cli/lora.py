@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from ..core.errors import LoraError
 from ..core.progress import results, step
-from . import options as o
+from . import store_options
 
 app = typer.Typer(
     help="LoRA files: inspect what they change and whether an engine can take them; make random ones to try.",
@@ -22,9 +22,11 @@ app = typer.Typer(
 @app.command(name="inspect")
 def inspect_command(
     file: Annotated[Path, typer.Argument(help="A LoRA .safetensors file (diffusers/PEFT or kohya/A1111).")],
-    engine: Annotated[str | None, typer.Option(help=f"{o.ENGINE_HELP}; check its weight map covers the LoRA.")] = None,
-    model: o.EngineModelOpt = None,
-    engines: o.EnginesOpt = None,
+    engine: Annotated[
+        str | None, typer.Option(help=f"{store_options.ENGINE_HELP}; check its weight map covers the LoRA.")
+    ] = None,
+    model: store_options.EngineModelOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Format, family, rank, alpha and scale, the modules a LoRA touches in the denoiser (UNet, or SD3's or
     Flux's transformer) and CLIP text encoders, and (with --engine, a denoiser engine or an engine set) whether
@@ -38,8 +40,8 @@ def inspect_command(
     from ..lora.files import describe, read_lora
     from ..lora.refit import coverage
 
-    artifact = o.find_engine(engine, engines) if engine else None
-    source = o.model_for(model, artifact) if artifact or model else None
+    artifact = store_options.find_engine(engine, engines) if engine else None
+    source = store_options.model_for(model, artifact) if artifact or model else None
     lora = read_lora(file, source.family() if source else None)
     summary = describe(lora)
     for key in ("file", "format", "family", "networks", "ranks", "alphas", "scales"):
@@ -71,7 +73,7 @@ def inspect_command(
 @app.command(name="random")
 def random_command(
     out: Annotated[Path, typer.Option(help="The .safetensors file to write.")],
-    model: o.ModelOpt = "tiny",
+    model: store_options.ModelOpt = "tiny",
     rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 8,
     alpha: Annotated[int, typer.Option(min=1, help="LoRA alpha (scale = alpha / rank).")] = 8,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same file.")] = 0,

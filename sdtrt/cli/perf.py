@@ -12,7 +12,7 @@ from ..core.config import BENCH_BACKENDS, BenchConfig, Precision
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import console, results, step
 from ..pipeline.request import GenerateRequest, SizeRule
-from . import options as o
+from . import request_options, result_files, store_options
 
 
 def register(app: typer.Typer) -> None:
@@ -21,14 +21,14 @@ def register(app: typer.Typer) -> None:
 
 
 def bench(
-    model: o.ModelOpt = "tiny",
+    model: store_options.ModelOpt = "tiny",
     backends: Annotated[
         str, typer.Option(help=f"Comma-separated, in order: {','.join(BENCH_BACKENDS)}.")
     ] = "torch,onnxruntime",
-    steps: o.StepsOpt = 20,
+    steps: request_options.StepsOpt = 20,
     batch: Annotated[int, typer.Option(min=1, help="Images per prompt (the UNet sees twice as many).")] = 1,
-    height: o.HeightPxOpt = None,
-    width: o.WidthPxOpt = None,
+    height: request_options.HeightPxOpt = None,
+    width: request_options.WidthPxOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed runs per backend before the timed ones.")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per backend.")] = 3,
     precision: Annotated[Precision, typer.Option(help="Engines' graph precision where a backend names none.")] = "fp16",
@@ -38,12 +38,12 @@ def bench(
     lora: Annotated[
         list[str] | None,
         typer.Option(
-            metavar=o.LORA_METAVAR,
+            metavar=request_options.LORA_METAVAR,
             help="A LoRA as FILE[:SCALE], put into every backend first (engine builds: refittable); "
             "reports how long that and a swap take. Repeat for several.",
         ),
     ] = None,
-    engines: o.EnginesOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Time whole generations per backend, side by side, broken down by stage.
 
@@ -51,7 +51,7 @@ def bench(
     """
     from ..sources.models import resolve_model
 
-    loras = tuple(o.lora_options(lora))
+    loras = tuple(request_options.lora_options(lora))
     try:  # backends and their precisions: a usage error before anything loads
         config = BenchConfig(
             backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch,
@@ -62,11 +62,11 @@ def bench(
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
-        o.ensure_parent(path, option)
+        result_files.ensure_parent(path, option)
     from ..tools.bench import check_engines_ran, run_bench, write_chart
 
     report = run_bench(
-        source, config, o.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
+        source, config, store_options.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
     )
     print_bench(report)
     if json_out:
@@ -132,28 +132,28 @@ def print_bench(report: dict) -> None:
 
 def profile_command(
     out: Annotated[Path, typer.Option(help="Folder for trace.json, flame.speedscope.json and steps.json.")],
-    model: o.EngineModelOpt = None,
-    engine: o.EngineOpt = None,
+    model: store_options.EngineModelOpt = None,
+    engine: store_options.EngineOpt = None,
     trace: Annotated[
         list[str] | None, typer.Option(help="Function or method to wrap in spans, as package.module.Class.method.")
     ] = None,
-    steps: o.StepsOpt = 20,
-    height: o.HeightPxOpt = None,
-    width: o.WidthPxOpt = None,
+    steps: request_options.StepsOpt = 20,
+    height: request_options.HeightPxOpt = None,
+    width: request_options.WidthPxOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untraced generations first (0: see first-run effects).")] = 0,
     prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
-    engines: o.EnginesOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Trace one generation: waterfall (trace.json), flame graph, per-step table with outliers.
 
     Example: sdtrt profile --model tiny --out prof --trace diffusers.schedulers.scheduling_pndm.PNDMScheduler.step
     """
-    o.check_folder(out, "--out")
-    artifact = o.find_engine(engine, engines) if engine else None
-    source = o.model_for(model, artifact)
+    result_files.check_folder(out, "--out")
+    artifact = store_options.find_engine(engine, engines) if engine else None
+    source = store_options.model_for(model, artifact)
     request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
     request = request.sized_for(SizeRule.for_model(source))
-    o.check_engine_size(artifact, request)
+    request_options.check_engine_size(artifact, request)
 
     from rich.table import Table
 

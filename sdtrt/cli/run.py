@@ -26,7 +26,7 @@ from ..pipeline.request import (
     check_t5_request,
     check_validation,
 )
-from . import options as o
+from . import graph_options, request_options, result_files, store_options
 
 if TYPE_CHECKING:
     from ..tools.block_parity import BlockParityReport
@@ -63,15 +63,15 @@ def register(app: typer.Typer) -> None:
 
 
 def generate_command(
-    prompt: o.PromptOpt = GenerateRequest.prompt,
-    model: o.EngineModelOpt = None,
-    engine: o.EngineOpt = None,
-    negative_prompt: o.NegativePromptOpt = None,
-    steps: o.StepsOpt = GenerateRequest.steps,
-    guidance: o.GuidanceOpt = GenerateRequest.guidance,
-    seed: o.SeedOpt = GenerateRequest.seed,
-    height: o.HeightPxOpt = None,
-    width: o.WidthPxOpt = None,
+    prompt: request_options.PromptOpt = GenerateRequest.prompt,
+    model: store_options.EngineModelOpt = None,
+    engine: store_options.EngineOpt = None,
+    negative_prompt: request_options.NegativePromptOpt = None,
+    steps: request_options.StepsOpt = GenerateRequest.steps,
+    guidance: request_options.GuidanceOpt = GenerateRequest.guidance,
+    seed: request_options.SeedOpt = GenerateRequest.seed,
+    height: request_options.HeightPxOpt = None,
+    width: request_options.WidthPxOpt = None,
     scheduler: SchedulerOpt = None,
     image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
@@ -85,13 +85,13 @@ def generate_command(
     lora: Annotated[
         list[str] | None,
         typer.Option(
-            metavar=o.LORA_METAVAR,
+            metavar=request_options.LORA_METAVAR,
             help="A LoRA as FILE[:SCALE] (scale 1.0 by default); repeat for several. No rebuild.",
         ),
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
-    weight_streaming_budget: o.WeightBudgetOpt = None,
-    engines: o.EnginesOpt = None,
+    weight_streaming_budget: request_options.WeightBudgetOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
 
@@ -103,17 +103,17 @@ def generate_command(
 
     if task is not None and task not in TASKS:
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
-    loras = o.lora_options(lora)
-    budget = o.weight_budget(weight_streaming_budget)
-    o.ensure_image_file(out, "--out")
-    artifact = o.find_engine(engine, engines) if engine else None
-    source = o.model_for(model, artifact)
+    loras = request_options.lora_options(lora)
+    budget = request_options.weight_budget(weight_streaming_budget)
+    result_files.ensure_image_file(out, "--out")
+    artifact = store_options.find_engine(engine, engines) if engine else None
+    source = store_options.model_for(model, artifact)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
         image=_open_image(image, "RGB", "--image"), mask_image=_open_image(mask, "L", "--mask"),
     )  # fmt: skip
     request = request.sized_for(SizeRule.for_model(source))
-    o.check_engine_size(artifact, request)
+    request_options.check_engine_size(artifact, request)
     pipeline_class = source.pipeline_class()
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
@@ -131,8 +131,8 @@ def generate_command(
 
 
 def validate_command(
-    engine: Annotated[str, typer.Option(help=f"{o.ENGINE_HELP}.")],
-    model: o.EngineModelOpt = None,
+    engine: Annotated[str, typer.Option(help=f"{store_options.ENGINE_HELP}.")],
+    model: store_options.EngineModelOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Denoising steps for the image comparison.")] = 10,
     scheduler: SchedulerOpt = None,
     images: Annotated[bool, typer.Option("--images/--no-images", help="Also compare generated images.")] = True,
@@ -142,9 +142,9 @@ def validate_command(
     max_abs: Annotated[float | None, typer.Option(help="Override: maximum absolute error.")] = None,
     min_psnr: Annotated[float | None, typer.Option(help="Override: minimum image PSNR in dB.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
-    weight_streaming_budget: o.WeightBudgetOpt = None,
-    memory_budget: o.MemoryBudgetOpt = None,
-    engines: o.EnginesOpt = None,
+    weight_streaming_budget: request_options.WeightBudgetOpt = None,
+    memory_budget: graph_options.MemoryBudgetOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Compare an engine (or every member of a set) with PyTorch fp32: tensors, latents, images. Exits 3 on a mismatch.
 
@@ -152,19 +152,20 @@ def validate_command(
     """
     from ..stages.engine_set import engine_members, engine_profile
 
-    budget = o.weight_budget(weight_streaming_budget)
-    artifact = None if model else o.find_engine(engine, engines)  # a given --model is checked first
-    source = o.model_for(model, artifact)
+    budget = request_options.weight_budget(weight_streaming_budget)
+    artifact = None if model else store_options.find_engine(engine, engines)  # a given --model is checked first
+    source = store_options.model_for(model, artifact)
     config = ValidationConfig(
         steps=steps, scheduler=scheduler, images=images, height=height, width=width, min_cosine=min_cosine,
-        max_abs=max_abs, min_psnr_db=min_psnr, weight_budget=budget, memory_budget=o.memory_budget(memory_budget),
+        max_abs=max_abs, min_psnr_db=min_psnr, weight_budget=budget,
+        memory_budget=graph_options.memory_budget(memory_budget),
     )  # fmt: skip
     rule = SizeRule.for_model(source)
     check_validation(config, rule, None)
     if scheduler:
         check_scheduler(scheduler, source.family(), source.pipeline_class() if source.is_pipeline else "")
-    o.ensure_parent(json_out, "--json")
-    artifact = artifact or o.find_engine(engine, engines)
+    result_files.ensure_parent(json_out, "--json")
+    artifact = artifact or store_options.find_engine(engine, engines)
     check_validation(config, rule, engine_profile(engine_members(artifact)))  # the size, against the engines
 
     from ..tools.validate import validate
@@ -202,7 +203,7 @@ def check_blocks_command(
     min_cosine: Annotated[float | None, typer.Option(help="Override: minimum cosine similarity.")] = None,
     max_abs: Annotated[float | None, typer.Option(help="Override: maximum absolute error.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
-    engines: o.EnginesOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Check an exported graph against its model by parts, never loading all its weights: IO, inferred shapes and
     initializers, then single blocks cut out and run on ONNX Runtime against the PyTorch block loaded alone.
@@ -212,10 +213,10 @@ def check_blocks_command(
     """
     from ..tools.block_parity import check_blocks, check_checkable
 
-    o.ensure_parent(json_out, "--json")
-    artifact = o.find_engine(engine, engines)
+    result_files.ensure_parent(json_out, "--json")
+    artifact = store_options.find_engine(engine, engines)
     check_checkable(artifact, block or ())  # before the model resolves (a preset may be built)
-    source = o.model_for(model, artifact)
+    source = store_options.model_for(model, artifact)
 
     report = check_blocks(source, artifact, block or (), graph_checks, min_cosine, max_abs)
     print_block_report(report, results)

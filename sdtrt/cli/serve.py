@@ -11,7 +11,7 @@ import typer
 from ..pipeline.request import GenerateRequest
 from ..serving.client import TIMEOUT_S
 from ..serving.deploy import InstanceKind, TritonDeployConfig
-from . import options as o
+from . import request_options, result_files, store_options
 
 deploy_app = typer.Typer(help="Write a serving deployment of an engine.", no_args_is_help=True)
 
@@ -26,7 +26,9 @@ def register(app: typer.Typer) -> None:
 
 @deploy_app.command("triton")
 def deploy_triton_command(
-    engine: Annotated[str, typer.Option(help=f"{o.ENGINE_HELP}; an engine set serves every network on engines.")],
+    engine: Annotated[
+        str, typer.Option(help=f"{store_options.ENGINE_HELP}; an engine set serves every network on engines.")
+    ],
     out: Annotated[Path, typer.Option(help="The Triton model repository to write the model into.")],
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="The engine's model, where its manifest names none here.")
@@ -50,8 +52,8 @@ def deploy_triton_command(
     kind: Annotated[
         InstanceKind, typer.Option(help="auto (GPU for TensorRT engines), cpu or gpu.")
     ] = TritonDeployConfig.kind,
-    weight_streaming_budget: o.WeightBudgetOpt = None,
-    engines: o.EnginesOpt = None,
+    weight_streaming_budget: request_options.WeightBudgetOpt = None,
+    engines: store_options.EnginesOpt = None,
 ) -> None:
     """Write a Triton model repository: a Python-backend model serving text-to-image on the engine.
 
@@ -60,14 +62,14 @@ def deploy_triton_command(
     from ..serving.deploy import deploy_triton
     from ..sources.models import resolve_model
 
-    budget = o.weight_budget(weight_streaming_budget)  # exit 2 when malformed, before anything loads
+    budget = request_options.weight_budget(weight_streaming_budget)  # exit 2 when malformed, before anything loads
     config = TritonDeployConfig(
         name=name, instances=instances, max_batch=max_batch, max_steps=max_steps,
         dynamic_batching=dynamic_batching, max_queue_delay_us=queue_delay_us, kind=kind,
         weight_budget=budget.text if budget else None,
     )  # fmt: skip
     source = resolve_model(model) if model else None
-    deployment = deploy_triton(o.find_engine(engine, engines), out, config, source)
+    deployment = deploy_triton(store_options.find_engine(engine, engines), out, config, source)
     typer.echo(deployment.folder)
 
 
@@ -106,13 +108,13 @@ def serve_command(
 
 def client_command(
     url: Annotated[str, typer.Option(help="The server's HTTP address, host:port.")] = "127.0.0.1:8000",
-    prompt: o.PromptOpt = GenerateRequest.prompt,
-    negative_prompt: o.NegativePromptOpt = None,
-    steps: o.StepsOpt = GenerateRequest.steps,
-    guidance: o.GuidanceOpt = GenerateRequest.guidance,
-    seed: o.SeedOpt = GenerateRequest.seed,
-    height: o.HeightPxOpt = None,
-    width: o.WidthPxOpt = None,
+    prompt: request_options.PromptOpt = GenerateRequest.prompt,
+    negative_prompt: request_options.NegativePromptOpt = None,
+    steps: request_options.StepsOpt = GenerateRequest.steps,
+    guidance: request_options.GuidanceOpt = GenerateRequest.guidance,
+    seed: request_options.SeedOpt = GenerateRequest.seed,
+    height: request_options.HeightPxOpt = None,
+    width: request_options.WidthPxOpt = None,
     model_name: ModelNameOpt = TritonDeployConfig.name,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the image.")] = TIMEOUT_S,
@@ -125,7 +127,7 @@ def client_command(
 
     from ..serving.client import txt2img
 
-    o.ensure_image_file(out, "--out")
+    result_files.ensure_image_file(out, "--out")
     request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
     image = txt2img(url, request, model_name, timeout_s=timeout)
     Image.fromarray(image).save(out)

@@ -1,1 +1,1 @@
-"""Core contracts: errors, configs, families, the artifact store and its locks, progress, the GPU and TensorRT products."""
+"""Core contracts: errors, configs, families, the artifact store and its locks, progress, the GPU, TensorRT products."""

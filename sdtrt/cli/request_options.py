@@ -1,0 +1,79 @@
+"""What a command that runs engines is asked for (`generate`, `client`, `profile`, `validate`, `serve`): the image's
+options, LoRAs and the engines' weight-streaming budget, declared once; each checked before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..core.artifact import Artifact
+from ..core.config import WeightBudget
+from ..core.errors import ConfigError, RequestError
+
+if TYPE_CHECKING:
+    from ..pipeline.request import GenerateRequest
+
+HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
+WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
+# What to generate (`generate`, `client`).
+PromptOpt = Annotated[str, typer.Option(help="What to draw.")]
+NegativePromptOpt = Annotated[str | None, typer.Option(help="What to steer away from.")]
+StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
+GuidanceOpt = Annotated[
+    float | None,
+    # No square brackets: rich reads them as markup and drops them from --help.
+    typer.Option(help="Guidance scale (default: 7.5; FLUX.1-dev's distilled guidance 3.5; FLUX.1-schnell takes none)."),
+]
+LORA_METAVAR = "<FILE[:SCALE]>"
+SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
+WeightBudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="SDTRT_WEIGHT_STREAMING_BUDGET",
+        help="TensorRT engines built with --weight-streaming: GPU memory for the weights of each streaming engine "
+        "(not shared across a set): auto (TensorRT's, from free memory), a percentage of its streamable weights "
+        "(50%) or a size (8GiB, each); 0 streams the most (default: all on the GPU).",
+    ),
+]
+
+
+def weight_budget(text: str | None) -> WeightBudget | None:
+    """--weight-streaming-budget, parsed before anything loads (exit 2 when malformed); load_pipeline and validate
+    check that an engine takes it before loading a network."""
+    try:
+        return WeightBudget.parse(text) if text is not None else None
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def check_engine_size(artifact: Artifact | None, request: GenerateRequest) -> None:
+    """RequestError (exit 2) before anything loads when a sized request is outside the engines' profile."""
+    if artifact is None:
+        return
+    from ..stages.engine_set import engine_members, engine_profile
+
+    profile = engine_profile(engine_members(artifact))
+    if profile is None or not (request.height and request.width):
+        return
+    if problem := profile.size_problem(request.height, request.width):
+        raise RequestError(problem)
+
+
+def lora_options(values: list[str] | None) -> list[tuple[str, float]]:
+    """``--lora FILE[:SCALE]`` options, checked before anything loads: a bad scale or a missing file is a
+    usage error (exit 2); what is inside the file is checked where it is read."""
+    from ..core.errors import LoraError
+    from ..lora.files import parse_lora_option
+
+    loras = []
+    for value in values or []:
+        try:
+            path, scale = parse_lora_option(value)
+        except LoraError as exc:
+            raise RequestError(str(exc)) from None
+        if not Path(path).exists():
+            raise RequestError(f"--lora {value}: LoRA file {path} does not exist")
+        loras.append((path, scale))
+    return loras
