@@ -149,7 +149,8 @@ def test_compile_validates_every_member_and_the_swapped_image(tiny_set):
 @pytest.mark.parametrize("scheduler", ["euler", "dpm++"])
 def test_the_set_drop_in_matches_pytorch(tiny, tiny_set, scheduler):
     from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
-    from sdtrt.standins.base import EngineTextEncoder, EngineVAE
+    from sdtrt.standins.text_encoders import EngineTextEncoder
+    from sdtrt.standins.vae import EngineVAE
     from sdtrt.tools.validate import psnr_db
 
     engine = load_pipeline(tiny, tiny_set, scheduler=scheduler)

@@ -19,7 +19,7 @@ from sdtrt.pipeline.request import GenerateRequest
 from sdtrt.runtime import open_runtime
 from sdtrt.sources.models import resolve_model
 from sdtrt.spec import component_spec, model_components
-from sdtrt.standins.base import EngineTextEncoder
+from sdtrt.standins.text_encoders import EngineTextEncoder
 from sdtrt.standins.unet import EngineUNet
 from sdtrt.tools.compile import compile_model
 from sdtrt.tools.validate import psnr_db, with_input_images

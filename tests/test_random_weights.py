@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from sdtrt.sources.presets import PRESETS, Recipe, build, ensure_preset, save_streamed
+from sdtrt.sources.preset_build import build, ensure_preset, save_streamed
+from sdtrt.sources.presets import PRESETS, Recipe
 
 SMALL_SHARDS = 20_000  # bytes: every tiny network spans several shards
 

@@ -250,6 +250,7 @@ def test_every_name_the_shared_worker_runtime_and_rtx_differences_use_exists_in_
     sources = [
         (REPO / "sdtrt/stages/trt_build_worker.py", "trt"), (REPO / "sdtrt/core/trt_products.py", "rtx"),
         (REPO / "sdtrt/runtime/tensorrt.py", "trt"), (REPO / "sdtrt/runtime/rtx.py", "rtx"),
+        *((path, "trt") for path in sorted((REPO / "sdtrt/runtime").glob("trt_*.py"))),
     ]  # fmt: skip
     chains = set().union(*(trt_chains(path.read_text(), root) for path, root in sources))
     missing = []

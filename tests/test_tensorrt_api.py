@@ -12,7 +12,19 @@ from .helpers import REPO
 from .trt_api import Signature, check_source, load_api
 
 STUBS = Path(os.environ.get("SDTRT_TRT_STUBS", REPO / ".cache" / "trt-stubs"))
-TRT_MODULES = ["sdtrt/core/gpu.py", "sdtrt/runtime/tensorrt.py", "sdtrt/stages/trt_build_worker.py"]
+RUNTIME_MODULES = [
+    "sdtrt/runtime/tensorrt.py",
+    "sdtrt/runtime/trt_engine_io.py",
+    "sdtrt/runtime/trt_refill.py",
+    "sdtrt/runtime/trt_refit.py",
+    "sdtrt/runtime/trt_weight_streaming.py",
+]
+TRT_MODULES = ["sdtrt/core/gpu.py", *RUNTIME_MODULES, "sdtrt/stages/trt_build_worker.py"]
+
+
+def runtime_source() -> str:
+    """The TensorRT runtime's modules (runtime/tensorrt.py and the trt_* modules it imports), as one text."""
+    return "\n".join((REPO / module).read_text() for module in RUNTIME_MODULES)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +97,7 @@ class Runner:
 
 def test_refit_calls_are_checked(api):
     """The LoRA refit path (runtime/tensorrt.py set_weights, the worker's REFIT flag) is in the checked surface."""
-    runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
+    runtime = runtime_source()
     for call in ("refitter.set_named_weights(", "refitter.get_missing_weights()", "refitter.refit_cuda_engine()"):
         assert call in runtime
     assert "trt.BuilderFlag.REFIT)" in (REPO / "sdtrt/stages/trt_build_worker.py").read_text()
@@ -165,7 +177,7 @@ torch_tensorrt.ts.compile(None)
 
 def test_weight_streaming_and_bf16_calls_are_checked(api):
     """Issue 20: the weight streaming flag and budget calls and the bf16 dtype are in the checked surface."""
-    runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
+    runtime = runtime_source()
     for use in (
         "engine.streamable_weights_size",
         "engine.weight_streaming_budget_v2 = ",
@@ -190,7 +202,7 @@ def test_weight_stripping_calls_are_checked(api):
     worker = (REPO / "sdtrt/stages/trt_build_worker.py").read_text()
     for use in ("trt.BuilderFlag.STRIP_PLAN)", "trt.BuilderFlag.REFIT_IDENTICAL)", "parser.parse_from_file("):
         assert use in worker
-    runtime = (REPO / "sdtrt/runtime/tensorrt.py").read_text()
+    runtime = runtime_source()
     for use in (
         "trt.OnnxParserRefitter(refitter, logger)",
         "parser.refit_from_file(",

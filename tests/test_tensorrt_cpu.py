@@ -14,7 +14,8 @@ from sdtrt.core.config import Range, ShapeProfile, TrtBuildConfig
 from sdtrt.core.errors import ArtifactError, ConfigError, MissingDependencyError
 from sdtrt.core.gpu import engine_mismatch, tensorrt_missing
 from sdtrt.core.stage_request import StageRequest
-from sdtrt.runtime.tensorrt import describe_profiles, graph_digest, refill_graph, select_profile
+from sdtrt.runtime.trt_engine_io import describe_profiles, select_profile
+from sdtrt.runtime.trt_refill import graph_digest, refill_graph
 from sdtrt.stages import build_trt, wrap
 from sdtrt.tools.compile import resolve_target
 
@@ -322,7 +323,7 @@ def test_the_rebuild_advice_repeats_every_setting():
 
 def test_the_out_of_profile_error_names_the_input_out_of_range():
     """Item 6: a ControlNet's control image may be the one out of range, not the first input."""
-    from sdtrt.runtime.tensorrt import out_of_profile
+    from sdtrt.runtime.trt_engine_io import out_of_profile
 
     profile = {
         "sample": ((2, 4, 32, 32), (2, 4, 64, 64), (2, 4, 96, 96)),
@@ -346,7 +347,7 @@ def test_refit_base_weights_are_read_by_name_and_once(tiny_simplified, tmp_path)
     from onnx import numpy_helper
 
     from sdtrt.core.errors import LoraError
-    from sdtrt.runtime.tensorrt import BaseWeights
+    from sdtrt.runtime.trt_refit import BaseWeights
 
     folder = tmp_path / "graph"
     shutil.copytree(tiny_simplified.path, folder)
@@ -375,7 +376,7 @@ def test_a_refit_supplies_base_weights_from_the_graph_the_plan_was_parsed_from(t
     import shutil
 
     from sdtrt.core.artifact import MANIFEST, Artifact
-    from sdtrt.runtime.tensorrt import parsed_graph
+    from sdtrt.runtime.trt_refit import parsed_graph
     from sdtrt.stages.quantize import tensorrt_graph
 
     store = tmp_path / "engines"
@@ -551,7 +552,7 @@ def test_bf16_graphs_build_like_fp16_ones():
 )
 def test_weight_budgets_in_bytes(text, streamable, expected):
     from sdtrt.core.config import WeightBudget
-    from sdtrt.runtime.tensorrt import weight_budget_bytes
+    from sdtrt.runtime.trt_weight_streaming import weight_budget_bytes
 
     assert weight_budget_bytes(WeightBudget.parse(text), streamable, lambda: 1 / 0, lambda: 1 / 0) == expected
 
@@ -567,7 +568,7 @@ def test_a_truncated_automatic_budget_is_recovered_or_refused():
     memory (NvInferRuntime.h), so it is recovered where one value fits, or one fits under the free memory (review 4,
     M2: a Flux transformer streams ~24 GB, where `auto` was always refused); refused otherwise, never guessed."""
     from sdtrt.core.config import WeightBudget
-    from sdtrt.runtime.tensorrt import weight_budget_bytes
+    from sdtrt.runtime.trt_weight_streaming import weight_budget_bytes
 
     auto = WeightBudget.parse("auto")
     no_free = lambda: 0  # noqa: E731 -- one fitting value needs no free memory to tell it

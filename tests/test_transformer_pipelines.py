@@ -16,7 +16,8 @@ from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
 from sdtrt.pipeline.request import FLOW_SCHEDULERS, NOT_FOR_FLUX
-from sdtrt.standins.base import EngineModule, EngineT5
+from sdtrt.standins.base import EngineModule
+from sdtrt.standins.text_encoders import EngineT5
 from sdtrt.standins.transformer import EngineTransformer
 from sdtrt.tools.validate import psnr_db
 

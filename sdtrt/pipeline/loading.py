@@ -24,16 +24,10 @@ from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_mo
 from ..spec import FOLDERS, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
-from ..standins.base import (
-    EngineModule,
-    EngineT5,
-    EngineTextEncoder,
-    EngineVAE,
-    final_layer_norm,
-    saved_engines,
-    text_encoder_config,
-)
+from ..standins.base import EngineModule, saved_engines
+from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config
 from ..standins.unet import EngineUNet
+from ..standins.vae import EngineVAE
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
 
 __all__ = [

@@ -22,158 +22,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..core.artifact import Artifact, located
 from ..core.config import WeightBudget
-from ..core.errors import ArtifactError, ConfigError, EngineInputError, LoraError, MissingDependencyError, RefitError
+from ..core.errors import ArtifactError, EngineInputError, LoraError, MissingDependencyError, RefitError
 from ..core.gpu import check_engine_environment, rebuild_command, require_tensorrt
-from ..core.stage_request import digest
 from ..core.trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
 from ..spec import GraphSpec
 from . import rtx
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
 from .device_memory import SharedDeviceMemory
+from .trt_engine_io import Shape, _engine_profile, engine_io_problem, out_of_profile, select_profile
+from .trt_refill import refill_graph, refill_weights
+from .trt_refit import BaseWeights, parsed_graph, refit_weights
+from .trt_weight_streaming import set_weight_budget
 
 if TYPE_CHECKING:
     import tensorrt as trt
-
-Shape = tuple[int, ...]
-ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
-
-
-def select_profile(profiles: list[ProfileShapes], shapes: dict[str, Shape]) -> int | None:
-    """Index of the first profile whose min..max covers every input shape, or None."""
-    for index, profile in enumerate(profiles):
-        if all(
-            all(lo <= s <= hi for s, lo, hi in zip(shapes[name], mins, maxs, strict=True))
-            for name, (mins, _, maxs) in profile.items()
-        ):
-            return index
-    return None
-
-
-def out_of_profile(profiles: list[ProfileShapes], shapes: dict[str, Shape]) -> str:
-    """Why no profile covers ``shapes``: the first input no profile covers (a ControlNet's control image may
-    be the one out of range, not the latents), or that each fits some profile but no one profile fits all."""
-    for name, shape in shapes.items():
-        if select_profile([{name: p[name]} for p in profiles], {name: shape}) is None:
-            return (
-                f"input '{name}' has shape {shape}, outside every optimization profile of this engine "
-                f"({describe_profiles(profiles, name)})"
-            )
-    return f"the input shapes {shapes} fit no single optimization profile of this engine together"
-
-
-def _engine_profile(engine: trt.ICudaEngine, names: tuple[str, ...], index: int) -> ProfileShapes:
-    """Per input (min, opt, max) shapes of one optimization profile, read back from the engine."""
-    shapes: ProfileShapes = {}
-    for name in names:
-        lo, opt, hi = (tuple(int(d) for d in dims) for dims in engine.get_tensor_profile_shape(name, index))
-        shapes[name] = (lo, opt, hi)
-    return shapes
-
-
-def engine_io_problem(trt: ModuleType, engine: trt.ICudaEngine, spec: GraphSpec) -> str | None:
-    """Why this engine's IO differs from the spec its manifest records (names, direction, dtype), or None; ``trt``
-    is the module of the product that built it (TensorRT-RTX binds the same names)."""
-    import numpy as np
-
-    names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
-    expected = [(t, trt.TensorIOMode.INPUT) for t in spec.inputs()] + [
-        (t, trt.TensorIOMode.OUTPUT) for t in spec.outputs()
-    ]
-    if names != {t.name for t, _ in expected}:
-        return f"the engine's tensors are {sorted(names)}, its manifest says {[t.name for t, _ in expected]}"
-    for tensor, mode in expected:
-        if engine.get_tensor_mode(tensor.name) != mode:
-            return f"'{tensor.name}' is not an {mode.name.lower()} of the engine"
-        dtype = engine.get_tensor_dtype(tensor.name)
-        if dtype == trt.DataType.BF16:  # numpy has no bfloat16, so trt.nptype raises for it
-            same = tensor.dtype == "bfloat16"
-        else:
-            try:  # trt.nptype maps a TensorRT DataType to numpy's; TypeError for fp8/int4/fp4 (tensorrt/__init__.py)
-                same = np.dtype(trt.nptype(dtype)) == np.dtype(tensor.dtype)
-            except TypeError:
-                same = False
-        if not same:
-            return f"'{tensor.name}' is {dtype} in the engine, {tensor.dtype} in its manifest"
-    return None
-
-
-def weight_budget_bytes(
-    budget: WeightBudget, streamable: int, automatic: Callable[[], int], free: Callable[[], int]
-) -> int:
-    """The bytes of streamable weights to keep on the GPU for ``budget``; ``automatic`` asks TensorRT, ``free`` the
-    GPU (its free bytes, read right after)."""
-    if budget.percent is not None:
-        return int(budget.percent / 100 * streamable)  # as demo/Diffusion's Engine.load computes a percentage
-    if budget.size is not None:
-        return budget.size
-    return untruncated_automatic_budget(automatic(), streamable, free())
-
-
-INT32_VALUES = 1 << 32
-
-
-def untruncated_automatic_budget(low_bits: int, streamable: int, free: int) -> int:
-    """TensorRT's automatic budget from the 32 bits its Python binding keeps of it and the GPU's ``free`` bytes.
-
-    pyCore.cpp (TensorRT 10.1 to 11.1) binds get_weight_streaming_automatic_budget as
-    ``[](ICudaEngine& self) -> int32_t { return self.getWeightStreamingAutomaticBudget(); }`` over an int64_t
-    call, so a budget of 2 GiB or more comes back negative or as a smaller positive number: the budget is one of the
-    values from 0 to ``streamable`` with these low bits, 4 GiB apart (NvInferRuntime.h getWeightStreamingAutomatic
-    Budget caps it at getStreamableWeightsSize()). The same header says the budget "is close to the current free
-    memory size, leaving some space for other memory needs", so of several values it is the largest one at or under
-    the free memory. With none there, there is no telling which, and the budget is refused rather than guessed.
-    """
-    fits = range(low_bits % INT32_VALUES, streamable + 1, INT32_VALUES)
-    if len(fits) == 1:
-        return fits[0]
-    if under := [b for b in fits if b <= free]:
-        return under[-1]
-    raise ConfigError(
-        f"TensorRT's automatic weight streaming budget comes through its Python binding as 32 bits ({low_bits}), "
-        f"which fit {len(fits)} budgets for {streamable} bytes of streamable weights, none of them within the GPU's "
-        f"{free} free bytes; give --weight-streaming-budget as a percentage or a size instead"
-    )
-
-
-def set_weight_budget(engine: trt.ICudaEngine, budget: WeightBudget, plan: Path, rebuild: str) -> None:
-    """Limit the GPU memory the engine's weights take, before any execution context exists.
-
-    NvInferRuntime.h setWeightStreamingBudgetV2: non-negative; 0 streams the most, getStreamableWeightsSize() or
-    more (the default) streams nothing; needs BuilderFlag::kWEIGHT_STREAMING at build (getStreamableWeightsSize()
-    is 0 otherwise), on a strongly typed network (developer guide, "Weight Streaming"); cannot change while
-    execution contexts are active; returns false for an invalid budget. The Python property's setter drops that
-    bool (pyCore.cpp ``.def_property("weight_streaming_budget_v2", &ICudaEngine::getWeightStreamingBudgetV2,
-    &ICudaEngine::setWeightStreamingBudgetV2)``: Python ignores a setter's result), so the budget is read back, as
-    Polygraphy's TrtRunner._set_weight_streaming_budget_v2 does. The deprecated V1 property (weight_streaming_budget,
-    where -1 and 0 meant "off" and "automatic") is never touched: mixing V1 and V2 is undefined (NvInferRuntime.h).
-    """
-    streamable = int(engine.streamable_weights_size)
-    if streamable == 0:
-        raise ArtifactError(
-            f"{plan} was built without weight streaming, so it takes no --weight-streaming-budget; rebuild it with "
-            f"`{rebuild} --weight-streaming`, or leave the budget out"
-        )
-    # torch.cuda.mem_get_info is cudaMemGetInfo: the free memory TensorRT's automatic budget is close under.
-    automatic, free = engine.get_weight_streaming_automatic_budget, lambda: torch.cuda.mem_get_info()[0]
-    wanted = weight_budget_bytes(budget, streamable, automatic, free)
-    engine.weight_streaming_budget_v2 = wanted
-    if (held := int(engine.weight_streaming_budget_v2)) not in (wanted, min(wanted, streamable)):
-        raise ConfigError(
-            f"TensorRT did not take the weight streaming budget {budget.text} ({wanted} bytes; it holds {held}) for "
-            f"{plan}, whose streamable weights are {streamable} bytes; give a budget from 0 to {streamable} bytes"
-        )
-
-
-def describe_profiles(profiles: list[ProfileShapes], name: str) -> str:
-    return "; ".join(f"profile {i}: {p[name][0]} .. {p[name][2]}" for i, p in enumerate(profiles))
 
 
 # NvInferRuntime.h, IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte alignment."
@@ -216,127 +84,6 @@ class CapturedGraph:
         self.drop()  # its context state is about to be re-bound: never replay it again, even if capture fails
         self.graph, self.static = capture()
         self.shapes = shapes
-
-
-class BaseWeights:
-    """Base values of the weights a refit must supply although no LoRA changed them (TensorRT's missing weights).
-
-    Read from the graph the plan was parsed from, only the named initializers (never the whole 1.7–5 GB
-    graph), and each once: the same names are missing on every refit.
-    """
-
-    def __init__(self, graph: Path) -> None:
-        self.graph = graph
-        self._held: dict[str, np.ndarray] = {}
-
-    def __call__(self, names: set[str]) -> dict[str, np.ndarray]:
-        from ..graph.graph_weights import read_named_initializers
-
-        if unread := names - set(self._held):
-            self._held |= read_named_initializers(self.graph, unread)
-        if absent := sorted(names - set(self._held)):
-            # The ONNX parser names most refittable weights after initializers, but also after Constant-node
-            # outputs and temporary weights it makes (onnx-tensorrt ModelRefitter.cpp refitOnnxConstantNode,
-            # BatchNorm's createNamedTempWeights(..., refittable=true)), which only the parser can recompute.
-            raise LoraError(
-                f"TensorRT needs the weight '{absent[0]}' to refit, and it is not an initializer of {self.graph} "
-                "(TensorRT may have named a constant the parser made), so sdtrt cannot supply it: this engine takes "
-                "no LoRA by refit; apply the LoRA without the engine (`generate --lora` without `--engine`)"
-            )
-        return {name: self._held[name] for name in names}
-
-
-def parsed_graph(manifest: dict[str, Any], plan: Path) -> Path:
-    """The ONNX graph ``plan`` was parsed from, whose initializers name its refittable weights (the ONNX parser names
-    each after its initializer, INetworkDefinition::setWeightsName): the one its build's worker request names, in the
-    plan's store first. For a quantized graph that is the quantize stage's TensorRT graph (16-bit outside its Q/DQ
-    pairs), not the primary graph of the artifact the plan was built from (ONNX Runtime's, fp32), whose weights
-    set_named_weights would refuse (another dtype than get_weights_prototype's)."""
-    parsed = Path(manifest["details"]["worker_request"]["onnx"])
-    return located(parsed.parent, plan.parents[2]) / parsed.name
-
-
-def graph_digest(source: Artifact) -> str:
-    """The content of a store artifact's files (its graph and external data), from the sha256 its manifest holds."""
-    return digest(sorted([f["name"], f["sha256"]] for f in source.manifest.get("files", [])))
-
-
-def refill_graph(manifest: dict[str, Any], plan: Path) -> Path | None:
-    """The ONNX graph that refills a weight-stripped plan, checked against the digest its build recorded; None for
-    a plan that holds its weights. ArtifactError when the graph is gone, changed or corrupt."""
-    weights = manifest.get("weights", {})
-    if weights.get("in_plan", True):
-        return None
-    recorded = weights["refill_from"]
-    where = located(Path(recorded["artifact"]), plan.parents[2])  # in the plan's own store first
-    try:
-        source = Artifact.open(where)
-        problem = next(iter(source.file_problems()), None)
-        if problem is None and graph_digest(source) != recorded["digest"]:
-            problem = "it was made again since, with other content"
-    except ArtifactError:
-        problem = "it is gone"
-    if problem:
-        raise ArtifactError(
-            f"{plan} holds no weights (built with --strip-weights): every load refills them from the graph "
-            f"{where / recorded['graph']}, and {problem}; make the graph and the engine again with the same "
-            "`sdtrt compile` (or simplify, then `sdtrt build`), or build the engine without --strip-weights"
-        )
-    source.mark_used()  # every load uses it: `gc --older-than` must not remove it from under a plan in use
-    return source.primary
-
-
-def refill_weights(trt: ModuleType, engine: trt.ICudaEngine, logger: trt.ILogger, graph: Path, plan: Path) -> None:
-    """Put a weight-stripped plan's weights back from the ONNX graph it was built from, before any execution context.
-
-    As samples/python/sample_weight_stripping/refit_engine_and_infer.py does (TensorRT 10.0 on): a Refitter over
-    the engine, an OnnxParserRefitter over that (python/src/parsers/pyOnnx.cpp, "refitter"_a, "logger"_a),
-    refit_from_file, then refit_cuda_engine. refit_from_file reads the graph and its external data from the file's
-    folder and sets every refittable weight by its initializer's name; it returns False, with the parser's errors,
-    when the graph cannot be read or does not supply every refittable weight (onnx-tensorrt
-    ModelRefitter::refitFromFile; "Failed to refit all the weights.", kREFIT_FAILED). It does not refit the engine
-    itself: refit_cuda_engine does, and returns False when validation fails or weights are missing (pyCoreDoc.h
-    RefitterDoc). Before the context: with WEIGHT_STREAMING the weights sit in host memory from deserialization
-    until create_execution_context splits them between host and GPU (NvInfer.h kWEIGHT_STREAMING), so the refit
-    writes them where the split takes them from, and the budget is set after it, as before.
-    """
-    failed = f"TensorRT could not refill the weights of {plan} (built with --strip-weights) from {graph}"
-    # createInferRefitter gives no refitter for an engine that is not refittable ("Parameter check failed ...
-    # condition: e.isRefittable()", NVIDIA/TensorRT#2783), and pybind11 turns a factory's nullptr into a bare
-    # TypeError (pyCore.cpp binds trt.Refitter through py::init(factory)).
-    if not engine.refittable:
-        raise ArtifactError(f"{failed}: the plan is not refittable, so it cannot be stripped; rebuild the engine")
-    refitter: trt.Refitter = trt.Refitter(engine, logger)  # type: ignore[name-defined]
-    # The parser refitter owns the weights it reads (onnx-tensorrt ModelRefitter: convertOnnxWeights with
-    # ownAllWeights) and hands TensorRT pointers to them, which must stay valid until refit_cuda_engine returns
-    # (NvInferRuntime.h setNamedWeights): it lives to the end of this function, and the refitter keeps it alive
-    # (pyOnnx.cpp py::keep_alive<2, 1>). Both go when this returns, with their host copy of every weight.
-    parser: trt.OnnxParserRefitter = trt.OnnxParserRefitter(refitter, logger)  # type: ignore[name-defined]
-    if not parser.refit_from_file(str(graph)):
-        # Some onnx-tensorrt versions only log a failure (ONNXTRT_CATCH_LOG), leaving num_errors at 0.
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)) or "see its messages above"
-        raise ArtifactError(f"{failed}: {errors}; rebuild the engine from this graph")
-    # Names; pyCoreDoc.h says "" for unnamed weights, but pybind11 casts a null char const* to None.
-    if missing := refitter.get_missing_weights():
-        raise ArtifactError(
-            f"{failed}: {len(missing)} weights are still missing (first: '{missing[0] or '<unnamed>'}'); rebuild the "
-            "engine from this graph"
-        )
-    if not refitter.refit_cuda_engine():
-        raise ArtifactError(f"{failed}: refit_cuda_engine returned False; see the TensorRT messages above")
-
-
-def refit_weights(trt: ModuleType, array: np.ndarray) -> trt.Weights:
-    """TensorRT Weights over a contiguous host array, which must outlive the refit.
-
-    trt.Weights(array) maps numpy dtypes to TensorRT's and raises ValueError for ml_dtypes' bfloat16, the dtype ONNX
-    gives bf16 initializers (python/src/utils.cpp ``type``: f4, f2, i8, i4, i1, b1, u1 only); a bf16 array goes
-    through the pointer constructor ``Weights(type, ptr, count)`` instead, as demo/Diffusion's Engine.refit passes
-    every weight (python/src/infer/pyFoundationalTypes.cpp ``weights_pointer_constructor``).
-    """
-    if array.dtype.name == "bfloat16":
-        return trt.Weights(trt.DataType.BF16, array.ctypes.data, array.size)
-    return trt.Weights(array)
 
 
 class TensorRTRuntime(CudaRuntime):

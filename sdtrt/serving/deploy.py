@@ -167,7 +167,7 @@ def deploy_triton(
 def refill_graphs(artifacts: list[Artifact]) -> list[Artifact]:
     """The graphs that weight-stripped plans among ``artifacts`` are refilled from at every load: they are served too
     (the runtime finds them in the plan's own store, which the repository's engines folder is)."""
-    from ..runtime.tensorrt import refill_graph
+    from ..runtime.trt_refill import refill_graph
 
     stripped = [a for a in artifacts if not a.manifest.get("weights", {}).get("in_plan", True)]
     return [Artifact.open(graph.parent) for a in stripped if (graph := refill_graph(a.manifest, a.primary))]

@@ -1,7 +1,7 @@
 """Where models come from: a local diffusers folder, a Hugging Face hub id, or an offline preset.
 
-Presets (presets.py) are whole pipelines built from configs with a fixed seed (random weights),
-saved once under the models cache and loaded from there afterwards, so every later stage sees an
+Presets (presets.py, built by preset_build.py) are whole pipelines built from configs with a fixed seed
+(random weights), saved once under the models cache and loaded from there afterwards, so every later stage sees an
 ordinary diffusers folder.
 """
 
@@ -134,7 +134,8 @@ def models_cache_dir() -> Path:
 
 def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
     """Turn a --model value into a local diffusers folder, building or locating it as needed."""
-    from .presets import PRESETS, ensure_preset
+    from .preset_build import ensure_preset
+    from .presets import PRESETS
 
     if model in PRESETS:
         return ModelSource(model, "preset", ensure_preset(model, cache_dir or models_cache_dir()))

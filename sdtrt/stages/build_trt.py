@@ -131,7 +131,7 @@ def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str])
     """What keys the plan. A stripped plan is keyed by its graph's content too: a graph made again with other bytes
     under the same key (a non-deterministic export after `cache gc`) gets a new plan, never one that is refilled
     with weights it was not built with."""
-    from ..runtime.tensorrt import graph_digest
+    from ..runtime.trt_refill import graph_digest
 
     refill = [{"kind": "refill-graph", "digest": graph_digest(source)}] if config.strip_weights else []
     return StageRequest(STAGE, VERSION, config, [source.as_input(), *refill], env)
@@ -139,7 +139,7 @@ def stage_request(config: TrtBuildConfig, source: Artifact, env: dict[str, str])
 
 def refill_record(source: Artifact) -> dict[str, Any]:
     """The manifest's word that a plan holds no weights, and which graph refills them at load (with its digest)."""
-    from ..runtime.tensorrt import graph_digest
+    from ..runtime.trt_refill import graph_digest
 
     files = sorted(f["name"] for f in source.manifest.get("files", []))  # the graph and its external data
     return {

@@ -1,0 +1,198 @@
+"""Building a preset's model folder offline: its pipeline from the recipe (presets.py) with random weights.
+
+Each is built once with a fixed seed and saved under the models cache, so later stages see an
+ordinary diffusers folder; tokenizers are made from small vocabularies, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .presets import PRESETS, SD_BETAS, Network, Recipe
+from .random_weights import SHARD_SIZE, empty_weights, save_random
+
+PRESET_SEED = 0
+
+PRESET_VERSION = 3  # 3: the multi-GB presets are written by streaming (other random values)
+
+
+def ensure_preset(name: str, cache_dir: Path) -> Path:
+    """The preset's folder, built on first use; an interrupted build leaves nothing behind."""
+    dest = cache_dir / f"{name}-v{PRESET_VERSION}"
+    if (dest / "model_index.json").is_file():
+        return dest
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
+    try:
+        from ..core.progress import quiet_loading
+
+        recipe = PRESETS[name]
+        with quiet_loading():
+            if recipe.streamed:
+                save_streamed(recipe, tmp)
+            else:
+                build(recipe).save_pretrained(tmp, safe_serialization=True)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished first; theirs is identical
+            if not (dest / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE) -> None:
+    """The folder ``build(recipe).save_pretrained(folder, safe_serialization=True, max_shard_size=…)`` writes,
+    its networks never in memory: each is built on the meta device and its random tensors streamed to disk
+    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them."""
+    import torch
+
+    pipeline = build(recipe, empty=True)
+    for name, component in pipeline.components.items():
+        if isinstance(component, torch.nn.Module):
+            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size)
+        elif component is not None:
+            component.save_pretrained(folder / name)
+    pipeline.save_config(folder)
+
+
+def _byte_level_tokenizer(folder: Path, max_length: int = 77) -> Any:
+    """A CLIP tokenizer over a byte-level vocabulary: every text tokenizes, nothing is downloaded.
+
+    transformers 5.x builds a 3-token vocabulary from CLIPTokenizer(vocab_file=…), so the files are
+    written to a folder and loaded with from_pretrained.
+    """
+    from transformers import CLIPTokenizer
+
+    byte_chars = _bytes_to_unicode()
+    tokens = byte_chars + [c + "</w>" for c in byte_chars]
+    merges = [("t", "h"), ("th", "e</w>"), ("a", "n"), ("an", "d</w>"), ("i", "n"), ("o", "n</w>")]
+    tokens += ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=max_length)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for raw bytes (the GPT-2/CLIP table)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _unigram_t5_tokenizer(max_length: int = 512) -> Any:
+    """A T5 tokenizer over a Unigram vocabulary of single characters (▁-prefixed word starts, SentencePiece's
+    way): every text tokenizes, nothing is downloaded. Special tokens as T5's: <pad> 0, </s> 1, <unk> 2."""
+    import string
+
+    from transformers import T5Tokenizer
+
+    chars = string.ascii_letters + string.digits + string.punctuation
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
+    pieces += [("▁" + w, -1.0) for w in ("the", "and", "a", "of")]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def build(recipe: Recipe, empty: bool = False) -> Any:
+    """The recipe's pipeline, its networks with random weights; ``empty``: their parameters on the meta device."""
+    import diffusers
+    import torch
+
+    from ..core.families import accepted
+
+    torch.manual_seed(PRESET_SEED)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, recipe.dtype))
+    try:
+        with empty_weights() if empty else contextlib.nullcontext():
+            parts = _networks(recipe)
+    finally:
+        torch.set_default_dtype(previous)
+    scheduler_class, scheduler_kwargs = recipe.scheduler
+    scheduler_cls = getattr(diffusers, scheduler_class)
+    # SD's noise schedule for the DDPM-style schedulers; flow-matching ones (SD3, Flux) have no betas.
+    betas = SD_BETAS if "beta_start" in inspect.signature(scheduler_cls).parameters else {}
+    scheduler = scheduler_cls(**(betas | scheduler_kwargs))
+    if betas:  # other schedulers built from this config (DDIM from PNDM's) read clip_sample: SD's is False
+        scheduler.register_to_config(clip_sample=False)
+    pipeline_class = getattr(diffusers, recipe.pipeline)
+    optional = {"safety_checker": None, "feature_extractor": None, "image_encoder": None,
+                "requires_safety_checker": False}  # fmt: skip
+    return pipeline_class(**accepted(pipeline_class, optional | parts | {"scheduler": scheduler} | recipe.settings))
+
+
+def _networks(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's networks and tokenizers by pipeline component name."""
+    import diffusers
+
+    denoiser_class, denoiser_kwargs = recipe.denoiser
+    parts: dict[str, Any] = {
+        recipe.denoiser_folder: getattr(diffusers, denoiser_class)(**denoiser_kwargs),
+        "vae": diffusers.AutoencoderKL(**recipe.vae),
+    }
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
+    for i, network in enumerate(recipe.text_encoders):
+        suffix = f"_{i + 1}" if i else ""
+        encoder, tokenizer = _text_encoder(network, tokenizers)
+        parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
+    if recipe.controlnet is not None:
+        parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
+    return parts
+
+
+def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[Any, Any]:
+    """A random text encoder of the network's class and the tokenizer it reads; (None, None) for no network."""
+    if network is None:
+        return None, None
+    import transformers
+
+    class_name, kwargs = network
+    text = dict(kwargs)
+    if class_name == "T5EncoderModel":
+        tokenizer = tokenizers["t5"]
+        config: Any = transformers.T5Config(
+            vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, **text,
+        )  # fmt: skip
+    else:
+        tokenizer = tokenizers["clip"]
+        config = transformers.CLIPTextConfig(
+            vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=77,
+            **text,
+        )  # fmt: skip
+    return getattr(transformers, class_name)(config), tokenizer
+
+
+def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
+    """A ControlNet copied from the UNet, its zero-initialised output convolutions made random.
+
+    A fresh ControlNet adds exactly zero (its "zero convolutions"), so engines that dropped its
+    residuals would still match; random ones make every residual count.
+    """
+    import torch
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, **kwargs)
+    zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                  controlnet.controlnet_cond_embedding.conv_out]  # fmt: skip
+    with torch.no_grad():
+        for conv in zero_convs:
+            conv.weight.normal_(std=0.05)
+    return controlnet
