@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
             "RequestError",
             "ArtifactError",
             "ArtifactNotFoundError",
+            "WrongArtifactError",
             "StoreError",
             "ExportError",
             "SimplifyError",
@@ -58,6 +59,7 @@ _EXPORTS: dict[str, str] = {
             "LoraError",
             "RefitError",
             "ServeError",
+            "ServeAddressError",
             "BenchError",
             "ParityError",
         ),
@@ -94,10 +96,12 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is of
         RefitError,
         RequestError,
         SdtrtError,
+        ServeAddressError,
         ServeError,
         SimplifyError,
         StoreError,
         UnsupportedModelError,
+        WrongArtifactError,
     )
     from sdtrt.core.store import Store
     from sdtrt.pipeline.loading import generate, load_pipeline, set_loras, set_scheduler
