@@ -314,6 +314,14 @@ def test_serve_refuses_a_folder_that_is_no_repository_before_starting_triton(tmp
     foreign = run_cli("serve", str(tmp_path), timeout=60)
     assert foreign.returncode == 1 and len(foreign.stderr.strip().splitlines()) == 1
     assert "holds no model `sdtrt deploy triton` wrote (no sdtrt.json beside other/config.pbtxt)" in foreign.stderr
+    # A repository an sdtrt before the layer folders deployed: its model.py imports the Triton model's old path.
+    (tmp_path / "other" / "sdtrt.json").write_text("{}\n")
+    (tmp_path / "other" / "1").mkdir()
+    (tmp_path / "other" / "1" / "model.py").write_text("from sdtrt.triton_model import TritonPythonModel\n")
+    stale = run_cli("serve", str(tmp_path), timeout=60)
+    assert stale.returncode == 1 and len(stale.stderr.strip().splitlines()) == 1
+    assert "other in " in stale.stderr and "was deployed by an older sdtrt" in stale.stderr
+    assert "deploy it again: `sdtrt deploy triton" in stale.stderr
 
 
 def test_serve_a_model_that_fails_to_load_shows_the_reason_in_a_few_lines(repository, tmp_path):

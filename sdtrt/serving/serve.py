@@ -138,6 +138,17 @@ def check_repository(repository: Path) -> None:
             f"{repository} holds no model `sdtrt deploy triton` wrote (no {DEPLOYMENT} beside "
             f"{', '.join(f'{m.name}/config.pbtxt' for m in models)}); {deploy}"
         )
+    # Repositories deployed before the modules moved into layer folders import the Triton model from its old path.
+    if stale := [m.name for m in models if "sdtrt.triton_model" in _read(m / "1" / "model.py")]:
+        raise ServeError(
+            f"{', '.join(stale)} in {repository} was deployed by an older sdtrt (its 1/model.py imports "
+            f"sdtrt.triton_model, now sdtrt.serving.triton_model); deploy it again: `sdtrt deploy triton --engine "
+            f"ENGINE --out {repository}`"
+        )
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 
 class TritonServer:
