@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ..sources.models import ModelSource
     from .validate import Tolerances
 
-# export.graph_module registers the network as ``Graph.network``: its parameters and module scopes carry this prefix.
+# stages.graph_module registers the network as ``Graph.network``: its parameters and module scopes carry this prefix.
 WRAPPER = "network."
 # Name scopes the torch.export-based exporter writes on each node: the module path, outermost first
 # (torch/onnx/_internal/exporter/_core.py, _set_node_metadata), e.g. ['', 'network', 'network.transformer_blocks.0', …].
@@ -583,7 +583,7 @@ def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[st
     import torch
     from torch.overrides import TorchFunctionMode
 
-    from ..stages.export import graph_module
+    from ..stages.graph_module import graph_module
 
     made_in: dict[int, tuple[Any, str]] = {}
     calls: dict[str, BlockCall] = {}
