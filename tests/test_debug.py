@@ -168,7 +168,7 @@ def fp8_level_4_graph() -> onnx.ModelProto:
 
 def test_the_reference_of_an_fp8_level_4_graph_runs_on_onnxruntime():
     """Review 4 B3: only TensorRT's ONNX parser knows the trt:: domain; the reference is the replica with those ops
-    as standard FP8 Q/DQ (quantize.standard_fp8_qdq), and computes FP8's rounding in fp32."""
+    as standard FP8 Q/DQ (qdq.standard_fp8_qdq), and computes FP8's rounding in fp32."""
     import ml_dtypes
     import onnxruntime as ort
 

@@ -14,7 +14,7 @@ import torch
 from sdtrt.core.config import QuantizeConfig, SimplifyConfig
 from sdtrt.core.errors import ConfigError
 from sdtrt.runtime.compare import tensor_stats
-from sdtrt.stages import quantize, simplify
+from sdtrt.stages import qdq, quantize, quantize_export, quantize_layers, simplify
 from tests.helpers import last_line, run_cli
 
 # Small and fast: 2 prompts × 2 steps (PNDM runs 3 UNet calls per prompt at 2 steps, each a guidance batch of 2).
@@ -86,7 +86,7 @@ def qdq_pairs(path: Path) -> onnx.ModelProto:
         inputs.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
         outputs.append(onnx.helper.make_tensor_value_info(f"{name}.out", onnx.TensorProto.FLOAT, None))
     pairs = onnx.helper.make_graph(nodes, "qdq_pairs", inputs, outputs, list(initializers.values()))
-    return onnx.helper.make_model(pairs, opset_imports=[onnx.helper.make_opsetid("", quantize.OPSET)])
+    return onnx.helper.make_model(pairs, opset_imports=[onnx.helper.make_opsetid("", quantize_export.OPSET)])
 
 
 def quantizers_seen(network: torch.nn.Module) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list]:
@@ -136,7 +136,7 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_c
     import onnxruntime as ort
 
     from sdtrt.sources.models import load_unet
-    from sdtrt.stages.export import graph_module
+    from sdtrt.stages.graph_module import graph_module
 
     spec = quantize.denoiser_graph_spec(tiny)
     feeds = calibrated_step(tiny, config)
@@ -149,7 +149,7 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_c
         hook.remove()
     graph = (
         tmp_path
-        / quantize.write_graphs(network, config, quantize.graph_specs(tiny, config), tmp_path, {})["onnxruntime"]
+        / quantize_export.write_graphs(network, config, quantize.graph_specs(tiny, config), tmp_path, {})["onnxruntime"]
     )
 
     # Teacher-forced, quantizer by quantizer: scales, zero points, ranges, axes and rounding are ModelOpt's.
@@ -256,7 +256,7 @@ def test_the_tensorrt_graph_is_fp16_outside_qdq_and_computes_the_onnxruntime_gra
         initializers, activations = float_types_outside_qdq(graphs[role])
         assert set(initializers) == {wanted}, (role, initializers)
         assert activations and {t for t in activations.values()} == {wanted}, (role, Counter(activations.values()))
-    counts = {role: quantize.qdq_counts(path) for role, path in graphs.items()}
+    counts = {role: qdq.qdq_counts(path) for role, path in graphs.items()}
     assert counts["tensorrt"] == counts["onnxruntime"] == artifact.manifest["details"]["qdq"]["onnxruntime"]
     assert quantized_modules(graphs["tensorrt"]) == quantized_modules(graphs["onnxruntime"])
 
@@ -290,7 +290,7 @@ def test_fp8_level_4_quantizes_attention_in_an_fp16_graph_that_onnxruntime_runs(
     from diffusers.models.attention_processor import Attention
 
     from sdtrt.sources.models import load_unet, resolve_model
-    from sdtrt.stages.export import graph_module
+    from sdtrt.stages.graph_module import graph_module
 
     model = resolve_model("tiny-sd2")
     config = dataclasses.replace(FP8, level=4)
@@ -324,7 +324,9 @@ def test_levels_select_nvidias_layers(tiny):
     from sdtrt.sources.models import load_unet
 
     unet = load_unet(tiny)
-    plans = {level: quantize.plan_layers(unet, QuantizeConfig(precision="fp8", level=level)) for level in (1, 2, 3, 4)}
+    plans = {
+        level: quantize_layers.plan_layers(unet, QuantizeConfig(precision="fp8", level=level)) for level in (1, 2, 3, 4)
+    }
     convs = {n for n, m in unet.named_modules() if isinstance(m, torch.nn.Conv2d)}
     assert set(plans[1].quantized) <= convs  # level 1: convolutions only
     assert {n for n in plans[2].quantized if n not in convs} == {
@@ -334,10 +336,10 @@ def test_levels_select_nvidias_layers(tiny):
     assert not [n for n in plans[3].quantized if n.endswith("norm1")]
     for plan in plans.values():
         assert not [n for n in plan.quantized if any(part in n for part in NEVER_QUANTIZED)]
-    kept = quantize.plan_layers(unet, dataclasses.replace(FP8, keep_high_precision=("mid_block.resnets.0",)))
+    kept = quantize_layers.plan_layers(unet, dataclasses.replace(FP8, keep_high_precision=("mid_block.resnets.0",)))
     assert not [n for n in kept.quantized if n.startswith("mid_block.resnets.0.")]
     with pytest.raises(ConfigError, match="does not have"):
-        quantize.plan_layers(unet, dataclasses.replace(FP8, keep_high_precision=("no_such_block",)))
+        quantize_layers.plan_layers(unet, dataclasses.replace(FP8, keep_high_precision=("no_such_block",)))
 
 
 def test_simplify_keeps_every_qdq_pair(int8, store):

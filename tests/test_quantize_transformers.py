@@ -17,7 +17,7 @@ from sdtrt.core.config import QuantizeConfig, ValidationConfig
 from sdtrt.core.errors import ConfigError
 from sdtrt.runtime.compare import tensor_stats
 from sdtrt.sources.models import resolve_model
-from sdtrt.stages import calibration, quantize
+from sdtrt.stages import calibration, qdq, quantize, quantize_layers
 from tests.helpers import run_cli
 from tests.test_quantize import onnxruntime_output, qdq_zero_point_types, quantized_modules
 
@@ -38,7 +38,7 @@ def quantized(request, store):
     """The fp32 and ModelOpt fake-quant outputs of the preset's transformer on a denoising step the calibration saw
     (its graph feeds), and the graphs the quantize stage stores for the same config: the seeded calibration gives
     the same quantizers, and test_compile_quantizes_only_the_transformer finds the stage's artifact cached."""
-    from sdtrt.stages.export import graph_module
+    from sdtrt.stages.graph_module import graph_module
 
     preset, config = request.param
     model = resolve_model(preset)
@@ -113,7 +113,7 @@ def test_the_tensorrt_graph_is_16_bit_outside_qdq_and_computes_the_onnxruntime_g
         onnx.TensorProto.DataType.Name(elem[n.output[0]]) for n in model.graph.node if n.op_type in COMPUTE_OPS
     )
     assert set(computed) == {onnx.TensorProto.DataType.Name(wanted)}, computed
-    counts = {role: quantize.qdq_counts(path) for role, path in graphs.items()}
+    counts = {role: qdq.qdq_counts(path) for role, path in graphs.items()}
     assert counts["tensorrt"] == counts["onnxruntime"]
     assert quantized_modules(graphs["tensorrt"]) == quantized_modules(graphs["onnxruntime"])
 
@@ -165,9 +165,10 @@ def test_levels_select_nvidias_linear_layers(preset):
 
     model = resolve_model(preset)
     network = load_folder(model, "transformer", torch.float32)
-    kind = quantize.denoiser_quantization(model)
+    kind = quantize_layers.denoiser_quantization(model)
     plans = {
-        level: quantize.plan_layers(network, dataclasses.replace(INT8, level=level), kind) for level in (2, 2.5, 3)
+        level: quantize_layers.plan_layers(network, dataclasses.replace(INT8, level=level), kind)
+        for level in (2, 2.5, 3)
     }
     linear = {n for n, m in network.named_modules() if isinstance(m, torch.nn.Linear)}
     kept = {n for n in linear if NVIDIA_KEPT.match(n)}
@@ -248,10 +249,10 @@ def test_the_guard_ranks_a_transformers_quantized_layers():
     model = resolve_model("tiny-flux")
     config = dataclasses.replace(INT8, calibration_prompts=INT8.calibration_prompts[:1])
     errors = rank_layers(config, model)
-    plan = quantize.plan_layers(
+    plan = quantize_layers.plan_layers(
         calibration.pipeline_denoiser(calibration.load_reference_pipeline(model), model),
         config,
-        quantize.denoiser_quantization(model),
+        quantize_layers.denoiser_quantization(model),
     )
     assert set(errors) == set(plan.quantized)
     assert all(math.isfinite(error) and error > 0 for error in errors.values())

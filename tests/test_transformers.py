@@ -200,7 +200,7 @@ def test_sd35_medium_transformer_export_simplify_and_parity_at_1024():
     from sdtrt.sources.models import load_folder
     from sdtrt.spec import ValidationCase, denoiser_spec
     from sdtrt.stages import build_ort, export, simplify
-    from sdtrt.stages.export import graph_module
+    from sdtrt.stages.graph_module import graph_module
 
     model = resolve_model("sd35-medium-random")
     assert model.family() == "sd3"

@@ -1,6 +1,6 @@
 """Initializers streamed from a model folder's safetensors files into ONNX external data, one tensor at a time.
 
-The weight-free export (stages/export.py) traces a network whose parameters hold no data; this module gives
+The weight-free export (stages/export_stream.py) traces a network whose parameters hold no data; this module gives
 each initializer of the traced graph its values back without ever holding more than one tensor: a source
 weight is read through a memory map of its safetensors file and cast to the graph's dtype when something
 asks for its bytes (the exporter's constant folding, or the writer), and the writer appends initializers to

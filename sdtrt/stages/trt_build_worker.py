@@ -241,7 +241,7 @@ def build(request: dict[str, Any]) -> dict[str, Any]:
     # type DataType::kFLOAT"). A Q/DQ graph's types are its own: the parser adds a QuantizeLinear (opset 19+) with its
     # scale's type and a DequantizeLinear whose output is its scale's type (onnx-tensorrt onnxOpImporters.cpp
     # QuantDequantLinearHelper, strongly typed branch), and a 16-bit scale must be of its input's type (NvInfer.h
-    # IQuantizeLayer), as the quantize stage exports them (quantize.as_16_bit).
+    # IQuantizeLayer), as the quantize stage exports them (quantize_export.as_16_bit).
     if which.optimization_level:
         config.builder_optimization_level = request["optimization_level"]
     if which.compute_capabilities:

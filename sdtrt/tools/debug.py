@@ -108,7 +108,7 @@ def reference_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """What ONNX Runtime runs as the fp32 truth for ``model``: its fp32 replica, with ModelOpt's ``trt::`` FP8 Q/DQ
     (FP8 level 4's TensorRT graph; only TensorRT's ONNX parser has importers for that domain) as standard ONNX Q/DQ.
     Node and tensor names stay those of ``model``."""
-    from ..stages.quantize import standard_fp8_qdq
+    from ..stages.qdq import standard_fp8_qdq
 
     replica = fp32_replica(model)  # a new proto: the rewrite below leaves ``model`` as TensorRT parses it
     standard_fp8_qdq(replica)

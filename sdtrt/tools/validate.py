@@ -42,7 +42,7 @@ REPORT = "report.json"
 def compare_case(runtime: Runtime, network: Any, spec: GraphSpec, case: ValidationCase) -> dict[str, Any]:
     """One seeded case through the engine and the fp32 PyTorch network (through the graph's own wrapper): the
     statistics of its worst output."""
-    from ..stages.export import graph_module
+    from ..stages.graph_module import graph_module
 
     feeds = spec.case_inputs(case)
     with torch.no_grad():

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import onnx
 
-# export.graph_module registers the network as ``Graph.network``: its parameters and module scopes carry this prefix.
+# stages.graph_module registers the network as ``Graph.network``: its parameters and module scopes carry this prefix.
 WRAPPER = "network."
 # Name scopes the torch.export-based exporter writes on each node: the module path, outermost first
 # (torch/onnx/_internal/exporter/_core.py, _set_node_metadata), e.g. ['', 'network', 'network.transformer_blocks.0', …].

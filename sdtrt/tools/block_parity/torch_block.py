@@ -60,7 +60,7 @@ def trace_calls(network: Any, spec: GraphSpec, blocks: Sequence[str]) -> dict[st
     import torch
     from torch.overrides import TorchFunctionMode
 
-    from ...stages.export import graph_module
+    from ...stages.graph_module import graph_module
 
     made_in: dict[int, tuple[Any, str]] = {}
     calls: dict[str, BlockCall] = {}

@@ -1,0 +1,144 @@
+"""The weight-free export (``weights="stream"``): the network built from its config with no weight data, traced by
+torch.export on fake CPU tensors, its initializers streamed from the model's safetensors files into the graph."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import ExportError
+from ..core.progress import quiet_loading
+from ..graph import onnx_graph, onnx_weights
+from ..sources.models import ModelSource
+from ..spec import GraphSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
+    """The folder's network built from its config with no weight data (every tensor on the meta device), in the
+    dtypes ``from_pretrained(dtype=…)`` gives it; and ``attach_weights``' arguments: its safetensors tensors,
+    and the values of its non-persistent buffers (computed at construction, never in the safetensors files:
+    CLIP's position ids), by graph initializer name. Raise ExportError if the files lack a weight it needs."""
+    import importlib
+
+    import torch
+    from accelerate import init_empty_weights
+
+    library, class_name = model.component_class(folder)
+    cls = (
+        getattr(importlib.import_module(library), class_name, None)
+        if library in ("diffusers", "transformers")
+        else None
+    )
+    if cls is None:
+        raise ExportError(
+            f"{folder}/ of '{model.name}' is a {class_name or 'class without a name'}, which sdtrt cannot build"
+        )
+    path = model.component_dir(folder)
+    # accelerate: parameters on the meta device, buffers computed for real (the non-persistent ones need that).
+    with quiet_loading(), init_empty_weights(include_buffers=False):
+        if library == "transformers":
+            network = cls._from_config(cls.config_class.from_pretrained(path))
+        else:
+            network = cls.from_config(cls.load_config(path))
+        network.to(dtype)
+    if tie := getattr(network, "tie_weights", None):  # transformers ties inside init_empty_weights to copies
+        tie()
+    for name, module in network.named_modules():
+        if set(name.split(".")) & keep_fp32_modules(network, dtype):
+            module.float()
+    network.eval()
+    computed: dict[str, Any] = {}
+    for prefix, module in network.named_modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = getattr(module, name)
+            if buffer is not None:  # numpy has no bfloat16: widen, the graph's dtype is restored when written
+                value = buffer.float() if buffer.dtype == torch.bfloat16 else buffer
+                computed[f"network.{prefix}{'.' if prefix else ''}{name}"] = value.numpy()
+    stored = onnx_weights.safetensors_index(path)
+    # Tied weights are saved once (T5's shared / encoder.embed_tokens): each name reads the one saved.
+    tied: dict[int, list[str]] = {}
+    for name, tensor in network.state_dict(keep_vars=True).items():
+        tied.setdefault(id(tensor), []).append(name)
+    for names in tied.values():
+        if saved := next((stored[name] for name in names if name in stored), None):
+            stored |= dict.fromkeys(names, saved)
+    onnx_weights.check_sources(network.state_dict().keys(), stored, path)
+    return network.to("meta"), {"sources": stored, "computed": computed, "prefix": "network."}
+
+
+def keep_fp32_modules(network: Any, dtype: torch.dtype) -> set[str]:
+    """The module names transformers keeps fp32 when loading in ``dtype`` (``PreTrainedModel._get_dtype_plan``:
+    ``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict`` for fp16 and bf16; T5's ``wo``)."""
+    import torch
+
+    keep = set(getattr(network, "_keep_in_fp32_modules_strict", None) or ()) if dtype != torch.float32 else set()
+    if dtype == torch.float16:
+        keep |= set(getattr(network, "_keep_in_fp32_modules", None) or ())
+    return keep
+
+
+def on_fake_cpu(module: torch.nn.Module) -> Any:
+    """Replace the module's meta-device parameters and buffers by fake CPU tensors, which hold no data either;
+    the FakeTensorMode they belong to, for the example inputs.
+
+    Not traced on the meta device itself: operators dispatch by device, and on "meta" some take another path
+    (scaled_dot_product_attention's decomposition reshapes differently), so the graph would not be the CPU one.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # As torch.onnx.enable_fake_mode did before torch 2.13 removed it: one mode, with a shape environment.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    fakes: dict[int, torch.nn.Parameter] = {}  # by the meta parameter: tied weights (T5's embeddings) stay tied
+    with fake_mode:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is not None:
+                    if id(param) not in fakes:
+                        fakes[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"), False)
+                    owner._parameters[name] = fakes[id(param)]
+            for name, buffer in list(owner._buffers.items()):
+                if buffer is not None:
+                    owner._buffers[name] = torch.empty_like(buffer, device="cpu")
+    return fake_mode
+
+
+def _save_streamed(program: Any, spec: GraphSpec, onnx_path: Path, scratch: Path) -> int:
+    """Save the program with its initializers streamed to disk one at a time, axes named; the node count."""
+    import onnx
+
+    weight_bytes = sum(value.const_value.nbytes for value in program.model.graph.initializers.values())
+    external = weight_bytes > onnx_graph.EXTERNAL_DATA_THRESHOLD
+    onnx_weights.save_streamed(program.model, onnx_path, external, scratch)
+    proto = onnx_graph.load_graph(onnx_path)  # the graph alone: its external weights stay on disk
+    onnx_graph.name_dynamic_axes(proto, spec)
+    onnx.save_model(proto, str(onnx_path))  # the initializers' external data references as they are
+    return len(proto.graph.node)
+
+
+@contextlib.contextmanager
+def before_optimize(hook: Callable[[Any], None]) -> Iterator[None]:
+    """Call ``hook(onnx_ir_model)`` inside torch.onnx.export(dynamo=True) just before it optimizes the model.
+
+    torch 2.13's exporter (torch/onnx/_internal/exporter/_core.py ``export``) converts the opset, then calls
+    ``onnx_program.optimize()``, then renames inputs, outputs and axes: hooking there keeps that order.
+    """
+    from torch.onnx._internal.exporter._onnx_program import ONNXProgram
+
+    original = ONNXProgram.optimize
+
+    def optimize(self: Any) -> None:
+        hook(self.model)
+        original(self)
+
+    ONNXProgram.optimize = optimize  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ONNXProgram.optimize = original  # type: ignore[method-assign]

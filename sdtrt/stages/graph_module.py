@@ -1,0 +1,91 @@
+"""A network as the module an exporter traces: positional tensor inputs and tensor outputs, in the order its graph
+spec names them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..spec import GraphSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
+    """The network with positional tensor inputs and tensor outputs, in the order its spec names them."""
+    import torch
+
+    def unet(
+        sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor, *extras: torch.Tensor
+    ) -> torch.Tensor:
+        return network(sample, timestep, encoder_hidden_states, **unet_extras(spec, extras), return_dict=False)[0]
+
+    def controlnet(
+        sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        controlnet_cond: torch.Tensor, conditioning_scale: torch.Tensor, *extras: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        down, mid = network(
+            sample, timestep, encoder_hidden_states, controlnet_cond, conditioning_scale,
+            **unet_extras(spec, extras, first=5), return_dict=False,
+        )  # fmt: skip
+        return (*down, mid)
+
+    def transformer(*inputs: torch.Tensor) -> torch.Tensor:
+        # SD3's and Flux's graph inputs are named as their forward's keyword arguments.
+        return network(**dict(zip(spec.canonical_inputs, inputs, strict=True)), return_dict=False)[0]
+
+    def t5(input_ids: torch.Tensor) -> torch.Tensor:
+        return network(input_ids).last_hidden_state  # no attention mask, as SD3's and Flux's pipelines call it
+
+    def text_encoder(input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = network(input_ids, output_hidden_states=True)
+        # The penultimate layer is what `clip_skip=1` (and SDXL) read, before the final layer norm.
+        return out.last_hidden_state, getattr(out, spec.canonical_outputs[1]), out.hidden_states[-2]
+
+    def vae_decoder(latent_sample: torch.Tensor) -> torch.Tensor:
+        return network.decode(latent_sample, return_dict=False)[0]
+
+    def vae_encoder(sample: torch.Tensor) -> torch.Tensor:
+        return network.encode(sample).latent_dist.parameters  # mean and log-variance, stacked on channels
+
+    # By component, or by the folder's class where a component's folder may hold several (T5 or CLIP).
+    forward: dict[str, Callable[..., Any]] = {
+        "T5EncoderModel": t5,
+        "unet": unet,
+        "transformer": transformer,
+        "controlnet": controlnet,
+        "text_encoder": text_encoder,
+        "text_encoder_2": text_encoder,
+        "text_encoder_3": text_encoder,
+        "vae_decoder": vae_decoder,
+        "vae_encoder": vae_encoder,
+    }
+
+    class Graph(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.network = network  # registered, so the exporter sees its weights
+
+        def forward(self, *inputs: torch.Tensor) -> Any:
+            return forward.get(spec.architecture, forward[spec.component])(*inputs)
+
+    return Graph().eval()
+
+
+def unet_extras(spec: GraphSpec, extras: tuple[Any, ...], first: int = 3) -> dict[str, Any]:
+    """The network's keyword inputs from the graph's inputs after the ``first`` positional ones.
+
+    SDXL's ``text_embeds``/``time_ids`` become ``added_cond_kwargs``, LCM's ``timestep_cond`` stays,
+    ControlNet residuals become ``down_block_additional_residuals`` + ``mid_block_additional_residual``.
+    """
+    given = dict(zip(spec.canonical_inputs[first:], extras, strict=True))
+    kwargs: dict[str, Any] = {"timestep_cond": given.get("timestep_cond")}
+    if "text_embeds" in given:
+        kwargs["added_cond_kwargs"] = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]}
+    if "mid_block_res" in given:
+        kwargs["down_block_additional_residuals"] = tuple(
+            v for k, v in given.items() if k.startswith("down_block_res_")
+        )
+        kwargs["mid_block_additional_residual"] = given["mid_block_res"]
+    return kwargs
