@@ -193,6 +193,14 @@ def package_imports() -> list[Import]:
     return imports(ROOT / "sdtrt")
 
 
+MAX_LINES = 400  # a module a reader can hold: split one that grows past it by job, never into a grab-bag
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {m: n for m, p in module_files(ROOT / "sdtrt").items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split each by job): {long}"
+
+
 def test_every_module_has_a_layer():
     unplaced = [m for m in module_files(ROOT / "sdtrt") if layer_of(m) is None]
     assert not unplaced, f"modules outside the layer folders (move each into the folder of its layer): {unplaced}"
