@@ -415,7 +415,7 @@ class HeaderRuntime:
 
     engine_header_size = 8
 
-    def __init__(self, validity, diagnostics: int) -> None:
+    def __init__(self, validity, diagnostics) -> None:
         self.answer, self.read = (validity, diagnostics), b""
 
     def get_engine_validity(self, buffer: bytes) -> tuple:
@@ -443,7 +443,7 @@ def test_a_plan_that_runs_below_its_best_here_says_so_in_one_line_and_an_invalid
     assert "below its best performance" in said and "--compute-capability list that includes this GPU's" in said
     assert f"`{rebuild}`" in said
 
-    old_driver = HeaderRuntime(trt.EngineValidity.INVALID, int(trt.EngineInvalidityDiagnostics.OLD_CUDA_DRIVER))
+    old_driver = HeaderRuntime(trt.EngineValidity.INVALID, trt.EngineInvalidityDiagnostics.OLD_CUDA_DRIVER)  # a flag
     with pytest.raises(EnvironmentMismatchError, match=r"cannot run .*\(OLD_CUDA_DRIVER\)"):
         check_validity(trt, old_driver, plan, rebuild)
 

@@ -39,7 +39,9 @@ def check_validity(rtx: ModuleType, runtime: rtx.Runtime, plan: Path, rebuild: s
     with plan.open("rb") as file:
         header = file.read(runtime.engine_header_size)
     validity, diagnostics = runtime.get_engine_validity(header)
-    reasons = [name for name, flag in rtx.EngineInvalidityDiagnostics.__members__.items() if diagnostics & int(flag)]
+    # int() whether the binding gives the bitmask as an int or as a flag (pybind11 enums take no `&`).
+    bits = int(diagnostics)
+    reasons = [name for name, flag in rtx.EngineInvalidityDiagnostics.__members__.items() if bits & int(flag)]
     if validity == rtx.EngineValidity.INVALID:
         raise EnvironmentMismatchError(
             f"TensorRT-RTX cannot run {plan} here ({', '.join(reasons) or 'no reason given'}); rebuild it with "
