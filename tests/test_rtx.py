@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from sdtrt.stages import build_trt, export, quantize, simplify
 from sdtrt.tools.compile import build
 
 from .helpers import REPO, last_line, run_cli
+from .trt_api import check_source, load_module_api
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("tensorrt_rtx") is None,
@@ -264,7 +266,43 @@ def test_every_name_the_shared_worker_runtime_and_rtx_differences_use_exists_in_
     assert len(chains) >= 25, sorted(chains)
     assert {"ComputeCapability", "IBuilderConfig.set_compute_capability", "BuilderFlag.STRIP_PLAN"} <= chains
     assert {"IRuntimeConfig.set_runtime_cache", "IRuntimeCache.deserialize", "CudaGraphStrategy.WHOLE_GRAPH_CAPTURE",
-            "Runtime.get_engine_validity", "ICudaEngine.create_execution_context"} <= chains  # fmt: skip
+            "Runtime.get_engine_validity", "ICudaEngine.create_execution_context", "EngineValidity.SUBOPTIMAL",
+            "IRuntimeConfig.set_execution_context_allocation_strategy", "ICudaEngine.device_memory_size_v2",
+            "ExecutionContextAllocationStrategy.USER_MANAGED"} <= chains  # fmt: skip
+
+
+def test_every_call_the_runtime_and_worker_make_fits_the_installed_tensorrt_rtx():
+    """The datacenter checker (tests/trt_api.py check_source) with tensorrt_rtx itself in place of TensorRT's stubs:
+    every name, every member used on a variable of a TensorRT-RTX class (``self._context`` included), and each call's
+    arguments against the signatures pybind11 writes in the module's docstrings. The calls that give a TensorRT-RTX
+    context the pipeline's shared activation buffer are among them, and a wrong one would be caught."""
+    import tensorrt_rtx
+
+    api = load_module_api(tensorrt_rtx)
+    sources = [
+        (REPO / "sdtrt/stages/trt_build_worker.py", "trt"), (REPO / "sdtrt/runtime/tensorrt.py", "trt"),
+        (REPO / "sdtrt/runtime/rtx.py", "rtx"),
+        *((path, "trt") for path in sorted((REPO / "sdtrt/runtime").glob("trt_*.py"))),
+    ]  # fmt: skip
+    problems, checked = [], 0
+    for path, alias in sources:
+        found, count = check_source(path.read_text(), api, alias)
+        problems += [f"{path.name}: {p}" for p in found]
+        checked += count
+    assert problems == [] and checked >= 150, (problems, checked)
+
+    runtime, rtx_source = (REPO / "sdtrt/runtime/tensorrt.py").read_text(), (REPO / "sdtrt/runtime/rtx.py").read_text()
+    set_memory = "self._context.set_device_memory(buffer.data_ptr(), buffer.numel())"
+    user_managed = "set_execution_context_allocation_strategy(rtx.ExecutionContextAllocationStrategy.USER_MANAGED)"
+    wrong_calls = [  # (source, its alias, a call it makes, the same call made wrong, what the checker says of it)
+        (runtime, "trt", set_memory, set_memory.replace(", buffer.numel()", ""), "misses 'size'"),
+        (runtime, "trt", "engine.device_memory_size_v2", "engine.device_memory_size_v3", "has no member"),
+        (rtx_source, "rtx", user_managed, user_managed.replace(")", ", 0)"), "takes 1 arguments, not 2"),
+        (rtx_source, "rtx", "runtime.get_engine_validity(header)", "runtime.get_engine_validity()", "misses 'buffer'"),
+    ]  # fmt: skip
+    for source, alias, call, wrong, caught in wrong_calls:
+        assert call in source
+        assert caught in "\n".join(check_source(source.replace(call, wrong), api, alias)[0]), wrong
 
 
 # ---- the command line: refusals before any export, then a whole compile --------------------------------------
@@ -335,15 +373,16 @@ def test_an_rtx_plan_is_refused_here_in_one_line_before_it_is_read(graph, store)
 def test_the_runtime_cache_is_one_file_per_gpu_and_version_replaced_whole(tmp_path):
     """Two processes writing the store's runtime cache while a third reads it: every read is one writer's whole
     file, never a mix or a torn write, and no temporary file is left behind."""
-    from sdtrt.runtime.rtx import cache_file, read_locked
+    from sdtrt.core.locks import read_locked
+    from sdtrt.runtime.rtx import cache_file
 
     path = cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.7.1.116")
     assert path == tmp_path / "runtime-cache" / "NVIDIA-GeForce-RTX-4090-sm8.9-tensorrt-rtx-1.7.1.116.cache"
     assert cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.8.0") != path
     assert read_locked(path) == b""
     writer = (
-        "import sys; from pathlib import Path; from sdtrt.runtime.rtx import write_locked\n"
-        "for i in range(40): write_locked(Path(sys.argv[1]), bytes([int(sys.argv[2])]) * (1 << 20) * (1 + i % 3))\n"
+        "import sys; from pathlib import Path; from sdtrt.core.locks import replace_locked\n"
+        "for i in range(40): replace_locked(Path(sys.argv[1]), bytes([int(sys.argv[2])]) * (1 << 20) * (1 + i % 3))\n"
     )
     writers = [
         subprocess.Popen([sys.executable, "-c", writer, str(path), str(n)], cwd=REPO) for n in (1, 2)
@@ -360,7 +399,8 @@ def test_the_runtime_cache_is_one_file_per_gpu_and_version_replaced_whole(tmp_pa
 def test_a_runtime_cache_whose_lock_cannot_be_made_is_still_read(tmp_path):
     """A read-only store: no lock file can be made beside the cache (here: a folder stands in its way, since root writes
     anywhere), so the cache is read without one instead of failing the plan's load."""
-    from sdtrt.runtime.rtx import cache_file, read_locked
+    from sdtrt.core.locks import read_locked
+    from sdtrt.runtime.rtx import cache_file
 
     path = cache_file(tmp_path, "NVIDIA GeForce RTX 4090", "8.9", "1.7.1.116")
     path.parent.mkdir(parents=True)
@@ -369,11 +409,82 @@ def test_a_runtime_cache_whose_lock_cannot_be_made_is_still_read(tmp_path):
     assert read_locked(path) == b"kernels"
 
 
+class HeaderRuntime:
+    """tensorrt_rtx.Runtime's header check as its docstrings give it: engine_header_size, and
+    get_engine_validity(buffer) returning (EngineValidity, a bitmask of EngineInvalidityDiagnostics)."""
+
+    engine_header_size = 8
+
+    def __init__(self, validity, diagnostics) -> None:
+        self.answer, self.read = (validity, diagnostics), b""
+
+    def get_engine_validity(self, buffer: bytes) -> tuple:
+        self.read = buffer
+        return self.answer
+
+
+def test_a_plan_that_runs_below_its_best_here_says_so_in_one_line_and_an_invalid_one_is_refused(tmp_path, capsys):
+    import tensorrt_rtx as trt
+
+    from sdtrt.core.errors import EnvironmentMismatchError
+    from sdtrt.runtime.rtx import check_validity
+
+    plan = tmp_path / "unet.plan"
+    plan.write_bytes(b"vtrt" + bytes(60))
+    rebuild = "sdtrt build simplify/unet --target tensorrt-rtx --compute-capability 8.6"
+    runtime = HeaderRuntime(trt.EngineValidity.VALID, 0)
+    check_validity(trt, runtime, plan, rebuild)
+    assert runtime.read == b"vtrt" + bytes(4) and capsys.readouterr().err == ""  # the header alone
+
+    flags = int(trt.EngineInvalidityDiagnostics.UNSUPPORTED_CC)
+    check_validity(trt, HeaderRuntime(trt.EngineValidity.SUBOPTIMAL, flags), plan, rebuild)
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and str(plan) in said and "UNSUPPORTED_CC" in said
+    assert "below its best performance" in said and "--compute-capability list that includes this GPU's" in said
+    assert f"`{rebuild}`" in said
+
+    old_driver = HeaderRuntime(trt.EngineValidity.INVALID, trt.EngineInvalidityDiagnostics.OLD_CUDA_DRIVER)  # a flag
+    with pytest.raises(EnvironmentMismatchError, match=r"cannot run .*\(OLD_CUDA_DRIVER\)"):
+        check_validity(trt, old_driver, plan, rebuild)
+
+
+class RecordingConfig:
+    """tensorrt_rtx.IRuntimeConfig's calls that RuntimeCache makes, recorded (a stand-in: a real one needs an engine,
+    which needs an RTX GPU). Returns what the docstrings say: set_runtime_cache a bool, the strategy setter None."""
+
+    def __init__(self) -> None:
+        self.strategy, self.cuda_graph_strategy, self.cache = None, None, None
+
+    def set_execution_context_allocation_strategy(self, strategy) -> None:
+        self.strategy = strategy
+
+    def create_runtime_cache(self):
+        return SimpleNamespace(deserialize=lambda data: True, serialize=lambda: b"kernels")
+
+    def set_runtime_cache(self, cache) -> bool:
+        self.cache = cache
+        return True
+
+
+@pytest.mark.parametrize(("user_managed", "cuda_graph"), [(False, False), (True, False), (False, True)])
+def test_a_context_that_takes_the_shared_buffer_is_configured_user_managed(tmp_path, user_managed, cuda_graph):
+    """A TensorRT-RTX context in a pipeline gets no memory of its own (USER_MANAGED, set on its runtime config before
+    the context is made); one alone keeps TensorRT-RTX's default, and CUDA graphs are TensorRT-RTX's own either way."""
+    import tensorrt_rtx as trt
+
+    from sdtrt.runtime.rtx import RuntimeCache
+
+    config = RecordingConfig()
+    engine = SimpleNamespace(create_runtime_config=lambda: config)
+    cache = RuntimeCache(trt, engine, tmp_path / f"{user_managed}-{cuda_graph}.cache", cuda_graph, user_managed)
+    assert cache.config is config and config.cache is cache.cache
+    assert config.strategy == (trt.ExecutionContextAllocationStrategy.USER_MANAGED if user_managed else None)
+    assert config.cuda_graph_strategy == (trt.CudaGraphStrategy.WHOLE_GRAPH_CAPTURE if cuda_graph else None)
+
+
 def test_a_parser_failure_with_no_recorded_error_is_refused_in_one_line():
     """onnx-tensorrt may only log a failure: parse_from_file returns False with num_errors 0, and get_error(0) is then
     None (the parser stands in for TensorRT's OnnxParser with no error recorded)."""
-    from types import SimpleNamespace
-
     from sdtrt.stages.trt_build_worker import Refused, parser_refusal
 
     refusal = parser_refusal(SimpleNamespace(num_errors=0, get_error=lambda index: None), "unet")  # type: ignore[arg-type]
@@ -395,3 +506,38 @@ def test_an_rtx_plan_runs_like_pytorch_and_leaves_its_runtime_cache(tiny, graph,
         runtime.close()
         assert row["finite"] and row["cosine"] >= 0.99
         assert store_cache_file(plan.primary).stat().st_size > 0
+
+
+@pytest.mark.skipif(bool(rtx_runtime_missing()), reason=f"runs RTX plans: {rtx_runtime_missing()}")
+def test_the_rtx_plans_of_a_pipeline_share_one_activation_buffer(tiny, graph, store):
+    """As the TensorRT plans of a set do (tests/test_gpu.py): one buffer of the largest member's device_memory_size_v2,
+    contexts USER_MANAGED from their runtime config, each member computing what it computes alone after the other has
+    overwritten the buffer. A plan opened with TensorRT-RTX's own CUDA graphs keeps its own memory. Compared within a
+    tolerance: TensorRT-RTX may run a fallback kernel until its shape-specialized one is compiled (LAZY)."""
+    from sdtrt.runtime import open_members, open_runtime
+
+    sources = {"text_encoder": graph("tiny", "text_encoder"), "vae_decoder": graph("tiny", "vae_decoder", "fp32")}
+    members = {c: rtx_build(source, store) for c, source in sources.items()}
+    shared = open_members(members, tiny)
+    alone = {c: open_runtime(a, tiny) for c, a in members.items()}
+    with_graphs = open_runtime(
+        members["vae_decoder"], tiny, cuda_graph=True, device_memory=shared["vae_decoder"]._shared
+    )
+    pool = shared["vae_decoder"]._shared
+    assert pool is not None and all(r._shared is pool for r in shared.values()) and alone["vae_decoder"]._shared is None
+    assert pool.needed == max(int(r._engine.device_memory_size_v2) for r in shared.values())
+    assert with_graphs._shared is None
+    feeds = {
+        c: r.spec.case_inputs(r.spec.validation_cases(artifact_spec(sources[c]).default_profile())[0])
+        for c, r in shared.items()
+    }
+    expected = {c: r.run(feeds[c]) for c, r in alone.items()}
+    for _ in range(2):
+        for component, runtime in shared.items():
+            got = runtime.run(feeds[component])
+            for name, want in expected[component].items():
+                error = (got[name].float() - want.float()).abs().max().item()
+                assert error <= 1e-2 * want.float().abs().max().item() + 1e-3, (component, name, error)
+    assert pool.generation == 1
+    for runtime in [*shared.values(), *alone.values(), with_graphs]:
+        runtime.close()

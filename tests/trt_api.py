@@ -15,9 +15,11 @@ parameter names. It then walks sdtrt's source and checks
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 # APIs removed in TensorRT 10 (implicit batch, bindings) and 11 (weak typing, implicit quantization);
 # TensorRT 11's list: docs.nvidia.com/deeplearning/tensorrt/latest/api/migration/
@@ -148,6 +150,26 @@ def load_api(stub_root: Path) -> Api:
     exported = re.search(r"__all__ = \[(.*?)\]", init, re.S)
     top_level = set(re.findall(r"'(\w+)'", exported.group(1) if exported else "")) | {"__version__"}
     return Api(top_level, classes)
+
+
+def load_module_api(module: ModuleType) -> Api:
+    """The Api of an installed pybind11 module (tensorrt_rtx, which installs without a GPU), read from the module
+    itself: its names, each class's members (dir), and each method's parameters from the signature lines pybind11
+    writes at the top of its docstring ("name(self: ..., a: int, b: T = ...) -> R", numbered per overload)."""
+    classes: dict[str, StubClass] = {}
+    for name, cls in vars(module).items():
+        if not isinstance(cls, type):
+            continue
+        stub = classes[name] = StubClass([b.__name__ for b in cls.__bases__ if b.__name__ in vars(module)])
+        stub.members = set(dir(cls))
+        for method in stub.members:
+            if isinstance(inspect.getattr_static(cls, method, None), property):
+                continue  # an attribute: used, never called
+            doc = getattr(getattr(cls, method, None), "__doc__", None) or ""
+            numbered = r"\d+\. " if "Overloaded function" in doc else ""  # not the (*args, **kwargs) line above
+            if found := re.findall(rf"^{numbered}{re.escape(method)}\((.*)\)\s*->", doc, re.M):
+                stub.signatures[method] = [Signature.parse(text) for text in found]
+    return Api(set(dir(module)), classes)
 
 
 def _trt_chain(node: ast.AST, alias: str) -> list[str] | None:

@@ -1,4 +1,5 @@
-"""Locks between sdtrt processes: a run that must wait for another's says so, and names it."""
+"""Locks between sdtrt processes: a run that must wait for another's says so, and names it; a file that processes
+share (a cache in the store) is read and replaced whole under a lock beside it."""
 
 from __future__ import annotations
 
@@ -43,3 +44,52 @@ def _record(handle: TextIO, text: str) -> None:
     handle.truncate()
     handle.write(text)
     handle.flush()
+
+
+# A file that processes read and replace whole (a cache in the store): each holds the flock of a lock file beside it,
+# shared to read and exclusive to write, and a writer renames a complete temporary file over it, so a reader sees the
+# old file or the new one, never part of one. NVIDIA's TensorRT-RTX demo keeps its runtime cache under a lock file the
+# same way (demo/utils/engine.py, polygraphy.util.LockFile); TensorRT's samples update their timing cache under one
+# (shared/utils/cacheUtils.cpp updateTimingCacheFile).
+
+
+def lock_beside(path: Path) -> Path:
+    """The lock file of ``path``'s readers and writers: ``.NAME.lock`` in its folder (the file itself is replaced)."""
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def locked_beside(path: Path, shared: bool = False) -> Iterator[None]:
+    """Hold ``path``'s lock (lock_beside): shared to read it; exclusive to write it, so that no other writer comes
+    between what a writer reads and the file it puts in its place (replace_file). A writer's folder is made first.
+    The lock is released when the block ends (its file closes)."""
+    if not shared:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_beside(path), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Put ``data`` in ``path``'s place whole: written to a temporary file beside it (this process's own name), then
+    renamed over it (os.replace: atomic on POSIX). Call it under locked_beside(path)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def replace_locked(path: Path, data: bytes) -> None:
+    """Replace the file with ``data`` whole, under its exclusive lock."""
+    with locked_beside(path):
+        replace_file(path, data)
+
+
+def read_locked(path: Path) -> bytes:
+    """The file's bytes, read under its shared lock (b"" when it is not there)."""
+    if not path.is_file():
+        return b""
+    try:
+        with locked_beside(path, shared=True):
+            return path.read_bytes()
+    except OSError:  # a read-only store: no lock file can be made, and no writer can replace the file there
+        return path.read_bytes()

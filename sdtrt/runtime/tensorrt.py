@@ -100,7 +100,9 @@ class TensorRTRuntime(CudaRuntime):
     ) -> None:
         """``weight_budget`` limits the GPU memory of an engine built with weight streaming; without one it keeps
         all its weights on the GPU. ``device_memory``: the activation buffer this engine shares with the other
-        members of its pipeline (sdtrt.runtime.device_memory); without one its context holds its own."""
+        members of its pipeline (sdtrt.runtime.device_memory), a TensorRT or TensorRT-RTX plan alike; without one
+        its context holds its own, as does a TensorRT-RTX plan opened with ``cuda_graph`` (its graphs are
+        TensorRT-RTX's)."""
         which = product(manifest.get("target", "tensorrt"))  # a TensorRT-RTX plan loads through TensorRT-RTX
         if which is TENSORRT_RTX:  # its validity is read from the plan's header below
             if missing := rtx_runtime_missing():
@@ -135,20 +137,20 @@ class TensorRTRuntime(CudaRuntime):
             refill_weights(trt, engine, self._logger, refill_from, plan)
         if weight_budget is not None:  # before the execution context: TensorRT fixes the split when making it
             set_weight_budget(engine, weight_budget, plan, self._rebuild)
+        # The pipeline's shared activation buffer, for a context of either product, but not for a TensorRT-RTX
+        # context that captures its own CUDA graphs: sdtrt cannot drop those if the buffer is replaced.
+        self._shared = None if which is TENSORRT_RTX and cuda_graph else device_memory
+        self._bound = 0  # the buffer generation bound
         # TensorRT-RTX compiles the plan for this GPU here, with the store's runtime cache (and its own CUDA graphs).
-        self._jit = (
-            None if which is not TENSORRT_RTX else rtx.RuntimeCache(trt, engine, rtx.store_cache_file(plan), cuda_graph)
-        )
-        # A TensorRT-RTX context is made from its runtime config with memory of its own: the shared activation buffer
-        # is the datacenter TensorRT's (its USER_MANAGED path is not written for TensorRT-RTX yet).
-        self._shared, self._bound = (device_memory if self._jit is None else None), 0  # the buffer generation bound
-        if self._jit is not None:
+        self._jit: rtx.RuntimeCache | None = None
+        if which is TENSORRT_RTX:
+            shared = self._shared is not None
+            self._jit = rtx.RuntimeCache(trt, engine, rtx.store_cache_file(plan), cuda_graph, user_managed=shared)
+        if self._jit is not None:  # its allocation strategy is set on the runtime config
             strategy_or_config: Any = self._jit.config
         elif self._shared is not None:
-            # After the budget: it adds streaming scratch to device_memory_size_v2, a read-only int64 property
-            # (pyCore.cpp 10.8:1335, 11.1:1428). USER_MANAGED: the context holds no activation memory until
-            # set_device_memory gives it some (create_execution_context(strategy), pyCore.cpp 10.8:1319, 11.1:1422).
-            self._shared.reserve(int(engine.device_memory_size_v2))
+            # USER_MANAGED: the context holds no activation memory until set_device_memory gives it some
+            # (create_execution_context(strategy), pyCore.cpp 10.8:1319, 11.1:1422).
             strategy_or_config = trt.ExecutionContextAllocationStrategy.USER_MANAGED
         else:
             strategy_or_config = trt.ExecutionContextAllocationStrategy.STATIC  # TensorRT's default: its own memory
@@ -160,6 +162,15 @@ class TensorRTRuntime(CudaRuntime):
             raise ArtifactError(f"TensorRT could not create an execution context for {plan} (GPU memory?)")
         if self._jit is not None:  # most of the JIT ran in create_execution_context: kept even if close() never runs
             self._jit.save()
+        if self._shared is not None:
+            # Enough for every shape its profiles admit: device_memory_size_v2 is what STATIC allocates, "the maximum
+            # size across all profiles" (ExecutionContextAllocationStrategy's docstring), and set_device_memory asks
+            # for "at least" it; update_device_memory_size_for_shapes, the need of the shapes set, is never more
+            # ("less memory than the profile maximum": TensorRT-RTX samples/memoryManagement), so it is not read.
+            # Read after the budget, which adds streaming scratch memory, and after the context is made, where
+            # TensorRT-RTX's JIT runs (the sample reads it there too); a read-only int64 property (pyCore.cpp
+            # 10.8:1335, 11.1:1428; tensorrt_rtx 1.7's docstrings). The buffer is made on the pipeline's first run.
+            self._shared.reserve(int(engine.device_memory_size_v2))
         self._context = context
         self._profiles = [_engine_profile(engine, spec.input_names, i) for i in range(engine.num_optimization_profiles)]
         self._active_profile = 0
@@ -234,9 +245,13 @@ class TensorRTRuntime(CudaRuntime):
         if self._bound == self._shared.generation:
             return
         buffer.record_stream(self._stream)  # not reused while work queued on our stream may still read it
-        # set_device_memory(memory, size) is setDeviceMemoryV2 (pyCore.cpp 10.8:1195, 10.13:1324, 11.1:1301).
+        # set_device_memory(memory, size) is setDeviceMemoryV2 (pyCore.cpp 10.8:1195, 10.13:1324, 11.1:1301), in
+        # TensorRT-RTX too: "256-byte aligned device memory" of "at least" device_memory_size_v2 bytes; it returns None
+        # (tensorrt_rtx 1.7's docstring).
         self._context.set_device_memory(buffer.data_ptr(), buffer.numel())
-        self._graph.drop()  # a graph captured on the old buffer would replay against its address
+        # A graph captured on the old buffer would replay against its address. Only sdtrt's own graphs can be dropped:
+        # a TensorRT-RTX context that captures its own (WHOLE_GRAPH_CAPTURE) never takes the shared buffer.
+        self._graph.drop()
         self._bound = self._shared.generation
 
     def _replay(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

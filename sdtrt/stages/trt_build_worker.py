@@ -16,7 +16,6 @@ TensorRT 10 and 11 removed, and against the installed tensorrt_rtx module.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -90,11 +89,10 @@ def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
         warn("TensorRT kept no timing cache for this build; nothing written")
         return
     try:
-        import fcntl  # POSIX only: elsewhere the cache is simply not saved, with the warning below
+        # Imported here: its flock is POSIX only, and elsewhere the cache is simply not saved, with the warning below.
+        from ..core.locks import locked_beside, replace_file
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        with locked_beside(path):  # exclusive: no other build writes between this read and the replace
             if path.is_file():
                 on_file: trt.ITimingCache | None = config.create_timing_cache(path.read_bytes())
                 if on_file is None or not cache.combine(on_file, ignore_mismatch=False):
@@ -102,9 +100,7 @@ def save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
             # serialize may give no memory (TensorRT's shared/utils/cacheUtils.cpp checks for it)
             if (data := cache.serialize()) is None:
                 raise RuntimeError("ITimingCache.serialize returned nothing")
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(bytes(data))
-            tmp.replace(path)
+            replace_file(path, bytes(data))
     except Exception as exc:  # the plan is on disk already: whatever fails here must not fail the build
         warn(f"could not write the timing cache {path} ({one_line(exc)}); the engine itself is built")
 
