@@ -24,7 +24,7 @@ from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_mo
 from ..spec import FOLDERS, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
-from ..standins.base import EngineModule, saved_engines
+from ..standins.base import EngineModule, refuse_pytorch_only, saved_engines
 from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config
 from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
@@ -125,7 +125,7 @@ def load_pipeline(
         if on_pytorch and engine is not None:  # a saved pipeline's engines were chosen before
             where = "the engine set" if _as_artifact(engine).stage == "set" else f"the {', '.join(members)} engine"
             console.print(f"[dim]on PyTorch (not in {where}): {', '.join(on_pytorch)}[/]")
-        refuse_diffusers_loras(pipe)
+        refuse_pytorch_only(pipe)  # done by the constructor too; a pipeline without stand-ins keeps them
     if loras and lora_networks(pipe):
         set_loras(pipe, loras)
     elif loras:
@@ -134,31 +134,6 @@ def load_pipeline(
     if scheduler:
         set_scheduler(pipe, scheduler)
     return pipe
-
-
-# diffusers' LoRA methods change PyTorch modules: on engines they would fail deep inside diffusers
-# (load_lora_weights) or silently do nothing (fuse_lora).
-DIFFUSERS_LORA_METHODS = (
-    "load_lora_weights", "fuse_lora", "unfuse_lora", "set_adapters", "unload_lora_weights", "delete_adapters",
-    "enable_lora", "disable_lora",
-)  # fmt: skip
-
-
-def refuse_diffusers_loras(pipe: Any) -> None:
-    """Make diffusers' LoRA methods on an engine pipeline raise a LoraError that says what to call instead."""
-
-    def refusal(name: str) -> Callable[..., None]:
-        def refuse(*args: Any, **kwargs: Any) -> None:
-            raise LoraError(
-                f"pipe.{name} works on PyTorch networks, and this pipeline's run on engines: use "
-                "sdtrt.set_loras(pipe, [(file, scale)]) or load_pipeline(..., loras=[(file, scale)])"
-            )
-
-        return refuse
-
-    for name in DIFFUSERS_LORA_METHODS:
-        if hasattr(pipe, name):
-            setattr(pipe, name, refusal(name))
 
 
 def lora_networks(pipe: Any) -> list[EngineLoras]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import ArtifactError, EngineInputError
+from ..core.errors import ArtifactError, EngineInputError, LoraError, SdtrtError
 from ..runtime import Runtime
 
 # Attention processors that compute what an engine's graph computes (plain scaled dot-product
@@ -28,6 +28,65 @@ DEFAULT_ATTENTION = (
 )  # fmt: skip
 ENGINE_RECORD = "sdtrt_engine.json"  # beside a saved stand-in's PyTorch files: the engines it ran on
 
+PYTORCH_ONLY = "run this pipeline on PyTorch (load_pipeline without an engine) to use it"
+USE_SET_LORAS = "use sdtrt.set_loras(pipe, [(file, scale)]) or load_pipeline(..., loras=[(file, scale)])"
+# PEFT's adapter methods (diffusers' and transformers' PeftAdapterMixin, the UNet's attention-processor loaders):
+# they add or drive adapter layers in PyTorch modules, and a stand-in has none (PEFT would fail on no target).
+PEFT_METHODS = (
+    "add_adapter", "load_adapter", "load_lora_adapter", "save_lora_adapter", "set_adapter", "set_adapters",
+    "delete_adapter", "delete_adapters", "fuse_lora", "unfuse_lora", "unload_lora", "enable_lora", "disable_lora",
+    "enable_adapters", "disable_adapters", "active_adapters", "active_adapter", "get_adapter_state_dict",
+    "enable_lora_hotswap", "enable_peft_hotswap", "load_attn_procs", "save_attn_procs",
+)  # fmt: skip
+# The diffusers/transformers methods a stand-in cannot honour: name → (error, why and what to do). A stand-in class
+# refuses each its PyTorch class has (EngineModule.__init_subclass__) unless the stand-in defines its own.
+REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
+    name: (LoraError, f"adds or drives PEFT adapter layers in PyTorch modules, and an engine has none: {USE_SET_LORAS}")
+    for name in PEFT_METHODS
+} | {
+    "enable_cache": (EngineInputError, "reuses the PyTorch transformer's block outputs between steps, and caching on "
+                     "engines is not built yet: leave it off, or " + PYTORCH_ONLY),
+    "enable_gradient_checkpointing": (EngineInputError, "saves memory when training PyTorch networks, and an engine "
+                                      "runs inference only: " + PYTORCH_ONLY),
+    "compile_repeated_blocks": (EngineInputError, "runs torch.compile on the PyTorch blocks, and an engine is compiled "
+                                "already: leave it out"),
+    "dequantize": (EngineInputError, "undoes a PyTorch quantization, and an engine's precision is built in: compile "
+                   "an engine at the precision you want (sdtrt compile --precision fp16 or fp32)"),
+    "enable_parallelism": (EngineInputError, "splits PyTorch attention across GPUs, and an engine runs on one device: "
+                           + PYTORCH_ONLY),
+}  # fmt: skip
+# The pipeline's own methods that would reach PyTorch-only code (diffusers' LoRA and IP-Adapter loaders): on a
+# pipeline with a stand-in they fail deep inside diffusers/PEFT or silently do nothing (fuse_lora).
+PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
+    name: (LoraError, f"works on PyTorch networks, and this pipeline runs on engines: {USE_SET_LORAS}")
+    for name in (
+        "load_lora_weights", "fuse_lora", "unfuse_lora", "set_adapters", "unload_lora_weights", "delete_adapters",
+        "enable_lora", "disable_lora", "enable_lora_hotswap",
+    )
+} | {
+    name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and IP-Adapter on "
+           "engines is not built yet (sdtrt does not export its inputs): " + PYTORCH_ONLY)
+    for name in ("load_ip_adapter", "set_ip_adapter_scale", "unload_ip_adapter")
+}  # fmt: skip
+
+
+def refusal(name: str, error: type[SdtrtError], why: str) -> Any:
+    """A method that refuses in one line, whatever it is given: ``<Class>.<name> <why>``."""
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise error(f"{type(self).__name__}.{name} {why}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Refused on engines: {why}"
+    return refuse
+
+
+def refuse_pytorch_only(pipe: Any) -> None:
+    """Make a pipeline with a stand-in refuse, in one line, its methods in PIPELINE_REFUSALS."""
+    for name, (error, why) in PIPELINE_REFUSALS.items():
+        if hasattr(type(pipe), name):
+            setattr(pipe, name, refusal(name, error, why).__get__(pipe))
+
 
 class EngineModule(torch.nn.Module):
     """The diffusers module protocol every stand-in shares: ``config``, ``dtype``, ``device``, ``to``, saving.
@@ -37,6 +96,16 @@ class EngineModule(torch.nn.Module):
     ``isinstance`` checks and diffusers' save/load dispatch see the real class. Methods that would change
     the network refuse with an EngineInputError naming the feature; those an engine already does are no-ops.
     """
+
+    original_attn_processors: dict[str, Any] | None = None  # diffusers' QKV-fusion bookkeeping
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse the REFUSED_METHODS the PyTorch class has and the stand-in does not define itself."""
+        super().__init_subclass__(**kwargs)
+        for name, (error, why) in REFUSED_METHODS.items():
+            owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+            if owner is not None and owner.__module__.split(".")[0] in ("diffusers", "transformers"):
+                setattr(cls, name, refusal(name, error, why))
 
     def __init__(self, config: Any, dtype: torch.dtype, runtimes: list[Runtime | None]) -> None:
         torch.nn.Module.__init__(self)  # not the diffusers/transformers class's: no layers
@@ -84,6 +153,10 @@ class EngineModule(torch.nn.Module):
             torch.nn.Module.to(self, dtype=dtype)  # buffers (e.g. EngineControlNet's anchor) follow
         return self
 
+    def cuda(self, device: int | torch.device | None = None) -> Any:
+        """As ``to``: a CUDA device must be the engine's."""
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device or torch.device("cuda"))
+
     def half(self, *args: Any) -> Any:
         return self.to(torch.float16)
 
@@ -107,7 +180,9 @@ class EngineModule(torch.nn.Module):
         """A no-op: the default attention is what the engine computes."""
 
     def fuse_qkv_projections(self) -> None:
-        """A no-op: the engine's compiler fuses the projections itself."""
+        """A no-op: the engine's compiler fuses the projections itself (diffusers' bookkeeping is kept, so its own
+        ``unfuse_qkv_projections`` finds what it restores)."""
+        self.original_attn_processors = self.attn_processors
 
     def unfuse_qkv_projections(self) -> None:
         """A no-op, as ``fuse_qkv_projections``."""
@@ -117,6 +192,9 @@ class EngineModule(torch.nn.Module):
             "enable_layerwise_casting stores PyTorch weights in a smaller dtype; an engine's weights are built in: "
             "compile a smaller engine instead (sdtrt compile --precision fp16)"
         )
+
+    def disable_gradient_checkpointing(self) -> None:
+        """A no-op: an engine never checkpoints."""
 
     def enable_group_offload(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
@@ -180,6 +258,8 @@ def teach_pipelines_standins() -> None:
     def register_standins_as_pytorch(self: Any, **modules: Any) -> None:
         register_modules(self, **modules)
         standins = {name: m for name, m in modules.items() if isinstance(m, EngineModule)}
+        if standins:
+            refuse_pytorch_only(self)
         self.register_to_config(**{n: _fetch_class_library_tuple(pytorch_class(m)) for n, m in standins.items()})
 
     @wraps(from_pipe)

@@ -70,8 +70,9 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
 
     def enable_freeu(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
-            "FreeU rescales the UNet's skip and backbone features inside its up blocks, and an engine's graph is "
-            "fixed at build: run this pipeline on PyTorch (load_pipeline without an engine) to use FreeU"
+            "EngineUNet.enable_freeu: FreeU rescales the UNet's skip and backbone features inside its up blocks, and "
+            "an engine's graph is fixed at build; FreeU needs a FreeU-capable engine build, which sdtrt does not make "
+            "yet: run this pipeline on PyTorch (load_pipeline without an engine) to use FreeU"
         )
 
     def disable_freeu(self) -> None:
