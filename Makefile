@@ -58,7 +58,7 @@ lint: setup
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or a missing page fails it.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Wall time and peak RSS of preset → export → simplify → weight map → block parity on a big network, each step in
 # its own process (benchmarks/big_export.py). Not part of `make test`.

@@ -314,12 +314,26 @@ def test_every_call_the_runtime_and_worker_make_fits_the_installed_tensorrt_rtx(
         (["--compute-capability", "9.0"], "compute capability '9.0' is not one TensorRT-RTX builds for"),
         (["--timing-cache", "t.cache"], "--timing-cache needs a GPU at build time"),
         (["--optimization-level", "4"], "does no autotuning at build time"),
+        # tiny's VAEs are fp32: TensorRT-RTX 1.7.1.116 fails their build for 7.5 ("FP32 GEMM is not supported").
+        (["--compute-capability", "7.5"], "cannot build the vae_decoder as a TensorRT-RTX plan: TensorRT-RTX compiles"),
     ],
 )
 def test_options_an_rtx_build_cannot_take_are_refused_before_any_export(tmp_path, options, expected):
     done = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", *options, "--engines", str(tmp_path))
     assert done.returncode == 2 and expected in last_line(done.stderr)
     assert not any(tmp_path.iterdir())  # nothing exported
+
+
+def test_a_failed_build_names_the_last_error_tensorrt_logged(tmp_path):
+    from sdtrt.stages.build_trt import last_error
+
+    log = tmp_path / "build.log"
+    log.write_text(
+        "[TRT] [I] parsing\n[TRT] [E] first\n[TRT] [E] IBuilder::buildSerializedNetwork: Error   Code 1\nTraceback"
+    )
+    assert last_error(log) == "IBuilder::buildSerializedNetwork: Error Code 1"
+    log.write_text("[TRT] [I] no error logged\n")
+    assert last_error(log) == ""
 
 
 def test_compute_capabilities_are_refused_for_the_datacenter_target(tmp_path):
@@ -351,7 +365,8 @@ def test_compile_tiny_builds_a_set_of_rtx_plans_and_validates_its_graphs_here():
         assert plan.manifest["target"] == "tensorrt-rtx" and plan.primary.read_bytes()[:4] == b"vtrt"
     said = " ".join(done.stderr.split())  # the console wraps long lines
     assert "validated here: the graphs the plans were built from, on ONNX Runtime" in said
-    assert "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: `sdtrt validate" in said
+    assert "the TensorRT-RTX plans cannot run here (no CUDA GPU is visible to torch" in said
+    assert "they validate on the first RTX GPU that runs them, `sdtrt validate" in said
     assert "unet b2 256x256 t=999" in said and "image PSNR" in said  # the validation table, graphs vs PyTorch
     skipped = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", "--no-validate", check=True)
     assert Path(last_line(skipped.stdout)) == final and "validate" not in skipped.stderr
@@ -444,8 +459,35 @@ def test_a_plan_that_runs_below_its_best_here_says_so_in_one_line_and_an_invalid
     assert f"`{rebuild}`" in said
 
     old_driver = HeaderRuntime(trt.EngineValidity.INVALID, trt.EngineInvalidityDiagnostics.OLD_CUDA_DRIVER)  # a flag
-    with pytest.raises(EnvironmentMismatchError, match=r"cannot run .*\(OLD_CUDA_DRIVER\)"):
-        check_validity(trt, old_driver, plan, rebuild)
+    with pytest.raises(EnvironmentMismatchError, match=r"cannot run .*\(OLD_CUDA_DRIVER\); update the NVIDIA driver$"):
+        check_validity(trt, old_driver, plan, rebuild)  # a driver to update, not a plan to rebuild
+    both = int(trt.EngineInvalidityDiagnostics.UNSUPPORTED_CC) | int(trt.EngineInvalidityDiagnostics.VERSION_MISMATCH)
+    with pytest.raises(EnvironmentMismatchError) as refused:
+        check_validity(trt, HeaderRuntime(trt.EngineValidity.INVALID, both), plan, rebuild)
+    assert "(VERSION_MISMATCH, UNSUPPORTED_CC)" in str(refused.value) and str(refused.value).count(rebuild) == 2
+    assert "this machine's TensorRT-RTX" in str(refused.value) and "holds this GPU's" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("here", "details", "problem"),
+    [
+        ("8.6", {"compute_capabilities": "TensorRT-RTX's default"}, None),
+        ("7.5", {"compute_capabilities": "TensorRT-RTX's default"}, "has compute capability 7.5, and the plan was"),
+        ("8.9", {"compute_capabilities": ["8.6", "12.0"]}, "built for 8.6, 12.0"),
+        ("8.6", {"compute_capabilities": ["8.6"], "quantization": {"format": "int8"}}, None),
+        ("8.6", {"compute_capabilities": ["8.9", "12.0", "12.1"], "quantization": {"format": "fp8"}}, "built for 8.9"),
+        ("8.6", {"compute_capabilities": "TensorRT-RTX's default", "quantization": {"format": "fp8"}}, "FP8 engines"),
+    ],
+)
+def test_a_gpu_that_cannot_run_a_plan_is_named_before_its_load(monkeypatch, here, details, problem):
+    """What the plan's manifest says it was built for against this GPU: compile validates the graphs instead (an FP8
+    plan on an 8.6 GPU, whose rebuild for 8.6 the build refuses), and the runtime refuses it in one line."""
+    from sdtrt.core import gpu
+    from sdtrt.core.trt_products import rtx_gpu_problem
+
+    monkeypatch.setattr(gpu, "gpu_environment", lambda: {"gpu": "NVIDIA GeForce RTX 3090", "compute_capability": here})
+    found = rtx_gpu_problem(details)
+    assert found is None if problem is None else problem in found
 
 
 class RecordingConfig:

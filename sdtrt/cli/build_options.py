@@ -24,9 +24,7 @@ TargetOpt = Annotated[
         "run on RTX GPUs), onnxruntime, or auto: TensorRT where possible."
     ),
 ]
-BatchOpt = Annotated[
-    str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4; at most 64: config.MAX_BATCH).")
-]
+BatchOpt = Annotated[str | None, typer.Option(help="Images per prompt, N or MIN:OPT:MAX (default 1:1:4; at most 64).")]
 HeightOpt = Annotated[str | None, typer.Option(help="Pixel height, N or MIN:OPT:MAX (default: from the model).")]
 WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MAX (default: from the model).")]
 TokensOpt = Annotated[
@@ -98,7 +96,7 @@ ComputeCapabilityOpt = Annotated[
     str | None,
     typer.Option(
         help="TensorRT-RTX: the GPUs' compute capabilities the plan runs on, comma-separated (8.6,8.9,12.0; 7.5 "
-        "only when asked; default: TensorRT-RTX's own set, 8.0 and later)."
+        "only when asked; default: TensorRT-RTX's own set, 8.0 and later; for an FP8 graph 8.9 and later)."
     ),
 ]
 

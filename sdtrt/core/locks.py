@@ -74,8 +74,12 @@ def replace_file(path: Path, data: bytes) -> None:
     """Put ``data`` in ``path``'s place whole: written to a temporary file beside it (this process's own name), then
     renamed over it (os.replace: atomic on POSIX). Call it under locked_beside(path)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except BaseException:  # a full disk, an interrupt: no half-written temporary file left beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def replace_locked(path: Path, data: bytes) -> None:

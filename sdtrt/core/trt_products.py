@@ -11,9 +11,10 @@ layer-precision checks, the build log) is one path: ``sdtrt.stages.trt_build_wor
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import ConfigError
 
@@ -106,6 +107,41 @@ def rtx_runtime_missing() -> str | None:
             "capability 8.0 or newer, 7.5 when built for it)"
         )
     return rtx_missing()
+
+
+def rtx_turing_problem(graph_precision: str, compute_capabilities: tuple[str, ...]) -> str | None:
+    """Why TensorRT-RTX cannot build a graph of ``graph_precision`` for these compute capabilities, or None: it
+    compiles no fp32 matrix multiply for Turing. Building tiny's fp32 VAE decoder for 7.5 with TensorRT-RTX 1.7.1.116
+    ends in "Cannot compile operation 'MatMul_1' for Turing (SM75): FP32 GEMM is not supported" (measured here), and
+    every network sdtrt exports has MatMuls (attention, projections)."""
+    if graph_precision != "fp32" or "7.5" not in compute_capabilities:
+        return None
+    return (
+        "TensorRT-RTX compiles no fp32 matrix multiply (MatMul, Gemm) for Turing (compute capability 7.5: "
+        '"FP32 GEMM is not supported"), and this graph is fp32; leave 7.5 out of --compute-capability (a Turing GPU '
+        "runs the tensorrt target's engines), or build the graph in fp16"
+    )
+
+
+def rtx_gpu_problem(details: Mapping[str, Any]) -> str | None:
+    """Why this machine's GPU cannot run the TensorRT-RTX plan a build-trt manifest's ``details`` describe, or None:
+    the plan was built for a list of compute capabilities without this GPU's (or for TensorRT-RTX's default set,
+    8.0 and later, and this GPU is older), or this GPU lacks the Tensor Cores of the plan's 8-bit format (FP8: 8.9).
+    Call it where rtx_runtime_missing() is None. The plan's header check at load would refuse the first with advice
+    to rebuild for this GPU, which the build refuses for an FP8 plan."""
+    from .gpu import gpu_environment, quantization_problem
+
+    env = gpu_environment()
+    here, gpu = env["compute_capability"], env["gpu"]
+    built_for = details.get("compute_capabilities")
+    if isinstance(built_for, list) and built_for and here not in built_for:
+        return f"{gpu} has compute capability {here}, and the plan was built for {', '.join(built_for)}"
+    if not isinstance(built_for, list) or not built_for:
+        major, _, minor = here.partition(".")
+        if (int(major), int(minor or 0)) < (8, 0):
+            return f"{gpu} has compute capability {here}, and the plan was built for {DEFAULT_COMPUTE_CAPABILITIES}"
+    quantized = (details.get("quantization") or {}).get("format")
+    return quantization_problem(quantized, here, gpu) if quantized else None
 
 
 def parse_compute_capabilities(text: str | None) -> tuple[str, ...]:

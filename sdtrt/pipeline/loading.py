@@ -96,8 +96,8 @@ def load_pipeline(
     ``loras``: (file, scale) pairs, put into the engines' weights (``set_loras``), or fused by diffusers
     into PyTorch networks when no network is an engine.
     ``weight_budget``: GPU memory for the weights of TensorRT engines built with weight streaming (``auto``,
-    ``50%``, ``8GiB``; see config.WeightBudget); RequestError when no engine streams.
-    The TensorRT members of one pipeline share one activation buffer (runtime.device_memory): never call two of
+    ``50%``, ``8GiB``; see sdtrt.core.config.WeightBudget); RequestError when no engine streams.
+    The TensorRT members of one pipeline share one activation buffer (sdtrt.runtime.device_memory): never call two of
     its networks at the same time (two threads or streams); load a pipeline per thread.
     """
     import diffusers

@@ -31,6 +31,21 @@ if TYPE_CHECKING:
 CACHE_DIR = "runtime-cache"
 
 
+# What to do about each EngineInvalidityDiagnostics flag (NVIDIA's TensorRT-RTX docs, "Engine Compatibility": an old
+# CUDA driver or runtime wants CUDA updated, not a new plan; tensorrt_rtx 1.7's enum docstrings name each flag).
+REMEDIES = {
+    "VERSION_MISMATCH": (
+        "rebuild it with this machine's TensorRT-RTX (`{rebuild}`), or install the version it was built with"
+    ),
+    "UNSUPPORTED_CC": "rebuild it with a --compute-capability list that holds this GPU's (`{rebuild}`)",
+    "OLD_CUDA_DRIVER": "update the NVIDIA driver",
+    "OLD_CUDA_RUNTIME": "update the CUDA runtime (the tensorrt-rtx wheel for this CUDA, or the CUDA toolkit)",
+    "INSUFFICIENT_GPU_MEMORY": "free GPU memory, or load it on a GPU with more",
+    "MALFORMED_ENGINE": "the file is damaged or not a plan: rebuild it (`{rebuild}`)",
+    "CUDA_ERROR": "repair the CUDA driver or runtime installation (`nvidia-smi` should list the GPU)",
+}
+
+
 def check_validity(rtx: ModuleType, runtime: rtx.Runtime, plan: Path, rebuild: str) -> None:
     """Refuse a plan this GPU and TensorRT-RTX cannot run, and say so of one it runs below its best, from its header
     alone: Runtime.get_engine_validity returns (EngineValidity, a bitmask of EngineInvalidityDiagnostics) and reads
@@ -43,9 +58,10 @@ def check_validity(rtx: ModuleType, runtime: rtx.Runtime, plan: Path, rebuild: s
     bits = int(diagnostics)
     reasons = [name for name, flag in rtx.EngineInvalidityDiagnostics.__members__.items() if bits & int(flag)]
     if validity == rtx.EngineValidity.INVALID:
+        remedies = dict.fromkeys(REMEDIES[r].format(rebuild=rebuild) for r in reasons if r in REMEDIES)
         raise EnvironmentMismatchError(
-            f"TensorRT-RTX cannot run {plan} here ({', '.join(reasons) or 'no reason given'}); rebuild it with "
-            f"`{rebuild}` (a --compute-capability list that holds this GPU's)"
+            f"TensorRT-RTX cannot run {plan} here ({', '.join(reasons) or 'no reason given'}); "
+            f"{'; '.join(remedies) or f'rebuild it here with `{rebuild}`'}"
         )
     if validity == rtx.EngineValidity.SUBOPTIMAL:
         console.print(

@@ -28,9 +28,16 @@ import numpy as np
 import torch
 
 from ..core.config import WeightBudget
-from ..core.errors import ArtifactError, EngineInputError, LoraError, MissingDependencyError, RefitError
+from ..core.errors import (
+    ArtifactError,
+    EngineInputError,
+    EnvironmentMismatchError,
+    LoraError,
+    MissingDependencyError,
+    RefitError,
+)
 from ..core.gpu import check_engine_environment, rebuild_command, require_tensorrt
-from ..core.trt_products import TENSORRT_RTX, load, product, rtx_runtime_missing
+from ..core.trt_products import TENSORRT_RTX, load, product, rtx_gpu_problem, rtx_runtime_missing
 from ..spec import GraphSpec
 from . import rtx
 from .base import TORCH_DTYPES, CudaRuntime, check_feeds, typed_inputs
@@ -107,6 +114,8 @@ class TensorRTRuntime(CudaRuntime):
         if which is TENSORRT_RTX:  # its validity is read from the plan's header below
             if missing := rtx_runtime_missing():
                 raise MissingDependencyError(f"cannot run a TensorRT-RTX plan here: {missing}")
+            if problem := rtx_gpu_problem(manifest.get("details", {})):
+                raise EnvironmentMismatchError(f"cannot run the TensorRT-RTX plan {plan} on this GPU: {problem}")
         else:
             require_tensorrt("run a TensorRT engine")
             check_engine_environment(manifest)

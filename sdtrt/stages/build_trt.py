@@ -41,6 +41,7 @@ from ..core.trt_products import (
     load,
     product,
     rtx_missing,
+    rtx_turing_problem,
 )
 from .quantize import quantization, tensorrt_graph, tensorrt_spec
 from .trt_build_worker import REFUSED_EXIT, layer_summary
@@ -85,6 +86,8 @@ def build_environment(which: Product, config: TrtBuildConfig, graph_precision: s
             raise MissingDependencyError(f"cannot build a TensorRT-RTX plan: {missing}")
         if problem := gpu_only_problem(which, config.refittable, config.strip_weights):
             raise MissingDependencyError(problem)
+        if problem := rtx_turing_problem(graph_precision, config.compute_capabilities):
+            raise ConfigError(f"cannot build this TensorRT-RTX plan: {problem}")
         for capability in config.compute_capabilities:
             gpu = f"compute capability {capability}"
             problem = graph_precision_problem(graph_precision, capability, gpu) or (
@@ -175,6 +178,12 @@ def resolved(config: TrtBuildConfig, source: Artifact) -> tuple[TrtBuildConfig, 
     parameters, architecture = parameter_count(tensorrt_graph(source)), tensorrt_spec(source).architecture
     level, reason = default_optimization_level(parameters, quantization(source), architecture)
     return replace(config, tf32=tf32, optimization_level=level), reason
+
+
+def last_error(log: Path) -> str:
+    """The last error TensorRT logged ("[TRT] [E] ..."), in one line and short, or "" when it logged none."""
+    errors = [line.split("[E]", 1)[1].strip() for line in log.read_text(errors="replace").splitlines() if "[E]" in line]
+    return " ".join(errors[-1].split())[:400] if errors else ""
 
 
 def runnable_capabilities(config: TrtBuildConfig, source: Artifact) -> tuple[str, ...]:
@@ -270,7 +279,8 @@ def _build(config: TrtBuildConfig, source: Artifact, out_dir: Path, store: Store
             if proc.returncode < 0
             else f"exited with code {proc.returncode}"
         )
-        raise BuildError(f"the {which.label} build {how}; its log is {kept}")
+        said = f": {last_error(kept)}" if kept.is_file() and last_error(kept) else ""
+        raise BuildError(f"the {which.label} build {how}{said}; its log is {kept}")
     result = json.loads(result_path.read_text())
     result_path.unlink()
     plan = Path(request["plan"])

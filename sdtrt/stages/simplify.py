@@ -5,7 +5,7 @@ whose weights are too big to load — a cleanup that never loads them (``stream`
 2 GB of weights or too big for the memory budget.
 
 The result is accepted only after ONNX Runtime gives the same output for it and its input graph —
-except for bf16 graphs, which ONNX Runtime on a CPU cannot run (config.BF16_ON_ONNXRUNTIME). bf16 graphs,
+except for bf16 graphs, which ONNX Runtime on a CPU cannot run (sdtrt.core.config.BF16_ON_ONNXRUNTIME). bf16 graphs,
 headed for TensorRT, then get their Resize and Sin/Cos nodes computed in fp32 (graph_passes): here rather
 than at export, so the export stays the faithful trace of the PyTorch module and no simplifier runs after
 the pass to fold its casts away, as NVIDIA's demo does it in its graph optimizer. The manifest records which

@@ -37,7 +37,7 @@ from ..core.gpu import (
     torch_tensorrt_missing,
 )
 from ..core.store import Store
-from ..core.trt_products import rtx_missing, rtx_runtime_missing
+from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missing, rtx_turing_problem
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource
 from ..spec import denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
@@ -146,6 +146,11 @@ def compile_model(
             build_trt.require_graph_precision(precision)
         if trt_config is not None and trt_config.refittable:
             require_refit_support()
+    if chosen == "tensorrt-rtx" and trt_config is not None:  # before any export: a Turing plan of an fp32 graph
+        for component in components or model_components(model):
+            precision = component_precision(model, component, export_config.precision)
+            if problem := rtx_turing_problem(precision, trt_config.compute_capabilities):
+                raise ConfigError(f"cannot build the {component} as a TensorRT-RTX plan: {problem}")
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
@@ -181,9 +186,10 @@ def compile_model(
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
-    if chosen == "tensorrt-rtx" and rtx_runtime_missing():  # on an RTX GPU the plans validate as TensorRT's do
+    # On a GPU that runs them the plans validate as TensorRT's do; elsewhere the graphs they were built from.
+    if chosen == "tensorrt-rtx" and (why := rtx_cannot_run(artifacts)):
         result = CompileResult(chosen, reason, artifacts)
-        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate)
+        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate, why)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
     return CompileResult(chosen, reason, artifacts, report, cached)
 
@@ -196,12 +202,13 @@ def validate_graphs(
     validation: ValidationConfig,
     store: Store,
     revalidate: bool,
+    why: str,
 ) -> CompileResult:
-    """TensorRT-RTX plans finish compiling on the GPU that loads them, so without one the graphs they were built from
-    are validated against PyTorch on ONNX Runtime (as a set of their own when there are several; bf16 graphs, which
-    ONNX Runtime cannot run, are not), and the result says in one line where the plans themselves validate."""
+    """TensorRT-RTX plans finish compiling on the GPU that loads them, so where none runs them (``why``) the graphs
+    they were built from are validated against PyTorch on ONNX Runtime (as a set of their own when there are several;
+    bf16 graphs, which ONNX Runtime cannot run, are not), and the result says in one line where the plans validate."""
     later = (
-        "the TensorRT-RTX plans themselves validate on the first RTX GPU that loads them: "
+        f"the TensorRT-RTX plans cannot run here ({why}): they validate on the first RTX GPU that runs them, "
         f"`sdtrt validate --engine {result.final.path}` there"
     )
     if any(target_precision_problem("onnxruntime", artifact_spec(g).precision) for g in graphs.values()):
@@ -212,6 +219,14 @@ def validate_graphs(
     report, cached = stored_validate(model, checked, validation, store, revalidate)
     note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({checked.path}); {later}"
     return replace(result, validation=report, validation_cached=cached, validation_note=note)
+
+
+def rtx_cannot_run(artifacts: list[Artifact]) -> str | None:
+    """Why the TensorRT-RTX plans among ``artifacts`` cannot run on this machine, or None when every one can."""
+    if missing := rtx_runtime_missing():
+        return missing
+    plans = (a for a in artifacts if a.stage == "build-trt")
+    return next((problem for plan in plans if (problem := rtx_gpu_problem(plan.manifest["details"]))), None)
 
 
 def wrap_problem(config: TrtBuildConfig, torch_tensorrt_missing: str | None) -> str | None:
