@@ -28,7 +28,7 @@ from ..core.config import (
     WrapConfig,
     target_precision_problem,
 )
-from ..core.errors import ConfigError, MissingDependencyError
+from ..core.errors import ConfigError, MissingDependencyError, RequestError
 from ..core.gpu import (
     require_quantization_support,
     require_refit_support,
@@ -150,7 +150,7 @@ def compile_model(
         for component in components or model_components(model):
             precision = component_precision(model, component, export_config.precision)
             if problem := rtx_turing_problem(precision, trt_config.compute_capabilities):
-                raise ConfigError(f"cannot build the {component} as a TensorRT-RTX plan: {problem}")
+                raise RequestError(f"cannot build the {component} as a TensorRT-RTX plan: {problem}")
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
