@@ -14,16 +14,17 @@ from rich.markup import escape
 
 from ..core.artifact import Artifact
 from ..core.config import TEXT_ENCODERS, WeightBudget
-from ..core.errors import LoraError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
-from ..lora.files import LORA_COMPONENTS, LoraSpec
-from ..lora.refit import EngineLoras, LoraNetwork, apply_loras, fuse_loras
+from ..lora.files import LoraSpec
+from ..lora.refit import EngineLoras, fuse_loras
 from ..runtime import Runtime, check_weight_budget, open_members
 from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_model
 from ..spec import FOLDERS, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
+from ..standins.adapters import apply_pipeline_loras, lora_networks
+from ..standins.adapters import forget as forget_adapters
 from ..standins.base import EngineModule, refuse_pytorch_only, saved_engines
 from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config
 from ..standins.unet import EngineUNet
@@ -136,30 +137,15 @@ def load_pipeline(
     return pipe
 
 
-def lora_networks(pipe: Any) -> list[EngineLoras]:
-    """The LoRAs of each engine network in ``pipe`` that takes them (UNet, text encoders)."""
-    networks = (getattr(pipe, c, None) for c in LORA_COMPONENTS)
-    return [n.loras for n in networks if isinstance(n, LoraNetwork) and n.loras is not None]
-
-
 def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     """Put these (file, scale) LoRAs into every engine network of ``pipe``: UNet and text encoders alike.
 
     Each weight is computed from the engine's base weights (any earlier set is undone); all files are
     checked before any engine changes, so LoraError leaves the pipeline as it was. ``[]`` clears them.
+    Adapters loaded with diffusers' API (``pipe.load_lora_weights``) are forgotten: these LoRAs replace them.
     """
-    networks = lora_networks(pipe)
-    if not networks:
-        raise LoraError(
-            "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
-        )
-
-    def elsewhere(network: str) -> str:
-        if getattr(pipe, network, None) is None:  # an SDXL LoRA's second text encoder on an SD 1.x pipeline
-            return ", which this pipeline does not have: a LoRA for another architecture?"
-        return ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
-
-    apply_loras(networks, loras, elsewhere)
+    apply_pipeline_loras(pipe, loras)
+    forget_adapters(pipe)
 
 
 def standins(

@@ -55,14 +55,10 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
     "enable_parallelism": (EngineInputError, "splits PyTorch attention across GPUs, and an engine runs on one device: "
                            + PYTORCH_ONLY),
 }  # fmt: skip
-# The pipeline's own methods that would reach PyTorch-only code (diffusers' LoRA and IP-Adapter loaders): on a
-# pipeline with a stand-in they fail deep inside diffusers/PEFT or silently do nothing (fuse_lora).
+# The pipeline's own methods that would reach PyTorch-only code (LoRA hotswap, IP-Adapter loaders): on a pipeline
+# with a stand-in they fail deep inside diffusers/PEFT. diffusers' other LoRA methods run on engines (adapters.py).
 PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
-    name: (LoraError, f"works on PyTorch networks, and this pipeline runs on engines: {USE_SET_LORAS}")
-    for name in (
-        "load_lora_weights", "fuse_lora", "unfuse_lora", "set_adapters", "unload_lora_weights", "delete_adapters",
-        "enable_lora", "disable_lora", "enable_lora_hotswap",
-    )
+    "enable_lora_hotswap": (LoraError, f"works on PyTorch networks, and this pipeline runs on engines: {USE_SET_LORAS}")
 } | {
     name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and IP-Adapter on "
            "engines is not built yet (sdtrt does not export its inputs): " + PYTORCH_ONLY)
@@ -82,10 +78,14 @@ def refusal(name: str, error: type[SdtrtError], why: str) -> Any:
 
 
 def refuse_pytorch_only(pipe: Any) -> None:
-    """Make a pipeline with a stand-in refuse, in one line, its methods in PIPELINE_REFUSALS."""
+    """Make a pipeline with a stand-in refuse, in one line, its methods in PIPELINE_REFUSALS, and run diffusers'
+    LoRA adapter API (load_lora_weights, set_adapters, fuse_lora …) on its engines (standins.adapters)."""
+    from .adapters import install
+
     for name, (error, why) in PIPELINE_REFUSALS.items():
         if hasattr(type(pipe), name):
             setattr(pipe, name, refusal(name, error, why).__get__(pipe))
+    install(pipe)
 
 
 class EngineModule(torch.nn.Module):

@@ -1,0 +1,225 @@
+"""diffusers' LoRA API (``load_lora_weights``, ``set_adapters``, ``fuse_lora`` …) on a pipeline whose networks are
+engines, mapped onto ``set_loras``: each call computes the (file, scale) list its adapters now mean and puts it into
+the engines in one ``apply_pipeline_loras``, so a LoRA that does not fit is one LoraError and the pipeline (and its
+adapter registry) stays as it was.
+
+The registry mirrors diffusers 0.42 with PEFT: loading an adapter makes it the only active one, at weight 1.0;
+``set_adapters`` chooses the active ones and their weights (1.0 where none is given); ``disable_lora`` runs the
+engines without the adapters until ``enable_lora``; ``fuse_lora(lora_scale)`` multiplies the active adapters' weights
+by ``lora_scale`` (PEFT's ``scale_layer``, kept after ``unfuse_lora`` as in diffusers) and runs only the fused ones;
+``unload_lora_weights`` forgets the adapters and keeps what was fused in the weights, as diffusers does. On engines
+fused and active weights are the same weights: only which LoRAs, at what scales, differs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import LoraError
+from ..lora.files import DIFFUSERS_LORA_FILE, LORA_COMPONENTS, LoraSpec, read_lora
+from ..lora.refit import EngineLoras, LoraNetwork, apply_loras
+
+REGISTRY = "_sdtrt_lora_adapters"  # the pipeline attribute that holds its Adapters
+ADAPTER_METHODS = (
+    "load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
+    "unload_lora_weights", "disable_lora", "enable_lora", "fuse_lora", "unfuse_lora",
+)  # fmt: skip
+LOAD_KWARGS = {"weight_name", "subfolder", "low_cpu_mem_usage", "local_files_only"}  # others are refused
+
+
+def lora_networks(pipe: Any) -> list[EngineLoras]:
+    """The LoRAs of each engine network in ``pipe`` that takes them (UNet, text encoders)."""
+    networks = (getattr(pipe, c, None) for c in LORA_COMPONENTS)
+    return [n.loras for n in networks if isinstance(n, LoraNetwork) and n.loras is not None]
+
+
+def apply_pipeline_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
+    """``sdtrt.set_loras``'s work: these (file, scale) LoRAs into every engine network of ``pipe``, from base."""
+    networks = lora_networks(pipe)
+    if not networks:
+        raise LoraError(
+            "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
+        )
+
+    def elsewhere(network: str) -> str:
+        if getattr(pipe, network, None) is None:  # an SDXL LoRA's second text encoder on an SD 1.x pipeline
+            return ", which this pipeline does not have: a LoRA for another architecture?"
+        return ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
+
+    apply_loras(networks, loras, elsewhere)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """One pipeline's adapters: name → file, which are active at what weight, enabled, fused ones, and ``baked``:
+    LoRAs in the weights that no adapter names (set_loras' or load_pipeline's, or fused then unloaded)."""
+
+    files: dict[str, Path] = field(default_factory=dict)  # in load order
+    parts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name → the networks its file changes
+    active: tuple[tuple[str, float], ...] = ()
+    enabled: bool = True
+    fused: tuple[str, ...] | None = None  # the fused adapters' names; None: not fused
+    baked: tuple[tuple[Path, float], ...] = ()
+
+    def loras(self) -> list[tuple[Path, float]]:
+        """The (file, scale) list the engines run in this state."""
+        weights = dict(self.active)
+        running = list(self.active) if self.fused is None else [(n, weights[n]) for n in self.fused]
+        if not self.enabled:
+            running = []
+        return [*self.baked, *((self.files[n], w) for n, w in running)]
+
+
+def adapters(pipe: Any) -> Adapters:
+    """``pipe``'s registry; a new one takes the LoRAs its engines run now (set_loras') as baked, and so does one
+    whose LoRAs the engines no longer run (a network's own ``set_loras`` changed them since)."""
+    found = pipe.__dict__.get(REGISTRY)
+    networks = lora_networks(pipe)
+    running = list(networks[0].active) if networks else []
+    if found is None or found.loras() != running:
+        found = Adapters(baked=tuple(running))
+    return found
+
+
+def commit(pipe: Any, state: Adapters) -> None:
+    """Put ``state``'s LoRAs into the engines; only then does the registry take it."""
+    apply_pipeline_loras(pipe, state.loras())
+    pipe.__dict__[REGISTRY] = state
+
+
+def forget(pipe: Any) -> None:
+    """After a direct set_loras: its LoRAs are the new baked ones, no adapters remain."""
+    pipe.__dict__.pop(REGISTRY, None)
+
+
+def _names(pipe: Any, state: Adapters, names: str | Sequence[str], method: str) -> list[str]:
+    names = [names] if isinstance(names, str) else list(names)
+    if missing := [n for n in names if n not in state.files]:
+        raise LoraError(
+            f"{type(pipe).__name__}.{method}: no adapter {', '.join(map(repr, missing))}; "
+            f"loaded: {', '.join(state.files) or 'none'}"
+        )
+    return names
+
+
+def _not_fused(pipe: Any, state: Adapters, method: str) -> None:
+    if state.fused is not None:
+        raise LoraError(f"{type(pipe).__name__}.{method} on fused adapters: call unfuse_lora() first")
+
+
+def load_lora_weights(
+    pipe: Any, pretrained_model_name_or_path_or_dict: Any, adapter_name: str | None = None, hotswap: bool = False,
+    **kwargs: Any,
+) -> None:  # fmt: skip
+    """A LoRA file or folder on disk as a new adapter, the only active one, at weight 1.0 (diffusers' behaviour)."""
+    where = f"{type(pipe).__name__}.load_lora_weights"
+    source = pretrained_model_name_or_path_or_dict
+    if hotswap:
+        raise LoraError(f"{where}: hotswap swaps PyTorch adapter layers; on engines load it as a new adapter")
+    if unknown := sorted(set(kwargs) - LOAD_KWARGS):
+        raise LoraError(f"{where} on engines takes no {', '.join(unknown)}")
+    if not isinstance(source, str | os.PathLike):
+        raise LoraError(f"{where} on engines reads a LoRA file or folder on disk, not a {type(source).__name__}: "
+                        "save the state dict with save_lora_weights first")  # fmt: skip
+    path = Path(source) / kwargs.get("subfolder", "")
+    if path.is_dir():
+        path = path / (kwargs.get("weight_name") or DIFFUSERS_LORA_FILE)
+    if not path.is_file():
+        raise LoraError(f"{where}: {path} is no LoRA file on disk; sdtrt reads LoRAs from disk only: download a Hub "
+                        "LoRA first (huggingface_hub.hf_hub_download)")  # fmt: skip
+    state = adapters(pipe)
+    _not_fused(pipe, state, "load_lora_weights")
+    name = adapter_name or f"default_{len(state.files)}"
+    if name in state.files:
+        raise LoraError(f"{where}: adapter name {name!r} is already in use; delete_adapters({name!r}) first")
+    networks = lora_networks(pipe)
+    lora = read_lora(path, networks[0].family if networks else None)
+    new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
+                  active=((name, 1.0),))  # fmt: skip
+    commit(pipe, new)
+
+
+def set_adapters(pipe: Any, adapter_names: str | Sequence[str], adapter_weights: Any = None) -> None:
+    """Make these adapters the active ones, at these weights (1.0 each when None; one number for all)."""
+    state = adapters(pipe)
+    names = _names(pipe, state, adapter_names, "set_adapters")
+    _not_fused(pipe, state, "set_adapters")
+    weights = adapter_weights if isinstance(adapter_weights, list | tuple) else [adapter_weights] * len(names)
+    if len(weights) != len(names):
+        raise LoraError(f"set_adapters: {len(names)} adapter names and {len(weights)} weights; give one weight each")
+    if any(isinstance(w, dict) for w in weights):
+        raise LoraError("set_adapters: per-component or per-block weights (a dict) need PyTorch adapter layers; "
+                        "on engines give one number per adapter")  # fmt: skip
+    active = tuple((n, 1.0 if w is None else w) for n, w in zip(names, weights, strict=True))
+    commit(pipe, replace(state, active=active))
+
+
+def get_active_adapters(pipe: Any) -> list[str]:
+    return [n for n, _ in adapters(pipe).active]
+
+
+def get_list_adapters(pipe: Any) -> dict[str, list[str]]:
+    """component → its adapters, in load order, for the components each adapter's file changes (as diffusers)."""
+    state = adapters(pipe)
+    out = {c: [n for n in state.files if c in state.parts[n]] for c in type(pipe)._lora_loadable_modules}
+    return {c: names for c, names in out.items() if names}
+
+
+def delete_adapters(pipe: Any, adapter_names: str | Sequence[str]) -> None:
+    state = adapters(pipe)
+    names = set(_names(pipe, state, adapter_names, "delete_adapters"))
+    _not_fused(pipe, state, "delete_adapters")
+    files = {n: p for n, p in state.files.items() if n not in names}
+    parts = {n: p for n, p in state.parts.items() if n not in names}
+    commit(pipe, replace(state, files=files, parts=parts, active=tuple(a for a in state.active if a[0] not in names)))
+
+
+def unload_lora_weights(pipe: Any) -> None:
+    """No adapters left; what was fused stays in the weights (diffusers' fuse_lora + unload_lora_weights)."""
+    state = adapters(pipe)
+    kept = state.loras() if state.fused is not None and state.enabled else list(state.baked)
+    commit(pipe, Adapters(baked=tuple(kept)))
+
+
+def disable_lora(pipe: Any) -> None:
+    commit(pipe, replace(adapters(pipe), enabled=False))
+
+
+def enable_lora(pipe: Any) -> None:
+    commit(pipe, replace(adapters(pipe), enabled=True))
+
+
+def fuse_lora(
+    pipe: Any, components: Sequence[str] | None = None, lora_scale: float = 1.0, safe_fusing: bool = False,
+    adapter_names: Sequence[str] | None = None, **kwargs: Any,
+) -> None:  # fmt: skip
+    """Run the fused adapters (``adapter_names``, else the active ones) with every active weight × ``lora_scale``."""
+    state = adapters(pipe)
+    _not_fused(pipe, state, "fuse_lora")
+    if components is not None and set(get_list_adapters(pipe)) - set(components):
+        raise LoraError("fuse_lora: fusing some components only needs PyTorch adapter layers; on engines leave "
+                        "components out (every network the adapters change is fused)")  # fmt: skip
+    names = _names(pipe, state, adapter_names, "fuse_lora") if adapter_names else [n for n, _ in state.active]
+    active = {n: w * lora_scale for n, w in state.active}  # PEFT's scale_layer: the active layers, kept after unfuse
+    if missing := [n for n in names if n not in active]:
+        raise LoraError(f"fuse_lora: {', '.join(missing)} not active; set_adapters first")
+    commit(pipe, replace(state, active=tuple(active.items()), fused=tuple(names)))
+
+
+def unfuse_lora(pipe: Any, components: Sequence[str] | None = None, **kwargs: Any) -> None:
+    state = adapters(pipe)
+    if state.fused is not None:
+        commit(pipe, replace(state, fused=None))
+
+
+def install(pipe: Any) -> None:
+    """Bind the methods above to ``pipe``, in place of diffusers' PyTorch ones (those it has)."""
+    functions = globals()
+    for name in ADAPTER_METHODS:
+        if hasattr(type(pipe), name):
+            bound = functions[name].__get__(pipe)
+            setattr(pipe, name, bound)

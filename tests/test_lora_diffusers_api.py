@@ -1,0 +1,137 @@
+"""diffusers' LoRA API (load_lora_weights, set_adapters, fuse_lora …) on an engine pipeline (issue 37): each call
+puts the same weights into the engines as sdtrt.set_loras with the (file, scale) list it means, and the images
+match diffusers' PyTorch pipeline driven by the same calls. Tiny SD 1.x engine set, ONNX Runtime on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sdtrt.core.errors import LoraError
+from sdtrt.lora.files import random_lora
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline, set_loras
+from sdtrt.sources.models import resolve_model
+from sdtrt.tools.validate import psnr_db
+
+from .helpers import peft_lora
+
+REQUEST = GenerateRequest(prompt="a lighthouse at dusk", steps=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def loras(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    return {
+        "a": peft_lora(tiny, folder / "a", seed=1, rank=4, alpha=8),
+        "b": peft_lora(tiny, folder / "b", seed=4, rank=4, alpha=8, networks=("unet", "text_encoder")),
+    }
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny, tiny_set):
+    return load_pipeline(tiny, tiny_set)
+
+
+@pytest.fixture
+def fresh(pipe):
+    set_loras(pipe, [])  # forgets the adapters too
+    return pipe
+
+
+def image(pipe) -> np.ndarray:
+    return np.asarray(generate(pipe, REQUEST).images[0], dtype=np.float64) / 255
+
+
+def active(pipe) -> list:
+    return [(n.component, n.active) for n in (pipe.unet.loras, pipe.text_encoder.loras)]
+
+
+def test_load_lora_weights_is_set_loras_bit_for_bit(fresh, loras):
+    base = image(fresh)
+    fresh.load_lora_weights(loras["b"], adapter_name="b")
+    got, weights = image(fresh), active(fresh)
+    set_loras(fresh, [(loras["b"], 1.0)])
+    assert active(fresh) == weights and np.array_equal(image(fresh), got)
+    assert psnr_db(got, base) < 30  # the LoRA changes the image
+
+
+def test_adapters_weights_enable_and_unload(fresh, loras):
+    base = image(fresh)
+    fresh.load_lora_weights(loras["a"])  # a file path, default name
+    fresh.load_lora_weights(str(loras["b"]).rpartition("/")[0], adapter_name="b")  # the folder
+    assert fresh.get_active_adapters() == ["b"]  # diffusers: the newest adapter alone
+    assert fresh.get_list_adapters() == {"unet": ["default_0", "b"], "text_encoder": ["b"]}
+    fresh.set_adapters(["default_0", "b"], [0.8, 0.5])
+    assert fresh.get_active_adapters() == ["default_0", "b"]
+    both = image(fresh)
+    weights = active(fresh)
+    fresh.disable_lora()
+    assert np.array_equal(image(fresh), base)
+    fresh.enable_lora()
+    assert active(fresh) == weights and np.array_equal(image(fresh), both)
+    fresh.load_lora_weights(loras["a"], adapter_name="x")
+    fresh.set_adapters(["x", "b"], [0.8, 0.5])
+    fresh.delete_adapters("x")
+    assert fresh.get_active_adapters() == ["b"] and fresh.get_list_adapters()["unet"] == ["default_0", "b"]
+    fresh.unload_lora_weights()
+    assert fresh.get_list_adapters() == {} and fresh.get_active_adapters() == []
+    assert active(fresh) == [("unet", []), ("text_encoder", [])] and np.array_equal(image(fresh), base)
+    set_loras(fresh, [(loras["a"], 0.8), (loras["b"], 0.5)])  # what set_adapters(["default_0", "b"], …) ran
+    assert active(fresh) == weights and np.array_equal(image(fresh), both)
+
+
+def test_fuse_then_unload_keeps_the_fused_weights(fresh, loras):
+    fresh.load_lora_weights(loras["a"], adapter_name="a")
+    fresh.set_adapters("a", 0.8)
+    fresh.fuse_lora(lora_scale=0.5)
+    fused = image(fresh)
+    set_loras(fresh, [(loras["a"], 0.4)])
+    assert np.array_equal(image(fresh), fused)
+    set_loras(fresh, [])
+    fresh.load_lora_weights(loras["a"], adapter_name="a")
+    fresh.fuse_lora(lora_scale=0.5)
+    with pytest.raises(LoraError, match=r"set_adapters on fused adapters: call unfuse_lora\(\) first"):
+        fresh.set_adapters("a")
+    fresh.unfuse_lora()  # PEFT keeps the scaled weight: 0.5 now, as in diffusers
+    assert fresh.unet.loras.active == [(fresh.get_list_adapters() and fresh.unet.loras.active[0][0], 0.5)]
+    fresh.fuse_lora()
+    fresh.unload_lora_weights()  # the fused LoRA stays, as diffusers' fuse_lora + unload_lora_weights
+    assert fresh.get_list_adapters() == {} and fresh.unet.loras.active[0][1] == 0.5
+    fresh.load_lora_weights(loras["b"])  # on top of the fused one
+    assert [s for _, s in fresh.unet.loras.active] == [0.5, 1.0]
+
+
+def test_what_cannot_map_is_refused_in_one_line_and_changes_nothing(fresh, loras, tmp_path):
+    fresh.load_lora_weights(loras["a"], adapter_name="a")
+    before = active(fresh)
+    bad = random_lora(resolve_model("tiny-sdxl"), tmp_path / "xl.safetensors", text_encoders=True)
+    cases = [
+        (lambda: fresh.load_lora_weights({"x": 1}), "not a dict"),
+        (lambda: fresh.load_lora_weights("someone/hub-lora"), "is no LoRA file on disk"),
+        (lambda: fresh.load_lora_weights(loras["a"], adapter_name="a"), "'a' is already in use"),
+        (lambda: fresh.load_lora_weights(bad), "text_encoder_2"),
+        (lambda: fresh.set_adapters(["a"], [{"unet": 0.5}]), "per-component"),
+        (lambda: fresh.set_adapters(["nope"]), "no adapter 'nope'"),
+        (lambda: fresh.set_adapters(["a"], [-1.0]), "must be a finite number"),
+        (lambda: fresh.enable_lora_hotswap(target_rank=4), "use sdtrt.set_loras"),
+    ]
+    for call, message in cases:
+        with pytest.raises(LoraError, match=message) as raised:
+            call()
+        assert "\n" not in str(raised.value)
+    assert active(fresh) == before and fresh.get_list_adapters() == {"unet": ["a"]}
+
+
+def test_adapters_match_diffusers_pytorch(tiny, fresh, loras):
+    reference = load_pipeline(tiny)
+    for target in (fresh, reference):
+        target.load_lora_weights(loras["a"], adapter_name="a")
+        target.load_lora_weights(loras["b"], adapter_name="b")
+        target.set_adapters(["a", "b"], [0.8, 0.5])
+    assert fresh.get_list_adapters() == reference.get_list_adapters()
+    assert fresh.get_active_adapters() == reference.get_active_adapters()
+    assert psnr_db(image(fresh), image(reference)) >= 35
+    for target in (fresh, reference):
+        target.fuse_lora(lora_scale=0.7)
+        target.unfuse_lora()
+    assert psnr_db(image(fresh), image(reference)) >= 35
