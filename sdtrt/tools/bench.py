@@ -145,7 +145,8 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
 def time_loras(pipe: Any, loras: tuple[tuple[str, float], ...], swaps: int) -> tuple[float, dict[str, float] | None]:
     """Seconds to put ``loras`` in the first time, and Stats of ``swaps`` later swaps (clear, then them again)."""
     from ..lora.refit import fuse_loras
-    from ..pipeline.loading import lora_networks, set_loras
+    from ..pipeline.loading import set_loras
+    from ..standins.adapters import lora_networks
 
     started = time.perf_counter()
     if not lora_networks(pipe):  # PyTorch: diffusers fuses them, once
