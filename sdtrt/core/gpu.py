@@ -75,12 +75,17 @@ QUANTIZED_MIN_CAPABILITY = {"int8": (7, 5), "fp8": (8, 9)}
 QUANTIZED_FALLBACK = {"int8": "--precision fp16", "fp8": "--precision int8 (compute capability 7.5 or newer)"}
 
 
+def capability_version(capability: str) -> tuple[int, int]:
+    """ "8.6" → (8, 6), "12" → (12, 0): a compute capability as a tuple that compares as the GPUs' generations do."""
+    major, _, minor = capability.partition(".")
+    return int(major), int(minor or 0)
+
+
 def quantization_problem(precision: str, capability: str, gpu: str = "this GPU") -> str | None:
     """Why a GPU of compute capability ``capability`` ("8.6") cannot run a ``precision`` ("int8", "fp8") engine,
     or None when it can."""
     need = QUANTIZED_MIN_CAPABILITY[precision]
-    major, _, minor = capability.partition(".")
-    if (int(major), int(minor or 0)) >= need:
+    if capability_version(capability) >= need:
         return None
     return (
         f"{precision.upper()} engines need a GPU of compute capability {need[0]}.{need[1]} or newer, and {gpu} has "

@@ -129,17 +129,16 @@ def rtx_gpu_problem(details: Mapping[str, Any]) -> str | None:
     8.0 and later, and this GPU is older), or this GPU lacks the Tensor Cores of the plan's 8-bit format (FP8: 8.9).
     Call it where rtx_runtime_missing() is None. The plan's header check at load would refuse the first with advice
     to rebuild for this GPU, which the build refuses for an FP8 plan."""
-    from .gpu import gpu_environment, quantization_problem
+    from .gpu import capability_version, gpu_environment, quantization_problem
 
     env = gpu_environment()
     here, gpu = env["compute_capability"], env["gpu"]
     built_for = details.get("compute_capabilities")
-    if isinstance(built_for, list) and built_for and here not in built_for:
-        return f"{gpu} has compute capability {here}, and the plan was built for {', '.join(built_for)}"
-    if not isinstance(built_for, list) or not built_for:
-        major, _, minor = here.partition(".")
-        if (int(major), int(minor or 0)) < (8, 0):
-            return f"{gpu} has compute capability {here}, and the plan was built for {DEFAULT_COMPUTE_CAPABILITIES}"
+    explicit = built_for if isinstance(built_for, list) and built_for else None  # else TensorRT-RTX's default set
+    if explicit and here not in explicit:
+        return f"{gpu} has compute capability {here}, and the plan was built for {', '.join(explicit)}"
+    if not explicit and capability_version(here) < (8, 0):
+        return f"{gpu} has compute capability {here}, and the plan was built for {DEFAULT_COMPUTE_CAPABILITIES}"
     quantized = (details.get("quantization") or {}).get("format")
     return quantization_problem(quantized, here, gpu) if quantized else None
 

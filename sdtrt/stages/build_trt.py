@@ -22,6 +22,7 @@ from ..core.artifact import Artifact
 from ..core.config import TrtBuildConfig, default_optimization_level
 from ..core.errors import BuildError, ConfigError, MissingDependencyError
 from ..core.gpu import (
+    capability_version,
     gpu_environment,
     quantization_problem,
     require_quantization_support,
@@ -114,8 +115,7 @@ def graph_precision_problem(precision: str, compute_capability: str, gpu: str = 
     """Why a GPU of ``compute_capability`` ("7.5") cannot run a graph of ``precision``, or None when it can: a bf16
     graph needs Ampere. A quantized Flux's TensorRT graph is bf16 too (quantize.tensorrt_precision), so INT8, which
     Turing runs (gpu.quantization_problem), does not make a Flux engine buildable there."""
-    major, _, minor = compute_capability.partition(".")
-    if precision != "bf16" or (int(major), int(minor or 0)) >= BF16_MIN_CAPABILITY:
+    if precision != "bf16" or capability_version(compute_capability) >= BF16_MIN_CAPABILITY:
         return None
     return (
         f"bf16 graphs need a GPU of compute capability 8.0 or newer (Ampere), and {gpu} has {compute_capability}; "
