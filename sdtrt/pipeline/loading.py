@@ -13,7 +13,8 @@ import torch
 from rich.markup import escape
 
 from ..core.artifact import Artifact
-from ..core.config import TEXT_ENCODERS, WeightBudget
+from ..core.config import TEXT_ENCODERS, TRANSFORMER_PARTS, WeightBudget
+from ..core.errors import ArtifactError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
 from ..lora.files import LoraSpec
@@ -166,6 +167,14 @@ def standins(
     for component, runtime in runtimes.items():
         if component in NETWORK_STANDINS:
             out[FOLDERS[component]] = NETWORK_STANDINS[component](source, component, runtime, dtype, loras)
+    parts: dict[str, Runtime] = {c: runtimes[c] for c in TRANSFORMER_PARTS if c in runtimes}
+    if parts:
+        from ..standins.transformer import EngineTransformer
+
+        transformer = out.get("transformer")
+        if not isinstance(transformer, EngineTransformer):
+            raise ArtifactError("the engine set holds a split transformer without its whole engine; recompile it")
+        transformer.use_parts(parts)  # where step caches run (standins/step_cache.py)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

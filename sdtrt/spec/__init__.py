@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.config import COMPONENTS, Component, IONaming, Precision
+from ..core.config import BUILDABLE, COMPONENTS, Component, IONaming, Precision
 from ..core.errors import ArtifactError
 from .base import (
     AXIS_LABELS,
@@ -34,6 +34,7 @@ from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
 from .vae import VaeDecoderSpec, VaeEncoderSpec
 
@@ -57,6 +58,7 @@ __all__ = [
     "TensorSpec",
     "TextEncoder2Spec",
     "TextEncoderSpec",
+    "TransformerPartSpec",
     "TransformerSpec",
     "UNetSpec",
     "VaeDecoderSpec",
@@ -74,11 +76,11 @@ __all__ = [
 
 # (component, architecture) → spec; architecture "" where the component alone decides. The transformer's
 # row dispatches on its class itself (TransformerSpec.for_model / from_json).
-SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {
-    (cls.component, cls.architecture): cls
-    for cls in (UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec,
-                T5Encoder2Spec, VaeDecoderSpec, VaeEncoderSpec)
-}  # fmt: skip
+SPECS: tuple[type[GraphSpec], ...] = (
+    UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
+    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES,
+)  # fmt: skip
+SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 
 
 def spec_class(component: str, architecture: str = "") -> type[GraphSpec]:
@@ -86,7 +88,7 @@ def spec_class(component: str, architecture: str = "") -> type[GraphSpec]:
     T5EncoderModel in a text encoder's folder is T5's contract, anything else there CLIP's."""
     cls = SPEC_CLASSES.get((component, architecture)) or SPEC_CLASSES.get((component, ""))
     if cls is None:
-        raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(COMPONENTS)}")
+        raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(BUILDABLE)}")
     return cls
 
 

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 # The pipeline sub-folder each component is loaded from.
 FOLDERS: dict[str, str] = {"unet": "unet", "transformer": "transformer", "controlnet": "controlnet",
                            "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2",
-                           "text_encoder_3": "text_encoder_3", "vae_decoder": "vae", "vae_encoder": "vae"}  # fmt: skip
+                           "text_encoder_3": "text_encoder_3", "vae_decoder": "vae", "vae_encoder": "vae",
+                           "transformer_embed": "transformer", "transformer_first_block": "transformer",
+                           "transformer_rest": "transformer", "transformer_out": "transformer"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77
@@ -26,7 +28,7 @@ Shapes = dict[str, tuple[int, ...]]
 S = TypeVar("S", bound="GraphSpec")
 AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent width", "image_height": "image height",
                "image_width": "image width", "tokens": "T5 token count", "text_tokens": "CLIP + T5 token count",
-               "patches": "latent patch count"}  # fmt: skip
+               "patches": "latent patch count", "rope_tokens": "token count + latent patch count"}  # fmt: skip
 # ControlNet residuals come at the latent size divided by 2, 4, 8, …: axes "height_2", "width_4", ….
 RESIDUAL_SCALES = (2, 4, 8, 16, 32)
 for _k in RESIDUAL_SCALES:
@@ -163,6 +165,7 @@ class GraphSpec:
         sizes = {"batch": batch, "height": height_px // f, "width": width_px // f, "image_height": height_px,
                  "image_width": width_px, "tokens": t, "text_tokens": TEXT_TOKENS + t,
                  "patches": (height_px // f // 2) * (width_px // f // 2)}  # fmt: skip
+        sizes["rope_tokens"] = sizes["tokens"] + sizes["patches"]
         return sizes | {scaled_axis(a, k): sizes[a] // k for a in ("height", "width") for k in RESIDUAL_SCALES}
 
     def input_shapes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> Shapes:

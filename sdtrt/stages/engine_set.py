@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.artifact import Artifact
-from ..core.config import COMPONENTS, Component, ShapeProfile
+from ..core.config import BUILDABLE, TRANSFORMER_PARTS, Component, ShapeProfile
 from ..core.errors import ArtifactError, ConfigError, EngineMismatchError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
@@ -28,9 +28,9 @@ class EngineSetConfig:
     components: tuple[Component, ...]
 
     def __post_init__(self) -> None:
-        unknown = [c for c in self.components if c not in COMPONENTS]
+        unknown = [c for c in self.components if c not in BUILDABLE]
         if unknown or not self.components:
-            raise ConfigError(f"components {unknown or '(none)'} are not among {', '.join(COMPONENTS)}")
+            raise ConfigError(f"components {unknown or '(none)'} are not among {', '.join(BUILDABLE)}")
 
 
 def source_model(artifact: Artifact) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
         if not io:
             continue
         spec, folder, recorded = spec_from_json(io), FOLDERS[component], _first_input(member)
-        if component not in model_components(model):
+        if component not in model_components(model) + (TRANSFORMER_PARTS if model.has("transformer") else ()):
             problem: str | None = f"{model.name} has no {folder}/"
         else:
             wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)

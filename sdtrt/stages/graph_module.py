@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GraphSpec
+from ..spec import GraphSpec, TransformerPartSpec
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +61,11 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         "vae_decoder": vae_decoder,
         "vae_encoder": vae_encoder,
     }
+
+    if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches
+        from .transformer_split import part_module
+
+        forward[spec.component] = part_module(spec, network)
 
     class Graph(torch.nn.Module):
         def __init__(self) -> None:

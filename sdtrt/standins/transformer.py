@@ -9,10 +9,13 @@ engine's graph cannot do: skip-layer guidance, a LoRA scale, ControlNet block sa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ..core.errors import ArtifactError, EngineInputError
@@ -20,6 +23,7 @@ from ..lora.refit import EngineLoras, LoraNetwork
 from ..runtime import Runtime
 from ..spec import FluxTransformerSpec, TransformerSpec
 from .base import EngineModule
+from .step_cache import SplitTransformer, cache_problem, check_hooked
 from .unet import normalise_timestep
 
 # Keyword arguments of the diffusers forwards that change what the network computes, and why an engine
@@ -38,7 +42,7 @@ REFUSED = {
 IGNORED_DEFAULTS = {"controlnet_blocks_repeat": False}  # Flux's: meaningful only with ControlNet samples
 
 
-class EngineTransformer(EngineModule, LoraNetwork):
+class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
     """An SD3Transformer2DModel / FluxTransformer2DModel stand-in backed by a transformer engine.
 
     ``EngineTransformer(runtime, …)`` makes the subclass that is an instance of the class the engine's
@@ -62,6 +66,39 @@ class EngineTransformer(EngineModule, LoraNetwork):
         self.spec: TransformerSpec = runtime.spec
         self.runtime = runtime
         self.loras = loras  # set_loras puts LoRA weights into the engine, from its base weights
+        self.split: SplitTransformer | None = None  # the part engines step caches chain (use_parts)
+        self._in_cache_context = False
+
+    def use_parts(self, parts: dict[str, Runtime]) -> None:
+        """Run step caches (enable_cache) on these part engines of the same transformer (standins/step_cache.py):
+        their blocks and head become this stand-in's transformer_blocks and proj_out, where diffusers' hooks go."""
+        self.split = SplitTransformer(parts)
+        self._runtimes += self.split.runtimes()
+        self.transformer_blocks = self.split.blocks
+        self.proj_out = self.split.head
+
+    def enable_cache(self, config: Any) -> None:
+        """diffusers' ``enable_cache``: FirstBlockCacheConfig, MagCacheConfig and TaylorSeerCacheConfig (lite mode)
+        run on the engines of a set compiled with caches; any other config, or none of those parts, is refused."""
+        loras_active = bool(self.loras is not None and self.loras.active)
+        if problem := cache_problem(config, self.split, loras_active):
+            raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
+        CacheMixin.enable_cache(self, config)
+        assert self.split is not None  # cache_problem said so
+        if problem := check_hooked(self.split, config):
+            CacheMixin.disable_cache(self)
+            raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
+
+    @contextmanager
+    def cache_context(self, name: str, **kwargs: Any) -> Iterator[None]:
+        """diffusers' ``cache_context``, remembered: SD3's pipeline calls the transformer outside any, and the cache
+        hooks need one (forward opens "cond" for it: SD3 runs both guidance halves in one batch)."""
+        self._in_cache_context = True
+        try:
+            with CacheMixin.cache_context(self, name, **kwargs):
+                yield
+        finally:
+            self._in_cache_context = False
 
     def forward(
         self,
@@ -96,9 +133,26 @@ class EngineTransformer(EngineModule, LoraNetwork):
         if extra := [name for name in present if name not in wanted]:
             hint = " (FLUX.1-schnell has no guidance embedding)" if "guidance" in extra else ""
             raise EngineInputError(f"this {self.spec.architecture} engine takes no {', '.join(extra)}{hint}")
-        feeds = {graph: present[name] for graph, name in zip(self.spec.input_names, wanted, strict=True)}
-        out = self.runtime.run(feeds)[self.spec.output_name].to(device, hidden_states.dtype)
+        if self.is_cache_enabled:
+            out = self._cached_step(present)
+        else:
+            feeds = {graph: present[name] for graph, name in zip(self.spec.input_names, wanted, strict=True)}
+            out = self.runtime.run(feeds)[self.spec.output_name]
+        out = out.to(device, hidden_states.dtype)
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+    def _cached_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step on the part engines, where the cache hooks decide which of them run."""
+        assert self.split is not None  # enable_cache refuses a set without parts
+        if self.loras is not None and self.loras.active:
+            raise EngineInputError(
+                "LoRAs were set on this transformer after its step cache was enabled, and its split members do not "
+                "take LoRAs yet: disable_cache() first, or clear the LoRAs"
+            )
+        if self._in_cache_context:
+            return self.split(inputs)
+        with self.cache_context("cond"):
+            return self.split(inputs)
 
     def _refuse(self, joint_attention_kwargs: dict[str, Any] | None, kwargs: dict[str, Any]) -> None:
         """EngineInputError for a feature the engine cannot run; TypeError for a keyword no forward takes."""
@@ -127,7 +181,8 @@ class EngineTransformer(EngineModule, LoraNetwork):
 
 # EngineModule's `to` and `save_pretrained` (first in the MRO) are the ones called.
 class EngineSD3Transformer(EngineTransformer, SD3Transformer2DModel):
-    """A transformer engine standing in for SD3's / SD3.5's SD3Transformer2DModel."""
+    """A transformer engine standing in for SD3's / SD3.5's SD3Transformer2DModel (with diffusers' CacheMixin, which
+    SD3's class lacks, from EngineTransformer: step caches run on its engines as on Flux's)."""
 
 
 class EngineFluxTransformer(EngineTransformer, FluxTransformer2DModel):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.artifact import Artifact
 from ..core.config import (
+    STEP_CACHES,
     Component,
     ConcreteTarget,
     ExportConfig,
@@ -120,6 +121,7 @@ def compile_model(
     components: tuple[Component, ...] | None = None,
     revalidate: bool = False,
     quantize_config: QuantizeConfig | None = None,
+    caches: tuple[str, ...] = (),
 ) -> CompileResult:
     """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
@@ -128,7 +130,9 @@ def compile_model(
     every one the model has. Precision comes from ``export_config``, except for a VAE that asks to be
     upcast: fp32. The validation report stored for the final artifact and config is reused unless
     ``revalidate``. ``quantize_config``: the denoiser is quantized (INT8/FP8 Q/DQ graph) instead of exported,
-    and validated to quantization's tolerances where ``validation`` leaves them open.
+    and validated to quantization's tolerances where ``validation`` leaves them open. ``caches``: step caches
+    (STEP_CACHES: "first-block", "magcache", "taylorseer") whose split members join the set, so that
+    ``pipe.transformer.enable_cache(config)`` runs on the engines.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     if problem := target_precision_problem(chosen, export_config.precision):
@@ -155,7 +159,7 @@ def compile_model(
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
     wraps = chosen == "tensorrt" and unwrapped is None
-    components = components or model_components(model)
+    components = (components or model_components(model)) + cache_members(model, caches, quantize_config)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
     if chosen in ("tensorrt", "tensorrt-rtx"):
@@ -192,6 +196,26 @@ def compile_model(
         return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate, why)
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
     return CompileResult(chosen, reason, artifacts, report, cached)
+
+
+def cache_members(
+    model: ModelSource, caches: tuple[str, ...], quantize_config: QuantizeConfig | None
+) -> tuple[Component, ...]:
+    """The split members these step caches need (none without caches); ConfigError for a cache this model cannot
+    take, before anything is exported."""
+    from ..spec.transformer_split import split_problem
+
+    if unknown := [c for c in caches if c not in STEP_CACHES]:
+        raise ConfigError(f"unknown step cache {unknown[0]!r}; sdtrt builds {', '.join(STEP_CACHES)}")
+    if not caches:
+        return ()
+    if denoiser_component(model) != "transformer":
+        raise ConfigError(f"{', '.join(caches)} skip a transformer's blocks, and {model.name}'s denoiser is a UNet")
+    if problem := split_problem(model.component_config("transformer")):
+        raise ConfigError(f"cannot split {model.name}'s transformer for step caches: {problem}")
+    if quantize_config is not None:
+        raise ConfigError("step caches on a quantized transformer are not built yet: compile without --caches")
+    return tuple(dict.fromkeys(m for c in caches for m in STEP_CACHES[c]))
 
 
 def validate_graphs(

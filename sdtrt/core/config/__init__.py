@@ -19,7 +19,7 @@ from .build import (
     WrapConfig,
     default_optimization_level,
 )
-from .components import COMPONENTS, TEXT_ENCODERS, Component
+from .components import BUILDABLE, COMPONENTS, STEP_CACHES, TEXT_ENCODERS, TRANSFORMER_PARTS, Component
 from .export import ExportConfig, Exporter, IONaming, Weights
 from .keys import as_dict, cache_key, in_key_unless, not_in_key
 from .precision import BF16_ON_ONNXRUNTIME, PRECISIONS, ConcreteTarget, Precision, Target, target_precision_problem
@@ -41,6 +41,7 @@ __all__ = [
     "BENCH_BACKENDS",
     "BF16_ON_ONNXRUNTIME",
     "BINARY_UNITS",
+    "BUILDABLE",
     "CALIBRATION_PROMPTS",
     "COMPONENTS",
     "DECIMAL_UNITS",
@@ -54,7 +55,9 @@ __all__ = [
     "QUANT_LEVELS",
     "QUANT_PRECISIONS",
     "RANGE_EXAMPLES",
+    "STEP_CACHES",
     "TEXT_ENCODERS",
+    "TRANSFORMER_PARTS",
     "BenchConfig",
     "Component",
     "ConcreteTarget",

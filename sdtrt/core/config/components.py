@@ -8,10 +8,22 @@ from typing import Literal
 # A model's denoiser is a UNet (SD 1.x/2.x, SDXL) or a transformer (SD3, Flux); text_encoder_3 is SD3's T5.
 Component = Literal[
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
-    "vae_encoder",
+    "vae_encoder", "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out",
 ]  # fmt: skip
 COMPONENTS: tuple[Component, ...] = (
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
     "vae_encoder",
 )  # fmt: skip
 TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+# The transformer again, in parts, for step caches that skip its blocks (spec/transformer_split.py): built only when
+# asked (compile's caches=), never among a model's components by default.
+TRANSFORMER_PARTS: tuple[Component, ...] = (
+    "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out",
+)  # fmt: skip
+BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS
+
+# Step caches compile can build the split members for (compile's caches=), and the members each needs. The three
+# transformer caches skip the same blocks, so they share one split.
+STEP_CACHES: dict[str, tuple[Component, ...]] = dict.fromkeys(
+    ("first-block", "magcache", "taylorseer"), TRANSFORMER_PARTS
+)

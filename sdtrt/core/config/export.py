@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
-from .components import COMPONENTS, TEXT_ENCODERS, Component
+from .components import BUILDABLE, TEXT_ENCODERS, Component
 from .keys import not_in_key
 from .precision import PRECISIONS, Precision
 
@@ -44,8 +44,8 @@ class ExportConfig:
         return "torchscript"
 
     def __post_init__(self) -> None:
-        if self.component not in COMPONENTS:
-            raise ConfigError(f"component '{self.component}' is not one of {', '.join(COMPONENTS)}")
+        if self.component not in BUILDABLE:
+            raise ConfigError(f"component '{self.component}' is not one of {', '.join(BUILDABLE)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
         if self.exporter not in ("auto", "dynamo", "torchscript"):

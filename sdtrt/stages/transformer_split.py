@@ -1,0 +1,116 @@
+"""A transformer cut where step caches need it: embedders | first block | the other blocks | output head.
+
+Each part is a module over the diffusers network's own submodules (its embedders, blocks, norm_out and proj_out),
+called as the network's forward calls them, so the four parts chained compute what the whole forward computes:
+``tests/test_step_cache.py`` checks that on SD3's and Flux's classes. What passes between the parts: the embedded
+image and text tokens, the conditioning embedding ``temb`` and Flux's rotary embedding (cos, sin), computed once by
+the embedders' part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..spec.transformer_split import TransformerPartSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def part_module(spec: TransformerPartSpec, network: Any) -> Any:
+    """The callable an exporter traces for one part: positional tensors in, tensors out, in the spec's order."""
+    parts = FLUX_PARTS if spec.rotary else SD3_PARTS
+    forward = parts[spec.component]
+
+    def call(*inputs: torch.Tensor) -> Any:
+        return forward(network, **dict(zip(spec.canonical_inputs, inputs, strict=True)))
+
+    return call
+
+
+# ---- Flux.1 (FluxTransformer2DModel.forward, diffusers 0.42) ---------------------------------------------------
+
+
+def _flux_embed(net: Any, hidden_states: Any, encoder_hidden_states: Any, pooled_projections: Any, timestep: Any,
+                img_ids: Any, txt_ids: Any, guidance: Any = None) -> tuple[Any, ...]:  # fmt: skip
+    import torch
+
+    hidden = net.x_embedder(hidden_states)
+    timestep = timestep.to(hidden.dtype) * 1000
+    if guidance is None:
+        temb = net.time_text_embed(timestep, pooled_projections)
+    else:
+        temb = net.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled_projections)
+    cos, sin = net.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+    return hidden, net.context_embedder(encoder_hidden_states), temb, cos, sin
+
+
+def _flux_blocks(net: Any, blocks: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any,
+                 rotary_cos: Any, rotary_sin: Any) -> tuple[Any, Any]:  # fmt: skip
+    encoder, hidden = encoder_hidden_states, hidden_states
+    for block in blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                image_rotary_emb=(rotary_cos, rotary_sin))  # fmt: skip
+    return encoder, hidden
+
+
+def _flux_first_block(net: Any, **tensors: Any) -> tuple[Any, Any]:
+    return _flux_blocks(net, flux_blocks(net)[:1], **tensors)
+
+
+def _flux_rest(net: Any, **tensors: Any) -> Any:
+    return _flux_blocks(net, flux_blocks(net)[1:], **tensors)[1]
+
+
+def _flux_out(net: Any, hidden_states: Any, temb: Any) -> Any:
+    return net.proj_out(net.norm_out(hidden_states, temb))
+
+
+def flux_blocks(net: Any) -> list[Any]:
+    """Flux's blocks in the order its forward runs them: the double-stream ones, then the single-stream ones."""
+    return [*net.transformer_blocks, *net.single_transformer_blocks]
+
+
+# ---- SD3 / SD3.5 (SD3Transformer2DModel.forward, diffusers 0.42) -------------------------------------------------
+
+
+def _sd3_embed(net: Any, hidden_states: Any, timestep: Any, encoder_hidden_states: Any,
+               pooled_projections: Any) -> tuple[Any, ...]:  # fmt: skip
+    hidden = net.pos_embed(hidden_states).contiguous()
+    temb = net.time_text_embed(timestep, pooled_projections)
+    return hidden, net.context_embedder(encoder_hidden_states), temb
+
+
+def _sd3_blocks(blocks: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any) -> tuple[Any, Any]:
+    encoder, hidden = encoder_hidden_states, hidden_states
+    for block in blocks:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb)
+    return encoder, hidden
+
+
+def _sd3_first_block(net: Any, **tensors: Any) -> tuple[Any, Any]:
+    return _sd3_blocks(net.transformer_blocks[:1], **tensors)
+
+
+def _sd3_rest(net: Any, **tensors: Any) -> Any:
+    return _sd3_blocks(net.transformer_blocks[1:], **tensors)[1]
+
+
+def _sd3_out(net: Any, hidden_states: Any, temb: Any, latents: Any) -> Any:
+    """norm_out, proj_out, and the patches back into a latent image (``latents``: only its height and width)."""
+    import torch
+
+    hidden = net.proj_out(net.norm_out(hidden_states, temb))
+    p, channels = net.config.patch_size, net.out_channels
+    height, width = latents.shape[-2] // p, latents.shape[-1] // p
+    hidden = hidden.reshape(hidden.shape[0], height, width, p, p, channels)
+    hidden = torch.einsum("nhwpqc->nchpwq", hidden)
+    return hidden.reshape(hidden.shape[0], channels, height * p, width * p)
+
+
+Part = Callable[..., Any]
+FLUX_PARTS: dict[str, Part] = {"transformer_embed": _flux_embed, "transformer_first_block": _flux_first_block,
+                               "transformer_rest": _flux_rest, "transformer_out": _flux_out}  # fmt: skip
+SD3_PARTS: dict[str, Part] = {"transformer_embed": _sd3_embed, "transformer_first_block": _sd3_first_block,
+                              "transformer_rest": _sd3_rest, "transformer_out": _sd3_out}  # fmt: skip
