@@ -1,0 +1,224 @@
+"""Step caches on transformer engines (issue 36): diffusers' own FirstBlockCache, MagCache and TaylorSeer (lite) on an
+engine set compiled with ``caches=("first-block",)``, checked against the same configs on the PyTorch pipeline.
+
+The engine decides which steps to skip with diffusers' own hooks on the engines' tensors; these tests record every
+decision diffusers' First-Block Cache makes (a spy over its rule, which it still runs) on both pipelines and compare
+the strings step for step, and the images. SD3: diffusers' First-Block Cache fails on PyTorch SD3 (its last block
+returns no text tokens, and StableDiffusion3Pipeline opens no cache context), so its reference is diffusers' hooks on
+the PyTorch blocks with the last block passing the text tokens through, inside a cache context: the same algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import (
+    FirstBlockCacheConfig,
+    MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    TaylorSeerCacheConfig,
+    apply_first_block_cache,
+)
+from diffusers.hooks import first_block_cache as fbc
+from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+from diffusers.models.cache_utils import CacheMixin
+
+import sdtrt
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.errors import ConfigError, EngineInputError
+from sdtrt.lora.files import random_lora
+from sdtrt.sources.models import load_folder, resolve_model
+from sdtrt.spec import component_spec
+from sdtrt.spec.transformer_split import TransformerPartSpec, part_class
+from sdtrt.stages.graph_module import graph_module
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.validate import psnr_db
+
+STEPS = 10
+CALL = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"}
+PARTS = ("transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out")
+
+
+@pytest.fixture(scope="module")
+def cached_sets(store):
+    """preset → its fp32 ONNX Runtime engine set with the split members (the other members: the pipeline tests')."""
+    built = {}
+
+    def get(preset: str):
+        if preset not in built:
+            fp32 = ExportConfig(precision="fp32")
+            built[preset] = compile_model(resolve_model(preset), store, "onnxruntime", fp32, caches=("first-block",))
+        return built[preset].final
+
+    return get
+
+
+@pytest.fixture
+def decisions(monkeypatch):
+    """Every First-Block Cache decision diffusers makes, in order: "C" computes the other blocks, "s" skips them."""
+    made: list[str] = []
+    rule = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def spy(self, residual):
+        compute = rule(self, residual)
+        made.append("C" if compute else "s")
+        return compute
+
+    monkeypatch.setattr(fbc.FBCHeadBlockHook, "_should_compute_remaining_blocks", spy)
+    return made
+
+
+def generate(pipe, config=None, context=contextlib.nullcontext) -> np.ndarray:
+    if config is not None:
+        pipe.transformer.enable_cache(config)
+    try:
+        with context():
+            return pipe("a cat", generator=torch.Generator().manual_seed(0), **CALL).images
+    finally:
+        if config is not None:
+            pipe.transformer.disable_cache()
+
+
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3"])
+def test_the_parts_chained_compute_the_whole_transformer(preset):
+    model = resolve_model(preset)
+    network = load_folder(model, "transformer", torch.float32)
+    whole = component_spec(model, "transformer", "fp32")
+    parts = {c: component_spec(model, c, "fp32") for c in PARTS}
+    assert all(isinstance(s, TransformerPartSpec) for s in parts.values())
+    feeds = whole.sample_inputs(2, 128, 128, seed=0, tokens=16)
+    with torch.no_grad():
+        expected = graph_module(whole, network)(*feeds.values())
+        tensors = dict(feeds)
+        for component in PARTS:
+            spec = parts[component]
+            if component == "transformer_out":
+                tensors |= {"hidden_states": tensors["rest_hidden_states"], "latents": feeds["hidden_states"]}
+            outputs = graph_module(spec, network)(*(tensors[name] for name in spec.canonical_inputs))
+            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+            tensors |= dict(zip(spec.canonical_outputs, outputs, strict=True))
+            if component == "transformer_embed":  # the blocks take the embedded tokens under their own names
+                tensors |= {k.removeprefix("embedded_"): v for k, v in tensors.items() if k.startswith("embedded_")}
+            if component == "transformer_first_block":
+                tensors |= {"hidden_states": tensors["block_hidden_states"],
+                            "encoder_hidden_states": tensors["block_encoder_hidden_states"]}  # fmt: skip
+    assert torch.equal(tensors["out_sample"], expected)
+
+
+def test_first_block_cache_on_flux_engines_skips_the_steps_diffusers_skips(cached_sets, decisions):
+    reference = sdtrt.load_pipeline("tiny-flux")
+    engines = sdtrt.load_pipeline("tiny-flux", engine=cached_sets("tiny-flux"))
+    uncached = generate(engines)
+    for threshold in (0.3, 0.6):
+        decisions.clear()
+        expected = generate(reference, FirstBlockCacheConfig(threshold=threshold))
+        on_pytorch = "".join(decisions)
+        decisions.clear()
+        image = generate(engines, FirstBlockCacheConfig(threshold=threshold))
+        assert "".join(decisions) == on_pytorch, threshold
+        assert "s" in on_pytorch and on_pytorch.startswith("C"), on_pytorch  # a cache that skips, or no test
+        assert psnr_db(image, expected) >= 35.0
+        assert psnr_db(image, uncached) < 80.0  # the skipped steps changed the image: the cache ran
+    assert np.array_equal(generate(engines), uncached)  # disable_cache: the whole engine again, bit for bit
+
+
+class PassTextThrough(torch.nn.Module):
+    """SD3's last block (context_pre_only) returns no text tokens; diffusers' First-Block Cache subtracts them. The
+    reference keeps the block and hands back the tokens it was given, which nothing reads after the last block."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
+        text, hidden = self.block(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb)
+        return encoder_hidden_states if text is None else text, hidden
+
+
+def test_first_block_cache_on_sd3_engines_matches_diffusers_hooks_on_the_pytorch_blocks(cached_sets, decisions):
+    TransformerBlockRegistry.register(
+        model_class=PassTextThrough,
+        metadata=TransformerBlockMetadata(return_hidden_states_index=1, return_encoder_hidden_states_index=0),
+    )
+    engines = sdtrt.load_pipeline("tiny-sd3", engine=cached_sets("tiny-sd3"))
+    threshold = 0.5
+    reference = sdtrt.load_pipeline("tiny-sd3")
+    blocks = reference.transformer.transformer_blocks
+    blocks[-1] = PassTextThrough(blocks[-1])
+    apply_first_block_cache(reference.transformer, FirstBlockCacheConfig(threshold=threshold))
+    expected = generate(reference, context=lambda: CacheMixin.cache_context(reference.transformer, "cond"))
+    on_pytorch = "".join(decisions)
+    decisions.clear()
+    image = generate(engines, FirstBlockCacheConfig(threshold=threshold))
+    assert "".join(decisions) == on_pytorch
+    assert "s" in on_pytorch, on_pytorch
+    assert psnr_db(image, expected) >= 35.0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TaylorSeerCacheConfig(
+            cache_interval=2, disable_cache_before_step=2, use_lite_mode=True, taylor_factors_dtype=torch.float32
+        ),
+        MagCacheConfig(threshold=0.5, num_inference_steps=STEPS, mag_ratios=FLUX_MAG_RATIOS),
+    ],
+    ids=["taylorseer-lite", "magcache"],
+)
+def test_taylorseer_lite_and_magcache_on_flux_engines_match_pytorch(cached_sets, config):
+    reference = sdtrt.load_pipeline("tiny-flux")
+    engines = sdtrt.load_pipeline("tiny-flux", engine=cached_sets("tiny-flux"))
+    uncached = generate(engines)
+    rest = engines.transformer.split.rest
+    before = rest.calls
+    image = generate(engines, config)
+    assert rest.calls - before < STEPS  # some steps ran no block after the first
+    assert psnr_db(image, generate(reference, config)) >= 35.0
+    assert psnr_db(image, uncached) < 80.0
+
+
+def test_caches_an_engine_cannot_honour_are_refused_in_one_line(cached_sets, fp32_engine_sets):
+    engines = sdtrt.load_pipeline("tiny-flux", engine=cached_sets("tiny-flux"))
+    with pytest.raises(EngineInputError, match="use_lite_mode=True"):
+        engines.transformer.enable_cache(TaylorSeerCacheConfig())  # predicts attention inside the blocks
+    assert not engines.transformer.is_cache_enabled
+    with pytest.raises(EngineInputError, match="attention layers inside the blocks"):
+        engines.transformer.enable_cache(PyramidAttentionBroadcastConfig())
+    plain = sdtrt.load_pipeline("tiny-flux", engine=fp32_engine_sets("tiny-flux"))
+    with pytest.raises(EngineInputError, match="--caches first-block"):
+        plain.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+
+
+def test_compile_refuses_a_cache_the_model_cannot_take(tiny, store):
+    with pytest.raises(ConfigError, match="UNet"):
+        compile_model(tiny, store, "onnxruntime", caches=("first-block",))
+    with pytest.raises(ConfigError, match="unknown step cache 'teacache'"):
+        compile_model(resolve_model("tiny-flux"), store, "onnxruntime", caches=("teacache",))
+
+
+def test_loras_and_a_step_cache_are_refused_together(cached_sets, tmp_path):
+    model = resolve_model("tiny-flux")
+    lora = random_lora(model, tmp_path / "a.safetensors", rank=4, alpha=8, seed=1)
+    engines = sdtrt.load_pipeline(model, engine=cached_sets("tiny-flux"))
+    engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    sdtrt.set_loras(engines, [(lora, 1.0)])
+    with pytest.raises(EngineInputError, match="split members do not take LoRAs"):
+        engines("a cat", **CALL)
+    engines.transformer.disable_cache()
+    with pytest.raises(EngineInputError, match="clear them first"):
+        engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+
+
+def test_a_part_spec_survives_its_manifest(cached_sets):
+    from sdtrt.graph.onnx_graph import artifact_spec
+    from sdtrt.stages.engine_set import engine_members
+
+    members = engine_members(cached_sets("tiny-flux"))
+    for component in PARTS:
+        spec = artifact_spec(members[component])
+        assert type(spec) is part_class(component, "FluxTransformer2DModel")
+        assert spec == component_spec(resolve_model("tiny-flux"), component, "fp32")
