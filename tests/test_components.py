@@ -151,7 +151,7 @@ def test_the_set_drop_in_matches_pytorch(tiny, tiny_set, scheduler):
     from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
     from sdtrt.standins.text_encoders import EngineTextEncoder
     from sdtrt.standins.vae import EngineVAE
-    from sdtrt.tools.validate import psnr_db
+    from sdtrt.tools.image_quality import psnr_db
 
     engine = load_pipeline(tiny, tiny_set, scheduler=scheduler)
     assert isinstance(engine.unet, EngineUNet) and isinstance(engine.text_encoder, EngineTextEncoder)
@@ -182,7 +182,7 @@ def test_clip_skip_on_the_text_encoder_engine(tiny, tiny_set):
 
 def test_img2img_encodes_with_the_vae_encoder_engine(tiny, tiny_set):
     from sdtrt.pipeline.loading import load_pipeline
-    from sdtrt.tools.validate import psnr_db
+    from sdtrt.tools.image_quality import psnr_db
 
     init = torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(0))
     kwargs = dict(prompt="a watercolor", image=init, strength=0.6, num_inference_steps=5, output_type="np")

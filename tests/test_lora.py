@@ -26,7 +26,7 @@ from sdtrt.runtime import open_runtime
 from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.stages import weight_map
 from sdtrt.tools.compile import compile_model
-from sdtrt.tools.validate import psnr_db
+from sdtrt.tools.image_quality import psnr_db
 
 from .helpers import last_line, peft_lora, run_cli
 

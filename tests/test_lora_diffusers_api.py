@@ -11,7 +11,7 @@ from sdtrt.core.errors import LoraError
 from sdtrt.lora.files import random_lora
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline, set_loras
 from sdtrt.sources.models import resolve_model
-from sdtrt.tools.validate import psnr_db
+from sdtrt.tools.image_quality import psnr_db
 
 from .helpers import peft_lora
 

@@ -11,7 +11,7 @@ from sdtrt.core.errors import EngineInputError, ModelNotFoundError, RequestError
 from sdtrt.pipeline.loading import SCHEDULERS, GenerateRequest, generate, load_pipeline, set_scheduler
 from sdtrt.runtime import open_runtime
 from sdtrt.standins.unet import EngineUNet
-from sdtrt.tools.validate import psnr_db
+from sdtrt.tools.image_quality import psnr_db
 
 REQUEST = GenerateRequest(prompt="a red fox in the snow", steps=5, height=128, width=192, seed=3)
 

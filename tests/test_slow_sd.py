@@ -73,7 +73,7 @@ def test_sd15_loras_on_unet_and_text_encoder_engines_match_diffusers(tmp_path):
     the UNet and the text encoder, against diffusers' fused pipeline; times each set_loras."""
     from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline, set_loras
     from sdtrt.tools.compile import compile_model
-    from sdtrt.tools.validate import psnr_db
+    from sdtrt.tools.image_quality import psnr_db
 
     from .helpers import peft_lora
 

@@ -36,7 +36,7 @@ from sdtrt.spec import component_spec
 from sdtrt.spec.transformer_split import TransformerPartSpec, part_class
 from sdtrt.stages.graph_module import graph_module
 from sdtrt.tools.compile import compile_model
-from sdtrt.tools.validate import psnr_db
+from sdtrt.tools.image_quality import psnr_db
 
 STEPS = 10
 CALL = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"}

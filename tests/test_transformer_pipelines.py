@@ -19,7 +19,7 @@ from sdtrt.pipeline.request import FLOW_SCHEDULERS, NOT_FOR_FLUX
 from sdtrt.standins.base import EngineModule
 from sdtrt.standins.text_encoders import EngineT5
 from sdtrt.standins.transformer import EngineTransformer
-from sdtrt.tools.validate import psnr_db
+from sdtrt.tools.image_quality import psnr_db
 
 FAMILIES = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 # What each family is asked with: SD3 a negative prompt, Flux dev guidance 3.5, schnell nothing more.

@@ -12,7 +12,8 @@ from onnx import numpy_helper
 
 from sdtrt.core.artifact import Artifact
 from sdtrt.core.errors import ParityError
-from sdtrt.tools.validate import ValidationConfig, image_problems, psnr_db, validate
+from sdtrt.tools.image_quality import psnr_db
+from sdtrt.tools.validate import ValidationConfig, image_problems, validate
 
 from .helpers import last_line, run_cli
 

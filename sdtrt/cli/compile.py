@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from ..core.config import COMPONENTS, Precision, ValidationConfig
-from ..core.errors import RequestError
+from ..core.config import COMPONENTS, STEP_CACHES, Precision, ValidationConfig
+from ..core.errors import ConfigError, RequestError
 from ..core.progress import console
 from ..spec import denoiser_component
 from . import build_options, graph_options, store_options
@@ -84,6 +84,13 @@ def compile(
             "several give an engine set."
         ),
     ] = None,
+    caches: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Comma-separated step caches to build the transformer's split members for ({', '.join(STEP_CACHES)}"
+            "); then `--cache` on generate, bench and validate runs them (one split serves all three).",
+        ),
+    ] = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Run every stage for a target in order, then validate; unchanged stages are cache hits.
@@ -93,10 +100,11 @@ def compile(
     Several components end in an engine set, whose directory is printed last.
 
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
+    Step caches: sdtrt compile --model tiny-flux --target onnxruntime --caches first-block
     """
     from ..sources.models import resolve_model
     from ..stages import export as export_stage
-    from ..tools.compile import compile_model
+    from ..tools.compile import cache_members, compile_model
     from .run import print_report
 
     graph_options.check_export_options(exporter, weights)
@@ -130,6 +138,11 @@ def compile(
     if quantized:
         check_quantizable(quantized, source)
     chosen_components = parse_components(components, source)
+    chosen_caches = tuple(c.strip() for c in (caches or "").split(",") if c.strip())
+    try:  # a cache the model cannot take is a usage error, before any export
+        cache_members(source, chosen_caches, quantized)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
     # Each member's export config is this one with its component; the profile is the denoiser's.
     export_config = graph_options.export_config(
         graph_precision, exporter, opset, io_naming, denoiser_component(source), weights
@@ -143,6 +156,7 @@ def compile(
         trt_config=trt.config(profile, target),
         components=chosen_components,
         revalidate=revalidate,
+        caches=chosen_caches,
     )
     validation = ValidationConfig(memory_budget=simplify_config.memory_budget)
     guarded = None

@@ -43,19 +43,24 @@ def bench(
             "reports how long that and a swap take. Repeat for several.",
         ),
     ] = None,
+    cache: request_options.CacheOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Time whole generations per backend, side by side, broken down by stage.
+
+    With --cache, each backend also runs the step cache, alternating with uncached runs, and reports both denoising
+    loops, their ratio, the full evaluations the cache left and its image's PSNR/SSIM against the uncached one.
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
     """
     from ..sources.models import resolve_model
 
     loras = tuple(request_options.lora_options(lora))
+    request_options.step_cache(cache)  # a malformed --cache is a usage error before anything loads
     try:  # backends and their precisions: a usage error before anything loads
         config = BenchConfig(
             backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch,
-            height=height, width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras,
+            height=height, width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras, cache=cache,
         )  # fmt: skip
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
@@ -122,12 +127,30 @@ def print_bench(report: dict) -> None:
             swap = b["lora_swap_s"]
             swaps = f"; a swap {swap['median']:.3f} s (median, {swap['min']:.3f}–{swap['max']:.3f})" if swap else ""
             results.print(f"{b['name']} LoRAs: first {b['lora_apply_s']:.3f} s{swaps}")
+    for b in report["backends"]:
+        if cached := b.get("step_cache"):
+            results.print(step_cache_line(b["name"], cached))
     noisy = [b["name"] for b in report["backends"] if b.get("noisy")]
     if noisy:
         results.print(
             f"[yellow]noisy:[/] {', '.join(noisy)}: the slowest run took over {NOISY_RATIO}× the fastest (a busy "
             "machine?); do not read speed-ups from these rows — rerun with more --repeats on an idle machine"
         )
+
+
+def step_cache_line(backend: str, cached: dict) -> str:
+    """One backend's step-cache comparison, for people."""
+    from rich.markup import escape
+
+    if "error" in cached:
+        return f"[yellow]{backend} --cache {cached['cache']}:[/] {escape(cached['error'])}"
+    full = cached["full_evaluations"]
+    evaluations = f"{full}/{cached['transformer_calls']} full evaluations, " if full is not None else ""
+    return (
+        f"{backend} --cache {cached['cache']}: {evaluations}denoising loop {cached['denoise_loop_s']['median']:.3f} s "
+        f"→ {cached['cached_denoise_loop_s']['median']:.3f} s ({cached['speedup']:.2f}×); against the uncached "
+        f"image PSNR {cached['psnr_db']:.1f} dB, SSIM {cached['ssim']:.4f}"
+    )
 
 
 def profile_command(

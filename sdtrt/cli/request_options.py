@@ -14,6 +14,7 @@ from ..core.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
     from ..pipeline.request import GenerateRequest
+    from ..pipeline.step_cache import StepCache
 
 HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
 WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
@@ -37,6 +38,27 @@ WeightBudgetOpt = Annotated[
         "(50%) or a size (8GiB, each); 0 streams the most (default: all on the GPU).",
     ),
 ]
+
+
+CacheOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="<KIND[:VALUE]>",
+        help="A step cache on the transformer (engines compiled with --caches): first-block[:THRESHOLD] (diffusers' "
+        "First-Block Cache, default 0.05; higher skips more), taylorseer[:INTERVAL] (TaylorSeer lite, a full step "
+        "every INTERVAL, default 5), magcache[:THRESHOLD] (MagCache with diffusers' Flux ratios, default 0.06).",
+    ),
+]
+
+
+def step_cache(text: str | None) -> StepCache | None:
+    """--cache, parsed before anything loads (exit 2 when malformed)."""
+    from ..pipeline.step_cache import StepCache
+
+    try:
+        return StepCache.parse(text) if text is not None else None
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
 
 
 def weight_budget(text: str | None) -> WeightBudget | None:

@@ -91,6 +91,7 @@ def generate_command(
     ] = None,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     weight_streaming_budget: request_options.WeightBudgetOpt = None,
+    cache: request_options.CacheOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
@@ -105,6 +106,7 @@ def generate_command(
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = request_options.lora_options(lora)
     budget = request_options.weight_budget(weight_streaming_budget)
+    step_cache = request_options.step_cache(cache)
     result_files.ensure_image_file(out, "--out")
     artifact = store_options.find_engine(engine, engines) if engine else None
     source = store_options.model_for(model, artifact)
@@ -124,6 +126,10 @@ def generate_command(
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
+    if step_cache is not None:
+        from ..pipeline.step_cache import enable_step_cache
+
+        enable_step_cache(pipe, step_cache, steps)
     with counted_steps("Denoising", steps) as on_step:
         result = generate(pipe, request, on_step=on_step)
     result.images[0].save(out)
@@ -144,15 +150,20 @@ def validate_command(
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON.")] = None,
     weight_streaming_budget: request_options.WeightBudgetOpt = None,
     memory_budget: graph_options.MemoryBudgetOpt = None,
+    cache: request_options.CacheOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Compare an engine (or every member of a set) with PyTorch fp32: tensors, latents, images. Exits 3 on a mismatch.
+
+    With --cache, the engine pipeline also generates with the step cache and without, same seed: the full
+    evaluations it left, both denoising loops and the cached image's PSNR/SSIM against the uncached one.
 
     Example: sdtrt validate --model tiny --engine engines/build-ort/2a06c39aaf814d52 --json report.json
     """
     from ..stages.engine_set import engine_members, engine_profile
 
     budget = request_options.weight_budget(weight_streaming_budget)
+    step_cache = request_options.step_cache(cache)
     artifact = None if model else store_options.find_engine(engine, engines)  # a given --model is checked first
     source = store_options.model_for(model, artifact)
     config = ValidationConfig(
@@ -172,8 +183,15 @@ def validate_command(
 
     report = validate(source, artifact, config)
     print_report(report, results)
+    cached = None
+    if step_cache is not None:
+        from ..tools.step_cache_bench import compare_on_engines
+        from .perf import step_cache_line
+
+        cached = compare_on_engines(source, artifact, step_cache, config)
+        results.print(step_cache_line("engines", cached))
     if json_out:
-        json_out.write_text(json.dumps(report.to_json(), indent=2))
+        json_out.write_text(json.dumps(report.to_json() | ({"step_cache": cached} if cached else {}), indent=2))
     report.raise_for_status()
     not_compared = f" ({len(report.skipped)} case(s) not compared: see above)" if report.skipped else ""
     typer.echo(f"parity: PASS{not_compared}")

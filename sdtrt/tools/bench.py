@@ -12,7 +12,9 @@ JSON format (stable; other tools read it)::
       {"name", "status": "ok" | "skipped" | "failed", "reason", "load_s", "warmup_s",
        "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
        "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
-       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy", "lora_apply_s", "lora_swap_s": STATS}]}
+       "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy", "lora_apply_s", "lora_swap_s": STATS,
+       "step_cache": {"cache", "transformer_calls", "full_evaluations", "skipped_share", "denoise_loop_s": STATS,
+                      "cached_denoise_loop_s": STATS, "speedup", "psnr_db", "ssim"} | {"cache", "error"} | null}]}
 
 STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); the ``unet`` stage
 and ``unet_call_ms`` time the model's denoiser, whichever ``config.denoiser`` says it is; speed-ups are
@@ -21,7 +23,9 @@ timed run took over NOISY_RATIO times the fastest (a busy machine: do not read r
 With LoRAs (``config.loras``), ``lora_apply_s`` is putting them in the first time (engines: weight
 maps made or read, base weights read, the new weights swapped in — a refit on TensorRT; PyTorch:
 diffusers' load + fuse) and ``lora_swap_s`` each later swap (clear, then the LoRAs again; engines
-only); the timed runs generate with the LoRAs in.
+only); the timed runs generate with the LoRAs in. With a step cache (``config.cache``), ``step_cache`` compares the
+cached loop with the uncached one in the same process (tools/step_cache_bench.py): ``full_evaluations`` counts the
+steps whose blocks after the first ran on the engines (null on PyTorch), ``skipped_share`` the rest.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ from ..core.stage_request import environment
 from ..core.store import Store
 from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
+from ..pipeline.step_cache import StepCache
 from ..sources.models import ModelSource
 from ..spec import FOLDERS, denoiser_component, denoiser_spec
 from ..tools.timing import Stats, rss_sampler
-from ..tools.trace import Span, Tracer, instrument_pipeline
+from ..tools.trace import Tracer, breakdown, instrument_pipeline
 
 STAGES = ("text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode")
 FORMAT = 1
@@ -70,24 +75,7 @@ class BackendResult:
     noisy: bool = False  # slowest / fastest timed run > NOISY_RATIO
     lora_apply_s: float | None = None
     lora_swap_s: dict[str, float] | None = None
-
-
-def breakdown(spans: list[Span]) -> dict[str, float]:
-    """One run's seconds per stage, from its spans (the pipeline span is the total)."""
-    by_name: dict[str, list[Span]] = {}
-    for span in spans:
-        by_name.setdefault(span.category, []).append(span)
-    steps = by_name.get("step", [])
-    loop = steps[-1].end - steps[0].start if steps else 0.0
-    unet = sum(s.seconds for s in by_name.get("unet", []))
-    return {
-        "total": sum(s.seconds for s in by_name.get("pipeline", [])),
-        "text_encoder": sum(s.seconds for s in by_name.get("text_encoder", [])),
-        "denoise_loop": loop,
-        "unet": unet,
-        "scheduler_guidance": loop - unet,
-        "vae_decode": sum(s.seconds for s in by_name.get("vae", [])),
-    }
+    step_cache: dict[str, Any] | None = None  # with config.cache: tools/step_cache_bench.py's comparison
 
 
 def denoiser_label(component: str) -> str:
@@ -136,9 +124,11 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     export_config = ExportConfig(precision=chosen)
     # compile's default: every component on the engine target, each stage on its engine.
     trt_config = TrtBuildConfig(profiles=(_bench_profile(model, config),), refittable=True) if config.loras else None
+    caches = (StepCache.parse(config.cache).kind,) if config.cache else ()
     result = compile_model(
-        model, store, target, export_config, profile=_bench_profile(model, config), trt_config=trt_config
-    )
+        model, store, target, export_config, profile=_bench_profile(model, config), trt_config=trt_config,
+        caches=caches,
+    )  # fmt: skip
     return load_pipeline(model, result.final, dtype=dtype).to(device)
 
 
@@ -198,6 +188,8 @@ def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store
             spans = tracer.spans()
             runs.append(breakdown(spans))
             unet_calls += [s.seconds * 1000 for s in spans if s.category == "unet"]
+        if config.cache:
+            result.step_cache = step_cache_result(pipe, request, config)
         result.peak_rss_mb = peak_rss()
     result.total_s = Stats.of([r["total"] for r in runs]).to_json()
     result.stages_s = {stage: Stats.of([r[stage] for r in runs]).to_json() for stage in STAGES}
@@ -206,6 +198,19 @@ def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store
     if device.type == "cuda":
         result.peak_gpu_mb = torch.cuda.max_memory_allocated() / 2**20
     return result
+
+
+def step_cache_result(pipe: Any, request: GenerateRequest, config: BenchConfig) -> dict[str, Any]:
+    """The cached and uncached loops side by side, or why this backend cannot run the cache (PyTorch SD3's class has
+    no enable_cache): one backend's refusal must not hide the others' figures."""
+    from ..core.errors import EngineInputError
+    from .step_cache_bench import compare_step_cache
+
+    assert config.cache is not None
+    try:
+        return compare_step_cache(pipe, request, StepCache.parse(config.cache), config.repeats)
+    except EngineInputError as exc:
+        return {"cache": config.cache, "error": one_line(exc)}
 
 
 def compare(results: list[BackendResult]) -> None:

@@ -210,7 +210,9 @@ def cache_members(
     if not caches:
         return ()
     if denoiser_component(model) != "transformer":
-        raise ConfigError(f"{', '.join(caches)} skip a transformer's blocks, and {model.name}'s denoiser is a UNet")
+        raise ConfigError(
+            f"step caches ({', '.join(caches)}) skip a transformer's blocks, and {model.name}'s denoiser is a UNet"
+        )
     if problem := split_problem(model.component_config("transformer")):
         raise ConfigError(f"cannot split {model.name}'s transformer for step caches: {problem}")
     if quantize_config is not None:

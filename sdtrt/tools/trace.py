@@ -202,3 +202,21 @@ def instrument_pipeline(pipe: Any, tracer: Tracer) -> Iterator[StepSpans]:
         )
         stack.enter_context(patched(pipe.vae, "decode", tracer.wrap(pipe.vae.decode, "vae_decode", "vae")))
         yield steps
+
+
+def breakdown(spans: list[Span]) -> dict[str, float]:
+    """One run's seconds per stage, from its spans (the pipeline span is the total)."""
+    by_name: dict[str, list[Span]] = {}
+    for span in spans:
+        by_name.setdefault(span.category, []).append(span)
+    steps = by_name.get("step", [])
+    loop = steps[-1].end - steps[0].start if steps else 0.0
+    unet = sum(s.seconds for s in by_name.get("unet", []))
+    return {
+        "total": sum(s.seconds for s in by_name.get("pipeline", [])),
+        "text_encoder": sum(s.seconds for s in by_name.get("text_encoder", [])),
+        "denoise_loop": loop,
+        "unet": unet,
+        "scheduler_guidance": loop - unet,
+        "vae_decode": sum(s.seconds for s in by_name.get("vae", [])),
+    }

@@ -26,6 +26,7 @@ from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..runtime.compare import tensor_stats
 from ..spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
+from .image_quality import psnr_db
 
 if TYPE_CHECKING:
     from ..pipeline.request import GenerateRequest
@@ -116,12 +117,6 @@ class ValidationReport:
     def from_json(cls, data: dict[str, Any]) -> ValidationReport:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names} | {"tolerances": Tolerances(**data["tolerances"])})
-
-
-def psnr_db(candidate: np.ndarray, reference: np.ndarray) -> float:
-    """Peak signal-to-noise ratio of images in [0, 1]; inf when identical."""
-    mse = float(np.mean((candidate.astype(np.float64) - reference.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
 def image_problems(image: np.ndarray) -> list[str]:

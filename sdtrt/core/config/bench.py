@@ -29,6 +29,9 @@ class BenchConfig:
     precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
     # (file, scale) LoRAs put into each backend before its runs: how long that and a swap take is reported.
     loras: tuple[tuple[str, float], ...] = ()
+    # A step cache (--cache first-block:0.08): each backend also runs it, alternating with uncached runs, and
+    # reports both loops, their ratio and the image's PSNR/SSIM against the uncached one (engines: built --caches).
+    cache: str | None = None
 
     def __post_init__(self) -> None:
         for spec in self.backends:

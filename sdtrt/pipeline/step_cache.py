@@ -1,0 +1,87 @@
+"""``--cache``: a step cache named in one string, turned into diffusers' own config and enabled on a pipeline.
+
+``first-block[:THRESHOLD]``   diffusers' FirstBlockCacheConfig (default threshold 0.05, diffusers' own)
+``taylorseer[:INTERVAL]``     TaylorSeerCacheConfig in lite mode (default interval 5): the output predicted between
+                              full steps; its default mode predicts layers inside the blocks, which engines run whole
+``magcache[:THRESHOLD]``      MagCacheConfig with diffusers' FLUX_MAG_RATIOS (Flux only; default threshold 0.06)
+
+Each runs on the split members of an engine set compiled with ``--caches`` (standins/step_cache.py), and on the
+PyTorch pipeline the same way, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..core.errors import ConfigError, EngineInputError
+
+CacheKind = Literal["first-block", "taylorseer", "magcache"]
+DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06}
+SYNTAX = "first-block[:THRESHOLD], taylorseer[:INTERVAL] or magcache[:THRESHOLD]"
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """A step cache and its one setting: a threshold (first-block, magcache) or a full-step interval (taylorseer)."""
+
+    kind: CacheKind
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> StepCache:
+        """``KIND[:VALUE]``; ConfigError, saying the syntax, for anything else."""
+        kind, _, value = text.strip().partition(":")
+        if kind not in DEFAULTS:
+            raise ConfigError(f"--cache {text}: unknown step cache {kind!r}; give {SYNTAX}")
+        try:
+            number = float(value) if value else DEFAULTS[kind]
+        except ValueError:
+            raise ConfigError(f"--cache {text}: {value!r} is not a number; give {SYNTAX}") from None
+        if number <= 0 or (kind == "taylorseer" and not number.is_integer()):
+            what = "a whole number of steps" if kind == "taylorseer" else "a threshold over 0"
+            raise ConfigError(f"--cache {text}: {kind} takes {what}")
+        return cls(kind, number)  # type: ignore[arg-type]  # checked against DEFAULTS above
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}:{self.value:g}"
+
+    def config(self, pipe: Any, steps: int) -> Any:
+        """diffusers' config for this cache, for ``pipe`` generating ``steps`` steps."""
+        import diffusers.hooks as hooks
+
+        if self.kind == "first-block":
+            return hooks.FirstBlockCacheConfig(threshold=self.value)
+        if self.kind == "taylorseer":
+            return hooks.TaylorSeerCacheConfig(cache_interval=int(self.value), use_lite_mode=True)
+        if type(pipe.transformer).__name__ not in ("FluxTransformer2DModel", "EngineFluxTransformer"):
+            raise EngineInputError(
+                "magcache needs the model's magnitude ratios, which diffusers publishes for Flux only: use "
+                "MagCacheConfig(calibrate=True) in Python to measure them, or another --cache"
+            )
+        from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+
+        return hooks.MagCacheConfig(threshold=self.value, num_inference_steps=steps, mag_ratios=FLUX_MAG_RATIOS)
+
+
+def enable_step_cache(pipe: Any, cache: StepCache, steps: int) -> None:
+    """Enable ``cache`` on the pipeline's transformer (engines or PyTorch); EngineInputError where it has none."""
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        raise EngineInputError(f"--cache {cache.label} skips a transformer's blocks, and this pipeline has none")
+    if not hasattr(transformer, "enable_cache"):  # diffusers' SD3Transformer2DModel has no CacheMixin; engines do
+        raise EngineInputError(f"--cache {cache.label}: diffusers' {type(transformer).__name__} has no enable_cache")
+    transformer.enable_cache(cache.config(pipe, steps))
+
+
+def disable_step_cache(pipe: Any) -> None:
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is not None and getattr(transformer, "is_cache_enabled", False):
+        transformer.disable_cache()
+
+
+def full_evaluations(pipe: Any) -> int | None:
+    """How many times the blocks after the first have run on the engines so far (None on PyTorch)."""
+    split = getattr(getattr(pipe, "transformer", None), "split", None)
+    return None if split is None else split.rest.calls
