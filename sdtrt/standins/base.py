@@ -44,8 +44,6 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
     name: (LoraError, f"adds or drives PEFT adapter layers in PyTorch modules, and an engine has none: {USE_SET_LORAS}")
     for name in PEFT_METHODS
 } | {
-    "enable_cache": (EngineInputError, "reuses the PyTorch transformer's block outputs between steps, and caching on "
-                     "engines is not built yet: leave it off, or " + PYTORCH_ONLY),
     "enable_gradient_checkpointing": (EngineInputError, "saves memory when training PyTorch networks, and an engine "
                                       "runs inference only: " + PYTORCH_ONLY),
     "compile_repeated_blocks": (EngineInputError, "runs torch.compile on the PyTorch blocks, and an engine is compiled "
