@@ -11,6 +11,7 @@ the PyTorch blocks with the last block passing the text tokens through, inside a
 from __future__ import annotations
 
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -36,7 +37,9 @@ from sdtrt.spec import component_spec
 from sdtrt.spec.transformer_split import TransformerPartSpec, part_class
 from sdtrt.stages.graph_module import graph_module
 from sdtrt.tools.compile import compile_model
-from sdtrt.tools.image_quality import psnr_db
+from sdtrt.tools.image_quality import psnr_db, ssim
+
+from .helpers import run_cli
 
 STEPS = 10
 CALL = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"}
@@ -222,3 +225,39 @@ def test_a_part_spec_survives_its_manifest(cached_sets):
         spec = artifact_spec(members[component])
         assert type(spec) is part_class(component, "FluxTransformer2DModel")
         assert spec == component_spec(resolve_model("tiny-flux"), component, "fp32")
+
+
+def test_the_cli_builds_the_split_and_runs_a_cache_in_generate_and_bench(cached_sets, tmp_path):
+    built = run_cli("compile", "--model", "tiny-flux", "--target", "onnxruntime", "--precision", "fp32",
+                    "--caches", "first-block", "--no-validate", check=True)  # fmt: skip
+    assert built.stdout.strip().splitlines()[-1] == str(cached_sets("tiny-flux").path)
+    image = tmp_path / "cat.png"
+    size = ("--height", "128", "--width", "128")
+    run_cli("generate", "--engine", str(cached_sets("tiny-flux").path), "--cache", "first-block:0.3", "--steps", "10",
+            *size, "--out", str(image), check=True)  # fmt: skip
+    assert image.stat().st_size > 0
+    report = tmp_path / "bench.json"
+    run_cli("bench", "--model", "tiny-flux", "--backends", "onnxruntime:fp32", "--steps", "10", "--repeats", "1",
+            "--warmup", "0", *size, "--cache", "first-block:0.3", "--json", str(report), check=True)  # fmt: skip
+    cached = json.loads(report.read_text())["backends"][0]["step_cache"]
+    assert cached["transformer_calls"] == 10 and 0 < cached["full_evaluations"] < 10
+    assert cached["skipped_share"] == pytest.approx(1 - cached["full_evaluations"] / 10)
+    assert cached["psnr_db"] > 35 and 0.9 < cached["ssim"] <= 1.0
+
+
+def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything():
+    unet = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--caches", "first-block")
+    assert unet.returncode == 2 and "tiny's denoiser is a UNet" in unet.stderr
+    malformed = run_cli("generate", "--model", "tiny-flux", "--cache", "first-block:high")
+    assert malformed.returncode == 2 and "'high' is not a number" in malformed.stderr
+
+
+def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_ones():
+    rng = np.random.default_rng(0)
+    image = rng.random((1, 32, 32, 3))
+    assert ssim(image, image) == pytest.approx(1.0)
+    noisy = np.clip(image + rng.normal(0, 0.1, image.shape), 0, 1)
+    assert 0.0 < ssim(noisy, image) < 0.95 and ssim(noisy, image) == pytest.approx(ssim(image, noisy))
+    c1 = 0.01**2  # flat images: no contrast or structure, SSIM is the luminance term alone
+    expected = (2 * 0.5 * 0.7 + c1) / (0.5**2 + 0.7**2 + c1)
+    assert ssim(np.full((16, 16, 1), 0.5), np.full((16, 16, 1), 0.7)) == pytest.approx(expected)
