@@ -31,6 +31,7 @@ from diffusers.models.cache_utils import CacheMixin
 import sdtrt
 from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import ConfigError, EngineInputError
+from sdtrt.core.trt_products import rtx_missing
 from sdtrt.lora.files import random_lora
 from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import component_spec
@@ -261,3 +262,19 @@ def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_on
     c1 = 0.01**2  # flat images: no contrast or structure, SSIM is the luminance term alone
     expected = (2 * 0.5 * 0.7 + c1) / (0.5**2 + 0.7**2 + c1)
     assert ssim(np.full((16, 16, 1), 0.5), np.full((16, 16, 1), 0.7)) == pytest.approx(expected)
+
+
+@pytest.mark.skipif(bool(rtx_missing()), reason=f"builds TensorRT-RTX plans: {rtx_missing()}")
+def test_the_split_members_build_as_tensorrt_rtx_plans(store):
+    """The TensorRT build path the two products share, run for real on the four fp16 parts of Flux."""
+    from sdtrt.core.config import SimplifyConfig
+    from sdtrt.stages import export, simplify
+    from sdtrt.tools.compile import build
+
+    model = resolve_model("tiny-flux")
+    for component in PARTS:
+        graph = simplify.run(SimplifyConfig(), export.run(ExportConfig(component=component), model, store), store)
+        plan, _ = build(graph, store, "tensorrt-rtx")
+        details = plan.manifest["details"]
+        assert details["layer_types"].get("HALF"), details["layers"]  # built in the graph's fp16, as asked
+        assert (plan.path / plan.manifest["primary"]).stat().st_size > 0
