@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,3 +279,21 @@ def test_the_split_members_build_as_tensorrt_rtx_plans(store):
         details = plan.manifest["details"]
         assert details["layer_types"].get("HALF"), details["layers"]  # built in the graph's fp16, as asked
         assert (plan.path / plan.manifest["primary"]).stat().st_size > 0
+
+
+def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_uses_it(cached_sets, tmp_path):
+    engine = str(cached_sets("tiny-flux").path)
+    short = ("--steps", "6", "--prompts", "1", "--height", "128", "--width", "128")
+    found = run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", *short, check=True)
+    calibration = json.loads((Path(found.stdout.strip().splitlines()[-1]) / "calibration.json").read_text())
+    kept = [row for row in calibration["tried"] if row["min_psnr_db"] is None or row["min_psnr_db"] >= 60]
+    assert calibration["chosen"] == kept[-1] and len(kept) == len(calibration["tried"]) - (kept != calibration["tried"])
+    image = tmp_path / "auto.png"
+    used = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "6", "--height", "128", "--width",
+                   "128", "--out", str(image), check=True)  # fmt: skip
+    assert f"--cache auto: {calibration['chosen']['cache']}" in used.stderr
+    other = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "7", "--out", str(image))
+    assert other.returncode == 2 and "no calibration" in other.stderr and "--steps 7" in other.stderr
+    # TaylorSeer predicts some steps at its most cautious interval already: no image stays unchanged.
+    unreachable = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "1000", *short)
+    assert unreachable.returncode == 2 and "no setting of taylorseer kept 1000 dB" in unreachable.stderr

@@ -13,6 +13,7 @@ from ..core.errors import ConfigError, RequestError
 from ..core.progress import console, results, step
 from ..pipeline.request import GenerateRequest, SizeRule
 from . import request_options, result_files, store_options
+from .step_cache import cache_comparison_line
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +57,8 @@ def bench(
     from ..sources.models import resolve_model
 
     loras = tuple(request_options.lora_options(lora))
+    if cache == "auto":
+        raise RequestError("bench compiles its own engines, which have no calibration: give the cache's setting")
     request_options.step_cache(cache)  # a malformed --cache is a usage error before anything loads
     try:  # backends and their precisions: a usage error before anything loads
         config = BenchConfig(
@@ -129,28 +132,13 @@ def print_bench(report: dict) -> None:
             results.print(f"{b['name']} LoRAs: first {b['lora_apply_s']:.3f} s{swaps}")
     for b in report["backends"]:
         if cached := b.get("step_cache"):
-            results.print(step_cache_line(b["name"], cached))
+            results.print(cache_comparison_line(b["name"], cached))
     noisy = [b["name"] for b in report["backends"] if b.get("noisy")]
     if noisy:
         results.print(
             f"[yellow]noisy:[/] {', '.join(noisy)}: the slowest run took over {NOISY_RATIO}× the fastest (a busy "
             "machine?); do not read speed-ups from these rows — rerun with more --repeats on an idle machine"
         )
-
-
-def step_cache_line(backend: str, cached: dict) -> str:
-    """One backend's step-cache comparison, for people."""
-    from rich.markup import escape
-
-    if "error" in cached:
-        return f"[yellow]{backend} --cache {cached['cache']}:[/] {escape(cached['error'])}"
-    full = cached["full_evaluations"]
-    evaluations = f"{full}/{cached['transformer_calls']} full evaluations, " if full is not None else ""
-    return (
-        f"{backend} --cache {cached['cache']}: {evaluations}denoising loop {cached['denoise_loop_s']['median']:.3f} s "
-        f"→ {cached['cached_denoise_loop_s']['median']:.3f} s ({cached['speedup']:.2f}×); against the uncached "
-        f"image PSNR {cached['psnr_db']:.1f} dB, SSIM {cached['ssim']:.4f}"
-    )
 
 
 def profile_command(

@@ -11,6 +11,8 @@ import typer
 from ..core.artifact import Artifact
 from ..core.config import WeightBudget
 from ..core.errors import ConfigError, RequestError
+from ..core.progress import console
+from ..pipeline.request import FLOW_SCHEDULERS, SCHEDULERS
 
 if TYPE_CHECKING:
     from ..pipeline.request import GenerateRequest
@@ -46,19 +48,37 @@ CacheOpt = Annotated[
         metavar="<KIND[:VALUE]>",
         help="A step cache on the transformer (engines compiled with --caches): first-block[:THRESHOLD] (diffusers' "
         "First-Block Cache, default 0.05; higher skips more), taylorseer[:INTERVAL] (TaylorSeer lite, a full step "
-        "every INTERVAL, default 5), magcache[:THRESHOLD] (MagCache with diffusers' Flux ratios, default 0.06).",
+        "every INTERVAL, default 5), magcache[:THRESHOLD] (MagCache with diffusers' Flux ratios, default 0.06), or "
+        "auto: the setting `sdtrt calibrate-cache` stored for the engine set at these steps.",
     ),
 ]
 
 
 def step_cache(text: str | None) -> StepCache | None:
-    """--cache, parsed before anything loads (exit 2 when malformed)."""
+    """--cache, parsed before anything loads (exit 2 when malformed); ``auto`` is resolved later (resolve_cache)."""
     from ..pipeline.step_cache import StepCache
 
     try:
-        return StepCache.parse(text) if text is not None else None
+        return StepCache.parse(text) if text not in (None, "auto") else None
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
+
+
+def resolve_cache(text: str | None, engine: Artifact | None, steps: int, scheduler: str | None) -> StepCache | None:
+    """--cache with ``auto`` looked up: the calibration stored beside ``engine`` (exit 2 without one, or engine)."""
+    if text != "auto":
+        return step_cache(text)
+    if engine is None:
+        raise RequestError("--cache auto reads the calibration of an engine set: pass --engine")
+    from ..core.errors import ArtifactNotFoundError
+    from ..tools.cache_calibration import auto_cache
+
+    try:
+        cache = auto_cache(engine, steps, scheduler)
+    except ArtifactNotFoundError as exc:
+        raise RequestError(str(exc)) from None
+    console.print(f"[dim]--cache auto: {cache.label}, as calibrate-cache found it for these engines[/]")
+    return cache
 
 
 def weight_budget(text: str | None) -> WeightBudget | None:
@@ -99,3 +119,13 @@ def lora_options(values: list[str] | None) -> list[tuple[str, float]]:
             raise RequestError(f"--lora {value}: LoRA file {path} does not exist")
         loras.append((path, scale))
     return loras
+
+
+SchedulerOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar=f"<{'|'.join([*SCHEDULERS, *FLOW_SCHEDULERS])}>",
+        help=f"Scheduler: {', '.join(SCHEDULERS)} for UNet models; {', '.join(FLOW_SCHEDULERS)} for SD3 / Flux "
+        "(flow-heun: SD3 only). Default: the model's.",
+    ),
+]

@@ -17,8 +17,6 @@ from ..core.errors import RequestError
 from ..core.families import TASKS
 from ..core.progress import counted_steps, results, step
 from ..pipeline.request import (
-    FLOW_SCHEDULERS,
-    SCHEDULERS,
     GenerateRequest,
     SizeRule,
     check_pipeline_inputs,
@@ -27,19 +25,11 @@ from ..pipeline.request import (
     check_validation,
 )
 from . import graph_options, request_options, result_files, store_options
+from .step_cache import cache_comparison_line
 
 if TYPE_CHECKING:
     from ..tools.block_parity import BlockParityReport
     from ..tools.validate import ValidationReport
-
-SchedulerOpt = Annotated[
-    str | None,
-    typer.Option(
-        metavar=f"<{'|'.join([*SCHEDULERS, *FLOW_SCHEDULERS])}>",
-        help=f"Scheduler: {', '.join(SCHEDULERS)} for UNet models; {', '.join(FLOW_SCHEDULERS)} for SD3 / Flux "
-        "(flow-heun: SD3 only). Default: the model's.",
-    ),
-]
 
 
 def _open_image(path: Path | None, mode: str, option: str) -> Any:
@@ -72,7 +62,7 @@ def generate_command(
     seed: request_options.SeedOpt = GenerateRequest.seed,
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
-    scheduler: SchedulerOpt = None,
+    scheduler: request_options.SchedulerOpt = None,
     image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
@@ -106,7 +96,7 @@ def generate_command(
         raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
     loras = request_options.lora_options(lora)
     budget = request_options.weight_budget(weight_streaming_budget)
-    step_cache = request_options.step_cache(cache)
+    request_options.step_cache(cache)  # a malformed --cache: exit 2 before anything loads
     result_files.ensure_image_file(out, "--out")
     artifact = store_options.find_engine(engine, engines) if engine else None
     source = store_options.model_for(model, artifact)
@@ -121,6 +111,7 @@ def generate_command(
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
     check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
+    step_cache = request_options.resolve_cache(cache, artifact, steps, scheduler)
 
     from ..pipeline.loading import generate, load_pipeline
 
@@ -140,7 +131,7 @@ def validate_command(
     engine: Annotated[str, typer.Option(help=f"{store_options.ENGINE_HELP}.")],
     model: store_options.EngineModelOpt = None,
     steps: Annotated[int, typer.Option(min=1, help="Denoising steps for the image comparison.")] = 10,
-    scheduler: SchedulerOpt = None,
+    scheduler: request_options.SchedulerOpt = None,
     images: Annotated[bool, typer.Option("--images/--no-images", help="Also compare generated images.")] = True,
     height: Annotated[int | None, typer.Option(help="Image comparison height (default: profile optimum).")] = None,
     width: Annotated[int | None, typer.Option(help="Image comparison width (default: profile optimum).")] = None,
@@ -163,7 +154,7 @@ def validate_command(
     from ..stages.engine_set import engine_members, engine_profile
 
     budget = request_options.weight_budget(weight_streaming_budget)
-    step_cache = request_options.step_cache(cache)
+    request_options.step_cache(cache)  # a malformed --cache: exit 2 before anything loads
     artifact = None if model else store_options.find_engine(engine, engines)  # a given --model is checked first
     source = store_options.model_for(model, artifact)
     config = ValidationConfig(
@@ -181,15 +172,15 @@ def validate_command(
 
     from ..tools.validate import validate
 
+    step_cache = request_options.resolve_cache(cache, artifact, steps, scheduler)
     report = validate(source, artifact, config)
     print_report(report, results)
     cached = None
     if step_cache is not None:
         from ..tools.step_cache_bench import compare_on_engines
-        from .perf import step_cache_line
 
         cached = compare_on_engines(source, artifact, step_cache, config)
-        results.print(step_cache_line("engines", cached))
+        results.print(cache_comparison_line("engines", cached))
     if json_out:
         json_out.write_text(json.dumps(report.to_json() | ({"step_cache": cached} if cached else {}), indent=2))
     report.raise_for_status()

@@ -35,6 +35,7 @@ from .quantize import (
 from .shapes import MAX_BATCH, MAX_T5_TOKENS, RANGE_EXAMPLES, Range, ShapeProfile, grid_problem
 from .simplify import SimplifyConfig, SimplifyMethod
 from .sizes import BINARY_UNITS, DECIMAL_UNITS, WeightBudget, format_size, parse_size
+from .step_cache import CACHE_SETTINGS, CacheCalibrationConfig
 from .validation import DEFAULT_PROMPT, ValidationConfig
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "BF16_ON_ONNXRUNTIME",
     "BINARY_UNITS",
     "BUILDABLE",
+    "CACHE_SETTINGS",
     "CALIBRATION_PROMPTS",
     "COMPONENTS",
     "DECIMAL_UNITS",
@@ -59,6 +61,7 @@ __all__ = [
     "TEXT_ENCODERS",
     "TRANSFORMER_PARTS",
     "BenchConfig",
+    "CacheCalibrationConfig",
     "Component",
     "ConcreteTarget",
     "ExportConfig",

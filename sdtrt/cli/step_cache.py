@@ -1,0 +1,81 @@
+"""Step caches at the command line: `calibrate-cache`, and how a cached run compared with the uncached one reads."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..core.config import CACHE_SETTINGS, CALIBRATION_PROMPTS, CacheCalibrationConfig
+from ..core.errors import ConfigError, RequestError
+from ..core.progress import results
+from ..pipeline.request import check_scheduler
+from . import request_options, store_options
+
+
+def register(app: typer.Typer) -> None:
+    app.command(name="calibrate-cache")(calibrate_cache_command)
+
+
+def calibrate_cache_command(
+    engine: Annotated[str, typer.Option(help=f"{store_options.ENGINE_HELP} (compiled with --caches).")],
+    cache: Annotated[
+        str, typer.Option(help=f"The step cache whose setting to search: {', '.join(CACHE_SETTINGS)}.")
+    ] = "first-block",
+    min_psnr: Annotated[
+        float, typer.Option(help="The quality target: each prompt's cached image against the uncached one, in dB.")
+    ] = CacheCalibrationConfig.min_psnr_db,
+    steps: request_options.StepsOpt = CacheCalibrationConfig.steps,
+    scheduler: request_options.SchedulerOpt = None,
+    prompts: Annotated[
+        int, typer.Option(min=1, max=len(CALIBRATION_PROMPTS), help="How many of sdtrt's calibration prompts.")
+    ] = len(CacheCalibrationConfig.prompts),
+    height: request_options.HeightPxOpt = None,
+    width: request_options.WidthPxOpt = None,
+    model: store_options.EngineModelOpt = None,
+    engines: store_options.EnginesOpt = None,
+) -> None:
+    """Find the most aggressive setting of a step cache that keeps a quality target on an engine set, and store it
+    beside the set for `--cache auto` (generate, validate) at the same steps and scheduler.
+
+    The settings are tried from the most cautious (First-Block Cache: thresholds 0.02 … 0.8; TaylorSeer: intervals
+    2 … 8); each prompt's cached image is compared with the uncached engine pipeline's, same seed.
+
+    Example: sdtrt calibrate-cache --engine engines/set/<key> --cache first-block --min-psnr 30 --steps 28
+    """
+    from ..tools.cache_calibration import calibrate_step_cache
+
+    try:
+        config = CacheCalibrationConfig(
+            cache, min_psnr, steps, scheduler, CALIBRATION_PROMPTS[:prompts], height, width
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+    artifact = store_options.find_engine(engine, engines)
+    source = store_options.model_for(model, artifact)
+    if scheduler:
+        check_scheduler(scheduler, source.family(), source.pipeline_class())
+    calibration = calibrate_step_cache(source, artifact, config)
+    for row in calibration.manifest["tried"]:
+        psnr = "unchanged" if row["min_psnr_db"] is None else f"{row['min_psnr_db']:.1f} dB"
+        results.print(f"--cache {row['cache']}: worst image {psnr}, skipped {row['skipped_share']:.0%} of the steps")
+    chosen = calibration.manifest["cache"]
+    if chosen is None:
+        raise RequestError(f"no setting of {cache} kept {min_psnr:g} dB; lower --min-psnr or run without a cache")
+    results.print(f"chosen: --cache {chosen} (stored: --cache auto uses it at {steps} steps)")
+    typer.echo(calibration.path)
+
+
+def cache_comparison_line(backend: str, cached: dict) -> str:
+    """One backend's step-cache comparison, for people."""
+    from rich.markup import escape
+
+    if "error" in cached:
+        return f"[yellow]{backend} --cache {cached['cache']}:[/] {escape(cached['error'])}"
+    full = cached["full_evaluations"]
+    evaluations = f"{full}/{cached['transformer_calls']} full evaluations, " if full is not None else ""
+    return (
+        f"{backend} --cache {cached['cache']}: {evaluations}denoising loop {cached['denoise_loop_s']['median']:.3f} s "
+        f"→ {cached['cached_denoise_loop_s']['median']:.3f} s ({cached['speedup']:.2f}×); against the uncached "
+        f"image PSNR {cached['psnr_db']:.1f} dB, SSIM {cached['ssim']:.4f}"
+    )

@@ -1,0 +1,123 @@
+"""`calibrate-cache`: the most aggressive step-cache setting that keeps a quality target, stored with the engine set.
+
+A cache's threshold depends on the model, the scheduler, the step count and the precision (ParaAttention finds FP8
+needs 0.12 where bf16 needs 0.08), so the search runs on the engine set itself: the settings of CACHE_SETTINGS are
+tried from the most cautious, each prompt's cached image against the uncached engine pipeline's (same seed), until
+the worst image falls under the target PSNR. The result is an artifact of the store whose input is the set (its key
+changes with any member, a quantized one included); ``--cache auto`` finds it (``find_calibration``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..core.artifact import Artifact
+from ..core.config import CACHE_SETTINGS, CacheCalibrationConfig
+from ..core.errors import ArtifactNotFoundError
+from ..core.progress import step
+from ..core.stage_request import StageRequest, environment
+from ..core.store import Store
+from ..pipeline.loading import generate, load_pipeline
+from ..pipeline.request import GenerateRequest, SizeRule
+from ..pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache, full_evaluations
+from ..sources.models import ModelSource
+from ..stages.engine_set import engine_members, engine_profile
+from .image_quality import psnr_db, ssim
+
+STAGE = "calibrate-cache"
+VERSION = 1
+
+
+def calibrate_step_cache(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig) -> Artifact:
+    """The search for ``engine`` (a set compiled with caches), stored beside it; a cache hit when it ran before."""
+    request = StageRequest(STAGE, VERSION, config, [engine.as_input()], environment("diffusers"))
+    artifact, _ = engine_store(engine).produce(request, lambda out_dir: _search(model, engine, config, out_dir))
+    return artifact
+
+
+def _requests(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig) -> list[GenerateRequest]:
+    profile = engine_profile(engine_members(engine))
+    height = config.height or (profile.height.opt if profile else None)
+    width = config.width or (profile.width.opt if profile else None)
+    rule = SizeRule.for_model(model)
+    return [
+        GenerateRequest(prompt=p, steps=config.steps, seed=config.seed, height=height, width=width).sized_for(rule)
+        for p in config.prompts
+    ]
+
+
+def _search(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig, out_dir: Path) -> dict[str, Any]:
+    import json
+
+    pipe = load_pipeline(model, engine, scheduler=config.scheduler)
+    requests = _requests(model, engine, config)
+    with step(f"Generating {len(requests)} uncached reference images ({config.steps} steps)"):
+        references = [generate(pipe, r, output_type="np").images for r in requests]
+    tried, chosen = [], None
+    for value in CACHE_SETTINGS[config.kind]:
+        cache = StepCache(config.kind, value)  # type: ignore[arg-type]  # CacheCalibrationConfig checked the kind
+        with step(f"Trying --cache {cache.label}"):
+            before = full_evaluations(pipe) or 0
+            enable_step_cache(pipe, cache, config.steps)
+            try:
+                images = [generate(pipe, r, output_type="np").images for r in requests]
+            finally:
+                disable_step_cache(pipe)
+            full = (full_evaluations(pipe) or 0) - before
+        worst = min(psnr_db(i, r) for i, r in zip(images, references, strict=True))
+        row = {
+            "cache": cache.label,
+            "min_psnr_db": round(worst, 2) if math.isfinite(worst) else None,  # None: every image unchanged
+            "min_ssim": round(min(ssim(i, r) for i, r in zip(images, references, strict=True)), 4),
+            "skipped_share": round(1 - full / (config.steps * len(requests)), 4),
+        }
+        tried.append(row)
+        if worst < config.min_psnr_db:
+            break
+        chosen = row
+    (out_dir / "calibration.json").write_text(json.dumps({"chosen": chosen, "tried": tried}, indent=2))
+    return {
+        "primary": "calibration.json",
+        "cache": chosen["cache"] if chosen else None,
+        "chosen": chosen,
+        "tried": tried,
+        "reproduce": f"sdtrt calibrate-cache --engine {engine.path} --cache {config.kind} --min-psnr "
+        f"{config.min_psnr_db:g} --steps {config.steps}"
+        + (f" --scheduler {config.scheduler}" if config.scheduler else ""),
+    }
+
+
+def engine_store(engine: Artifact) -> Store:
+    """The store ``engine`` lives in, where its calibrations go beside it."""
+    return Store(engine.path.parents[1])
+
+
+def find_calibration(engine: Artifact, steps: int, scheduler: str | None) -> Artifact | None:
+    """The newest calibration of ``engine`` at ``steps`` steps with ``scheduler`` (None: the pipeline's own)."""
+    found = [
+        a for a in engine_store(engine).artifacts()
+        if a.stage == STAGE and a.manifest["inputs"][0]["digest"] == engine.key
+        and a.manifest["config"]["steps"] == steps and a.manifest["config"]["scheduler"] == scheduler
+    ]  # fmt: skip
+    return max(found, key=lambda a: (a.path / "manifest.json").stat().st_mtime, default=None)
+
+
+def auto_cache(engine: Artifact, steps: int, scheduler: str | None) -> StepCache:
+    """``--cache auto``: the setting ``calibrate-cache`` stored for this engine set, steps and scheduler."""
+    calibration = find_calibration(engine, steps, scheduler)
+    again = f"sdtrt calibrate-cache --engine {engine.path} --steps {steps}" + (
+        f" --scheduler {scheduler}" if scheduler else ""
+    )
+    if calibration is None:
+        raise ArtifactNotFoundError(
+            f"--cache auto: no calibration of {engine.path} at {steps} steps; run `{again}` first"
+        )
+    if calibration.manifest["cache"] is None:
+        target = calibration.manifest["config"]["min_psnr_db"]
+        raise ArtifactNotFoundError(
+            f"--cache auto: no setting of the cache kept {target:g} dB on {engine.path} ({calibration.path}); "
+            f"run without a cache, or `{again} --min-psnr <lower>`"
+        )
+    return StepCache.parse(calibration.manifest["cache"])
