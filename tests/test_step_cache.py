@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -297,3 +298,25 @@ def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_u
     # TaylorSeer predicts some steps at its most cautious interval already: no image stays unchanged.
     unreachable = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "1000", *short)
     assert unreachable.returncode == 2 and "no setting of taylorseer kept 1000 dB" in unreachable.stderr
+
+
+def test_a_triton_deployment_runs_every_request_with_its_step_cache(cached_sets, fp32_engine_sets, tmp_path):
+    from sdtrt.pipeline.request import GenerateRequest
+    from sdtrt.serving.deploy import Deployment, TritonDeployConfig, deploy_triton
+    from sdtrt.serving.triton_model import TritonPythonModel
+
+    refused = run_cli("deploy", "triton", "--engine", str(fp32_engine_sets("tiny-flux").path), "--out",
+                      str(tmp_path / "plain"), "--cache", "first-block:0.3")  # fmt: skip
+    assert refused.returncode == 2 and "--caches first-block" in refused.stderr
+    assert not (tmp_path / "plain").exists()
+    written = deploy_triton(cached_sets("tiny-flux"), tmp_path / "repo", TritonDeployConfig(cache="first-block:0.3"))
+    model = TritonPythonModel()  # as initialize leaves it, without Triton's process around it
+    model.deployment = Deployment.open(written.folder)
+    model.pipe = sdtrt.load_pipeline("tiny-flux", engine=written.engine)
+    model.stop_file, model.server_pid = None, os.getppid()
+    rows = [GenerateRequest(prompt="a cat", steps=10, height=128, width=128)]
+    rest = model.pipe.transformer.split.rest
+    cached = np.asarray(model.generate(rows).images[0], dtype=np.float64) / 255
+    assert rest.calls < 10 and not model.pipe.transformer.is_cache_enabled  # skipped steps; off between requests
+    uncached = np.asarray(sdtrt.generate(model.pipe, rows[0]).images[0], dtype=np.float64) / 255
+    assert 30 < psnr_db(cached, uncached) < 80

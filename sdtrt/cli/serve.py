@@ -53,9 +53,13 @@ def deploy_triton_command(
         InstanceKind, typer.Option(help="auto (GPU for TensorRT engines), cpu or gpu.")
     ] = TritonDeployConfig.kind,
     weight_streaming_budget: request_options.WeightBudgetOpt = None,
+    cache: request_options.CacheOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Write a Triton model repository: a Python-backend model serving text-to-image on the engine.
+
+    With --cache every request runs with that step cache (the set compiled with --caches; auto: its calibration at
+    --max-steps steps).
 
     Example: sdtrt deploy triton --engine engines/set/2a06c39aaf814d52 --out model_repository
     """
@@ -63,13 +67,16 @@ def deploy_triton_command(
     from ..sources.models import resolve_model
 
     budget = request_options.weight_budget(weight_streaming_budget)  # exit 2 when malformed, before anything loads
+    request_options.step_cache(cache)
+    artifact = store_options.find_engine(engine, engines)
+    step_cache = request_options.resolve_cache(cache, artifact, max_steps, None)
     config = TritonDeployConfig(
         name=name, instances=instances, max_batch=max_batch, max_steps=max_steps,
         dynamic_batching=dynamic_batching, max_queue_delay_us=queue_delay_us, kind=kind,
-        weight_budget=budget.text if budget else None,
+        weight_budget=budget.text if budget else None, cache=step_cache.label if step_cache else None,
     )  # fmt: skip
     source = resolve_model(model) if model else None
-    deployment = deploy_triton(store_options.find_engine(engine, engines), out, config, source)
+    deployment = deploy_triton(artifact, out, config, source)
     typer.echo(deployment.folder)
 
 

@@ -24,9 +24,10 @@ from typing import Any, Literal
 
 from .. import __version__
 from ..core.artifact import Artifact
-from ..core.config import ShapeProfile, WeightBudget, as_dict
-from ..core.errors import ArtifactError, ConfigError
+from ..core.config import TRANSFORMER_PARTS, ShapeProfile, WeightBudget, as_dict
+from ..core.errors import ArtifactError, ConfigError, RequestError
 from ..core.families import pipeline_class_name
+from ..pipeline.step_cache import StepCache
 from ..sources.models import ModelSource
 from ..spec import DENOISERS, FOLDERS
 
@@ -55,10 +56,13 @@ class TritonDeployConfig:
     max_queue_delay_us: int = 20_000  # how long a request waits for others to batch with
     kind: InstanceKind = "auto"  # auto: KIND_GPU for TensorRT engines, KIND_CPU otherwise
     weight_budget: str | None = None  # WeightBudget text for engines built with weight streaming (default: none)
+    cache: str | None = None  # a step cache every request runs with (--cache first-block:0.08); the set needs --caches
 
     def __post_init__(self) -> None:
         if self.weight_budget is not None:
             WeightBudget.parse(self.weight_budget)  # ConfigError when malformed
+        if self.cache is not None:
+            StepCache.parse(self.cache)  # ConfigError when malformed
         if not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"model name '{self.name}' may hold only letters, digits, '_' and '-'")
         if self.instances < 1 or self.max_batch < 1 or self.max_steps < 1 or self.max_queue_delay_us < 0:
@@ -97,6 +101,12 @@ class Deployment:
         return int(self.record["config"].get("max_steps", TritonDeployConfig.max_steps))
 
     @property
+    def cache(self) -> StepCache | None:
+        """The step cache the instances run every request with (``sdtrt deploy triton --cache``), if any."""
+        text = self.record["config"].get("cache")
+        return StepCache.parse(text) if text else None
+
+    @property
     def weight_budget(self) -> str | None:
         """The weight-streaming budget the instances load the engines with (``sdtrt deploy triton
         --weight-streaming-budget``); None keeps every weight on the GPU."""
@@ -127,6 +137,11 @@ def deploy_triton(
         raise ConfigError(
             f"max batch {config.max_batch} is more than the engine's profile takes ({profile.batch.max} images); "
             f"pass --max-batch {profile.batch.max} or rebuild with `sdtrt compile --batch 1:1:{config.max_batch}`"
+        )
+    if config.cache is not None and not any(c in members for c in TRANSFORMER_PARTS):
+        raise RequestError(
+            f"--cache {config.cache} runs on the transformer's split members, which {engine.path} lacks: compile the "
+            f"set with `sdtrt compile --caches {StepCache.parse(config.cache).kind}` and deploy that"
         )
     on_gpu = any(a.stage in GPU_STAGES for a in members.values())
     kind = config.kind if config.kind != "auto" else ("gpu" if on_gpu else "cpu")

@@ -65,8 +65,6 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         import triton_python_backend_utils as pb_utils
 
-        from ..pipeline.loading import generate
-
         errors: dict[int, SdtrtError] = {}  # request index → why it gets no image
         rows: list[tuple[int, GenerateRequest]] = []
         for index, request in enumerate(requests):
@@ -81,7 +79,7 @@ class TritonPythonModel:
             for chunk in (group[i : i + self.max_batch] for i in range(0, len(group), self.max_batch)):
                 try:
                     self.check_running("before it started")
-                    result = generate(self.pipe, [row for _, row in chunk], on_step=self.stop_between_steps)
+                    result = self.generate([row for _, row in chunk])
                 except SdtrtError as exc:
                     errors.update((index, exc) for index, _ in chunk)
                     continue
@@ -98,6 +96,20 @@ class TritonPythonModel:
                 self.counters.success.increment(1)
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))]))
         return responses
+
+    def generate(self, rows: list[GenerateRequest]) -> Any:
+        """One pipeline call for rows that share their steps, with the deployment's step cache if it has one."""
+        from ..pipeline.loading import generate
+        from ..pipeline.step_cache import disable_step_cache, enable_step_cache
+
+        cache = self.deployment.cache
+        if cache is None:
+            return generate(self.pipe, rows, on_step=self.stop_between_steps)
+        enable_step_cache(self.pipe, cache, rows[0].steps)  # MagCache's ratios are read for the request's steps
+        try:
+            return generate(self.pipe, rows, on_step=self.stop_between_steps)
+        finally:
+            disable_step_cache(self.pipe)
 
     def check_running(self, when: str) -> None:
         """ServeError once ``sdtrt serve`` is stopping the server."""
