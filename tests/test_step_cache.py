@@ -206,17 +206,18 @@ def test_compile_refuses_a_cache_the_model_cannot_take(tiny, store):
         compile_model(resolve_model("tiny-flux"), store, "onnxruntime", caches=("teacache",))
 
 
-def test_loras_and_a_step_cache_are_refused_together(cached_sets, tmp_path):
+def test_loras_change_the_split_members_as_they_change_the_whole_engine(cached_sets, tmp_path):
     model = resolve_model("tiny-flux")
     lora = random_lora(model, tmp_path / "a.safetensors", rank=4, alpha=8, seed=1)
     engines = sdtrt.load_pipeline(model, engine=cached_sets("tiny-flux"))
-    engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    base = generate(engines)
+    every_step = FirstBlockCacheConfig(threshold=1e-9)  # the chain on every step: the whole engine's image
     sdtrt.set_loras(engines, [(lora, 1.0)])
-    with pytest.raises(EngineInputError, match="split members do not take LoRAs"):
-        engines("a cat", **CALL)
-    engines.transformer.disable_cache()
-    with pytest.raises(EngineInputError, match="clear them first"):
-        engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.3))
+    with_lora = generate(engines)
+    assert psnr_db(with_lora, base) < 60  # the LoRA changes the image
+    assert psnr_db(generate(engines, every_step), with_lora) > 100
+    sdtrt.set_loras(engines, [])
+    assert psnr_db(generate(engines, every_step), base) > 100  # and leaves the parts at base again
 
 
 def test_a_part_spec_survives_its_manifest(cached_sets):

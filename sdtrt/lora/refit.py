@@ -46,6 +46,9 @@ class EngineLoras:
     runtime: Any  # the Runtime whose weights change
     weight_map: Callable[[], WeightMap]  # made (or found in the store) on the first LoRA
     family: str | None = None  # the model's (ModelSource.family()): whose diffusers loader reads its LoRA files
+    # A part of the network (a step cache's split member): it takes the modules its graph holds and leaves the others
+    # to the whole network's engine, which still refuses a module no engine holds.
+    part: bool = False
     active: list[tuple[Path, float]] = field(default_factory=list)
     last_swap_s: float | None = None  # read + compute + engine swap time of the last set of LoRAs
     _map: WeightMap | None = None
@@ -109,6 +112,8 @@ class EngineLoras:
         placed = []
         for lora, scale in files:
             for module, pair in lora.parts.get(self.component, {}).items():
+                if self.part and f"{module}.weight" not in weight_map.mapped:
+                    continue
                 if problem := placement_problem(module, pair, weight_map, self.component):
                     raise LoraError(f"{lora.path}: {problem}")
                 placed.append((f"{module}.weight", pair, scale))
@@ -163,6 +168,10 @@ class LoraNetwork:
 
     loras: EngineLoras | None
 
+    def engine_loras(self) -> list[EngineLoras]:
+        """Every engine whose weights this network's LoRAs change: its own, and its split members' where it has them."""
+        return [self.loras] if self.loras is not None else []
+
     def set_loras(self, loras: Sequence[LoraSpec]) -> None:
         """Apply these (file, scale) LoRAs to this network, from its base weights (any earlier set is undone).
 
@@ -172,7 +181,7 @@ class LoraNetwork:
         if self.loras is None:
             raise LoraError(f"this {type(self).__name__} has no weight map; load it with sdtrt.load_pipeline for LoRAs")
         everywhere = " too: apply it to every network at once with sdtrt.set_loras(pipe, loras)"
-        apply_loras([self.loras], loras, lambda _: everywhere)
+        apply_loras(self.engine_loras(), loras, lambda _: everywhere)
 
     def clear_loras(self) -> None:
         """Back to the engine's base weights."""

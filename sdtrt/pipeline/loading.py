@@ -158,10 +158,12 @@ def standins(
     runtimes = open_members(members, source, weight_budget, opened)
     out: dict[str, EngineModule] = {}
 
-    def loras(component: str) -> EngineLoras:
+    def loras(member: str, network: str | None = None) -> EngineLoras:
+        """One member's LoRAs; it takes ``network``'s part of a LoRA file (a split member: the transformer's)."""
+        network = network or member
         return EngineLoras(
-            component, runtimes[component], partial(weight_maps.for_engine, members[component], source, component),
-            family=source.family(),
+            network, runtimes[member], partial(weight_maps.for_engine, members[member], source, network),
+            family=source.family(), part=network != member,
         )  # fmt: skip
 
     for component, runtime in runtimes.items():
@@ -174,7 +176,8 @@ def standins(
         transformer = out.get("transformer")
         if not isinstance(transformer, EngineTransformer):
             raise ArtifactError("the engine set holds a split transformer without its whole engine; recompile it")
-        transformer.use_parts(parts)  # where step caches run (standins/step_cache.py)
+        # where step caches run (standins/step_cache.py)
+        transformer.use_parts(parts, [loras(c, "transformer") for c in parts])
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

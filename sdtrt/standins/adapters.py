@@ -32,9 +32,10 @@ LOAD_KWARGS = {"weight_name", "subfolder", "low_cpu_mem_usage", "local_files_onl
 
 
 def lora_networks(pipe: Any) -> list[EngineLoras]:
-    """The LoRAs of each engine network in ``pipe`` that takes them (UNet, text encoders)."""
+    """The LoRAs of each engine network in ``pipe`` that takes them (UNet, text encoders), and of the transformer's
+    split members (a step cache's) after the transformer's own."""
     networks = (getattr(pipe, c, None) for c in LORA_COMPONENTS)
-    return [n.loras for n in networks if isinstance(n, LoraNetwork) and n.loras is not None]
+    return [loras for n in networks if isinstance(n, LoraNetwork) for loras in n.engine_loras()]
 
 
 def apply_pipeline_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:

@@ -141,7 +141,7 @@ class SplitTransformer:
         return self.head(hidden_states=hidden, temb=temb, latents=inputs["hidden_states"])
 
 
-def cache_problem(config: Any, split: SplitTransformer | None, loras_active: bool) -> str | None:
+def cache_problem(config: Any, split: SplitTransformer | None) -> str | None:
     """Why this engine transformer cannot run ``config`` (a diffusers cache config), or None when it can."""
     name = type(config).__name__
     if name in UNHONOURED:
@@ -153,8 +153,6 @@ def cache_problem(config: Any, split: SplitTransformer | None, loras_active: boo
             "this engine set has no split members for step caches: recompile with `sdtrt compile --caches "
             "first-block` (Python: compile_model(..., caches=('first-block',)))"
         )
-    if loras_active:
-        return "LoRAs are set on this transformer, and its split members do not take LoRAs yet: clear them first"
     return None
 
 

@@ -67,21 +67,26 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
         self.runtime = runtime
         self.loras = loras  # set_loras puts LoRA weights into the engine, from its base weights
         self.split: SplitTransformer | None = None  # the part engines step caches chain (use_parts)
+        self.part_loras: list[EngineLoras] = []  # the parts' LoRAs: set_loras changes them with the whole engine
         self._in_cache_context = False
 
-    def use_parts(self, parts: dict[str, Runtime]) -> None:
+    def use_parts(self, parts: dict[str, Runtime], part_loras: list[EngineLoras]) -> None:
         """Run step caches (enable_cache) on these part engines of the same transformer (standins/step_cache.py):
-        their blocks and head become this stand-in's transformer_blocks and proj_out, where diffusers' hooks go."""
+        their blocks and head become this stand-in's transformer_blocks and proj_out, where diffusers' hooks go.
+        ``part_loras``: each part's, so that LoRAs change the parts as they change the whole engine."""
         self.split = SplitTransformer(parts)
+        self.part_loras = part_loras
         self._runtimes += self.split.runtimes()
         self.transformer_blocks = self.split.blocks
         self.proj_out = self.split.head
 
+    def engine_loras(self) -> list[EngineLoras]:
+        return [*super().engine_loras(), *self.part_loras]
+
     def enable_cache(self, config: Any) -> None:
         """diffusers' ``enable_cache``: FirstBlockCacheConfig, MagCacheConfig and TaylorSeerCacheConfig (lite mode)
         run on the engines of a set compiled with caches; any other config, or none of those parts, is refused."""
-        loras_active = bool(self.loras is not None and self.loras.active)
-        if problem := cache_problem(config, self.split, loras_active):
+        if problem := cache_problem(config, self.split):
             raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
         CacheMixin.enable_cache(self, config)
         assert self.split is not None  # cache_problem said so
@@ -144,11 +149,6 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
     def _cached_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step on the part engines, where the cache hooks decide which of them run."""
         assert self.split is not None  # enable_cache refuses a set without parts
-        if self.loras is not None and self.loras.active:
-            raise EngineInputError(
-                "LoRAs were set on this transformer after its step cache was enabled, and its split members do not "
-                "take LoRAs yet: disable_cache() first, or clear the LoRAs"
-            )
         if self._in_cache_context:
             return self.split(inputs)
         with self.cache_context("cond"):
