@@ -23,8 +23,10 @@ from sdtrt.tools.validate import psnr_db
 from .helpers import peft_lora
 
 PRESETS = ("tiny", "tiny-sdxl")
+# The tiny presets' UNets have two blocks of one layer (two per up block); "sd-layout" has SD's three layers per up
+# block, so that a cut can leave layers of its up block on both sides while the mirror down block runs some of its own.
+LAYOUTS = (*PRESETS, "sd-layout")
 NO_PACKAGE = "needs the dev extra's deepcache package, the PyTorch reference: pip install deepcache==0.1.1"
-BRANCHES = range(6)  # the tiny UNets' two up blocks, three branches each
 # Small, so that compiling and validating two engine sets stays quick.
 PROFILE = ShapeProfile(Range(1, 1, 1), Range(64, 128, 128), Range(64, 128, 128))
 
@@ -47,6 +49,29 @@ def deepcache_set(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def unet_model(tmp_path_factory):
+    """A LAYOUTS name → its model: a preset, or for "sd-layout" a bare UNet folder, tiny's widened to SD 1.x's
+    layout (three blocks, two layers per down block) with random weights."""
+    from diffusers import UNet2DConditionModel
+
+    folder = tmp_path_factory.mktemp("sd-layout")
+    torch.manual_seed(0)
+    UNet2DConditionModel.from_config(
+        resolve_model("tiny").unet_config() | {
+            "layers_per_block": 2, "block_out_channels": (32, 64, 64),
+            "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+            "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        }
+    ).save_pretrained(folder)  # fmt: skip
+    return lambda name: resolve_model(str(folder) if name == "sd-layout" else name)
+
+
+def branches(model) -> range:
+    """Every DeepCache branch of the model's UNet: three per up block."""
+    return range(3 * len(model.unet_config()["up_block_types"]))
+
+
 def part_specs(model, branch: int) -> tuple[UNetDeepSpec, UNetShallowSpec]:
     deep, shallow = (cls.at_branch(model, branch, "fp32") for cls in (UNetDeepSpec, UNetShallowSpec))
     assert isinstance(deep, UNetDeepSpec) and isinstance(shallow, UNetShallowSpec)
@@ -57,33 +82,39 @@ def shallow_feeds(spec: UNetShallowSpec, feeds: dict, feature: torch.Tensor) -> 
     return [feature if name == DEEP_FEATURE else feeds[name] for name in spec.canonical_inputs]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_the_deep_pass_and_the_shallow_branch_are_the_whole_unet_bit_for_bit(preset):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_deep_pass_and_the_shallow_branch_are_the_whole_unet_bit_for_bit(unet_model, layout):
     """At every branch: the deep pass's output is the UNet's; the shallow branch on the deep pass's feature of the
-    same step is the UNet's too (torch, fp32, the very modules the exporter traces)."""
-    model = resolve_model(preset)
+    same step is the UNet's too (torch, fp32, the very modules the exporter traces). On the latent grid the feature
+    has the spec's shape; off it (latents 5×7, which no graph takes) the parts still compute the forward, whose up
+    blocks then resize to the skip features' sizes."""
+    model = unet_model(layout)
     unet, whole = load_folder(model, "unet"), UNetSpec.for_model(model, "fp32")
-    feeds = whole.sample_inputs(2, 32, 48, seed=1, timestep=321.0)
-    with torch.no_grad():
-        expected = graph_module(whole, unet)(*feeds.values())
-        for branch in BRANCHES:
-            deep, shallow = part_specs(model, branch)
-            out, feature = graph_module(deep, unet)(*feeds.values())
-            assert feature.shape == shallow.input_shapes(2, 32, 48)[DEEP_FEATURE], branch
-            assert torch.equal(out, expected), branch
-            assert torch.equal(graph_module(shallow, unet)(*shallow_feeds(shallow, feeds, feature)), expected), branch
+    for height, width in ((64, 96), (40, 56)):
+        feeds = whole.sample_inputs(2, height, width, seed=1, timestep=321.0)
+        on_grid = not whole.check_shapes(whole.input_shapes(2, height, width), None)
+        with torch.no_grad():
+            expected = graph_module(whole, unet)(*feeds.values())
+            for branch in branches(model):
+                deep, shallow = part_specs(model, branch)
+                out, feature = graph_module(deep, unet)(*feeds.values())
+                if on_grid:
+                    assert feature.shape == shallow.input_shapes(2, height, width)[DEEP_FEATURE], branch
+                assert torch.equal(out, expected), branch
+                out = graph_module(shallow, unet)(*shallow_feeds(shallow, feeds, feature))
+                assert torch.equal(out, expected), (branch, height)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_the_shallow_branch_computes_the_packages_skipped_step_bit_for_bit(preset):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_shallow_branch_computes_the_packages_skipped_step_bit_for_bit(unet_model, layout):
     """DeepCacheSDHelper on the PyTorch UNet, a full step then a skipped one, at every branch: the shallow branch on
     the deep pass's feature of the full step computes the skipped step exactly."""
     package = pytest.importorskip("DeepCache", reason=NO_PACKAGE)
     from types import SimpleNamespace
 
-    model = resolve_model(preset)
+    model = unet_model(layout)
     unet, whole = load_folder(model, "unet"), UNetSpec.for_model(model, "fp32")
-    full, skipped = (whole.sample_inputs(2, 32, 48, seed=s, timestep=t) for s, t in ((1, 900.0), (2, 800.0)))
+    full, skipped = (whole.sample_inputs(2, 64, 96, seed=s, timestep=t) for s, t in ((1, 900.0), (2, 800.0)))
     # What DeepCacheSDHelper reads of a pipeline: its UNet, and its scheduler's timesteps to count steps.
     pipe = SimpleNamespace(unet=unet, scheduler=SimpleNamespace(timesteps=torch.tensor([900, 800])))
 
@@ -92,7 +123,7 @@ def test_the_shallow_branch_computes_the_packages_skipped_step_bit_for_bit(prese
         return unet(feeds["sample"], feeds["timestep"][0], feeds["encoder_hidden_states"], **extras)[0]
 
     with torch.no_grad():
-        for branch in BRANCHES:
+        for branch in branches(model):
             helper = package.DeepCacheSDHelper(pipe)
             helper.set_params(cache_interval=2, cache_branch_id=branch)
             helper.enable()
