@@ -196,6 +196,7 @@ def test_engines_skip_the_steps_the_package_skips_and_draw_its_image(deepcache_s
     print(f"{preset} interval {interval}: {got} (package: {want}), PSNR {psnr_db(image, want_image):.1f} dB")
     assert got == want and "S" in got
     assert psnr_db(image, want_image) >= 35
+    assert pipe.unet.deepcache.last is None  # the pipeline's end of call (maybe_free_model_hooks) reset the count
     again, got_again = generate(pipe, lambda: deep.calls)  # the next call counts its steps from its own first
     assert got_again == want and np.array_equal(again, image)
 

@@ -23,10 +23,6 @@ from ..spec.unet_split import DEEP_FEATURE, UNetPartSpec
 from .step_cache import PartEngine
 
 Timestep = torch.Tensor | float | int
-REBUILD = (
-    "this engine set has no DeepCache members: recompile it with `sdtrt compile --caches deepcache` (Python: "
-    "compile_model(..., caches=('deepcache',)))"
-)
 
 
 class SplitUNet:
@@ -46,7 +42,10 @@ class SplitUNet:
 def deepcache_problem(split: SplitUNet | None, cache_branch_id: int, loras_active: bool) -> str | None:
     """Why this engine UNet cannot run DeepCache at ``cache_branch_id``, or None when it can."""
     if split is None:
-        return REBUILD
+        return (
+            "this engine set has no DeepCache members: recompile it with `sdtrt compile --caches deepcache` (Python: "
+            "compile_model(..., caches=('deepcache',)))"
+        )
     if cache_branch_id != split.branch:
         return (
             f"these engines were cut at cache_branch_id={split.branch}, not {cache_branch_id}: set_params("
@@ -73,8 +72,8 @@ class DeepCacheRun:
         self.feature: torch.Tensor | None = None
 
     def __call__(self, inputs: dict[str, torch.Tensor], timestep: Timestep) -> torch.Tensor:
-        """The UNet's output for its canonical inputs: the deep engine's on a full step (its feature kept), the
-        shallow engine's, on the kept feature, on the others."""
+        """The UNet's output for its canonical inputs: the deep engine's on a full step (keeping its feature), else the
+        shallow engine's on the kept feature."""
         step = self.step_of(timestep)
         if self.last is not None and step < self.last:  # a new call, after one that did not finish
             self.reset()
