@@ -70,13 +70,13 @@ def bench_model(name: str, size: int, steps: int, repeats: int, engines: str) ->
         row = compare_step_cache(pipe, request, cache, repeats)
         per_rest = sum(rest_seconds) / len(rest_seconds) if rest_seconds else 0.0
         loop = row["denoise_loop_s"]["median"]
-        skipped = row["transformer_calls"] - row["full_evaluations"]
+        skipped = row["denoiser_calls"] - row["full_evaluations"]
         row["ideal_speedup"] = round(loop / max(loop - skipped * per_rest, 1e-9), 3)
         row["speedup_vs_ideal"] = round(row["speedup"] / row["ideal_speedup"], 3)
         row["rest_call_s"] = round(per_rest, 5)
         rows.append({"model": name, "size": size, "steps": steps} | row)
         print(
-            f"{name} {label:>16}: {row['full_evaluations']:>2}/{row['transformer_calls']} full, loop "
+            f"{name} {label:>16}: {row['full_evaluations']:>2}/{row['denoiser_calls']} full, loop "
             f"{loop:.3f} → {row['cached_denoise_loop_s']['median']:.3f} s = {row['speedup']:.2f}× (ideal "
             f"{row['ideal_speedup']:.2f}×, ratio {row['speedup_vs_ideal']:.2f}), PSNR {row['psnr_db']:.1f} dB, "
             f"SSIM {row['ssim']:.4f}",

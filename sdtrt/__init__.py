@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("load_pipeline", "set_loras", "generate", "set_scheduler"), "sdtrt.pipeline.loading"),
     "GenerateRequest": "sdtrt.pipeline.request",
+    "DeepCache": "sdtrt.pipeline.deepcache",
     **dict.fromkeys(("compile_model", "CompileResult"), "sdtrt.tools.compile"),
     **dict.fromkeys(("validate", "ValidationReport"), "sdtrt.tools.validate"),
     "run_bench": "sdtrt.tools.bench",
@@ -104,6 +105,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is of
         WrongArtifactError,
     )
     from sdtrt.core.store import Store
+    from sdtrt.pipeline.deepcache import DeepCache
     from sdtrt.pipeline.loading import generate, load_pipeline, set_loras, set_scheduler
     from sdtrt.pipeline.request import GenerateRequest
     from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton

@@ -244,7 +244,7 @@ def test_the_cli_builds_the_split_and_runs_a_cache_in_generate_and_bench(cached_
     run_cli("bench", "--model", "tiny-flux", "--backends", "onnxruntime:fp32", "--steps", "10", "--repeats", "1",
             "--warmup", "0", *size, "--cache", "first-block:0.3", "--json", str(report), check=True)  # fmt: skip
     cached = json.loads(report.read_text())["backends"][0]["step_cache"]
-    assert cached["transformer_calls"] == 10 and 0 < cached["full_evaluations"] < 10
+    assert cached["denoiser_calls"] == 10 and 0 < cached["full_evaluations"] < 10
     assert cached["skipped_share"] == pytest.approx(1 - cached["full_evaluations"] / 10)
     assert cached["psnr_db"] > 35 and 0.9 < cached["ssim"] <= 1.0
 

@@ -87,8 +87,9 @@ def compile(
     caches: Annotated[
         str | None,
         typer.Option(
-            help=f"Comma-separated step caches to build the transformer's split members for ({', '.join(STEP_CACHES)}"
-            "); then `--cache` on generate, bench and validate runs them (one split serves all three).",
+            help=f"Comma-separated step caches to build the denoiser's split members for ({', '.join(STEP_CACHES)}; "
+            "deepcache for a UNet, the others for a transformer, where one split serves all three); then `--cache` on "
+            "generate, bench, validate and deploy runs them.",
         ),
     ] = None,
     engines: store_options.EnginesOpt = None,

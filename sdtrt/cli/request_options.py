@@ -46,10 +46,11 @@ CacheOpt = Annotated[
     str | None,
     typer.Option(
         metavar="<KIND[:VALUE]>",
-        help="A step cache on the transformer (engines compiled with --caches): first-block[:THRESHOLD] (diffusers' "
+        help="A step cache on the denoiser (engines compiled with --caches): first-block[:THRESHOLD] (diffusers' "
         "First-Block Cache, default 0.05; higher skips more), taylorseer[:INTERVAL] (TaylorSeer lite, a full step "
-        "every INTERVAL, default 5), magcache[:THRESHOLD] (MagCache with diffusers' Flux ratios, default 0.06), or "
-        "auto: the setting `sdtrt calibrate-cache` stored for the engine set at these steps.",
+        "every INTERVAL, default 5), magcache[:THRESHOLD] (MagCache with diffusers' Flux ratios, default 0.06), "
+        "deepcache[:INTERVAL] (a UNet's; a full step every INTERVAL, default 3), or auto: the setting `sdtrt "
+        "calibrate-cache` stored for the engine set at these steps.",
     ),
 ]
 

@@ -38,8 +38,8 @@ def calibrate_cache_command(
     """Find the most aggressive setting of a step cache that keeps a quality target on an engine set, and store it
     beside the set for `--cache auto` (generate, validate) at the same steps and scheduler.
 
-    The settings are tried from the most cautious (First-Block Cache: thresholds 0.02 … 0.8; TaylorSeer: intervals
-    2 … 8); each prompt's cached image is compared with the uncached engine pipeline's, same seed.
+    The settings are tried from the most cautious (First-Block Cache: thresholds 0.02 … 0.8; TaylorSeer, DeepCache:
+    intervals 2 … 8); each prompt's cached image is compared with the uncached engine pipeline's, same seed.
 
     Example: sdtrt calibrate-cache --engine engines/set/<key> --cache first-block --min-psnr 30 --steps 28
     """
@@ -73,7 +73,7 @@ def cache_comparison_line(backend: str, cached: dict) -> str:
     if "error" in cached:
         return f"[yellow]{backend} --cache {cached['cache']}:[/] {escape(cached['error'])}"
     full = cached["full_evaluations"]
-    evaluations = f"{full}/{cached['transformer_calls']} full evaluations, " if full is not None else ""
+    evaluations = f"{full}/{cached['denoiser_calls']} full evaluations, " if full is not None else ""
     return (
         f"{backend} --cache {cached['cache']}: {evaluations}denoising loop {cached['denoise_loop_s']['median']:.3f} s "
         f"→ {cached['cached_denoise_loop_s']['median']:.3f} s ({cached['speedup']:.2f}×); against the uncached "

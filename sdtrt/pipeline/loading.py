@@ -13,7 +13,7 @@ import torch
 from rich.markup import escape
 
 from ..core.artifact import Artifact
-from ..core.config import TEXT_ENCODERS, TRANSFORMER_PARTS, WeightBudget
+from ..core.config import TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
@@ -178,6 +178,12 @@ def standins(
             raise ArtifactError("the engine set holds a split transformer without its whole engine; recompile it")
         # where step caches run (standins/step_cache.py)
         transformer.use_parts(parts, [loras(c, "transformer") for c in parts])
+    unet_parts: dict[str, Runtime] = {c: runtimes[c] for c in UNET_PARTS if c in runtimes}
+    if unet_parts:
+        unet = out.get("unet")
+        if not isinstance(unet, EngineUNet):
+            raise ArtifactError("the engine set holds DeepCache members without the whole UNet engine; recompile it")
+        unet.use_parts(unet_parts)  # where DeepCache runs (standins/deepcache.py)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

@@ -4,9 +4,11 @@
 ``taylorseer[:INTERVAL]``     TaylorSeerCacheConfig in lite mode (default interval 5): the output predicted between
                               full steps; its default mode predicts layers inside the blocks, which engines run whole
 ``magcache[:THRESHOLD]``      MagCacheConfig with diffusers' FLUX_MAG_RATIOS (Flux only; default threshold 0.06)
+``deepcache[:INTERVAL]``      DeepCache on a UNet (sdtrt.DeepCache, DeepCacheSDHelper's API): a full step every INTERVAL
+                              (default 3), the steps between on the shallow branch
 
-Each runs on the split members of an engine set compiled with ``--caches`` (standins/step_cache.py), and on the
-PyTorch pipeline the same way, so the two can be compared.
+Each runs on the split members of an engine set compiled with ``--caches`` (standins/step_cache.py,
+standins/deepcache.py); the transformer caches run on the PyTorch pipeline the same way, so the two can be compared.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any, Literal
 
 from ..core.errors import ConfigError, EngineInputError
 
-CacheKind = Literal["first-block", "taylorseer", "magcache"]
-DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06}
-SYNTAX = "first-block[:THRESHOLD], taylorseer[:INTERVAL] or magcache[:THRESHOLD]"
+CacheKind = Literal["first-block", "taylorseer", "magcache", "deepcache"]
+DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06, "deepcache": 3}
+INTERVALS = ("taylorseer", "deepcache")  # the kinds whose value is a whole number of steps
+SYNTAX = "first-block[:THRESHOLD], taylorseer[:INTERVAL], magcache[:THRESHOLD] or deepcache[:INTERVAL]"
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,8 @@ class StepCache:
             number = float(value) if value else DEFAULTS[kind]
         except ValueError:
             raise ConfigError(f"--cache {text}: {value!r} is not a number; give {SYNTAX}") from None
-        if number <= 0 or (kind == "taylorseer" and not number.is_integer()):
-            what = "a whole number of steps" if kind == "taylorseer" else "a threshold over 0"
+        if number <= 0 or (kind in INTERVALS and not number.is_integer()):
+            what = "a whole number of steps" if kind in INTERVALS else "a threshold over 0"
             raise ConfigError(f"--cache {text}: {kind} takes {what}")
         return cls(kind, number)  # type: ignore[arg-type]  # checked against DEFAULTS above
 
@@ -66,7 +69,15 @@ class StepCache:
 
 
 def enable_step_cache(pipe: Any, cache: StepCache, steps: int) -> None:
-    """Enable ``cache`` on the pipeline's transformer (engines or PyTorch); EngineInputError where it has none."""
+    """Enable ``cache`` on the pipeline's transformer (engines or PyTorch) or, DeepCache, its engine UNet;
+    EngineInputError where it cannot run."""
+    if cache.kind == "deepcache":
+        from .deepcache import DeepCache
+
+        helper = DeepCache(pipe)
+        helper.set_params(cache_interval=int(cache.value))
+        helper.enable()
+        return
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
         raise EngineInputError(f"--cache {cache.label} skips a transformer's blocks, and this pipeline has none")
@@ -79,9 +90,15 @@ def disable_step_cache(pipe: Any) -> None:
     transformer = getattr(pipe, "transformer", None)
     if transformer is not None and getattr(transformer, "is_cache_enabled", False):
         transformer.disable_cache()
+    if getattr(getattr(pipe, "unet", None), "deepcache", None) is not None:
+        pipe.unet.disable_deepcache()
 
 
 def full_evaluations(pipe: Any) -> int | None:
-    """How many times the blocks after the first have run on the engines so far (None on PyTorch)."""
-    split = getattr(getattr(pipe, "transformer", None), "split", None)
-    return None if split is None else split.rest.calls
+    """How many full network evaluations the engines' split members ran so far: the transformer's blocks after the
+    first, the UNet's deep pass (None without split members: PyTorch)."""
+    if (split := getattr(getattr(pipe, "transformer", None), "split", None)) is not None:
+        return int(split.rest.calls)
+    if (split := getattr(getattr(pipe, "unet", None), "split", None)) is not None:
+        return int(split.deep.calls)
+    return None

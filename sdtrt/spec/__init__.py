@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.config import BUILDABLE, COMPONENTS, Component, IONaming, Precision
+from ..core.config import BUILDABLE, COMPONENTS, TRANSFORMER_PARTS, UNET_PARTS, Component, IONaming, Precision
 from ..core.errors import ArtifactError
 from .base import (
     AXIS_LABELS,
@@ -36,6 +36,8 @@ from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextE
 from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
 from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
+from .unet_split import PART_CLASSES as UNET_PART_CLASSES
+from .unet_split import UNetPartSpec
 from .vae import VaeDecoderSpec, VaeEncoderSpec
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "TextEncoderSpec",
     "TransformerPartSpec",
     "TransformerSpec",
+    "UNetPartSpec",
     "UNetSpec",
     "VaeDecoderSpec",
     "VaeEncoderSpec",
@@ -72,13 +75,14 @@ __all__ = [
     "residual_names",
     "spec_class",
     "spec_from_json",
+    "split_members",
 ]  # fmt: skip
 
 # (component, architecture) → spec; architecture "" where the component alone decides. The transformer's
 # row dispatches on its class itself (TransformerSpec.for_model / from_json).
 SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
-    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES,
+    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 
@@ -135,3 +139,8 @@ def model_components(model: ModelConfigs) -> tuple[Component, ...]:
     """The components a model has: those with a sub-folder in a pipeline folder, its denoiser alone in a bare one."""
     denoiser = denoiser_component(model)
     return tuple(c for c in COMPONENTS if c == denoiser or model.has(FOLDERS[c]))
+
+
+def split_members(model: ModelConfigs) -> tuple[Component, ...]:
+    """The split members step caches may add to the model's engine set: its transformer's parts or its UNet's."""
+    return TRANSFORMER_PARTS if denoiser_component(model) == "transformer" else UNET_PARTS

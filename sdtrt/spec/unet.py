@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision
@@ -35,17 +35,20 @@ class UNetSpec(DenoiserSpec):
 
     @property
     def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
-        return NAMED_INPUTS + tuple(name for name, _ in self.conditioning_tensors() + self.residual_tensors())
+        return NAMED_INPUTS + tuple(name for name, _ in self.extra_tensors())
 
     @property
     def output_name(self) -> str:
         return self.output_names[0]
 
+    def extra_tensors(self) -> list[tuple[str, tuple[int | str, ...]]]:
+        """(canonical name, shape) of the inputs after sample, timestep and text: conditioning, then residuals."""
+        return self.conditioning_tensors() + self.residual_tensors()
+
     def inputs(self) -> list[TensorSpec]:
-        extras = self.conditioning_tensors() + self.residual_tensors()
-        return self.latent_inputs(self.input_names[:3]) + [
-            TensorSpec(name, self.dtype, shape) for name, (_, shape) in zip(self.input_names[3:], extras, strict=True)
-        ]
+        tensors = self.latent_inputs(NAMED_INPUTS) + [TensorSpec(n, self.dtype, s) for n, s in self.extra_tensors()]
+        by_name = {t.name: t for t in tensors}
+        return [replace(by_name[c], name=g) for c, g in zip(self.canonical_inputs, self.input_names, strict=True)]
 
     def outputs(self) -> list[TensorSpec]:
         return [TensorSpec(self.output_name, self.dtype, ("batch", self.out_channels, "height", "width"))]

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from ..core.artifact import Artifact
-from ..core.config import BUILDABLE, TRANSFORMER_PARTS, Component, ShapeProfile
+from ..core.config import BUILDABLE, Component, ShapeProfile
 from ..core.errors import ArtifactError, ConfigError, EngineMismatchError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource, resolve_model
-from ..spec import FOLDERS, component_spec, model_components, spec_from_json
+from ..spec import FOLDERS, component_spec, model_components, spec_from_json, split_members
 
 STAGE = "set"
 VERSION = 1
@@ -133,7 +133,7 @@ def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
         if not io:
             continue
         spec, folder, recorded = spec_from_json(io), FOLDERS[component], _first_input(member)
-        if component not in model_components(model) + (TRANSFORMER_PARTS if model.has("transformer") else ()):
+        if component not in model_components(model) + split_members(model):
             problem: str | None = f"{model.name} has no {folder}/"
         else:
             wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)

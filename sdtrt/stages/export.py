@@ -137,7 +137,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             network, sources = weight_free_network(model, folder, dtype)
         else:
             network = load_folder(model, folder, dtype)
-        if spec.component == "unet" and network.config.get("upcast_attention") and config.precision == "fp16":
+        if folder == "unet" and network.config.get("upcast_attention") and config.precision == "fp16":
             keep_attention_upcast(network)
         module = graph_module(spec, network)
     timings["load_s"] = round(time.perf_counter() - started, 3)

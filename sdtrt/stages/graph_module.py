@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GraphSpec, TransformerPartSpec
+from ..spec import GraphSpec, TransformerPartSpec, UNetPartSpec
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +66,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .transformer_split import part_module
 
         forward[spec.component] = part_module(spec, network)
+    if isinstance(spec, UNetPartSpec):  # the UNet's DeepCache members
+        from . import unet_split
+
+        forward[spec.component] = unet_split.part_module(spec, network)
 
     class Graph(torch.nn.Module):
         def __init__(self) -> None:

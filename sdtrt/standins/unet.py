@@ -2,11 +2,13 @@
 
 It keeps the UNet's call signature, ``config``, ``dtype`` and ``device`` and its output class, so
 pipelines and schedulers cannot tell the difference, and it refuses inputs the engine was not built
-for instead of silently dropping them.
+for instead of silently dropping them. With DeepCache on (``sdtrt.DeepCache``), its steps run on the set's DeepCache
+members instead (standins/deepcache.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,7 @@ from ..lora.refit import LoraNetwork
 from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
 from .base import EngineModule
+from .deepcache import DeepCacheRun, SplitUNet, Timestep, deepcache_problem
 
 if TYPE_CHECKING:
     from ..lora.refit import EngineLoras
@@ -67,6 +70,33 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             width = config["projection_class_embeddings_input_dim"]
             self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(in_features=width))
         self.loras = loras
+        self.split: SplitUNet | None = None  # the DeepCache members (use_parts)
+        self.deepcache: DeepCacheRun | None = None  # while DeepCache is on
+
+    def use_parts(self, parts: dict[str, Runtime]) -> None:
+        """Run DeepCache on these members of the same UNet's engine set (standins/deepcache.py)."""
+        self.split = SplitUNet(parts)
+        self._runtimes += self.split.runtimes()
+
+    def enable_deepcache(self, cache_interval: int, cache_branch_id: int, step_of: Callable[[Timestep], int]) -> None:
+        """DeepCache on the engines, a full step every ``cache_interval`` (``step_of``: a timestep's step, as the
+        ``deepcache`` package counts them); refused without the members, at another branch, or with LoRAs set.
+        sdtrt.DeepCache(pipe) is the way in, with DeepCacheSDHelper's calls."""
+        loras_active = bool(self.loras is not None and self.loras.active)
+        if problem := deepcache_problem(self.split, cache_branch_id, loras_active):
+            raise EngineInputError(f"DeepCache: {problem}")
+        assert self.split is not None  # deepcache_problem said so
+        self.deepcache = DeepCacheRun(self.split, cache_interval, step_of)
+
+    def disable_deepcache(self) -> None:
+        """Back to the whole UNet engine on every step."""
+        self.deepcache = None
+
+    def _reset_stateful_cache(self) -> None:
+        """What diffusers' pipelines call on their components as a call ends (maybe_free_model_hooks): DeepCache's
+        next step is a new call's first, and full."""
+        if self.deepcache is not None:
+            self.deepcache.reset()
 
     def enable_freeu(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
@@ -103,13 +133,18 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         if cross_attention_kwargs and cross_attention_kwargs.get("scale", 1.0) != 1.0:
             raise EngineInputError("cross_attention_kwargs['scale'] (a LoRA scale) is baked into the engine's weights")
         spec = self.spec
-        sample_name, timestep_name, text_name, *extra_names = spec.input_names
-        feeds = {
-            sample_name: sample,
-            timestep_name: normalise_timestep(timestep, sample.shape[0], sample.device),
-            text_name: encoder_hidden_states,
-        } | dict(zip(extra_names, self._extras(sample, kwargs), strict=True))
-        out = self.runtime.run(feeds)[spec.output_name].to(sample.device, sample.dtype)
+        t = normalise_timestep(timestep, sample.shape[0], sample.device)
+        tensors = [sample, t, encoder_hidden_states, *self._extras(sample, kwargs)]
+        if self.deepcache is not None:
+            if self.loras is not None and self.loras.active:
+                raise EngineInputError(
+                    "LoRAs were set on this UNet after DeepCache was enabled, and its DeepCache members do not take "
+                    "LoRAs yet: DeepCache(pipe).disable() first, or clear the LoRAs"
+                )
+            out = self.deepcache(dict(zip(spec.canonical_inputs, tensors, strict=True)), timestep)
+        else:
+            out = self.runtime.run(dict(zip(spec.input_names, tensors, strict=True)))[spec.output_name]
+        out = out.to(sample.device, sample.dtype)
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
 
     def _extras(self, sample: torch.Tensor, kwargs: dict[str, Any]) -> list[torch.Tensor]:

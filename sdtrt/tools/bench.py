@@ -13,7 +13,7 @@ JSON format (stable; other tools read it)::
        "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
        "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
        "peak_rss_mb", "peak_gpu_mb", "speedup_vs_first", "noisy", "lora_apply_s", "lora_swap_s": STATS,
-       "step_cache": {"cache", "transformer_calls", "full_evaluations", "skipped_share", "denoise_loop_s": STATS,
+       "step_cache": {"cache", "denoiser_calls", "full_evaluations", "skipped_share", "denoise_loop_s": STATS,
                       "cached_denoise_loop_s": STATS, "speedup", "psnr_db", "ssim"} | {"cache", "error"} | null}]}
 
 STATS is {"median", "min", "max"} in seconds (``unet_call_ms`` in milliseconds); the ``unet`` stage

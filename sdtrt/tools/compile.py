@@ -41,7 +41,7 @@ from ..core.store import Store
 from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missing, rtx_turing_problem
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource
-from ..spec import denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
+from ..spec import FOLDERS, denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
 from ..stages import build_ort, engine_set, export, quantize, simplify
 from ..stages.engine_set import EngineSetConfig
 from .validate import ValidationReport, stored_validate
@@ -131,8 +131,9 @@ def compile_model(
     upcast: fp32. The validation report stored for the final artifact and config is reused unless
     ``revalidate``. ``quantize_config``: the denoiser is quantized (INT8/FP8 Q/DQ graph) instead of exported,
     and validated to quantization's tolerances where ``validation`` leaves them open. ``caches``: step caches
-    (STEP_CACHES: "first-block", "magcache", "taylorseer") whose split members join the set, so that
-    ``pipe.transformer.enable_cache(config)`` runs on the engines.
+    (STEP_CACHES: "first-block", "magcache", "taylorseer" for a transformer, "deepcache" for a UNet) whose split
+    members join the set, so that ``pipe.transformer.enable_cache(config)`` / ``sdtrt.DeepCache(pipe).enable()`` run
+    on the engines.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     if problem := target_precision_problem(chosen, export_config.precision):
@@ -198,25 +199,37 @@ def compile_model(
     return CompileResult(chosen, reason, artifacts, report, cached)
 
 
+# Denoiser → (what it is, for people; the step caches that fit it).
+CACHE_KINDS = {
+    "unet": ("UNet", "--caches deepcache (DeepCache skips a UNet's deep blocks)"),
+    "transformer": ("transformer", "--caches first-block, magcache or taylorseer (they skip a transformer's blocks)"),
+}
+
+
 def cache_members(
     model: ModelSource, caches: tuple[str, ...], quantize_config: QuantizeConfig | None
 ) -> tuple[Component, ...]:
     """The split members these step caches need (none without caches); ConfigError for a cache this model cannot
     take, before anything is exported."""
+    from ..spec import unet_split
     from ..spec.transformer_split import split_problem
 
     if unknown := [c for c in caches if c not in STEP_CACHES]:
         raise ConfigError(f"unknown step cache {unknown[0]!r}; sdtrt builds {', '.join(STEP_CACHES)}")
     if not caches:
         return ()
-    if denoiser_component(model) != "transformer":
-        raise ConfigError(
-            f"step caches ({', '.join(caches)}) skip a transformer's blocks, and {model.name}'s denoiser is a UNet"
-        )
-    if problem := split_problem(model.component_config("transformer")):
-        raise ConfigError(f"cannot split {model.name}'s transformer for step caches: {problem}")
+    denoiser = denoiser_component(model)
+    if wrong := [c for c in caches if FOLDERS[STEP_CACHES[c][0]] != denoiser]:
+        what, fits = CACHE_KINDS[denoiser]
+        raise ConfigError(f"{', '.join(wrong)} cannot run on {model.name}: its denoiser is a {what}; use {fits}")
+    if denoiser == "unet":
+        problem = unet_split.split_problem(model.unet_config(), model.has("controlnet"))
+    else:
+        problem = split_problem(model.component_config("transformer"))
+    if problem:
+        raise ConfigError(f"cannot split {model.name}'s {denoiser} for step caches: {problem}")
     if quantize_config is not None:
-        raise ConfigError("step caches on a quantized transformer are not built yet: compile without --caches")
+        raise ConfigError(f"step caches on a quantized {denoiser} are not built yet: compile without --caches")
     return tuple(dict.fromkeys(m for c in caches for m in STEP_CACHES[c]))
 
 

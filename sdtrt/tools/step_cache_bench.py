@@ -1,6 +1,7 @@
 """A step cache measured the way the field does: the cached and the uncached pipeline side by side in one run.
 
-Per image: the transformer's calls and its full evaluations (steps whose blocks after the first ran), the denoising
+Per image: the denoiser's calls and its full evaluations (a transformer's steps whose blocks after the first ran, a
+UNet's deep passes), the denoising
 loop's median seconds and their ratio, and the cached image against the uncached one (same seed): PSNR and SSIM.
 Runs alternate (uncached, cached, uncached, …) so that a machine growing busier weighs on both alike.
 """
@@ -51,7 +52,7 @@ def compare_step_cache(pipe: Any, request: GenerateRequest, cache: StepCache, re
     loop, cached_loop = Stats.of(uncached_s).median, Stats.of(cached_s).median
     return {
         "cache": cache.label,
-        "transformer_calls": calls,
+        "denoiser_calls": calls,
         "full_evaluations": full,  # None on PyTorch, whose hooks count nothing sdtrt reads
         "skipped_share": None if full is None else round(1 - full / calls, 4),
         "denoise_loop_s": Stats.of(uncached_s).to_json(),

@@ -19,7 +19,15 @@ from .build import (
     WrapConfig,
     default_optimization_level,
 )
-from .components import BUILDABLE, COMPONENTS, STEP_CACHES, TEXT_ENCODERS, TRANSFORMER_PARTS, Component
+from .components import (
+    BUILDABLE,
+    COMPONENTS,
+    STEP_CACHES,
+    TEXT_ENCODERS,
+    TRANSFORMER_PARTS,
+    UNET_PARTS,
+    Component,
+)
 from .export import ExportConfig, Exporter, IONaming, Weights
 from .keys import as_dict, cache_key, in_key_unless, not_in_key
 from .precision import BF16_ON_ONNXRUNTIME, PRECISIONS, ConcreteTarget, Precision, Target, target_precision_problem
@@ -60,6 +68,7 @@ __all__ = [
     "STEP_CACHES",
     "TEXT_ENCODERS",
     "TRANSFORMER_PARTS",
+    "UNET_PARTS",
     "BenchConfig",
     "CacheCalibrationConfig",
     "Component",

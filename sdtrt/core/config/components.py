@@ -8,7 +8,8 @@ from typing import Literal
 # A model's denoiser is a UNet (SD 1.x/2.x, SDXL) or a transformer (SD3, Flux); text_encoder_3 is SD3's T5.
 Component = Literal[
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
-    "vae_encoder", "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out",
+    "vae_encoder", "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out", "unet_deep",
+    "unet_shallow",
 ]  # fmt: skip
 COMPONENTS: tuple[Component, ...] = (
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
@@ -20,10 +21,13 @@ TEXT_ENCODERS: tuple[Component, ...] = ("text_encoder", "text_encoder_2", "text_
 TRANSFORMER_PARTS: tuple[Component, ...] = (
     "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out",
 )  # fmt: skip
-BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS
+# The UNet again, as DeepCache runs it (spec/unet_split.py): the whole UNet that also hands out the deep feature it
+# caches, and the shallow branch that takes that feature back in on the steps between.
+UNET_PARTS: tuple[Component, ...] = ("unet_deep", "unet_shallow")
+BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS
 
 # Step caches compile can build the split members for (compile's caches=), and the members each needs. The three
-# transformer caches skip the same blocks, so they share one split.
+# transformer caches skip the same blocks, so they share one split; DeepCache splits the UNet.
 STEP_CACHES: dict[str, tuple[Component, ...]] = dict.fromkeys(
     ("first-block", "magcache", "taylorseer"), TRANSFORMER_PARTS
-)
+) | {"deepcache": UNET_PARTS}

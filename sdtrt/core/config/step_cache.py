@@ -8,11 +8,12 @@ from ..errors import ConfigError
 from .quantize import CALIBRATION_PROMPTS
 
 # The settings tried, from the most cautious to the most aggressive: First-Block Cache's and MagCache's thresholds
-# (diffusers' defaults 0.05 and 0.06 among them), TaylorSeer's full-step intervals.
+# (diffusers' defaults 0.05 and 0.06 among them), TaylorSeer's and DeepCache's full-step intervals.
 CACHE_SETTINGS: dict[str, tuple[float, ...]] = {
     "first-block": (0.02, 0.05, 0.08, 0.12, 0.2, 0.3, 0.5, 0.8),
     "magcache": (0.02, 0.06, 0.1, 0.2, 0.4, 0.8),
     "taylorseer": (2, 3, 4, 5, 6, 8),
+    "deepcache": (2, 3, 4, 5, 6, 8),
 }
 
 
