@@ -251,7 +251,7 @@ def test_the_cli_builds_the_split_and_runs_a_cache_in_generate_and_bench(cached_
 
 def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything():
     unet = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--caches", "first-block")
-    assert unet.returncode == 2 and "tiny's denoiser is a UNet" in unet.stderr
+    assert unet.returncode == 2 and "its denoiser is a UNet; use --caches deepcache" in unet.stderr
     malformed = run_cli("generate", "--model", "tiny-flux", "--cache", "first-block:high")
     assert malformed.returncode == 2 and "'high' is not a number" in malformed.stderr
 
