@@ -191,7 +191,7 @@ def test_engines_skip_the_steps_the_package_skips_and_draw_its_image(deepcache_s
     cache = DeepCache(pipe)
     cache.set_params(cache_interval=interval, cache_branch_id=0)
     cache.enable()
-    deep = pipe.unet.split.deep
+    deep = pipe.unet.opened_split().deep
     image, got = generate(pipe, lambda: deep.calls)
     print(f"{preset} interval {interval}: {got} (package: {want}), PSNR {psnr_db(image, want_image):.1f} dB")
     assert got == want and "S" in got

@@ -78,18 +78,18 @@ def decisions(monkeypatch):
     return made
 
 
-def generate(pipe, config=None, context=contextlib.nullcontext) -> np.ndarray:
+def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.ndarray:
     if config is not None:
         pipe.transformer.enable_cache(config)
     try:
         with context():
-            return pipe("a cat", generator=torch.Generator().manual_seed(0), **CALL).images
+            return pipe("a cat", generator=torch.Generator().manual_seed(0), **CALL, **call).images
     finally:
         if config is not None:
             pipe.transformer.disable_cache()
 
 
-@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-flux-schnell", "tiny-sd3"])
 def test_the_parts_chained_compute_the_whole_transformer(preset):
     model = resolve_model(preset)
     network = load_folder(model, "transformer", torch.float32)
@@ -126,10 +126,19 @@ def test_first_block_cache_on_flux_engines_skips_the_steps_diffusers_skips(cache
         decisions.clear()
         image = generate(engines, FirstBlockCacheConfig(threshold=threshold))
         assert "".join(decisions) == on_pytorch, threshold
-        assert "s" in on_pytorch and on_pytorch.startswith("C"), on_pytorch  # a cache that skips, or no test
+        assert "s" in on_pytorch, on_pytorch  # a cache that skips, or no test
         assert psnr_db(image, expected) >= 35.0
         assert psnr_db(image, uncached) < 80.0  # the skipped steps changed the image: the cache ran
     assert np.array_equal(generate(engines), uncached)  # disable_cache: the whole engine again, bit for bit
+    # True CFG: two passes a step, each in its own cache context ("cond", "uncond") with its own state.
+    true_cfg = {"negative_prompt": "a dog", "true_cfg_scale": 2.0}
+    decisions.clear()
+    expected = generate(reference, FirstBlockCacheConfig(threshold=0.3), **true_cfg)
+    on_pytorch = "".join(decisions)
+    decisions.clear()
+    image = generate(engines, FirstBlockCacheConfig(threshold=0.3), **true_cfg)
+    assert "".join(decisions) == on_pytorch and len(on_pytorch) == 2 * STEPS and "s" in on_pytorch
+    assert psnr_db(image, expected) >= 35.0
 
 
 class PassTextThrough(torch.nn.Module):
@@ -179,7 +188,7 @@ def test_taylorseer_lite_and_magcache_on_flux_engines_match_pytorch(cached_sets,
     reference = sdtrt.load_pipeline("tiny-flux")
     engines = sdtrt.load_pipeline("tiny-flux", engine=cached_sets("tiny-flux"))
     uncached = generate(engines)
-    rest = engines.transformer.split.rest
+    rest = engines.transformer.opened_split().rest
     before = rest.calls
     image = generate(engines, config)
     assert rest.calls - before < STEPS  # some steps ran no block after the first
@@ -249,11 +258,20 @@ def test_the_cli_builds_the_split_and_runs_a_cache_in_generate_and_bench(cached_
     assert cached["psnr_db"] > 35 and 0.9 < cached["ssim"] <= 1.0
 
 
-def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything():
+def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything(fp32_engine_sets, tmp_path):
     unet = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--caches", "first-block")
     assert unet.returncode == 2 and "its denoiser is a UNet; use --caches deepcache" in unet.stderr
-    malformed = run_cli("generate", "--model", "tiny-flux", "--cache", "first-block:high")
-    assert malformed.returncode == 2 and "'high' is not a number" in malformed.stderr
+    for value in ("high", "nan"):
+        malformed = run_cli("generate", "--model", "tiny-flux", "--cache", f"first-block:{value}")
+        assert malformed.returncode == 2 and f"'{value}' is not a number" in malformed.stderr
+    report = tmp_path / "report.json"
+    plain = str(fp32_engine_sets("tiny-flux").path)
+    for command, extra in (("generate", ("--out", str(tmp_path / "x.png"))), ("validate", ("--json", str(report)))):
+        refused = run_cli(command, "--engine", plain, "--cache", "first-block:0.3", *extra)
+        assert refused.returncode == 2 and "recompile it with `sdtrt compile --caches first-block`" in refused.stderr
+        assert refused.stderr.count("\n") == 1 and not report.exists()  # one line, before anything ran
+    sd3 = run_cli("generate", "--model", "tiny-sd3", "--cache", "magcache")
+    assert sd3.returncode == 2 and "diffusers publishes for Flux only" in sd3.stderr
 
 
 def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_ones():
@@ -296,6 +314,13 @@ def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_u
     assert f"--cache auto: {calibration['chosen']['cache']}" in used.stderr
     other = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "7", "--out", str(image))
     assert other.returncode == 2 and "no calibration" in other.stderr and "--steps 7" in other.stderr
+    twice = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "20", *short)
+    assert twice.returncode == 0, twice.stderr
+    ambiguous = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "6", "--out", str(image))
+    assert ambiguous.returncode == 2 and "several calibrations" in ambiguous.stderr
+    named = run_cli("generate", "--engine", engine, "--cache", "auto:first-block", "--steps", "6", "--height", "128",
+                    "--width", "128", "--out", str(image), check=True)  # fmt: skip
+    assert f"{calibration['chosen']['cache']}, as calibrate-cache found it" in named.stderr
     # TaylorSeer predicts some steps at its most cautious interval already: no image stays unchanged.
     unreachable = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "1000", *short)
     assert unreachable.returncode == 2 and "no setting of taylorseer kept 1000 dB" in unreachable.stderr
@@ -316,7 +341,7 @@ def test_a_triton_deployment_runs_every_request_with_its_step_cache(cached_sets,
     model.pipe = sdtrt.load_pipeline("tiny-flux", engine=written.engine)
     model.stop_file, model.server_pid = None, os.getppid()
     rows = [GenerateRequest(prompt="a cat", steps=10, height=128, width=128)]
-    rest = model.pipe.transformer.split.rest
+    rest = model.pipe.transformer.opened_split().rest
     cached = np.asarray(model.generate(rows).images[0], dtype=np.float64) / 255
     assert rest.calls < 10 and not model.pipe.transformer.is_cache_enabled  # skipped steps; off between requests
     uncached = np.asarray(sdtrt.generate(model.pipe, rows[0]).images[0], dtype=np.float64) / 255

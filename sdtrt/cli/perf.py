@@ -12,6 +12,7 @@ from ..core.config import BENCH_BACKENDS, BenchConfig, Precision
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import console, results, step
 from ..pipeline.request import GenerateRequest, SizeRule
+from ..pipeline.step_cache import model_problem
 from . import request_options, result_files, store_options
 from .step_cache import cache_comparison_line
 
@@ -57,9 +58,9 @@ def bench(
     from ..sources.models import resolve_model
 
     loras = tuple(request_options.lora_options(lora))
-    if cache == "auto":
+    if cache is not None and cache.startswith("auto"):
         raise RequestError("bench compiles its own engines, which have no calibration: give the cache's setting")
-    request_options.step_cache(cache)  # a malformed --cache is a usage error before anything loads
+    step_cache = request_options.step_cache(cache)  # a malformed --cache is a usage error before anything loads
     try:  # backends and their precisions: a usage error before anything loads
         config = BenchConfig(
             backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch,
@@ -69,6 +70,8 @@ def bench(
         raise RequestError(str(exc)) from None
     source = resolve_model(model)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
+    if step_cache is not None and (problem := model_problem(step_cache, source, source.name)):
+        raise RequestError(problem)
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
         result_files.ensure_parent(path, option)
     from ..tools.bench import check_engines_ran, run_bench, write_chart

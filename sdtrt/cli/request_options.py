@@ -17,6 +17,7 @@ from ..pipeline.request import FLOW_SCHEDULERS, SCHEDULERS
 if TYPE_CHECKING:
     from ..pipeline.request import GenerateRequest
     from ..pipeline.step_cache import StepCache
+    from ..sources.models import ModelSource
 
 HeightPxOpt = Annotated[int | None, typer.Option(help="Image height in pixels (default: the model's).")]
 WidthPxOpt = Annotated[int | None, typer.Option(help="Image width in pixels (default: the model's).")]
@@ -49,7 +50,7 @@ CacheOpt = Annotated[
         help="A step cache on the denoiser (engines compiled with --caches): first-block[:THRESHOLD] (diffusers' "
         "First-Block Cache, default 0.05; higher skips more), taylorseer[:INTERVAL] (TaylorSeer lite, a full step "
         "every INTERVAL, default 5), magcache[:THRESHOLD] (MagCache with diffusers' Flux ratios, default 0.06), "
-        "deepcache[:INTERVAL] (a UNet's; a full step every INTERVAL, default 3), or auto: the setting `sdtrt "
+        "deepcache[:INTERVAL] (a UNet's; a full step every INTERVAL, default 3), or auto[:KIND]: the setting `sdtrt "
         "calibrate-cache` stored for the engine set at these steps.",
     ),
 ]
@@ -59,26 +60,40 @@ def step_cache(text: str | None) -> StepCache | None:
     """--cache, parsed before anything loads (exit 2 when malformed); ``auto`` is resolved later (resolve_cache)."""
     from ..pipeline.step_cache import StepCache
 
+    if text is None or text == "auto" or text.startswith("auto:"):
+        return None
     try:
-        return StepCache.parse(text) if text not in (None, "auto") else None
+        return StepCache.parse(text)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
 
 
-def resolve_cache(text: str | None, engine: Artifact | None, steps: int, scheduler: str | None) -> StepCache | None:
-    """--cache with ``auto`` looked up: the calibration stored beside ``engine`` (exit 2 without one, or engine)."""
-    if text != "auto":
-        return step_cache(text)
-    if engine is None:
-        raise RequestError("--cache auto reads the calibration of an engine set: pass --engine")
-    from ..core.errors import ArtifactNotFoundError
-    from ..tools.cache_calibration import auto_cache
+def resolve_cache(
+    text: str | None, engine: Artifact | None, model: ModelSource, steps: int, scheduler: str | None,
+    from_image: bool = False,
+) -> StepCache | None:  # fmt: skip
+    """--cache, ``auto[:KIND]`` looked up (the calibration stored beside ``engine``), and checked against the model
+    and the engines before anything loads: exit 2 for a cache that cannot run there."""
+    from ..pipeline.step_cache import engines_problem, model_problem
+    from ..stages.engine_set import engine_members
 
-    try:
-        cache = auto_cache(engine, steps, scheduler)
-    except ArtifactNotFoundError as exc:
-        raise RequestError(str(exc)) from None
-    console.print(f"[dim]--cache auto: {cache.label}, as calibrate-cache found it for these engines[/]")
+    cache = step_cache(text)
+    if text is not None and cache is None:
+        if engine is None:
+            raise RequestError("--cache auto reads the calibration of an engine set: pass --engine")
+        from ..core.errors import ArtifactNotFoundError
+        from ..tools.cache_calibration import auto_cache
+
+        try:
+            cache = auto_cache(engine, steps, scheduler, text.partition(":")[2] or None)
+        except ArtifactNotFoundError as exc:
+            raise RequestError(str(exc)) from None
+        console.print(f"[dim]--cache {text}: {cache.label}, as calibrate-cache found it for these engines[/]")
+    if cache is None:
+        return None
+    members = engine_members(engine) if engine is not None else None
+    if problem := model_problem(cache, model, model.name, from_image) or engines_problem(cache, members, model):
+        raise RequestError(problem)
     return cache
 
 

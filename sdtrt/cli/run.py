@@ -111,7 +111,7 @@ def generate_command(
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
     check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
-    step_cache = request_options.resolve_cache(cache, artifact, steps, scheduler)
+    step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
 
     from ..pipeline.loading import generate, load_pipeline
 
@@ -172,7 +172,7 @@ def validate_command(
 
     from ..tools.validate import validate
 
-    step_cache = request_options.resolve_cache(cache, artifact, steps, scheduler)
+    step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler)
     report = validate(source, artifact, config)
     print_report(report, results)
     cached = None

@@ -69,13 +69,15 @@ def deploy_triton_command(
     budget = request_options.weight_budget(weight_streaming_budget)  # exit 2 when malformed, before anything loads
     request_options.step_cache(cache)
     artifact = store_options.find_engine(engine, engines)
-    step_cache = request_options.resolve_cache(cache, artifact, max_steps, None)
+    source = resolve_model(model) if model else None
+    # auto: the calibration at --max-steps steps serves every request, whatever its steps
+    step_cache = request_options.resolve_cache(cache, artifact, source or store_options.model_for(None, artifact),
+                                               max_steps, None)  # fmt: skip
     config = TritonDeployConfig(
         name=name, instances=instances, max_batch=max_batch, max_steps=max_steps,
         dynamic_batching=dynamic_batching, max_queue_delay_us=queue_delay_us, kind=kind,
         weight_budget=budget.text if budget else None, cache=step_cache.label if step_cache else None,
     )  # fmt: skip
-    source = resolve_model(model) if model else None
     deployment = deploy_triton(artifact, out, config, source)
     typer.echo(deployment.folder)
 

@@ -38,8 +38,9 @@ def calibrate_cache_command(
     """Find the most aggressive setting of a step cache that keeps a quality target on an engine set, and store it
     beside the set for `--cache auto` (generate, validate) at the same steps and scheduler.
 
-    The settings are tried from the most cautious (First-Block Cache: thresholds 0.02 … 0.8; TaylorSeer, DeepCache:
-    intervals 2 … 8); each prompt's cached image is compared with the uncached engine pipeline's, same seed.
+    The settings are tried from the most cautious (First-Block Cache: thresholds 0.02 … 0.8; MagCache: 0.02 … 0.8;
+    TaylorSeer, DeepCache: intervals 2 … 8); each prompt's cached image is compared with the uncached engine
+    pipeline's, same seed. With several calibrations of one set at the same steps, name the kind: --cache auto:KIND.
 
     Example: sdtrt calibrate-cache --engine engines/set/<key> --cache first-block --min-psnr 30 --steps 28
     """
@@ -55,10 +56,12 @@ def calibrate_cache_command(
     source = store_options.model_for(model, artifact)
     if scheduler:
         check_scheduler(scheduler, source.family(), source.pipeline_class())
+    request_options.resolve_cache(f"{cache}:{CACHE_SETTINGS[cache][0]:g}", artifact, source, steps, scheduler)
     calibration = calibrate_step_cache(source, artifact, config)
     for row in calibration.manifest["tried"]:
         psnr = "unchanged" if row["min_psnr_db"] is None else f"{row['min_psnr_db']:.1f} dB"
-        results.print(f"--cache {row['cache']}: worst image {psnr}, skipped {row['skipped_share']:.0%} of the steps")
+        skipped = "?" if row["skipped_share"] is None else f"{row['skipped_share']:.0%}"
+        results.print(f"--cache {row['cache']}: worst image {psnr}, skipped {skipped} of the steps")
     chosen = calibration.manifest["cache"]
     if chosen is None:
         raise RequestError(f"no setting of {cache} kept {min_psnr:g} dB; lower --min-psnr or run without a cache")
@@ -73,9 +76,10 @@ def cache_comparison_line(backend: str, cached: dict) -> str:
     if "error" in cached:
         return f"[yellow]{backend} --cache {cached['cache']}:[/] {escape(cached['error'])}"
     full = cached["full_evaluations"]
+    psnr = "unchanged" if cached["psnr_db"] is None else f"PSNR {cached['psnr_db']:.1f} dB"
     evaluations = f"{full}/{cached['denoiser_calls']} full evaluations, " if full is not None else ""
     return (
         f"{backend} --cache {cached['cache']}: {evaluations}denoising loop {cached['denoise_loop_s']['median']:.3f} s "
         f"→ {cached['cached_denoise_loop_s']['median']:.3f} s ({cached['speedup']:.2f}×); against the uncached "
-        f"image PSNR {cached['psnr_db']:.1f} dB, SSIM {cached['ssim']:.4f}"
+        f"image {psnr}, SSIM {cached['ssim']:.4f}"
     )

@@ -46,9 +46,9 @@ class EngineLoras:
     runtime: Any  # the Runtime whose weights change
     weight_map: Callable[[], WeightMap]  # made (or found in the store) on the first LoRA
     family: str | None = None  # the model's (ModelSource.family()): whose diffusers loader reads its LoRA files
-    # A part of the network (a step cache's split member): it takes the modules its graph holds and leaves the others
-    # to the whole network's engine, which still refuses a module no engine holds.
-    part: bool = False
+    # A part of the network (a step cache's split member): which of the network's modules it holds (the others are the
+    # other parts'; the whole network's engine still refuses a module it cannot place). None: the whole network.
+    holds: Callable[[str], bool] | None = None
     active: list[tuple[Path, float]] = field(default_factory=list)
     last_swap_s: float | None = None  # read + compute + engine swap time of the last set of LoRAs
     _map: WeightMap | None = None
@@ -112,7 +112,7 @@ class EngineLoras:
         placed = []
         for lora, scale in files:
             for module, pair in lora.parts.get(self.component, {}).items():
-                if self.part and f"{module}.weight" not in weight_map.mapped:
+                if self.holds is not None and not self.holds(module):
                     continue
                 if problem := placement_problem(module, pair, weight_map, self.component):
                     raise LoraError(f"{lora.path}: {problem}")
@@ -161,6 +161,15 @@ def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsew
         swapped.append(NETWORK_NAMES[target.component])
     for target in targets:
         target.last_swap_s = time.perf_counter() - started
+
+
+def sync_loras(targets: Sequence[EngineLoras], like: EngineLoras) -> None:
+    """Put into ``targets`` (parts of one network, opened later) the LoRAs ``like`` (the whole network) runs now."""
+    if not like.active:
+        return
+    files = [(read_lora(path, like.family), scale) for path, scale in like.active]
+    for target in targets:
+        target.swap(*target.weights(files), list(like.active))
 
 
 class LoraNetwork:

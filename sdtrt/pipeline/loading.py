@@ -155,35 +155,41 @@ def standins(
 ) -> dict[str, Any]:  # fmt: skip
     """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
     ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
-    runtimes = open_members(members, source, weight_budget, opened)
+    # A step cache's split members open when a cache first runs: until then a set compiled with caches loads and
+    # holds what one without them does (the transformer twice would be 24 GB more for Flux).
+    split: dict[str, Artifact] = {c: a for c, a in members.items() if c in (*TRANSFORMER_PARTS, *UNET_PARTS)}
+    runtimes = open_members({c: a for c, a in members.items() if c not in split}, source, weight_budget, opened)
     out: dict[str, EngineModule] = {}
 
-    def loras(member: str, network: str | None = None) -> EngineLoras:
-        """One member's LoRAs; it takes ``network``'s part of a LoRA file (a split member: the transformer's)."""
-        network = network or member
+    def loras(member: str, network: str | None = None, runtime: Runtime | None = None) -> EngineLoras:
+        """One member's LoRAs; a split member's (``runtime``) take the modules it holds of ``network``'s."""
+        from ..spec.transformer_split import part_holds
+
         return EngineLoras(
-            network, runtimes[member], partial(weight_maps.for_engine, members[member], source, network),
-            family=source.family(), part=network != member,
+            network or member, runtime or runtimes[member],
+            partial(weight_maps.for_engine, members[member], source, network or member), family=source.family(),
+            holds=partial(part_holds, member) if network and network != member else None,
         )  # fmt: skip
+
+    def opener(names: Sequence[str]) -> Callable[[], dict[str, Runtime]]:
+        return lambda: open_members({c: split[c] for c in names}, source, weight_budget, opened)
 
     for component, runtime in runtimes.items():
         if component in NETWORK_STANDINS:
             out[FOLDERS[component]] = NETWORK_STANDINS[component](source, component, runtime, dtype, loras)
-    parts: dict[str, Runtime] = {c: runtimes[c] for c in TRANSFORMER_PARTS if c in runtimes}
-    if parts:
+    if parts := [c for c in TRANSFORMER_PARTS if c in split]:
         from ..standins.transformer import EngineTransformer
 
         transformer = out.get("transformer")
         if not isinstance(transformer, EngineTransformer):
             raise ArtifactError("the engine set holds a split transformer without its whole engine; recompile it")
         # where step caches run (standins/step_cache.py)
-        transformer.use_parts(parts, [loras(c, "transformer") for c in parts])
-    unet_parts: dict[str, Runtime] = {c: runtimes[c] for c in UNET_PARTS if c in runtimes}
-    if unet_parts:
+        transformer.use_parts(opener(parts), lambda member, runtime: loras(member, "transformer", runtime))
+    if unet_parts := [c for c in UNET_PARTS if c in split]:
         unet = out.get("unet")
         if not isinstance(unet, EngineUNet):
             raise ArtifactError("the engine set holds DeepCache members without the whole UNet engine; recompile it")
-        unet.use_parts(unet_parts)  # where DeepCache runs (standins/deepcache.py)
+        unet.use_parts(opener(unet_parts))  # where DeepCache runs (standins/deepcache.py)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

@@ -13,10 +13,15 @@ standins/deepcache.py); the transformer caches run on the PyTorch pipeline the s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..core.artifact import Artifact
+from ..core.config import TRANSFORMER_PARTS, UNET_PARTS
 from ..core.errors import ConfigError, EngineInputError
+from ..spec import denoiser_component, folder_architecture
+from ..spec.base import ModelConfigs
 
 CacheKind = Literal["first-block", "taylorseer", "magcache", "deepcache"]
 DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06, "deepcache": 3}
@@ -40,7 +45,9 @@ class StepCache:
         try:
             number = float(value) if value else DEFAULTS[kind]
         except ValueError:
-            raise ConfigError(f"--cache {text}: {value!r} is not a number; give {SYNTAX}") from None
+            number = math.nan
+        if not math.isfinite(number):
+            raise ConfigError(f"--cache {text}: {value!r} is not a number; give {SYNTAX}")
         if number <= 0 or (kind in INTERVALS and not number.is_integer()):
             what = "a whole number of steps" if kind in INTERVALS else "a threshold over 0"
             raise ConfigError(f"--cache {text}: {kind} takes {what}")
@@ -53,19 +60,57 @@ class StepCache:
     def config(self, pipe: Any, steps: int) -> Any:
         """diffusers' config for this cache, for ``pipe`` generating ``steps`` steps."""
         import diffusers.hooks as hooks
+        import torch
 
         if self.kind == "first-block":
             return hooks.FirstBlockCacheConfig(threshold=self.value)
         if self.kind == "taylorseer":
-            return hooks.TaylorSeerCacheConfig(cache_interval=int(self.value), use_lite_mode=True)
-        if type(pipe.transformer).__name__ not in ("FluxTransformer2DModel", "EngineFluxTransformer"):
-            raise EngineInputError(
-                "magcache needs the model's magnitude ratios, which diffusers publishes for Flux only: use "
-                "MagCacheConfig(calibrate=True) in Python to measure them, or another --cache"
+            # fp32 Taylor factors (diffusers' default is bf16): a predicted step is then as precise as the engines.
+            return hooks.TaylorSeerCacheConfig(
+                cache_interval=int(self.value), use_lite_mode=True, taylor_factors_dtype=torch.float32
             )
         from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 
         return hooks.MagCacheConfig(threshold=self.value, num_inference_steps=steps, mag_ratios=FLUX_MAG_RATIOS)
+
+
+def model_problem(cache: StepCache, model: ModelConfigs, name: str, from_image: bool = False) -> str | None:
+    """Why ``cache`` cannot run on model ``name``'s pipeline (``from_image``: img2img or inpainting), or None."""
+    if (denoiser_component(model) == "unet") != (cache.kind == "deepcache"):
+        what, use = ("UNet", "deepcache") if cache.kind != "deepcache" else ("transformer", "first-block or taylorseer")
+        return f"--cache {cache.kind} cannot run on {name}: its denoiser is a {what}; use {use}"
+    flux = folder_architecture(model, "transformer") == "FluxTransformer2DModel"
+    if cache.kind == "magcache" and not flux:
+        return (
+            "--cache magcache needs the model's magnitude ratios, which diffusers publishes for Flux only: use "
+            "MagCacheConfig(calibrate=True) in Python to measure them, or another --cache"
+        )
+    if cache.kind == "magcache" and from_image:
+        return (
+            "--cache magcache reads its ratios from the schedule's first step, and img2img and inpainting start "
+            "later: use first-block or taylorseer"
+        )
+    return None
+
+
+def engines_problem(cache: StepCache, members: dict[str, Artifact] | None, model: ModelConfigs) -> str | None:
+    """Why ``cache`` cannot run on these engine members (None: the PyTorch pipeline), or None."""
+    if members is None:
+        if cache.kind == "deepcache":
+            return "--cache deepcache runs on engines: pass --engine, a set compiled with `--caches deepcache`"
+        if folder_architecture(model, "transformer") != "FluxTransformer2DModel":
+            return (
+                f"--cache {cache.kind}: diffusers' SD3Transformer2DModel has no enable_cache; pass --engine, a set "
+                "compiled with `--caches first-block`"
+            )
+        return None
+    if not any(c in members for c in (UNET_PARTS if cache.kind == "deepcache" else TRANSFORMER_PARTS)):
+        kind = "deepcache" if cache.kind == "deepcache" else "first-block"
+        return (
+            f"--cache {cache.kind}: the engine set has no split members for it; recompile it with `sdtrt compile "
+            f"--caches {kind}`"
+        )
+    return None
 
 
 def enable_step_cache(pipe: Any, cache: StepCache, steps: int) -> None:
@@ -94,11 +139,12 @@ def disable_step_cache(pipe: Any) -> None:
         pipe.unet.disable_deepcache()
 
 
-def full_evaluations(pipe: Any) -> int | None:
-    """How many full network evaluations the engines' split members ran so far: the transformer's blocks after the
-    first, the UNet's deep pass (None without split members: PyTorch)."""
+def split_calls(pipe: Any) -> tuple[int, int] | None:
+    """(full evaluations, steps) the engines' split members have run so far: a transformer's other-blocks engine and
+    its embedders' (which every cached step runs), a UNet's deep pass and its deep + shallow passes; None while no
+    split member is open (PyTorch, or before a cache first ran)."""
     if (split := getattr(getattr(pipe, "transformer", None), "split", None)) is not None:
-        return int(split.rest.calls)
+        return int(split.rest.calls), int(split.embed.calls)
     if (split := getattr(getattr(pipe, "unet", None), "split", None)) is not None:
-        return int(split.deep.calls)
+        return int(split.deep.calls), int(split.deep.calls + split.shallow.calls)
     return None

@@ -198,6 +198,25 @@ def part_class(component: str, architecture: str) -> type[TransformerPartSpec]:
     return next(c for c in PART_CLASSES if c.component == component and c.architecture == architecture)
 
 
+# The transformer's modules outside its blocks, by the part that holds them (diffusers' attribute names).
+EMBEDDERS = ("x_embedder.", "context_embedder.", "time_text_embed.", "pos_embed.")
+HEAD = ("norm_out.", "proj_out.")
+
+
+def part_holds(component: str, module: str) -> bool:
+    """Whether the split member ``component`` holds the transformer's ``module`` (a LoRA's target): the embedders,
+    the first block (``transformer_blocks.0``), the output head, or every other block."""
+    name = f"{module}."
+    first = name.startswith("transformer_blocks.0.")
+    if component == "transformer_embed":
+        return name.startswith(EMBEDDERS)
+    if component == "transformer_first_block":
+        return first
+    if component == "transformer_out":
+        return name.startswith(HEAD)
+    return not (first or name.startswith(EMBEDDERS + HEAD))
+
+
 def split_problem(config: dict[str, Any]) -> str | None:
     """Why this transformer cannot be split for step caches (one block: nothing to skip), or None."""
     blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)

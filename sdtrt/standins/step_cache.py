@@ -141,14 +141,18 @@ class SplitTransformer:
         return self.head(hidden_states=hidden, temb=temb, latents=inputs["hidden_states"])
 
 
-def cache_problem(config: Any, split: SplitTransformer | None) -> str | None:
-    """Why this engine transformer cannot run ``config`` (a diffusers cache config), or None when it can."""
+def cache_problem(config: Any, has_parts: bool) -> str | None:
+    """Why an engine transformer (``has_parts``: its set has the split members) cannot run ``config`` (a diffusers
+    cache config), or None when it can."""
+    import diffusers.hooks as hooks
+
     name = type(config).__name__
-    if name in UNHONOURED:
-        return f"{name} {UNHONOURED[name]}"
-    if name not in HONOURED:
+    for refused, why in UNHONOURED.items():
+        if isinstance(config, getattr(hooks, refused, ())):  # a subclass too
+            return f"{name} {why}"
+    if not isinstance(config, tuple(getattr(hooks, n) for n in HONOURED)):
         return f"{name} is not a step cache sdtrt knows; engines run {', '.join(HONOURED)}"
-    if split is None:
+    if not has_parts:
         return (
             "this engine set has no split members for step caches: recompile with `sdtrt compile --caches "
             "first-block` (Python: compile_model(..., caches=('first-block',)))"

@@ -9,7 +9,7 @@ engine's graph cannot do: skip-layer guidance, a LoRA scale, ControlNet block sa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,7 +19,7 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ..core.errors import ArtifactError, EngineInputError
-from ..lora.refit import EngineLoras, LoraNetwork
+from ..lora.refit import EngineLoras, LoraNetwork, sync_loras
 from ..runtime import Runtime
 from ..spec import FluxTransformerSpec, TransformerSpec
 from .base import EngineModule
@@ -66,19 +66,32 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
         self.spec: TransformerSpec = runtime.spec
         self.runtime = runtime
         self.loras = loras  # set_loras puts LoRA weights into the engine, from its base weights
-        self.split: SplitTransformer | None = None  # the part engines step caches chain (use_parts)
+        self.split: SplitTransformer | None = None  # the part engines step caches chain (opened_split)
+        self._open_parts: Callable[[], dict[str, Runtime]] | None = None  # use_parts'
+        self._part_loras: Callable[[str, Runtime], EngineLoras] | None = None
         self.part_loras: list[EngineLoras] = []  # the parts' LoRAs: set_loras changes them with the whole engine
         self._in_cache_context = False
 
-    def use_parts(self, parts: dict[str, Runtime], part_loras: list[EngineLoras]) -> None:
-        """Run step caches (enable_cache) on these part engines of the same transformer (standins/step_cache.py):
-        their blocks and head become this stand-in's transformer_blocks and proj_out, where diffusers' hooks go.
-        ``part_loras``: each part's, so that LoRAs change the parts as they change the whole engine."""
-        self.split = SplitTransformer(parts)
-        self.part_loras = part_loras
-        self._runtimes += self.split.runtimes()
-        self.transformer_blocks = self.split.blocks
-        self.proj_out = self.split.head
+    def use_parts(
+        self, open_parts: Callable[[], dict[str, Runtime]], part_loras: Callable[[str, Runtime], EngineLoras]
+    ) -> None:
+        """Run step caches (enable_cache) on the part engines of the same transformer that ``open_parts`` opens, at
+        the first enable_cache (standins/step_cache.py); ``part_loras``: a part's LoRAs, which change with the whole
+        engine's."""
+        self._open_parts, self._part_loras = open_parts, part_loras
+
+    def opened_split(self) -> SplitTransformer | None:
+        """The part engines, opened on the first call (None: the set has none): their blocks and head become this
+        stand-in's transformer_blocks and proj_out, where diffusers' hooks go, and they take the LoRAs it runs."""
+        if self.split is None and self._open_parts is not None and self._part_loras is not None:
+            parts = self._open_parts()
+            self.split = SplitTransformer(parts)
+            self._runtimes += self.split.runtimes()
+            self.part_loras = [self._part_loras(c, runtime) for c, runtime in parts.items()]
+            if self.loras is not None:
+                sync_loras(self.part_loras, self.loras)
+            self.transformer_blocks, self.proj_out = self.split.blocks, self.split.head
+        return self.split
 
     def engine_loras(self) -> list[EngineLoras]:
         return [*super().engine_loras(), *self.part_loras]
@@ -86,11 +99,14 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
     def enable_cache(self, config: Any) -> None:
         """diffusers' ``enable_cache``: FirstBlockCacheConfig, MagCacheConfig and TaylorSeerCacheConfig (lite mode)
         run on the engines of a set compiled with caches; any other config, or none of those parts, is refused."""
-        if problem := cache_problem(config, self.split):
+        if self.is_cache_enabled:
+            raise EngineInputError(f"{type(self).__name__}.enable_cache: a cache is on already: disable_cache() first")
+        if problem := cache_problem(config, has_parts=self._open_parts is not None):
             raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
+        split = self.opened_split()
+        assert split is not None  # cache_problem said the set has the parts
         CacheMixin.enable_cache(self, config)
-        assert self.split is not None  # cache_problem said so
-        if problem := check_hooked(self.split, config):
+        if problem := check_hooked(split, config):
             CacheMixin.disable_cache(self)
             raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
 
@@ -98,12 +114,12 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
     def cache_context(self, name: str, **kwargs: Any) -> Iterator[None]:
         """diffusers' ``cache_context``, remembered: SD3's pipeline calls the transformer outside any, and the cache
         hooks need one (forward opens "cond" for it: SD3 runs both guidance halves in one batch)."""
-        self._in_cache_context = True
+        outer, self._in_cache_context = self._in_cache_context, True
         try:
             with CacheMixin.cache_context(self, name, **kwargs):
                 yield
         finally:
-            self._in_cache_context = False
+            self._in_cache_context = outer
 
     def forward(
         self,

@@ -70,20 +70,28 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             width = config["projection_class_embeddings_input_dim"]
             self.add_embedding = SimpleNamespace(linear_1=SimpleNamespace(in_features=width))
         self.loras = loras
-        self.split: SplitUNet | None = None  # the DeepCache members (use_parts)
+        self.split: SplitUNet | None = None  # the DeepCache members, once opened (use_parts)
+        self._open_parts: Callable[[], dict[str, Runtime]] | None = None
         self.deepcache: DeepCacheRun | None = None  # while DeepCache is on
 
-    def use_parts(self, parts: dict[str, Runtime]) -> None:
-        """Run DeepCache on these members of the same UNet's engine set (standins/deepcache.py)."""
-        self.split = SplitUNet(parts)
-        self._runtimes += self.split.runtimes()
+    def use_parts(self, open_parts: Callable[[], dict[str, Runtime]]) -> None:
+        """Run DeepCache on the members of the same UNet's engine set that ``open_parts`` opens when DeepCache is first
+        enabled (standins/deepcache.py): until then the pipeline holds the UNet once."""
+        self._open_parts = open_parts
+
+    def opened_split(self) -> SplitUNet | None:
+        """The DeepCache members, opened on the first call (None: the set has none)."""
+        if self.split is None and self._open_parts is not None:
+            self.split = SplitUNet(self._open_parts())
+            self._runtimes += self.split.runtimes()
+        return self.split
 
     def enable_deepcache(self, cache_interval: int, cache_branch_id: int, step_of: Callable[[Timestep], int]) -> None:
         """DeepCache on the engines, a full step every ``cache_interval`` (``step_of``: a timestep's step, as the
         ``deepcache`` package counts them); refused without the members, at another branch, or with LoRAs set.
         sdtrt.DeepCache(pipe) is the way in, with DeepCacheSDHelper's calls."""
         loras_active = bool(self.loras is not None and self.loras.active)
-        if problem := deepcache_problem(self.split, cache_branch_id, loras_active):
+        if problem := deepcache_problem(self.opened_split(), cache_branch_id, loras_active):
             raise EngineInputError(f"DeepCache: {problem}")
         assert self.split is not None  # deepcache_problem said so
         self.deepcache = DeepCacheRun(self.split, cache_interval, step_of)

@@ -21,7 +21,7 @@ from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
-from ..pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache, full_evaluations
+from ..pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache, split_calls
 from ..sources.models import ModelSource
 from ..stages.engine_set import engine_members, engine_profile
 from .image_quality import psnr_db, ssim
@@ -59,19 +59,20 @@ def _search(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig
     for value in CACHE_SETTINGS[config.kind]:
         cache = StepCache(config.kind, value)  # type: ignore[arg-type]  # CacheCalibrationConfig checked the kind
         with step(f"Trying --cache {cache.label}"):
-            before = full_evaluations(pipe) or 0
             enable_step_cache(pipe, cache, config.steps)
             try:
+                before = split_calls(pipe) or (0, 0)
                 images = [generate(pipe, r, output_type="np").images for r in requests]
+                after = split_calls(pipe) or (0, 0)
             finally:
                 disable_step_cache(pipe)
-            full = (full_evaluations(pipe) or 0) - before
+            full, steps = after[0] - before[0], after[1] - before[1]  # steps: Heun's are two calls
         worst = min(psnr_db(i, r) for i, r in zip(images, references, strict=True))
         row = {
             "cache": cache.label,
             "min_psnr_db": round(worst, 2) if math.isfinite(worst) else None,  # None: every image unchanged
             "min_ssim": round(min(ssim(i, r) for i, r in zip(images, references, strict=True)), 4),
-            "skipped_share": round(1 - full / (config.steps * len(requests)), 4),
+            "skipped_share": round(1 - full / steps, 4) if steps else None,
         }
         tried.append(row)
         if worst < config.min_psnr_db:
@@ -94,26 +95,38 @@ def engine_store(engine: Artifact) -> Store:
     return Store(engine.path.parents[1])
 
 
-def find_calibration(engine: Artifact, steps: int, scheduler: str | None) -> Artifact | None:
-    """The newest calibration of ``engine`` at ``steps`` steps with ``scheduler`` (None: the pipeline's own)."""
-    found = [
+def find_calibrations(engine: Artifact, steps: int, scheduler: str | None, kind: str | None) -> list[Artifact]:
+    """The calibrations of ``engine`` at ``steps`` steps with ``scheduler`` (None: the pipeline's own), of ``kind``
+    (None: any)."""
+    return [
         a for a in engine_store(engine).artifacts()
         if a.stage == STAGE and a.manifest["inputs"][0]["digest"] == engine.key
         and a.manifest["config"]["steps"] == steps and a.manifest["config"]["scheduler"] == scheduler
+        and kind in (None, a.manifest["config"]["kind"])
     ]  # fmt: skip
-    return max(found, key=lambda a: (a.path / "manifest.json").stat().st_mtime, default=None)
 
 
-def auto_cache(engine: Artifact, steps: int, scheduler: str | None) -> StepCache:
-    """``--cache auto``: the setting ``calibrate-cache`` stored for this engine set, steps and scheduler."""
-    calibration = find_calibration(engine, steps, scheduler)
-    again = f"sdtrt calibrate-cache --engine {engine.path} --steps {steps}" + (
-        f" --scheduler {scheduler}" if scheduler else ""
+def auto_cache(engine: Artifact, steps: int, scheduler: str | None, kind: str | None = None) -> StepCache:
+    """``--cache auto[:KIND]``: the setting ``calibrate-cache`` stored for this engine set, steps and scheduler; refused
+    where none is stored, or where several calibrations chose different settings (name the kind, or the setting)."""
+    found = find_calibrations(engine, steps, scheduler, kind)
+    again = (
+        f"sdtrt calibrate-cache --engine {engine.path} --steps {steps}"
+        + (f" --cache {kind}" if kind else "")
+        + (f" --scheduler {scheduler}" if scheduler else "")
     )
-    if calibration is None:
+    if not found:
         raise ArtifactNotFoundError(
             f"--cache auto: no calibration of {engine.path} at {steps} steps; run `{again}` first"
         )
+    chosen = {a.manifest["cache"] for a in found}
+    if len(chosen) > 1:
+        each = ", ".join(f"{a.manifest['cache']} (target {a.manifest['config']['min_psnr_db']:g} dB)" for a in found)
+        raise ArtifactNotFoundError(
+            f"--cache auto: {engine.path} has several calibrations at {steps} steps: {each}; pass the setting itself "
+            "(--cache first-block:0.3) or the kind (--cache auto:first-block)"
+        )
+    calibration = found[0]
     if calibration.manifest["cache"] is None:
         target = calibration.manifest["config"]["min_psnr_db"]
         raise ArtifactNotFoundError(

@@ -160,7 +160,10 @@ def compile_model(
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
     wraps = chosen == "tensorrt" and unwrapped is None
-    components = (components or model_components(model)) + cache_members(model, caches, quantize_config)
+    components = components or model_components(model)
+    if caches and denoiser_component(model) not in components:  # the split members run beside the whole engine
+        components = (*components, denoiser_component(model))
+    components = (*components, *cache_members(model, caches, quantize_config))
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
     if chosen in ("tensorrt", "tensorrt-rtx"):

@@ -8,6 +8,7 @@ Runs alternate (uncached, cached, uncached, …) so that a machine growing busie
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from ..core.artifact import Artifact
 from ..core.config import ValidationConfig
 from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
-from ..pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache, full_evaluations
+from ..pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache, split_calls
 from ..sources.models import ModelSource
 from .image_quality import psnr_db, ssim
 from .timing import Stats
@@ -28,12 +29,12 @@ def _timed_run(pipe: Any, request: GenerateRequest) -> tuple[np.ndarray, float, 
     """One generation: its image, denoising-loop seconds, transformer calls and full evaluations."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tracer = Tracer(device)
-    before = full_evaluations(pipe)
+    before = split_calls(pipe)
     with instrument_pipeline(pipe, tracer) as steps, tracer.span("pipeline", "pipeline"):
         image = generate(pipe, request, on_step=steps.step_ended, output_type="np").images
     spans = tracer.spans()
-    after = full_evaluations(pipe)
-    full = None if before is None or after is None else after - before
+    after = split_calls(pipe)
+    full = None if before is None or after is None else after[0] - before[0]
     return image, breakdown(spans)["denoise_loop"], sum(s.category == "unet" for s in spans), full
 
 
@@ -58,7 +59,7 @@ def compare_step_cache(pipe: Any, request: GenerateRequest, cache: StepCache, re
         "denoise_loop_s": Stats.of(uncached_s).to_json(),
         "cached_denoise_loop_s": Stats.of(cached_s).to_json(),
         "speedup": round(loop / cached_loop, 3),
-        "psnr_db": round(psnr_db(image, reference), 2),
+        "psnr_db": None if math.isinf(psnr := psnr_db(image, reference)) else round(psnr, 2),  # None: equal images
         "ssim": round(ssim(image, reference), 4),
     }
 
