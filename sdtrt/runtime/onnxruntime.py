@@ -38,6 +38,10 @@ def session_options(threads: int = 0, preoptimized: bool = False):  # -> ort.Ses
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    # A pipeline runs several sessions one after another (text encoders, the denoiser or a step cache's split
+    # members, the VAE): threads left spinning after one session's run take the cores from the next. Measured on 2
+    # cores with Flux's four split members chained: spinning made the chain take ~2× the whole transformer.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     quiet_default_logger()
     if preoptimized:  # the build stage already applied and saved the graph optimizations
