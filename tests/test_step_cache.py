@@ -346,3 +346,32 @@ def test_a_triton_deployment_runs_every_request_with_its_step_cache(cached_sets,
     assert rest.calls < 10 and not model.pipe.transformer.is_cache_enabled  # skipped steps; off between requests
     uncached = np.asarray(sdtrt.generate(model.pipe, rows[0]).images[0], dtype=np.float64) / 255
     assert 30 < psnr_db(cached, uncached) < 80
+
+
+def test_perceptual_scores_read_a_local_clip_model_and_say_what_they_could_not_measure(tmp_path, monkeypatch):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    from sdtrt.tools.image_quality import CLIP_MODEL_ENV, clip_score, perceptual_scores
+
+    tokenizer = CLIPTokenizer.from_pretrained(resolve_model("tiny").path / "tokenizer")
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config={"vocab_size": tokenizer.vocab_size, "hidden_size": 32, "intermediate_size": 37,
+                     "num_hidden_layers": 2, "num_attention_heads": 4},
+        vision_config={"image_size": 32, "patch_size": 8, "hidden_size": 32, "intermediate_size": 37,
+                       "num_hidden_layers": 2, "num_attention_heads": 4},
+        projection_dim=16,
+    )  # fmt: skip
+    CLIPModel(config).save_pretrained(tmp_path)
+    CLIPProcessor(CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32), tokenizer).save_pretrained(tmp_path)
+    rng = np.random.default_rng(0)
+    image, other = rng.random((1, 48, 48, 3)), rng.random((1, 48, 48, 3))
+    score = clip_score(image, "a cat", str(tmp_path))
+    assert 0.0 <= score <= 100.0 and score == pytest.approx(clip_score(image.copy(), "a cat", str(tmp_path)))
+    assert score != pytest.approx(clip_score(other, "a cat", str(tmp_path)))  # it reads the image
+    monkeypatch.delenv(CLIP_MODEL_ENV, raising=False)
+    assert "clip_score" in perceptual_scores(image, other, "a cat")["not_measured"]
+    monkeypatch.setenv(CLIP_MODEL_ENV, str(tmp_path))
+    scores = perceptual_scores(image, other, "a cat")
+    assert scores["clip_score"] == pytest.approx(score, abs=1e-3)
+    assert "lpips" in scores or "lpips" in scores["not_measured"]  # measured where the lpips package is installed

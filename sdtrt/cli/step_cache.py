@@ -82,4 +82,7 @@ def cache_comparison_line(backend: str, cached: dict) -> str:
         f"{backend} --cache {cached['cache']}: {evaluations}denoising loop {cached['denoise_loop_s']['median']:.3f} s "
         f"→ {cached['cached_denoise_loop_s']['median']:.3f} s ({cached['speedup']:.2f}×); against the uncached "
         f"image {psnr}, SSIM {cached['ssim']:.4f}"
-    )
+        + (f", LPIPS {cached['lpips']:.4f}" if "lpips" in cached else "")
+        + (f", CLIP score {cached['clip_score']:.2f} (uncached {cached['reference_clip_score']:.2f})"
+           if "clip_score" in cached else "")
+    )  # fmt: skip

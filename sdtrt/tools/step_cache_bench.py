@@ -1,8 +1,9 @@
 """A step cache measured the way the field does: the cached and the uncached pipeline side by side in one run.
 
 Per image: the denoiser's calls and its full evaluations (a transformer's steps whose blocks after the first ran, a
-UNet's deep passes), the denoising
-loop's median seconds and their ratio, and the cached image against the uncached one (same seed): PSNR and SSIM.
+UNet's deep passes), the denoising loop's median seconds and their ratio, and the cached image against the uncached
+one (same seed): PSNR and SSIM; LPIPS and both images' CLIP scores where their weights are on this machine
+(image_quality.perceptual_scores says why where not).
 Runs alternate (uncached, cached, uncached, …) so that a machine growing busier weighs on both alike.
 """
 
@@ -20,7 +21,7 @@ from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
 from ..pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache, split_calls
 from ..sources.models import ModelSource
-from .image_quality import psnr_db, ssim
+from .image_quality import perceptual_scores, psnr_db, ssim
 from .timing import Stats
 from .trace import Tracer, breakdown, instrument_pipeline
 
@@ -61,7 +62,7 @@ def compare_step_cache(pipe: Any, request: GenerateRequest, cache: StepCache, re
         "speedup": round(loop / cached_loop, 3),
         "psnr_db": None if math.isinf(psnr := psnr_db(image, reference)) else round(psnr, 2),  # None: equal images
         "ssim": round(ssim(image, reference), 4),
-    }
+    } | perceptual_scores(image, reference, request.prompt)
 
 
 def compare_on_engines(
