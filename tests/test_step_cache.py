@@ -142,8 +142,9 @@ def test_first_block_cache_on_flux_engines_skips_the_steps_diffusers_skips(cache
 
 
 class PassTextThrough(torch.nn.Module):
-    """SD3's last block (context_pre_only) returns no text tokens; diffusers' First-Block Cache subtracts them. The
-    reference keeps the block and hands back the tokens it was given, which nothing reads after the last block."""
+    """SD3's last block (context_pre_only) returns no text tokens; diffusers' First-Block Cache subtracts them and
+    TaylorSeer reads their dtype. The reference keeps the block and hands back the tokens it was given, which nothing
+    reads after the last block."""
 
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
@@ -154,24 +155,35 @@ class PassTextThrough(torch.nn.Module):
         return encoder_hidden_states if text is None else text, hidden
 
 
-def test_first_block_cache_on_sd3_engines_matches_diffusers_hooks_on_the_pytorch_blocks(cached_sets, decisions):
+def test_sd3_engines_match_diffusers_hooks_on_the_pytorch_blocks(cached_sets, decisions):
+    """First-Block Cache at two thresholds and TaylorSeer lite, each against diffusers' own hooks applied to a fresh
+    PyTorch SD3 transformer (apply_*: SD3's class has no enable_cache) inside a cache context."""
+    from diffusers.hooks import apply_taylorseer_cache
+
     TransformerBlockRegistry.register(
         model_class=PassTextThrough,
         metadata=TransformerBlockMetadata(return_hidden_states_index=1, return_encoder_hidden_states_index=0),
     )
     engines = sdtrt.load_pipeline("tiny-sd3", engine=cached_sets("tiny-sd3"))
-    threshold = 0.5
-    reference = sdtrt.load_pipeline("tiny-sd3")
-    blocks = reference.transformer.transformer_blocks
-    blocks[-1] = PassTextThrough(blocks[-1])
-    apply_first_block_cache(reference.transformer, FirstBlockCacheConfig(threshold=threshold))
-    expected = generate(reference, context=lambda: CacheMixin.cache_context(reference.transformer, "cond"))
-    on_pytorch = "".join(decisions)
-    decisions.clear()
-    image = generate(engines, FirstBlockCacheConfig(threshold=threshold))
-    assert "".join(decisions) == on_pytorch
-    assert "s" in on_pytorch, on_pytorch
-    assert psnr_db(image, expected) >= 35.0
+    uncached = generate(engines)
+    taylorseer = TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=2, use_lite_mode=True, taylor_factors_dtype=torch.float32
+    )
+    for config in (FirstBlockCacheConfig(threshold=0.4), FirstBlockCacheConfig(threshold=0.6), taylorseer):
+        reference = sdtrt.load_pipeline("tiny-sd3")
+        blocks = reference.transformer.transformer_blocks
+        blocks[-1] = PassTextThrough(blocks[-1])  # TaylorSeer's hooks fail on its None too
+        apply = apply_first_block_cache if isinstance(config, FirstBlockCacheConfig) else apply_taylorseer_cache
+        apply(reference.transformer, config)
+        decisions.clear()
+        expected = generate(reference, context=lambda r=reference: CacheMixin.cache_context(r.transformer, "cond"))
+        on_pytorch = "".join(decisions)
+        decisions.clear()
+        image = generate(engines, config)
+        assert "".join(decisions) == on_pytorch, config
+        assert "s" in on_pytorch or not isinstance(config, FirstBlockCacheConfig), on_pytorch  # a cache that skips
+        assert psnr_db(image, expected) >= 35.0, config
+        assert psnr_db(image, uncached) < 80.0, config  # steps were skipped
 
 
 @pytest.mark.parametrize(
