@@ -148,50 +148,18 @@ class OutPart(TransformerPartSpec):
         return {NAMED_OUTPUT: (None, ("batch", self.out_channels, "height", "width"))}
 
 
-@dataclass(frozen=True)
-class FluxEmbedSpec(EmbedPart, FluxTransformerSpec):
-    pass
+def _part_kind(part: type[TransformerPartSpec], kind: type[TransformerSpec]) -> type[TransformerPartSpec]:
+    """The part's contract for one kind of transformer (``FluxEmbedSpec``, ``SD3OutSpec``, …): the part's class first
+    in the bases, so its IO wins; the kind's for the rest (architecture, fields, latent layout)."""
+    name = kind.__name__.removesuffix("TransformerSpec") + part.__name__.removesuffix("Part") + "Spec"
+    return dataclass(frozen=True)(type(name, (part, kind), {"__module__": __name__, "__qualname__": name}))
 
 
-@dataclass(frozen=True)
-class FluxFirstBlockSpec(FirstBlockPart, FluxTransformerSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class FluxRestSpec(RestPart, FluxTransformerSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class FluxOutSpec(OutPart, FluxTransformerSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class SD3EmbedSpec(EmbedPart, SD3TransformerSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class SD3FirstBlockSpec(FirstBlockPart, SD3TransformerSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class SD3RestSpec(RestPart, SD3TransformerSpec):
-    pass
-
-
-@dataclass(frozen=True)
-class SD3OutSpec(OutPart, SD3TransformerSpec):
-    pass
-
-
-PART_CLASSES: tuple[type[TransformerPartSpec], ...] = (
-    FluxEmbedSpec, FluxFirstBlockSpec, FluxRestSpec, FluxOutSpec, SD3EmbedSpec, SD3FirstBlockSpec, SD3RestSpec,
-    SD3OutSpec,
-)  # fmt: skip
+PART_CLASSES: tuple[type[TransformerPartSpec], ...] = tuple(
+    _part_kind(part, kind)
+    for kind in (FluxTransformerSpec, SD3TransformerSpec)
+    for part in (EmbedPart, FirstBlockPart, RestPart, OutPart)
+)
 
 
 def part_class(component: str, architecture: str) -> type[TransformerPartSpec]:
