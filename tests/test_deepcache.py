@@ -5,6 +5,7 @@ pipelines of SD 1.x (PNDM, which repeats a timestep) and SDXL (Euler) on ONNX Ru
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from sdtrt import ConfigError, DeepCache, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
 from sdtrt.core.config.shapes import Range
 from sdtrt.pipeline.loading import engine_members, load_pipeline, set_loras
+from sdtrt.pipeline.step_cache import StepCache
 from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import UNetSpec
 from sdtrt.spec.unet_split import DEEP_FEATURE, UNetDeepSpec, UNetShallowSpec
@@ -20,7 +22,7 @@ from sdtrt.stages.graph_module import graph_module, unet_extras
 from sdtrt.tools.compile import compile_model
 from sdtrt.tools.validate import psnr_db
 
-from .helpers import peft_lora
+from .helpers import peft_lora, run_cli
 
 PRESETS = ("tiny", "tiny-sdxl")
 # The tiny presets' UNets have two blocks of one layer (two per up block); "sd-layout" has SD's three layers per up
@@ -252,3 +254,15 @@ def test_compile_refuses_deepcache_where_no_unet_can_take_it(store):
         compile_model(resolve_model("tiny"), store, "onnxruntime", caches=("first-block",))
     with pytest.raises(ConfigError, match="no ControlNet residuals"):
         compile_model(resolve_model("tiny-controlnet"), store, "onnxruntime", caches=("deepcache",))
+
+
+def test_a_triton_deployment_takes_deepcache_on_a_set_with_its_members(deepcache_set, tmp_path):
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+
+    engine = deepcache_set("tiny").final
+    written = deploy_triton(engine, tmp_path / "repo", TritonDeployConfig(max_batch=1, cache="deepcache:3"))
+    assert written.cache == StepCache("deepcache", 3.0)
+    used = run_cli("generate", "--engine", str(engine.path), "--cache", "deepcache", "--steps", "6",
+                   "--height", "128", "--width", "128", "--out", str(tmp_path / "x.png"), check=True)  # fmt: skip
+    full = re.search(r"--cache deepcache:3: the full network ran on (\d+) of 7 denoiser calls", used.stderr)
+    assert full and 1 < int(full[1]) < 7, used.stderr  # PNDM's 6 steps are 7 calls

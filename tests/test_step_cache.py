@@ -246,6 +246,8 @@ def test_a_part_spec_survives_its_manifest(cached_sets):
     from sdtrt.stages.engine_set import engine_members
 
     members = engine_members(cached_sets("tiny-flux"))
+    reproduce = cached_sets("tiny-flux").manifest["reproduce"]
+    assert reproduce.endswith(" --caches first-block") and "transformer_embed" not in reproduce  # runs as it says
     for component in PARTS:
         spec = artifact_spec(members[component])
         assert type(spec) is part_class(component, "FluxTransformer2DModel")
@@ -268,6 +270,19 @@ def test_the_cli_builds_the_split_and_runs_a_cache_in_generate_and_bench(cached_
     assert cached["denoiser_calls"] == 10 and 0 < cached["full_evaluations"] < 10
     assert cached["skipped_share"] == pytest.approx(1 - cached["full_evaluations"] / 10)
     assert cached["psnr_db"] > 35 and 0.9 < cached["ssim"] <= 1.0
+
+
+def test_a_cache_option_parses_to_its_kind_and_setting():
+    from sdtrt.pipeline.step_cache import StepCache
+
+    assert StepCache.parse("taylorseer") == StepCache("taylorseer", 5.0)  # each kind's default without a value
+    assert StepCache.parse("deepcache") == StepCache("deepcache", 3.0)
+    assert StepCache.parse("first-block:0.08") == StepCache("first-block", 0.08)
+    refused = {"deepcache:0": "1 or more", "taylorseer:2.5": "whole number", "first-block:": "not a number",
+               "magcache:-1": "over 0", "teacache": "unknown step cache"}  # fmt: skip
+    for text, why in refused.items():
+        with pytest.raises(ConfigError, match=why):
+            StepCache.parse(text)
 
 
 def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything(fp32_engine_sets, tmp_path):
@@ -326,13 +341,18 @@ def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_u
     assert f"--cache auto: {calibration['chosen']['cache']}" in used.stderr
     other = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "7", "--out", str(image))
     assert other.returncode == 2 and "no calibration" in other.stderr and "--steps 7" in other.stderr
-    twice = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "20", *short)
-    assert twice.returncode == 0, twice.stderr
-    ambiguous = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "6", "--out", str(image))
-    assert ambiguous.returncode == 2 and "several calibrations" in ambiguous.stderr
-    named = run_cli("generate", "--engine", engine, "--cache", "auto:first-block", "--steps", "6", "--height", "128",
-                    "--width", "128", "--out", str(image), check=True)  # fmt: skip
-    assert f"{calibration['chosen']['cache']}, as calibrate-cache found it" in named.stderr
+    # The newest calibration is the one auto reads (a run asked again, a cache hit, becomes the newest); auto:KIND
+    # reads the newest of that kind.
+    newer = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "20", *short)
+    taylorseer = json.loads((Path(newer.stdout.strip().splitlines()[-1]) / "calibration.json").read_text())["chosen"]
+    for cache, chosen in (("auto", taylorseer), ("auto:first-block", calibration["chosen"])):
+        used = run_cli("generate", "--engine", engine, "--cache", cache, "--steps", "6", "--height", "128", "--width",
+                       "128", "--out", str(image), check=True)  # fmt: skip
+        assert f"{chosen['cache']}, as calibrate-cache found it" in used.stderr
+    run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", *short, check=True)  # a cache hit
+    again = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "6", "--height", "128", "--width",
+                    "128", "--out", str(image), check=True)  # fmt: skip
+    assert f"{calibration['chosen']['cache']}, as calibrate-cache found it" in again.stderr
     # TaylorSeer predicts some steps at its most cautious interval already: no image stays unchanged.
     unreachable = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "1000", *short)
     assert unreachable.returncode == 2 and "no setting of taylorseer kept 1000 dB" in unreachable.stderr

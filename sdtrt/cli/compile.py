@@ -144,6 +144,9 @@ def compile(
         cache_members(source, chosen_caches, quantized)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
+    denoiser = denoiser_component(source)
+    if chosen_caches and chosen_components and denoiser not in chosen_components:
+        console.print(f"[dim]--caches: the {denoiser} joins the set (its split members run beside it)[/]")
     # Each member's export config is this one with its component; the profile is the denoiser's.
     export_config = graph_options.export_config(
         graph_precision, exporter, opset, io_naming, denoiser_component(source), weights

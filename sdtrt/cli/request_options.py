@@ -84,8 +84,13 @@ def resolve_cache(
         from ..core.errors import ArtifactNotFoundError
         from ..tools.cache_calibration import auto_cache
 
+        kind = text.partition(":")[2] or None
+        if kind is not None and (
+            problem := model_problem(step_cache(kind) or StepCache.parse(kind), model, model.name)
+        ):
+            raise RequestError(problem)  # auto:KIND for a kind this model cannot run
         try:
-            cache = auto_cache(engine, steps, scheduler, text.partition(":")[2] or None)
+            cache = auto_cache(engine, steps, scheduler, kind)
         except ArtifactNotFoundError as exc:
             raise RequestError(str(exc)) from None
         console.print(f"[dim]--cache {text}: {cache.label}, as calibrate-cache found it for these engines[/]")

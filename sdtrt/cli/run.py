@@ -15,7 +15,7 @@ from rich.console import Console
 from ..core.config import ValidationConfig
 from ..core.errors import RequestError
 from ..core.families import TASKS
-from ..core.progress import counted_steps, results, step
+from ..core.progress import console, counted_steps, results, step
 from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
@@ -118,11 +118,15 @@ def generate_command(
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
     if step_cache is not None:
-        from ..pipeline.step_cache import enable_step_cache
+        from ..pipeline.step_cache import enable_step_cache, split_calls
 
         enable_step_cache(pipe, step_cache, steps)
+        before = split_calls(pipe)
     with counted_steps("Denoising", steps) as on_step:
         result = generate(pipe, request, on_step=on_step)
+    if step_cache is not None and before is not None and (after := split_calls(pipe)) is not None:
+        full, calls = after[0] - before[0], after[1] - before[1]
+        console.print(f"--cache {step_cache.label}: the full network ran on {full} of {calls} denoiser calls")
     result.images[0].save(out)
     typer.echo(out)
 

@@ -10,6 +10,7 @@ from ..core.config import CACHE_SETTINGS, CALIBRATION_PROMPTS, CacheCalibrationC
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import results
 from ..pipeline.request import check_scheduler
+from ..spec import denoiser_component
 from . import request_options, store_options
 
 
@@ -20,8 +21,12 @@ def register(app: typer.Typer) -> None:
 def calibrate_cache_command(
     engine: Annotated[str, typer.Option(help=f"{store_options.ENGINE_HELP} (compiled with --caches).")],
     cache: Annotated[
-        str, typer.Option(help=f"The step cache whose setting to search: {', '.join(CACHE_SETTINGS)}.")
-    ] = "first-block",
+        str | None,
+        typer.Option(
+            help=f"The step cache whose setting to search: {', '.join(CACHE_SETTINGS)} (default: first-block for a "
+            "transformer, deepcache for a UNet)."
+        ),
+    ] = None,
     min_psnr: Annotated[
         float, typer.Option(help="The quality target: each prompt's cached image against the uncached one, in dB.")
     ] = CacheCalibrationConfig.min_psnr_db,
@@ -46,14 +51,15 @@ def calibrate_cache_command(
     """
     from ..tools.cache_calibration import calibrate_step_cache
 
+    artifact = store_options.find_engine(engine, engines)
+    source = store_options.model_for(model, artifact)
+    cache = cache or ("deepcache" if denoiser_component(source) == "unet" else "first-block")
     try:
         config = CacheCalibrationConfig(
             cache, min_psnr, steps, scheduler, CALIBRATION_PROMPTS[:prompts], height, width
         )  # fmt: skip
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
-    artifact = store_options.find_engine(engine, engines)
-    source = store_options.model_for(model, artifact)
     if scheduler:
         check_scheduler(scheduler, source.family(), source.pipeline_class())
     request_options.resolve_cache(f"{cache}:{CACHE_SETTINGS[cache][0]:g}", artifact, source, steps, scheduler)
@@ -73,8 +79,8 @@ def cache_comparison_line(backend: str, cached: dict) -> str:
     """One backend's step-cache comparison, for people."""
     from rich.markup import escape
 
-    if "error" in cached:
-        return f"[yellow]{backend} --cache {cached['cache']}:[/] {escape(cached['error'])}"
+    if "error" in cached:  # the error names the --cache it refuses
+        return f"[yellow]{backend}:[/] {escape(cached['error'])}"
     full = cached["full_evaluations"]
     psnr = "unchanged" if cached["psnr_db"] is None else f"PSNR {cached['psnr_db']:.1f} dB"
     evaluations = f"{full}/{cached['denoiser_calls']} full evaluations, " if full is not None else ""

@@ -26,7 +26,7 @@ from ..spec.base import ModelConfigs
 CacheKind = Literal["first-block", "taylorseer", "magcache", "deepcache"]
 DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06, "deepcache": 3}
 INTERVALS = ("taylorseer", "deepcache")  # the kinds whose value is a whole number of steps
-SYNTAX = "first-block[:THRESHOLD], taylorseer[:INTERVAL], magcache[:THRESHOLD] or deepcache[:INTERVAL]"
+SYNTAX = "first-block[:THRESHOLD], taylorseer[:INTERVAL], magcache[:THRESHOLD], deepcache[:INTERVAL] or auto[:KIND]"
 
 
 @dataclass(frozen=True)
@@ -39,18 +39,19 @@ class StepCache:
     @classmethod
     def parse(cls, text: str) -> StepCache:
         """``KIND[:VALUE]``; ConfigError, saying the syntax, for anything else."""
-        kind, _, value = text.strip().partition(":")
+        kind, colon, value = text.strip().partition(":")
         if kind not in DEFAULTS:
             raise ConfigError(f"--cache {text}: unknown step cache {kind!r}; give {SYNTAX}")
         try:
-            number = float(value) if value else DEFAULTS[kind]
+            number = float(value) if colon else float(DEFAULTS[kind])
         except ValueError:
             number = math.nan
         if not math.isfinite(number):
             raise ConfigError(f"--cache {text}: {value!r} is not a number; give {SYNTAX}")
-        if number <= 0 or (kind in INTERVALS and not number.is_integer()):
-            what = "a whole number of steps" if kind in INTERVALS else "a threshold over 0"
-            raise ConfigError(f"--cache {text}: {kind} takes {what}")
+        if kind in INTERVALS and (number < 1 or not number.is_integer()):
+            raise ConfigError(f"--cache {text}: {kind} takes a whole number of steps, 1 or more")
+        if number <= 0:
+            raise ConfigError(f"--cache {text}: {kind} takes a threshold over 0")
         return cls(kind, number)  # type: ignore[arg-type]  # checked against DEFAULTS above
 
     @property
@@ -77,7 +78,11 @@ class StepCache:
 def model_problem(cache: StepCache, model: ModelConfigs, name: str, from_image: bool = False) -> str | None:
     """Why ``cache`` cannot run on model ``name``'s pipeline (``from_image``: img2img or inpainting), or None."""
     if (denoiser_component(model) == "unet") != (cache.kind == "deepcache"):
-        what, use = ("UNet", "deepcache") if cache.kind != "deepcache" else ("transformer", "first-block or taylorseer")
+        what, use = (
+            ("UNet", "deepcache")
+            if cache.kind != "deepcache"
+            else ("transformer", "first-block, taylorseer or magcache")
+        )
         return f"--cache {cache.kind} cannot run on {name}: its denoiser is a {what}; use {use}"
     flux = folder_architecture(model, "transformer") == "FluxTransformer2DModel"
     if cache.kind == "magcache" and not flux:

@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 from .. import __version__
 from ..core.artifact import Artifact
-from ..core.config import TRANSFORMER_PARTS, ShapeProfile, WeightBudget, as_dict
+from ..core.config import ShapeProfile, WeightBudget, as_dict
 from ..core.errors import ArtifactError, ConfigError, RequestError
 from ..core.families import pipeline_class_name
-from ..pipeline.step_cache import StepCache
+from ..pipeline.step_cache import StepCache, engines_problem
 from ..sources.models import ModelSource
 from ..spec import DENOISERS, FOLDERS
 
@@ -138,11 +138,8 @@ def deploy_triton(
             f"max batch {config.max_batch} is more than the engine's profile takes ({profile.batch.max} images); "
             f"pass --max-batch {profile.batch.max} or rebuild with `sdtrt compile --batch 1:1:{config.max_batch}`"
         )
-    if config.cache is not None and not any(c in members for c in TRANSFORMER_PARTS):
-        raise RequestError(
-            f"--cache {config.cache} runs on the transformer's split members, which {engine.path} lacks: compile the "
-            f"set with `sdtrt compile --caches {StepCache.parse(config.cache).kind}` and deploy that"
-        )
+    if config.cache is not None and (problem := engines_problem(StepCache.parse(config.cache), members, source)):
+        raise RequestError(problem)
     on_gpu = any(a.stage in GPU_STAGES for a in members.values())
     kind = config.kind if config.kind != "auto" else ("gpu" if on_gpu else "cpu")
     if on_gpu and kind == "cpu":

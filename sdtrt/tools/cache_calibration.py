@@ -10,6 +10,7 @@ changes with any member, a quantized one included); ``--cache auto`` finds it (`
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,16 @@ VERSION = 1
 def calibrate_step_cache(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig) -> Artifact:
     """The search for ``engine`` (a set compiled with caches), stored beside it; a cache hit when it ran before."""
     request = StageRequest(STAGE, VERSION, config, [engine.as_input()], environment("diffusers"))
-    artifact, _ = engine_store(engine).produce(request, lambda out_dir: _search(model, engine, config, out_dir))
+    artifact, built = engine_store(engine).produce(request, lambda out_dir: _search(model, engine, config, out_dir))
+    if not built:  # asked again: it is the newest calibration now, the one --cache auto reads
+        os.utime(artifact.path / "manifest.json")
     return artifact
+
+
+def settings_for(config: CacheCalibrationConfig) -> tuple[float, ...]:
+    """The settings worth trying: an interval of the whole run or more would never compute a step after the first."""
+    intervals = config.kind in ("taylorseer", "deepcache")
+    return tuple(v for v in CACHE_SETTINGS[config.kind] if not (intervals and v >= config.steps))
 
 
 def _requests(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig) -> list[GenerateRequest]:
@@ -56,7 +65,7 @@ def _search(model: ModelSource, engine: Artifact, config: CacheCalibrationConfig
     with step(f"Generating {len(requests)} uncached reference images ({config.steps} steps)"):
         references = [generate(pipe, r, output_type="np").images for r in requests]
     tried, chosen = [], None
-    for value in CACHE_SETTINGS[config.kind]:
+    for value in settings_for(config):
         cache = StepCache(config.kind, value)  # type: ignore[arg-type]  # CacheCalibrationConfig checked the kind
         with step(f"Trying --cache {cache.label}"):
             enable_step_cache(pipe, cache, config.steps)
@@ -107,30 +116,21 @@ def find_calibrations(engine: Artifact, steps: int, scheduler: str | None, kind:
 
 
 def auto_cache(engine: Artifact, steps: int, scheduler: str | None, kind: str | None = None) -> StepCache:
-    """``--cache auto[:KIND]``: the setting ``calibrate-cache`` stored for this engine set, steps and scheduler; refused
-    where none is stored, or where several calibrations chose different settings (name the kind, or the setting)."""
+    """``--cache auto[:KIND]``: the setting the newest ``calibrate-cache`` run (of ``kind``) stored for this engine set,
+    steps and scheduler (a run asked again, a cache hit, counts as the newest)."""
     found = find_calibrations(engine, steps, scheduler, kind)
-    again = (
-        f"sdtrt calibrate-cache --engine {engine.path} --steps {steps}"
-        + (f" --cache {kind}" if kind else "")
-        + (f" --scheduler {scheduler}" if scheduler else "")
+    again = f"sdtrt calibrate-cache --engine {engine.path} --steps {steps} --cache {kind or '<KIND>'}" + (
+        f" --scheduler {scheduler}" if scheduler else ""
     )
     if not found:
         raise ArtifactNotFoundError(
             f"--cache auto: no calibration of {engine.path} at {steps} steps; run `{again}` first"
         )
-    chosen = {a.manifest["cache"] for a in found}
-    if len(chosen) > 1:
-        each = ", ".join(f"{a.manifest['cache']} (target {a.manifest['config']['min_psnr_db']:g} dB)" for a in found)
-        raise ArtifactNotFoundError(
-            f"--cache auto: {engine.path} has several calibrations at {steps} steps: {each}; pass the setting itself "
-            "(--cache first-block:0.3) or the kind (--cache auto:first-block)"
-        )
-    calibration = found[0]
+    calibration = max(found, key=lambda a: (a.path / "manifest.json").stat().st_mtime)
     if calibration.manifest["cache"] is None:
         target = calibration.manifest["config"]["min_psnr_db"]
         raise ArtifactNotFoundError(
-            f"--cache auto: no setting of the cache kept {target:g} dB on {engine.path} ({calibration.path}); "
-            f"run without a cache, or `{again} --min-psnr <lower>`"
+            f"--cache auto: the newest calibration of {engine.path} ({calibration.path}) found no setting that kept "
+            f"{target:g} dB; run without a cache, or `{again} --min-psnr <lower>`"
         )
     return StepCache.parse(calibration.manifest["cache"])

@@ -121,7 +121,7 @@ def compile_model(
     components: tuple[Component, ...] | None = None,
     revalidate: bool = False,
     quantize_config: QuantizeConfig | None = None,
-    caches: tuple[str, ...] = (),
+    caches: tuple[str, ...] | str = (),
 ) -> CompileResult:
     """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
@@ -160,6 +160,7 @@ def compile_model(
     if unwrapped:
         reason += f"; {unwrapped}"  # known before any plan is built
     wraps = chosen == "tensorrt" and unwrapped is None
+    caches = (caches,) if isinstance(caches, str) else caches  # caches="first-block" means one, not its letters
     components = components or model_components(model)
     if caches and denoiser_component(model) not in components:  # the split members run beside the whole engine
         components = (*components, denoiser_component(model))
