@@ -22,7 +22,8 @@ from sdtrt.spec import component_spec, model_components
 from sdtrt.standins.text_encoders import EngineTextEncoder
 from sdtrt.standins.unet import EngineUNet
 from sdtrt.tools.compile import compile_model
-from sdtrt.tools.image_quality import psnr_db, with_input_images
+from sdtrt.tools.image_quality import psnr_db
+from sdtrt.tools.validate import with_input_images
 
 from .helpers import last_line, run_cli, softmax_input_types
 

@@ -330,27 +330,27 @@ def test_the_split_members_build_as_tensorrt_rtx_plans(store):
 
 def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_uses_it(cached_sets, tmp_path):
     engine = str(cached_sets("tiny-flux").path)
-    short = ("--steps", "6", "--prompts", "1", "--height", "128", "--width", "128")
+    short = ("--steps", "4", "--prompts", "1", "--height", "128", "--width", "128")
     found = run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", *short, check=True)
     calibration = json.loads((Path(found.stdout.strip().splitlines()[-1]) / "calibration.json").read_text())
     kept = [row for row in calibration["tried"] if row["min_psnr_db"] is None or row["min_psnr_db"] >= 60]
     assert calibration["chosen"] == kept[-1] and len(kept) == len(calibration["tried"]) - (kept != calibration["tried"])
     image = tmp_path / "auto.png"
-    used = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "6", "--height", "128", "--width",
+    used = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "4", "--height", "128", "--width",
                    "128", "--out", str(image), check=True)  # fmt: skip
     assert f"--cache auto: {calibration['chosen']['cache']}" in used.stderr
-    other = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "7", "--out", str(image))
-    assert other.returncode == 2 and "no calibration" in other.stderr and "--steps 7" in other.stderr
+    other = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "5", "--out", str(image))
+    assert other.returncode == 2 and "no calibration" in other.stderr and "--steps 5" in other.stderr
     # The newest calibration is the one auto reads (a run asked again, a cache hit, becomes the newest); auto:KIND
     # reads the newest of that kind.
     newer = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "20", *short)
     taylorseer = json.loads((Path(newer.stdout.strip().splitlines()[-1]) / "calibration.json").read_text())["chosen"]
     for cache, chosen in (("auto", taylorseer), ("auto:first-block", calibration["chosen"])):
-        used = run_cli("generate", "--engine", engine, "--cache", cache, "--steps", "6", "--height", "128", "--width",
+        used = run_cli("generate", "--engine", engine, "--cache", cache, "--steps", "4", "--height", "128", "--width",
                        "128", "--out", str(image), check=True)  # fmt: skip
         assert f"{chosen['cache']}, as calibrate-cache found it" in used.stderr
     run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", *short, check=True)  # a cache hit
-    again = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "6", "--height", "128", "--width",
+    again = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "4", "--height", "128", "--width",
                     "128", "--out", str(image), check=True)  # fmt: skip
     assert f"{calibration['chosen']['cache']}, as calibrate-cache found it" in again.stderr
     # TaylorSeer predicts some steps at its most cautious interval already: no image stays unchanged.
