@@ -119,6 +119,25 @@ def fp32_engine_sets(store):
     return get
 
 
+@pytest.fixture(scope="session")
+def cached_sets(store):
+    """preset → compile's result for its fp32 ONNX Runtime engine set with a step cache's split members
+    (``--caches first-block``: the other members are the pipeline tests' own, cache hits in the session store)."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    built: dict[str, object] = {}
+
+    def get(preset: str):
+        if preset not in built:
+            fp32 = ExportConfig(precision="fp32")
+            built[preset] = compile_model(resolve_model(preset), store, "onnxruntime", fp32, caches=("first-block",))
+        return built[preset].final
+
+    return get
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA GPU with TensorRT (and torch-tensorrt); elsewhere they skip, saying why."""
     gpu_items = [item for item in items if "gpu" in item.keywords]
