@@ -46,8 +46,8 @@ def _flux_embed(net: Any, hidden_states: Any, encoder_hidden_states: Any, pooled
     return hidden, net.context_embedder(encoder_hidden_states), temb, cos, sin
 
 
-def _flux_blocks(net: Any, blocks: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any,
-                 rotary_cos: Any, rotary_sin: Any) -> tuple[Any, Any]:  # fmt: skip
+def _flux_blocks(blocks: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any, rotary_cos: Any,
+                 rotary_sin: Any) -> tuple[Any, Any]:  # fmt: skip
     encoder, hidden = encoder_hidden_states, hidden_states
     for block in blocks:
         encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
@@ -56,11 +56,11 @@ def _flux_blocks(net: Any, blocks: Any, hidden_states: Any, encoder_hidden_state
 
 
 def _flux_first_block(net: Any, **tensors: Any) -> tuple[Any, Any]:
-    return _flux_blocks(net, flux_blocks(net)[:1], **tensors)
+    return _flux_blocks(flux_blocks(net)[:1], **tensors)
 
 
 def _flux_rest(net: Any, **tensors: Any) -> Any:
-    return _flux_blocks(net, flux_blocks(net)[1:], **tensors)[1]
+    return _flux_blocks(flux_blocks(net)[1:], **tensors)[1]
 
 
 def _flux_out(net: Any, hidden_states: Any, temb: Any) -> Any:
