@@ -138,6 +138,23 @@ def cached_sets(store):
     return get
 
 
+@pytest.fixture
+def decisions(monkeypatch):
+    """Every First-Block Cache decision diffusers makes, in order: "C" computes the other blocks, "s" skips them."""
+    from diffusers.hooks import first_block_cache as fbc
+
+    made: list[str] = []
+    rule = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def spy(self, residual):
+        compute = rule(self, residual)
+        made.append("C" if compute else "s")
+        return compute
+
+    monkeypatch.setattr(fbc.FBCHeadBlockHook, "_should_compute_remaining_blocks", spy)
+    return made
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA GPU with TensorRT (and torch-tensorrt); elsewhere they skip, saying why."""
     gpu_items = [item for item in items if "gpu" in item.keywords]

@@ -147,10 +147,8 @@ def test_graph_runs_on_onnxruntime_and_matches_modelopt_fake_quant(config, min_c
         fake_quant = graph_module(spec, network)(*feeds.values())
     for hook in hooks:
         hook.remove()
-    graph = (
-        tmp_path
-        / quantize_export.write_graphs(network, config, quantize.graph_specs(tiny, config), tmp_path, {})["onnxruntime"]
-    )
+    graphs = quantize_export.write_graphs(network, config, {"unet": quantize.graph_specs(tiny, config)}, tmp_path, {})
+    graph = tmp_path / graphs["unet"]["onnxruntime"]
 
     # Teacher-forced, quantizer by quantizer: scales, zero points, ranges, axes and rounding are ModelOpt's.
     session = ort.InferenceSession(qdq_pairs(graph).SerializeToString(), providers=["CPUExecutionProvider"])

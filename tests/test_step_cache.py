@@ -22,7 +22,6 @@ from diffusers.hooks import (
     TaylorSeerCacheConfig,
     apply_first_block_cache,
 )
-from diffusers.hooks import first_block_cache as fbc
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
 from diffusers.models.cache_utils import CacheMixin
@@ -42,21 +41,6 @@ from sdtrt.tools.image_quality import psnr_db, ssim
 STEPS = 10
 CALL = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"}
 PARTS = ("transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out")
-
-
-@pytest.fixture
-def decisions(monkeypatch):
-    """Every First-Block Cache decision diffusers makes, in order: "C" computes the other blocks, "s" skips them."""
-    made: list[str] = []
-    rule = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
-
-    def spy(self, residual):
-        compute = rule(self, residual)
-        made.append("C" if compute else "s")
-        return compute
-
-    monkeypatch.setattr(fbc.FBCHeadBlockHook, "_should_compute_remaining_blocks", spy)
-    return made
 
 
 def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.ndarray:

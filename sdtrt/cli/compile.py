@@ -141,7 +141,7 @@ def compile(
     chosen_components = parse_components(components, source)
     chosen_caches = tuple(c.strip() for c in (caches or "").split(",") if c.strip())
     try:  # a cache the model cannot take is a usage error, before any export
-        cache_members(source, chosen_caches, quantized)
+        cache_members(source, chosen_caches)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     denoiser = denoiser_component(source)

@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +169,17 @@ class Store:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return Artifact(final, manifest), False
+
+    @contextlib.contextmanager
+    def scratch(self, name: str) -> Iterator[Path]:
+        """A folder in the store's temp area for files that several artifacts are made from (moved out of it into
+        each), removed on exit; ``gc`` removes one whose process died."""
+        self.ensure_writable()
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-{os.getpid()}-", dir=self.root / TMP_DIR))
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _intact_hit(self, request: StageRequest, quiet: bool = False) -> Artifact | None:
         """The stored artifact for ``request`` if its files match its manifest; a corrupt one is reported."""

@@ -31,14 +31,17 @@ config are quantize_layers.py's, the two graphs' export quantize_export.py's, th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.artifact import Artifact
-from ..core.config import QUANT_LEVELS, ExportConfig, Precision, QuantizeConfig
+from ..core.config import QUANT_LEVELS, Component, ExportConfig, Precision, QuantizeConfig
 from ..core.errors import ArtifactError, ConfigError
 from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
@@ -68,15 +71,38 @@ VERSION = 2  # 2: the TensorRT graph is 16-bit outside its Q/DQ pairs (it was th
 
 def run(config: QuantizeConfig, model: ModelSource, store: Store) -> Artifact:
     """The quantized denoiser's graphs for ``model`` (a cache hit for the same model, config and calibration set)."""
+    return run_members(config, model, store)[denoiser_component(model)]
+
+
+def run_members(
+    config: QuantizeConfig, model: ModelSource, store: Store, parts: tuple[Component, ...] = ()
+) -> dict[str, Artifact]:
+    """The quantized denoiser's artifact and, for step caches, one per split member ``parts`` (the transformer's
+    four, DeepCache's two), cut from the same calibrated network: their Q/DQ scales are the denoiser's, so the
+    chained members compute what the quantized whole computes. One calibration serves every member missing from the
+    store; each graph is written once, into a scratch folder, and moved into its member's artifact."""
     check_model(config, model)
-    artifact, _ = store.produce(request_for(config, model), lambda out_dir: _quantize(config, model, out_dir))
-    return artifact
+    members = (denoiser_component(model), *parts)
+    written: dict[str, dict[str, Any]] = {}
+    artifacts: dict[str, Artifact] = {}
+    with contextlib.ExitStack() as scratch:
+
+        def produce(component: Component, out_dir: Path) -> dict[str, Any]:
+            if not written:  # the first member missing: calibrate once, export every member
+                folder = scratch.enter_context(store.scratch(STAGE))
+                written.update(_quantize(config, model, members, folder))
+            return _member_manifest(model, component, written[component], out_dir)
+
+        for component in members:
+            request = request_for(config, model, component)
+            artifacts[component], _ = store.produce(request, functools.partial(produce, component))
+    return artifacts
 
 
-def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
-    """What ``run`` asks the store for: keyed by the model's denoiser, the graph contract, the config (precision,
-    level, algorithm, layers kept) and a hash of the calibration set."""
-    spec = denoiser_graph_spec(model, config)
+def request_for(config: QuantizeConfig, model: ModelSource, component: Component | None = None) -> StageRequest:
+    """What ``run`` asks the store for: keyed by the model's denoiser, the graph contract (the denoiser's, or a split
+    member's), the config (precision, level, algorithm, layers kept) and a hash of the calibration set."""
+    spec = denoiser_graph_spec(model, config, component)
     return StageRequest(
         stage=STAGE,
         version=VERSION,
@@ -89,20 +115,24 @@ def request_for(config: QuantizeConfig, model: ModelSource) -> StageRequest:
     )
 
 
-def denoiser_graph_spec(model: ModelSource, config: QuantizeConfig = QuantizeConfig()) -> GraphSpec:
+def denoiser_graph_spec(
+    model: ModelSource, config: QuantizeConfig = QuantizeConfig(), component: Component | None = None
+) -> GraphSpec:
     """The contract of the artifact's primary graph, ONNX Runtime's (``graph_specs``)."""
-    return graph_specs(model, config)["onnxruntime"]
+    return graph_specs(model, config, component)["onnxruntime"]
 
 
-def graph_specs(model: ModelSource, config: QuantizeConfig = QuantizeConfig()) -> dict[str, GraphSpec]:
-    """Each graph's contract, by role (``tensorrt``, ``onnxruntime``): the denoiser's, in that graph's precision
-    outside its Q/DQ pairs."""
+def graph_specs(
+    model: ModelSource, config: QuantizeConfig = QuantizeConfig(), component: Component | None = None
+) -> dict[str, GraphSpec]:
+    """Each graph's contract, by role (``tensorrt``, ``onnxruntime``): the denoiser's (or its split member
+    ``component``'s), in that graph's precision outside its Q/DQ pairs."""
     precisions: dict[str, Precision] = {
         "tensorrt": tensorrt_precision(model),
         # ModelOpt exports FP8 attention only from a 16-bit module (as_16_bit): level 4's graph is fp16 for both.
         "onnxruntime": "fp16" if attention_quantized(config) else "fp32",
     }
-    component = denoiser_component(model)
+    component = component or denoiser_component(model)
     return {
         role: export.spec_for(model, ExportConfig(precision=precision, component=component))
         for role, precision in precisions.items()
@@ -173,22 +203,19 @@ def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedD
     return QuantizedDenoiser(network.eval(), plan, len(recorded.calls), timings)
 
 
-def _quantize(config: QuantizeConfig, model: ModelSource, out_dir: Path) -> dict[str, Any]:
+def _quantize(
+    config: QuantizeConfig, model: ModelSource, members: tuple[Component, ...], folder: Path
+) -> dict[str, dict[str, Any]]:
+    """Calibrate once and write every member's graphs into ``folder``; each member's files by role, and what its
+    manifest shares with the others."""
     quantized = quantized_denoiser(config, model)
     timings = dict(quantized.timings)
-    specs = graph_specs(model, config)
-    graphs = write_graphs(quantized.network, config, specs, out_dir, timings)
+    specs: dict[str, dict[str, GraphSpec]] = {c: graph_specs(model, config, c) for c in members}
+    graphs = write_graphs(quantized.network, config, specs, folder, timings)
     plan = quantized.plan
-    return {
-        "primary": graphs["onnxruntime"],
+    shared = {
         "family": model.family(),
-        "io": specs["onnxruntime"].to_json(),
-        "precision": {
-            "graph": {role: spec.precision for role, spec in specs.items()},  # outside the Q/DQ pairs
-            "quantized": config.precision,
-            "why": {role: graph_precision_why(role, spec) for role, spec in specs.items()},
-        },
-        "graphs": graphs,
+        "precision": {"quantized": config.precision},
         "graphs_why": {
             "tensorrt": "as NVIDIA exports it (ModelOpt's diffusers example, TensorRT's demo/Diffusion): 16 bits "
             "outside the Q/DQ pairs, trt:: FP8 ops kept (TensorRT reads them)",
@@ -203,13 +230,40 @@ def _quantize(config: QuantizeConfig, model: ModelSource, out_dir: Path) -> dict
             "kept_high_precision": plan.kept,
             "calibration": config.calibration_set()
             | {"denoiser_calls": quantized.calibration_calls, "digest": digest(config.calibration_set())},
-            "qdq": {role: qdq_counts(out_dir / name) for role, name in graphs.items()},
             "opset": OPSET,
         },
         "reproduce": (
             f"sdtrt quantize --model {model.name} --precision {config.precision} --level {config.level:g} "
             f"--calibration-steps {config.calibration_steps}"
         ),
+    }
+    return {
+        component: {"graphs": graphs[component], "specs": specs[component], "shared": shared, "folder": folder}
+        for component in members
+    }
+
+
+def _member_manifest(model: ModelSource, component: str, member: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Move one member's graphs (and their weight files) from the scratch folder into its artifact; its manifest."""
+    folder: Path = member["folder"]
+    graphs: dict[str, str] = member["graphs"]
+    specs: dict[str, GraphSpec] = member["specs"]
+    for name in set(graphs.values()):
+        for path in (folder / name, onnx_graph.data_file(folder / name)):
+            if path.exists():
+                shutil.move(path, out_dir / path.name)
+    shared = member["shared"]
+    split = {} if component == denoiser_component(model) else {"split_member_of": denoiser_component(model)}
+    return shared | {
+        "primary": graphs["onnxruntime"],
+        "io": specs["onnxruntime"].to_json(),
+        "precision": shared["precision"]
+        | {
+            "graph": {role: spec.precision for role, spec in specs.items()},  # outside the Q/DQ pairs
+            "why": {role: graph_precision_why(role, spec) for role, spec in specs.items()},
+        },
+        "graphs": graphs,
+        "details": shared["details"] | split | {"qdq": {role: qdq_counts(out_dir / n) for role, n in graphs.items()}},
     }
 
 

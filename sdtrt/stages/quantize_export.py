@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     import torch
 
 # ModelOpt's diffusers example exports with opset 20; FP8 QuantizeLinear needs 19 or later.
-# ModelOpt's diffusers example exports with opset 20; FP8 QuantizeLinear needs 19 or later.
 OPSET = 20
 GRAPH = "{component}.onnx"  # unet.onnx, transformer.onnx
 TRT_GRAPH = "{component}.trt.onnx"
@@ -35,24 +34,32 @@ TRT_GRAPH = "{component}.trt.onnx"
 def write_graphs(
     network: torch.nn.Module,
     config: QuantizeConfig,
-    specs: dict[str, GraphSpec],
+    members: dict[str, dict[str, GraphSpec]],
     out_dir: Path,
     timings: dict[str, float],
-) -> dict[str, str]:
-    """Export a quantized network as each role's spec asks (``graph_specs``) into ``out_dir``; returns each role's file
-    and adds the steps' times to ``timings``.
+) -> dict[str, dict[str, str]]:
+    """Export a quantized network as each role's spec asks (``graph_specs``) into ``out_dir``, for each member: the
+    denoiser, and the split members a step cache needs, cut from the same calibrated network (the same scales).
+    Returns each member's file by role and adds the steps' times to ``timings``.
 
     The network is changed in place: FP8 scales as ModelOpt's example exports them, then cast to the TensorRT graph's
-    16-bit type after the fp32 export (it is left so)."""
+    16-bit type after the fp32 exports (it is left so)."""
     if config.precision == "fp8":
         fp8_scales_as_int8(network)
-    trt, ort = specs["tensorrt"], specs["onnxruntime"]
+    files: dict[str, dict[str, str]] = {component: {} for component in members}
+    trt, ort = (next(iter(members.values()))[role] for role in ("tensorrt", "onnxruntime"))
     if trt.precision == ort.precision:  # level 4: one 16-bit export for both
         as_16_bit(network, trt.precision)
-        return _export_graphs(network, config, trt, out_dir, timings, ("tensorrt", "onnxruntime"))
-    graphs = _export_graphs(network, config, ort, out_dir, timings, ("onnxruntime",))
+        return {
+            component: _export_graphs(network, config, specs["tensorrt"], out_dir, timings, ("tensorrt", "onnxruntime"))
+            for component, specs in members.items()
+        }
+    for component, specs in members.items():
+        files[component] |= _export_graphs(network, config, specs["onnxruntime"], out_dir, timings, ("onnxruntime",))
     as_16_bit(network, trt.precision)  # in place: the weights are never held twice
-    return graphs | _export_graphs(network, config, trt, out_dir, timings, ("tensorrt",))
+    for component, specs in members.items():
+        files[component] |= _export_graphs(network, config, specs["tensorrt"], out_dir, timings, ("tensorrt",))
+    return files
 
 
 def _export_graphs(

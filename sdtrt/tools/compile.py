@@ -164,7 +164,8 @@ def compile_model(
     components = components or model_components(model)
     if caches and denoiser_component(model) not in components:  # the split members run beside the whole engine
         components = (*components, denoiser_component(model))
-    components = (*components, *cache_members(model, caches, quantize_config))
+    split_members = cache_members(model, caches)
+    components = (*components, *split_members)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
     if chosen in ("tensorrt", "tensorrt-rtx"):
@@ -177,8 +178,9 @@ def compile_model(
             export_config, component=component, precision=component_precision(model, component, export_config.precision)
         )
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
-        if quantize_config is not None and component == denoiser_component(model):
-            exported = quantize.run(quantize_config, model, store)
+        if quantize_config is not None and component in (denoiser_component(model), *split_members):
+            # The split members are cut from the denoiser's calibrated network: the same scales (one calibration).
+            exported = quantize.run_members(quantize_config, model, store, split_members)[component]
         else:
             exported = export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
@@ -210,9 +212,7 @@ CACHE_KINDS = {
 }
 
 
-def cache_members(
-    model: ModelSource, caches: tuple[str, ...], quantize_config: QuantizeConfig | None
-) -> tuple[Component, ...]:
+def cache_members(model: ModelSource, caches: tuple[str, ...]) -> tuple[Component, ...]:
     """The split members these step caches need (none without caches); ConfigError for a cache this model cannot
     take, before anything is exported."""
     from ..spec import unet_split
@@ -232,8 +232,6 @@ def cache_members(
         problem = split_problem(model.component_config("transformer"))
     if problem:
         raise ConfigError(f"cannot split {model.name}'s {denoiser} for step caches: {problem}")
-    if quantize_config is not None:
-        raise ConfigError(f"step caches on a quantized {denoiser} are not built yet: compile without --caches")
     return tuple(dict.fromkeys(m for c in caches for m in STEP_CACHES[c]))
 
 

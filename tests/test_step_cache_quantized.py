@@ -1,0 +1,92 @@
+"""Step caches on a quantized transformer set (issue 36): ``compile --precision int8 --caches first-block`` cuts the
+split members from the denoiser's calibrated network, so their Q/DQ scales are the whole's, and diffusers' First-Block
+Cache runs on the 8-bit engines as on fp32 ones."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+from diffusers.hooks import FirstBlockCacheConfig
+from onnx import numpy_helper
+
+import sdtrt
+from sdtrt.core.config import ExportConfig, QuantizeConfig, ValidationConfig
+from sdtrt.sources.models import resolve_model
+from sdtrt.stages import quantize
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.image_quality import psnr_db
+from tests.test_step_cache import PARTS, generate
+
+INT8 = QuantizeConfig(precision="int8", level=2.5, calibration_prompts=("a lighthouse at dusk",), calibration_steps=2)
+
+
+@pytest.fixture(scope="module")
+def quantized_set(store):
+    model = resolve_model("tiny-flux")
+    fp32 = ExportConfig(precision="fp32")
+    return compile_model(
+        model, store, "onnxruntime", fp32, quantize_config=INT8, caches=("first-block",), validation=ValidationConfig()
+    )
+
+
+def qdq_scales(path) -> list[float]:
+    """Every QuantizeLinear's scale in a graph, sorted."""
+    graph = onnx.load(path).graph
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    constants |= {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node if n.op_type == "Constant"}
+    return sorted(
+        float(v) for n in graph.node if n.op_type == "QuantizeLinear" for v in constants[n.input[1]].reshape(-1)
+    )
+
+
+def test_the_split_members_carry_the_whole_transformers_scales(quantized_set, store):
+    members = {a.component(): a for a in quantized_set.artifacts if a.stage == "quantize"}
+    assert set(members) == {"transformer", *PARTS}
+    # One calibration: the whole's artifact is the one a compile without caches gets (its key is unchanged).
+    assert members["transformer"].path == quantize.run(INT8, resolve_model("tiny-flux"), store).path
+    assert all(members[p].manifest["details"]["split_member_of"] == "transformer" for p in PARTS)
+    whole = qdq_scales(members["transformer"].primary)
+    assert whole and sorted(s for p in PARTS for s in qdq_scales(members[p].primary)) == whole
+    assert qdq_scales(members["transformer_rest"].primary)  # the blocks are quantized, the embedders kept
+    assert not qdq_scales(members["transformer_embed"].primary)
+
+
+def test_the_set_validates_every_member_to_8_bit_tolerances(quantized_set):
+    report = quantized_set.validation
+    assert report is not None and report, report and report.failures
+    assert {"transformer", *PARTS} <= set(report.members)
+
+
+def test_first_block_cache_runs_on_the_quantized_engines(quantized_set, decisions):
+    pipe = sdtrt.load_pipeline(resolve_model("tiny-flux"), quantized_set.final)
+    plain = generate(pipe)
+    chained = generate(pipe, FirstBlockCacheConfig(threshold=0.0))  # the split members on every step
+    assert set(decisions) == {"C"}
+    decisions.clear()
+    print(f"\nINT8 tiny-flux: the chained members against the whole engine: {psnr_db(chained, plain):.1f} dB")
+    assert psnr_db(chained, plain) >= 35
+    cached = generate(pipe, FirstBlockCacheConfig(threshold=0.6))
+    assert "s" in decisions and psnr_db(cached, plain) < 80  # it skipped, and that changed the image
+    assert (generate(pipe) == plain).all()  # disable_cache: the whole engine again, bit for bit
+
+
+def test_deepcache_runs_on_a_quantized_unet(store):
+    model = resolve_model("tiny")
+    result = compile_model(model, store, "onnxruntime", ExportConfig(precision="fp32"), quantize_config=INT8,
+                           caches=("deepcache",))  # fmt: skip
+    members = {a.component(): a for a in result.artifacts if a.stage == "quantize"}
+    # The deep member is the whole UNet that also returns the feature at the cut: the same quantizers, every one.
+    assert qdq_scales(members["unet_deep"].primary) == qdq_scales(members["unet"].primary)
+    assert set(qdq_scales(members["unet_shallow"].primary)) < set(qdq_scales(members["unet"].primary))
+    pipe = sdtrt.load_pipeline(model, result.final)
+    call = {"num_inference_steps": 10, "height": 128, "width": 128, "output_type": "np"}
+    plain = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).images
+    helper = sdtrt.DeepCache(pipe)
+    helper.set_params(cache_interval=3, cache_branch_id=0)
+    helper.enable()
+    cached = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).images
+    helper.disable()
+    print(f"\nINT8 tiny, DeepCache interval 3 against every step in full: {psnr_db(cached, plain):.1f} dB")
+    assert 20 < psnr_db(cached, plain) < 80  # close, and changed: the shallow member ran
+    assert (pipe("a cat", generator=torch.Generator().manual_seed(0), **call).images == plain).all()
