@@ -54,9 +54,19 @@ def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything(fp32_engine
 
 
 def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_uses_it(cached_sets, tmp_path):
-    engine = str(cached_sets("tiny-flux").path)
-    short = ("--steps", "4", "--prompts", "1", "--height", "128", "--width", "128")
-    found = run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", *short, check=True)
+    """The command line once each way (calibrate-cache, generate --cache auto); the rest through the functions they
+    call (tools/cache_calibration.py, cli/request_options.py resolve_cache): a CLI call costs seconds of start-up."""
+    from sdtrt.cli.request_options import resolve_cache
+    from sdtrt.core.config import CALIBRATION_PROMPTS, CacheCalibrationConfig
+    from sdtrt.core.errors import RequestError
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.cache_calibration import calibrate_step_cache
+
+    set_ = cached_sets("tiny-flux")
+    engine, model = str(set_.path), resolve_model("tiny-flux")
+    short = {"steps": 4, "prompts": CALIBRATION_PROMPTS[:1], "height": 128, "width": 128}
+    found = run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", "--steps", "4", "--prompts", "1",
+                    "--height", "128", "--width", "128", check=True)  # fmt: skip
     calibration = json.loads((Path(found.stdout.strip().splitlines()[-1]) / "calibration.json").read_text())
     kept = [row for row in calibration["tried"] if row["min_psnr_db"] is None or row["min_psnr_db"] >= 60]
     assert calibration["chosen"] == kept[-1] and len(kept) == len(calibration["tried"]) - (kept != calibration["tried"])
@@ -64,23 +74,25 @@ def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_u
     used = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "4", "--height", "128", "--width",
                    "128", "--out", str(image), check=True)  # fmt: skip
     assert f"--cache auto: {calibration['chosen']['cache']}" in used.stderr
-    other = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "5", "--out", str(image))
-    assert other.returncode == 2 and "no calibration" in other.stderr and "--steps 5" in other.stderr
+
+    def auto(text: str = "auto", steps: int = 4) -> str:
+        cache = resolve_cache(text, set_, model, steps, None)
+        assert cache is not None
+        return cache.label
+
+    with pytest.raises(RequestError, match=r"no calibration.*--steps 5"):
+        auto(steps=5)
     # The newest calibration is the one auto reads (a run asked again, a cache hit, becomes the newest); auto:KIND
     # reads the newest of that kind.
-    newer = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "20", *short)
-    taylorseer = json.loads((Path(newer.stdout.strip().splitlines()[-1]) / "calibration.json").read_text())["chosen"]
-    for cache, chosen in (("auto", taylorseer), ("auto:first-block", calibration["chosen"])):
-        used = run_cli("generate", "--engine", engine, "--cache", cache, "--steps", "4", "--height", "128", "--width",
-                       "128", "--out", str(image), check=True)  # fmt: skip
-        assert f"{chosen['cache']}, as calibrate-cache found it" in used.stderr
-    run_cli("calibrate-cache", "--engine", engine, "--min-psnr", "60", *short, check=True)  # a cache hit
-    again = run_cli("generate", "--engine", engine, "--cache", "auto", "--steps", "4", "--height", "128", "--width",
-                    "128", "--out", str(image), check=True)  # fmt: skip
-    assert f"{calibration['chosen']['cache']}, as calibrate-cache found it" in again.stderr
+    taylorseer = calibrate_step_cache(model, set_, CacheCalibrationConfig("taylorseer", 20, **short)).manifest["cache"]
+    assert (auto(), auto("auto:first-block")) == (taylorseer, calibration["chosen"]["cache"])
+    calibrate_step_cache(model, set_, CacheCalibrationConfig("first-block", 60, **short))  # a cache hit
+    assert auto() == calibration["chosen"]["cache"]
     # TaylorSeer predicts some steps at its most cautious interval already: no image stays unchanged.
-    unreachable = run_cli("calibrate-cache", "--engine", engine, "--cache", "taylorseer", "--min-psnr", "1000", *short)
-    assert unreachable.returncode == 2 and "no setting of taylorseer kept 1000 dB" in unreachable.stderr
+    unreachable = calibrate_step_cache(model, set_, CacheCalibrationConfig("taylorseer", 1000, **short))
+    assert unreachable.manifest["cache"] is None
+    with pytest.raises(RequestError, match="found no setting that kept 1000 dB"):
+        auto()
 
 
 def test_a_triton_deployment_runs_every_request_with_its_step_cache(cached_sets, fp32_engine_sets, tmp_path):
