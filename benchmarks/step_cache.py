@@ -19,12 +19,17 @@ Results go to --json; a line per setting is printed. Steps: each family's usual 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections import defaultdict
 from pathlib import Path
 
-STEPS = {"tiny-flux": 28, "tiny-flux-schnell": 4, "tiny-sd3": 28, "tiny": 50}
+STEPS = {"tiny-flux": 28, "tiny-flux-schnell": 4, "tiny-sd3": 28, "tiny": 50, "mid-flux": 28}
+# Between the tiny presets (two blocks: the embedders and head weigh as much as a block) and the *-random ones (minutes
+# per step on a CPU): Flux dev's layout, 2 double-stream + 8 single-stream blocks of 4 heads × 64, random weights.
+MID_FLUX = {"num_layers": 2, "num_single_layers": 8, "attention_head_dim": 64, "num_attention_heads": 4,
+            "axes_dims_rope": (8, 28, 28)}  # fmt: skip
 CACHES = {
     "transformer": ("first-block:0", "first-block:0.1", "first-block:0.3", "taylorseer:3", "magcache:0.3"),
     "unet": ("deepcache:1", "deepcache:2", "deepcache:3", "deepcache:5"),
@@ -49,17 +54,29 @@ def timed_members(split) -> dict[str, list[float]]:
     return seconds
 
 
+def mid_flux(folder: Path) -> Path:
+    """The mid-size Flux model's folder, built once (seeded random weights, the tiny preset's encoders and VAE)."""
+    from sdtrt.sources.preset_build import build
+    from sdtrt.sources.presets import PRESETS
+
+    if not (folder / "model_index.json").is_file():
+        tiny = PRESETS["tiny-flux"]
+        transformer = (tiny.denoiser[0], {**tiny.denoiser[1], **MID_FLUX})
+        build(dataclasses.replace(tiny, denoiser=transformer)).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def bench_model(name: str, size: int, steps: int, repeats: int, engines: str) -> list[dict]:
     import sdtrt
     from sdtrt.core.config import ExportConfig, ShapeProfile
     from sdtrt.core.store import Store
     from sdtrt.pipeline.request import GenerateRequest
     from sdtrt.pipeline.step_cache import StepCache, disable_step_cache, enable_step_cache
-    from sdtrt.sources.models import resolve_model
+    from sdtrt.sources.models import models_cache_dir, resolve_model
     from sdtrt.spec import denoiser_component, denoiser_spec
     from sdtrt.tools.step_cache_bench import compare_step_cache
 
-    model = resolve_model(name)
+    model = resolve_model(name if name != "mid-flux" else str(mid_flux(models_cache_dir() / "bench-mid-flux")))
     denoiser = denoiser_component(model)
     spec = denoiser_spec(model)
     default = spec.default_profile()

@@ -55,6 +55,15 @@ def test_load_lora_weights_is_set_loras_bit_for_bit(fresh, loras):
     assert psnr_db(got, base) < 30  # the LoRA changes the image
 
 
+def test_a_state_dict_loads_as_its_file_does(fresh, loras):
+    from safetensors.torch import load_file
+
+    fresh.load_lora_weights(loras["b"], adapter_name="file")
+    from_file = image(fresh)
+    fresh.load_lora_weights(load_file(loras["b"]), adapter_name="dict")
+    assert np.array_equal(image(fresh), from_file) and fresh.get_active_adapters() == ["dict"]
+
+
 def test_adapters_weights_enable_and_unload(fresh, loras):
     base = image(fresh)
     fresh.load_lora_weights(loras["a"])  # a file path, default name
@@ -106,7 +115,8 @@ def test_what_cannot_map_is_refused_in_one_line_and_changes_nothing(fresh, loras
     before = active(fresh)
     bad = random_lora(resolve_model("tiny-sdxl"), tmp_path / "xl.safetensors", text_encoders=True)
     cases = [
-        (lambda: fresh.load_lora_weights({"x": 1}), "not a dict"),
+        (lambda: fresh.load_lora_weights({"x": 1}), "holds 'x', a int"),
+        (lambda: fresh.load_lora_weights(3), "not a int"),
         (lambda: fresh.load_lora_weights("someone/hub-lora"), "is no LoRA file on disk"),
         (lambda: fresh.load_lora_weights(loras["a"], adapter_name="a"), "'a' is already in use"),
         (lambda: fresh.load_lora_weights(bad), "text_encoder_2"),

@@ -14,6 +14,9 @@ fused and active weights are the same weights: only which LoRAs, at what scales,
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +27,7 @@ from ..lora.files import DIFFUSERS_LORA_FILE, LORA_COMPONENTS, LoraSpec, read_lo
 from ..lora.refit import EngineLoras, LoraNetwork, apply_loras
 
 REGISTRY = "_sdtrt_lora_adapters"  # the pipeline attribute that holds its Adapters
+OWN_FILES = "_sdtrt_lora_files"  # the pipeline attribute: the folder of the state dicts it was given, as files
 ADAPTER_METHODS = (
     "load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
     "unload_lora_weights", "disable_lora", "enable_lora", "fuse_lora", "unfuse_lora",
@@ -123,18 +127,20 @@ def load_lora_weights(
         raise LoraError(f"{where}: hotswap swaps PyTorch adapter layers; on engines load it as a new adapter")
     if unknown := sorted(set(kwargs) - LOAD_KWARGS):
         raise LoraError(f"{where} on engines takes no {', '.join(unknown)}")
+    state = adapters(pipe)
+    name = adapter_name or f"default_{len(state.files)}"
+    if isinstance(source, dict):  # refit reads LoRAs from files: the state dict becomes one, the pipeline's own
+        source = saved_state_dict(pipe, source, name, where)
     if not isinstance(source, str | os.PathLike):
-        raise LoraError(f"{where} on engines reads a LoRA file or folder on disk, not a {type(source).__name__}: "
-                        "save the state dict with save_lora_weights first")  # fmt: skip
+        raise LoraError(f"{where} on engines reads a LoRA file or folder on disk, or a state dict of tensors, not a "
+                        f"{type(source).__name__}")  # fmt: skip
     path = Path(source) / kwargs.get("subfolder", "")
     if path.is_dir():
         path = path / (kwargs.get("weight_name") or DIFFUSERS_LORA_FILE)
     if not path.is_file():
         raise LoraError(f"{where}: {path} is no LoRA file on disk; sdtrt reads LoRAs from disk only: download a Hub "
                         "LoRA first (huggingface_hub.hf_hub_download)")  # fmt: skip
-    state = adapters(pipe)
     _not_fused(pipe, state, "load_lora_weights")
-    name = adapter_name or f"default_{len(state.files)}"
     if name in state.files:
         raise LoraError(f"{where}: adapter name {name!r} is already in use; delete_adapters({name!r}) first")
     networks = lora_networks(pipe)
@@ -142,6 +148,25 @@ def load_lora_weights(
     new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
                   active=((name, 1.0),))  # fmt: skip
     commit(pipe, new)
+
+
+def saved_state_dict(pipe: Any, state_dict: dict[str, Any], name: str, where: str) -> Path:
+    """A LoRA state dict (diffusers' or kohya's keys, as ``lora_state_dict`` reads them) written as a safetensors file
+    in a folder the pipeline owns, removed with the pipeline; its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    odd = next((k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)), None)
+    if not state_dict or odd is not None:
+        what = "is empty" if odd is None else f"holds {odd!r}, a {type(state_dict[odd]).__name__}"
+        raise LoraError(f"{where}: the state dict {what}; pass a LoRA state dict of tensors, or its file")
+    folder = pipe.__dict__.get(OWN_FILES)
+    if folder is None:
+        folder = pipe.__dict__[OWN_FILES] = Path(tempfile.mkdtemp(prefix="sdtrt-loras-"))
+        weakref.finalize(pipe, shutil.rmtree, folder, True)
+    path = folder / f"{len(list(folder.iterdir()))}-{name}.safetensors"
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}, path)
+    return path
 
 
 def set_adapters(pipe: Any, adapter_names: str | Sequence[str], adapter_weights: Any = None) -> None:
