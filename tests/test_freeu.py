@@ -84,18 +84,20 @@ def test_engine_freeu_draws_the_pytorch_freeu_image_and_disable_gives_the_plain_
     reference = load_pipeline(preset)
     reference.enable_freeu(**FACTORS)
     pipe = load_pipeline(preset, freeu_set(preset))
-    plain = generate(pipe)
+    sizes = ((128, 128), (80, 112))
+    plain = {size: generate(pipe, *size) for size in sizes}
     assert pipe.unet.freeu_engine is None  # the FreeU build opens when FreeU is first enabled
     pipe.enable_freeu(**FACTORS)
-    for height, width in ((128, 128), (80, 112)):
-        image, want = generate(pipe, height, width), generate(reference, height, width)
-        print(f"{preset} {height}x{width}: FreeU engine vs PyTorch {psnr_db(image, want):.1f} dB")
-        assert psnr_db(image, want) >= 35
-    assert not np.array_equal(generate(pipe), plain)
+    for size in sizes:
+        image, want = generate(pipe, *size), generate(reference, *size)
+        print(f"{preset} {size}: FreeU engine vs PyTorch {psnr_db(image, want):.1f} dB (plain engine vs PyTorch FreeU "
+              f"{psnr_db(plain[size], want):.1f} dB)")  # fmt: skip
+        # FreeU moves a tiny model's image little (the plain one is about 40 dB from it): the engine's is far closer.
+        assert psnr_db(image, want) >= max(35, psnr_db(plain[size], want) + 30)
     pipe.disable_freeu()
-    assert np.array_equal(generate(pipe), plain)
+    assert np.array_equal(generate(pipe), plain[sizes[0]])
     pipe.unet.enable_freeu(s1=0.0, **{k: v for k, v in FACTORS.items() if k != "s1"})  # a zero: diffusers' FreeU off
-    assert np.array_equal(generate(pipe), plain)
+    assert np.array_equal(generate(pipe), plain[sizes[0]])
 
 
 def test_freeu_is_refused_without_its_build_with_loras_or_where_no_unet_takes_it(freeu_set, store, tmp_path):
