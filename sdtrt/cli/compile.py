@@ -92,6 +92,14 @@ def compile(
             "generate, bench, validate and deploy runs them.",
         ),
     ] = None,
+    freeu: Annotated[
+        bool,
+        typer.Option(
+            "--freeu",
+            help="Add a FreeU build of the UNet to the set (the UNet again, FreeU's s1, s2, b1, b2 an input), so that "
+            "pipe.enable_freeu(...) runs on the engines; the plain UNet engine is unchanged and runs with FreeU off.",
+        ),
+    ] = False,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Run every stage for a target in order, then validate; unchanged stages are cache hits.
@@ -102,10 +110,11 @@ def compile(
 
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
     Step caches: sdtrt compile --model tiny-flux --target onnxruntime --caches first-block
+    FreeU: sdtrt compile --model tiny --target onnxruntime --freeu
     """
     from ..sources.models import resolve_model
     from ..stages import export as export_stage
-    from ..tools.compile import cache_members, compile_model
+    from ..tools.compile import cache_members, compile_model, freeu_member
     from .run import print_report
 
     graph_options.check_export_options(exporter, weights)
@@ -140,13 +149,16 @@ def compile(
         check_quantizable(quantized, source)
     chosen_components = parse_components(components, source)
     chosen_caches = tuple(c.strip() for c in (caches or "").split(",") if c.strip())
-    try:  # a cache the model cannot take is a usage error, before any export
+    try:  # a cache or FreeU the model cannot take is a usage error, before any export
         cache_members(source, chosen_caches)
+        freeu_member(source, freeu, quantized)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     denoiser = denoiser_component(source)
     if chosen_caches and chosen_components and denoiser not in chosen_components:
         console.print(f"[dim]--caches: the {denoiser} joins the set (its split members run beside it)[/]")
+    elif freeu and chosen_components and denoiser not in chosen_components:
+        console.print(f"[dim]--freeu: the {denoiser} joins the set (FreeU's build runs beside it)[/]")
     # Each member's export config is this one with its component; the profile is the denoiser's.
     export_config = graph_options.export_config(
         graph_precision, exporter, opset, io_naming, denoiser_component(source), weights
@@ -161,6 +173,7 @@ def compile(
         components=chosen_components,
         revalidate=revalidate,
         caches=chosen_caches,
+        freeu=freeu,
     )
     validation = ValidationConfig(memory_budget=simplify_config.memory_budget)
     guarded = None

@@ -13,7 +13,7 @@ import torch
 from rich.markup import escape
 
 from ..core.artifact import Artifact
-from ..core.config import TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
+from ..core.config import FREEU_MEMBER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
@@ -155,9 +155,11 @@ def standins(
 ) -> dict[str, Any]:  # fmt: skip
     """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
     ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
-    # A step cache's split members open when a cache first runs: until then a set compiled with caches loads and
-    # holds what one without them does (the transformer twice would be 24 GB more for Flux).
-    split: dict[str, Artifact] = {c: a for c, a in members.items() if c in (*TRANSFORMER_PARTS, *UNET_PARTS)}
+    # A step cache's split members (and the FreeU build) open when a cache first runs: until then a set compiled with
+    # caches loads and holds what one without them does (the transformer twice would be 24 GB more for Flux).
+    split: dict[str, Artifact] = {
+        c: a for c, a in members.items() if c in (*TRANSFORMER_PARTS, *UNET_PARTS, FREEU_MEMBER)
+    }
     runtimes = open_members({c: a for c, a in members.items() if c not in split}, source, weight_budget, opened)
     out: dict[str, EngineModule] = {}
 
@@ -190,6 +192,11 @@ def standins(
         if not isinstance(unet, EngineUNet):
             raise ArtifactError("the engine set holds DeepCache members without the whole UNet engine; recompile it")
         unet.use_parts(opener(unet_parts))  # where DeepCache runs (standins/deepcache.py)
+    if FREEU_MEMBER in split:
+        unet = out.get("unet")
+        if not isinstance(unet, EngineUNet):
+            raise ArtifactError("the engine set holds a FreeU build without the whole UNet engine; recompile it")
+        unet.use_freeu(lambda: opener([FREEU_MEMBER])()[FREEU_MEMBER])  # where FreeU runs (enable_freeu)
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

@@ -16,7 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.config import BUILDABLE, COMPONENTS, TRANSFORMER_PARTS, UNET_PARTS, Component, IONaming, Precision
+from ..core.config import (
+    BUILDABLE,
+    COMPONENTS,
+    FREEU_MEMBER,
+    TRANSFORMER_PARTS,
+    UNET_PARTS,
+    Component,
+    IONaming,
+    Precision,
+)
 from ..core.errors import ArtifactError
 from .base import (
     AXIS_LABELS,
@@ -36,6 +45,7 @@ from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextE
 from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
 from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
+from .unet_freeu import UNetFreeUSpec
 from .unet_split import PART_CLASSES as UNET_PART_CLASSES
 from .unet_split import UNetPartSpec
 from .vae import VaeDecoderSpec, VaeEncoderSpec
@@ -62,6 +72,7 @@ __all__ = [
     "TextEncoderSpec",
     "TransformerPartSpec",
     "TransformerSpec",
+    "UNetFreeUSpec",
     "UNetPartSpec",
     "UNetSpec",
     "VaeDecoderSpec",
@@ -82,7 +93,7 @@ __all__ = [
 # row dispatches on its class itself (TransformerSpec.for_model / from_json).
 SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
-    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES,
+    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 
@@ -142,5 +153,6 @@ def model_components(model: ModelConfigs) -> tuple[Component, ...]:
 
 
 def split_members(model: ModelConfigs) -> tuple[Component, ...]:
-    """The split members step caches may add to the model's engine set: its transformer's parts or its UNet's."""
-    return TRANSFORMER_PARTS if denoiser_component(model) == "transformer" else UNET_PARTS
+    """The members step caches and FreeU may add to the model's engine set: its transformer's parts, or its UNet's
+    DeepCache parts and FreeU build."""
+    return TRANSFORMER_PARTS if denoiser_component(model) == "transformer" else (*UNET_PARTS, FREEU_MEMBER)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.artifact import Artifact
-from ..core.config import BUILDABLE, TRANSFORMER_PARTS, UNET_PARTS, Component, ShapeProfile
+from ..core.config import BUILDABLE, FREEU_MEMBER, TRANSFORMER_PARTS, UNET_PARTS, Component, ShapeProfile
 from ..core.errors import ArtifactError, ConfigError, EngineMismatchError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
@@ -80,10 +80,11 @@ def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store, mod
 
 
 def _describe(members: dict[str, Artifact], model: dict[str, Any]) -> dict[str, Any]:
-    networks = sorted(c for c in members if c not in (*TRANSFORMER_PARTS, *UNET_PARTS))
+    networks = sorted(c for c in members if c not in (*TRANSFORMER_PARTS, *UNET_PARTS, FREEU_MEMBER))
     split = [kind for kind, parts in (("first-block", TRANSFORMER_PARTS), ("deepcache", UNET_PARTS))
              if any(c in members for c in parts)]  # fmt: skip
     caches = f" --caches {','.join(split)}" if split else ""
+    caches += " --freeu" if FREEU_MEMBER in members else ""
     return {
         "primary": "manifest.json",
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GraphSpec, TransformerPartSpec, UNetPartSpec
+from ..spec import GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from . import unet_split
 
         forward[spec.component] = unet_split.part_module(spec, network)
+    if isinstance(spec, UNetFreeUSpec):  # the whole UNet, FreeU's factors its last input
+        from .freeu import freeu_call
+
+        forward[spec.component] = freeu_call(network, unet)
 
     class Graph(torch.nn.Module):
         def __init__(self) -> None:

@@ -3,7 +3,8 @@
 It keeps the UNet's call signature, ``config``, ``dtype`` and ``device`` and its output class, so
 pipelines and schedulers cannot tell the difference, and it refuses inputs the engine was not built
 for instead of silently dropping them. With DeepCache on (``sdtrt.DeepCache``), its steps run on the set's DeepCache
-members instead (standins/deepcache.py).
+members instead (standins/deepcache.py); with FreeU on (``enable_freeu``), on the set's FreeU build (``unet_freeu``,
+spec/unet_freeu.py), fed the factors.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self.split: SplitUNet | None = None  # the DeepCache members, once opened (use_parts)
         self._open_parts: Callable[[], dict[str, Runtime]] | None = None
         self.deepcache: DeepCacheRun | None = None  # while DeepCache is on
+        self.freeu_engine: Runtime | None = None  # the FreeU build, once opened (use_freeu)
+        self._open_freeu: Callable[[], Runtime] | None = None
+        self.freeu: torch.Tensor | None = None  # FreeU's factors [s1, s2, b1, b2] while it is on
 
     def use_parts(self, open_parts: Callable[[], dict[str, Runtime]]) -> None:
         """Run DeepCache on the members of the same UNet's engine set that ``open_parts`` opens when DeepCache is first
@@ -90,8 +94,9 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         """DeepCache on the engines, a full step every ``cache_interval`` (``step_of``: a timestep's step, as the
         ``deepcache`` package counts them); refused without the members, at another branch, or with LoRAs set.
         sdtrt.DeepCache(pipe) is the way in, with DeepCacheSDHelper's calls."""
-        loras_active = bool(self.loras is not None and self.loras.active)
-        if problem := deepcache_problem(self.opened_split(), cache_branch_id, loras_active):
+        if self.freeu is not None:
+            raise EngineInputError("DeepCache: FreeU is on, and the DeepCache members have no FreeU: disable it first")
+        if problem := deepcache_problem(self.opened_split(), cache_branch_id, self._loras_active()):
             raise EngineInputError(f"DeepCache: {problem}")
         assert self.split is not None  # deepcache_problem said so
         self.deepcache = DeepCacheRun(self.split, cache_interval, step_of)
@@ -106,15 +111,35 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         if self.deepcache is not None:
             self.deepcache.reset()
 
-    def enable_freeu(self, *args: Any, **kwargs: Any) -> None:
-        raise EngineInputError(
-            "EngineUNet.enable_freeu: FreeU rescales the UNet's skip and backbone features inside its up blocks, and "
-            "an engine's graph is fixed at build; FreeU needs a FreeU-capable engine build, which sdtrt does not make "
-            "yet: run this pipeline on PyTorch (load_pipeline without an engine) to use FreeU"
-        )
+    def use_freeu(self, open_engine: Callable[[], Runtime]) -> None:
+        """Run FreeU on the FreeU build of the same UNet's engine set, which ``open_engine`` opens when FreeU is first
+        enabled: until then the pipeline holds the UNet once."""
+        self._open_freeu = open_engine
+
+    def enable_freeu(self, s1: float, s2: float, b1: float, b2: float) -> None:
+        """FreeU with these factors, as UNet2DConditionModel.enable_freeu: the steps run on the set's FreeU build
+        (``sdtrt compile --freeu``); refused on a set without it, with DeepCache on or with LoRAs set."""
+        if self._open_freeu is None:
+            raise EngineInputError(
+                "enable_freeu: FreeU rescales features inside the UNet's up blocks, and this engine set has no FreeU "
+                "build: recompile it with `sdtrt compile --freeu` (Python: compile_model(..., freeu=True))"
+            )
+        if self.deepcache is not None:
+            raise EngineInputError("enable_freeu: DeepCache is on, and its members have no FreeU: disable it first")
+        if self._loras_active():
+            raise EngineInputError("enable_freeu: LoRAs are set on this UNet, and its FreeU build takes none yet")
+        if self.freeu_engine is None:
+            self.freeu_engine = self._open_freeu()
+            self._runtimes.append(self.freeu_engine)
+        # diffusers' up blocks run FreeU only when all four factors are truthy: else the plain UNet.
+        self.freeu = torch.tensor([s1, s2, b1, b2], dtype=torch.float32) if s1 and s2 and b1 and b2 else None
 
     def disable_freeu(self) -> None:
-        """A no-op: FreeU is never on in an engine."""
+        """Back to the plain UNet engine."""
+        self.freeu = None
+
+    def _loras_active(self) -> bool:
+        return bool(self.loras is not None and self.loras.active)
 
     def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
@@ -143,13 +168,20 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         spec = self.spec
         t = normalise_timestep(timestep, sample.shape[0], sample.device)
         tensors = [sample, t, encoder_hidden_states, *self._extras(sample, kwargs)]
+        if (self.deepcache is not None or self.freeu is not None) and self._loras_active():
+            feature = "FreeU" if self.freeu is not None else "DeepCache"
+            off = "pipe.disable_freeu()" if self.freeu is not None else "DeepCache(pipe).disable()"
+            raise EngineInputError(
+                f"LoRAs were set on this UNet after {feature} was enabled, and its {feature} engines do not take LoRAs "
+                f"yet: {off} first, or clear the LoRAs"
+            )
         if self.deepcache is not None:
-            if self.loras is not None and self.loras.active:
-                raise EngineInputError(
-                    "LoRAs were set on this UNet after DeepCache was enabled, and its DeepCache members do not take "
-                    "LoRAs yet: DeepCache(pipe).disable() first, or clear the LoRAs"
-                )
             out = self.deepcache(dict(zip(spec.canonical_inputs, tensors, strict=True)), timestep)
+        elif self.freeu is not None:
+            engine = self.freeu_engine
+            assert engine is not None  # enable_freeu opened it
+            feeds = dict(zip(engine.spec.input_names, [*tensors, self.freeu.to(sample.device)], strict=True))
+            out = engine.run(feeds)[engine.spec.output_names[0]]
         else:
             out = self.runtime.run(dict(zip(spec.input_names, tensors, strict=True)))[spec.output_name]
         out = out.to(sample.device, sample.dtype)

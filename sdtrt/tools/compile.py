@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.artifact import Artifact
 from ..core.config import (
+    FREEU_MEMBER,
     STEP_CACHES,
     Component,
     ConcreteTarget,
@@ -122,6 +123,7 @@ def compile_model(
     revalidate: bool = False,
     quantize_config: QuantizeConfig | None = None,
     caches: tuple[str, ...] | str = (),
+    freeu: bool = False,
 ) -> CompileResult:
     """Run the chain for each component; with ``validation``, check the result against PyTorch (not raising).
 
@@ -133,7 +135,8 @@ def compile_model(
     and validated to quantization's tolerances where ``validation`` leaves them open. ``caches``: step caches
     (STEP_CACHES: "first-block", "magcache", "taylorseer" for a transformer, "deepcache" for a UNet) whose split
     members join the set, so that ``pipe.transformer.enable_cache(config)`` / ``sdtrt.DeepCache(pipe).enable()`` run
-    on the engines.
+    on the engines. ``freeu``: the UNet with FreeU's factors as an input joins the set (``unet_freeu``), so that
+    ``pipe.enable_freeu(s1=…, s2=…, b1=…, b2=…)`` runs on the engines.
     """
     chosen, reason = resolve_target(target)  # fails before exporting when the target cannot be built here
     if problem := target_precision_problem(chosen, export_config.precision):
@@ -162,10 +165,10 @@ def compile_model(
     wraps = chosen == "tensorrt" and unwrapped is None
     caches = (caches,) if isinstance(caches, str) else caches  # caches="first-block" means one, not its letters
     components = components or model_components(model)
-    if caches and denoiser_component(model) not in components:  # the split members run beside the whole engine
+    if (caches or freeu) and denoiser_component(model) not in components:  # the members run beside the whole engine
         components = (*components, denoiser_component(model))
     split_members = cache_members(model, caches)
-    components = (*components, *split_members)
+    components = (*components, *split_members, *freeu_member(model, freeu, quantize_config))
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
     if chosen in ("tensorrt", "tensorrt-rtx"):
@@ -233,6 +236,19 @@ def cache_members(model: ModelSource, caches: tuple[str, ...]) -> tuple[Componen
     if problem:
         raise ConfigError(f"cannot split {model.name}'s {denoiser} for step caches: {problem}")
     return tuple(dict.fromkeys(m for c in caches for m in STEP_CACHES[c]))
+
+
+def freeu_member(model: ModelSource, freeu: bool, quantize_config: QuantizeConfig | None) -> tuple[Component, ...]:
+    """The FreeU build compile adds (none unless ``freeu``); ConfigError where this model cannot take it, before
+    anything is exported."""
+    if not freeu:
+        return ()
+    if (denoiser := denoiser_component(model)) != "unet":
+        raise ConfigError(f"FreeU rescales a UNet's up blocks, and {model.name}'s denoiser is a {denoiser}: compile "
+                          "without --freeu")  # fmt: skip
+    if quantize_config is not None:
+        raise ConfigError("FreeU on a quantized UNet is not built yet: compile without --freeu, or at fp16")
+    return (FREEU_MEMBER,)
 
 
 def validate_graphs(

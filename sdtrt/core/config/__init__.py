@@ -22,6 +22,7 @@ from .build import (
 from .components import (
     BUILDABLE,
     COMPONENTS,
+    FREEU_MEMBER,
     STEP_CACHES,
     TEXT_ENCODERS,
     TRANSFORMER_PARTS,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_PROMPT",
     "ENGINE_BACKENDS",
     "FLUX_ARCHITECTURE",
+    "FREEU_MEMBER",
     "MAX_BATCH",
     "MAX_T5_TOKENS",
     "PRECISIONS",

@@ -9,7 +9,7 @@ from typing import Literal
 Component = Literal[
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
     "vae_encoder", "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out", "unet_deep",
-    "unet_shallow",
+    "unet_shallow", "unet_freeu",
 ]  # fmt: skip
 COMPONENTS: tuple[Component, ...] = (
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
@@ -24,7 +24,10 @@ TRANSFORMER_PARTS: tuple[Component, ...] = (
 # The UNet again, as DeepCache runs it (spec/unet_split.py): the whole UNet that also hands out the deep feature it
 # caches, and the shallow branch that takes that feature back in on the steps between.
 UNET_PARTS: tuple[Component, ...] = ("unet_deep", "unet_shallow")
-BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS
+# The UNet again, with FreeU's factors as an input (spec/unet_freeu.py): built only when asked (compile's freeu=), so
+# the plain UNet engine stays as it was and runs whenever FreeU is off.
+FREEU_MEMBER: Component = "unet_freeu"
+BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS + (FREEU_MEMBER,)
 
 # Step caches compile can build the split members for (compile's caches=), and the members each needs. The three
 # transformer caches skip the same blocks, so they share one split; DeepCache splits the UNet.
