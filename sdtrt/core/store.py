@@ -170,6 +170,17 @@ class Store:
                 raise
         return Artifact(final, manifest), False
 
+    def stored(self, request: StageRequest) -> Artifact | None:
+        """The intact artifact stored for ``request``, or None; nothing is built or said."""
+        hit = self.lookup(request)
+        return hit if hit is not None and not hit.file_problems() else None
+
+    def lock(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
+        """An exclusive lock named ``name`` in the store, for work that spans several artifacts (``what`` it is, to
+        a run that waits)."""
+        self.ensure_writable()
+        return exclusive(self.root / LOCK_DIR / f"{name}.lock", what)
+
     @contextlib.contextmanager
     def scratch(self, name: str) -> Iterator[Path]:
         """A folder in the store's temp area for files that several artifacts are made from (moved out of it into

@@ -44,7 +44,7 @@ from ..core.trt_products import (
     rtx_missing,
     rtx_turing_problem,
 )
-from .quantize import quantization, tensorrt_graph, tensorrt_spec
+from .quantize import quantization, quantized_from, tensorrt_graph, tensorrt_spec
 from .trt_build_worker import REFUSED_EXIT, layer_summary
 
 STAGE = "build-trt"
@@ -60,10 +60,11 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
             f"`sdtrt simplify {source.primary}` first, or build without --strip-weights"
         )
     precision = quantization(source)
-    if config.strip_weights and precision:
+    if config.strip_weights and (made_from := quantized_from(source)):
         # A quantized plan is built from the quantize stage's TensorRT graph, not from the artifact's own primary
         # graph that a stripped plan is refilled from: the refit could not promise the build's weights.
-        raise ConfigError(f"--strip-weights is not offered for {precision} engines yet; build without it")
+        quantized = made_from.manifest["config"]["precision"]
+        raise ConfigError(f"--strip-weights is not offered for {quantized} engines yet; build without it")
     if config.strip_weights:  # the plan needs its graph at every load: `gc --older-than` must see it used now
         source.mark_used()
     spec = tensorrt_spec(source)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,6 @@ from ..graph import onnx_graph
 from ..sources.models import ModelSource
 from ..spec import GraphSpec, denoiser_component
 from . import calibration, export
-from .qdq import qdq_counts
 from .quantize_export import OPSET, ROLE_NAMES, write_graphs
 from .quantize_layers import (
     LayerPlan,
@@ -61,6 +59,7 @@ from .quantize_layers import (
     modelopt_config,
     plan_layers,
 )
+from .quantize_members import calibration_result, holds_qdq, member_manifest, same_calibration
 
 if TYPE_CHECKING:
     import torch
@@ -79,24 +78,25 @@ def run_members(
 ) -> dict[str, Artifact]:
     """The quantized denoiser's artifact and, for step caches, one per split member ``parts`` (the transformer's
     four, DeepCache's two), cut from the same calibrated network: their Q/DQ scales are the denoiser's, so the
-    chained members compute what the quantized whole computes. One calibration serves every member missing from the
-    store; each graph is written once, into a scratch folder, and moved into its member's artifact."""
+    chained members compute what the quantized whole computes. One calibration serves the members missing from the
+    store, and only they are exported (into a scratch folder, then moved into each artifact). A stored denoiser whose
+    calibration the new members' does not reproduce is refused (``same_calibration``)."""
     check_model(config, model)
-    members = (denoiser_component(model), *parts)
+    denoiser = denoiser_component(model)
+    requests = {c: request_for(config, model, c) for c in (denoiser, *parts)}
     written: dict[str, dict[str, Any]] = {}
-    artifacts: dict[str, Artifact] = {}
-    with contextlib.ExitStack() as scratch:
-
-        def produce(component: Component, out_dir: Path) -> dict[str, Any]:
-            if not written:  # the first member missing: calibrate once, export every member
-                folder = scratch.enter_context(store.scratch(STAGE))
-                written.update(_quantize(config, model, members, folder))
-            return _member_manifest(model, component, written[component], out_dir)
-
-        for component in members:
-            request = request_for(config, model, component)
-            artifacts[component], _ = store.produce(request, functools.partial(produce, component))
-    return artifacts
+    with contextlib.ExitStack() as held:
+        if any(store.stored(r) is None for r in requests.values()):
+            # One run at a time makes a denoiser's members: two would calibrate twice, and might mix the results.
+            held.enter_context(store.lock(f"{requests[denoiser].key[:16]}.members", f"quantize {model.name}'s members"))
+            if missing := tuple(c for c, r in requests.items() if store.stored(r) is None):
+                written = _quantize(config, model, missing, held.enter_context(store.scratch(STAGE)))
+                if denoiser not in missing:
+                    same_calibration(store.stored(requests[denoiser]), written, missing[0])
+        return {
+            c: store.produce(r, functools.partial(member_manifest, model, c, written.get(c, {})))[0]
+            for c, r in requests.items()
+        }
 
 
 def request_for(config: QuantizeConfig, model: ModelSource, component: Component | None = None) -> StageRequest:
@@ -206,9 +206,10 @@ def quantized_denoiser(config: QuantizeConfig, model: ModelSource) -> QuantizedD
 def _quantize(
     config: QuantizeConfig, model: ModelSource, members: tuple[Component, ...], folder: Path
 ) -> dict[str, dict[str, Any]]:
-    """Calibrate once and write every member's graphs into ``folder``; each member's files by role, and what its
-    manifest shares with the others."""
+    """Calibrate once and write these members' graphs into ``folder``: each member's files by role, contracts, and
+    the manifest fields it shares with the others."""
     quantized = quantized_denoiser(config, model)
+    result = calibration_result(quantized.network)  # before the export changes the quantizers (FP8, 16 bits)
     timings = dict(quantized.timings)
     specs: dict[str, dict[str, GraphSpec]] = {c: graph_specs(model, config, c) for c in members}
     graphs = write_graphs(quantized.network, config, specs, folder, timings)
@@ -230,6 +231,7 @@ def _quantize(
             "kept_high_precision": plan.kept,
             "calibration": config.calibration_set()
             | {"denoiser_calls": quantized.calibration_calls, "digest": digest(config.calibration_set())},
+            "calibration_result": result,
             "opset": OPSET,
         },
         "reproduce": (
@@ -241,42 +243,6 @@ def _quantize(
         component: {"graphs": graphs[component], "specs": specs[component], "shared": shared, "folder": folder}
         for component in members
     }
-
-
-def _member_manifest(model: ModelSource, component: str, member: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Move one member's graphs (and their weight files) from the scratch folder into its artifact; its manifest."""
-    folder: Path = member["folder"]
-    graphs: dict[str, str] = member["graphs"]
-    specs: dict[str, GraphSpec] = member["specs"]
-    for name in set(graphs.values()):
-        for path in (folder / name, onnx_graph.data_file(folder / name)):
-            if path.exists():
-                shutil.move(path, out_dir / path.name)
-    shared = member["shared"]
-    split = {} if component == denoiser_component(model) else {"split_member_of": denoiser_component(model)}
-    return shared | {
-        "primary": graphs["onnxruntime"],
-        "io": specs["onnxruntime"].to_json(),
-        "precision": shared["precision"]
-        | {
-            "graph": {role: spec.precision for role, spec in specs.items()},  # outside the Q/DQ pairs
-            "why": {role: graph_precision_why(role, spec) for role, spec in specs.items()},
-        },
-        "graphs": graphs,
-        "details": shared["details"] | split | {"qdq": {role: qdq_counts(out_dir / n) for role, n in graphs.items()}},
-    }
-
-
-def graph_precision_why(role: str, spec: GraphSpec) -> str:
-    if spec.precision == "fp32":
-        return "fp32 outside the Q/DQ pairs: what ONNX Runtime's CPU provider runs well, with the same scales"
-    if role == "onnxruntime":
-        return "fp16 outside the Q/DQ pairs: ModelOpt exports FP8 attention only from a 16-bit module"
-    fp32_ops = " (Resize, Sin and Cos computed in fp32, as for sdtrt's bf16 graphs)" if spec.precision == "bf16" else ""
-    return (
-        f"{spec.precision} outside the Q/DQ pairs{fp32_ops}, as NVIDIA exports this family's quantized denoiser: a "
-        "strongly typed TensorRT build runs every op in the graph's type"
-    )
 
 
 def tensorrt_graph(artifact: Artifact) -> Path:
@@ -305,9 +271,9 @@ def graph_precisions(quantized: Artifact) -> dict[str, Precision]:
 
 def quantization(artifact: Artifact) -> str | None:
     """The 8-bit format ("int8", "fp8") of the Q/DQ graph an artifact is or was made from (a quantize artifact in
-    its lineage), or None."""
+    its lineage), or None: none there, or a split member that holds no Q/DQ (``holds_qdq``)."""
     made_from = quantized_from(artifact)
-    return None if made_from is None else str(made_from.manifest["config"]["precision"])
+    return None if made_from is None or not holds_qdq(made_from) else str(made_from.manifest["config"]["precision"])
 
 
 def precision_label(artifact: Artifact) -> str | None:
@@ -315,7 +281,7 @@ def precision_label(artifact: Artifact) -> str | None:
     it runs, "int8 level 2.5 (ONNX Runtime graph, fp32 outside Q/DQ)" (a TensorRT engine runs the TensorRT graph,
     anything else ONNX Runtime's); None for any other artifact."""
     made_from = quantized_from(artifact)
-    if made_from is None:
+    if made_from is None or not holds_qdq(made_from):
         return None
     role = "tensorrt" if any(a.stage == "build-trt" for a in artifact.lineage()) else "onnxruntime"
     config, graphs = made_from.manifest["config"], graph_precisions(made_from)

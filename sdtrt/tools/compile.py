@@ -173,6 +173,8 @@ def compile_model(
     profile = profile or denoiser_spec(model).default_profile()
     if chosen in ("tensorrt", "tensorrt-rtx"):
         trt_config = trt_config or TrtBuildConfig(profiles=(profile,))
+    # The split members are cut from the denoiser's calibrated network: the same scales (one calibration).
+    quantized = {} if quantize_config is None else quantize.run_members(quantize_config, model, store, split_members)
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
     graphs: dict[str, Artifact] = {}
@@ -181,11 +183,7 @@ def compile_model(
             export_config, component=component, precision=component_precision(model, component, export_config.precision)
         )
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
-        if quantize_config is not None and component in (denoiser_component(model), *split_members):
-            # The split members are cut from the denoiser's calibrated network: the same scales (one calibration).
-            exported = quantize.run_members(quantize_config, model, store, split_members)[component]
-        else:
-            exported = export.run(config, model, store)
+        exported = quantized[component] if component in quantized else export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
         graphs[component] = simplified
         built, _ = build(simplified, store, chosen, profile, trt_config=member_trt)
