@@ -55,13 +55,15 @@ def test_load_lora_weights_is_set_loras_bit_for_bit(fresh, loras):
     assert psnr_db(got, base) < 30  # the LoRA changes the image
 
 
-def test_a_state_dict_loads_as_its_file_does(fresh, loras):
+def test_a_state_dict_loads_as_diffusers_loads_it(tiny, fresh, loras):
     from safetensors.torch import load_file
 
-    fresh.load_lora_weights(loras["b"], adapter_name="file")
-    from_file = image(fresh)
-    fresh.load_lora_weights(load_file(loras["b"]), adapter_name="dict")
-    assert np.array_equal(image(fresh), from_file) and fresh.get_active_adapters() == ["dict"]
+    base = image(fresh)
+    reference = load_pipeline(tiny)
+    for target in (fresh, reference):  # no adapter metadata in memory: alpha is the rank, as diffusers takes it
+        target.load_lora_weights(load_file(loras["b"]), adapter_name="dict")
+    assert fresh.get_active_adapters() == ["dict"] and fresh.get_list_adapters() == reference.get_list_adapters()
+    assert psnr_db(image(fresh), image(reference)) >= 35 and psnr_db(image(fresh), base) < 30
 
 
 def test_adapters_weights_enable_and_unload(fresh, loras):
