@@ -4,6 +4,8 @@ match diffusers' PyTorch pipeline driven by the same calls. Tiny SD 1.x engine s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -122,10 +124,11 @@ def test_what_cannot_map_is_refused_in_one_line_and_changes_nothing(fresh, loras
         (lambda: fresh.load_lora_weights("someone/hub-lora"), "is no LoRA file on disk"),
         (lambda: fresh.load_lora_weights(loras["a"], adapter_name="a"), "'a' is already in use"),
         (lambda: fresh.load_lora_weights(bad), "text_encoder_2"),
-        (lambda: fresh.set_adapters(["a"], [{"unet": 0.5}]), "per-component"),
+        (lambda: fresh.set_adapters(["a"], [{"unet": {"down": 0.5}}]), "per-block weights"),
+        (lambda: fresh.set_adapters(["a"], [{"transformer": 0.5}]), "no LoRA component 'transformer'"),
         (lambda: fresh.set_adapters(["nope"]), "no adapter 'nope'"),
         (lambda: fresh.set_adapters(["a"], [-1.0]), "must be a finite number"),
-        (lambda: fresh.enable_lora_hotswap(target_rank=4), "use sdtrt.set_loras"),
+        (lambda: fresh.load_lora_weights(loras["b"], adapter_name="c", hotswap=True), "'c' is none; loaded: a"),
     ]
     for call, message in cases:
         with pytest.raises(LoraError, match=message) as raised:
@@ -147,3 +150,30 @@ def test_adapters_match_diffusers_pytorch(tiny, fresh, loras):
         target.fuse_lora(lora_scale=0.7)
         target.unfuse_lora()
     assert psnr_db(image(fresh), image(reference)) >= 35
+    for target in (fresh, reference):  # per-component weights: b's text encoder at 0.25, its UNet at 1.0
+        target.set_adapters(["a", "b"], [0.8, {"text_encoder": 0.25}])
+    assert psnr_db(image(fresh), image(reference)) >= 35
+
+
+def test_hotswap_replaces_an_adapters_weights_in_place(fresh, loras):
+    fresh.enable_lora_hotswap(target_rank=8)  # nothing to prepare: engines are refit, at any rank
+    fresh.load_lora_weights(loras["a"], adapter_name="x")
+    fresh.load_lora_weights(loras["b"], adapter_name="y")
+    fresh.set_adapters(["x", "y"], [0.5, 0.8])
+    fresh.load_lora_weights(loras["b"], adapter_name="x", hotswap=True)  # x's place and weight, b's weights
+    assert fresh.get_active_adapters() == ["x", "y"]
+    swapped = image(fresh)
+    set_loras(fresh, [(loras["b"], 0.5), (loras["b"], 0.8)])
+    assert np.array_equal(image(fresh), swapped)
+
+
+def test_per_component_weights_are_set_loras_per_network_scales(fresh, loras):
+    fresh.load_lora_weights(loras["b"], adapter_name="b")
+    fresh.set_adapters("b", {"unet": 0.5, "text_encoder": 0.25})
+    got, weights = image(fresh), active(fresh)
+    assert weights == [("unet", [(Path(loras["b"]), 0.5)]), ("text_encoder", [(Path(loras["b"]), 0.25)])]
+    set_loras(fresh, [(loras["b"], {"unet": 0.5, "text_encoder": 0.25})])
+    assert active(fresh) == weights and np.array_equal(image(fresh), got)
+    fresh.load_lora_weights(loras["a"], adapter_name="a")  # the registry takes the per-network scales as baked
+    fresh.set_adapters([])
+    assert active(fresh) == weights

@@ -196,11 +196,11 @@ PIPELINE_CALLS = {
     "enable_lora_hotswap": ((), {"target_rank": 4}),
 }
 # diffusers' LoRA API runs on engines (standins/adapters.py; test_lora_diffusers_api.py checks it): here, with no
-# such adapter or file, these three refuse; fuse_lora, unfuse_lora, enable/disable_lora and the rest work.
+# such adapter or file, these three refuse; fuse_lora, unfuse_lora, enable/disable_lora, enable_lora_hotswap (engines
+# need no preparation) and the rest work.
 EXPECTED = {"load_lora_weights": LoraError, "set_adapters": LoraError, "delete_adapters": LoraError,
             "load_ip_adapter": EngineInputError, "set_ip_adapter_scale": EngineInputError,
-            "unload_ip_adapter": EngineInputError, "enable_freeu": EngineInputError,
-            "enable_lora_hotswap": LoraError}  # fmt: skip
+            "unload_ip_adapter": EngineInputError, "enable_freeu": EngineInputError}  # fmt: skip
 
 
 def test_pipeline_mixin_methods_work_or_refuse_in_one_line(engine_pipe):
@@ -214,9 +214,7 @@ def test_pipeline_mixin_methods_work_or_refuse_in_one_line(engine_pipe):
                 getattr(engine_pipe, name)(*args, **kwargs)
             message = str(refusal.value)
             assert "\n" not in message and name in message
-            if name == "enable_lora_hotswap":
-                assert "sdtrt.set_loras(pipe" in message
-            elif name == "load_lora_weights":
+            if name == "load_lora_weights":
                 assert "lora.safetensors is no LoRA file on disk" in message
             elif EXPECTED[name] is LoraError:
                 assert "no adapter 'default'; loaded: none" in message
@@ -234,8 +232,8 @@ def test_a_pipeline_made_from_standins_refuses_as_load_pipeline_does(engine_pipe
     again = type(engine_pipe)(**engine_pipe.components)
     with pytest.raises(LoraError, match=r"is no LoRA file on disk"):  # diffusers' LoRA API on engines
         again.load_lora_weights("lora.safetensors")
-    with pytest.raises(LoraError, match=r"enable_lora_hotswap .*use sdtrt.set_loras"):
-        again.enable_lora_hotswap(target_rank=4)
+    with pytest.raises(EngineInputError, match=r"set_ip_adapter_scale .*IP-Adapter on engines is not built yet"):
+        again.set_ip_adapter_scale(0.6)
     for module in again.components.values():
         if isinstance(module, EngineModule) and hasattr(module, "add_adapter"):
             with pytest.raises(LoraError, match=r"add_adapter .*use sdtrt.set_loras"):

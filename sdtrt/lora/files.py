@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..core.errors import LoraError, RequestError, one_line
 
@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
     from ..sources.models import ModelSource
 
-LoraSpec = tuple["str | os.PathLike[str]", float]
+# One scale for every network the file changes, or one per network (component → scale, 1.0 where none is given, as
+# diffusers' set_adapters takes {"unet": 0.5, "text_encoder": 1.0}).
+Scale = float | Mapping[str, float]
+T = TypeVar("T")
+LoraSpec = tuple["str | os.PathLike[str]", Scale]
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights gives
 # The networks LoRA files change, by the state-dict prefix diffusers gives each (and the pipeline attribute).
 LORA_COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
@@ -95,16 +99,38 @@ def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
     return float(scale)
 
 
-def checked_loras(loras: Sequence[LoraSpec]) -> list[tuple[Path, float]]:
+def checked_loras(loras: Sequence[LoraSpec]) -> list[tuple[Path, Scale]]:
     """(file, scale) pairs with their scales checked; LoraError for anything else, such as a bare path."""
     if isinstance(loras, str | os.PathLike):
         loras = [loras]  # type: ignore[list-item]  # reported below, item by item
-    checked = []
+    checked: list[tuple[Path, Scale]] = []
     for item in loras:
         if not (isinstance(item, tuple | list) and len(item) == 2):
             raise LoraError(f'LoRAs are (file, scale) pairs, e.g. [("style.safetensors", 0.8)]; got {item!r}')
-        checked.append((Path(item[0]), check_scale(item[1], item[0])))
+        checked.append((Path(item[0]), check_scales(item[1], item[0])))
     return checked
+
+
+def check_scales(scale: Scale, path: str | os.PathLike[str]) -> Scale:
+    """One scale, or per-network scales whose networks take LoRAs, each checked."""
+    if not isinstance(scale, Mapping):
+        return check_scale(scale, path)
+    if unknown := [c for c in scale if c not in LORA_COMPONENTS]:
+        raise LoraError(
+            f"LoRA scales for {path} name {unknown[0]!r}, which takes no LoRAs; per-network scales name "
+            f"{', '.join(LORA_COMPONENTS)}"
+        )
+    return {str(c): check_scale(v, path) for c, v in scale.items()}
+
+
+def network_scale(scale: Scale, component: str) -> float:
+    """A LoRA's scale on one network: its only scale, or that network's (1.0 where per-network scales name none)."""
+    return float(scale.get(component, 1.0)) if isinstance(scale, Mapping) else float(scale)
+
+
+def for_network(loras: Sequence[tuple[T, Scale]], component: str) -> list[tuple[T, float]]:
+    """Each LoRA's scale on one network."""
+    return [(lora, network_scale(scale, component)) for lora, scale in loras]
 
 
 def parse_lora_option(value: str) -> tuple[str, float]:

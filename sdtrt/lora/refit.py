@@ -27,7 +27,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import LoraError, RefitError, one_line
-from .files import LORA_FAMILIES, LoraFile, LoraModule, LoraSpec, checked_loras, lora_kind, read_lora
+from .files import (
+    LORA_FAMILIES,
+    LoraFile,
+    LoraModule,
+    LoraSpec,
+    checked_loras,
+    for_network,
+    lora_kind,
+    network_scale,
+    read_lora,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -149,11 +159,11 @@ def apply_loras(targets: Sequence[EngineLoras], loras: Sequence[LoraSpec], elsew
     for lora, _ in files:
         if other := next((c for c in lora.parts if c not in held), None):
             raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[other]} ({other}){elsewhere(other)}")
-    computed = [(target, *target.weights(files)) for target in targets]
+    computed = [(target, *target.weights(for_network(files, target.component))) for target in targets]
     swapped: list[str] = []
     for target, weights, changed in computed:
         try:
-            target.swap(weights, changed, checked)
+            target.swap(weights, changed, for_network(checked, target.component))
         except LoraError as exc:
             if swapped:  # the networks before it already run the new LoRAs: say so, not "unchanged"
                 raise LoraError(f"{one_line(exc)} (the {', '.join(swapped)} already took the new LoRAs)") from exc
@@ -213,7 +223,8 @@ def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     for path, scale in checked:  # one at a time: loading an adapter unmerges those fused before it
         with quiet_loading():
             pipe.load_lora_weights(str(path))
-        pipe.fuse_lora(components=networks, lora_scale=scale)
+        for network in networks:  # each at its own scale (per-network scales)
+            pipe.fuse_lora(components=[network], lora_scale=network_scale(scale, network))
         pipe.unload_lora_weights()  # keeps the fused weights, drops PEFT's layers
 
 

@@ -139,7 +139,8 @@ def load_pipeline(
 
 
 def set_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
-    """Put these (file, scale) LoRAs into every engine network of ``pipe``: UNet and text encoders alike.
+    """Put these (file, scale) LoRAs into every engine network of ``pipe``: UNet and text encoders alike. A scale is
+    one number, or one per network (``{"unet": 0.8, "text_encoder": 0.4}``; 1.0 for a network it leaves out).
 
     Each weight is computed from the engine's base weights (any earlier set is undone); all files are
     checked before any engine changes, so LoraError leaves the pipeline as it was. ``[]`` clears them.

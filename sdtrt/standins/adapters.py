@@ -17,20 +17,20 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import LoraError
-from ..lora.files import DIFFUSERS_LORA_FILE, LORA_COMPONENTS, LoraSpec, read_lora
+from ..lora.files import DIFFUSERS_LORA_FILE, LORA_COMPONENTS, LoraSpec, Scale, for_network, read_lora
 from ..lora.refit import EngineLoras, LoraNetwork, apply_loras
 
 REGISTRY = "_sdtrt_lora_adapters"  # the pipeline attribute that holds its Adapters
 OWN_FILES = "_sdtrt_lora_files"  # the pipeline attribute: the folder of the state dicts it was given, as files
 ADAPTER_METHODS = (
     "load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
-    "unload_lora_weights", "disable_lora", "enable_lora", "fuse_lora", "unfuse_lora",
+    "unload_lora_weights", "disable_lora", "enable_lora", "fuse_lora", "unfuse_lora", "enable_lora_hotswap",
 )  # fmt: skip
 LOAD_KWARGS = {"weight_name", "subfolder", "low_cpu_mem_usage", "local_files_only"}  # others are refused
 
@@ -65,12 +65,12 @@ class Adapters:
 
     files: dict[str, Path] = field(default_factory=dict)  # in load order
     parts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name → the networks its file changes
-    active: tuple[tuple[str, float], ...] = ()
+    active: tuple[tuple[str, Scale], ...] = ()  # a weight, or one per network (every network the pipeline has)
     enabled: bool = True
     fused: tuple[str, ...] | None = None  # the fused adapters' names; None: not fused
-    baked: tuple[tuple[Path, float], ...] = ()
+    baked: tuple[tuple[Path, Scale], ...] = ()
 
-    def loras(self) -> list[tuple[Path, float]]:
+    def loras(self) -> list[tuple[Path, Scale]]:
         """The (file, scale) list the engines run in this state."""
         weights = dict(self.active)
         running = list(self.active) if self.fused is None else [(n, weights[n]) for n in self.fused]
@@ -84,10 +84,23 @@ def adapters(pipe: Any) -> Adapters:
     whose LoRAs the engines no longer run (a network's own ``set_loras`` changed them since)."""
     found = pipe.__dict__.get(REGISTRY)
     networks = lora_networks(pipe)
-    running = list(networks[0].active) if networks else []
-    if found is None or found.loras() != running:
-        found = Adapters(baked=tuple(running))
+    if found is None or any(for_network(found.loras(), n.component) != n.active for n in networks):
+        found = Adapters(baked=tuple(running_loras(networks)))
     return found
+
+
+def running_loras(networks: list[EngineLoras]) -> list[tuple[Path, Scale]]:
+    """The LoRAs the engines run now: one list where every network runs the same, else each file's scale per network
+    (0 on a network that does not run it)."""
+    lists = [n.active for n in networks]
+    if all(active == lists[0] for active in lists):
+        return list(lists[0]) if lists else []
+    scales: dict[Path, dict[str, float]] = {}
+    for network in networks:
+        for path, scale in network.active:
+            scales.setdefault(path, {})[network.component] = scale
+    components = {n.component for n in networks}
+    return [(path, {c: by_network.get(c, 0.0) for c in components}) for path, by_network in scales.items()]
 
 
 def commit(pipe: Any, state: Adapters) -> None:
@@ -120,11 +133,10 @@ def load_lora_weights(
     pipe: Any, pretrained_model_name_or_path_or_dict: Any, adapter_name: str | None = None, hotswap: bool = False,
     **kwargs: Any,
 ) -> None:  # fmt: skip
-    """A LoRA file or folder on disk as a new adapter, the only active one, at weight 1.0 (diffusers' behaviour)."""
+    """A LoRA file, folder or state dict as a new adapter, the only active one, at weight 1.0 (diffusers' behaviour);
+    with ``hotswap``, as the new weights of the adapter ``adapter_name``, whose place and weight stay."""
     where = f"{type(pipe).__name__}.load_lora_weights"
     source = pretrained_model_name_or_path_or_dict
-    if hotswap:
-        raise LoraError(f"{where}: hotswap swaps PyTorch adapter layers; on engines load it as a new adapter")
     if unknown := sorted(set(kwargs) - LOAD_KWARGS):
         raise LoraError(f"{where} on engines takes no {', '.join(unknown)}")
     state = adapters(pipe)
@@ -141,13 +153,23 @@ def load_lora_weights(
         raise LoraError(f"{where}: {path} is no LoRA file on disk; sdtrt reads LoRAs from disk only: download a Hub "
                         "LoRA first (huggingface_hub.hf_hub_download)")  # fmt: skip
     _not_fused(pipe, state, "load_lora_weights")
-    if name in state.files:
-        raise LoraError(f"{where}: adapter name {name!r} is already in use; delete_adapters({name!r}) first")
+    if hotswap and name not in state.files:
+        raise LoraError(f"{where}: hotswap replaces a loaded adapter, and {name!r} is none; loaded: "
+                        f"{', '.join(state.files) or 'none'}")  # fmt: skip
+    if name in state.files and not hotswap:
+        raise LoraError(f"{where}: adapter name {name!r} is already in use; delete_adapters({name!r}) first, or "
+                        "load_lora_weights(..., hotswap=True) to replace it")  # fmt: skip
     networks = lora_networks(pipe)
     lora = read_lora(path, networks[0].family if networks else None)
+    active = state.active if hotswap else ((name, 1.0),)  # a hotswapped adapter keeps its place and weight
     new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
-                  active=((name, 1.0),))  # fmt: skip
+                  active=active)  # fmt: skip
     commit(pipe, new)
+
+
+def enable_lora_hotswap(pipe: Any, **kwargs: Any) -> None:
+    """Nothing to prepare on engines: a hotswapped LoRA is refit into the same engines, at any rank, with no
+    recompilation (what diffusers' enable_lora_hotswap prepares PyTorch adapter layers for)."""
 
 
 def saved_state_dict(pipe: Any, state_dict: dict[str, Any], name: str, where: str) -> Path:
@@ -177,11 +199,24 @@ def set_adapters(pipe: Any, adapter_names: str | Sequence[str], adapter_weights:
     weights = adapter_weights if isinstance(adapter_weights, list | tuple) else [adapter_weights] * len(names)
     if len(weights) != len(names):
         raise LoraError(f"set_adapters: {len(names)} adapter names and {len(weights)} weights; give one weight each")
-    if any(isinstance(w, dict) for w in weights):
-        raise LoraError("set_adapters: per-component or per-block weights (a dict) need PyTorch adapter layers; "
-                        "on engines give one number per adapter")  # fmt: skip
-    active = tuple((n, 1.0 if w is None else w) for n, w in zip(names, weights, strict=True))
+    active = tuple((n, adapter_weight(pipe, w)) for n, w in zip(names, weights, strict=True))
     commit(pipe, replace(state, active=active))
+
+
+def adapter_weight(pipe: Any, weight: Any) -> Scale:
+    """An adapter's weight as set_adapters takes it: a number (None: 1.0), or one per component ({"unet": 0.5}; 1.0
+    for a component it leaves out, as diffusers). Per-block weights (a component's dict) are refused: an engine takes
+    one scale per network."""
+    if not isinstance(weight, dict):
+        return 1.0 if weight is None else weight
+    components = type(pipe)._lora_loadable_modules
+    if unknown := [c for c in weight if c not in components]:
+        raise LoraError(f"set_adapters: {type(pipe).__name__} has no LoRA component {unknown[0]!r}; per-component "
+                        f"weights name {', '.join(components)}")  # fmt: skip
+    if blocks := next((c for c, w in weight.items() if isinstance(w, dict)), None):
+        raise LoraError(f"set_adapters: per-block weights ({blocks!r}: a dict) need PyTorch adapter layers; on engines "
+                        "give one number per adapter or per component")  # fmt: skip
+    return {c: 1.0 if weight.get(c) is None else weight[c] for c in components}
 
 
 def get_active_adapters(pipe: Any) -> list[str]:
@@ -230,10 +265,14 @@ def fuse_lora(
         raise LoraError("fuse_lora: fusing some components only needs PyTorch adapter layers; on engines leave "
                         "components out (every network the adapters change is fused)")  # fmt: skip
     names = _names(pipe, state, adapter_names, "fuse_lora") if adapter_names else [n for n, _ in state.active]
-    active = {n: w * lora_scale for n, w in state.active}  # PEFT's scale_layer: the active layers, kept after unfuse
+    active = {n: scaled(w, lora_scale) for n, w in state.active}  # PEFT's scale_layer, kept after unfuse
     if missing := [n for n in names if n not in active]:
         raise LoraError(f"fuse_lora: {', '.join(missing)} not active; set_adapters first")
     commit(pipe, replace(state, active=tuple(active.items()), fused=tuple(names)))
+
+
+def scaled(weight: Scale, factor: float) -> Scale:
+    return {c: w * factor for c, w in weight.items()} if isinstance(weight, Mapping) else weight * factor
 
 
 def unfuse_lora(pipe: Any, components: Sequence[str] | None = None, **kwargs: Any) -> None:

@@ -53,11 +53,9 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
     "enable_parallelism": (EngineInputError, "splits PyTorch attention across GPUs, and an engine runs on one device: "
                            + PYTORCH_ONLY),
 }  # fmt: skip
-# The pipeline's own methods that would reach PyTorch-only code (LoRA hotswap, IP-Adapter loaders): on a pipeline
+# The pipeline's own methods that would reach PyTorch-only code (IP-Adapter loaders): on a pipeline
 # with a stand-in they fail deep inside diffusers/PEFT. diffusers' other LoRA methods run on engines (adapters.py).
 PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
-    "enable_lora_hotswap": (LoraError, f"works on PyTorch networks, and this pipeline runs on engines: {USE_SET_LORAS}")
-} | {
     name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and IP-Adapter on "
            "engines is not built yet (sdtrt does not export its inputs): " + PYTORCH_ONLY)
     for name in ("load_ip_adapter", "set_ip_adapter_scale", "unload_ip_adapter")
