@@ -162,6 +162,24 @@ def test_adapters_match_diffusers_pytorch(tiny, fresh, loras):
     assert psnr_db(image(fresh), image(reference)) >= 35
 
 
+def test_a_calls_lora_scale_scales_the_adapters_as_diffusers_does(tiny, fresh, loras):
+    import torch
+
+    def run(pipe, **call):
+        generator = torch.Generator().manual_seed(3)
+        return pipe(REQUEST.prompt, num_inference_steps=4, generator=generator, output_type="np", **call).images[0]
+
+    reference = load_pipeline(tiny)
+    for target in (fresh, reference):
+        target.load_lora_weights(loras["b"], adapter_name="b")
+    full, half = run(fresh), {"cross_attention_kwargs": {"scale": 0.5}}
+    halved = run(fresh, **half)
+    assert psnr_db(halved, run(reference, **half)) >= 35 and psnr_db(halved, full) < 40
+    assert np.array_equal(run(fresh), full)  # the next call, without a scale, runs the adapters at their weights
+    fresh.set_adapters("b", 0.5)
+    assert np.array_equal(run(fresh), halved)  # a call's scale multiplies the adapters' weights
+
+
 def test_hotswap_replaces_an_adapters_weights_in_place(fresh, loras):
     fresh.enable_lora_hotswap(target_rank=8)  # nothing to prepare: engines are refit, at any rank
     fresh.load_lora_weights(loras["a"], adapter_name="x")

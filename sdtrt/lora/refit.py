@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import LoraError, RefitError, one_line
+from ..core.errors import EngineInputError, LoraError, RefitError, one_line
 from .files import (
     LORA_FAMILIES,
     LoraFile,
@@ -186,6 +186,9 @@ class LoraNetwork:
     """``set_loras`` / ``clear_loras`` on an engine stand-in whose weights LoRAs change (UNet, transformer, CLIP)."""
 
     loras: EngineLoras | None
+    # The scale of a pipeline call's LoRA adapters (cross_attention_kwargs / joint_attention_kwargs "scale") its
+    # weights hold now: the pipeline's adapter registry puts it in before the call (standins/adapters.py).
+    call_scale: float = 1.0
 
     def engine_loras(self) -> list[EngineLoras]:
         """Every engine whose weights this network's LoRAs change: its own, and its split members' where it has them."""
@@ -205,6 +208,16 @@ class LoraNetwork:
     def clear_loras(self) -> None:
         """Back to the engine's base weights."""
         self.set_loras([])
+
+    def check_call_scale(self, scale: float | None, argument: str) -> None:
+        """EngineInputError unless the weights hold this call's LoRA scale (``argument``: where the pipeline passed
+        it): a pipeline whose adapters were loaded with load_lora_weights puts it in at encode_prompt."""
+        if (1.0 if scale is None else scale) != self.call_scale:
+            raise EngineInputError(
+                f"{argument} (a LoRA scale, {scale}) scales the adapters loaded with pipe.load_lora_weights, and this "
+                f"engine's weights hold {self.call_scale:g}: call the pipeline, which puts a call's scale into its "
+                "engines, or set LoRAs at their scales with sdtrt.set_loras(pipe, [(file, scale)])"
+            )
 
 
 def fuse_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:

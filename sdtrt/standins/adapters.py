@@ -69,11 +69,15 @@ class Adapters:
     enabled: bool = True
     fused: tuple[str, ...] | None = None  # the fused adapters' names; None: not fused
     baked: tuple[tuple[Path, Scale], ...] = ()
+    call_scale: float = 1.0  # a pipeline call's LoRA scale: it multiplies the active adapters that are not fused
 
     def loras(self) -> list[tuple[Path, Scale]]:
         """The (file, scale) list the engines run in this state."""
         weights = dict(self.active)
-        running = list(self.active) if self.fused is None else [(n, weights[n]) for n in self.fused]
+        if self.fused is None:
+            running = [(n, scaled(w, self.call_scale)) for n, w in self.active]
+        else:  # fused adapters are in the weights: a call's scale leaves them as they are (PEFT's merged layers)
+            running = [(n, weights[n]) for n in self.fused]
         if not self.enabled:
             running = []
         return [*self.baked, *((self.files[n], w) for n, w in running)]
@@ -107,6 +111,32 @@ def commit(pipe: Any, state: Adapters) -> None:
     """Put ``state``'s LoRAs into the engines; only then does the registry take it."""
     apply_pipeline_loras(pipe, state.loras())
     pipe.__dict__[REGISTRY] = state
+    set_call_scale(pipe, state.call_scale)
+
+
+def set_call_scale(pipe: Any, scale: float) -> None:
+    """Tell the engine networks which call scale their weights hold (they refuse a call with another)."""
+    for network in (getattr(pipe, c, None) for c in LORA_COMPONENTS):
+        if isinstance(network, LoraNetwork):
+            network.call_scale = scale
+
+
+def with_call_scale(pipe: Any, encode_prompt: Any) -> Any:
+    """The pipeline's encode_prompt, which its call runs first with the call's LoRA scale (``lora_scale``, from
+    cross_attention_kwargs or joint_attention_kwargs): that scale goes into the engines before anything runs, as
+    PEFT scales its adapter layers for the call. Only where adapters are loaded (load_lora_weights)."""
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        scale = kwargs.get("lora_scale")
+        scale = 1.0 if scale is None else float(scale)
+        state = pipe.__dict__.get(REGISTRY)
+        if state is not None and state.call_scale != scale:
+            commit(pipe, replace(adapters(pipe), call_scale=scale))
+        elif state is None:  # no adapters: the scale changes nothing, as on PyTorch (set_loras' LoRAs are fused ones)
+            set_call_scale(pipe, scale)
+        return encode_prompt(*args, **kwargs)
+
+    return encode
 
 
 def forget(pipe: Any) -> None:
@@ -288,3 +318,5 @@ def install(pipe: Any) -> None:
         if hasattr(type(pipe), name):
             bound = functions[name].__get__(pipe)
             setattr(pipe, name, bound)
+    if hasattr(type(pipe), "encode_prompt"):
+        pipe.encode_prompt = with_call_scale(pipe, type(pipe).encode_prompt.__get__(pipe))

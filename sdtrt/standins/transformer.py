@@ -173,11 +173,7 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
     def _refuse(self, joint_attention_kwargs: dict[str, Any] | None, kwargs: dict[str, Any]) -> None:
         """EngineInputError for a feature the engine cannot run; TypeError for a keyword no forward takes."""
         attention = dict(joint_attention_kwargs or {})
-        if attention.pop("scale", 1.0) != 1.0:
-            raise EngineInputError(
-                "joint_attention_kwargs['scale'] (a LoRA scale) is not applied by a transformer engine: put LoRAs "
-                "into its weights with sdtrt.set_loras(pipe, [(file, scale)]) instead"
-            )
+        self.check_call_scale(attention.pop("scale", None), "joint_attention_kwargs['scale']")
         if attention:
             raise EngineInputError(
                 f"joint_attention_kwargs {sorted(attention)} change the engine's attention (IP-Adapter?), which is "

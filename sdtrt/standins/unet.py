@@ -163,8 +163,7 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         unknown = sorted(set(kwargs) - set(OPTIONAL_INPUTS))
         if unknown:
             raise TypeError(f"EngineUNet.forward() got unexpected keyword arguments {unknown}")
-        if cross_attention_kwargs and cross_attention_kwargs.get("scale", 1.0) != 1.0:
-            raise EngineInputError("cross_attention_kwargs['scale'] (a LoRA scale) is baked into the engine's weights")
+        self.check_call_scale((cross_attention_kwargs or {}).get("scale"), "cross_attention_kwargs['scale']")
         spec = self.spec
         t = normalise_timestep(timestep, sample.shape[0], sample.device)
         tensors = [sample, t, encoder_hidden_states, *self._extras(sample, kwargs)]
