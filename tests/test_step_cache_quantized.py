@@ -111,22 +111,34 @@ def test_first_block_cache_runs_on_the_quantized_engines(quantized_set, decision
     assert (generate(pipe) == plain).all()  # disable_cache: the whole engine again, bit for bit
 
 
-def test_deepcache_runs_on_a_quantized_unet(store):
+def test_deepcache_and_freeu_run_on_a_quantized_unet(store):
     model = resolve_model("tiny")
     result = compile_model(model, store, "onnxruntime", ExportConfig(precision="fp32"), quantize_config=INT8,
-                           caches=("deepcache",))  # fmt: skip
+                           caches=("deepcache",), freeu=True)  # fmt: skip
     members = {a.component(): a for a in result.artifacts if a.stage == "quantize"}
-    # The deep member is the whole UNet that also returns the feature at the cut: the same quantizers, every one.
-    assert qdq_scales(members["unet_deep"].primary) == qdq_scales(members["unet"].primary)
+    # The deep member and the FreeU build are the whole UNet (with one more output, one more input): the same
+    # quantizers, every one.
+    for whole in ("unet_deep", "unet_freeu"):
+        assert qdq_scales(members[whole].primary) == qdq_scales(members["unet"].primary)
     assert set(qdq_scales(members["unet_shallow"].primary)) < set(qdq_scales(members["unet"].primary))
-    pipe = sdtrt.load_pipeline(model, result.final)
+    pipe, reference = sdtrt.load_pipeline(model, result.final), sdtrt.load_pipeline(model)
     call = {"num_inference_steps": 10, "height": 128, "width": 128, "output_type": "np"}
-    plain = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).images
+
+    def run(target):
+        return target("a cat", generator=torch.Generator().manual_seed(0), **call).images
+
+    plain = run(pipe)
     helper = sdtrt.DeepCache(pipe)
     helper.set_params(cache_interval=3, cache_branch_id=0)
     helper.enable()
-    cached = pipe("a cat", generator=torch.Generator().manual_seed(0), **call).images
+    cached = run(pipe)
     helper.disable()
     print(f"\nINT8 tiny, DeepCache interval 3 against every step in full: {psnr_db(cached, plain):.1f} dB")
     assert 20 < psnr_db(cached, plain) < 80  # close, and changed: the shallow member ran
-    assert (pipe("a cat", generator=torch.Generator().manual_seed(0), **call).images == plain).all()
+    assert np.array_equal(run(pipe), plain)
+    for target in (pipe, reference):
+        target.enable_freeu(s1=0.9, s2=0.2, b1=1.3, b2=1.4)
+    freeu, on_pytorch = run(pipe), run(reference)
+    # Measured: 46.1 dB against PyTorch's fp32 FreeU image, as the plain INT8 image is from PyTorch's (46.6 dB).
+    print(f"INT8 tiny, FreeU against PyTorch fp32 FreeU: {psnr_db(freeu, on_pytorch):.1f} dB")
+    assert psnr_db(freeu, on_pytorch) > 40 and psnr_db(freeu, plain) < 45

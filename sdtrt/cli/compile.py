@@ -151,7 +151,7 @@ def compile(
     chosen_caches = tuple(c.strip() for c in (caches or "").split(",") if c.strip())
     try:  # a cache or FreeU the model cannot take is a usage error, before any export
         cache_members(source, chosen_caches)
-        freeu_member(source, freeu, quantized)
+        freeu_member(source, freeu)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     denoiser = denoiser_component(source)

@@ -167,14 +167,15 @@ def compile_model(
     components = components or model_components(model)
     if (caches or freeu) and denoiser_component(model) not in components:  # the members run beside the whole engine
         components = (*components, denoiser_component(model))
-    split_members = cache_members(model, caches)
-    components = (*components, *split_members, *freeu_member(model, freeu, quantize_config))
+    # The members beside the denoiser: a step cache's split, the FreeU build.
+    beside = (*cache_members(model, caches), *freeu_member(model, freeu))
+    components = (*components, *beside)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
     if chosen in ("tensorrt", "tensorrt-rtx"):
         trt_config = trt_config or TrtBuildConfig(profiles=(profile,))
-    # The split members are cut from the denoiser's calibrated network: the same scales (one calibration).
-    quantized = {} if quantize_config is None else quantize.run_members(quantize_config, model, store, split_members)
+    # The members beside the denoiser are cut from its calibrated network: the same scales (one calibration).
+    quantized = {} if quantize_config is None else quantize.run_members(quantize_config, model, store, beside)
     artifacts: list[Artifact] = []
     finals: dict[str, Artifact] = {}
     graphs: dict[str, Artifact] = {}
@@ -236,7 +237,7 @@ def cache_members(model: ModelSource, caches: tuple[str, ...]) -> tuple[Componen
     return tuple(dict.fromkeys(m for c in caches for m in STEP_CACHES[c]))
 
 
-def freeu_member(model: ModelSource, freeu: bool, quantize_config: QuantizeConfig | None) -> tuple[Component, ...]:
+def freeu_member(model: ModelSource, freeu: bool) -> tuple[Component, ...]:
     """The FreeU build compile adds (none unless ``freeu``); ConfigError where this model cannot take it, before
     anything is exported."""
     if not freeu:
@@ -244,8 +245,6 @@ def freeu_member(model: ModelSource, freeu: bool, quantize_config: QuantizeConfi
     if (denoiser := denoiser_component(model)) != "unet":
         raise ConfigError(f"FreeU rescales a UNet's up blocks, and {model.name}'s denoiser is a {denoiser}: compile "
                           "without --freeu")  # fmt: skip
-    if quantize_config is not None:
-        raise ConfigError("FreeU on a quantized UNet is not built yet: compile without --freeu, or at fp16")
     return (FREEU_MEMBER,)
 
 
