@@ -148,13 +148,18 @@ def denoise(transformer: Any, inputs: dict[str, torch.Tensor], sigmas: torch.Ten
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=("flux-dev", "mid", "tiny"), default="flux-dev")
-    parser.add_argument("--pixels", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=28)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--caches", default=",".join(CACHES))
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/step-cache-gpu.json"))
+    parser.add_argument(
+        "--size",
+        choices=("flux-dev", "mid", "tiny"),
+        default="flux-dev",
+        help="The transformer's architecture: Flux.1-dev's, 2 + 8 blocks of 256, or tiny-flux's.",
+    )
+    parser.add_argument("--pixels", type=int, default=1024, help="Image side in pixels (1024: 4096 image tokens).")
+    parser.add_argument("--steps", type=int, default=28, help="Euler steps.")
+    parser.add_argument("--repeats", type=int, default=2, help="Alternating uncached/cached loops per cache.")
+    parser.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (fp32).")
+    parser.add_argument("--caches", default=",".join(CACHES), help="Comma-separated KIND:VALUE settings, as --cache.")
+    parser.add_argument("--json", type=Path, default=Path("step-cache-gpu.json"), help="Where the rows go.")
     args = parser.parse_args()
     from sdtrt.pipeline.step_cache import StepCache
 

@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from sdtrt import ConfigError, DeepCache, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
+from sdtrt import (
+    ConfigError,
+    DeepCache,
+    EngineInputError,
+    ExportConfig,
+    LoraError,
+    ShapeProfile,
+    Store,
+    ValidationConfig,
+)
 from sdtrt.core.config.shapes import Range
 from sdtrt.pipeline.loading import engine_members, load_pipeline, set_loras
 from sdtrt.pipeline.step_cache import StepCache
@@ -234,10 +243,11 @@ def test_deepcache_is_refused_without_its_members_at_another_branch_or_with_lora
 
     cache.set_params(cache_interval=3)
     cache.enable()
-    set_loras(pipe, [(peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8), 1.0)])
-    with pytest.raises(EngineInputError, match="after DeepCache was enabled"):
-        generate(pipe, lambda: 0, steps=2)
+    lora = peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8)
+    with pytest.raises(LoraError, match=r"DeepCache is on, .*disable\(\) first"):  # before anything changed
+        set_loras(pipe, [(lora, 1.0)])
     cache.disable()
+    set_loras(pipe, [(lora, 1.0)])
     with pytest.raises(EngineInputError, match="LoRAs are set on this UNet"):
         cache.enable()
 

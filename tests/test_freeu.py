@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers.utils.torch_utils import fourier_filter as diffusers_filter
 
-from sdtrt import ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
+from sdtrt import ConfigError, EngineInputError, ExportConfig, LoraError, ShapeProfile, Store, ValidationConfig
 from sdtrt.core.config.shapes import Range
 from sdtrt.core.trt_products import rtx_missing
 from sdtrt.pipeline.loading import engine_members, load_pipeline, set_loras
@@ -107,10 +107,12 @@ def test_freeu_is_refused_without_its_build_with_loras_or_where_no_unet_takes_it
 
     pipe = load_pipeline("tiny", freeu_set("tiny"))
     pipe.enable_freeu(**FACTORS)
-    set_loras(pipe, [(peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8), 1.0)])
-    with pytest.raises(EngineInputError, match=r"after FreeU was enabled.*disable_freeu\(\) first"):
-        generate(pipe, 64, 64)
+    lora = peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8)
+    for put_in in (lambda: set_loras(pipe, [(lora, 1.0)]), lambda: pipe.load_lora_weights(lora)):
+        with pytest.raises(LoraError, match=r"FreeU is on, .*disable_freeu\(\) first"):  # before anything changed
+            put_in()
     pipe.disable_freeu()
+    set_loras(pipe, [(lora, 1.0)])
     with pytest.raises(EngineInputError, match="LoRAs are set on this UNet"):
         pipe.enable_freeu(**FACTORS)
 
@@ -132,3 +134,15 @@ def test_the_freeu_build_builds_as_a_tensorrt_rtx_plan(store):
     plan, _ = build(graph, store, "tensorrt-rtx")
     assert plan.manifest["details"]["layer_types"].get("HALF"), plan.manifest["details"]["layers"]
     assert (plan.path / plan.manifest["primary"]).stat().st_size > 0
+
+
+def test_generate_takes_freeu_factors_and_refuses_them_without_the_build(freeu_set, tmp_path):
+    image, final, size = tmp_path / "freeu.png", freeu_set("tiny").final, ("--height", "128", "--width", "128")
+    done = run_cli("generate", "--engine", str(final.path), "--freeu", "0.9,0.2,1.3,1.4", "--steps", "2", *size,
+                   "--out", str(image))  # fmt: skip
+    assert done.returncode == 0 and image.is_file(), done.stderr
+    unet = str(engine_members(final)["unet"].path)
+    refused = run_cli("generate", "--engine", unet, "--freeu", "0.9,0.2,1.3,1.4", *size)
+    assert refused.returncode == 2 and "compile the set with --freeu" in last_line(refused.stderr)
+    malformed = run_cli("generate", "--model", "tiny", "--freeu", "0.9,0.2")
+    assert malformed.returncode == 2 and "four factors S1,S2,B1,B2" in last_line(malformed.stderr)

@@ -59,7 +59,10 @@ def bench(
 
     loras = tuple(request_options.lora_options(lora))
     if cache is not None and cache.startswith("auto"):
-        raise RequestError("bench compiles its own engines, which have no calibration: give the cache's setting")
+        raise RequestError(
+            "bench compiles its own engines, which have no calibration: give the cache's setting, or time a calibrated "
+            "set (a quantized one too) with `sdtrt validate --engine SET --cache auto`"
+        )
     step_cache = request_options.step_cache(cache)  # a malformed --cache is a usage error before anything loads
     try:  # backends and their precisions: a usage error before anything loads
         config = BenchConfig(

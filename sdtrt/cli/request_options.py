@@ -56,6 +56,37 @@ CacheOpt = Annotated[
 ]
 
 
+FreeUOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="<S1,S2,B1,B2>",
+        help="FreeU's four factors (a UNet's; e.g. SD 1.5's 0.9,0.2,1.5,1.6): engines need a set compiled with "
+        "--freeu.",
+    ),
+]
+
+
+def freeu_factors(text: str | None, engine: Artifact | None, model: ModelSource) -> tuple[float, ...] | None:
+    """--freeu, parsed and checked against the model and the engines before anything loads (exit 2)."""
+    from ..core.config.components import FREEU_MEMBER
+    from ..spec import denoiser_component
+    from ..stages.engine_set import engine_members
+
+    if text is None:
+        return None
+    try:
+        factors = tuple(float(f) for f in text.split(","))
+    except ValueError:
+        factors = ()
+    if len(factors) != 4:
+        raise RequestError(f"--freeu {text}: give FreeU's four factors S1,S2,B1,B2, e.g. 0.9,0.2,1.5,1.6")
+    if (denoiser := denoiser_component(model)) != "unet":
+        raise RequestError(f"--freeu rescales a UNet's up blocks, and {model.name}'s denoiser is a {denoiser}")
+    if engine is not None and FREEU_MEMBER not in engine_members(engine):
+        raise RequestError(f"--freeu: {engine.path} has no FreeU build; compile the set with --freeu")
+    return factors
+
+
 def step_cache(text: str | None) -> StepCache | None:
     """--cache, parsed before anything loads (exit 2 when malformed); ``auto`` is resolved later (resolve_cache)."""
     from ..pipeline.step_cache import StepCache

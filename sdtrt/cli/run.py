@@ -82,6 +82,7 @@ def generate_command(
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     weight_streaming_budget: request_options.WeightBudgetOpt = None,
     cache: request_options.CacheOpt = None,
+    freeu: request_options.FreeUOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
@@ -112,11 +113,14 @@ def generate_command(
     check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
+    freeu_factors = request_options.freeu_factors(freeu, artifact, source)
 
     from ..pipeline.loading import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
+    if freeu_factors is not None:
+        pipe.enable_freeu(*freeu_factors)
     if step_cache is not None:
         from ..pipeline.step_cache import enable_step_cache, split_calls
 

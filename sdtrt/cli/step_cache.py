@@ -13,6 +13,8 @@ from ..pipeline.request import check_scheduler
 from ..spec import denoiser_component
 from . import request_options, store_options
 
+PROFILE_OPTIMUM = "the engines' profile optimum"
+
 
 def register(app: typer.Typer) -> None:
     app.command(name="calibrate-cache")(calibrate_cache_command)
@@ -35,8 +37,8 @@ def calibrate_cache_command(
     prompts: Annotated[
         int, typer.Option(min=1, max=len(CALIBRATION_PROMPTS), help="How many of sdtrt's calibration prompts.")
     ] = len(CacheCalibrationConfig.prompts),
-    height: request_options.HeightPxOpt = None,
-    width: request_options.WidthPxOpt = None,
+    height: Annotated[int | None, typer.Option(help=f"Image height in pixels (default: {PROFILE_OPTIMUM}).")] = None,
+    width: Annotated[int | None, typer.Option(help=f"Image width in pixels (default: {PROFILE_OPTIMUM}).")] = None,
     model: store_options.EngineModelOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:

@@ -202,12 +202,18 @@ class LoraNetwork:
         """
         if self.loras is None:
             raise LoraError(f"this {type(self).__name__} has no weight map; load it with sdtrt.load_pipeline for LoRAs")
+        if loras and (why := self.loras_refused()):
+            raise LoraError(why)
         everywhere = " too: apply it to every network at once with sdtrt.set_loras(pipe, loras)"
         apply_loras(self.engine_loras(), loras, lambda _: everywhere)
 
     def clear_loras(self) -> None:
         """Back to the engine's base weights."""
         self.set_loras([])
+
+    def loras_refused(self) -> str | None:
+        """Why this network takes no LoRAs now (an engine of it that takes none is in use), or None."""
+        return None
 
     def check_call_scale(self, scale: float | None, argument: str) -> None:
         """EngineInputError unless the weights hold this call's LoRA scale (``argument``: where the pipeline passed

@@ -72,4 +72,10 @@ def check_feeds(spec: GraphSpec, profile: ShapeProfile | None, feeds: dict[str, 
     reason = spec.check_shapes({name: tuple(t.shape) for name, t in feeds.items()}, profile)
     tokens = "/--tokens (T5's prompt length)" if profile is not None and profile.tokens else ""
     if reason:
-        raise EngineInputError(f"{reason}; rebuild the engine with --batch/--height/--width{tokens} covering it")
+        # In pixels too: a pipeline called without height/width asks for its family's default (Flux's 1024²).
+        sizes = "" if profile is None else (
+            f" (the engines take {profile.height.min}–{profile.height.max} × {profile.width.min}–{profile.width.max} "
+            "px images: pass the pipeline a height= and width= inside that)"
+        )  # fmt: skip
+        rebuild = f"or rebuild the engine with --batch/--height/--width{tokens} covering it"
+        raise EngineInputError(f"{reason}{sizes}; {rebuild}")

@@ -55,6 +55,10 @@ def apply_pipeline_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
             return ", which this pipeline does not have: a LoRA for another architecture?"
         return ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
 
+    if loras:  # a network whose engine in use takes none (FreeU's, DeepCache's) refuses before any changes
+        for network in (getattr(pipe, c, None) for c in LORA_COMPONENTS):
+            if isinstance(network, LoraNetwork) and (why := network.loras_refused()):
+                raise LoraError(why)
     apply_loras(networks, loras, elsewhere)
 
 
@@ -190,11 +194,17 @@ def load_lora_weights(
         raise LoraError(f"{where}: adapter name {name!r} is already in use; delete_adapters({name!r}) first, or "
                         "load_lora_weights(..., hotswap=True) to replace it")  # fmt: skip
     networks = lora_networks(pipe)
-    lora = read_lora(path, networks[0].family if networks else None)
-    active = state.active if hotswap else ((name, 1.0),)  # a hotswapped adapter keeps its place and weight
-    new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
-                  active=active)  # fmt: skip
-    commit(pipe, new)
+    try:
+        lora = read_lora(path, networks[0].family if networks else None)
+        active = state.active if hotswap else ((name, 1.0),)  # a hotswapped adapter keeps its place and weight
+        new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
+                      active=active)  # fmt: skip
+        commit(pipe, new)
+    except LoraError as exc:
+        if not isinstance(pretrained_model_name_or_path_or_dict, dict):
+            raise
+        # The file is sdtrt's own copy of the state dict: name what the user gave instead.
+        raise LoraError(str(exc).replace(str(path), f"the state dict of adapter {name!r}")) from exc
 
 
 def enable_lora_hotswap(pipe: Any, **kwargs: Any) -> None:

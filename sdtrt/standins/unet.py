@@ -141,6 +141,13 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
     def _loras_active(self) -> bool:
         return bool(self.loras is not None and self.loras.active)
 
+    def loras_refused(self) -> str | None:
+        if self.freeu is not None:
+            return "FreeU is on, and the UNet's FreeU build takes no LoRAs yet: pipe.disable_freeu() first"
+        if self.deepcache is not None:
+            return "DeepCache is on, and its members take no LoRAs yet: DeepCache(pipe).disable() first"
+        return None
+
     def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
             "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine was built "
@@ -167,13 +174,6 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         spec = self.spec
         t = normalise_timestep(timestep, sample.shape[0], sample.device)
         tensors = [sample, t, encoder_hidden_states, *self._extras(sample, kwargs)]
-        if (self.deepcache is not None or self.freeu is not None) and self._loras_active():
-            feature = "FreeU" if self.freeu is not None else "DeepCache"
-            off = "pipe.disable_freeu()" if self.freeu is not None else "DeepCache(pipe).disable()"
-            raise EngineInputError(
-                f"LoRAs were set on this UNet after {feature} was enabled, and its {feature} engines do not take LoRAs "
-                f"yet: {off} first, or clear the LoRAs"
-            )
         if self.deepcache is not None:
             out = self.deepcache(dict(zip(spec.canonical_inputs, tensors, strict=True)), timestep)
         elif self.freeu is not None:
