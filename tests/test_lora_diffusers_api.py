@@ -176,8 +176,24 @@ def test_a_calls_lora_scale_scales_the_adapters_as_diffusers_does(tiny, fresh, l
     halved = run(fresh, **half)
     assert psnr_db(halved, run(reference, **half)) >= 35 and psnr_db(halved, full) < 40
     assert np.array_equal(run(fresh), full)  # the next call, without a scale, runs the adapters at their weights
+    again = type(fresh)(**fresh.components)  # a pipeline over the same engines shares their adapters
+    assert again.get_active_adapters() == ["b"] and np.array_equal(run(again, **half), halved)
+    assert np.array_equal(run(fresh), full)
     fresh.set_adapters("b", 0.5)
     assert np.array_equal(run(fresh), halved)  # a call's scale multiplies the adapters' weights
+
+
+def test_a_denoiser_only_scale_is_read_from_the_pipelines_attention_kwargs():
+    """SD3's inpainting passes no lora_scale to encode_prompt but gives its transformer the call's scale: as on
+    PyTorch, the transformer's adapters scale and the text encoders' do not."""
+    from types import SimpleNamespace
+
+    from sdtrt.standins.adapters import call_scale_of
+
+    sd3_inpaint = SimpleNamespace(transformer=object(), _joint_attention_kwargs={"scale": 0.5})
+    assert call_scale_of(sd3_inpaint, None) == {"transformer": 0.5}
+    assert call_scale_of(sd3_inpaint, 0.25) == 0.25  # given to encode_prompt: every network
+    assert call_scale_of(SimpleNamespace(_cross_attention_kwargs=None), None) == 1.0
 
 
 def test_hotswap_replaces_an_adapters_weights_in_place(fresh, loras):
@@ -185,10 +201,10 @@ def test_hotswap_replaces_an_adapters_weights_in_place(fresh, loras):
     fresh.load_lora_weights(loras["a"], adapter_name="x")
     fresh.load_lora_weights(loras["b"], adapter_name="y")
     fresh.set_adapters(["x", "y"], [0.5, 0.8])
-    fresh.load_lora_weights(loras["b"], adapter_name="x", hotswap=True)  # x's place and weight, b's weights
+    fresh.load_lora_weights(loras["b"], adapter_name="x", hotswap=True)  # x's place, b's weights, weight 1.0 (PEFT)
     assert fresh.get_active_adapters() == ["x", "y"]
     swapped = image(fresh)
-    set_loras(fresh, [(loras["b"], 0.5), (loras["b"], 0.8)])
+    set_loras(fresh, [(loras["b"], 1.0), (loras["b"], 0.8)])
     assert np.array_equal(image(fresh), swapped)
 
 

@@ -3,6 +3,7 @@ options, LoRAs and the engines' weight-streaming budget, declared once; each che
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -78,7 +79,7 @@ def freeu_factors(text: str | None, engine: Artifact | None, model: ModelSource)
         factors = tuple(float(f) for f in text.split(","))
     except ValueError:
         factors = ()
-    if len(factors) != 4:
+    if len(factors) != 4 or not all(math.isfinite(f) for f in factors):
         raise RequestError(f"--freeu {text}: give FreeU's four factors S1,S2,B1,B2, e.g. 0.9,0.2,1.5,1.6")
     if (denoiser := denoiser_component(model)) != "unet":
         raise RequestError(f"--freeu rescales a UNet's up blocks, and {model.name}'s denoiser is a {denoiser}")

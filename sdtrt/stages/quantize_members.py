@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.artifact import Artifact
+from ..core.config.components import FREEU_MEMBER
 from ..core.errors import ArtifactError
 from ..graph import onnx_graph
 from ..sources.models import ModelSource
@@ -61,9 +62,10 @@ def member_manifest(model: ModelSource, component: str, member: dict[str, Any], 
         details = {k: v for k, v in details.items() if k not in ("quantized_layers", "kept_high_precision")}
         details["split_member_of"] = denoiser
         cache = "deepcache" if denoiser == "unet" else "first-block"
+        made_by = "--freeu" if component == FREEU_MEMBER else f"--caches {cache}"
         reproduce = (
             f"sdtrt compile --model {model.name} --precision {shared['precision']['quantized']} --level "
-            f"{details['level']:g} --caches {cache}"
+            f"{details['level']:g} {made_by}"
         )
     return shared | {
         "primary": graphs["onnxruntime"],

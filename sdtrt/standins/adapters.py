@@ -23,16 +23,29 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import LoraError
-from ..lora.files import DIFFUSERS_LORA_FILE, LORA_COMPONENTS, LoraSpec, Scale, for_network, read_lora
+from ..lora.files import (
+    DIFFUSERS_LORA_FILE,
+    LORA_COMPONENTS,
+    LoraSpec,
+    Scale,
+    for_network,
+    network_scale,
+    read_lora,
+)
 from ..lora.refit import EngineLoras, LoraNetwork, apply_loras
 
-REGISTRY = "_sdtrt_lora_adapters"  # the pipeline attribute that holds its Adapters
-OWN_FILES = "_sdtrt_lora_files"  # the pipeline attribute: the folder of the state dicts it was given, as files
+# Held by the pipeline's first engine network (its denoiser's stand-in, usually), not by the pipeline: pipelines made
+# from one another (from_pipe, Pipeline(**pipe.components)) share the engines, and so their adapters.
+REGISTRY = "_sdtrt_lora_adapters"  # the Adapters
+OWN_FILES = "_sdtrt_lora_files"  # the folder of the state dicts given to load_lora_weights, as files
 ADAPTER_METHODS = (
     "load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
     "unload_lora_weights", "disable_lora", "enable_lora", "fuse_lora", "unfuse_lora", "enable_lora_hotswap",
 )  # fmt: skip
 LOAD_KWARGS = {"weight_name", "subfolder", "low_cpu_mem_usage", "local_files_only"}  # others are refused
+
+
+NO_ENGINE = "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
 
 
 def lora_networks(pipe: Any) -> list[EngineLoras]:
@@ -46,9 +59,7 @@ def apply_pipeline_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
     """``sdtrt.set_loras``'s work: these (file, scale) LoRAs into every engine network of ``pipe``, from base."""
     networks = lora_networks(pipe)
     if not networks:
-        raise LoraError(
-            "this pipeline runs no network on an engine; load_pipeline(model, loras=…) fuses LoRAs into PyTorch"
-        )
+        raise LoraError(NO_ENGINE)
 
     def elsewhere(network: str) -> str:
         if getattr(pipe, network, None) is None:  # an SDXL LoRA's second text encoder on an SD 1.x pipeline
@@ -73,7 +84,7 @@ class Adapters:
     enabled: bool = True
     fused: tuple[str, ...] | None = None  # the fused adapters' names; None: not fused
     baked: tuple[tuple[Path, Scale], ...] = ()
-    call_scale: float = 1.0  # a pipeline call's LoRA scale: it multiplies the active adapters that are not fused
+    call_scale: Scale = 1.0  # a pipeline call's LoRA scale: it multiplies the active adapters that are not fused
 
     def loras(self) -> list[tuple[Path, Scale]]:
         """The (file, scale) list the engines run in this state."""
@@ -90,7 +101,8 @@ class Adapters:
 def adapters(pipe: Any) -> Adapters:
     """``pipe``'s registry; a new one takes the LoRAs its engines run now (set_loras') as baked, and so does one
     whose LoRAs the engines no longer run (a network's own ``set_loras`` changed them since)."""
-    found = pipe.__dict__.get(REGISTRY)
+    held_by = engine_networks(pipe)
+    found = held_by[0].__dict__.get(REGISTRY) if held_by else None
     networks = lora_networks(pipe)
     if found is None or any(for_network(found.loras(), n.component) != n.active for n in networks):
         found = Adapters(baked=tuple(running_loras(networks)))
@@ -114,26 +126,43 @@ def running_loras(networks: list[EngineLoras]) -> list[tuple[Path, Scale]]:
 def commit(pipe: Any, state: Adapters) -> None:
     """Put ``state``'s LoRAs into the engines; only then does the registry take it."""
     apply_pipeline_loras(pipe, state.loras())
-    pipe.__dict__[REGISTRY] = state
+    holder(pipe).__dict__[REGISTRY] = state
     set_call_scale(pipe, state.call_scale)
 
 
-def set_call_scale(pipe: Any, scale: float) -> None:
+def engine_networks(pipe: Any) -> list[LoraNetwork]:
+    return [n for n in (getattr(pipe, c, None) for c in LORA_COMPONENTS) if isinstance(n, LoraNetwork)]
+
+
+def holder(pipe: Any) -> Any:
+    """What holds the pipeline's adapters: its first engine network, which pipelines made from it share (apply_loras
+    refuses a pipeline with none before anything is held)."""
+    networks = engine_networks(pipe)
+    if not networks:
+        raise LoraError(NO_ENGINE)
+    return networks[0]
+
+
+def set_call_scale(pipe: Any, scale: Scale) -> None:
     """Tell the engine networks which call scale their weights hold (they refuse a call with another)."""
-    for network in (getattr(pipe, c, None) for c in LORA_COMPONENTS):
-        if isinstance(network, LoraNetwork):
-            network.call_scale = scale
+    for network in engine_networks(pipe):
+        network.call_scale = network_scale(scale, network_component(pipe, network))
+
+
+def network_component(pipe: Any, network: LoraNetwork) -> str:
+    return next(c for c in LORA_COMPONENTS if getattr(pipe, c, None) is network)
 
 
 def with_call_scale(pipe: Any, encode_prompt: Any) -> Any:
     """The pipeline's encode_prompt, which its call runs first with the call's LoRA scale (``lora_scale``, from
     cross_attention_kwargs or joint_attention_kwargs): that scale goes into the engines before anything runs, as
-    PEFT scales its adapter layers for the call. Only where adapters are loaded (load_lora_weights)."""
+    PEFT scales its adapter layers for the call. A pipeline that passes no ``lora_scale`` but gives its denoiser one
+    (SD3's inpainting) scales the denoiser's adapters only, as on PyTorch."""
 
     def encode(*args: Any, **kwargs: Any) -> Any:
-        scale = kwargs.get("lora_scale")
-        scale = 1.0 if scale is None else float(scale)
-        state = pipe.__dict__.get(REGISTRY)
+        scale = call_scale_of(pipe, kwargs.get("lora_scale"))
+        held_by = engine_networks(pipe)
+        state = held_by[0].__dict__.get(REGISTRY) if held_by else None
         if state is not None and state.call_scale != scale:
             commit(pipe, replace(adapters(pipe), call_scale=scale))
         elif state is None:  # no adapters: the scale changes nothing, as on PyTorch (set_loras' LoRAs are fused ones)
@@ -143,9 +172,21 @@ def with_call_scale(pipe: Any, encode_prompt: Any) -> Any:
     return encode
 
 
+def call_scale_of(pipe: Any, lora_scale: float | None) -> Scale:
+    """This call's LoRA scale: ``lora_scale`` for every network, else the denoiser's attention kwargs' for the
+    denoiser alone, else 1.0."""
+    if lora_scale is not None:
+        return float(lora_scale)
+    attention = getattr(pipe, "_joint_attention_kwargs", None) or getattr(pipe, "_cross_attention_kwargs", None)
+    given = (attention or {}).get("scale")
+    denoiser = "transformer" if getattr(pipe, "transformer", None) is not None else "unet"
+    return 1.0 if given is None else {denoiser: float(given)}
+
+
 def forget(pipe: Any) -> None:
     """After a direct set_loras: its LoRAs are the new baked ones, no adapters remain."""
-    pipe.__dict__.pop(REGISTRY, None)
+    for network in engine_networks(pipe):
+        network.__dict__.pop(REGISTRY, None)
 
 
 def _names(pipe: Any, state: Adapters, names: str | Sequence[str], method: str) -> list[str]:
@@ -168,7 +209,7 @@ def load_lora_weights(
     **kwargs: Any,
 ) -> None:  # fmt: skip
     """A LoRA file, folder or state dict as a new adapter, the only active one, at weight 1.0 (diffusers' behaviour);
-    with ``hotswap``, as the new weights of the adapter ``adapter_name``, whose place and weight stay."""
+    with ``hotswap``, as the new weights of the adapter ``adapter_name``, which keeps its place at weight 1.0."""
     where = f"{type(pipe).__name__}.load_lora_weights"
     source = pretrained_model_name_or_path_or_dict
     if unknown := sorted(set(kwargs) - LOAD_KWARGS):
@@ -196,7 +237,8 @@ def load_lora_weights(
     networks = lora_networks(pipe)
     try:
         lora = read_lora(path, networks[0].family if networks else None)
-        active = state.active if hotswap else ((name, 1.0),)  # a hotswapped adapter keeps its place and weight
+        # A hotswapped adapter keeps its place among the active ones, at weight 1.0 (PEFT's hotswap resets its scaling).
+        active = tuple((n, 1.0 if n == name else w) for n, w in state.active) if hotswap else ((name, 1.0),)
         new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
                       active=active)  # fmt: skip
         commit(pipe, new)
@@ -214,7 +256,7 @@ def enable_lora_hotswap(pipe: Any, **kwargs: Any) -> None:
 
 def saved_state_dict(pipe: Any, state_dict: dict[str, Any], name: str, where: str) -> Path:
     """A LoRA state dict (diffusers' or kohya's keys, as ``lora_state_dict`` reads them) written as a safetensors file
-    in a folder the pipeline owns, removed with the pipeline; its path."""
+    in a folder the engines own, removed with them; its path."""
     import torch
     from safetensors.torch import save_file
 
@@ -222,10 +264,11 @@ def saved_state_dict(pipe: Any, state_dict: dict[str, Any], name: str, where: st
     if not state_dict or odd is not None:
         what = "is empty" if odd is None else f"holds {odd!r}, a {type(state_dict[odd]).__name__}"
         raise LoraError(f"{where}: the state dict {what}; pass a LoRA state dict of tensors, or its file")
-    folder = pipe.__dict__.get(OWN_FILES)
+    owner = holder(pipe)  # the files live as long as the engines that may read them again
+    folder = owner.__dict__.get(OWN_FILES)
     if folder is None:
-        folder = pipe.__dict__[OWN_FILES] = Path(tempfile.mkdtemp(prefix="sdtrt-loras-"))
-        weakref.finalize(pipe, shutil.rmtree, folder, True)
+        folder = owner.__dict__[OWN_FILES] = Path(tempfile.mkdtemp(prefix="sdtrt-loras-"))
+        weakref.finalize(owner, shutil.rmtree, folder, True)
     path = folder / f"{len(list(folder.iterdir()))}-{name}.safetensors"
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}, path)
     return path
@@ -311,8 +354,11 @@ def fuse_lora(
     commit(pipe, replace(state, active=tuple(active.items()), fused=tuple(names)))
 
 
-def scaled(weight: Scale, factor: float) -> Scale:
-    return {c: w * factor for c, w in weight.items()} if isinstance(weight, Mapping) else weight * factor
+def scaled(weight: Scale, factor: Scale) -> Scale:
+    """An adapter's weight times a factor, either of them one number or one per network."""
+    if not isinstance(weight, Mapping) and not isinstance(factor, Mapping):
+        return weight * factor
+    return {c: network_scale(weight, c) * network_scale(factor, c) for c in LORA_COMPONENTS}
 
 
 def unfuse_lora(pipe: Any, components: Sequence[str] | None = None, **kwargs: Any) -> None:
