@@ -244,14 +244,18 @@ def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_on
 
 
 @pytest.mark.skipif(bool(rtx_missing()), reason=f"builds TensorRT-RTX plans: {rtx_missing()}")
-def test_the_split_members_build_as_tensorrt_rtx_plans(store):
-    """The TensorRT build path the two products share, run for real on the four fp16 parts of Flux."""
+@pytest.mark.parametrize(
+    ("preset", "members"), [("tiny-flux", PARTS), ("tiny", ("unet_deep", "unet_shallow"))], ids=["flux", "deepcache"]
+)
+def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members):
+    """The TensorRT build path the two products share, run for real on the fp16 split members: Flux's four parts,
+    DeepCache's two."""
     from sdtrt.core.config import SimplifyConfig
     from sdtrt.stages import export, simplify
     from sdtrt.tools.compile import build
 
-    model = resolve_model("tiny-flux")
-    for component in PARTS:
+    model = resolve_model(preset)
+    for component in members:
         graph = simplify.run(SimplifyConfig(), export.run(ExportConfig(component=component), model, store), store)
         plan, _ = build(graph, store, "tensorrt-rtx")
         details = plan.manifest["details"]
