@@ -132,7 +132,9 @@ def test_later_blocks_of_a_deeper_transformer_match(deeper, streamed_export, pre
 
 
 # The streamed exports test_export_streamed checks against the loaded ones (one export each in the session).
-@pytest.mark.parametrize(("preset", "precision"), [("tiny", "fp32"), ("tiny-sdxl", "fp16")])
+@pytest.mark.parametrize(
+    ("preset", "precision"), [("tiny", "fp32"), pytest.param("tiny-sdxl", "fp16", marks=pytest.mark.slow)]
+)  # SDXL's needs its streamed export (slow there too)
 def test_unet_blocks_match_with_their_skip_connections(streamed_export, preset, precision):
     from sdtrt.sources.models import resolve_model
     from sdtrt.tools.block_parity import check_blocks

@@ -31,7 +31,8 @@ from sdtrt.tools.validate import Tolerances, check_tensor_row, compare_case
 # position ids are a non-persistent buffer, in no safetensors file).
 CASES = [
     ("tiny", "unet", "fp32"),
-    ("tiny-sdxl", "unet", "fp16"),
+    # SDXL's fp16 UNet streamed (41 s in CI22): its extra inputs and fp16 are covered by the others; run with -m slow.
+    pytest.param("tiny-sdxl", "unet", "fp16", marks=pytest.mark.slow),
     ("tiny-sd3", "transformer", "fp32"),
     ("tiny-flux", "transformer", "fp16"),
     ("tiny-flux", "text_encoder_2", "fp32"),

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..core.errors import LoraError, RequestError, one_line
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 # One scale for every network the file changes, or one per network (component → scale, 1.0 where none is given, as
 # diffusers' set_adapters takes {"unet": 0.5, "text_encoder": 1.0}).
 Scale = float | Mapping[str, float]
-T = TypeVar("T")
 LoraSpec = tuple["str | os.PathLike[str]", Scale]
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights gives
 # The networks LoRA files change, by the state-dict prefix diffusers gives each (and the pipeline attribute).
@@ -116,10 +115,8 @@ def check_scales(scale: Scale, path: str | os.PathLike[str]) -> Scale:
     if not isinstance(scale, Mapping):
         return check_scale(scale, path)
     if unknown := [c for c in scale if c not in LORA_COMPONENTS]:
-        raise LoraError(
-            f"LoRA scales for {path} name {unknown[0]!r}, which takes no LoRAs; per-network scales name "
-            f"{', '.join(LORA_COMPONENTS)}"
-        )
+        networks = ", ".join(LORA_COMPONENTS)
+        raise LoraError(f"LoRA scales for {path} name {unknown[0]!r}, which takes no LoRAs; name {networks}")
     return {str(c): check_scale(v, path) for c, v in scale.items()}
 
 
@@ -128,8 +125,8 @@ def network_scale(scale: Scale, component: str) -> float:
     return float(scale.get(component, 1.0)) if isinstance(scale, Mapping) else float(scale)
 
 
-def for_network(loras: Sequence[tuple[T, Scale]], component: str) -> list[tuple[T, float]]:
-    """Each LoRA's scale on one network."""
+def for_network(loras: Sequence[tuple[Any, Scale]], component: str) -> list[tuple[Any, float]]:
+    """Each LoRA (a file, or a file read) with its scale on one network."""
     return [(lora, network_scale(scale, component)) for lora, scale in loras]
 
 

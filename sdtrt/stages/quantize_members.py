@@ -97,5 +97,5 @@ def graph_precision_why(role: str, spec: GraphSpec) -> str:
 def holds_qdq(quantized: Artifact) -> bool:
     """Whether a quantize artifact's graphs hold Q/DQ nodes: a split member of NVIDIA's kept layers alone (Flux's
     embedders, its output head) holds none, and computes in its graph's precision."""
-    counts = quantized.manifest["details"].get("qdq")
+    counts = quantized.manifest.get("details", {}).get("qdq")
     return counts is None or any(n for role in counts.values() for n in role.values())
