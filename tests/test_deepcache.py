@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -16,7 +17,6 @@ from sdtrt import (
     DeepCache,
     EngineInputError,
     ExportConfig,
-    LoraError,
     ShapeProfile,
     Store,
     ValidationConfig,
@@ -226,7 +226,7 @@ def test_disable_gives_the_uncached_image_bit_for_bit(deepcache_set, preset):
     assert np.array_equal(again, uncached)
 
 
-def test_deepcache_is_refused_without_its_members_at_another_branch_or_with_loras(deepcache_set, tmp_path):
+def test_deepcache_is_refused_without_its_members_or_at_another_branch(deepcache_set, tmp_path):
     plain = load_pipeline("tiny", engine_members(deepcache_set("tiny").final)["unet"])
     with pytest.raises(EngineInputError, match="sdtrt compile --caches deepcache"):
         DeepCache(plain).enable()
@@ -244,17 +244,37 @@ def test_deepcache_is_refused_without_its_members_at_another_branch_or_with_lora
     cache.set_params(cache_interval=3)
     cache.enable()
     lora = peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8)
-    with pytest.raises(LoraError, match=r"DeepCache is on, .*disable\(\) first"):  # before anything changed
-        set_loras(pipe, [(lora, 1.0)])
+    set_loras(pipe, [(lora, 1.0)])  # while DeepCache is on: into both members (test_loras_go_into_the_members)
     cache.disable()
-    set_loras(pipe, [(lora, 1.0)])
-    with pytest.raises(EngineInputError, match="LoRAs are set on this UNet"):
-        cache.enable()
 
     with pytest.raises(EngineInputError, match="runs on PyTorch"):
         DeepCache(load_pipeline("tiny")).enable()
     with pytest.raises(EngineInputError, match="StableDiffusion3Pipeline has none"):
         DeepCache(load_pipeline("tiny-sd3")).enable()
+
+
+def test_loras_go_into_the_members_as_into_the_unet(deepcache_set, tmp_path):
+    """A LoRA set while DeepCache is on reaches its members: every step full (interval 1, the deep member) gives the
+    whole UNet engine's LoRA image, and the shallow steps between change it as without a LoRA."""
+    lora = peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8)
+    pipe = load_pipeline("tiny", deepcache_set("tiny"))
+    run = partial(generate, pipe, lambda: 0)
+    set_loras(pipe, [(lora, 1.0)])
+    with_lora, _ = run()
+    cache = DeepCache(pipe)
+    cache.set_params(cache_interval=1)
+    cache.enable()
+    every_step, _ = run()
+    assert psnr_db(every_step, with_lora) >= 100  # the deep member is the whole UNet with the LoRA
+    cache.disable()
+    set_loras(pipe, [])
+    base, _ = run()
+    cache.set_params(cache_interval=3)
+    cache.enable()
+    set_loras(pipe, [(lora, 1.0)])  # while on: into the members opened already
+    cached, _ = run()
+    assert 25 < psnr_db(cached, with_lora) < 80 and psnr_db(cached, base) < 30
+    cache.disable()
 
 
 def test_compile_refuses_deepcache_where_no_unet_can_take_it(store):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers.utils.torch_utils import fourier_filter as diffusers_filter
 
-from sdtrt import ConfigError, EngineInputError, ExportConfig, LoraError, ShapeProfile, Store, ValidationConfig
+from sdtrt import ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
 from sdtrt.core.config.shapes import Range
 from sdtrt.core.trt_products import rtx_missing
 from sdtrt.pipeline.loading import engine_members, load_pipeline, set_loras
@@ -100,26 +100,37 @@ def test_engine_freeu_draws_the_pytorch_freeu_image_and_disable_gives_the_plain_
     assert np.array_equal(generate(pipe), plain[sizes[0]])
 
 
-def test_freeu_is_refused_without_its_build_with_loras_or_where_no_unet_takes_it(freeu_set, store, tmp_path):
+def test_freeu_is_refused_without_its_build_or_where_no_unet_takes_it(freeu_set, store):
     plain = load_pipeline("tiny", engine_members(freeu_set("tiny").final)["unet"])
     with pytest.raises(EngineInputError, match="no FreeU build: recompile it with `sdtrt compile --freeu`"):
         plain.enable_freeu(**FACTORS)
-
-    pipe = load_pipeline("tiny", freeu_set("tiny"))
-    pipe.enable_freeu(**FACTORS)
-    lora = peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8)
-    for put_in in (lambda: set_loras(pipe, [(lora, 1.0)]), lambda: pipe.load_lora_weights(lora)):
-        with pytest.raises(LoraError, match=r"FreeU is on, .*disable_freeu\(\) first"):  # before anything changed
-            put_in()
-    pipe.disable_freeu()
-    set_loras(pipe, [(lora, 1.0)])
-    with pytest.raises(EngineInputError, match="LoRAs are set on this UNet"):
-        pipe.enable_freeu(**FACTORS)
-
     with pytest.raises(ConfigError, match="tiny-sd3's denoiser is a transformer"):
         compile_model(resolve_model("tiny-sd3"), store, "onnxruntime", freeu=True)
     done = run_cli("compile", "--model", "tiny-sd3", "--target", "onnxruntime", "--freeu")
     assert done.returncode == 2 and "compile without --freeu" in last_line(done.stderr)
+
+
+def test_loras_go_into_the_freeu_build_as_into_the_unet(freeu_set, tmp_path):
+    """Set before FreeU or while it is on: the FreeU build runs the UNet's LoRAs, as PyTorch's FreeU UNet runs its
+    fused ones."""
+    lora = peft_lora(resolve_model("tiny"), tmp_path, seed=1, rank=4, alpha=8)
+    reference = load_pipeline("tiny", loras=[(lora, 0.7)])
+    reference.enable_freeu(**FACTORS)
+    want = generate(reference)
+    for before in (True, False):
+        pipe = load_pipeline("tiny", freeu_set("tiny"))
+        if before:
+            set_loras(pipe, [(lora, 0.7)])
+        pipe.enable_freeu(**FACTORS)
+        if not before:
+            pipe.load_lora_weights(lora)
+            pipe.set_adapters("default_0", 0.7)
+        image = generate(pipe)
+        print(f"FreeU + LoRA ({'set before' if before else 'loaded while on'}): {psnr_db(image, want):.1f} dB")
+        assert psnr_db(image, want) >= 35
+    pipe.disable_freeu()
+    set_loras(pipe, [])
+    assert psnr_db(generate(pipe), want) < 35  # the LoRA and FreeU both changed the image
 
 
 @pytest.mark.skipif(bool(rtx_missing()), reason=f"builds TensorRT-RTX plans: {rtx_missing()}")

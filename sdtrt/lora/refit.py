@@ -59,6 +59,9 @@ class EngineLoras:
     # A part of the network (a step cache's split member): which of the network's modules it holds (the others are the
     # other parts'; the whole network's engine still refuses a module it cannot place). None: the whole network.
     holds: Callable[[str], bool] | None = None
+    # A member holding some of the network's modules, whichever its graph has (DeepCache's shallow branch): it takes
+    # the modules its weight map places and leaves the others to the whole network's engine, which refuses a misfit.
+    placed_only: bool = False
     active: list[tuple[Path, float]] = field(default_factory=list)
     last_swap_s: float | None = None  # read + compute + engine swap time of the last set of LoRAs
     _map: WeightMap | None = None
@@ -123,6 +126,8 @@ class EngineLoras:
         for lora, scale in files:
             for module, pair in lora.parts.get(self.component, {}).items():
                 if self.holds is not None and not self.holds(module):
+                    continue
+                if self.placed_only and f"{module}.weight" not in weight_map.mapped:
                     continue
                 if problem := placement_problem(module, pair, weight_map, self.component):
                     raise LoraError(f"{lora.path}: {problem}")
@@ -202,18 +207,12 @@ class LoraNetwork:
         """
         if self.loras is None:
             raise LoraError(f"this {type(self).__name__} has no weight map; load it with sdtrt.load_pipeline for LoRAs")
-        if loras and (why := self.loras_refused()):
-            raise LoraError(why)
         everywhere = " too: apply it to every network at once with sdtrt.set_loras(pipe, loras)"
         apply_loras(self.engine_loras(), loras, lambda _: everywhere)
 
     def clear_loras(self) -> None:
         """Back to the engine's base weights."""
         self.set_loras([])
-
-    def loras_refused(self) -> str | None:
-        """Why this network takes no LoRAs now (an engine of it that takes none is in use), or None."""
-        return None
 
     def check_call_scale(self, scale: float | None, argument: str) -> None:
         """EngineInputError unless the weights hold this call's LoRA scale (``argument``: where the pipeline passed

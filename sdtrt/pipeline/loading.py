@@ -171,7 +171,8 @@ def standins(
         return EngineLoras(
             network or member, runtime or runtimes[member],
             partial(weight_maps.for_engine, members[member], source, network or member), family=source.family(),
-            holds=partial(part_holds, member) if network and network != member else None,
+            holds=partial(part_holds, member) if member in TRANSFORMER_PARTS else None,
+            placed_only=member == "unet_shallow",  # DeepCache's deep member and the FreeU build are the whole UNet
         )  # fmt: skip
 
     def opener(names: Sequence[str]) -> Callable[[], dict[str, Runtime]]:
@@ -188,16 +189,17 @@ def standins(
             raise ArtifactError("the engine set holds a split transformer without its whole engine; recompile it")
         # where step caches run (standins/step_cache.py)
         transformer.use_parts(opener(parts), lambda member, runtime: loras(member, "transformer", runtime))
-    if unet_parts := [c for c in UNET_PARTS if c in split]:
+    unet_parts = [c for c in UNET_PARTS if c in split]
+    if unet_parts or FREEU_MEMBER in split:
         unet = out.get("unet")
         if not isinstance(unet, EngineUNet):
-            raise ArtifactError("the engine set holds DeepCache members without the whole UNet engine; recompile it")
-        unet.use_parts(opener(unet_parts))  # where DeepCache runs (standins/deepcache.py)
-    if FREEU_MEMBER in split:
-        unet = out.get("unet")
-        if not isinstance(unet, EngineUNet):
-            raise ArtifactError("the engine set holds a FreeU build without the whole UNet engine; recompile it")
-        unet.use_freeu(lambda: opener([FREEU_MEMBER])()[FREEU_MEMBER])  # where FreeU runs (enable_freeu)
+            raise ArtifactError("the engine set holds DeepCache or FreeU members without the whole UNet engine; "
+                                "recompile it")  # fmt: skip
+        unet.use_members(  # where DeepCache (standins/deepcache.py) and FreeU (enable_freeu) run
+            opener(unet_parts) if unet_parts else None,
+            (lambda: opener([FREEU_MEMBER])()[FREEU_MEMBER]) if FREEU_MEMBER in split else None,
+            lambda member, runtime: loras(member, "unet", runtime),
+        )
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
         out["vae"] = EngineVAE(
             source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),

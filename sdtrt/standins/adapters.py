@@ -66,10 +66,6 @@ def apply_pipeline_loras(pipe: Any, loras: Sequence[LoraSpec]) -> None:
             return ", which this pipeline does not have: a LoRA for another architecture?"
         return ", which runs on PyTorch in this pipeline: load an engine set that has it (sdtrt compile)"
 
-    if loras:  # a network whose engine in use takes none (FreeU's, DeepCache's) refuses before any changes
-        for network in (getattr(pipe, c, None) for c in LORA_COMPONENTS):
-            if isinstance(network, LoraNetwork) and (why := network.loras_refused()):
-                raise LoraError(why)
     apply_loras(networks, loras, elsewhere)
 
 

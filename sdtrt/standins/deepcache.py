@@ -39,7 +39,7 @@ class SplitUNet:
         return [self.deep.runtime, self.shallow.runtime]
 
 
-def deepcache_problem(split: SplitUNet | None, cache_branch_id: int, loras_active: bool) -> str | None:
+def deepcache_problem(split: SplitUNet | None, cache_branch_id: int) -> str | None:
     """Why this engine UNet cannot run DeepCache at ``cache_branch_id``, or None when it can."""
     if split is None:
         return (
@@ -51,8 +51,6 @@ def deepcache_problem(split: SplitUNet | None, cache_branch_id: int, loras_activ
             f"these engines were cut at cache_branch_id={split.branch}, not {cache_branch_id}: set_params("
             f"cache_branch_id={split.branch}), the branch `sdtrt compile --caches deepcache` builds"
         )
-    if loras_active:
-        return "LoRAs are set on this UNet, and its DeepCache members do not take LoRAs yet: clear them first"
     return None
 
 

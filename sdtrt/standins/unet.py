@@ -17,8 +17,9 @@ import torch
 from diffusers import UNet2DConditionModel
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
+from ..core.config.components import FREEU_MEMBER
 from ..core.errors import ArtifactError, EngineInputError
-from ..lora.refit import LoraNetwork
+from ..lora.refit import LoraNetwork, sync_loras
 from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
 from .base import EngineModule
@@ -77,26 +78,34 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self.freeu_engine: Runtime | None = None  # the FreeU build, once opened (use_freeu)
         self._open_freeu: Callable[[], Runtime] | None = None
         self.freeu: torch.Tensor | None = None  # FreeU's factors [s1, s2, b1, b2] while it is on
+        self._member_loras: Callable[[str, Runtime], EngineLoras] | None = None  # use_members'
+        self.member_loras: list[EngineLoras] = []  # the opened members': set_loras changes them with the UNet's
 
-    def use_parts(self, open_parts: Callable[[], dict[str, Runtime]]) -> None:
-        """Run DeepCache on the members of the same UNet's engine set that ``open_parts`` opens when DeepCache is first
-        enabled (standins/deepcache.py): until then the pipeline holds the UNet once."""
-        self._open_parts = open_parts
+    def use_members(
+        self, open_parts: Callable[[], dict[str, Runtime]] | None, open_freeu: Callable[[], Runtime] | None,
+        member_loras: Callable[[str, Runtime], EngineLoras],
+    ) -> None:  # fmt: skip
+        """Run DeepCache on the members ``open_parts`` opens and FreeU on the build ``open_freeu`` opens, each when
+        first enabled (until then the pipeline holds the UNet once); ``member_loras``: an opened member's LoRAs,
+        which change with this UNet's."""
+        self._open_parts, self._open_freeu, self._member_loras = open_parts, open_freeu, member_loras
 
     def opened_split(self) -> SplitUNet | None:
         """The DeepCache members, opened on the first call (None: the set has none)."""
         if self.split is None and self._open_parts is not None:
-            self.split = SplitUNet(self._open_parts())
+            parts = self._open_parts()
+            self.split = SplitUNet(parts)
             self._runtimes += self.split.runtimes()
+            self._take_loras(parts)
         return self.split
 
     def enable_deepcache(self, cache_interval: int, cache_branch_id: int, step_of: Callable[[Timestep], int]) -> None:
         """DeepCache on the engines, a full step every ``cache_interval`` (``step_of``: a timestep's step, as the
-        ``deepcache`` package counts them); refused without the members, at another branch, or with LoRAs set.
+        ``deepcache`` package counts them); refused without the members or at another branch.
         sdtrt.DeepCache(pipe) is the way in, with DeepCacheSDHelper's calls."""
         if self.freeu is not None:
             raise EngineInputError("DeepCache: FreeU is on, and the DeepCache members have no FreeU: disable it first")
-        if problem := deepcache_problem(self.opened_split(), cache_branch_id, self._loras_active()):
+        if problem := deepcache_problem(self.opened_split(), cache_branch_id):
             raise EngineInputError(f"DeepCache: {problem}")
         assert self.split is not None  # deepcache_problem said so
         self.deepcache = DeepCacheRun(self.split, cache_interval, step_of)
@@ -111,14 +120,9 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         if self.deepcache is not None:
             self.deepcache.reset()
 
-    def use_freeu(self, open_engine: Callable[[], Runtime]) -> None:
-        """Run FreeU on the FreeU build of the same UNet's engine set, which ``open_engine`` opens when FreeU is first
-        enabled: until then the pipeline holds the UNet once."""
-        self._open_freeu = open_engine
-
     def enable_freeu(self, s1: float, s2: float, b1: float, b2: float) -> None:
         """FreeU with these factors, as UNet2DConditionModel.enable_freeu: the steps run on the set's FreeU build
-        (``sdtrt compile --freeu``); refused on a set without it, with DeepCache on or with LoRAs set."""
+        (``sdtrt compile --freeu``); refused on a set without it or with DeepCache on."""
         if self._open_freeu is None:
             raise EngineInputError(
                 "enable_freeu: FreeU rescales features inside the UNet's up blocks, and this engine set has no FreeU "
@@ -126,11 +130,10 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             )
         if self.deepcache is not None:
             raise EngineInputError("enable_freeu: DeepCache is on, and its members have no FreeU: disable it first")
-        if self._loras_active():
-            raise EngineInputError("enable_freeu: LoRAs are set on this UNet, and its FreeU build takes none yet")
         if self.freeu_engine is None:
             self.freeu_engine = self._open_freeu()
             self._runtimes.append(self.freeu_engine)
+            self._take_loras({FREEU_MEMBER: self.freeu_engine})
         # diffusers' up blocks run FreeU only when all four factors are truthy: else the plain UNet.
         self.freeu = torch.tensor([s1, s2, b1, b2], dtype=torch.float32) if s1 and s2 and b1 and b2 else None
 
@@ -138,15 +141,17 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         """Back to the plain UNet engine."""
         self.freeu = None
 
-    def _loras_active(self) -> bool:
-        return bool(self.loras is not None and self.loras.active)
+    def _take_loras(self, members: dict[str, Runtime]) -> None:
+        """The LoRAs of members just opened (DeepCache's, the FreeU build): those this UNet runs now go into them, and
+        set_loras changes them with the UNet's own from then on."""
+        assert self._member_loras is not None  # use_members said how
+        taken = [self._member_loras(component, runtime) for component, runtime in members.items()]
+        if self.loras is not None:
+            sync_loras(taken, self.loras)
+        self.member_loras += taken
 
-    def loras_refused(self) -> str | None:
-        if self.freeu is not None:
-            return "FreeU is on, and the UNet's FreeU build takes no LoRAs yet: pipe.disable_freeu() first"
-        if self.deepcache is not None:
-            return "DeepCache is on, and its members take no LoRAs yet: DeepCache(pipe).disable() first"
-        return None
+    def engine_loras(self) -> list[EngineLoras]:
+        return [*super().engine_loras(), *self.member_loras]
 
     def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
