@@ -104,6 +104,9 @@ def test_freeu_is_refused_without_its_build_or_where_no_unet_takes_it(freeu_set,
     plain = load_pipeline("tiny", engine_members(freeu_set("tiny").final)["unet"])
     with pytest.raises(EngineInputError, match="no FreeU build: recompile it with `sdtrt compile --freeu`"):
         plain.enable_freeu(**FACTORS)
+    off = load_pipeline("tiny", freeu_set("tiny"))
+    off.enable_freeu(**FACTORS | {"s1": 0.0})  # a zero factor: FreeU off, as in diffusers
+    assert off.unet.freeu is None and off.unet.freeu_engine is None  # the FreeU build did not open
     with pytest.raises(ConfigError, match="tiny-sd3's denoiser is a transformer"):
         compile_model(resolve_model("tiny-sd3"), store, "onnxruntime", freeu=True)
     done = run_cli("compile", "--model", "tiny-sd3", "--target", "onnxruntime", "--freeu")

@@ -22,6 +22,7 @@ from sdtrt.sources.models import resolve_model
 from sdtrt.stages import quantize
 from sdtrt.tools.compile import compile_model
 from sdtrt.tools.image_quality import psnr_db
+from tests.helpers import last_line, run_cli
 from tests.test_step_cache import PARTS, generate
 
 INT8 = QuantizeConfig(precision="int8", level=2.5, calibration_prompts=("a lighthouse at dusk",), calibration_steps=2)
@@ -142,3 +143,6 @@ def test_deepcache_and_freeu_run_on_a_quantized_unet(store):
     # Measured: 46.1 dB against PyTorch's fp32 FreeU image, as the plain INT8 image is from PyTorch's (46.6 dB).
     print(f"INT8 tiny, FreeU against PyTorch fp32 FreeU: {psnr_db(freeu, on_pytorch):.1f} dB")
     assert psnr_db(freeu, on_pytorch) > 40 and psnr_db(freeu, plain) < 45
+    factors = ("--freeu", "0.9,0.2,1.3,1.4")
+    both = run_cli("generate", "--engine", str(result.final.path), *factors, "--cache", "deepcache:3")
+    assert both.returncode == 2 and "DeepCache's members have no FreeU" in last_line(both.stderr)

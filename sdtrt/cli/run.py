@@ -114,6 +114,8 @@ def generate_command(
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)
+    if freeu_factors is not None and step_cache is not None and step_cache.kind == "deepcache":
+        raise RequestError("--freeu with --cache deepcache: DeepCache's members have no FreeU; use one of them")
 
     from ..pipeline.loading import generate, load_pipeline
 

@@ -130,12 +130,13 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             )
         if self.deepcache is not None:
             raise EngineInputError("enable_freeu: DeepCache is on, and its members have no FreeU: disable it first")
-        if self.freeu_engine is None:
+        # diffusers' up blocks run FreeU only when all four factors are truthy: else the plain UNet, and the FreeU
+        # build need not open.
+        self.freeu = torch.tensor([s1, s2, b1, b2], dtype=torch.float32) if s1 and s2 and b1 and b2 else None
+        if self.freeu is not None and self.freeu_engine is None:
             self.freeu_engine = self._open_freeu()
             self._runtimes.append(self.freeu_engine)
             self._take_loras({FREEU_MEMBER: self.freeu_engine})
-        # diffusers' up blocks run FreeU only when all four factors are truthy: else the plain UNet.
-        self.freeu = torch.tensor([s1, s2, b1, b2], dtype=torch.float32) if s1 and s2 and b1 and b2 else None
 
     def disable_freeu(self) -> None:
         """Back to the plain UNet engine."""
