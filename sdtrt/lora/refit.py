@@ -194,10 +194,19 @@ class LoraNetwork:
     # The scale of a pipeline call's LoRA adapters (cross_attention_kwargs / joint_attention_kwargs "scale") its
     # weights hold now: the pipeline's adapter registry puts it in before the call (standins/adapters.py).
     call_scale: float = 1.0
+    # The LoRAs of the members a set holds beside this network's engine, once opened (a step cache's split members,
+    # DeepCache's, the FreeU build): set_loras changes them with its own.
+    member_loras: tuple[EngineLoras, ...] = ()
 
     def engine_loras(self) -> list[EngineLoras]:
-        """Every engine whose weights this network's LoRAs change: its own, and its split members' where it has them."""
-        return [self.loras] if self.loras is not None else []
+        """Every engine whose weights this network's LoRAs change: its own, and its opened members'."""
+        return [*([self.loras] if self.loras is not None else []), *self.member_loras]
+
+    def take_member_loras(self, taken: Sequence[EngineLoras]) -> None:
+        """Members just opened: the LoRAs this network runs now go into them, and later ones with its own."""
+        if self.loras is not None:
+            sync_loras(taken, self.loras)
+        self.member_loras = (*self.member_loras, *taken)
 
     def set_loras(self, loras: Sequence[LoraSpec]) -> None:
         """Apply these (file, scale) LoRAs to this network, from its base weights (any earlier set is undone).

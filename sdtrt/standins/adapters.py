@@ -97,8 +97,7 @@ class Adapters:
 def adapters(pipe: Any) -> Adapters:
     """``pipe``'s registry; a new one takes the LoRAs its engines run now (set_loras') as baked, and so does one
     whose LoRAs the engines no longer run (a network's own ``set_loras`` changed them since)."""
-    held_by = engine_networks(pipe)
-    found = held_by[0].__dict__.get(REGISTRY) if held_by else None
+    found = registry(pipe)
     networks = lora_networks(pipe)
     if found is None or any(for_network(found.loras(), n.component) != n.active for n in networks):
         found = Adapters(baked=tuple(running_loras(networks)))
@@ -126,8 +125,10 @@ def commit(pipe: Any, state: Adapters) -> None:
     set_call_scale(pipe, state.call_scale)
 
 
-def engine_networks(pipe: Any) -> list[LoraNetwork]:
-    return [n for n in (getattr(pipe, c, None) for c in LORA_COMPONENTS) if isinstance(n, LoraNetwork)]
+def engine_networks(pipe: Any) -> dict[str, LoraNetwork]:
+    """The pipeline's engine networks that take LoRAs, by component."""
+    networks = {c: getattr(pipe, c, None) for c in LORA_COMPONENTS}
+    return {c: n for c, n in networks.items() if isinstance(n, LoraNetwork)}
 
 
 def holder(pipe: Any) -> Any:
@@ -136,17 +137,19 @@ def holder(pipe: Any) -> Any:
     networks = engine_networks(pipe)
     if not networks:
         raise LoraError(NO_ENGINE)
-    return networks[0]
+    return next(iter(networks.values()))
+
+
+def registry(pipe: Any) -> Adapters | None:
+    """The adapters its holder keeps, or None (none loaded, or no engine network)."""
+    networks = engine_networks(pipe)
+    return next(iter(networks.values())).__dict__.get(REGISTRY) if networks else None
 
 
 def set_call_scale(pipe: Any, scale: Scale) -> None:
     """Tell the engine networks which call scale their weights hold (they refuse a call with another)."""
-    for network in engine_networks(pipe):
-        network.call_scale = network_scale(scale, network_component(pipe, network))
-
-
-def network_component(pipe: Any, network: LoraNetwork) -> str:
-    return next(c for c in LORA_COMPONENTS if getattr(pipe, c, None) is network)
+    for component, network in engine_networks(pipe).items():
+        network.call_scale = network_scale(scale, component)
 
 
 def with_call_scale(pipe: Any, encode_prompt: Any) -> Any:
@@ -157,8 +160,7 @@ def with_call_scale(pipe: Any, encode_prompt: Any) -> Any:
 
     def encode(*args: Any, **kwargs: Any) -> Any:
         scale = call_scale_of(pipe, kwargs.get("lora_scale"))
-        held_by = engine_networks(pipe)
-        state = held_by[0].__dict__.get(REGISTRY) if held_by else None
+        state = registry(pipe)
         if state is not None and state.call_scale != scale:
             commit(pipe, replace(adapters(pipe), call_scale=scale))
         elif state is None:  # no adapters: the scale changes nothing, as on PyTorch (set_loras' LoRAs are fused ones)
@@ -181,7 +183,7 @@ def call_scale_of(pipe: Any, lora_scale: float | None) -> Scale:
 
 def forget(pipe: Any) -> None:
     """After a direct set_loras: its LoRAs are the new baked ones, no adapters remain."""
-    for network in engine_networks(pipe):
+    for network in engine_networks(pipe).values():
         network.__dict__.pop(REGISTRY, None)
 
 

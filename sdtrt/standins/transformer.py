@@ -19,7 +19,7 @@ from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ..core.errors import ArtifactError, EngineInputError
-from ..lora.refit import EngineLoras, LoraNetwork, sync_loras
+from ..lora.refit import EngineLoras, LoraNetwork
 from ..runtime import Runtime
 from ..spec import FluxTransformerSpec, TransformerSpec
 from .base import EngineModule
@@ -69,7 +69,6 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
         self.split: SplitTransformer | None = None  # the part engines step caches chain (opened_split)
         self._open_parts: Callable[[], dict[str, Runtime]] | None = None  # use_parts'
         self._part_loras: Callable[[str, Runtime], EngineLoras] | None = None
-        self.part_loras: list[EngineLoras] = []  # the parts' LoRAs: set_loras changes them with the whole engine
         self._in_cache_context = False
 
     def use_parts(
@@ -87,14 +86,9 @@ class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
             parts = self._open_parts()
             self.split = SplitTransformer(parts)
             self._runtimes += self.split.runtimes()
-            self.part_loras = [self._part_loras(c, runtime) for c, runtime in parts.items()]
-            if self.loras is not None:
-                sync_loras(self.part_loras, self.loras)
+            self.take_member_loras([self._part_loras(c, runtime) for c, runtime in parts.items()])
             self.transformer_blocks, self.proj_out = self.split.blocks, self.split.head
         return self.split
-
-    def engine_loras(self) -> list[EngineLoras]:
-        return [*super().engine_loras(), *self.part_loras]
 
     def enable_cache(self, config: Any) -> None:
         """diffusers' ``enable_cache``: FirstBlockCacheConfig, MagCacheConfig and TaylorSeerCacheConfig (lite mode)

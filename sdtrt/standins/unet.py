@@ -19,7 +19,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 
 from ..core.config.components import FREEU_MEMBER
 from ..core.errors import ArtifactError, EngineInputError
-from ..lora.refit import LoraNetwork, sync_loras
+from ..lora.refit import LoraNetwork
 from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
 from .base import EngineModule
@@ -79,7 +79,6 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self._open_freeu: Callable[[], Runtime] | None = None
         self.freeu: torch.Tensor | None = None  # FreeU's factors [s1, s2, b1, b2] while it is on
         self._member_loras: Callable[[str, Runtime], EngineLoras] | None = None  # use_members'
-        self.member_loras: list[EngineLoras] = []  # the opened members': set_loras changes them with the UNet's
 
     def use_members(
         self, open_parts: Callable[[], dict[str, Runtime]] | None, open_freeu: Callable[[], Runtime] | None,
@@ -143,16 +142,9 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self.freeu = None
 
     def _take_loras(self, members: dict[str, Runtime]) -> None:
-        """The LoRAs of members just opened (DeepCache's, the FreeU build): those this UNet runs now go into them, and
-        set_loras changes them with the UNet's own from then on."""
+        """The LoRAs of members just opened (DeepCache's, the FreeU build), changed with the UNet's from now on."""
         assert self._member_loras is not None  # use_members said how
-        taken = [self._member_loras(component, runtime) for component, runtime in members.items()]
-        if self.loras is not None:
-            sync_loras(taken, self.loras)
-        self.member_loras += taken
-
-    def engine_loras(self) -> list[EngineLoras]:
-        return [*super().engine_loras(), *self.member_loras]
+        self.take_member_loras([self._member_loras(component, runtime) for component, runtime in members.items()])
 
     def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
         raise EngineInputError(
