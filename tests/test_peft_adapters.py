@@ -103,3 +103,24 @@ def test_what_an_engine_cannot_hold_is_refused_in_one_line(tiny, fresh, tmp_path
         assert "\n" not in str(refused.value)
     assert "load_lora_weights" in str(refused.value)
     assert [n.active for n in (fresh.unet.loras, fresh.text_encoder.loras)] == before
+
+
+def test_add_adapter_on_a_flux_transformer_matches_peft_on_pytorch(fp32_engine_sets):
+    """The transformer stand-in and Flux's CLIP, at a negative weight."""
+    from sdtrt.sources.models import resolve_model
+
+    flux = resolve_model("tiny-flux")
+    engines, reference = load_pipeline(flux, fp32_engine_sets("tiny-flux")), load_pipeline(flux)
+    transformer = LoraConfig(r=4, target_modules=["to_q", "to_v", "proj_mlp", "proj_out"], init_lora_weights=False)
+
+    def run(pipe):
+        generator = torch.Generator().manual_seed(0)
+        call = dict(num_inference_steps=2, height=128, width=128, generator=generator, output_type="np")
+        return pipe("a fox", **call).images[0]
+
+    for pipe in (engines, reference):
+        torch.manual_seed(7)
+        pipe.text_encoder.add_adapter(TEXT, adapter_name="x")
+        pipe.transformer.add_adapter(transformer, adapter_name="x")
+        pipe.set_adapters("x", -0.7)
+    assert psnr_db(run(engines), run(reference)) >= 35
