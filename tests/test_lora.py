@@ -229,8 +229,8 @@ def test_bad_input_is_one_line_and_the_engine_keeps_its_weights(loras, engine_pi
         ([(foreign_lora(folder / "sdxl.safetensors", sdxl_like, 32), 1.0)], f"'{sdxl_like}' is not in this UNet"),
         ([(str(truncated), 1.0)], "not a readable safetensors file"),
         ([(str(text), 1.0)], "not a readable safetensors file"),
-        ([(loras["b"], 0.5), (loras["a"], -0.5)], "must be a finite number ≥ 0"),
-        ([(loras["a"], math.nan)], "must be a finite number ≥ 0"),
+        ([(loras["b"], 0.5), (loras["a"], math.inf)], "must be a finite number"),
+        ([(loras["a"], math.nan)], "must be a finite number"),
         ([(str(folder / "missing.safetensors"), 1.0)], "does not exist"),
         ([(str(folder), 1.0)], "is a folder without pytorch_lora_weights.safetensors"),
         ([loras["a"]], r"LoRAs are \(file, scale\) pairs"),
@@ -318,9 +318,9 @@ def test_cli_inspect_and_generate_with_loras(tiny_engine, tiny_set, loras, tmp_p
     args = ["generate", "--engine", str(tiny_engine.path), "--steps", "2", "--out", str(out)]
     made = run_cli(*args, "--lora", f"{loras['a']}:0.8", "--lora", loras["b"], check=True)
     assert last_line(made.stdout) == str(out) and out.is_file()
-    refused = run_cli(*args, "--lora", f"{loras['a']}:-1")
+    refused = run_cli(*args, "--lora", f"{loras['a']}:inf")
     assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
-    assert "must be a finite number ≥ 0" in refused.stderr
+    assert "must be a finite number" in refused.stderr
 
 
 def test_a_wrong_architecture_lora_on_pytorch_is_refused_in_one_line(tiny, loras, tmp_path):

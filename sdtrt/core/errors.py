@@ -84,10 +84,11 @@ class EngineInputError(SdtrtError):
     """A request's shape, dtype or extra inputs do not fit what the engine was built for."""
 
 
-class LoraError(SdtrtError):
+class LoraError(SdtrtError, ValueError):
     """A LoRA cannot be applied: unreadable file, another architecture, a weight the map cannot place, a bad scale.
 
-    Raised before the engine's weights change: the engine keeps serving the weights it had.
+    Raised before the engine's weights change: the engine keeps serving the weights it had. A ValueError too, as
+    diffusers' LoRA API raises for the same problems, so code written against it catches it on engines.
     """
 
 

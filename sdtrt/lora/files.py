@@ -93,8 +93,8 @@ def marked(keys: Sequence[str], kind: str) -> str | None:
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise LoraError(f"LoRA scale {scale!r} for {path} is a {type(scale).__name__}, not a number (e.g. 0.8)")
-    if math.isnan(scale) or math.isinf(scale) or scale < 0:
-        raise LoraError(f"LoRA scale {scale} for {path} must be a finite number ≥ 0 (e.g. 0.8)")
+    if math.isnan(scale) or math.isinf(scale):  # negative ones subtract the LoRA, as diffusers takes them
+        raise LoraError(f"LoRA scale {scale} for {path} must be a finite number (e.g. 0.8)")
     return float(scale)
 
 

@@ -14,8 +14,6 @@ fused and active weights are the same weights: only which LoRAs, at what scales,
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,11 +31,12 @@ from ..lora.files import (
     read_lora,
 )
 from ..lora.refit import EngineLoras, LoraNetwork, apply_loras
+from .adapter_files import saved_state_dict
 
 # Held by the pipeline's first engine network (its denoiser's stand-in, usually), not by the pipeline: pipelines made
 # from one another (from_pipe, Pipeline(**pipe.components)) share the engines, and so their adapters.
 REGISTRY = "_sdtrt_lora_adapters"  # the Adapters
-OWN_FILES = "_sdtrt_lora_files"  # the folder of the state dicts given to load_lora_weights, as files
+PIPELINES = "_sdtrt_pipelines"  # held by each engine network: weak references to the pipelines it is in
 ADAPTER_METHODS = (
     "load_lora_weights", "set_adapters", "get_active_adapters", "get_list_adapters", "delete_adapters",
     "unload_lora_weights", "disable_lora", "enable_lora", "fuse_lora", "unfuse_lora", "enable_lora_hotswap",
@@ -78,17 +77,14 @@ class Adapters:
     parts: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name → the networks its file changes
     active: tuple[tuple[str, Scale], ...] = ()  # a weight, or one per network (every network the pipeline has)
     enabled: bool = True
-    fused: tuple[str, ...] | None = None  # the fused adapters' names; None: not fused
+    fused: tuple[tuple[str, Scale], ...] | None = None  # the fused adapters, at the weights fused; None: not fused
     baked: tuple[tuple[Path, Scale], ...] = ()
     call_scale: Scale = 1.0  # a pipeline call's LoRA scale: it multiplies the active adapters that are not fused
 
     def loras(self) -> list[tuple[Path, Scale]]:
         """The (file, scale) list the engines run in this state."""
-        weights = dict(self.active)
-        if self.fused is None:
-            running = [(n, scaled(w, self.call_scale)) for n, w in self.active]
-        else:  # fused adapters are in the weights: a call's scale leaves them as they are (PEFT's merged layers)
-            running = [(n, weights[n]) for n in self.fused]
+        # fused adapters are in the weights: a call's scale leaves them as they are (PEFT's merged layers)
+        running = [(n, scaled(w, self.call_scale)) for n, w in self.active] if self.fused is None else self.fused
         if not self.enabled:
             running = []
         return [*self.baked, *((self.files[n], w) for n, w in running)]
@@ -123,6 +119,7 @@ def commit(pipe: Any, state: Adapters) -> None:
     apply_pipeline_loras(pipe, state.loras())
     holder(pipe).__dict__[REGISTRY] = state
     set_call_scale(pipe, state.call_scale)
+    pipe._merged_adapters = {n for n, _ in state.fused or ()}  # what diffusers' fused_loras / num_fused_loras read
 
 
 def engine_networks(pipe: Any) -> dict[str, LoraNetwork]:
@@ -190,9 +187,9 @@ def forget(pipe: Any) -> None:
 def _names(pipe: Any, state: Adapters, names: str | Sequence[str], method: str) -> list[str]:
     names = [names] if isinstance(names, str) else list(names)
     if missing := [n for n in names if n not in state.files]:
-        raise LoraError(
-            f"{type(pipe).__name__}.{method}: no adapter {', '.join(map(repr, missing))}; "
-            f"loaded: {', '.join(state.files) or 'none'}"
+        raise LoraError(  # diffusers' words for it, which code written against diffusers may look for
+            f"{type(pipe).__name__}.{method}: adapter {', '.join(map(repr, missing))} not in the list of present "
+            f"adapters; loaded: {', '.join(state.files) or 'none'}"
         )
     return names
 
@@ -215,7 +212,7 @@ def load_lora_weights(
     state = adapters(pipe)
     name = adapter_name or f"default_{len(state.files)}"
     if isinstance(source, dict):  # refit reads LoRAs from files: the state dict becomes one, the pipeline's own
-        source = saved_state_dict(pipe, source, name, where)
+        source = saved_state_dict(holder(pipe), source, name, where)
     if not isinstance(source, str | os.PathLike):
         raise LoraError(f"{where} on engines reads a LoRA file or folder on disk, or a state dict of tensors, not a "
                         f"{type(source).__name__}")  # fmt: skip
@@ -235,6 +232,9 @@ def load_lora_weights(
     networks = lora_networks(pipe)
     try:
         lora = read_lora(path, networks[0].family if networks else None)
+        if hotswap and (encoders := [c for c in lora.parts if c.startswith("text_encoder")]):
+            raise LoraError(f"{where}: hotswap replaces denoiser adapters only, as in diffusers, and {path} changes "
+                            f"the {encoders[0]}: pass hotswap=False")  # fmt: skip
         # A hotswapped adapter keeps its place among the active ones, at weight 1.0 (PEFT's hotswap resets its scaling).
         active = tuple((n, 1.0 if n == name else w) for n, w in state.active) if hotswap else ((name, 1.0),)
         new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
@@ -252,36 +252,32 @@ def enable_lora_hotswap(pipe: Any, **kwargs: Any) -> None:
     recompilation (what diffusers' enable_lora_hotswap prepares PyTorch adapter layers for)."""
 
 
-def saved_state_dict(pipe: Any, state_dict: dict[str, Any], name: str, where: str) -> Path:
-    """A LoRA state dict (diffusers' or kohya's keys, as ``lora_state_dict`` reads them) written as a safetensors file
-    in a folder the engines own, removed with them; its path."""
-    import torch
-    from safetensors.torch import save_file
-
-    odd = next((k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)), None)
-    if not state_dict or odd is not None:
-        what = "is empty" if odd is None else f"holds {odd!r}, a {type(state_dict[odd]).__name__}"
-        raise LoraError(f"{where}: the state dict {what}; pass a LoRA state dict of tensors, or its file")
-    owner = holder(pipe)  # the files live as long as the engines that may read them again
-    folder = owner.__dict__.get(OWN_FILES)
-    if folder is None:
-        folder = owner.__dict__[OWN_FILES] = Path(tempfile.mkdtemp(prefix="sdtrt-loras-"))
-        weakref.finalize(owner, shutil.rmtree, folder, True)
-    path = folder / f"{len(list(folder.iterdir()))}-{name}.safetensors"
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}, path)
-    return path
-
-
 def set_adapters(pipe: Any, adapter_names: str | Sequence[str], adapter_weights: Any = None) -> None:
     """Make these adapters the active ones, at these weights (1.0 each when None; one number for all)."""
     state = adapters(pipe)
     names = _names(pipe, state, adapter_names, "set_adapters")
     _not_fused(pipe, state, "set_adapters")
+    if isinstance(adapter_weights, dict):  # one dict for every adapter: others' components are dropped, as diffusers
+        adapter_weights = known_components(pipe, adapter_weights)
     weights = adapter_weights if isinstance(adapter_weights, list | tuple) else [adapter_weights] * len(names)
     if len(weights) != len(names):
         raise LoraError(f"set_adapters: {len(names)} adapter names and {len(weights)} weights; give one weight each")
     active = tuple((n, adapter_weight(pipe, w)) for n, w in zip(names, weights, strict=True))
     commit(pipe, replace(state, active=active))
+
+
+def known_components(pipe: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` without the components the pipeline has none of, which diffusers' set_adapters warns about (in its
+    words, on its logger) and ignores."""
+    from diffusers.utils import logging
+
+    components = type(pipe)._lora_loadable_modules
+    if unknown := sorted(set(weights) - set(components)):
+        logging.get_logger("diffusers.loaders.lora_base").warning(
+            f"The following components in `adapter_weights` are not part of the pipeline: {unknown}. LoRA components: "
+            f"{components}; the others' weights are ignored."
+        )
+    return {c: w for c, w in weights.items() if c in components}
 
 
 def adapter_weight(pipe: Any, weight: Any) -> Scale:
@@ -339,7 +335,8 @@ def fuse_lora(
     pipe: Any, components: Sequence[str] | None = None, lora_scale: float = 1.0, safe_fusing: bool = False,
     adapter_names: Sequence[str] | None = None, **kwargs: Any,
 ) -> None:  # fmt: skip
-    """Run the fused adapters (``adapter_names``, else the active ones) with every active weight × ``lora_scale``."""
+    """Run the fused adapters (``adapter_names``, else the active ones) with every active weight × ``lora_scale``; an
+    inactive adapter named fuses at ``lora_scale`` (PEFT merges it at its layers' scaling, 1.0 unless set before)."""
     state = adapters(pipe)
     _not_fused(pipe, state, "fuse_lora")
     if components is not None and set(get_list_adapters(pipe)) - set(components):
@@ -347,9 +344,8 @@ def fuse_lora(
                         "components out (every network the adapters change is fused)")  # fmt: skip
     names = _names(pipe, state, adapter_names, "fuse_lora") if adapter_names else [n for n, _ in state.active]
     active = {n: scaled(w, lora_scale) for n, w in state.active}  # PEFT's scale_layer, kept after unfuse
-    if missing := [n for n in names if n not in active]:
-        raise LoraError(f"fuse_lora: {', '.join(missing)} not active; set_adapters first")
-    commit(pipe, replace(state, active=tuple(active.items()), fused=tuple(names)))
+    fused = tuple((n, active.get(n, lora_scale)) for n in names)
+    commit(pipe, replace(state, active=tuple(active.items()), fused=fused))
 
 
 def scaled(weight: Scale, factor: Scale) -> Scale:
@@ -367,6 +363,10 @@ def unfuse_lora(pipe: Any, components: Sequence[str] | None = None, **kwargs: An
 
 def install(pipe: Any) -> None:
     """Bind the methods above to ``pipe``, in place of diffusers' PyTorch ones (those it has)."""
+    for network in engine_networks(pipe).values():  # PEFT's add_adapter on a network registers with its pipeline
+        pipelines = network.__dict__.setdefault(PIPELINES, [])
+        if not any(ref() is pipe for ref in pipelines):
+            pipelines.append(weakref.ref(pipe))
     functions = globals()
     for name in ADAPTER_METHODS:
         if hasattr(type(pipe), name):

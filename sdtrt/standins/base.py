@@ -29,9 +29,10 @@ DEFAULT_ATTENTION = (
 ENGINE_RECORD = "sdtrt_engine.json"  # beside a saved stand-in's PyTorch files: the engines it ran on
 
 PYTORCH_ONLY = "run this pipeline on PyTorch (load_pipeline without an engine) to use it"
-USE_SET_LORAS = "use sdtrt.set_loras(pipe, [(file, scale)]) or load_pipeline(..., loras=[(file, scale)])"
+USE_SET_LORAS = "use the pipeline's LoRA API (pipe.load_lora_weights, set_adapters …) or sdtrt.set_loras(pipe, loras)"
 # PEFT's adapter methods (diffusers' and transformers' PeftAdapterMixin, the UNet's attention-processor loaders):
-# they add or drive adapter layers in PyTorch modules, and a stand-in has none (PEFT would fail on no target).
+# they add or drive adapter layers in PyTorch modules, and a stand-in has none (PEFT would fail on no target). The
+# stand-ins LoRAs change define their own add_adapter (standins/peft_adapters.py); T5's and the VAE's refuse it.
 PEFT_METHODS = (
     "add_adapter", "load_adapter", "load_lora_adapter", "save_lora_adapter", "set_adapter", "set_adapters",
     "delete_adapter", "delete_adapters", "fuse_lora", "unfuse_lora", "unload_lora", "enable_lora", "disable_lora",

@@ -16,6 +16,7 @@ from ..lora.refit import LoraNetwork
 from ..runtime import Runtime
 from ..spec import T5EncoderSpec, TextEncoderSpec
 from .base import EngineModule
+from .peft_adapters import PeftAdapters
 
 if TYPE_CHECKING:
     from ..lora.refit import EngineLoras
@@ -47,7 +48,7 @@ class _TextModel(torch.nn.Module):
         return self.norm.to(hidden.device, hidden.dtype)(hidden)
 
 
-class EngineTextEncoder(EngineModule, LoraNetwork):
+class EngineTextEncoder(EngineModule, PeftAdapters, LoraNetwork):
     """A CLIPTextModel / CLIPTextModelWithProjection stand-in backed by a text encoder engine.
 
     ``EngineTextEncoder(runtime, …)`` makes the subclass that is an instance of the class the engine's

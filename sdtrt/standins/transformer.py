@@ -23,6 +23,7 @@ from ..lora.refit import EngineLoras, LoraNetwork
 from ..runtime import Runtime
 from ..spec import FluxTransformerSpec, TransformerSpec
 from .base import EngineModule
+from .peft_adapters import PeftAdapters
 from .step_cache import SplitTransformer, cache_problem, check_hooked
 from .unet import normalise_timestep
 
@@ -42,7 +43,7 @@ REFUSED = {
 IGNORED_DEFAULTS = {"controlnet_blocks_repeat": False}  # Flux's: meaningful only with ControlNet samples
 
 
-class EngineTransformer(EngineModule, LoraNetwork, CacheMixin):
+class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin):
     """An SD3Transformer2DModel / FluxTransformer2DModel stand-in backed by a transformer engine.
 
     ``EngineTransformer(runtime, …)`` makes the subclass that is an instance of the class the engine's

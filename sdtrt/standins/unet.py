@@ -24,6 +24,7 @@ from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
 from .base import EngineModule
 from .deepcache import DeepCacheRun, SplitUNet, Timestep, deepcache_problem
+from .peft_adapters import PeftAdapters
 
 if TYPE_CHECKING:
     from ..lora.refit import EngineLoras
@@ -52,7 +53,7 @@ def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device:
     return t
 
 
-class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
+class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(

@@ -1,0 +1,40 @@
+"""The LoRA files an engine pipeline's adapters read that no user file holds (state dicts given to
+``load_lora_weights``, PEFT adapters ``add_adapter`` made): refit reads LoRAs from files, so they are written to a
+folder the engines own, removed with them."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import LoraError
+
+OWN_FILES = "_sdtrt_lora_files"  # held by the registry's holder: the folder of its own LoRA files
+
+
+def own_file(owner: Any, name: str) -> Path:
+    """A new path for adapter ``name``'s LoRA file in ``owner``'s folder (the network that holds the adapters: the
+    files live as long as the engines that may read them again)."""
+    folder = owner.__dict__.get(OWN_FILES)
+    if folder is None:
+        folder = owner.__dict__[OWN_FILES] = Path(tempfile.mkdtemp(prefix="sdtrt-loras-"))
+        weakref.finalize(owner, shutil.rmtree, folder, True)
+    return folder / f"{len(list(folder.iterdir()))}-{name}.safetensors"
+
+
+def saved_state_dict(owner: Any, state_dict: dict[str, Any], name: str, where: str) -> Path:
+    """A LoRA state dict (diffusers' or kohya's keys, as ``lora_state_dict`` reads them) written as ``owner``'s own
+    safetensors file; its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    odd = next((k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)), None)
+    if not state_dict or odd is not None:
+        what = "is empty" if odd is None else f"holds {odd!r}, a {type(state_dict[odd]).__name__}"
+        raise LoraError(f"{where}: the state dict {what}; pass a LoRA state dict of tensors, or its file")
+    path = own_file(owner, name)
+    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}, path)
+    return path
