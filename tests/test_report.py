@@ -16,6 +16,7 @@ import pytest
 
 from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import OrtBuildConfig, Range, ShapeProfile, ValidationConfig
+from sdtrt.core.errors import RequestError
 from sdtrt.pipeline.request import GenerateRequest
 from sdtrt.stages import build_ort
 from sdtrt.stages.engine_set import members
@@ -87,11 +88,14 @@ def test_compile_writes_no_report_when_told_not_to(healthy):
     assert "validate: cached report" in quiet.stderr and "report: " not in quiet.stderr
 
 
-def test_a_results_file_that_cannot_be_read_is_a_usage_error(tiny_engine, tmp_path):
-    result = run_cli("report", str(tiny_engine.path), "--debug", str(tmp_path / "none.json"))
-    assert result.returncode == 2
-    assert last_line(result.stderr) == f"error: --debug {tmp_path / 'none.json'} does not exist; pass the file the " \
-        "command wrote"  # fmt: skip
+def test_a_results_file_that_cannot_be_read_is_named_with_its_option(tiny_engine, tmp_path):
+    (tmp_path / "bench.json").write_text("{ not json")
+    missing = ReportConfig(tmp_path / "r.html", debug=tmp_path / "none.json")
+    with pytest.raises(RequestError, match=r"--debug .*none.json does not exist; pass the file the command wrote"):
+        write_report(tiny_engine, None, missing)
+    with pytest.raises(RequestError, match=r"--bench .*bench.json cannot be read as JSON"):
+        write_report(tiny_engine, None, ReportConfig(tmp_path / "r.html", bench=tmp_path / "bench.json"))
+    assert not (tmp_path / "r.html").exists(), "nothing is written before every file is read"
 
 
 def test_the_failing_case_comes_first_with_its_layer(overflowing):

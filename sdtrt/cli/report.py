@@ -65,7 +65,7 @@ def report_command(
     result_files.ensure_parent(out, "--out")
     artifact = store_options.find_engine(engine, engines, option=None)
     config = ReportConfig(out, tuple(validation or ()), debug, bench, profile)
-    console.print(f"[dim]writing the report of {artifact.path}[/]")
+    console.print(f"[dim]writing the report of {engine}[/]")
     typer.echo(write_report(artifact, Store(artifact.path.parent.parent), config))
 
 

@@ -103,10 +103,14 @@ def verdict(passed: bool) -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = (), failed=()) -> str:
     """A table of HTML cells (already escaped); ``numeric`` columns align right, ``failed`` rows are tinted."""
-    head = "".join(f'<th scope="col"{" class=n" if i in numeric else ""}>{h}</th>' for i, h in enumerate(headers))
+
+    def css(name: str, applies: bool) -> str:
+        return f' class="{name}"' if applies else ""
+
+    head = "".join(f'<th scope="col"{css("n", i in numeric)}>{h}</th>' for i, h in enumerate(headers))
     body = "".join(
-        f"<tr{' class=failed' if r in failed else ''}>"
-        + "".join(f"<td{' class=n' if i in numeric else ''}>{c}</td>" for i, c in enumerate(row))
+        f"<tr{css('failed', r in failed)}>"
+        + "".join(f"<td{css('n', i in numeric)}>{c}</td>" for i, c in enumerate(row))
         + "</tr>"
         for r, row in enumerate(rows)
     )
