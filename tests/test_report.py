@@ -192,3 +192,17 @@ def shown_numbers(page, scope: str) -> dict[str, list[tuple[float, str]]]:
     ):
         found.setdefault(key, []).append((json.loads(value), text))
     return found
+
+
+def test_charts_mark_outliers_non_finite_values_and_the_first_layer():
+    from sdtrt.tools.report_svg import Axis, LineChart, Marker, Series, column_chart, line_chart
+
+    columns = column_chart("steps", "ms", [10.0, 11.0, 30.0], [False, False, True], "outlier")
+    assert columns.count('class="column outlier"') == 1 and columns.count('class="column"') == 2
+    assert ">outlier</text>" in columns, "the outlier is labelled, not only coloured"
+    points = [(0.0, 1e-4), (1.0, 0.2), (2.0, float("inf")), (3.0, float("nan"))]
+    chart = LineChart("errors", Axis("layer"), Axis("error", log=True), [Series("e", points)], (0.05, "limit"),
+                      [Marker(1.0, "layer 1: Conv")])  # fmt: skip
+    drawn = line_chart(chart)
+    assert drawn.count("<circle") == 2 and drawn.count('class="nonfinite"') == 2, "NaN/inf: crosses, not points"
+    assert drawn.count('class="marker"') == 1 and "layer 1: Conv" in drawn and 'class="threshold"' in drawn

@@ -114,6 +114,7 @@ def _bench(bench: dict[str, Any]) -> str:
         Bar(
             b["name"],
             [(label, b["stages_s"][stage]["median"]) for stage, label in TIME_STAGES if stage in b["stages_s"]],
+            (b.get("total_s") or {}).get("median"),  # a run's median total: its stages' medians need not sum to it
         )
         for b in ran
     ]

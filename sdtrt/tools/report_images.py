@@ -42,15 +42,16 @@ def png_data_uri(pixels: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def difference_map(image: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, float]:
-    """The per-pixel |image − reference| (largest over the channels) coloured from 0 to its own maximum, and that
-    maximum: the scale a reader needs, as a tiny difference would otherwise look as loud as a broken image."""
+def difference_map(image: np.ndarray, reference: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """The per-pixel |image − reference| (largest over the channels) coloured from 0 to its own maximum, that
+    maximum (the scale a reader needs, as a tiny difference would otherwise look as loud as a broken image) and the
+    share of pixels that are NaN/inf."""
     difference = np.abs(image.astype(np.float64) - reference.astype(np.float64)).max(axis=-1)
     finite = np.isfinite(difference)
     scale = float(difference[finite].max(initial=0.0))
     colors = heat_colors(np.where(finite, difference, 0.0) / (scale or 1.0))
     colors[~finite] = NON_FINITE_COLOR
-    return colors, scale
+    return colors, scale, float(1 - finite.mean())
 
 
 def heat_colors(values: np.ndarray) -> np.ndarray:

@@ -51,7 +51,8 @@ def images_section(validations: list[ValidationReport]) -> str:
 
 def _image_row(report: ValidationReport, index: int) -> str:
     pytorch, engine = report.images["pytorch"], report.images["engine"]
-    heat, scale = difference_map(engine, pytorch)
+    heat, scale, non_finite = difference_map(engine, pytorch)
+    cyan = f"cyan: NaN/inf ({non_finite:.0%} of the pixels)" if non_finite else "no NaN/inf"
     sources = {name: png_data_uri(to_uint8(report.images[name])) for name in ("pytorch", "engine")}
     figures = [
         f'<figure><img src="{sources["pytorch"]}" alt="PyTorch fp32 image" data-role="pytorch">'
@@ -61,7 +62,7 @@ def _image_row(report: ValidationReport, index: int) -> str:
         f'<figure><img src="{png_data_uri(heat)}" alt="|engine − PyTorch| heat map" data-role="difference">'
         '<div class="scale" role="img" aria-label="colour scale of the difference"></div>'
         f'<div class="scale-ticks"><span>0</span><span>{number("difference_scale", scale, ".4g")}</span></div>'
-        "<figcaption>|engine − PyTorch|, largest over the channels; cyan: NaN/inf</figcaption></figure>",
+        f"<figcaption>|engine − PyTorch|, largest over the channels; {cyan}</figcaption></figure>",
     ]
     flip = (
         f'<div class="flip" id="flip-{index}"><img class="under" src="{sources["pytorch"]}" alt="PyTorch fp32 image">'

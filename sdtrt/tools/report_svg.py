@@ -157,6 +157,7 @@ def line_chart(chart: LineChart) -> str:
 class Bar:
     name: str
     segments: Sequence[tuple[str, float]]  # (stage, value), stacked left to right in this order
+    total: float | None = None  # the label right of the bar (default: the segments' sum)
 
 
 def stacked_bars(title: str, unit: str, bars: Sequence[Bar]) -> str:
@@ -177,8 +178,8 @@ def stacked_bars(title: str, unit: str, bars: Sequence[Bar]) -> str:
             parts.append(f'<rect class="segment s{k % 6}" x="{x:.1f}" y="{y}" width="{width:.1f}" height="{row}">')
             parts.append(f"<title>{escape(bar.name)}: {escape(stage)} {value:.4g} {escape(unit)}</title></rect>")
             x += width
-        parts.append(f'<text class="tick" x="{x + 4:.1f}" y="{y + row / 2 + 4}">{sum(v for _, v in bar.segments):.3g}')
-        parts.append(f" {escape(unit)}</text>")
+        shown = bar.total if bar.total is not None else sum(v for _, v in bar.segments)
+        parts.append(f'<text class="tick" x="{x + 4:.1f}" y="{y + row / 2 + 4}">{shown:.4g} {escape(unit)}</text>')
     return "".join(parts) + "</svg>"
 
 
