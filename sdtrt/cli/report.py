@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from ..core.progress import console
 from . import result_files, store_options
@@ -20,7 +21,8 @@ ReportOpt = Annotated[
     typer.Option(
         "--report/--no-report",
         help="Also write the validation's HTML report (images side by side, drift over steps, parity, precision; see "
-        "`sdtrt report`) next to its JSON: the stored report.json (compile), the --json file (validate).",
+        "`sdtrt report`) next to its JSON: the stored report.json (compile), the --json file (validate; none without "
+        "--json).",
     ),
 ]
 
@@ -65,7 +67,7 @@ def report_command(
     result_files.ensure_parent(out, "--out")
     artifact = store_options.find_engine(engine, engines, option=None)
     config = ReportConfig(out, tuple(validation or ()), debug, bench, profile)
-    console.print(f"[dim]writing the report of {engine}[/]")
+    console.print(f"[dim]writing the report of {escape(engine)}[/]", soft_wrap=True)
     typer.echo(write_report(artifact, Store(artifact.path.parent.parent), config))
 
 
@@ -86,6 +88,6 @@ def write_validation_report(
     try:
         written = write_report(engine, store, ReportConfig(out), () if store else (report,))
     except RequestError as exc:
-        console.print(f"[yellow]![/] report: {exc}")
+        console.print(f"[yellow]![/] report: {escape(str(exc))}", soft_wrap=True)
         return
-    console.print(f"report: {written}")
+    console.print(f"report: {escape(str(written))}", soft_wrap=True)  # one line, for a script to read

@@ -195,8 +195,9 @@ def validate_command(
         results.print(cache_comparison_line("engines", cached))
     if json_out:
         json_out.write_text(json.dumps(report.to_json() | ({"step_cache": cached} if cached else {}), indent=2))
-        if report_html:
-            write_validation_report(report, artifact, None, json_out.with_suffix(".html"))
+        if report_html:  # report.json → report.html (a --json named .html keeps its JSON: report.html.html)
+            html = json_out.with_suffix(".html")
+            write_validation_report(report, artifact, None, html if html != json_out else Path(f"{json_out}.html"))
     report.raise_for_status()
     not_compared = f" ({len(report.skipped)} case(s) not compared: see above)" if report.skipped else ""
     typer.echo(f"parity: PASS{not_compared}")

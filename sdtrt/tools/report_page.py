@@ -66,7 +66,7 @@ SERIES
 .legend li::before { content: ""; display: inline-block; width: .8em; height: .8em; margin-right: .35em;
   background: var(--c); print-color-adjust: exact; -webkit-print-color-adjust: exact; }
 @media print {
-  body { max-width: none; font-size: 11pt; } nav, .flip, .flip-control { display: none; }
+  body { max-width: none; font-size: 11pt; } nav, .flip-block { display: none; }
   section, .case, figure, svg { break-inside: avoid; } a { color: inherit; }
 }
 """

@@ -70,7 +70,7 @@ def _image_row(report: ValidationReport, index: int) -> str:
         f'<label class="flip-control">PyTorch<input type="range" min="0" max="100" value="50" data-flip="flip-{index}" '
         'aria-label="split between the PyTorch image (left) and the engine image (right)">engine</label>'
     )
-    return f'<div class="images">{"".join(figures)}</div><h4>Flip between them</h4>{flip}'
+    return f'<div class="images">{"".join(figures)}</div><div class="flip-block"><h4>Flip between them</h4>{flip}</div>'
 
 
 def drift_section(validations: list[ValidationReport]) -> str:
