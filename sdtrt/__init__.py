@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "profile_generation": "sdtrt.tools.profile",
     **dict.fromkeys(("debug", "DebugConfig", "DebugReport"), "sdtrt.tools.debug"),
     **dict.fromkeys(("guard", "GuardConfig", "GuardReport"), "sdtrt.tools.guard"),
+    **dict.fromkeys(("write_report", "ReportConfig"), "sdtrt.tools.report"),
     **dict.fromkeys(("deploy_triton", "TritonDeployConfig"), "sdtrt.serving.deploy"),
     **dict.fromkeys(("start_server", "ServeConfig"), "sdtrt.serving.serve"),
     **dict.fromkeys(("resolve_model", "ModelSource"), "sdtrt.sources.models"),
@@ -117,6 +118,7 @@ if TYPE_CHECKING:  # the same names for type checkers and IDEs (ruff: F401 is of
     from sdtrt.tools.debug import DebugConfig, DebugReport, debug
     from sdtrt.tools.guard import GuardConfig, GuardReport, guard
     from sdtrt.tools.profile import profile_generation
+    from sdtrt.tools.report import ReportConfig, write_report
     from sdtrt.tools.validate import ValidationReport, validate
 
 

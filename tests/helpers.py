@@ -39,6 +39,23 @@ def private_store(artifact, root: Path) -> Path:
     return root
 
 
+def plant_fp16_overflow(simplified, path: Path):
+    """A bare copy of a simplified fp16 UNet at ``path`` whose middle conv's weights are 60000: past fp16's range.
+    Returns the conv node planted."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(simplified.primary))
+    weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16}
+    convs = [n for n in model.graph.node if n.op_type == "Conv" and n.input[1] in weights]
+    planted = convs[len(convs) // 2]
+    tensor = weights[planted.input[1]]
+    tensor.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(tensor), 60000.0), tensor.name))
+    onnx.save(model, str(path))
+    return planted
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""

@@ -67,7 +67,8 @@ def test_stage_commands_chain_through_printed_paths(tmp_path, tiny_export):
 
 
 @pytest.mark.parametrize(
-    "command", ["export", "simplify", "build", "wrap", "compile", "generate", "validate", "bench", "profile", "cache"]
+    "command",
+    ["export", "simplify", "build", "wrap", "compile", "generate", "validate", "bench", "profile", "report", "cache"],
 )
 def test_help_explains_with_an_example(command):
     result = run_cli(command, "--help", check=True)

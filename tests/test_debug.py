@@ -16,21 +16,14 @@ from sdtrt.core.errors import ParityError, WrongArtifactError
 from sdtrt.stages import export, simplify
 from sdtrt.tools.debug import debug, fp32_replica, reference_graph
 
-from .helpers import last_line, run_cli
+from .helpers import last_line, plant_fp16_overflow, run_cli
 
 
 @pytest.fixture(scope="module")
 def overflowing(tiny_simplified, tmp_path_factory):
     """A bare copy of the tiny fp16 UNet whose middle conv's weights are 60000: past fp16's range."""
-    model = onnx.load(str(tiny_simplified.primary))
-    weights = {t.name: t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16}
-    convs = [n for n in model.graph.node if n.op_type == "Conv" and n.input[1] in weights]
-    planted = convs[len(convs) // 2]
-    tensor = weights[planted.input[1]]
-    tensor.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(tensor), 60000.0), tensor.name))
     path = tmp_path_factory.mktemp("broken") / "unet.onnx"
-    onnx.save(model, str(path))
-    return path, planted
+    return path, plant_fp16_overflow(tiny_simplified, path)
 
 
 def test_a_healthy_fp16_engine_has_no_divergent_layer(tiny_simplified):

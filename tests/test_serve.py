@@ -105,6 +105,8 @@ def test_deploy_records_what_it_serves(repository, tiny_set):
     assert "from sdtrt.serving.triton_model import TritonPythonModel" in (model / "1" / "model.py").read_text()
     assert not list((model / "1" / "diffusers" / "unet").glob("*.safetensors")), "the UNet engine replaces them"
     assert (model / "1" / "diffusers" / "text_encoder" / "model.safetensors").is_file()
+    page = (model / "report.html").read_text()  # the engines' report, for whoever serves them (sdtrt report)
+    assert tiny_set.key in page and 'id="provenance"' in page
 
 
 def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_path):

@@ -84,6 +84,8 @@ def test_perturbed_weights_fail_with_exit_3_and_show_where(tiny, tiny_engine, tm
     assert result.stderr.strip().splitlines()[-1].startswith("error: engine does not match PyTorch")
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["passed"] is False and saved["tensors"][0]["failures"]
+    assert "report: " + str(tmp_path / "r.html") in result.stderr, "its HTML report beside the JSON (sdtrt report)"
+    assert 'class="failed"' in (tmp_path / "r.html").read_text(), "the failing rows shown as failed"
 
 
 def test_fp16_overflow_is_caught_as_nan(tiny, tiny_engine, tmp_path):
@@ -95,9 +97,12 @@ def test_fp16_overflow_is_caught_as_nan(tiny, tiny_engine, tmp_path):
 
 def test_cli_validate_and_generate_with_the_engine(tiny, tiny_engine, tmp_path):
     report = tmp_path / "new" / "deeper" / "v.json"  # its folder is made
-    result = run_cli("validate", "--engine", str(tiny_engine.path), "--no-images", "--json", str(report), check=True)
+    result = run_cli(
+        "validate", "--engine", str(tiny_engine.path), "--no-images", "--json", str(report), "--no-report", check=True
+    )
     assert last_line(result.stdout) == "parity: PASS" and "b8 384x384" in result.stdout
     assert json.loads(report.read_text())["tensors"], "the report as JSON"
+    assert not report.with_suffix(".html").exists(), "--no-report: the JSON alone"
 
     from PIL import Image
 

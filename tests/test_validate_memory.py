@@ -46,7 +46,7 @@ def test_a_case_grows_by_its_batch_and_its_inputs_squared_so_a_text_encoder_by_i
     not at all, so its larger cases are projected by their batch alone."""
     from sdtrt.core.config import ExportConfig
     from sdtrt.stages.export import spec_for
-    from sdtrt.tools.validate import HostMemory
+    from sdtrt.tools.host_memory import HostMemory
 
     for component, grows_with_pixels in (("unet", True), ("text_encoder", False)):
         spec = spec_for(tiny, ExportConfig(component=component))
@@ -66,7 +66,7 @@ def test_a_case_whose_own_inputs_exceed_the_budget_is_not_compared_nor_allocated
     inputs are sized from their shapes (batch 1,000,000 would have allocated 147 GB to find that out)."""
     from sdtrt.core.config import parse_size
     from sdtrt.spec import ValidationCase, denoiser_spec
-    from sdtrt.tools.validate import HostMemory
+    from sdtrt.tools.host_memory import HostMemory
 
     memory = HostMemory(denoiser_spec(tiny), parse_size("4GiB"))
     huge = ValidationCase(1_000_000, 384, 384)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
+from ..core.artifact import Artifact
 from ..core.config import COMPONENTS, STEP_CACHES, Precision, ValidationConfig
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import console
@@ -24,6 +25,7 @@ from .quantize_options import (
     quant_level,
     quantize_config,
 )
+from .report import ReportOpt, write_validation_report
 from .stages import parse_components, print_simplify_summary
 
 if TYPE_CHECKING:
@@ -100,6 +102,7 @@ def compile(
             "pipe.enable_freeu(...) runs on the engines; the plain UNet engine is unchanged and runs with FreeU off.",
         ),
     ] = False,
+    report: ReportOpt = True,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Run every stage for a target in order, then validate; unchanged stages are cache hits.
@@ -198,6 +201,8 @@ def compile(
         if result.validation_cached:
             console.print("[green]✓[/] validate: cached report for these engines [dim](--revalidate runs it again)[/]")
         print_report(result.validation, console)
+        if report:
+            write_validation_report(result.validation, Artifact.open(result.validation.engine), store)
     if guarded is not None:
         print_guard_rounds(guarded)
         guarded.raise_for_status()

@@ -25,6 +25,7 @@ from ..pipeline.request import (
     check_validation,
 )
 from . import graph_options, request_options, result_files, store_options
+from .report import ReportOpt, write_validation_report
 from .step_cache import cache_comparison_line
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ def validate_command(
     weight_streaming_budget: request_options.WeightBudgetOpt = None,
     memory_budget: graph_options.MemoryBudgetOpt = None,
     cache: request_options.CacheOpt = None,
+    report_html: ReportOpt = True,
     engines: store_options.EnginesOpt = None,
 ) -> None:
     """Compare an engine (or every member of a set) with PyTorch fp32: tensors, latents, images. Exits 3 on a mismatch.
@@ -193,6 +195,9 @@ def validate_command(
         results.print(cache_comparison_line("engines", cached))
     if json_out:
         json_out.write_text(json.dumps(report.to_json() | ({"step_cache": cached} if cached else {}), indent=2))
+        if report_html:  # report.json → report.html (a --json named .html keeps its JSON: report.html.html)
+            html = json_out.with_suffix(".html")
+            write_validation_report(report, artifact, None, html if html != json_out else Path(f"{json_out}.html"))
     report.raise_for_status()
     not_compared = f" ({len(report.skipped)} case(s) not compared: see above)" if report.skipped else ""
     typer.echo(f"parity: PASS{not_compared}")

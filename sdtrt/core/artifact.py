@@ -43,7 +43,10 @@ class Artifact:
             os.utime(self.path / MANIFEST)
 
     def as_input(self) -> dict[str, Any]:
-        return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(self.path.resolve())}
+        """How an artifact made from this one records it. A bare .onnx is recorded by its file, which opens as the same
+        artifact again (its folder has no manifest): what ``lineage`` reads."""
+        where = self.primary if self.stage == "external" else self.path
+        return {"kind": "artifact", "stage": self.stage, "digest": self.key, "path": str(where.resolve())}
 
     def lineage(self) -> list[Artifact]:
         """This artifact and the ones it was made from, newest first, back to the one made from a model."""

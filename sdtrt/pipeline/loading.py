@@ -274,8 +274,10 @@ def generate(
     request: GenerateRequest | Sequence[GenerateRequest],
     on_step: Callable[[int, int], None] | None = None,
     output_type: str = "pil",
+    on_latents: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Any:
-    """Run the pipeline once; ``on_step(step_index, total_steps)`` is called after every denoising step.
+    """Run the pipeline once; ``on_step(step_index, total_steps)`` is called after every denoising step,
+    ``on_latents(step_index, latents)`` with the latents it left (validate's drift over steps).
 
     Several text-to-image requests that share size, steps and guidance run as one batch, an image
     each, in order (``batch_kwargs``). The total comes from the scheduler: some (PNDM) run more UNet
@@ -285,6 +287,8 @@ def generate(
     def callback(_pipe: Any, step: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         if on_step is not None:
             on_step(step, len(_pipe.scheduler.timesteps))
+        if on_latents is not None:
+            on_latents(step, kwargs["latents"])
         return kwargs
 
     rule = SizeRule.for_pipeline(pipe)

@@ -4,6 +4,7 @@
 
     REPO/<name>/config.pbtxt     Python backend, instance group (KIND_GPU for TensorRT engines), batching
     REPO/<name>/sdtrt.json       what was deployed: sdtrt version, engine keys, model, profile, batching
+    REPO/<name>/report.html      the engines' HTML report (`sdtrt report`): what was validated, for who serves them
     REPO/<name>/1/model.py       imports sdtrt.serving.triton_model, which loads the pipeline with load_pipeline
     REPO/<name>/1/engines/       the engine and, for a set, its members: a store of its own
     REPO/<name>/1/diffusers/     the model's folder (configs, tokenizers, scheduler; the denoiser's weights
@@ -27,6 +28,7 @@ from ..core.artifact import Artifact
 from ..core.config import ShapeProfile, WeightBudget, as_dict
 from ..core.errors import ArtifactError, ConfigError, RequestError
 from ..core.families import pipeline_class_name
+from ..core.store import Store
 from ..pipeline.step_cache import StepCache, engines_problem
 from ..sources.models import ModelSource
 from ..spec import DENOISERS, FOLDERS
@@ -124,6 +126,7 @@ def deploy_triton(
     from ..pipeline.loading import engine_members
     from ..runtime import check_weight_budget
     from ..stages.engine_set import engine_profile, recorded_model
+    from ..tools.report import REPORT_HTML, ReportConfig, write_report
 
     members = engine_members(engine)
     budget = WeightBudget.parse(config.weight_budget) if config.weight_budget is not None else None
@@ -173,6 +176,7 @@ def deploy_triton(
         "config": as_dict(config),
     }
     (folder / DEPLOYMENT).write_text(json.dumps(record, indent=2) + "\n")
+    write_report(engine, Store(engine.path.parent.parent), ReportConfig(folder / REPORT_HTML))
     return Deployment(folder, record)
 
 

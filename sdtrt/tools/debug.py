@@ -61,6 +61,9 @@ class DebugReport:
     largest_error: float
     first: dict[str, Any] | None = None  # the first divergent tensor: node, op, tensor, error, finite
     worst: list[dict[str, Any]] = field(default_factory=list)  # the largest errors, for a healthy engine too
+    # Every compared tensor in the graph's order (node, op, tensor, error, finite): where the error grows, drawn by the
+    # HTML report (sdtrt report --debug).
+    layers: list[dict[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return self.first is None
@@ -325,6 +328,7 @@ def _compare(engine: str, backend: str, graph: onnx.ModelProto, got: Any, expect
             if report.first is None and (not finite or error > limit):
                 report.first = row
     report.compared = len(rows)
+    report.layers = rows
     report.largest_error = max((r["error"] for r in rows), default=0.0)
     report.worst = sorted(rows, key=lambda r: r["error"], reverse=True)[:5]
     return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -11,6 +12,15 @@ def psnr_db(candidate: np.ndarray, reference: np.ndarray) -> float:
     """Peak signal-to-noise ratio of images in [0, 1]; inf when they are equal."""
     mse = float(np.mean((candidate.astype(np.float64) - reference.astype(np.float64)) ** 2))
     return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def latent_psnr_db(candidate: Any, reference: Any) -> float:
+    """PSNR of latents (torch tensors), whose range is no image's [0, 1]: the peak is the reference's largest
+    magnitude; inf when they are equal, nan when the candidate holds NaN/inf."""
+    a, b = (np.asarray(t.detach().double().cpu()) for t in (candidate, reference))
+    mse = float(np.mean((a - b) ** 2))
+    peak = float(np.abs(b).max(initial=0.0))
+    return math.inf if mse == 0 else float("nan") if not math.isfinite(mse) else 10 * math.log10(peak**2 / mse)
 
 
 def ssim(candidate: np.ndarray, reference: np.ndarray) -> float:

@@ -10,8 +10,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
-import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -20,13 +19,14 @@ import numpy as np
 import torch
 
 from ..core.artifact import Artifact
-from ..core.config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig, format_size
+from ..core.config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig
 from ..core.errors import ParityError, StoreError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..runtime.compare import tensor_stats
 from ..spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
-from .image_quality import psnr_db
+from .host_memory import HostMemory
+from .image_quality import latent_psnr_db, psnr_db, ssim
 
 if TYPE_CHECKING:
     from ..pipeline.request import GenerateRequest
@@ -38,6 +38,7 @@ VERSION = 2  # 2: a quantized member is held to 8-bit tolerances
 # What a member is held to: its graph's precision, or the 8-bit format its Q/DQ graph quantizes to.
 HeldTo = Precision | QuantPrecision
 REPORT = "report.json"
+NOT_JSON = ("images", "stored_in")  # what a report holds for the HTML report only
 
 
 def compare_case(runtime: Runtime, network: Any, spec: GraphSpec, case: ValidationCase) -> dict[str, Any]:
@@ -98,6 +99,10 @@ class ValidationReport:
     failures: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # cases projected over the host's memory: not compared
     members: list[str] = field(default_factory=list)  # the components compared
+    # The compared images (``pytorch``, ``engine``: [H, W, 3] in [0, 1]), for the HTML report; not in the JSON, a
+    # stored report keeps them as PNGs beside it (report_images.IMAGE_FILES).
+    images: dict[str, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+    stored_in: Path | None = field(default=None, compare=False)  # the store's validate artifact holding it, if any
 
     def __bool__(self) -> bool:
         return not self.failures
@@ -111,7 +116,8 @@ class ValidationReport:
             )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"passed": bool(self)}
+        data = asdict(replace(self, images={}))
+        return {k: v for k, v in data.items() if k not in NOT_JSON} | {"passed": bool(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ValidationReport:
@@ -161,81 +167,6 @@ def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str) -> list[st
     if row["max_abs"] > tol.max_abs:
         failures.append(f"{what} output at {label}: max abs error {row['max_abs']:.3g} > {tol.max_abs}")
     return failures
-
-
-@dataclass
-class HostMemory:
-    """Whether a comparison case on the CPU fits in memory, projected from the largest case measured before it.
-
-    ONNX Runtime computes attention as MatMul, Softmax, MatMul and holds batch × heads × tokens² scores: SD 1.5's
-    largest default case (batch 8 at 768²) needs ~22 GB for one layer's. What a case adds to the process's peak is
-    measured, and a larger case is projected by its batch (linearly) and the size of one batch item's inputs (squared,
-    as attention over pixels or tokens grows): a bound that overestimates what the convolutions (linear) add. A case
-    no larger than one already run is always compared, unless its own inputs alone are over the memory: that is
-    checked from their shapes, before any case ran, without allocating them.
-    """
-
-    spec: GraphSpec
-    budget: int | None  # bytes a case may add; None: what is available when it is about to run
-    measured: tuple[float, str, int] | None = None  # the largest case so far: its size, its label, the bytes it added
-
-    def size(self, case: ValidationCase) -> float:
-        """batch × positions²: the positions are the elements along the inputs' variable axes other than the batch
-        (a UNet's latent pixels, a transformer's image and text tokens); a text encoder, whose 77 tokens are fixed,
-        grows with its batch only."""
-        shapes = self.shapes(case)
-        positions = 0
-        for tensor in self.spec.inputs():
-            axes = [i for i, axis in enumerate(tensor.shape) if isinstance(axis, str) and axis != "batch"]
-            positions += math.prod(shapes[tensor.name][i] for i in axes) if axes else 0
-        return case.batch * float(max(positions, 1)) ** 2
-
-    def shapes(self, case: ValidationCase) -> dict[str, tuple[int, ...]]:
-        """The case's input shapes (what ``spec.case_inputs`` would allocate)."""
-        return self.spec.input_shapes(case.batch, case.height, case.width, case.tokens)
-
-    def input_bytes(self, case: ValidationCase) -> int:
-        """What the case's inputs take: case_inputs draws them float32 or int32, 4 bytes an element."""
-        return sum(4 * math.prod(shape) for shape in self.shapes(case).values())
-
-    def refusal(self, case: ValidationCase) -> str | None:
-        """Why ``case`` is not run (None: it fits)."""
-        import psutil
-
-        room = self.budget if self.budget is not None else psutil.virtual_memory().available
-        if (inputs := self.input_bytes(case)) > room:
-            need = f"its inputs alone take {format_size(inputs)}"
-        elif self.measured is None or (size := self.size(case)) <= self.measured[0]:
-            return None
-        else:
-            base, label, added = self.measured
-            projected = added * size / base
-            if projected <= room:
-                return None
-            need = (
-                f"{label} added {format_size(added)} of host memory, so this case would add "
-                f"~{format_size(int(projected))} (ONNX Runtime's attention grows with batch × input size²)"
-            )
-        if self.budget is not None:
-            limit, remedy = "budget", "raise --memory-budget where the machine has the memory"
-        else:
-            limit, remedy = "available", "compare it on a machine with more memory"
-        return f"not compared: {need}, over the {format_size(room)} {limit}; {remedy}"
-
-    @contextlib.contextmanager
-    def measuring(self, case: ValidationCase, label: str) -> Iterator[None]:
-        import psutil
-
-        from ..tools.timing import rss_sampler
-
-        before = psutil.Process().memory_info().rss
-        with rss_sampler() as peak_mb:
-            yield
-        added, size = max(0, int(peak_mb() * 2**20) - before), self.size(case)
-        if self.measured is None or size > self.measured[0]:
-            self.measured = (size, label, added)
-        elif size == self.measured[0] and added > self.measured[2]:
-            self.measured = (size, self.measured[1], added)
 
 
 def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
@@ -294,6 +225,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                     row = compare_case(runtime, network, spec, case)
                 row["case"] = prefix + row["case"]
                 row["failures"] = check_tensor_row(row, member_tol, spec.label)
+                row["tolerance"] = {"min_cosine": member_tol.min_cosine, "max_abs": member_tol.max_abs}
                 report.tensors.append(row)
                 report.failures += row["failures"]
 
@@ -302,9 +234,19 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference
         with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
-            latents = [generate(p, request, output_type="latent").images for p in (reference, engine_pipe)]
+            steps: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            latents = [
+                generate(p, request, output_type="latent", on_latents=_kept_in(kept)).images
+                for p, kept in zip((reference, engine_pipe), steps, strict=True)
+            ]
             images = [_decode(reference, latents[0], request), _decode(decoder, latents[1], request)]
         report.image = compare_images(images[1], images[0], latents[1], latents[0], tol)
+        report.image["case"] = {
+            "pipeline": type(reference).__name__, "scheduler": type(reference.scheduler).__name__,
+            "steps": config.steps, "height": request.height, "width": request.width, "seed": config.seed,
+        }  # fmt: skip
+        report.image["drift"] = step_drift(steps[1], steps[0])
+        report.images = {"pytorch": images[0][0], "engine": images[1][0]}
         report.failures += report.image["failures"]
     for runtime in runtimes.values():
         runtime.close()
@@ -326,16 +268,23 @@ def stored_validate(
     stored = store.lookup(request)
     intact = stored is not None and not stored.file_problems()
     if stored is not None and intact and not revalidate:
-        return ValidationReport.from_json(json.loads((stored.path / REPORT).read_text())), True
+        from .report_images import load_images
+
+        report = ValidationReport.from_json(json.loads((stored.path / REPORT).read_text()))
+        return replace(report, images=load_images(stored.path), stored_in=stored.path), True
     report = validate(model, engine, config)
     if not intact:
         with contextlib.suppress(StoreError):  # a read-only store: the report is shown, not kept
-            store.produce(request, lambda out_dir: _store_report(report, engine, out_dir))
+            made, _ = store.produce(request, lambda out_dir: _store_report(report, engine, out_dir))
+            report.stored_in = made.path
     return report, False
 
 
 def _store_report(report: ValidationReport, engine: Artifact, out_dir: Path) -> dict[str, Any]:
+    from .report_images import save_images
+
     (out_dir / REPORT).write_text(json.dumps(report.to_json(), indent=2))
+    save_images(report.images, out_dir)
     return {"primary": REPORT, "passed": bool(report), "reproduce": f"sdtrt validate --engine {engine.path}"}
 
 
@@ -374,10 +323,25 @@ def compare_images(
         failures.append(f"image PSNR {psnr:.1f} dB < {tol.min_psnr_db} dB")
     return {
         "psnr_db": psnr,
+        "ssim": ssim(image, reference_image),
         "latents": tensor_stats(latents, reference_latents),
         "shape": list(image.shape),
         "failures": failures,
     }
+
+
+def _kept_in(kept: list[torch.Tensor]) -> Callable[[int, torch.Tensor], None]:
+    """``generate``'s on_latents, keeping a copy of each step's latents (the scheduler may reuse the tensor)."""
+    return lambda _, latents: kept.append(latents.clone())
+
+
+def step_drift(latents: list[torch.Tensor], reference_latents: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """The engine's latents against the reference's after each denoising step: where an error starts to grow."""
+    return [
+        {"step": index, "cosine": stats["cosine"], "psnr_db": latent_psnr_db(got, want), "max_abs": stats["max_abs"]}
+        for index, (got, want) in enumerate(zip(latents, reference_latents, strict=True))
+        if (stats := tensor_stats(got, want))
+    ]
 
 
 def _decode(pipe: Any, latents: torch.Tensor, request: GenerateRequest) -> np.ndarray:

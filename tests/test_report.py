@@ -1,0 +1,208 @@
+"""`sdtrt report`: one self-contained HTML page per engine set, opened in a real browser (Debian's Chromium, headless,
+driven by Playwright): every section renders with no console error and no request off the file, the images decode,
+and the numbers shown are the JSON's. Screenshots are kept under test-artifacts/report/.
+
+Without Chromium or Playwright the browser tests skip with the reason; under CI=true they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sdtrt.core.artifact import Artifact
+from sdtrt.core.config import OrtBuildConfig, Range, ShapeProfile, ValidationConfig
+from sdtrt.core.errors import RequestError
+from sdtrt.pipeline.request import GenerateRequest
+from sdtrt.stages import build_ort
+from sdtrt.stages.engine_set import members
+from sdtrt.tools.bench import BenchConfig, run_bench
+from sdtrt.tools.debug import debug
+from sdtrt.tools.profile import profile_generation
+from sdtrt.tools.report import REPORT_HTML, ReportConfig, write_report
+from sdtrt.tools.validate import REPORT, validate
+
+from .helpers import REPO, last_line, plant_fp16_overflow, run_cli
+
+SHOTS = Path(os.environ.get("SDTRT_TEST_ARTIFACTS") or REPO / "test-artifacts") / "report"
+SECTIONS = ("images", "drift", "parity", "precision", "debug", "time", "provenance")
+
+
+# Engines for one size (128², one image): their validation cases are the smallest, so each is compared in seconds.
+SMALL = ("--height", "128", "--width", "128", "--batch", "1")
+SMALL_PROFILE = ShapeProfile(Range(1, 1, 1), Range(128, 128, 128), Range(128, 128, 128))
+
+
+@pytest.fixture(scope="module")
+def healthy(tiny, store, tmp_path_factory):
+    """tiny's set as `sdtrt compile` builds and validates it (its report.html beside the stored JSON), then
+    `sdtrt report` with what debug (the UNet), bench (ONNX Runtime) and profile wrote for it."""
+    folder = tmp_path_factory.mktemp("healthy")
+    compiled = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", *SMALL, check=True)
+    engine_set = Artifact.open(last_line(compiled.stdout))
+    stored = Path(compiled.stderr.split("report: ")[1].split()[0])
+    unet = members(engine_set)["unet"]
+    (folder / "debug.json").write_text(json.dumps({"unet": debug(unet).to_json()}))
+    bench = run_bench(tiny, BenchConfig(backends=("onnxruntime",), steps=2, repeats=1), store)
+    (folder / "bench.json").write_text(json.dumps(bench))
+    request = GenerateRequest("a lighthouse", steps=3, height=128, width=128)
+    profile_generation(tiny, engine_set, folder / "profile", request)
+    out = folder / "report.html"
+    args = ["--debug", str(folder / "debug.json"), "--bench", str(folder / "bench.json")]
+    made = run_cli("report", str(engine_set.path), "--out", str(out), *args, "--profile", str(folder / "profile"))
+    assert made.returncode == 0, made.stderr
+    assert last_line(made.stdout) == str(out), "the page's path is the command's result"
+    return {"out": out, "stored": stored, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def overflowing(tiny, tiny_simplified, store, healthy, tmp_path_factory):
+    """The tiny fp16 UNet with its middle conv's weights at 60000, past fp16's range (as test_debug plants it), built
+    for one size, validated with images (a failure) and debugged; its report is given the healthy set's passing
+    validation first."""
+    folder = tmp_path_factory.mktemp("overflow")
+    planted = plant_fp16_overflow(tiny_simplified, folder / "unet.onnx")
+    graph = Artifact.open(folder / "unet.onnx")
+    engine = build_ort.run(OrtBuildConfig(SMALL_PROFILE), graph, store)
+    failing = validate(tiny, engine, ValidationConfig(steps=2))
+    (folder / "debug.json").write_text(json.dumps(debug(graph).to_json()))  # the graph's node names, unfused
+    passing = healthy["stored"].parent / REPORT
+    config = ReportConfig(folder / "report.html", validations=(passing,), debug=folder / "debug.json")
+    return {"out": write_report(engine, None, config, [failing]), "planted": planted, "report": failing}
+
+
+def test_compile_writes_the_report_beside_the_stored_json(healthy):
+    stored = healthy["stored"]
+    assert stored.name == REPORT_HTML and (stored.parent / REPORT).is_file()
+    page = stored.read_text()
+    assert 'id="images"' in page and "data:image/png;base64," in page
+    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', ""), "nothing off the file"
+
+
+def test_compile_writes_no_report_when_told_not_to(healthy):
+    quiet = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", *SMALL, "--no-report", check=True)
+    assert "validate: cached report" in quiet.stderr and "report: " not in quiet.stderr
+
+
+def test_a_results_file_that_cannot_be_read_is_named_with_its_option(tiny_engine, tmp_path):
+    (tmp_path / "bench.json").write_text("{ not json")
+    missing = ReportConfig(tmp_path / "r.html", debug=tmp_path / "none.json")
+    with pytest.raises(RequestError, match=r"--debug .*none.json does not exist; pass the file the command wrote"):
+        write_report(tiny_engine, None, missing)
+    with pytest.raises(RequestError, match=r"--bench .*bench.json cannot be read as JSON"):
+        write_report(tiny_engine, None, ReportConfig(tmp_path / "r.html", bench=tmp_path / "bench.json"))
+    assert not (tmp_path / "r.html").exists(), "nothing is written before every file is read"
+
+
+def test_the_failing_case_comes_first_with_its_layer(overflowing):
+    page = overflowing["out"].read_text()
+    assert overflowing["report"].failures, "the planted overflow fails validation"
+    assert page.index('class="case failed"') < page.index('class="case passed"')
+    assert overflowing["planted"].name in page.split('data-role="first-layer"')[1].split("</p>")[0]
+
+
+# ---- in the browser -------------------------------------------------------------------------------------------------
+
+
+def chromium() -> str | None:
+    return os.environ.get("SDTRT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for the module."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "Playwright is not installed (pip install -e '.[dev]')"
+    else:
+        missing = None if chromium() else "no Chromium here (apt-get install chromium, or set SDTRT_CHROMIUM)"
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the report's browser tests must run in CI: {missing}")
+        pytest.skip(missing)
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=chromium())
+        yield launched
+        launched.close()
+
+
+def open_page(browser, html: Path, scheme: str = "light"):
+    """The page, with everything it logged as an error and every request it made off its own file."""
+    page = browser.new_page(color_scheme=scheme, viewport={"width": 1200, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.on("request", lambda r: None if r.url.startswith(("data:", html.as_uri())) else problems.append(r.url))
+    page.goto(html.as_uri())
+    return page, problems
+
+
+def test_every_section_renders_in_a_browser_with_the_json_numbers(browser, healthy):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    for scheme in ("light", "dark"):
+        page, problems = open_page(browser, healthy["out"], scheme)
+        assert page.evaluate("[...document.querySelectorAll('main > section')].map(s => s.id)") == list(SECTIONS)
+        sizes = page.evaluate("[...document.images].map(i => [i.complete, i.naturalWidth])")
+        assert sizes and all(done and width > 0 for done, width in sizes), sizes
+        page.screenshot(path=str(SHOTS / f"healthy-{scheme}.png"), full_page=True)
+        for section in SECTIONS:
+            page.locator(f"#{section}").screenshot(path=str(SHOTS / f"section-{section}-{scheme}.png"))
+        assert problems == []
+    stored = json.loads((healthy["stored"].parent / REPORT).read_text())
+    shown = shown_numbers(page, "#images")
+    assert shown["psnr_db"] == [(stored["image"]["psnr_db"], f"{stored['image']['psnr_db']:.2f} dB")]
+    assert shown["ssim"] == [(stored["image"]["ssim"], f"{stored['image']['ssim']:.4f}")]
+    parity = shown_numbers(page, "#parity")
+    assert sorted(v for v, _ in parity["cosine"]) == sorted(row["cosine"] for row in stored["tensors"])
+    assert all(text == f"{value:.6f}" for value, text in parity["cosine"])
+    bench = json.loads((healthy["folder"] / "bench.json").read_text())["backends"][0]
+    assert shown_numbers(page, "#time")["total_s"] == [
+        (bench["total_s"]["median"], f"{bench['total_s']['median']:.4g}")
+    ]
+    slider = page.locator("input[data-flip]").first
+    slider.focus()
+    page.keyboard.press("End")  # the flip is a range input: the keyboard moves it
+    assert page.locator(".flip").first.evaluate("e => e.style.getPropertyValue('--split')") == "100%"
+
+
+def test_a_failing_validation_shows_its_case_difference_and_layer_in_a_browser(browser, overflowing):
+    page, problems = open_page(browser, overflowing["out"])
+    first_case = page.locator("article.case").first
+    assert "case failed" in first_case.get_attribute("class")
+    difference = first_case.locator("img[data-role=difference]")
+    assert difference.evaluate("i => i.naturalWidth") > 0
+    layer = page.locator("[data-role=first-layer]")
+    assert overflowing["planted"].name in layer.inner_text()
+    assert page.locator("#debug text.marker-label").count() == 1
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "failing.png"), full_page=True)
+    assert problems == []
+
+
+def shown_numbers(page, scope: str) -> dict[str, list[tuple[float, str]]]:
+    """Every number shown in ``scope``: key → (the value it was formatted from, the text shown)."""
+    found: dict[str, list[tuple[float, str]]] = {}
+    for key, value, text in page.evaluate(
+        f"[...document.querySelectorAll('{scope} .num')].map(n => [n.dataset.key, n.dataset.value, n.textContent])"
+    ):
+        found.setdefault(key, []).append((json.loads(value), text))
+    return found
+
+
+def test_charts_mark_outliers_non_finite_values_and_the_first_layer():
+    from sdtrt.tools.report_svg import Axis, LineChart, Marker, Series, column_chart, line_chart
+
+    columns = column_chart("steps", "ms", [10.0, 11.0, 30.0], [False, False, True], "outlier")
+    assert columns.count('class="column outlier"') == 1 and columns.count('class="column"') == 2
+    assert ">outlier</text>" in columns, "the outlier is labelled, not only coloured"
+    points = [(0.0, 1e-4), (1.0, 0.2), (2.0, float("inf")), (3.0, float("nan"))]
+    chart = LineChart("errors", Axis("layer"), Axis("error", log=True), [Series("e", points)], (0.05, "limit"),
+                      [Marker(1.0, "layer 1: Conv")])  # fmt: skip
+    drawn = line_chart(chart)
+    assert drawn.count("<circle") == 2 and drawn.count('class="nonfinite"') == 2, "NaN/inf: crosses, not points"
+    assert drawn.count('class="marker"') == 1 and "layer 1: Conv" in drawn and 'class="threshold"' in drawn
