@@ -154,8 +154,9 @@ def standins(
     source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype,
     weight_budget: WeightBudget | None = None, opened: dict[str, Runtime] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
-    ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
+    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE,
+    and an IP-Adapter's image encoder where the UNet engine has one. ``opened``: runtimes of these members already
+    open (validate's), so their weights are not loaded twice."""
     # A step cache's split members (and the FreeU build) open when a cache first runs: until then a set compiled with
     # caches loads and holds what one without them does (the transformer twice would be 24 GB more for Flux).
     split: dict[str, Artifact] = {
@@ -208,7 +209,29 @@ def standins(
     for folder, standin in out.items():  # what save_pretrained writes: the PyTorch files and the engines
         standin.model_folder = source.component_dir(folder)
         standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
+    unet = out.get("unet")
+    if isinstance(unet, EngineUNet) and unet.spec.ip_layers:
+        return out | ip_adapter_parts(source, unet, members["unet"], dtype)
     return out
+
+
+def ip_adapter_parts(source: ModelSource, unet: EngineUNet, member: Artifact, dtype: torch.dtype) -> dict[str, Any]:
+    """The image encoder of the IP-Adapter the UNet engine was compiled with, and a feature extractor where the model
+    has none: the pipeline comes up as diffusers' load_ip_adapter leaves it."""
+    from transformers import CLIPVisionModelWithProjection
+
+    from ..stages.ip_adapter import recorded_ip_adapter
+    from ..standins.ip_adapter import feature_extractor_for
+
+    files = recorded_ip_adapter(member)
+    assert files is not None  # the engine's spec has IP-Adapter layers: its export recorded the adapter
+    with quiet_loading():
+        encoder = CLIPVisionModelWithProjection.from_pretrained(files.image_encoder, dtype=dtype).eval()
+    unet.ip_image_encoder = lambda: encoder
+    parts: dict[str, Any] = {"image_encoder": encoder}
+    if not (source.path / "feature_extractor").is_dir():
+        parts["feature_extractor"] = feature_extractor_for(encoder)
+    return parts
 
 
 StandIn = Callable[[ModelSource, str, Runtime, torch.dtype, Callable[[str], EngineLoras]], EngineModule]

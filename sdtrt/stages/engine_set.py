@@ -17,7 +17,8 @@ from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource, resolve_model
-from ..spec import FOLDERS, component_spec, model_components, spec_from_json, split_members
+from ..spec import FOLDERS, UNetSpec, component_spec, model_components, spec_from_json, split_members
+from .ip_adapter import recorded_ip_adapter
 
 STAGE = "set"
 VERSION = 1
@@ -85,6 +86,8 @@ def _describe(members: dict[str, Artifact], model: dict[str, Any]) -> dict[str, 
              if any(c in members for c in parts)]  # fmt: skip
     caches = f" --caches {','.join(split)}" if split else ""
     caches += " --freeu" if FREEU_MEMBER in members else ""
+    if "unet" in members and (ip_adapter := recorded_ip_adapter(members["unet"])):
+        caches += f" --ip-adapter {ip_adapter.weights}"
     return {
         "primary": "manifest.json",
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},
@@ -142,6 +145,11 @@ def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
             problem: str | None = f"{model.name} has no {folder}/"
         else:
             wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)
+            if isinstance(spec, UNetSpec) and isinstance(wanted, UNetSpec):  # an IP-Adapter is the engine's own
+                wanted = replace(
+                    wanted, image_embeds_dim=spec.image_embeds_dim, ip_layers=spec.ip_layers,
+                    ip_adapter_digest=spec.ip_adapter_digest,
+                )  # fmt: skip
             problem = _io_difference(spec.to_json(), wanted.to_json())
         if not problem and "digest" in recorded and recorded["digest"] != model.folder_digest(folder):
             problem = f"its weights differ from the model's {folder}/ (content hash)"

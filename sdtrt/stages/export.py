@@ -30,8 +30,9 @@ from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
+from ..sources.ip_adapters import resolve_ip_adapter
 from ..sources.models import ModelSource, load_folder
-from ..spec import FOLDERS, GraphSpec, component_spec
+from ..spec import FOLDERS, GraphSpec, UNetSpec, component_spec
 from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
@@ -84,7 +85,14 @@ def precision_note(spec: GraphSpec) -> dict[str, str]:
 
 
 def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
-    return component_spec(model, config.component, config.precision, config.io_naming)
+    """The graph contract: the component's, with the IP-Adapter's inputs for a UNet exported with one."""
+    spec = component_spec(model, config.component, config.precision, config.io_naming)
+    if config.ip_adapter and config.component == "unet":
+        from .ip_adapter import with_ip_adapter
+
+        assert isinstance(spec, UNetSpec)
+        return with_ip_adapter(spec, resolve_ip_adapter(config.ip_adapter), model.unet_config())
+    return spec
 
 
 def network_inputs(model: ModelSource, spec: GraphSpec) -> list[dict[str, Any]]:
@@ -132,6 +140,9 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
+    ip_adapter = isinstance(spec, UNetSpec) and spec.ip_layers
+    if ip_adapter and weights == "stream":
+        raise ExportError("an IP-Adapter goes into a loaded UNet, not a streamed one: export with --weights load")
     with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {model.name}"):
         if weights == "stream":
             network, sources = weight_free_network(model, folder, dtype)
@@ -139,6 +150,10 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             network = load_folder(model, folder, dtype)
         if folder == "unet" and network.config.get("upcast_attention") and config.precision == "fp16":
             keep_attention_upcast(network)
+        if ip_adapter:  # after the upcast: its processors replace those of the layers it adds to
+            from .ip_adapter import load_ip_adapter_weights
+
+            load_ip_adapter_weights(network, resolve_ip_adapter(config.ip_adapter))
         module = graph_module(spec, network)
     timings["load_s"] = round(time.perf_counter() - started, 3)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
+from ..spec import GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec, UNetSpec
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +74,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .freeu import freeu_call
 
         forward[spec.component] = freeu_call(network, unet)
+    elif isinstance(spec, UNetSpec) and spec.ip_layers:  # the IP-Adapter's per-layer scale an input
+        from .ip_adapter import ip_adapter_call
+
+        forward[spec.component] = ip_adapter_call(network, unet, spec)
 
     class Graph(torch.nn.Module):
         def __init__(self) -> None:
@@ -89,13 +93,17 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
 def unet_extras(spec: GraphSpec, extras: tuple[Any, ...], first: int = 3) -> dict[str, Any]:
     """The network's keyword inputs from the graph's inputs after the ``first`` positional ones.
 
-    SDXL's ``text_embeds``/``time_ids`` become ``added_cond_kwargs``, LCM's ``timestep_cond`` stays,
-    ControlNet residuals become ``down_block_additional_residuals`` + ``mid_block_additional_residual``.
+    SDXL's ``text_embeds``/``time_ids`` and an IP-Adapter's ``image_embeds`` (a list: one adapter) become
+    ``added_cond_kwargs``, LCM's ``timestep_cond`` stays, ControlNet residuals become
+    ``down_block_additional_residuals`` + ``mid_block_additional_residual``.
     """
     given = dict(zip(spec.canonical_inputs[first:], extras, strict=True))
     kwargs: dict[str, Any] = {"timestep_cond": given.get("timestep_cond")}
-    if "text_embeds" in given:
-        kwargs["added_cond_kwargs"] = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]}
+    added = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]} if "text_embeds" in given else {}
+    if "image_embeds" in given:
+        added["image_embeds"] = [given["image_embeds"]]
+    if added:
+        kwargs["added_cond_kwargs"] = added
     if "mid_block_res" in given:
         kwargs["down_block_additional_residuals"] = tuple(
             v for k, v in given.items() if k.startswith("down_block_res_")

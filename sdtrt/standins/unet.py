@@ -4,7 +4,8 @@ It keeps the UNet's call signature, ``config``, ``dtype`` and ``device`` and its
 pipelines and schedulers cannot tell the difference, and it refuses inputs the engine was not built
 for instead of silently dropping them. With DeepCache on (``sdtrt.DeepCache``), its steps run on the set's DeepCache
 members instead (standins/deepcache.py); with FreeU on (``enable_freeu``), on the set's FreeU build (``unet_freeu``,
-spec/unet_freeu.py), fed the factors.
+spec/unet_freeu.py), fed the factors. A UNet engine compiled with an IP-Adapter is fed the image embeds the pipeline
+passes and the per-layer scales ``set_ip_adapter_scale`` set (standins/ip_adapter.py); zeros without an IP image.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from ..core.errors import ArtifactError, EngineInputError
 from ..lora.refit import LoraNetwork
 from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
+from ..spec.unet import IMAGE_EMBEDS, IP_SCALE
 from .base import EngineModule
 from .deepcache import DeepCacheRun, SplitUNet, Timestep, deepcache_problem
+from .ip_adapter import NO_IP_ADAPTER, image_projection, no_image_encoder
 
 if TYPE_CHECKING:
     from ..lora.refit import EngineLoras
@@ -79,6 +82,11 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self._open_freeu: Callable[[], Runtime] | None = None
         self.freeu: torch.Tensor | None = None  # FreeU's factors [s1, s2, b1, b2] while it is on
         self._member_loras: Callable[[str, Runtime], EngineLoras] | None = None  # use_members'
+        # The IP-Adapter compiled in: its scales per layer (1, as load_ip_adapter sets them), and what the pipeline's
+        # prepare_ip_adapter_image_embeds reads of the projection (None: unloaded, as diffusers' unload leaves it).
+        self.ip_scale = torch.ones(len(self.spec.ip_layers)) if self.spec.ip_layers else None
+        self.encoder_hid_proj = image_projection(self.spec) if self.spec.ip_layers else None
+        self.ip_image_encoder: Callable[[], Any] = no_image_encoder  # the adapter's, which load_ip_adapter puts back
 
     def use_members(
         self, open_parts: Callable[[], dict[str, Runtime]] | None, open_freeu: Callable[[], Runtime] | None,
@@ -147,11 +155,7 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self.take_member_loras([self._member_loras(component, runtime) for component, runtime in members.items()])
 
     def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
-        raise EngineInputError(
-            "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine was built "
-            "without them: IP-Adapter needs an engine built with its image-projection inputs, which sdtrt does "
-            "not export yet; run this pipeline on PyTorch (load_pipeline without an engine) to use it"
-        )
+        raise EngineInputError(f"UNet._load_ip_adapter_weights: {NO_IP_ADAPTER}")
 
     def forward(
         self,
@@ -193,6 +197,8 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         if self.spec.residuals:
             down = given.pop("down_block_additional_residuals", None)
             values |= self._residuals(sample, down, given.pop("mid_block_additional_residual", None))
+        if self.spec.ip_layers:
+            values |= self._ip_adapter_inputs(sample, values.pop(IMAGE_EMBEDS, None))
         wanted = self.spec.canonical_inputs[3:]
         if given:
             problem = f"cannot take {sorted(given)}"
@@ -202,11 +208,25 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             problem = f"has no input for {extra}"
         else:
             return [values[name] for name in wanted]
-        hint = " (ControlNet residuals need a UNet compiled from a model with a controlnet/ folder)"
+        hint = (" (ControlNet residuals need a UNet compiled from a model with a controlnet/ folder)" if "residual"
+                in problem else f" ({NO_IP_ADAPTER})" if IMAGE_EMBEDS in problem else "")  # fmt: skip
         raise EngineInputError(
             f"this UNet engine takes {', '.join(wanted) or 'no inputs'} beyond sample, timestep and "
-            f"encoder_hidden_states; it {problem}{hint if 'residual' in problem else ''}"
+            f"encoder_hidden_states; it {problem}{hint}"
         )
+
+    def _ip_adapter_inputs(self, sample: torch.Tensor, embeds: Any) -> dict[str, torch.Tensor]:
+        """The IP-Adapter's inputs: the image embeds prepare_ip_adapter_image_embeds made ([one adapter's]) and the
+        layers' scales; zeros and scale 0 without an IP image (what the plain UNet computes)."""
+        assert self.ip_scale is not None  # a UNet with IP-Adapter layers
+        if embeds is None:
+            shape = (sample.shape[0], 1, self.spec.image_embeds_dim)
+            return {IMAGE_EMBEDS: sample.new_zeros(shape), IP_SCALE: torch.zeros_like(self.ip_scale)}
+        if not isinstance(embeds, list | tuple) or len(embeds) != 1 or embeds[0].shape[1] != 1:
+            raise EngineInputError(
+                "this UNet engine takes one IP-Adapter's embeds of one image per prompt (ip_adapter_image=one image)"
+            )
+        return {IMAGE_EMBEDS: embeds[0], IP_SCALE: self.ip_scale}
 
     def _residuals(self, sample: torch.Tensor, down: Any, mid: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """ControlNet residuals by input name; zeros when no ControlNet runs (adding zero changes nothing)."""

@@ -41,6 +41,7 @@ from ..core.gpu import (
 from ..core.store import Store
 from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missing, rtx_turing_problem
 from ..graph.onnx_graph import artifact_spec
+from ..sources.ip_adapters import resolve_ip_adapter
 from ..sources.models import ModelSource
 from ..spec import FOLDERS, denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
 from ..stages import build_ort, engine_set, export, quantize, simplify
@@ -165,7 +166,9 @@ def compile_model(
     wraps = chosen == "tensorrt" and unwrapped is None
     caches = (caches,) if isinstance(caches, str) else caches  # caches="first-block" means one, not its letters
     components = components or model_components(model)
-    if (caches or freeu) and denoiser_component(model) not in components:  # the members run beside the whole engine
+    check_ip_adapter(model, export_config, caches, freeu, quantize_config)
+    # The members beside run with the whole engine; an IP-Adapter goes into it.
+    if (caches or freeu or export_config.ip_adapter) and denoiser_component(model) not in components:
         components = (*components, denoiser_component(model))
     # The members beside the denoiser: a step cache's split, the FreeU build.
     beside = (*cache_members(model, caches), *freeu_member(model, freeu))
@@ -246,6 +249,26 @@ def freeu_member(model: ModelSource, freeu: bool) -> tuple[Component, ...]:
         raise ConfigError(f"FreeU rescales a UNet's up blocks, and {model.name}'s denoiser is a {denoiser}: compile "
                           "without --freeu")  # fmt: skip
     return (FREEU_MEMBER,)
+
+
+def check_ip_adapter(
+    model: ModelSource, export_config: ExportConfig, caches: tuple[str, ...], freeu: bool,
+    quantize_config: QuantizeConfig | None,
+) -> None:  # fmt: skip
+    """ConfigError where the IP-Adapter (export_config.ip_adapter) cannot go into this model's engines, before
+    anything is exported; its files are read here too."""
+    if not export_config.ip_adapter:
+        return
+    if (denoiser := denoiser_component(model)) != "unet":
+        raise ConfigError(f"IP-Adapter on a {denoiser}'s engines ({model.name}) is not built yet: compile without "
+                          "--ip-adapter, and run IP-Adapter on PyTorch (load_pipeline without an engine)")  # fmt: skip
+    if model.has("controlnet"):
+        raise ConfigError("IP-Adapter with a ControlNet is not built yet: compile without --ip-adapter")
+    if caches or freeu or quantize_config is not None:
+        what = "step caches' members" if caches else "the FreeU build" if freeu else "a quantized UNet"
+        raise ConfigError(f"IP-Adapter goes into the whole UNet only, and {what} would run without it: compile "
+                          "without --ip-adapter, or without the other")  # fmt: skip
+    resolve_ip_adapter(export_config.ip_adapter).state_dict()  # a file that cannot be read fails now
 
 
 def validate_graphs(

@@ -253,6 +253,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from ..sources.models import load_folder
     from ..spec import FOLDERS
     from ..stages.engine_set import check_pairing, engine_profile
+    from ..stages.ip_adapter import load_ip_adapter_weights, recorded_ip_adapter
     from ..stages.quantize import precision_label
 
     members = engine_members(engine)
@@ -281,6 +282,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     for component, runtime in runtimes.items():
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
+        if ip_adapter := recorded_ip_adapter(members[component]) if component == "unet" else None:
+            load_ip_adapter_weights(network, ip_adapter)  # unloaded below: the images compare without an IP image
         cases = spec.validation_cases(profile)
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
@@ -296,6 +299,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                 row["failures"] = check_tensor_row(row, member_tol, spec.label)
                 report.tensors.append(row)
                 report.failures += row["failures"]
+        if ip_adapter:
+            reference.unload_ip_adapter()
 
     if config.images:
         swapped = standins(model, members, reference.vae, reference.dtype, config.weight_budget, opened=runtimes)

@@ -33,6 +33,10 @@ class ExportConfig:
     # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams big folders
     # (stages/export.py).
     weights: Weights = not_in_key("auto")
+    # An IP-Adapter weight file (h94/IP-Adapter's layout, its image_encoder/ beside it): the UNet's graph gets its
+    # image-projection attention, the image embeds and a per-layer scale as inputs. The path is no part of the key; the
+    # file's digest is, through the UNet's graph spec (spec/unet.py).
+    ip_adapter: str = not_in_key("")
 
     @property
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:

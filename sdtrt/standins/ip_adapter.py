@@ -1,0 +1,125 @@
+"""diffusers' IP-Adapter API (``load_ip_adapter``, ``set_ip_adapter_scale``, ``unload_ip_adapter``) on an engine
+pipeline whose UNet engine was compiled with the adapter (``sdtrt compile --ip-adapter PATH``).
+
+The adapter's weights are in the engine, so the pipeline comes up with it loaded (scale 1, the image encoder and
+feature extractor in place, as after diffusers' load_ip_adapter). ``load_ip_adapter`` of the same adapter loads it
+again (another file is refused: the engine holds one), ``set_ip_adapter_scale`` takes a float or InstantStyle's
+per-block dict and sets the engine's per-layer scales exactly as diffusers sets its processors', and
+``unload_ip_adapter`` leaves what diffusers' leaves: no image encoder, no projection, the plain UNet's images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ..core.errors import EngineInputError
+from ..core.integrity import file_sha256
+from ..sources.ip_adapters import TOKENS
+from ..spec import UNetSpec
+
+NO_IP_ADAPTER = (
+    "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine set was compiled "
+    "without them: recompile it with `sdtrt compile --ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH))"
+)
+
+
+def image_projection(spec: UNetSpec) -> SimpleNamespace:
+    """What diffusers' pipelines read of ``unet.encoder_hid_proj`` to prepare IP images: one adapter's plain
+    ImageProjection (its class decides the image encoder's output), weightless: the engine holds the weights."""
+    from diffusers.models.embeddings import ImageProjection
+
+    with torch.device("meta"):
+        projection = ImageProjection(spec.image_embeds_dim, spec.cross_attention_dim, num_image_text_embeds=TOKENS)
+    return SimpleNamespace(image_projection_layers=[projection])
+
+
+def no_image_encoder() -> Any:
+    """An EngineUNet's IP-Adapter image encoder until load_pipeline gives it the one its engine was compiled with."""
+    raise EngineInputError(
+        "load_ip_adapter: this UNet engine's IP-Adapter image encoder was not loaded with it: make the pipeline with "
+        "sdtrt.load_pipeline(model, engine)"
+    )
+
+
+def takes_ip_adapter(pipe: Any) -> bool:
+    """Whether the pipeline's UNet is an engine compiled with an IP-Adapter (its spec has the adapter's layers)."""
+    spec = getattr(getattr(pipe, "unet", None), "spec", None)
+    return isinstance(spec, UNetSpec) and bool(spec.ip_layers)
+
+
+def install(pipe: Any) -> None:
+    """Bind the three methods to ``pipe``, whose UNet engine has an IP-Adapter."""
+    unet = pipe.unet  # an EngineUNet (takes_ip_adapter)
+    layers = len(unet.spec.ip_layers)
+
+    def load_ip_adapter(
+        pretrained_model_name_or_path_or_dict: Any, subfolder: str | list[str] = "",
+        weight_name: str | list[str] = "", image_encoder_folder: str | None = "image_encoder", **_: Any,
+    ) -> None:  # fmt: skip
+        if (isinstance(weight_name, list) and len(weight_name) != 1) or isinstance(subfolder, list):
+            raise EngineInputError("load_ip_adapter: this engine holds one IP-Adapter; load that one")
+        name = weight_name[0] if isinstance(weight_name, list) else weight_name
+        if isinstance(pretrained_model_name_or_path_or_dict, str | Path):
+            file = Path(pretrained_model_name_or_path_or_dict, subfolder or "", name)
+            if file.is_file() and file_sha256(file) != unet.spec.ip_adapter_digest:
+                raise EngineInputError(
+                    f"load_ip_adapter: {file} is not the IP-Adapter this engine was compiled with; an engine holds "
+                    "its adapter: recompile with `sdtrt compile --ip-adapter` that file"
+                )
+        unet.encoder_hid_proj = image_projection(unet.spec)
+        unet.ip_scale = torch.ones(layers)
+        if getattr(pipe, "image_encoder", None) is None and image_encoder_folder is not None:
+            pipe.register_modules(image_encoder=unet.ip_image_encoder())
+        if getattr(pipe, "feature_extractor", None) is None:
+            pipe.register_modules(feature_extractor=feature_extractor_for(unet.ip_image_encoder()))
+
+    def set_ip_adapter_scale(scale: Any) -> None:
+        scales = scale if isinstance(scale, list) else [scale]
+        if len(scales) != 1:
+            raise EngineInputError(f"set_ip_adapter_scale: {len(scales)} scale configs for the engine's one IP-Adapter")
+        unet.ip_scale = layer_scales(unet, scales[0])
+
+    def unload_ip_adapter() -> None:
+        if getattr(pipe, "image_encoder", None) is not None:
+            pipe.image_encoder = None
+            pipe.register_to_config(image_encoder=[None, None])
+        if not hasattr(pipe, "safety_checker") and getattr(pipe, "feature_extractor", None) is not None:
+            pipe.feature_extractor = None  # kept where the safety checker reads it, as diffusers keeps it
+            pipe.register_to_config(feature_extractor=[None, None])
+        unet.encoder_hid_proj = None
+        unet.ip_scale = torch.zeros(layers)
+
+    for method in (load_ip_adapter, set_ip_adapter_scale, unload_ip_adapter):
+        setattr(pipe, method.__name__, method)
+
+
+def feature_extractor_for(image_encoder: Any) -> Any:
+    """The CLIPImageProcessor diffusers' load_ip_adapter makes for a pipeline without one."""
+    from transformers import CLIPImageProcessor
+
+    size = image_encoder.config.image_size
+    return CLIPImageProcessor(size=size, crop_size=size)
+
+
+def layer_scales(unet: Any, scale: Any) -> torch.Tensor:
+    """The engine's per-layer scales for one adapter's scale config (a float, or InstantStyle's dict by block), as
+    diffusers' set_ip_adapter_scale sets its processors': the dict expanded over the blocks by diffusers itself, each
+    layer taking the value of every key it starts with, in order (a layer no key names keeps its scale)."""
+    from diffusers.loaders.unet_loader_utils import _maybe_expand_lora_scales
+
+    from ..sources.ip_adapters import empty_unet
+
+    assert unet.ip_scale is not None
+    if not isinstance(scale, dict):
+        return torch.full_like(unet.ip_scale, float(scale))
+    (expanded,) = _maybe_expand_lora_scales(empty_unet(dict(unet.config)), [scale], default_scale=0.0)
+    out = unet.ip_scale.clone()
+    for i, layer in enumerate(unet.spec.ip_layers):
+        for prefix, value in expanded.items():
+            if layer.startswith(prefix):
+                out[i] = float(value)
+    return out
