@@ -12,10 +12,12 @@ from PIL import Image
 
 from sdtrt import ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
 from sdtrt.core.config.shapes import Range
+from sdtrt.core.trt_products import rtx_missing
 from sdtrt.pipeline.loading import engine_members, load_pipeline
 from sdtrt.sources.ip_adapters import RANDOM_WEIGHTS, random_ip_adapter
 from sdtrt.sources.models import resolve_model
 from sdtrt.stages import export
+from sdtrt.standins.image_encoder import EngineImageEncoder
 from sdtrt.tools.compile import compile_model
 from sdtrt.tools.image_quality import psnr_db
 
@@ -70,7 +72,11 @@ def test_the_unet_graph_takes_the_image_embeds_and_scales_and_its_key_the_adapte
     model = resolve_model("tiny")
     result = ip_set("tiny")
     assert result.validation, result.validation.failures
+    assert {row["case"].split()[0] for row in result.validation.tensors} == {"unet", "image_encoder"}
     assert max(row["max_abs"] for row in result.validation.tensors) < 1e-4
+    assert result.final.manifest["reproduce"].endswith(
+        f"--components unet --ip-adapter {adapters['tiny']}/{RANDOM_WEIGHTS}"
+    )
     io = {t["name"]: t["shape"] for t in engine_members(result.final)["unet"].manifest["io"]["inputs"]}
     assert io["image_embeds"] == ["batch", 1, 32] and io["ip_adapter_scale"] == [4]  # 4 cross-attention layers
     plain = export.request_for(ExportConfig(precision="fp32"), model)
@@ -88,6 +94,7 @@ def test_engine_ip_adapter_draws_diffusers_images_at_each_scale_and_unloaded_the
     reference = load_pipeline(preset)
     reference.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS)
     pipe = load_pipeline(preset, ip_set(preset))
+    assert isinstance(pipe.image_encoder, EngineImageEncoder)  # the pipeline's encode_image runs over the engine
     pipe.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS)  # the same: accepted
     images = {}
     for label, scale in (("1.0", 1.0), ("0.4", 0.4), ("style", STYLE[preset])):
@@ -119,3 +126,18 @@ def test_ip_adapter_is_refused_where_the_engines_lack_it_or_cannot_take_it(ip_se
         compile_model(resolve_model("tiny"), store, "onnxruntime", ExportConfig(ip_adapter=weights), freeu=True)
     done = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--ip-adapter", str(tmp_path / "none"))
     assert done.returncode == 2 and "no such .safetensors or .bin file" in last_line(done.stderr)
+
+
+@pytest.mark.skipif(bool(rtx_missing()), reason=f"builds TensorRT-RTX plans: {rtx_missing()}")
+def test_the_ip_adapter_unet_and_image_encoder_build_as_tensorrt_rtx_plans(adapters, store):
+    """The fp16 graphs, the UNet's scale an fp32 input, as real TensorRT-RTX plans."""
+    from sdtrt.core.config import SimplifyConfig
+    from sdtrt.stages import simplify
+    from sdtrt.tools.compile import build
+
+    model, weights = resolve_model("tiny"), str(adapters["tiny"] / RANDOM_WEIGHTS)
+    for component in ("unet", "image_encoder"):
+        graph = export.run(ExportConfig(component=component, ip_adapter=weights), model, store)
+        plan, _ = build(simplify.run(SimplifyConfig(), graph, store), store, "tensorrt-rtx", PROFILE)
+        assert plan.manifest["details"]["layer_types"].get("HALF"), plan.manifest["details"]["layers"]
+        assert (plan.path / plan.manifest["primary"]).stat().st_size > 0

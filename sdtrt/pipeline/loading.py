@@ -13,7 +13,7 @@ import torch
 from rich.markup import escape
 
 from ..core.artifact import Artifact
-from ..core.config import FREEU_MEMBER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
+from ..core.config import FREEU_MEMBER, IMAGE_ENCODER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
@@ -211,22 +211,30 @@ def standins(
         standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
     unet = out.get("unet")
     if isinstance(unet, EngineUNet) and unet.spec.ip_layers:
-        return out | ip_adapter_parts(source, unet, members["unet"], dtype)
+        return out | ip_adapter_parts(source, unet, members, runtimes.get(IMAGE_ENCODER), dtype)
     return out
 
 
-def ip_adapter_parts(source: ModelSource, unet: EngineUNet, member: Artifact, dtype: torch.dtype) -> dict[str, Any]:
-    """The image encoder of the IP-Adapter the UNet engine was compiled with, and a feature extractor where the model
-    has none: the pipeline comes up as diffusers' load_ip_adapter leaves it."""
-    from transformers import CLIPVisionModelWithProjection
+def ip_adapter_parts(
+    source: ModelSource, unet: EngineUNet, members: dict[str, Artifact], runtime: Runtime | None, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The image encoder of the IP-Adapter the UNet engine was compiled with (its engine, or on PyTorch where the set
+    has none), and a feature extractor where the model has none: the pipeline comes up as diffusers' load_ip_adapter
+    leaves it."""
+    from transformers import CLIPVisionConfig
 
     from ..stages.ip_adapter import recorded_ip_adapter
+    from ..standins.image_encoder import EngineImageEncoder
     from ..standins.ip_adapter import feature_extractor_for
 
-    files = recorded_ip_adapter(member)
+    files = recorded_ip_adapter(members["unet"])
     assert files is not None  # the engine's spec has IP-Adapter layers: its export recorded the adapter
-    with quiet_loading():
-        encoder = CLIPVisionModelWithProjection.from_pretrained(files.image_encoder, dtype=dtype).eval()
+    if runtime is None:
+        console.print("[dim]on PyTorch (not in the engine set): the IP-Adapter's image encoder[/]")
+        encoder: Any = files.load_image_encoder(dtype)
+    else:
+        encoder = EngineImageEncoder(runtime, CLIPVisionConfig.from_pretrained(files.image_encoder), dtype)
+        encoder.model_folder, encoder.engine_paths = files.image_encoder, {IMAGE_ENCODER: members[IMAGE_ENCODER].path}
     unet.ip_image_encoder = lambda: encoder
     parts: dict[str, Any] = {"image_encoder": encoder}
     if not (source.path / "feature_extractor").is_dir():

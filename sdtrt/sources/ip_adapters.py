@@ -10,6 +10,7 @@ CLIPVisionModelWithProjection.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,24 @@ class IPAdapterFiles:
 
     def digest(self) -> str:
         return file_sha256(self.weights)
+
+    def image_encoder_config(self) -> dict[str, Any]:
+        return dict(json.loads((self.image_encoder / "config.json").read_text()))
+
+    def image_encoder_digest(self) -> str:
+        from .models import network_digest
+
+        return network_digest(self.image_encoder)
+
+    def load_image_encoder(self, dtype: torch.dtype | None = None) -> Any:
+        """The CLIPVisionModelWithProjection, in eval mode, as load_ip_adapter loads it."""
+        from transformers import CLIPVisionModelWithProjection
+
+        from ..core.progress import quiet_loading
+
+        with quiet_loading():
+            encoder = CLIPVisionModelWithProjection.from_pretrained(self.image_encoder, dtype=dtype)
+        return encoder.eval()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """{"image_proj": …, "ip_adapter": …}, as load_ip_adapter splits the file; UnsupportedModelError for the

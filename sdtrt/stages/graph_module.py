@@ -43,6 +43,9 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         # The penultimate layer is what `clip_skip=1` (and SDXL) read, before the final layer norm.
         return out.last_hidden_state, getattr(out, spec.canonical_outputs[1]), out.hidden_states[-2]
 
+    def image_encoder(pixel_values: torch.Tensor) -> torch.Tensor:
+        return network(pixel_values).image_embeds  # what encode_image reads for the plain IP-Adapter
+
     def vae_decoder(latent_sample: torch.Tensor) -> torch.Tensor:
         return network.decode(latent_sample, return_dict=False)[0]
 
@@ -60,6 +63,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         "text_encoder_3": text_encoder,
         "vae_decoder": vae_decoder,
         "vae_encoder": vae_encoder,
+        "image_encoder": image_encoder,
     }
 
     if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches

@@ -15,9 +15,11 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..core.artifact import Artifact
+from ..core.config import IMAGE_ENCODER
 from ..core.errors import ArtifactError, ConfigError, ModelNotFoundError
 from ..sources.ip_adapters import IPAdapterFiles, ip_layers, resolve_ip_adapter
-from ..spec import UNetSpec
+from ..sources.models import ModelSource, load_folder
+from ..spec import FOLDERS, UNetSpec
 from ..spec.unet import IP_SCALE
 
 if TYPE_CHECKING:
@@ -53,6 +55,19 @@ def recorded_ip_adapter(member: Artifact) -> IPAdapterFiles | None:
             f"the UNet engine {member.path} was compiled with the IP-Adapter {path}, whose files are gone ({exc}); "
             "put them back or recompile with --ip-adapter"
         ) from None
+
+
+def reference_network(pipe: Any, model: ModelSource, component: str, member: Artifact) -> tuple[Any, bool]:
+    """The PyTorch network a member is checked against: the pipeline's, or the model's (second value: True where an
+    IP-Adapter was loaded into it, for the caller to unload), or an IP-Adapter's image encoder."""
+    files = recorded_ip_adapter(member)
+    if component == IMAGE_ENCODER:
+        assert files is not None  # an image encoder member is exported from its adapter
+        return files.load_image_encoder(), False
+    network = getattr(pipe, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
+    if files is not None:
+        load_ip_adapter_weights(network, files)
+    return network, files is not None
 
 
 class GraphScale:

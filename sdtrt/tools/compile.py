@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from ..core.artifact import Artifact
 from ..core.config import (
     FREEU_MEMBER,
+    IMAGE_ENCODER,
     STEP_CACHES,
     Component,
     ConcreteTarget,
@@ -170,8 +171,9 @@ def compile_model(
     # The members beside run with the whole engine; an IP-Adapter goes into it.
     if (caches or freeu or export_config.ip_adapter) and denoiser_component(model) not in components:
         components = (*components, denoiser_component(model))
-    # The members beside the denoiser: a step cache's split, the FreeU build.
-    beside = (*cache_members(model, caches), *freeu_member(model, freeu))
+    # The members beside the denoiser: a step cache's split, the FreeU build, an IP-Adapter's image encoder.
+    adapter = (IMAGE_ENCODER,) if export_config.ip_adapter else ()
+    beside = (*cache_members(model, caches), *freeu_member(model, freeu), *adapter)
     components = (*components, *beside)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
@@ -183,9 +185,9 @@ def compile_model(
     finals: dict[str, Artifact] = {}
     graphs: dict[str, Artifact] = {}
     for component in components:
-        config = replace(
-            export_config, component=component, precision=component_precision(model, component, export_config.precision)
-        )
+        precision = component_precision(model, component, export_config.precision)
+        adapter_path = export_config.ip_adapter if component in ("unet", IMAGE_ENCODER) else ""  # where it goes
+        config = replace(export_config, component=component, precision=precision, ip_adapter=adapter_path)
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         exported = quantized[component] if component in quantized else export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)

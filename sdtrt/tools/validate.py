@@ -250,10 +250,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from ..pipeline.loading import engine_members, generate, load_pipeline, standins, with_components
     from ..pipeline.request import GenerateRequest, SizeRule, check_validation
     from ..runtime import check_weight_budget, open_members
-    from ..sources.models import load_folder
-    from ..spec import FOLDERS
     from ..stages.engine_set import check_pairing, engine_profile
-    from ..stages.ip_adapter import load_ip_adapter_weights, recorded_ip_adapter
+    from ..stages.ip_adapter import reference_network
     from ..stages.quantize import precision_label
 
     members = engine_members(engine)
@@ -281,9 +279,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     report = ValidationReport(str(engine.path), model.name, label, tol, members=list(runtimes))
     for component, runtime in runtimes.items():
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
-        network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
-        if ip_adapter := recorded_ip_adapter(members[component]) if component == "unet" else None:
-            load_ip_adapter_weights(network, ip_adapter)  # unloaded below: the images compare without an IP image
+        # A UNet's IP-Adapter is loaded into the reference's, then unloaded below: the images compare without one.
+        network, ip_adapter = reference_network(reference, model, component, members[component])
         cases = spec.validation_cases(profile)
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
