@@ -141,3 +141,13 @@ def test_the_ip_adapter_unet_and_image_encoder_build_as_tensorrt_rtx_plans(adapt
         plan, _ = build(simplify.run(SimplifyConfig(), graph, store), store, "tensorrt-rtx", PROFILE)
         assert plan.manifest["details"]["layer_types"].get("HALF"), plan.manifest["details"]["layers"]
         assert (plan.path / plan.manifest["primary"]).stat().st_size > 0
+
+
+def test_generate_takes_an_ip_adapter_image_and_refuses_it_without_the_adapter(ip_set, tmp_path):
+    picture, image, size = tmp_path / "ip.png", tmp_path / "out.png", ("--height", "128", "--width", "128")
+    ip_image().save(picture)
+    done = run_cli("generate", "--engine", str(ip_set("tiny").final.path), "--ip-adapter-image", str(picture),
+                   "--ip-adapter-scale", "0.6", "--steps", "2", *size, "--out", str(image))  # fmt: skip
+    assert done.returncode == 0 and image.is_file(), done.stderr
+    refused = run_cli("generate", "--model", "tiny", "--ip-adapter-image", str(picture), *size)
+    assert refused.returncode == 2 and "compile one with `sdtrt compile --ip-adapter PATH`" in last_line(refused.stderr)
