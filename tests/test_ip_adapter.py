@@ -119,6 +119,9 @@ def test_ip_adapter_is_refused_where_the_engines_lack_it_or_cannot_take_it(ip_se
     other = random_ip_adapter(resolve_model("tiny"), tmp_path, seed=1).weights
     with pytest.raises(EngineInputError, match="not the IP-Adapter this engine was compiled with"):
         pipe.load_ip_adapter(str(tmp_path), subfolder="", weight_name=other.name)
+    with pytest.raises(EngineInputError, match="ip_adapter_masks: masked IP-Adapter images are not built"):
+        masks = {"ip_adapter_masks": [torch.ones(1, 1, 8, 8)]}
+        generate(pipe, ip_adapter_image=ip_image(), cross_attention_kwargs=masks)
     weights = str(adapters["tiny"] / RANDOM_WEIGHTS)
     with pytest.raises(ConfigError, match=r"IP-Adapter on a transformer's engines \(tiny-flux\) is not built yet"):
         compile_model(resolve_model("tiny-flux"), store, "onnxruntime", ExportConfig(ip_adapter=weights))

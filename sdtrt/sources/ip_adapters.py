@@ -99,7 +99,8 @@ def resolve_ip_adapter(path: str | Path) -> IPAdapterFiles:
     if not where.is_file() or where.suffix not in WEIGHT_SUFFIXES:
         raise ModelNotFoundError(
             f"--ip-adapter {path}: no such .safetensors or .bin file; pass a local IP-Adapter weight file (download "
-            "a hub one first: hf download h94/IP-Adapter models/ip-adapter_sd15.safetensors models/image_encoder)"
+            "a hub one first: hf download h94/IP-Adapter --include 'models/ip-adapter_sd15.safetensors' "
+            "'models/image_encoder/*')"
         )
     encoder = where.parent / IMAGE_ENCODER
     if not (encoder / "config.json").is_file():

@@ -173,6 +173,8 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         if unknown:
             raise TypeError(f"EngineUNet.forward() got unexpected keyword arguments {unknown}")
         self.check_call_scale((cross_attention_kwargs or {}).get("scale"), "cross_attention_kwargs['scale']")
+        if (cross_attention_kwargs or {}).get("ip_adapter_masks") is not None:
+            raise EngineInputError("ip_adapter_masks: masked IP-Adapter images are not built into engines yet")
         spec = self.spec
         t = normalise_timestep(timestep, sample.shape[0], sample.device)
         tensors = [sample, t, encoder_hidden_states, *self._extras(sample, kwargs)]
