@@ -74,9 +74,16 @@ class UNetSpec(DenoiserSpec):
             return []
         return [(IMAGE_EMBEDS, ("batch", 1, self.image_embeds_dim)), (IP_SCALE, (len(self.ip_layers),))]
 
+    def fixed_inputs(self) -> dict[str, tuple[float, ...]]:
+        """Inputs that stay fp32 whatever the graph's precision (the IP-Adapter's scales, Python floats in diffusers),
+        by canonical name, with the values validation feeds them: the scales load_ip_adapter sets, so the graph is
+        checked where it is used."""
+        return {IP_SCALE: (1.0,) * len(self.ip_layers)} if self.image_embeds_dim else {}
+
     def inputs(self) -> list[TensorSpec]:
+        fp32 = self.fixed_inputs()
         tensors = self.latent_inputs(NAMED_INPUTS) + [
-            TensorSpec(n, "float32" if n == IP_SCALE else self.dtype, s) for n, s in self.extra_tensors()
+            TensorSpec(n, "float32" if n in fp32 else self.dtype, s) for n, s in self.extra_tensors()
         ]
         by_name = {t.name: t for t in tensors}
         return [replace(by_name[c], name=g) for c, g in zip(self.canonical_inputs, self.input_names, strict=True)]
@@ -90,8 +97,8 @@ class UNetSpec(DenoiserSpec):
         feeds = super().sample_inputs(
             batch, height_px, width_px, seed=seed, timestep=timestep, dtype=dtype, tokens=tokens
         )
-        if self.image_embeds_dim:  # the scales load_ip_adapter sets: the graph is checked where it is used
-            feeds[self.input_names[self.canonical_inputs.index(IP_SCALE)]] = torch.ones(len(self.ip_layers))
+        for name, values in self.fixed_inputs().items():
+            feeds[self.input_names[self.canonical_inputs.index(name)]] = torch.tensor(values, dtype=torch.float32)
         return feeds
 
     def to_json(self) -> dict[str, Any]:
