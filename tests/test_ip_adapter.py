@@ -1,9 +1,12 @@
-"""IP-Adapter on UNet engines: a random adapter made offline in h94/IP-Adapter's layout (diffusers' load_ip_adapter
-reads it), compiled into the UNet (compile's ExportConfig(ip_adapter=…), ``--ip-adapter``), run by diffusers' own
-IP-Adapter API on engine pipelines of SD 1.x and SDXL on ONNX Runtime (fp32) against diffusers' PyTorch pipeline with
-the same adapter loaded; refused in one line where the engines were compiled without it or cannot take it."""
+"""IP-Adapter on denoiser engines: a random adapter made offline in the published layout (h94/IP-Adapter's for a UNet,
+XLabs' for Flux: diffusers' load_ip_adapter reads it), compiled into the denoiser (compile's ExportConfig(ip_adapter=…),
+``--ip-adapter``), run by diffusers' own IP-Adapter API on engine pipelines of SD 1.x, SDXL and Flux on ONNX Runtime
+(fp32) against diffusers' PyTorch pipeline with the same adapter loaded; refused in one line where the engines were
+compiled without it or cannot take it."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ from sdtrt.core.trt_products import rtx_missing
 from sdtrt.pipeline.loading import engine_members, load_pipeline
 from sdtrt.sources.ip_adapters import RANDOM_WEIGHTS, random_ip_adapter
 from sdtrt.sources.models import resolve_model
+from sdtrt.spec import denoiser_component
 from sdtrt.stages import export
 from sdtrt.standins.image_encoder import EngineImageEncoder
 from sdtrt.tools.compile import compile_model
@@ -23,12 +27,12 @@ from sdtrt.tools.image_quality import psnr_db
 
 from .helpers import last_line, run_cli
 
-PRESETS = ("tiny", "tiny-sdxl")
+PRESETS = ("tiny", "tiny-sdxl", "tiny-flux")
 PROFILE = ShapeProfile(Range(1, 1, 1), Range(64, 128, 128), Range(64, 128, 128))
-# InstantStyle's per-block scales (diffusers' docs: style only), on the tiny UNets' blocks with attention: SD 1.x's
-# second up block, SDXL's first; half the scale on the down blocks.
+# Per-layer scales: InstantStyle's per-block dict (diffusers' docs: style only) on the tiny UNets' blocks with
+# attention (SD 1.x's second up block, SDXL's first; half the scale on the down blocks), one per block for Flux's.
 STYLE = {"tiny": {"down": 0.5, "up": {"block_1": [0.0, 1.0]}},
-         "tiny-sdxl": {"down": 0.5, "up": {"block_0": [0.0, 1.0]}}}  # fmt: skip
+         "tiny-sdxl": {"down": 0.5, "up": {"block_0": [0.0, 1.0]}}, "tiny-flux": [0.7]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +51,12 @@ def ip_set(tmp_path_factory, adapters):
 
     def get(preset: str):
         if preset not in built:
+            model = resolve_model(preset)
             config = ExportConfig(precision="fp32", ip_adapter=str(adapters[preset] / RANDOM_WEIGHTS))
+            flux = denoiser_component(model) == "transformer"  # no batch doubling
             built[preset] = compile_model(
-                resolve_model(preset), store, "onnxruntime", config, profile=PROFILE, components=("unet",),
-                validation=ValidationConfig(images=False),
+                model, store, "onnxruntime", config, profile=replace(PROFILE, guidance=not flux),
+                components=(denoiser_component(model),), validation=ValidationConfig(images=False),
             )  # fmt: skip
         return built[preset]
 
@@ -92,7 +98,11 @@ def test_the_unet_graph_takes_the_image_embeds_and_scales_and_its_key_the_adapte
 @pytest.mark.parametrize("preset", PRESETS)
 def test_engine_ip_adapter_draws_diffusers_images_at_each_scale_and_unloaded_the_plain_one(ip_set, adapters, preset):
     reference = load_pipeline(preset)
-    reference.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS)
+    # Flux's loader takes the image encoder from a path of its own (XLabs' files hold none).
+    encoder = {"image_encoder_pretrained_model_name_or_path": str(adapters[preset] / "image_encoder")}
+    reference.load_ip_adapter(
+        str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS, **(encoder if preset == "tiny-flux" else {})
+    )
     pipe = load_pipeline(preset, ip_set(preset))
     assert isinstance(pipe.image_encoder, EngineImageEncoder)  # the pipeline's encode_image runs over the engine
     pipe.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS)  # the same: accepted
@@ -123,8 +133,8 @@ def test_ip_adapter_is_refused_where_the_engines_lack_it_or_cannot_take_it(ip_se
         masks = {"ip_adapter_masks": [torch.ones(1, 1, 8, 8)]}
         generate(pipe, ip_adapter_image=ip_image(), cross_attention_kwargs=masks)
     weights = str(adapters["tiny"] / RANDOM_WEIGHTS)
-    with pytest.raises(ConfigError, match=r"IP-Adapter on a transformer's engines \(tiny-flux\) is not built yet"):
-        compile_model(resolve_model("tiny-flux"), store, "onnxruntime", ExportConfig(ip_adapter=weights))
+    with pytest.raises(ConfigError, match=r"IP-Adapter on tiny-sd3's transformer engines is not built yet"):
+        compile_model(resolve_model("tiny-sd3"), store, "onnxruntime", ExportConfig(ip_adapter=weights))
     with pytest.raises(ConfigError, match="the FreeU build would run without it"):
         compile_model(resolve_model("tiny"), store, "onnxruntime", ExportConfig(ip_adapter=weights), freeu=True)
     done = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--ip-adapter", str(tmp_path / "none"))

@@ -89,12 +89,15 @@ def freeu_factors(text: str | None, engine: Artifact | None, model: ModelSource)
 
 
 def check_ip_adapter(engine: Artifact | None) -> None:
-    """--ip-adapter-image needs a UNet engine compiled with the adapter: checked before anything loads (exit 2)."""
+    """--ip-adapter-image needs a denoiser engine compiled with the adapter: checked before anything loads (exit 2)."""
     from ..stages.engine_set import engine_members
 
-    unet = engine_members(engine).get("unet") if engine is not None else None
-    if unet is None or not (unet.manifest.get("io") or {}).get("ip_layers"):
-        where = f"{engine.path} has no UNet" if engine is not None else "a PyTorch pipeline has no IP-Adapter loaded"
+    members = engine_members(engine) if engine is not None else {}
+    denoiser = members.get("unet") or members.get("transformer")
+    if denoiser is None or not (denoiser.manifest.get("io") or {}).get("ip_layers"):
+        where = (
+            f"{engine.path} has no denoiser" if engine is not None else "a PyTorch pipeline has no IP-Adapter loaded"
+        )
         raise RequestError(
             f"--ip-adapter-image: {where} with an IP-Adapter; compile one with `sdtrt compile --ip-adapter PATH` and "
             "pass it as --engine"

@@ -5,7 +5,9 @@ The layout (what diffusers' ``IPAdapterMixin.load_ip_adapter`` reads): a ``.safe
 ``image_proj.*`` (the image projection: ``proj`` a Linear to 4 tokens of the UNet's text width, ``norm`` a LayerNorm)
 and ``ip_adapter.{1,3,5,…}.to_k_ip.weight`` / ``.to_v_ip.weight`` (one pair per cross-attention layer, in
 ``unet.attn_processors``' order, odd numbers), and an ``image_encoder/`` folder beside it holding a
-CLIPVisionModelWithProjection.
+CLIPVisionModelWithProjection. Flux's (XLabs', as ``FluxIPAdapterMixin`` reads them) name the projection
+``ip_adapter_proj_model.*`` and the layers ``double_blocks.{0,1,…}.processor.ip_adapter_double_stream_{k,v}_proj.*``
+(with biases), one per double-stream block.
 """
 
 from __future__ import annotations
@@ -72,8 +74,10 @@ class IPAdapterFiles:
             state: dict[str, dict[str, torch.Tensor]] = {"image_proj": {}, "ip_adapter": {}}
             for key, value in flat.items():
                 group, _, name = key.partition(".")
-                if group in state:
-                    state[group][name] = value
+                if group in ("image_proj", "ip_adapter_proj_model"):  # h94's, XLabs'
+                    state["image_proj"][name] = value
+                elif group in ("ip_adapter", "double_blocks"):
+                    state["ip_adapter"][xlabs_renamed(name)] = value
         else:
             state = torch.load(self.weights, map_location="cpu", weights_only=True)
         if "proj.weight" not in state.get("image_proj", {}) or "norm.weight" not in state["image_proj"]:
@@ -108,42 +112,58 @@ def resolve_ip_adapter(path: str | Path) -> IPAdapterFiles:
     return IPAdapterFiles(where.resolve(), encoder.resolve())
 
 
-def ip_layers(unet_config: dict[str, Any]) -> tuple[str, ...]:
-    """The attention processors an IP-Adapter adds to, in ``unet.attn_processors``' order (its weights' order): the
-    cross-attention ones, as diffusers' _convert_ip_adapter_attn_to_diffusers picks them."""
-    return tuple(name for name, _ in _cross_attention(unet_config))
+def xlabs_renamed(name: str) -> str:
+    """An XLabs (Flux) attention weight's name as diffusers' FluxIPAdapterMixin renames it ("0.to_k_ip.weight")."""
+    for xlabs, diffusers in (("ip_adapter_double_stream_k_proj", "to_k_ip"), ("ip_adapter_double_stream_v_proj",
+                             "to_v_ip"), ("processor.", "")):  # fmt: skip
+        name = name.replace(xlabs, diffusers)
+    return name
+
+
+def ip_layers(model: ModelSource) -> tuple[str, ...]:
+    """The attention processors an IP-Adapter adds to, in ``attn_processors``' order (its weights' order), as diffusers'
+    _convert_ip_adapter_attn_to_diffusers picks them: a UNet's cross-attention ones, Flux's double-stream blocks'."""
+    return tuple(name for name, _ in _ip_attention(model))
 
 
 def empty_unet(unet_config: dict[str, Any]) -> Any:
     """A UNet2DConditionModel of this config without weights: its layers' names and shapes."""
     from diffusers import UNet2DConditionModel
 
+    return _empty(UNet2DConditionModel, unet_config)
+
+
+def _empty(cls: Any, config: dict[str, Any]) -> Any:
     from .random_weights import empty_weights
 
     with empty_weights():
-        return UNet2DConditionModel.from_config(unet_config)
+        return cls.from_config(config)
 
 
-def _cross_attention(unet_config: dict[str, Any]) -> list[tuple[str, Any]]:
-    """(processor name, Attention module) of a UNet with this config's cross-attention layers."""
-    unet = empty_unet(unet_config)
-    return [
-        (name, unet.get_submodule(name.removesuffix(".processor")))
-        for name in unet.attn_processors
-        if not name.endswith("attn1.processor") and "motion_modules" not in name
-    ]
+def _ip_attention(model: ModelSource) -> list[tuple[str, Any]]:
+    """(processor name, Attention module) of the denoiser's layers an IP-Adapter adds to."""
+    if model.denoiser_folder == "transformer":
+        from diffusers import FluxTransformer2DModel
+
+        network = _empty(FluxTransformer2DModel, model.denoiser_config())
+        names = [name for name in network.attn_processors if not name.startswith("single_transformer_blocks")]
+    else:
+        network = empty_unet(model.unet_config())
+        names = [n for n in network.attn_processors if not n.endswith("attn1.processor") and "motion_modules" not in n]
+    return [(name, network.get_submodule(name.removesuffix(".processor"))) for name in names]
 
 
 def random_ip_adapter(model: ModelSource, folder: Path, *, seed: int = 0) -> IPAdapterFiles:
-    """A random plain IP-Adapter for ``model``'s UNet, written into ``folder`` in h94/IP-Adapter's layout (weight file
-    + tiny image_encoder/): what tests and demos load where no adapter can be downloaded. Seeded: the same files every
-    time. Weights are drawn at each Linear's default scale (1/√fan-in), so the image branch moves the output."""
+    """A random plain IP-Adapter for ``model``'s denoiser, written into ``folder`` in the published layout (h94's for
+    a UNet, XLabs' for Flux: weight file + tiny image_encoder/): what tests and demos load where no adapter can be
+    downloaded. Seeded: the same files every time. Weights are drawn at each Linear's default scale (1/√fan-in), so
+    the image branch moves the output."""
     import torch
     from safetensors.torch import save_file
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    config = model.unet_config()
-    text_width = config["cross_attention_dim"]
+    flux = model.denoiser_folder == "transformer"
+    text_width = model.denoiser_config()["joint_attention_dim" if flux else "cross_attention_dim"]
     torch.manual_seed(seed)
     vision = CLIPVisionModelWithProjection(CLIPVisionConfig(**TINY_IMAGE_ENCODER))
     vision.save_pretrained(folder / IMAGE_ENCODER)
@@ -152,17 +172,24 @@ def random_ip_adapter(model: ModelSource, folder: Path, *, seed: int = 0) -> IPA
     def linear(rows: int, columns: int) -> torch.Tensor:
         return torch.randn(rows, columns, generator=generator) / columns**0.5
 
-    embeds = vision.config.projection_dim
+    def vector(size: int, mean: float = 0.0) -> torch.Tensor:
+        return mean + torch.randn(size, generator=generator) * 0.02
+
+    projection = "ip_adapter_proj_model" if flux else "image_proj"
     tensors = {
-        "image_proj.proj.weight": linear(TOKENS * text_width, embeds),
-        "image_proj.proj.bias": torch.randn(TOKENS * text_width, generator=generator) * 0.02,
-        "image_proj.norm.weight": 1 + torch.randn(text_width, generator=generator) * 0.02,
-        "image_proj.norm.bias": torch.randn(text_width, generator=generator) * 0.02,
+        f"{projection}.proj.weight": linear(TOKENS * text_width, vision.config.projection_dim),
+        f"{projection}.proj.bias": vector(TOKENS * text_width),
+        f"{projection}.norm.weight": vector(text_width, 1.0),
+        f"{projection}.norm.bias": vector(text_width),
     }
-    for index, (_, attention) in enumerate(_cross_attention(config)):
-        key = 2 * index + 1  # the published files number the cross-attention layers 1, 3, 5, …
-        width = attention.query_dim
-        tensors[f"ip_adapter.{key}.to_k_ip.weight"] = linear(width, text_width)
-        tensors[f"ip_adapter.{key}.to_v_ip.weight"] = linear(width, text_width)
+    for index, (_, attention) in enumerate(_ip_attention(model)):
+        width = attention.inner_dim if flux else attention.query_dim
+        for kind in ("k", "v"):
+            if flux:  # XLabs number the double-stream blocks 0, 1, …; their projections have biases
+                name = f"double_blocks.{index}.processor.ip_adapter_double_stream_{kind}_proj"
+                tensors[f"{name}.bias"] = vector(width)
+            else:  # h94 number the cross-attention layers 1, 3, 5, …
+                name = f"ip_adapter.{2 * index + 1}.to_{kind}_ip"
+            tensors[f"{name}.weight"] = linear(width, text_width)
     save_file(tensors, folder / RANDOM_WEIGHTS)
     return IPAdapterFiles((folder / RANDOM_WEIGHTS).resolve(), (folder / IMAGE_ENCODER).resolve())

@@ -25,7 +25,7 @@ from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource, resolve_model
-from ..spec import FOLDERS, UNetSpec, component_spec, model_components, spec_from_json, split_members
+from ..spec import FOLDERS, DenoiserSpec, component_spec, model_components, spec_from_json, split_members
 from .ip_adapter import recorded_ip_adapter
 
 STAGE = "set"
@@ -101,7 +101,8 @@ def _describe(members: dict[str, Artifact], model: dict[str, Any]) -> dict[str, 
              if any(c in members for c in parts)]  # fmt: skip
     caches = f" --caches {','.join(split)}" if split else ""
     caches += " --freeu" if FREEU_MEMBER in members else ""
-    if "unet" in members and (ip_adapter := recorded_ip_adapter(members["unet"])):
+    denoiser = members.get("unet") or members.get("transformer")
+    if denoiser is not None and (ip_adapter := recorded_ip_adapter(denoiser)):
         caches += f" --ip-adapter {ip_adapter.weights}"
     return {
         "primary": "manifest.json",
@@ -160,7 +161,7 @@ def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
             problem: str | None = f"{model.name} has no {folder}/"
         else:
             wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)
-            if isinstance(spec, UNetSpec) and isinstance(wanted, UNetSpec):  # an IP-Adapter is the engine's own
+            if isinstance(spec, DenoiserSpec) and isinstance(wanted, DenoiserSpec):  # its IP-Adapter is its own
                 wanted = replace(
                     wanted, image_embeds_dim=spec.image_embeds_dim, ip_layers=spec.ip_layers,
                     ip_adapter_digest=spec.ip_adapter_digest,

@@ -32,7 +32,7 @@ from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
 from ..sources.ip_adapters import resolve_ip_adapter
 from ..sources.models import ModelSource, load_folder
-from ..spec import FOLDERS, GraphSpec, ImageEncoderSpec, UNetSpec, component_spec
+from ..spec import FOLDERS, DenoiserSpec, GraphSpec, ImageEncoderSpec, component_spec
 from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
@@ -94,11 +94,11 @@ def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
         files = resolve_ip_adapter(config.ip_adapter)
         return ImageEncoderSpec.from_config(files.image_encoder_config(), config.precision, config.io_naming)
     spec = component_spec(model, config.component, config.precision, config.io_naming)
-    if config.ip_adapter and config.component == "unet":
+    if config.ip_adapter and config.component in ("unet", "transformer"):
         from .ip_adapter import with_ip_adapter
 
-        assert isinstance(spec, UNetSpec)
-        return with_ip_adapter(spec, resolve_ip_adapter(config.ip_adapter), model.unet_config())
+        assert isinstance(spec, DenoiserSpec)
+        return with_ip_adapter(spec, resolve_ip_adapter(config.ip_adapter), model)
     return spec
 
 
@@ -156,9 +156,9 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
-    ip_adapter = isinstance(spec, UNetSpec) and spec.ip_layers
+    ip_adapter = isinstance(spec, DenoiserSpec) and spec.ip_layers
     if ip_adapter and weights == "stream":
-        raise ExportError("an IP-Adapter goes into a loaded UNet, not a streamed one: export with --weights load")
+        raise ExportError("an IP-Adapter goes into a loaded denoiser, not a streamed one: export with --weights load")
     with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {model.name}"):
         if weights == "stream":
             network, sources = weight_free_network(model, folder, dtype)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec, UNetSpec
+from ..spec import DenoiserSpec, GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
+from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +33,13 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         return (*down, mid)
 
     def transformer(*inputs: torch.Tensor) -> torch.Tensor:
-        # SD3's and Flux's graph inputs are named as their forward's keyword arguments.
-        return network(**dict(zip(spec.canonical_inputs, inputs, strict=True)), return_dict=False)[0]
+        # SD3's and Flux's graph inputs are named as their forward's keyword arguments; an IP-Adapter's image embeds go
+        # in as FluxPipeline passes them (its scales: ip_adapter_call).
+        given: dict[str, Any] = dict(zip(spec.canonical_inputs, inputs, strict=True))
+        if IMAGE_EMBEDS in given:
+            del given[IP_SCALE]
+            given["joint_attention_kwargs"] = {"ip_adapter_image_embeds": [given.pop(IMAGE_EMBEDS)]}
+        return network(**given, return_dict=False)[0]
 
     def t5(input_ids: torch.Tensor) -> torch.Tensor:
         return network(input_ids).last_hidden_state  # no attention mask, as SD3's and Flux's pipelines call it
@@ -78,10 +84,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .freeu import freeu_call
 
         forward[spec.component] = freeu_call(network, unet)
-    elif isinstance(spec, UNetSpec) and spec.ip_layers:  # the IP-Adapter's per-layer scale an input
+    elif isinstance(spec, DenoiserSpec) and spec.ip_layers:  # the IP-Adapter's per-layer scale an input
         from .ip_adapter import ip_adapter_call
 
-        forward[spec.component] = ip_adapter_call(network, unet, spec)
+        forward[spec.component] = ip_adapter_call(network, forward[spec.component], spec)
 
     class Graph(torch.nn.Module):
         def __init__(self) -> None:

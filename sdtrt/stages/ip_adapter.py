@@ -19,19 +19,19 @@ from ..core.config import IMAGE_ENCODER
 from ..core.errors import ArtifactError, ConfigError, ModelNotFoundError
 from ..sources.ip_adapters import IPAdapterFiles, ip_layers, resolve_ip_adapter
 from ..sources.models import ModelSource, load_folder
-from ..spec import FOLDERS, UNetSpec
-from ..spec.unet import IP_SCALE
+from ..spec import FOLDERS, DenoiserSpec, FluxTransformerSpec, UNetSpec
+from ..spec.denoiser import IP_SCALE
 
 if TYPE_CHECKING:
     import torch
 
 
-def with_ip_adapter(spec: UNetSpec, files: IPAdapterFiles, unet_config: dict[str, Any]) -> UNetSpec:
-    """The UNet's contract with this adapter's inputs; its digest makes the graph's key."""
-    if type(spec) is not UNetSpec:
-        raise ConfigError(f"IP-Adapter goes into the whole UNet's graph, not the {spec.label}'s")
+def with_ip_adapter(spec: DenoiserSpec, files: IPAdapterFiles, model: ModelSource) -> DenoiserSpec:
+    """The denoiser's contract with this adapter's inputs; its digest makes the graph's key."""
+    if type(spec) not in (UNetSpec, FluxTransformerSpec):
+        raise ConfigError(f"IP-Adapter goes into a whole UNet's or Flux transformer's graph, not the {spec.label}'s")
     width = files.state_dict()["image_proj"]["proj.weight"].shape[-1]
-    return replace(spec, image_embeds_dim=width, ip_layers=ip_layers(unet_config), ip_adapter_digest=files.digest())
+    return replace(spec, image_embeds_dim=width, ip_layers=ip_layers(model), ip_adapter_digest=files.digest())
 
 
 def load_ip_adapter_weights(network: Any, files: IPAdapterFiles) -> None:
@@ -88,14 +88,16 @@ class GraphScale:
     __rmul__ = __mul__
 
 
-def ip_adapter_call(network: Any, unet: Callable[..., torch.Tensor], spec: UNetSpec) -> Callable[..., torch.Tensor]:
-    """``unet`` (the graph module's call of ``network``, the adapter loaded) with each IP-Adapter layer's scale read
-    from the ``ip_adapter_scale`` input."""
+def ip_adapter_call(
+    network: Any, denoiser: Callable[..., torch.Tensor], spec: DenoiserSpec
+) -> Callable[..., torch.Tensor]:
+    """``denoiser`` (the graph module's call of ``network``, the adapter loaded) with each IP-Adapter layer's scale
+    read from the ``ip_adapter_scale`` input."""
     at = spec.canonical_inputs.index(IP_SCALE)
 
     def call(*inputs: torch.Tensor) -> torch.Tensor:
         with graph_scales(network, spec.ip_layers, inputs[at]):
-            return unet(*inputs)
+            return denoiser(*inputs)
 
     return call
 

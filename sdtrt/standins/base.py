@@ -58,8 +58,9 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
 # the IP-Adapter ones on a UNet engine compiled with the adapter (ip_adapter.py).
 PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
     name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and this pipeline's "
-           "engines were compiled without them: for a UNet, recompile with `sdtrt compile --ip-adapter PATH` (Python: "
-           "ExportConfig(ip_adapter=PATH)); IP-Adapter on a transformer's engines is not built yet: " + PYTORCH_ONLY)
+           "engines were compiled without them: for a UNet or Flux's transformer, recompile with `sdtrt compile "
+           "--ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH)); IP-Adapter on SD3's engines is not built yet: "
+           + PYTORCH_ONLY)
     for name in ("load_ip_adapter", "set_ip_adapter_scale", "unload_ip_adapter")
 }  # fmt: skip
 

@@ -1,15 +1,18 @@
 """diffusers' IP-Adapter API (``load_ip_adapter``, ``set_ip_adapter_scale``, ``unload_ip_adapter``) on an engine
-pipeline whose UNet engine was compiled with the adapter (``sdtrt compile --ip-adapter PATH``).
+pipeline whose denoiser engine (a UNet, Flux's transformer) was compiled with the adapter (``sdtrt compile
+--ip-adapter PATH``).
 
 The adapter's weights are in the engine, so the pipeline comes up with it loaded (scale 1, the image encoder and
 feature extractor in place, as after diffusers' load_ip_adapter). ``load_ip_adapter`` of the same adapter loads it
 again (another file is refused: the engine holds one), ``set_ip_adapter_scale`` takes a float or InstantStyle's
-per-block dict and sets the engine's per-layer scales exactly as diffusers sets its processors', and
-``unload_ip_adapter`` leaves what diffusers' leaves: no image encoder, no projection, the plain UNet's images.
+per-block dict (Flux: a float or one per block) and sets the engine's per-layer scales exactly as diffusers sets its
+processors', and ``unload_ip_adapter`` leaves what diffusers' leaves: no image encoder, no projection, the plain
+denoiser's images.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,22 +22,23 @@ import torch
 from ..core.errors import EngineInputError
 from ..core.integrity import file_sha256
 from ..sources.ip_adapters import TOKENS
-from ..spec import UNetSpec
+from ..spec import DenoiserSpec, UNetSpec
+from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 NO_IP_ADAPTER = (
-    "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine set was compiled "
+    "IP-Adapter adds image-projection inputs and attention layers to the denoiser, and this engine set was compiled "
     "without them: recompile it with `sdtrt compile --ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH))"
 )
 
 
-def image_projection(spec: UNetSpec) -> SimpleNamespace:
-    """What diffusers' pipelines read of ``unet.encoder_hid_proj`` to prepare IP images: one adapter's plain
+def image_projection(spec: DenoiserSpec) -> SimpleNamespace:
+    """What diffusers' pipelines read of the denoiser's ``encoder_hid_proj`` to prepare IP images: one adapter's plain
     ImageProjection (its class decides the image encoder's output), weightless: the engine holds the weights."""
     from diffusers.models.embeddings import ImageProjection
 
     with torch.device("meta"):
         projection = ImageProjection(spec.image_embeds_dim, spec.cross_attention_dim, num_image_text_embeds=TOKENS)
-    return SimpleNamespace(image_projection_layers=[projection])
+    return SimpleNamespace(image_projection_layers=[projection], num_ip_adapters=1)
 
 
 def no_image_encoder() -> Any:
@@ -45,15 +49,49 @@ def no_image_encoder() -> Any:
     )
 
 
+def ip_denoiser(pipe: Any) -> Any:
+    """The pipeline's denoiser engine (UNet or Flux transformer) if compiled with an IP-Adapter, else None."""
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    spec = getattr(denoiser, "spec", None)
+    return denoiser if isinstance(spec, DenoiserSpec) and spec.ip_layers else None
+
+
 def takes_ip_adapter(pipe: Any) -> bool:
-    """Whether the pipeline's UNet is an engine compiled with an IP-Adapter (its spec has the adapter's layers)."""
-    spec = getattr(getattr(pipe, "unet", None), "spec", None)
-    return isinstance(spec, UNetSpec) and bool(spec.ip_layers)
+    """Whether the pipeline's denoiser is an engine compiled with an IP-Adapter (its spec has the adapter's layers)."""
+    return ip_denoiser(pipe) is not None
+
+
+class IPAdapterInputs:
+    """What a denoiser stand-in (EngineUNet, EngineTransformer) compiled with an IP-Adapter keeps: the layers' scales
+    (1, as load_ip_adapter sets them), what the pipeline's prepare_ip_adapter_image_embeds reads of the projection
+    (None: unloaded, as diffusers' unload leaves it), and the adapter's image encoder, which load_ip_adapter puts
+    back."""
+
+    spec: DenoiserSpec
+
+    def init_ip_adapter(self) -> None:
+        layers = len(self.spec.ip_layers)
+        self.ip_scale = torch.ones(layers) if layers else None
+        self.encoder_hid_proj = image_projection(self.spec) if layers else None
+        self.ip_image_encoder: Callable[[], Any] = no_image_encoder
+
+    def ip_adapter_inputs(self, embeds: Any, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The IP-Adapter's inputs: the image embeds prepare_ip_adapter_image_embeds made ([one adapter's]) and the
+        layers' scales; zeros and scale 0 without an IP image (what the denoiser without the adapter computes)."""
+        assert self.ip_scale is not None  # a denoiser with IP-Adapter layers
+        if embeds is None:
+            shape = (like.shape[0], 1, self.spec.image_embeds_dim)
+            return {IMAGE_EMBEDS: like.new_zeros(shape), IP_SCALE: torch.zeros_like(self.ip_scale)}
+        if not isinstance(embeds, list | tuple) or len(embeds) != 1 or embeds[0].shape[1] != 1:
+            raise EngineInputError(
+                "this engine takes one IP-Adapter's embeds of one image per prompt (ip_adapter_image=one image)"
+            )
+        return {IMAGE_EMBEDS: embeds[0], IP_SCALE: self.ip_scale}
 
 
 def install(pipe: Any) -> None:
-    """Bind the three methods to ``pipe``, whose UNet engine has an IP-Adapter."""
-    unet = pipe.unet  # an EngineUNet (takes_ip_adapter)
+    """Bind the three methods to ``pipe``, whose denoiser engine has an IP-Adapter."""
+    unet = ip_denoiser(pipe)  # an EngineUNet or EngineTransformer (takes_ip_adapter)
     layers = len(unet.spec.ip_layers)
 
     def load_ip_adapter(
@@ -78,10 +116,7 @@ def install(pipe: Any) -> None:
             pipe.register_modules(feature_extractor=feature_extractor_for(unet.ip_image_encoder()))
 
     def set_ip_adapter_scale(scale: Any) -> None:
-        scales = scale if isinstance(scale, list) else [scale]
-        if len(scales) != 1:
-            raise EngineInputError(f"set_ip_adapter_scale: {len(scales)} scale configs for the engine's one IP-Adapter")
-        unet.ip_scale = layer_scales(unet, scales[0])
+        unet.ip_scale = unet_scales(unet, scale) if isinstance(unet.spec, UNetSpec) else flux_scales(scale, layers)
 
     def unload_ip_adapter() -> None:
         if getattr(pipe, "image_encoder", None) is not None:
@@ -105,14 +140,19 @@ def feature_extractor_for(image_encoder: Any) -> Any:
     return CLIPImageProcessor(size=size, crop_size=size)
 
 
-def layer_scales(unet: Any, scale: Any) -> torch.Tensor:
-    """The engine's per-layer scales for one adapter's scale config (a float, or InstantStyle's dict by block), as
-    diffusers' set_ip_adapter_scale sets its processors': the dict expanded over the blocks by diffusers itself, each
-    layer taking the value of every key it starts with, in order (a layer no key names keeps its scale)."""
+def unet_scales(unet: Any, scale: Any) -> torch.Tensor:
+    """A UNet engine's per-layer scales for the scale config of its one adapter (a float, or InstantStyle's dict by
+    block), as diffusers' IPAdapterMixin.set_ip_adapter_scale sets its processors': the dict expanded over the blocks
+    by diffusers itself, each layer taking the value of every key it starts with, in order (a layer no key names
+    keeps its scale)."""
     from diffusers.loaders.unet_loader_utils import _maybe_expand_lora_scales
 
     from ..sources.ip_adapters import empty_unet
 
+    scales = scale if isinstance(scale, list) else [scale]
+    if len(scales) != 1:
+        raise EngineInputError(f"set_ip_adapter_scale: {len(scales)} scale configs for the engine's one IP-Adapter")
+    scale = scales[0]
     assert unet.ip_scale is not None
     if not isinstance(scale, dict):
         return torch.full_like(unet.ip_scale, float(scale))
@@ -123,3 +163,15 @@ def layer_scales(unet: Any, scale: Any) -> torch.Tensor:
             if layer.startswith(prefix):
                 out[i] = float(value)
     return out
+
+
+def flux_scales(scale: Any, layers: int) -> torch.Tensor:
+    """A Flux engine's per-layer scales, as diffusers' FluxIPAdapterMixin.set_ip_adapter_scale takes them for one
+    adapter: a float for every double-stream block, or a list with one per block (alone, or in a list)."""
+    if isinstance(scale, list) and len(scale) == 1 and isinstance(scale[0], list):
+        scale = scale[0]
+    if not isinstance(scale, list):
+        return torch.full((layers,), float(scale))
+    if len(scale) != layers:
+        raise EngineInputError(f"set_ip_adapter_scale: {len(scale)} scales for the engine's {layers} IP-Adapter layers")
+    return torch.tensor([float(s) for s in scale])

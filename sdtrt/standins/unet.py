@@ -23,10 +23,10 @@ from ..core.errors import ArtifactError, EngineInputError
 from ..lora.refit import LoraNetwork
 from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
-from ..spec.unet import IMAGE_EMBEDS, IP_SCALE
+from ..spec.denoiser import IMAGE_EMBEDS
 from .base import EngineModule
 from .deepcache import DeepCacheRun, SplitUNet, Timestep, deepcache_problem
-from .ip_adapter import NO_IP_ADAPTER, image_projection, no_image_encoder
+from .ip_adapter import NO_IP_ADAPTER, IPAdapterInputs
 
 if TYPE_CHECKING:
     from ..lora.refit import EngineLoras
@@ -55,7 +55,7 @@ def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device:
     return t
 
 
-class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
+class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork, IPAdapterInputs):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(
@@ -68,7 +68,7 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, UNetSpec):
             raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
-        self.spec = runtime.spec
+        self.spec: UNetSpec = runtime.spec
         self.runtime = runtime
         if "projection_class_embeddings_input_dim" in config:
             # SDXL pipelines check their time ids against add_embedding.linear_1.in_features.
@@ -82,11 +82,7 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
         self._open_freeu: Callable[[], Runtime] | None = None
         self.freeu: torch.Tensor | None = None  # FreeU's factors [s1, s2, b1, b2] while it is on
         self._member_loras: Callable[[str, Runtime], EngineLoras] | None = None  # use_members'
-        # The IP-Adapter compiled in: its scales per layer (1, as load_ip_adapter sets them), and what the pipeline's
-        # prepare_ip_adapter_image_embeds reads of the projection (None: unloaded, as diffusers' unload leaves it).
-        self.ip_scale = torch.ones(len(self.spec.ip_layers)) if self.spec.ip_layers else None
-        self.encoder_hid_proj = image_projection(self.spec) if self.spec.ip_layers else None
-        self.ip_image_encoder: Callable[[], Any] = no_image_encoder  # the adapter's, which load_ip_adapter puts back
+        self.init_ip_adapter()
 
     def use_members(
         self, open_parts: Callable[[], dict[str, Runtime]] | None, open_freeu: Callable[[], Runtime] | None,
@@ -200,7 +196,7 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             down = given.pop("down_block_additional_residuals", None)
             values |= self._residuals(sample, down, given.pop("mid_block_additional_residual", None))
         if self.spec.ip_layers:
-            values |= self._ip_adapter_inputs(sample, values.pop(IMAGE_EMBEDS, None))
+            values |= self.ip_adapter_inputs(values.pop(IMAGE_EMBEDS, None), sample)
         wanted = self.spec.canonical_inputs[3:]
         if given:
             problem = f"cannot take {sorted(given)}"
@@ -216,19 +212,6 @@ class EngineUNet(EngineModule, UNet2DConditionModel, LoraNetwork):
             f"this UNet engine takes {', '.join(wanted) or 'no inputs'} beyond sample, timestep and "
             f"encoder_hidden_states; it {problem}{hint}"
         )
-
-    def _ip_adapter_inputs(self, sample: torch.Tensor, embeds: Any) -> dict[str, torch.Tensor]:
-        """The IP-Adapter's inputs: the image embeds prepare_ip_adapter_image_embeds made ([one adapter's]) and the
-        layers' scales; zeros and scale 0 without an IP image (what the plain UNet computes)."""
-        assert self.ip_scale is not None  # a UNet with IP-Adapter layers
-        if embeds is None:
-            shape = (sample.shape[0], 1, self.spec.image_embeds_dim)
-            return {IMAGE_EMBEDS: sample.new_zeros(shape), IP_SCALE: torch.zeros_like(self.ip_scale)}
-        if not isinstance(embeds, list | tuple) or len(embeds) != 1 or embeds[0].shape[1] != 1:
-            raise EngineInputError(
-                "this UNet engine takes one IP-Adapter's embeds of one image per prompt (ip_adapter_image=one image)"
-            )
-        return {IMAGE_EMBEDS: embeds[0], IP_SCALE: self.ip_scale}
 
     def _residuals(self, sample: torch.Tensor, down: Any, mid: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """ControlNet residuals by input name; zeros when no ControlNet runs (adding zero changes nothing)."""

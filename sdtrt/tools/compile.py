@@ -44,7 +44,16 @@ from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missin
 from ..graph.onnx_graph import artifact_spec
 from ..sources.ip_adapters import resolve_ip_adapter
 from ..sources.models import ModelSource
-from ..spec import FOLDERS, denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
+from ..spec import (
+    FOLDERS,
+    FluxTransformerSpec,
+    UNetSpec,
+    denoiser_component,
+    denoiser_spec,
+    folder_architecture,
+    model_components,
+    spec_class,
+)
 from ..stages import build_ort, engine_set, export, quantize, simplify
 from ..stages.engine_set import EngineSetConfig
 from .validate import ValidationReport, stored_validate
@@ -186,7 +195,7 @@ def compile_model(
     graphs: dict[str, Artifact] = {}
     for component in components:
         precision = component_precision(model, component, export_config.precision)
-        adapter_path = export_config.ip_adapter if component in ("unet", IMAGE_ENCODER) else ""  # where it goes
+        adapter_path = export_config.ip_adapter if component in ("unet", "transformer", IMAGE_ENCODER) else ""
         config = replace(export_config, component=component, precision=precision, ip_adapter=adapter_path)
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         exported = quantized[component] if component in quantized else export.run(config, model, store)
@@ -261,14 +270,16 @@ def check_ip_adapter(
     anything is exported; its files are read here too."""
     if not export_config.ip_adapter:
         return
-    if (denoiser := denoiser_component(model)) != "unet":
-        raise ConfigError(f"IP-Adapter on a {denoiser}'s engines ({model.name}) is not built yet: compile without "
-                          "--ip-adapter, and run IP-Adapter on PyTorch (load_pipeline without an engine)")  # fmt: skip
+    if not isinstance(denoiser_spec(model), UNetSpec | FluxTransformerSpec):
+        raise ConfigError(
+            f"IP-Adapter on {model.name}'s transformer engines is not built yet (a UNet's and Flux's are): compile "
+            "without --ip-adapter, and run it on PyTorch (load_pipeline without an engine)"
+        )
     if model.has("controlnet"):
         raise ConfigError("IP-Adapter with a ControlNet is not built yet: compile without --ip-adapter")
     if caches or freeu or quantize_config is not None:
         what = "step caches' members" if caches else "the FreeU build" if freeu else "a quantized UNet"
-        raise ConfigError(f"IP-Adapter goes into the whole UNet only, and {what} would run without it: compile "
+        raise ConfigError(f"IP-Adapter goes into the whole denoiser only, and {what} would run without it: compile "
                           "without --ip-adapter, or without the other")  # fmt: skip
     resolve_ip_adapter(export_config.ip_adapter).state_dict()  # a file that cannot be read fails now
 
