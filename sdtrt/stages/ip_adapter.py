@@ -38,7 +38,7 @@ def load_ip_adapter_weights(network: Any, files: IPAdapterFiles) -> None:
     """The adapter's image projection and attention processors in ``network`` (a UNet2DConditionModel), as the
     pipeline's load_ip_adapter puts them there (in the network's dtype); its scales are 1, as load_ip_adapter leaves
     them."""
-    network._load_ip_adapter_weights([files.state_dict()], low_cpu_mem_usage=False)
+    network._load_ip_adapter_weights([files.state_dict()])  # its default: the weights in the network's dtype
 
 
 def recorded_ip_adapter(member: Artifact) -> IPAdapterFiles | None:
