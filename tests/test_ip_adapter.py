@@ -121,7 +121,7 @@ def test_engine_ip_adapter_draws_diffusers_images_at_each_scale_and_unloaded_the
     assert psnr_db(generate(pipe, ip_adapter_image=ip_image()), plain) >= 35
     pipe.unload_ip_adapter()
     assert pipe.image_encoder is None and psnr_db(generate(pipe), plain) >= 35
-    pipe.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS)  # back, at scale 1
+    pipe.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=[RANDOM_WEIGHTS])  # back, at scale 1
     assert psnr_db(generate(pipe, ip_adapter_image=ip_image()), images["1.0"]) >= 35
 
 

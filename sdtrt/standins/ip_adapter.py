@@ -12,6 +12,7 @@ denoiser's images.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,32 +92,32 @@ class IPAdapterInputs:
 
 def install(pipe: Any) -> None:
     """Bind the three methods to ``pipe``, whose denoiser engine has an IP-Adapter."""
-    unet = ip_denoiser(pipe)  # an EngineUNet or EngineTransformer (takes_ip_adapter)
-    layers = len(unet.spec.ip_layers)
+    denoiser = ip_denoiser(pipe)  # an EngineUNet or EngineTransformer (takes_ip_adapter)
+    layers = len(denoiser.spec.ip_layers)
 
-    def load_ip_adapter(
-        pretrained_model_name_or_path_or_dict: Any, subfolder: str | list[str] = "",
-        weight_name: str | list[str] = "", image_encoder_folder: str | None = "image_encoder", **_: Any,
-    ) -> None:  # fmt: skip
-        if (isinstance(weight_name, list) and len(weight_name) != 1) or isinstance(subfolder, list):
-            raise EngineInputError("load_ip_adapter: this engine holds one IP-Adapter; load that one")
-        name = weight_name[0] if isinstance(weight_name, list) else weight_name
-        if isinstance(pretrained_model_name_or_path_or_dict, str | Path):
-            file = Path(pretrained_model_name_or_path_or_dict, subfolder or "", name)
-            if file.is_file() and file_sha256(file) != unet.spec.ip_adapter_digest:
+    def load_ip_adapter(*args: Any, **kwargs: Any) -> None:
+        # The pipeline's own signature: IPAdapterMixin's takes subfolder second, FluxIPAdapterMixin's weight_name.
+        given = inspect.signature(type(pipe).load_ip_adapter).bind(pipe, *args, **kwargs).arguments
+        names = ("pretrained_model_name_or_path_or_dict", "subfolder", "weight_name")
+        where, subfolder, name = (one(given.get(k, "")) for k in names)
+        if isinstance(where, str | Path):
+            file = Path(where, subfolder or "", name)
+            if file.is_file() and file_sha256(file) != denoiser.spec.ip_adapter_digest:
                 raise EngineInputError(
                     f"load_ip_adapter: {file} is not the IP-Adapter this engine was compiled with; an engine holds "
                     "its adapter: recompile with `sdtrt compile --ip-adapter` that file"
                 )
-        unet.encoder_hid_proj = image_projection(unet.spec)
-        unet.ip_scale = torch.ones(layers)
-        if getattr(pipe, "image_encoder", None) is None and image_encoder_folder is not None:
-            pipe.register_modules(image_encoder=unet.ip_image_encoder())
+        denoiser.encoder_hid_proj = image_projection(denoiser.spec)
+        denoiser.ip_scale = torch.ones(layers)
+        if getattr(pipe, "image_encoder", None) is None:
+            pipe.register_modules(image_encoder=denoiser.ip_image_encoder())
         if getattr(pipe, "feature_extractor", None) is None:
-            pipe.register_modules(feature_extractor=feature_extractor_for(unet.ip_image_encoder()))
+            pipe.register_modules(feature_extractor=feature_extractor_for(denoiser.ip_image_encoder()))
 
     def set_ip_adapter_scale(scale: Any) -> None:
-        unet.ip_scale = unet_scales(unet, scale) if isinstance(unet.spec, UNetSpec) else flux_scales(scale, layers)
+        denoiser.ip_scale = (
+            unet_scales(denoiser, scale) if isinstance(denoiser.spec, UNetSpec) else flux_scales(scale, layers)
+        )
 
     def unload_ip_adapter() -> None:
         if getattr(pipe, "image_encoder", None) is not None:
@@ -125,11 +126,20 @@ def install(pipe: Any) -> None:
         if not hasattr(pipe, "safety_checker") and getattr(pipe, "feature_extractor", None) is not None:
             pipe.feature_extractor = None  # kept where the safety checker reads it, as diffusers keeps it
             pipe.register_to_config(feature_extractor=[None, None])
-        unet.encoder_hid_proj = None
-        unet.ip_scale = torch.zeros(layers)
+        denoiser.encoder_hid_proj = None
+        denoiser.ip_scale = torch.zeros(layers)
 
     for method in (load_ip_adapter, set_ip_adapter_scale, unload_ip_adapter):
         setattr(pipe, method.__name__, method)
+
+
+def one(value: Any) -> Any:
+    """A load_ip_adapter argument for one adapter (diffusers takes a list per adapter); several are refused."""
+    if not isinstance(value, list):
+        return value
+    if len(value) != 1:
+        raise EngineInputError("load_ip_adapter: this engine holds one IP-Adapter; load that one")
+    return value[0]
 
 
 def feature_extractor_for(image_encoder: Any) -> Any:
