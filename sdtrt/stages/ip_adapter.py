@@ -1,10 +1,10 @@
-"""IP-Adapter in a UNet's graph: the adapter loaded into the network as diffusers loads it, and its per-layer scale an
-input.
+"""IP-Adapter in a denoiser's graph (a UNet's, Flux's transformer's): the adapter loaded into the network as diffusers
+loads it, and its per-layer scale an input.
 
-diffusers' IPAdapterAttnProcessor2_0 adds ``scale * attention(query, to_k_ip(image), to_v_ip(image))`` to each
-cross-attention output, skipping the branch where the scale is 0 (Python floats set by ``set_ip_adapter_scale``). In
-the graph each layer's scale is one element of the ``ip_adapter_scale`` input, read where the processor multiplies; the
-branch is always computed (a scale of 0 adds 0, the output diffusers' skip gives).
+diffusers' IPAdapterAttnProcessor2_0 (FluxIPAdapterAttnProcessor) adds ``scale * attention(query, to_k_ip(image),
+to_v_ip(image))`` to each attention output it holds, the UNet's skipping the branch where the scale is 0 (Python floats
+set by ``set_ip_adapter_scale``). In the graph each layer's scale is one element of the ``ip_adapter_scale`` input,
+read where the processor multiplies; the branch is always computed (a scale of 0 adds 0, the output the skip gives).
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ def with_ip_adapter(spec: DenoiserSpec, files: IPAdapterFiles, model: ModelSourc
 
 
 def load_ip_adapter_weights(network: Any, files: IPAdapterFiles) -> None:
-    """The adapter's image projection and attention processors in ``network`` (a UNet2DConditionModel), as the
-    pipeline's load_ip_adapter puts them there (in the network's dtype); its scales are 1, as load_ip_adapter leaves
-    them."""
-    network._load_ip_adapter_weights([files.state_dict()])  # its default: the weights in the network's dtype
+    """The adapter's image projection and attention processors in ``network`` (a UNet2DConditionModel or
+    FluxTransformer2DModel), as the pipeline's load_ip_adapter puts them there: in the network's dtype (its default
+    path), its scales 1."""
+    network._load_ip_adapter_weights([files.state_dict()])
 
 
 def recorded_ip_adapter(member: Artifact) -> IPAdapterFiles | None:
-    """The adapter a UNet member was exported with (its export manifest's config), None for a UNet without one;
-    ArtifactError where its files are gone."""
+    """The adapter a denoiser or image encoder member was exported with (its export manifest's config), None for one
+    without; ArtifactError where its files are gone."""
     export = next((a for a in member.lineage() if a.stage == "export"), None)
     path = (export.manifest.get("config") or {}).get("ip_adapter") if export else None
     if not path:
@@ -52,7 +52,7 @@ def recorded_ip_adapter(member: Artifact) -> IPAdapterFiles | None:
         return resolve_ip_adapter(path)
     except ModelNotFoundError as exc:
         raise ArtifactError(
-            f"the UNet engine {member.path} was compiled with the IP-Adapter {path}, whose files are gone ({exc}); "
+            f"the engine {member.path} was compiled with the IP-Adapter {path}, whose files are gone ({exc}); "
             "put them back or recompile with --ip-adapter"
         ) from None
 
