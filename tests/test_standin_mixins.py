@@ -222,7 +222,7 @@ def test_pipeline_mixin_methods_work_or_refuse_in_one_line(engine_pipe):
             elif EXPECTED[name] is LoraError:
                 assert "'default' not in the list of present adapters; loaded: none" in message
             elif "ip_adapter" in name:
-                assert "IP-Adapter on engines is not built yet" in message
+                assert "recompile with `sdtrt compile --ip-adapter PATH`" in message
             else:
                 assert "sdtrt compile --freeu" in message
         else:
@@ -235,7 +235,7 @@ def test_a_pipeline_made_from_standins_refuses_as_load_pipeline_does(engine_pipe
     again = type(engine_pipe)(**engine_pipe.components)
     with pytest.raises(LoraError, match=r"is no LoRA file on disk"):  # diffusers' LoRA API on engines
         again.load_lora_weights("lora.safetensors")
-    with pytest.raises(EngineInputError, match=r"set_ip_adapter_scale .*IP-Adapter on engines is not built yet"):
+    with pytest.raises(EngineInputError, match=r"set_ip_adapter_scale .*sdtrt compile --ip-adapter PATH"):
         again.set_ip_adapter_scale(0.6)
     for module in again.components.values():  # PEFT's add_adapter works on them, DoRA is refused
         if isinstance(module, EngineModule) and hasattr(module, "add_adapter"):

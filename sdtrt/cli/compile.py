@@ -6,6 +6,7 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
@@ -102,6 +103,16 @@ def compile(
             "pipe.enable_freeu(...) runs on the engines; the plain UNet engine is unchanged and runs with FreeU off.",
         ),
     ] = False,
+    ip_adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--ip-adapter",
+            metavar="PATH",
+            help="Compile an IP-Adapter into the UNet (SD 1.x, SDXL): its weight file in h94/IP-Adapter's layout (or a "
+            "folder holding one), its image_encoder/ beside it; the image embeds and per-layer scales become engine "
+            "inputs, so pipe(ip_adapter_image=...) and pipe.set_ip_adapter_scale(...) run on the engines.",
+        ),
+    ] = None,
     report: ReportOpt = True,
     engines: store_options.EnginesOpt = None,
 ) -> None:
@@ -114,10 +125,12 @@ def compile(
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
     Step caches: sdtrt compile --model tiny-flux --target onnxruntime --caches first-block
     FreeU: sdtrt compile --model tiny --target onnxruntime --freeu
+    IP-Adapter: sdtrt compile --model tiny --target onnxruntime --ip-adapter ip-adapter/ip-adapter_sd15.safetensors
     """
+    from ..sources.ip_adapters import resolve_ip_adapter
     from ..sources.models import resolve_model
     from ..stages import export as export_stage
-    from ..tools.compile import cache_members, compile_model, freeu_member
+    from ..tools.compile import cache_members, check_ip_adapter, compile_model, freeu_member
     from .run import print_report
 
     graph_options.check_export_options(exporter, weights)
@@ -166,6 +179,14 @@ def compile(
     export_config = graph_options.export_config(
         graph_precision, exporter, opset, io_naming, denoiser_component(source), weights
     )
+    if ip_adapter:  # the file, resolved: what the UNet's export config records
+        export_config = replace(export_config, ip_adapter=str(resolve_ip_adapter(ip_adapter).weights))
+        try:
+            check_ip_adapter(source, export_config, chosen_caches, freeu, quantized)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from None
+        if chosen_components and denoiser not in chosen_components:
+            console.print(f"[dim]--ip-adapter: the {denoiser} joins the set (the adapter goes into it)[/]")
     profile = build_options.shape_profile(export_stage.spec_for(source, export_config), batch, height, width, tokens)
     options: dict[str, Any] = dict(
         target=target,

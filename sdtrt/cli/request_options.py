@@ -88,6 +88,22 @@ def freeu_factors(text: str | None, engine: Artifact | None, model: ModelSource)
     return factors
 
 
+def check_ip_adapter(engine: Artifact | None) -> None:
+    """--ip-adapter-image needs a denoiser engine compiled with the adapter: checked before anything loads (exit 2)."""
+    from ..stages.engine_set import engine_members
+
+    members = engine_members(engine) if engine is not None else {}
+    denoiser = members.get("unet") or members.get("transformer")
+    if denoiser is None or not (denoiser.manifest.get("io") or {}).get("ip_layers"):
+        where = (
+            f"{engine.path} has no denoiser" if engine is not None else "a PyTorch pipeline has no IP-Adapter loaded"
+        )
+        raise RequestError(
+            f"--ip-adapter-image: {where} with an IP-Adapter; compile one with `sdtrt compile --ip-adapter PATH` and "
+            "pass it as --engine"
+        )
+
+
 def step_cache(text: str | None) -> StepCache | None:
     """--cache, parsed before anything loads (exit 2 when malformed); ``auto`` is resolved later (resolve_cache)."""
     from ..pipeline.step_cache import StepCache

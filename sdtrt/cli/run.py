@@ -84,12 +84,21 @@ def generate_command(
     weight_streaming_budget: request_options.WeightBudgetOpt = None,
     cache: request_options.CacheOpt = None,
     freeu: request_options.FreeUOpt = None,
+    ip_adapter_image: Annotated[
+        Path | None,
+        typer.Option(help="An IP-Adapter's image, whose content guides the image: needs an --engine set compiled "
+                     "with --ip-adapter."),
+    ] = None,
+    ip_adapter_scale: Annotated[
+        float, typer.Option(help="How strongly --ip-adapter-image guides (set_ip_adapter_scale's float).")
+    ] = 1.0,
     engines: store_options.EnginesOpt = None,
-) -> None:
+) -> None:  # fmt: skip
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
 
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
+    IP-Adapter: sdtrt generate --engine engines/set/… --ip-adapter-image style.png --ip-adapter-scale 0.6
     """
     from ..core.families import pipeline_class_name
     from ..stages.engine_set import engine_members, engine_profile
@@ -105,7 +114,10 @@ def generate_command(
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
         image=_open_image(image, "RGB", "--image"), mask_image=_open_image(mask, "L", "--mask"),
+        ip_adapter_image=_open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
     )  # fmt: skip
+    if ip_adapter_image is not None:
+        request_options.check_ip_adapter(artifact)
     request = request.sized_for(SizeRule.for_model(source))
     request_options.check_engine_size(artifact, request)
     pipeline_class = source.pipeline_class()
@@ -124,6 +136,8 @@ def generate_command(
         pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
     if freeu_factors is not None:
         pipe.enable_freeu(*freeu_factors)
+    if ip_adapter_image is not None:
+        pipe.set_ip_adapter_scale(ip_adapter_scale)
     if step_cache is not None:
         from ..pipeline.step_cache import enable_step_cache, split_calls
 

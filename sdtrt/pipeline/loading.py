@@ -13,7 +13,7 @@ import torch
 from rich.markup import escape
 
 from ..core.artifact import Artifact
-from ..core.config import FREEU_MEMBER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
+from ..core.config import FREEU_MEMBER, IMAGE_ENCODER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
 from ..core.families import Task, accepted, pipeline_class_name
 from ..core.progress import console
@@ -27,6 +27,7 @@ from ..stages.engine_set import engine_members as engine_members  # re-exported:
 from ..standins.adapters import apply_pipeline_loras, lora_networks
 from ..standins.adapters import forget as forget_adapters
 from ..standins.base import EngineModule, refuse_pytorch_only, saved_engines
+from ..standins.ip_adapter import IPAdapterInputs
 from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config
 from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
@@ -154,8 +155,9 @@ def standins(
     source: ModelSource, members: dict[str, Artifact], vae: Any, dtype: torch.dtype,
     weight_budget: WeightBudget | None = None, opened: dict[str, Runtime] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE.
-    ``opened``: runtimes of these members already open (validate's), so their weights are not loaded twice."""
+    """The pipeline components that replace PyTorch modules: one stand-in per network (NETWORK_STANDINS), EngineVAE,
+    and an IP-Adapter's image encoder where the UNet engine has one. ``opened``: runtimes of these members already
+    open (validate's), so their weights are not loaded twice."""
     # A step cache's split members (and the FreeU build) open when a cache first runs: until then a set compiled with
     # caches loads and holds what one without them does (the transformer twice would be 24 GB more for Flux).
     split: dict[str, Artifact] = {
@@ -208,7 +210,38 @@ def standins(
     for folder, standin in out.items():  # what save_pretrained writes: the PyTorch files and the engines
         standin.model_folder = source.component_dir(folder)
         standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
+    denoiser = out.get("unet") or out.get("transformer")
+    if isinstance(denoiser, IPAdapterInputs) and denoiser.spec.ip_layers:
+        return out | ip_adapter_parts(source, denoiser, members, runtimes.get(IMAGE_ENCODER), dtype)
     return out
+
+
+def ip_adapter_parts(
+    source: ModelSource, denoiser: IPAdapterInputs, members: dict[str, Artifact], runtime: Runtime | None,
+    dtype: torch.dtype,
+) -> dict[str, Any]:  # fmt: skip
+    """The image encoder of the IP-Adapter the denoiser engine was compiled with (its engine, or on PyTorch where the
+    set has none), and a feature extractor where the model has none: the pipeline comes up as diffusers'
+    load_ip_adapter leaves it."""
+    from transformers import CLIPVisionConfig
+
+    from ..stages.ip_adapter import recorded_ip_adapter
+    from ..standins.image_encoder import EngineImageEncoder
+    from ..standins.ip_adapter import feature_extractor_for
+
+    files = recorded_ip_adapter(members[denoiser.spec.component])
+    assert files is not None  # the engine's spec has IP-Adapter layers: its export recorded the adapter
+    if runtime is None:
+        console.print("[dim]on PyTorch (not in the engine set): the IP-Adapter's image encoder[/]")
+        encoder: Any = files.load_image_encoder(dtype)
+    else:
+        encoder = EngineImageEncoder(runtime, CLIPVisionConfig.from_pretrained(files.image_encoder), dtype)
+        encoder.model_folder, encoder.engine_paths = files.image_encoder, {IMAGE_ENCODER: members[IMAGE_ENCODER].path}
+    denoiser.ip_image_encoder = lambda: encoder
+    parts: dict[str, Any] = {"image_encoder": encoder}
+    if not (source.path / "feature_extractor").is_dir():
+        parts["feature_extractor"] = feature_extractor_for(encoder)
+    return parts
 
 
 StandIn = Callable[[ModelSource, str, Runtime, torch.dtype, Callable[[str], EngineLoras]], EngineModule]

@@ -155,6 +155,8 @@ class GenerateRequest:
     image: Any = None
     mask_image: Any = None
     strength: float = 0.6
+    # An IP-Adapter's image (its content guides the image): for a pipeline whose UNet has the adapter.
+    ip_adapter_image: Any = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -213,6 +215,7 @@ class GenerateRequest:
             "num_images_per_prompt": self.images,
             "image": self.image,
             "mask_image": self.mask_image,
+            "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
         self.check_inputs(accepts)
@@ -316,7 +319,8 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     each = [r.pipeline_kwargs(accepts) for r in requests]
     if len(each) == 1:
         return each[0]
-    if len({r.batch_key for r in requests}) > 1 or any(r.images != 1 or r.image is not None for r in requests):
+    with_images = any(r.image is not None or r.ip_adapter_image is not None for r in requests)
+    if len({r.batch_key for r in requests}) > 1 or with_images or any(r.images != 1 for r in requests):
         raise RequestError("only text-to-image requests of one image that share size, steps and guidance batch")
     merged = each[0] | {"prompt": [k["prompt"] for k in each], "generator": [k["generator"] for k in each]}
     if any(r.negative_prompt is not None for r in requests):

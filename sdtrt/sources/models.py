@@ -108,14 +108,7 @@ class ModelSource:
 
     def folder_digest(self, folder: str) -> str:
         """sha256 over a sub-folder's config and weight files."""
-        h = hashlib.sha256()
-        for f in sorted(p for p in self.component_dir(folder).iterdir() if p.is_file()):
-            if f.suffix not in (".json", ".safetensors", ".bin"):
-                continue
-            h.update(f.name.encode() + b"\0")
-            stat = f.stat()
-            h.update(_weights_sha256(str(f.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino).encode())
-        return h.hexdigest()
+        return network_digest(self.component_dir(folder))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "path": str(self.path)}
@@ -192,6 +185,18 @@ def load_unet(source: ModelSource, dtype: Any = None) -> Any:
     with quiet_loading():
         unet = UNet2DConditionModel.from_pretrained(source.unet_dir, dtype=dtype, local_files_only=True)
     return unet.eval()
+
+
+def network_digest(directory: Path) -> str:
+    """sha256 over a network folder's config and weight files (a model's sub-folder, an IP-Adapter's image encoder)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in directory.iterdir() if p.is_file()):
+        if f.suffix not in (".json", ".safetensors", ".bin"):
+            continue
+        h.update(f.name.encode() + b"\0")
+        stat = f.stat()
+        h.update(_weights_sha256(str(f.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino).encode())
+    return h.hexdigest()
 
 
 def load_folder(source: ModelSource, folder: str, dtype: Any = None) -> Any:

@@ -41,6 +41,7 @@ from .base import (
 )  # fmt: skip
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
+from .image_encoder import ImageEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
 from .transformer_split import PART_CLASSES, TransformerPartSpec
@@ -62,6 +63,7 @@ __all__ = [
     "DenoiserSpec",
     "FluxTransformerSpec",
     "GraphSpec",
+    "ImageEncoderSpec",
     "ModelConfigs",
     "SD3TransformerSpec",
     "Shapes",
@@ -93,7 +95,7 @@ __all__ = [
 # row dispatches on its class itself (TransformerSpec.for_model / from_json).
 SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
-    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec,
+    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 

@@ -21,7 +21,8 @@ FOLDERS: dict[str, str] = {"unet": "unet", "transformer": "transformer", "contro
                            "text_encoder_3": "text_encoder_3", "vae_decoder": "vae", "vae_encoder": "vae",
                            "transformer_embed": "transformer", "transformer_first_block": "transformer",
                            "transformer_rest": "transformer", "transformer_out": "transformer",
-                           "unet_deep": "unet", "unet_shallow": "unet", "unet_freeu": "unet"}  # fmt: skip
+                           "unet_deep": "unet", "unet_shallow": "unet", "unet_freeu": "unet",
+                           "image_encoder": "image_encoder"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77

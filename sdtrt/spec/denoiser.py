@@ -1,4 +1,12 @@
-"""Denoisers: the graphs a sampler calls each step. A UNet is one kind; a transformer (SD3, Flux) the next."""
+"""Denoisers: the graphs a sampler calls each step. A UNet is one kind; a transformer (SD3, Flux) the next.
+
+A denoiser compiled with an IP-Adapter (``sdtrt compile --ip-adapter PATH``) takes two more inputs, last:
+``image_embeds``, what diffusers' ``prepare_ip_adapter_image_embeds`` hands the denoiser (the image encoder's embeds;
+the adapter's image projection is in the graph), and ``ip_adapter_scale``, one fp32 scale per attention layer the
+adapter adds to (``ip_layers``, in ``attn_processors``' order), as ``set_ip_adapter_scale`` sets them. Its spec records
+the adapter file's digest, so the graph's key changes with the adapter; a denoiser without one has the JSON (and keys)
+it always had.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +20,10 @@ from .base import TEXT_TOKENS, GraphSpec, TensorSpec, ValidationCase, scaled_axi
 
 if TYPE_CHECKING:
     import torch
+
+
+IMAGE_EMBEDS = "image_embeds"  # what prepare_ip_adapter_image_embeds gives, one adapter's: [batch, 1 image, width]
+IP_SCALE = "ip_adapter_scale"  # one fp32 scale per IP-Adapter attention layer
 
 
 def residual_layout(unet_config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
@@ -55,9 +67,35 @@ class DenoiserSpec(GraphSpec):
     timestep_cond_dim: int = 0  # LCM's guidance embedding
     # ControlNet residuals, (channels, downscale) each: the UNet's extra inputs, the ControlNet's outputs.
     residuals: tuple[tuple[int, int], ...] = ()
+    # The IP-Adapter the graph was exported with (0, (), "": none): its image embeds' width, the attention layers it
+    # adds to, and its weight file's sha256.
+    image_embeds_dim: int = 0
+    ip_layers: tuple[str, ...] = ()
+    ip_adapter_digest: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "residuals", tuple(tuple(r) for r in self.residuals))  # lists from JSON
+        object.__setattr__(self, "ip_layers", tuple(self.ip_layers))
+
+    def ip_adapter_tensors(self) -> list[tuple[str, tuple[int | str, ...]]]:
+        """(canonical name, shape) of the IP-Adapter's inputs, the graph's last: the image embeds (one image) and
+        one scale per layer it adds to."""
+        if not self.image_embeds_dim:
+            return []
+        return [(IMAGE_EMBEDS, ("batch", 1, self.image_embeds_dim)), (IP_SCALE, (len(self.ip_layers),))]
+
+    def fixed_inputs(self) -> dict[str, tuple[float, ...]]:
+        """Inputs that stay fp32 whatever the graph's precision (the IP-Adapter's scales, Python floats in diffusers),
+        by canonical name, with the values validation feeds them: the scales load_ip_adapter sets, so the graph is
+        checked where it is used."""
+        return {IP_SCALE: (1.0,) * len(self.ip_layers)} if self.image_embeds_dim else {}
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if not self.image_embeds_dim:  # a denoiser without an IP-Adapter keeps the JSON, and so the keys, it had
+            for name in ("image_embeds_dim", "ip_layers", "ip_adapter_digest"):
+                del data[name]
+        return data
 
     @classmethod
     def config_fields(
@@ -119,6 +157,8 @@ class DenoiserSpec(GraphSpec):
         feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype, tokens=tokens)
         t_name = self.input_names[self.canonical_inputs.index("timestep")]
         value = float(timestep) * self.timestep_scale
+        for name, values in self.fixed_inputs().items():
+            feeds[self.input_names[self.canonical_inputs.index(name)]] = torch.tensor(values, dtype=torch.float32)
         return feeds | {t_name: torch.full_like(feeds[t_name], value, dtype=torch.float32)}
 
     def validation_cases(self, profile: ShapeProfile) -> list[ValidationCase]:

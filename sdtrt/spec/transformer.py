@@ -78,19 +78,25 @@ class TransformerSpec(DenoiserSpec):
         raise NotImplementedError
 
     def inputs(self) -> list[TensorSpec]:
-        shapes = self.input_tensors()
+        shapes = self.graph_tensors()
         return [
             TensorSpec(name, dtype or self.dtype, shape)
             for name, (dtype, shape) in zip(self.input_names, shapes.values(), strict=True)
         ]
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
-        """Canonical name → (dtype, None for the graph's; shape), in graph order."""
+        """Canonical name → (dtype, None for the graph's; shape), in graph order: the network's forward arguments."""
         raise NotImplementedError
+
+    def graph_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        """``input_tensors``, then an IP-Adapter's (its scales fp32)."""
+        fp32 = self.fixed_inputs()
+        ip_adapter = {name: ("float32" if name in fp32 else None, shape) for name, shape in self.ip_adapter_tensors()}
+        return self.input_tensors() | ip_adapter
 
     @property
     def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(self.input_tensors())
+        return tuple(self.graph_tensors())
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The UNet's graph contract."""
+"""The UNet's graph contract (a UNet compiled with an IP-Adapter takes its inputs last: spec/denoiser.py)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,15 @@ class UNetSpec(DenoiserSpec):
         return self.output_names[0]
 
     def extra_tensors(self) -> list[tuple[str, tuple[int | str, ...]]]:
-        """(canonical name, shape) of the inputs after sample, timestep and text: conditioning, then residuals."""
-        return self.conditioning_tensors() + self.residual_tensors()
+        """(canonical name, shape) of the inputs after sample, timestep and text: conditioning, residuals, then the
+        IP-Adapter's image embeds (one image) and scales."""
+        return self.conditioning_tensors() + self.residual_tensors() + self.ip_adapter_tensors()
 
     def inputs(self) -> list[TensorSpec]:
-        tensors = self.latent_inputs(NAMED_INPUTS) + [TensorSpec(n, self.dtype, s) for n, s in self.extra_tensors()]
+        fp32 = self.fixed_inputs()
+        tensors = self.latent_inputs(NAMED_INPUTS) + [
+            TensorSpec(n, "float32" if n in fp32 else self.dtype, s) for n, s in self.extra_tensors()
+        ]
         by_name = {t.name: t for t in tensors}
         return [replace(by_name[c], name=g) for c, g in zip(self.canonical_inputs, self.input_names, strict=True)]
 

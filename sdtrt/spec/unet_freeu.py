@@ -9,15 +9,11 @@ it was, and runs whenever FreeU is off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 from ..core.config import Component
-from .base import TensorSpec
 from .unet import UNetSpec
-
-if TYPE_CHECKING:
-    import torch
 
 FREEU = "freeu"
 FACTORS = ("s1", "s2", "b1", "b2")  # the input's order: enable_freeu's
@@ -36,17 +32,5 @@ class UNetFreeUSpec(UNetSpec):
     def extra_tensors(self) -> list[tuple[str, tuple[int | str, ...]]]:
         return [*super().extra_tensors(), (FREEU, (len(FACTORS),))]
 
-    def inputs(self) -> list[TensorSpec]:
-        tensors = zip(self.canonical_inputs, super().inputs(), strict=True)
-        return [replace(t, dtype="float32") if c == FREEU else t for c, t in tensors]
-
-    def sample_inputs(
-        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, timestep: float = 500.0,
-        dtype: torch.dtype | None = None, tokens: int = 0,
-    ) -> dict[str, torch.Tensor]:  # fmt: skip
-        import torch
-
-        feeds = super().sample_inputs(
-            batch, height_px, width_px, seed=seed, timestep=timestep, dtype=dtype, tokens=tokens
-        )
-        return feeds | {self.input_names[-1]: torch.tensor(VALIDATION_FACTORS, dtype=torch.float32)}
+    def fixed_inputs(self) -> dict[str, tuple[float, ...]]:
+        return super().fixed_inputs() | {FREEU: VALIDATION_FACTORS}

@@ -11,13 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from ..core.artifact import Artifact
-from ..core.config import BUILDABLE, FREEU_MEMBER, TRANSFORMER_PARTS, UNET_PARTS, Component, ShapeProfile
+from ..core.config import (
+    BUILDABLE,
+    FREEU_MEMBER,
+    IMAGE_ENCODER,
+    TRANSFORMER_PARTS,
+    UNET_PARTS,
+    Component,
+    ShapeProfile,
+)
 from ..core.errors import ArtifactError, ConfigError, EngineMismatchError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource, resolve_model
-from ..spec import FOLDERS, component_spec, model_components, spec_from_json, split_members
+from ..spec import FOLDERS, DenoiserSpec, component_spec, model_components, spec_from_json, split_members
+from .ip_adapter import recorded_ip_adapter
 
 STAGE = "set"
 VERSION = 1
@@ -65,7 +74,8 @@ def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store, mod
         component = artifact_spec(artifact).component
         if component != name:
             raise ArtifactError(f"{artifact.path} is a {component} artifact, given as the set's {name}")
-    sources = {c: source_model(a) for c, a in members.items()}
+    # An IP-Adapter's image encoder comes from the adapter's folder, not the model's (its key names that folder).
+    sources = {c: source_model(a) for c, a in members.items() if c != IMAGE_ENCODER}
     foreign = [c for c, s in sorted(sources.items()) if s["digest"] != model.folder_digest(FOLDERS[c])]
     if foreign:
         raise ArtifactError(
@@ -73,18 +83,27 @@ def run(config: EngineSetConfig, members: dict[str, Artifact], store: Store, mod
             + ", ".join(f"{c} from {sources[c].get('path')}" for c in foreign)
             + ")"
         )
-    inputs = [a.as_input() | {"component": c} for c, a in sorted(members.items())]
+    # The model's networks first: a set's lineage (the model it was made from) follows its first input.
+    inputs = [a.as_input() | {"component": c} for c, a in sorted(members.items(), key=lambda m: adapter_last(m[0]))]
     request = StageRequest(STAGE, VERSION, config, inputs, environment())
     artifact, _ = store.produce(request, lambda out_dir: _describe(members, model.describe()))
     return artifact
 
 
+def adapter_last(component: str) -> tuple[bool, str]:
+    return component == IMAGE_ENCODER, component
+
+
 def _describe(members: dict[str, Artifact], model: dict[str, Any]) -> dict[str, Any]:
-    networks = sorted(c for c in members if c not in (*TRANSFORMER_PARTS, *UNET_PARTS, FREEU_MEMBER))
+    # --components names the model's networks: the members beside them come with their options.
+    networks = sorted(c for c in members if c not in (*TRANSFORMER_PARTS, *UNET_PARTS, FREEU_MEMBER, IMAGE_ENCODER))
     split = [kind for kind, parts in (("first-block", TRANSFORMER_PARTS), ("deepcache", UNET_PARTS))
              if any(c in members for c in parts)]  # fmt: skip
     caches = f" --caches {','.join(split)}" if split else ""
     caches += " --freeu" if FREEU_MEMBER in members else ""
+    denoiser = members.get("unet") or members.get("transformer")
+    if denoiser is not None and (ip_adapter := recorded_ip_adapter(denoiser)):
+        caches += f" --ip-adapter {ip_adapter.weights}"
     return {
         "primary": "manifest.json",
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},
@@ -135,13 +154,18 @@ def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:
     """
     for component, member in sorted(members.items()):
         io = member.manifest.get("io")
-        if not io:
+        if not io or component == IMAGE_ENCODER:  # the IP-Adapter's, paired with the UNet that holds the adapter
             continue
         spec, folder, recorded = spec_from_json(io), FOLDERS[component], _first_input(member)
         if component not in model_components(model) + split_members(model):
             problem: str | None = f"{model.name} has no {folder}/"
         else:
             wanted = component_spec(model, spec.component, spec.precision, spec.io_naming)
+            if isinstance(spec, DenoiserSpec) and isinstance(wanted, DenoiserSpec):  # its IP-Adapter is its own
+                wanted = replace(
+                    wanted, image_embeds_dim=spec.image_embeds_dim, ip_layers=spec.ip_layers,
+                    ip_adapter_digest=spec.ip_adapter_digest,
+                )  # fmt: skip
             problem = _io_difference(spec.to_json(), wanted.to_json())
         if not problem and "digest" in recorded and recorded["digest"] != model.folder_digest(folder):
             problem = f"its weights differ from the model's {folder}/ (content hash)"

@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.artifact import Artifact
-from ..core.config import ExportConfig
+from ..core.config import IMAGE_ENCODER, ExportConfig
 from ..core.errors import ExportError, one_line
 from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
+from ..sources.ip_adapters import resolve_ip_adapter
 from ..sources.models import ModelSource, load_folder
-from ..spec import FOLDERS, GraphSpec, component_spec
+from ..spec import FOLDERS, DenoiserSpec, GraphSpec, ImageEncoderSpec, component_spec
 from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
@@ -65,7 +66,10 @@ def exporter_for(config: ExportConfig, spec: GraphSpec) -> Literal["dynamo", "to
 def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["load", "stream"]:
     """How the network's weights reach the graph: "load" (the network loaded whole, traced, its graph re-saved)
     or "stream" (traced without weights, initializers streamed from the safetensors files). "auto" streams
-    only with torch.export's exporter and over STREAM_ABOVE bytes of weights on disk."""
+    only with torch.export's exporter and over STREAM_ABOVE bytes of weights on disk. An IP-Adapter's image encoder
+    (in the adapter's folder, not the model's: 1.2 GB at most) is loaded."""
+    if spec.component == IMAGE_ENCODER:
+        return "load"
     if config.weights != "auto":
         return config.weights
     if exporter_for(config, spec) != "dynamo":
@@ -84,13 +88,33 @@ def precision_note(spec: GraphSpec) -> dict[str, str]:
 
 
 def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
-    return component_spec(model, config.component, config.precision, config.io_naming)
+    """The graph contract: the component's, with the IP-Adapter's inputs for a UNet exported with one; an IP-Adapter's
+    image encoder's from the adapter's files."""
+    if config.component == IMAGE_ENCODER and config.ip_adapter:
+        files = resolve_ip_adapter(config.ip_adapter)
+        return ImageEncoderSpec.from_config(files.image_encoder_config(), config.precision, config.io_naming)
+    spec = component_spec(model, config.component, config.precision, config.io_naming)
+    if config.ip_adapter and config.component in ("unet", "transformer"):
+        from .ip_adapter import with_ip_adapter
+
+        assert isinstance(spec, DenoiserSpec)
+        return with_ip_adapter(spec, resolve_ip_adapter(config.ip_adapter), model)
+    return spec
 
 
 def network_inputs(model: ModelSource, spec: GraphSpec) -> list[dict[str, Any]]:
     """What a graph traced from one of the model's networks is keyed by: the network's folder and the graph contract."""
     return [
         {"kind": "model", "digest": model.folder_digest(FOLDERS[spec.component]), **model.describe()},
+        {"kind": "graph", "digest": digest(spec.to_json())},
+    ]
+
+
+def adapter_inputs(config: ExportConfig, spec: GraphSpec) -> list[dict[str, Any]]:
+    """What an IP-Adapter's image encoder's graph is keyed by: its folder in the adapter and the graph contract."""
+    files = resolve_ip_adapter(config.ip_adapter)
+    return [
+        {"kind": "ip_adapter", "digest": files.image_encoder_digest(), "path": str(files.image_encoder)},
         {"kind": "graph", "digest": digest(spec.to_json())},
     ]
 
@@ -114,7 +138,7 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
         config=config,
         # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
         # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
-        inputs=network_inputs(model, spec),
+        inputs=adapter_inputs(config, spec) if spec.component == IMAGE_ENCODER else network_inputs(model, spec),
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
 
@@ -132,13 +156,22 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
+    ip_adapter = isinstance(spec, DenoiserSpec) and spec.ip_layers
+    if ip_adapter and weights == "stream":
+        raise ExportError("an IP-Adapter goes into a loaded denoiser, not a streamed one: export with --weights load")
     with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {model.name}"):
         if weights == "stream":
             network, sources = weight_free_network(model, folder, dtype)
+        elif spec.component == IMAGE_ENCODER:
+            network = resolve_ip_adapter(config.ip_adapter).load_image_encoder(dtype)
         else:
             network = load_folder(model, folder, dtype)
         if folder == "unet" and network.config.get("upcast_attention") and config.precision == "fp16":
             keep_attention_upcast(network)
+        if ip_adapter:  # after the upcast: its processors replace those of the layers it adds to
+            from .ip_adapter import load_ip_adapter_weights
+
+            load_ip_adapter_weights(network, resolve_ip_adapter(config.ip_adapter))
         module = graph_module(spec, network)
     timings["load_s"] = round(time.perf_counter() - started, 3)
 
@@ -204,7 +237,9 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             "exporter": exporter,
             "weights": weights,
             "external_data": onnx_graph.data_file(onnx_path).exists(),
-            "config": model.component_config(folder),
+            "config": resolve_ip_adapter(config.ip_adapter).image_encoder_config()
+            if spec.component == IMAGE_ENCODER
+            else model.component_config(folder),
         },
         "reproduce": (
             f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
+from ..spec import DenoiserSpec, GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
+from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +33,13 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         return (*down, mid)
 
     def transformer(*inputs: torch.Tensor) -> torch.Tensor:
-        # SD3's and Flux's graph inputs are named as their forward's keyword arguments.
-        return network(**dict(zip(spec.canonical_inputs, inputs, strict=True)), return_dict=False)[0]
+        # SD3's and Flux's graph inputs are named as their forward's keyword arguments; an IP-Adapter's image embeds go
+        # in as FluxPipeline passes them (its scales: ip_adapter_call).
+        given: dict[str, Any] = dict(zip(spec.canonical_inputs, inputs, strict=True))
+        if IMAGE_EMBEDS in given:
+            del given[IP_SCALE]
+            given["joint_attention_kwargs"] = {"ip_adapter_image_embeds": [given.pop(IMAGE_EMBEDS)]}
+        return network(**given, return_dict=False)[0]
 
     def t5(input_ids: torch.Tensor) -> torch.Tensor:
         return network(input_ids).last_hidden_state  # no attention mask, as SD3's and Flux's pipelines call it
@@ -42,6 +48,9 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         out = network(input_ids, output_hidden_states=True)
         # The penultimate layer is what `clip_skip=1` (and SDXL) read, before the final layer norm.
         return out.last_hidden_state, getattr(out, spec.canonical_outputs[1]), out.hidden_states[-2]
+
+    def image_encoder(pixel_values: torch.Tensor) -> torch.Tensor:
+        return network(pixel_values).image_embeds  # what encode_image reads for the plain IP-Adapter
 
     def vae_decoder(latent_sample: torch.Tensor) -> torch.Tensor:
         return network.decode(latent_sample, return_dict=False)[0]
@@ -60,6 +69,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         "text_encoder_3": text_encoder,
         "vae_decoder": vae_decoder,
         "vae_encoder": vae_encoder,
+        "image_encoder": image_encoder,
     }
 
     if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches
@@ -74,6 +84,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .freeu import freeu_call
 
         forward[spec.component] = freeu_call(network, unet)
+    elif isinstance(spec, DenoiserSpec) and spec.ip_layers:  # the IP-Adapter's per-layer scale an input
+        from .ip_adapter import ip_adapter_call
+
+        forward[spec.component] = ip_adapter_call(network, forward[spec.component], spec)
 
     class Graph(torch.nn.Module):
         def __init__(self) -> None:
@@ -89,13 +103,17 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
 def unet_extras(spec: GraphSpec, extras: tuple[Any, ...], first: int = 3) -> dict[str, Any]:
     """The network's keyword inputs from the graph's inputs after the ``first`` positional ones.
 
-    SDXL's ``text_embeds``/``time_ids`` become ``added_cond_kwargs``, LCM's ``timestep_cond`` stays,
-    ControlNet residuals become ``down_block_additional_residuals`` + ``mid_block_additional_residual``.
+    SDXL's ``text_embeds``/``time_ids`` and an IP-Adapter's ``image_embeds`` (a list: one adapter) become
+    ``added_cond_kwargs``, LCM's ``timestep_cond`` stays, ControlNet residuals become
+    ``down_block_additional_residuals`` + ``mid_block_additional_residual``.
     """
     given = dict(zip(spec.canonical_inputs[first:], extras, strict=True))
     kwargs: dict[str, Any] = {"timestep_cond": given.get("timestep_cond")}
-    if "text_embeds" in given:
-        kwargs["added_cond_kwargs"] = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]}
+    added = {"text_embeds": given["text_embeds"], "time_ids": given["time_ids"]} if "text_embeds" in given else {}
+    if "image_embeds" in given:
+        added["image_embeds"] = [given["image_embeds"]]
+    if added:
+        kwargs["added_cond_kwargs"] = added
     if "mid_block_res" in given:
         kwargs["down_block_additional_residuals"] = tuple(
             v for k, v in given.items() if k.startswith("down_block_res_")

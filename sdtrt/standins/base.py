@@ -55,10 +55,13 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
                            + PYTORCH_ONLY),
 }  # fmt: skip
 # The pipeline's own methods that would reach PyTorch-only code (IP-Adapter loaders): on a pipeline
-# with a stand-in they fail deep inside diffusers/PEFT. diffusers' other LoRA methods run on engines (adapters.py).
+# with a stand-in they fail deep inside diffusers/PEFT. diffusers' other LoRA methods run on engines (adapters.py), and
+# the IP-Adapter ones on a UNet engine compiled with the adapter (ip_adapter.py).
 PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
-    name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and IP-Adapter on "
-           "engines is not built yet (sdtrt does not export its inputs): " + PYTORCH_ONLY)
+    name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and this pipeline's "
+           "engines were compiled without them: for a UNet or Flux's transformer, recompile with `sdtrt compile "
+           "--ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH)); IP-Adapter on SD3's engines is not built yet: "
+           + PYTORCH_ONLY)
     for name in ("load_ip_adapter", "set_ip_adapter_scale", "unload_ip_adapter")
 }  # fmt: skip
 
@@ -75,13 +78,18 @@ def refusal(name: str, error: type[SdtrtError], why: str) -> Any:
 
 
 def refuse_pytorch_only(pipe: Any) -> None:
-    """Make a pipeline with a stand-in refuse, in one line, its methods in PIPELINE_REFUSALS, and run diffusers'
+    """Make a pipeline with a stand-in refuse, in one line, its methods in PIPELINE_REFUSALS (but where its UNet engine
+    was compiled with an IP-Adapter: diffusers' IP-Adapter API runs on it, standins/ip_adapter.py), and run diffusers'
     LoRA adapter API (load_lora_weights, set_adapters, fuse_lora …) on its engines (standins.adapters)."""
+    from . import ip_adapter
     from .adapters import install
 
-    for name, (error, why) in PIPELINE_REFUSALS.items():
-        if hasattr(type(pipe), name):
-            setattr(pipe, name, refusal(name, error, why).__get__(pipe))
+    if ip_adapter.takes_ip_adapter(pipe):
+        ip_adapter.install(pipe)
+    else:
+        for name, (error, why) in PIPELINE_REFUSALS.items():
+            if hasattr(type(pipe), name):
+                setattr(pipe, name, refusal(name, error, why).__get__(pipe))
     install(pipe)
 
 

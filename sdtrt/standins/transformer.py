@@ -23,6 +23,7 @@ from ..lora.refit import EngineLoras, LoraNetwork
 from ..runtime import Runtime
 from ..spec import FluxTransformerSpec, TransformerSpec
 from .base import EngineModule
+from .ip_adapter import NO_IP_ADAPTER, IPAdapterInputs
 from .peft_adapters import PeftAdapters
 from .step_cache import SplitTransformer, cache_problem, check_hooked
 from .unet import normalise_timestep
@@ -43,7 +44,7 @@ REFUSED = {
 IGNORED_DEFAULTS = {"controlnet_blocks_repeat": False}  # Flux's: meaningful only with ControlNet samples
 
 
-class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin):
+class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPAdapterInputs):
     """An SD3Transformer2DModel / FluxTransformer2DModel stand-in backed by a transformer engine.
 
     ``EngineTransformer(runtime, …)`` makes the subclass that is an instance of the class the engine's
@@ -71,6 +72,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin):
         self._open_parts: Callable[[], dict[str, Runtime]] | None = None  # use_parts'
         self._part_loras: Callable[[str, Runtime], EngineLoras] | None = None
         self._in_cache_context = False
+        self.init_ip_adapter()
 
     def use_parts(
         self, open_parts: Callable[[], dict[str, Runtime]], part_loras: Callable[[str, Runtime], EngineLoras]
@@ -129,7 +131,9 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin):
         return_dict: bool = True,
         **kwargs: Any,
     ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
-        self._refuse(joint_attention_kwargs, kwargs)
+        attention = dict(joint_attention_kwargs or {})
+        ip_embeds = attention.pop("ip_adapter_image_embeds", None) if self.spec.ip_layers else None
+        self._refuse(attention, kwargs)
         batch, device = hidden_states.shape[0], hidden_states.device
         given = {
             "hidden_states": hidden_states,
@@ -140,6 +144,8 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin):
             "txt_ids": txt_ids,
             "guidance": None if guidance is None else normalise_timestep(guidance, batch, device),
         }
+        if self.spec.ip_layers:
+            given |= self.ip_adapter_inputs(ip_embeds, hidden_states)
         wanted = self.spec.canonical_inputs
         present = {name: value for name, value in given.items() if value is not None}
         if missing := [name for name in wanted if name not in present]:
@@ -165,14 +171,16 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin):
         with self.cache_context("cond"):
             return self.split(inputs)
 
-    def _refuse(self, joint_attention_kwargs: dict[str, Any] | None, kwargs: dict[str, Any]) -> None:
-        """EngineInputError for a feature the engine cannot run; TypeError for a keyword no forward takes."""
-        attention = dict(joint_attention_kwargs or {})
+    def _refuse(self, attention: dict[str, Any], kwargs: dict[str, Any]) -> None:
+        """EngineInputError for a feature the engine cannot run (``attention``: the joint_attention_kwargs it does not
+        take); TypeError for a keyword no forward takes."""
         self.check_call_scale(attention.pop("scale", None), "joint_attention_kwargs['scale']")
+        if "ip_adapter_image_embeds" in attention:
+            raise EngineInputError(f"joint_attention_kwargs['ip_adapter_image_embeds']: {NO_IP_ADAPTER}")
         if attention:
             raise EngineInputError(
-                f"joint_attention_kwargs {sorted(attention)} change the engine's attention (IP-Adapter?), which is "
-                "fixed at build: run this pipeline on PyTorch (load_pipeline without an engine) to use them"
+                f"joint_attention_kwargs {sorted(attention)} change the engine's attention, which is fixed at build: "
+                "run this pipeline on PyTorch (load_pipeline without an engine) to use them"
             )
         for name, value in kwargs.items():
             if name in REFUSED:

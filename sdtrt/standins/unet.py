@@ -4,7 +4,8 @@ It keeps the UNet's call signature, ``config``, ``dtype`` and ``device`` and its
 pipelines and schedulers cannot tell the difference, and it refuses inputs the engine was not built
 for instead of silently dropping them. With DeepCache on (``sdtrt.DeepCache``), its steps run on the set's DeepCache
 members instead (standins/deepcache.py); with FreeU on (``enable_freeu``), on the set's FreeU build (``unet_freeu``,
-spec/unet_freeu.py), fed the factors.
+spec/unet_freeu.py), fed the factors. A UNet engine compiled with an IP-Adapter is fed the image embeds the pipeline
+passes and the per-layer scales ``set_ip_adapter_scale`` set (standins/ip_adapter.py); zeros without an IP image.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from ..core.errors import ArtifactError, EngineInputError
 from ..lora.refit import LoraNetwork
 from ..runtime import Runtime
 from ..spec import UNetSpec, residual_names
+from ..spec.denoiser import IMAGE_EMBEDS
 from .base import EngineModule
 from .deepcache import DeepCacheRun, SplitUNet, Timestep, deepcache_problem
+from .ip_adapter import NO_IP_ADAPTER, IPAdapterInputs
 from .peft_adapters import PeftAdapters
 
 if TYPE_CHECKING:
@@ -53,7 +56,7 @@ def normalise_timestep(timestep: torch.Tensor | float | int, batch: int, device:
     return t
 
 
-class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
+class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork, IPAdapterInputs):
     """A UNet2DConditionModel stand-in backed by a Runtime (ONNX Runtime, TensorRT, TorchScript)."""
 
     def __init__(
@@ -66,7 +69,7 @@ class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
         super().__init__(config, dtype or runtime.dtype, [runtime])
         if not isinstance(runtime.spec, UNetSpec):
             raise ArtifactError(f"this is a {runtime.spec.component} engine; a pipeline's unet needs a UNet engine")
-        self.spec = runtime.spec
+        self.spec: UNetSpec = runtime.spec
         self.runtime = runtime
         if "projection_class_embeddings_input_dim" in config:
             # SDXL pipelines check their time ids against add_embedding.linear_1.in_features.
@@ -80,6 +83,7 @@ class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
         self._open_freeu: Callable[[], Runtime] | None = None
         self.freeu: torch.Tensor | None = None  # FreeU's factors [s1, s2, b1, b2] while it is on
         self._member_loras: Callable[[str, Runtime], EngineLoras] | None = None  # use_members'
+        self.init_ip_adapter()
 
     def use_members(
         self, open_parts: Callable[[], dict[str, Runtime]] | None, open_freeu: Callable[[], Runtime] | None,
@@ -148,11 +152,7 @@ class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
         self.take_member_loras([self._member_loras(component, runtime) for component, runtime in members.items()])
 
     def _load_ip_adapter_weights(self, *args: Any, **kwargs: Any) -> None:
-        raise EngineInputError(
-            "IP-Adapter adds image-projection inputs and attention layers to the UNet, and this engine was built "
-            "without them: IP-Adapter needs an engine built with its image-projection inputs, which sdtrt does "
-            "not export yet; run this pipeline on PyTorch (load_pipeline without an engine) to use it"
-        )
+        raise EngineInputError(f"UNet._load_ip_adapter_weights: {NO_IP_ADAPTER}")
 
     def forward(
         self,
@@ -170,6 +170,8 @@ class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
         if unknown:
             raise TypeError(f"EngineUNet.forward() got unexpected keyword arguments {unknown}")
         self.check_call_scale((cross_attention_kwargs or {}).get("scale"), "cross_attention_kwargs['scale']")
+        if (cross_attention_kwargs or {}).get("ip_adapter_masks") is not None:
+            raise EngineInputError("ip_adapter_masks: masked IP-Adapter images are not built into engines yet")
         spec = self.spec
         t = normalise_timestep(timestep, sample.shape[0], sample.device)
         tensors = [sample, t, encoder_hidden_states, *self._extras(sample, kwargs)]
@@ -194,6 +196,8 @@ class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
         if self.spec.residuals:
             down = given.pop("down_block_additional_residuals", None)
             values |= self._residuals(sample, down, given.pop("mid_block_additional_residual", None))
+        if self.spec.ip_layers:
+            values |= self.ip_adapter_inputs(values.pop(IMAGE_EMBEDS, None), sample)
         wanted = self.spec.canonical_inputs[3:]
         if given:
             problem = f"cannot take {sorted(given)}"
@@ -203,10 +207,11 @@ class EngineUNet(EngineModule, PeftAdapters, UNet2DConditionModel, LoraNetwork):
             problem = f"has no input for {extra}"
         else:
             return [values[name] for name in wanted]
-        hint = " (ControlNet residuals need a UNet compiled from a model with a controlnet/ folder)"
+        hint = (" (ControlNet residuals need a UNet compiled from a model with a controlnet/ folder)" if "residual"
+                in problem else f" ({NO_IP_ADAPTER})" if IMAGE_EMBEDS in problem else "")  # fmt: skip
         raise EngineInputError(
             f"this UNet engine takes {', '.join(wanted) or 'no inputs'} beyond sample, timestep and "
-            f"encoder_hidden_states; it {problem}{hint if 'residual' in problem else ''}"
+            f"encoder_hidden_states; it {problem}{hint}"
         )
 
     def _residuals(self, sample: torch.Tensor, down: Any, mid: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from ..core.artifact import Artifact
 from ..core.config import (
     FREEU_MEMBER,
+    IMAGE_ENCODER,
     STEP_CACHES,
     Component,
     ConcreteTarget,
@@ -41,8 +42,18 @@ from ..core.gpu import (
 from ..core.store import Store
 from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missing, rtx_turing_problem
 from ..graph.onnx_graph import artifact_spec
+from ..sources.ip_adapters import resolve_ip_adapter
 from ..sources.models import ModelSource
-from ..spec import FOLDERS, denoiser_component, denoiser_spec, folder_architecture, model_components, spec_class
+from ..spec import (
+    FOLDERS,
+    FluxTransformerSpec,
+    UNetSpec,
+    denoiser_component,
+    denoiser_spec,
+    folder_architecture,
+    model_components,
+    spec_class,
+)
 from ..stages import build_ort, engine_set, export, quantize, simplify
 from ..stages.engine_set import EngineSetConfig
 from .validate import ValidationReport, stored_validate
@@ -165,10 +176,13 @@ def compile_model(
     wraps = chosen == "tensorrt" and unwrapped is None
     caches = (caches,) if isinstance(caches, str) else caches  # caches="first-block" means one, not its letters
     components = components or model_components(model)
-    if (caches or freeu) and denoiser_component(model) not in components:  # the members run beside the whole engine
+    check_ip_adapter(model, export_config, caches, freeu, quantize_config)
+    # The members beside run with the whole engine; an IP-Adapter goes into it.
+    if (caches or freeu or export_config.ip_adapter) and denoiser_component(model) not in components:
         components = (*components, denoiser_component(model))
-    # The members beside the denoiser: a step cache's split, the FreeU build.
-    beside = (*cache_members(model, caches), *freeu_member(model, freeu))
+    # The members beside the denoiser: a step cache's split, the FreeU build, an IP-Adapter's image encoder.
+    adapter = (IMAGE_ENCODER,) if export_config.ip_adapter else ()
+    beside = (*cache_members(model, caches), *freeu_member(model, freeu), *adapter)
     components = (*components, *beside)
     # One user profile for every member: the denoiser's.
     profile = profile or denoiser_spec(model).default_profile()
@@ -180,9 +194,9 @@ def compile_model(
     finals: dict[str, Artifact] = {}
     graphs: dict[str, Artifact] = {}
     for component in components:
-        config = replace(
-            export_config, component=component, precision=component_precision(model, component, export_config.precision)
-        )
+        precision = component_precision(model, component, export_config.precision)
+        adapter_path = export_config.ip_adapter if component in ("unet", "transformer", IMAGE_ENCODER) else ""
+        config = replace(export_config, component=component, precision=precision, ip_adapter=adapter_path)
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         exported = quantized[component] if component in quantized else export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
@@ -246,6 +260,28 @@ def freeu_member(model: ModelSource, freeu: bool) -> tuple[Component, ...]:
         raise ConfigError(f"FreeU rescales a UNet's up blocks, and {model.name}'s denoiser is a {denoiser}: compile "
                           "without --freeu")  # fmt: skip
     return (FREEU_MEMBER,)
+
+
+def check_ip_adapter(
+    model: ModelSource, export_config: ExportConfig, caches: tuple[str, ...], freeu: bool,
+    quantize_config: QuantizeConfig | None,
+) -> None:  # fmt: skip
+    """ConfigError where the IP-Adapter (export_config.ip_adapter) cannot go into this model's engines, before
+    anything is exported; its files are read here too."""
+    if not export_config.ip_adapter:
+        return
+    if not isinstance(denoiser_spec(model), UNetSpec | FluxTransformerSpec):
+        raise ConfigError(
+            f"IP-Adapter on {model.name}'s transformer engines is not built yet (a UNet's and Flux's are): compile "
+            "without --ip-adapter, and run it on PyTorch (load_pipeline without an engine)"
+        )
+    if model.has("controlnet"):
+        raise ConfigError("IP-Adapter with a ControlNet is not built yet: compile without --ip-adapter")
+    if caches or freeu or quantize_config is not None:
+        what = "step caches' members" if caches else "the FreeU build" if freeu else "a quantized UNet"
+        raise ConfigError(f"IP-Adapter goes into the whole denoiser only, and {what} would run without it: compile "
+                          "without --ip-adapter, or without the other")  # fmt: skip
+    resolve_ip_adapter(export_config.ip_adapter).state_dict()  # a file that cannot be read fails now
 
 
 def validate_graphs(

@@ -181,9 +181,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     from ..pipeline.loading import engine_members, generate, load_pipeline, standins, with_components
     from ..pipeline.request import GenerateRequest, SizeRule, check_validation
     from ..runtime import check_weight_budget, open_members
-    from ..sources.models import load_folder
-    from ..spec import FOLDERS
     from ..stages.engine_set import check_pairing, engine_profile
+    from ..stages.ip_adapter import reference_network
     from ..stages.quantize import precision_label
 
     members = engine_members(engine)
@@ -211,7 +210,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     report = ValidationReport(str(engine.path), model.name, label, tol, members=list(runtimes))
     for component, runtime in runtimes.items():
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
-        network = getattr(reference, FOLDERS[component], None) or load_folder(model, FOLDERS[component])
+        # A UNet's IP-Adapter is loaded into the reference's, then unloaded below: the images compare without one.
+        network, ip_adapter = reference_network(reference, model, component, members[component])
         cases = spec.validation_cases(profile)
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
@@ -228,6 +228,8 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                 row["tolerance"] = {"min_cosine": member_tol.min_cosine, "max_abs": member_tol.max_abs}
                 report.tensors.append(row)
                 report.failures += row["failures"]
+        if ip_adapter:
+            reference.unload_ip_adapter()
 
     if config.images:
         swapped = standins(model, members, reference.vae, reference.dtype, config.weight_budget, opened=runtimes)

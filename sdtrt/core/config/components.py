@@ -9,7 +9,7 @@ from typing import Literal
 Component = Literal[
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
     "vae_encoder", "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out", "unet_deep",
-    "unet_shallow", "unet_freeu",
+    "unet_shallow", "unet_freeu", "image_encoder",
 ]  # fmt: skip
 COMPONENTS: tuple[Component, ...] = (
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
@@ -27,7 +27,10 @@ UNET_PARTS: tuple[Component, ...] = ("unet_deep", "unet_shallow")
 # The UNet again, with FreeU's factors as an input (spec/unet_freeu.py): built only when asked (compile's freeu=), so
 # the plain UNet engine stays as it was and runs whenever FreeU is off.
 FREEU_MEMBER: Component = "unet_freeu"
-BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS + (FREEU_MEMBER,)
+# An IP-Adapter's CLIP image encoder (spec/image_encoder.py): it comes with the adapter, not the model, and joins the
+# set of a UNet compiled with one (ExportConfig.ip_adapter).
+IMAGE_ENCODER: Component = "image_encoder"
+BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS + (FREEU_MEMBER, IMAGE_ENCODER)
 
 # Step caches compile can build the split members for (compile's caches=), and the members each needs. The three
 # transformer caches skip the same blocks, so they share one split; DeepCache splits the UNet.

@@ -6,13 +6,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError
-from .components import BUILDABLE, TEXT_ENCODERS, Component
+from .components import BUILDABLE, IMAGE_ENCODER, TEXT_ENCODERS, Component
 from .keys import not_in_key
 from .precision import PRECISIONS, Precision
 
 Exporter = Literal["auto", "dynamo", "torchscript"]
 IONaming = Literal["named", "indexed"]
 Weights = Literal["auto", "load", "stream"]
+# CLIP towers, whose fp16 graph only torch.export's exporter writes right (below).
+CLIP_ENCODERS = (*TEXT_ENCODERS, IMAGE_ENCODER)
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,17 @@ class ExportConfig:
     # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams big folders
     # (stages/export.py).
     weights: Weights = not_in_key("auto")
+    # An IP-Adapter weight file (h94/IP-Adapter's layout, its image_encoder/ beside it): the UNet's graph gets its
+    # image-projection attention, the image embeds and a per-layer scale as inputs. The path is no part of the key; the
+    # file's digest is, through the UNet's graph spec (spec/unet.py).
+    ip_adapter: str = not_in_key("")
 
     @property
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
         if self.exporter != "auto":
             return self.exporter
         # bf16: torch.export's, the one measured on bf16 UNet, VAE and CLIP graphs.
-        if self.precision == "bf16" or (self.component in TEXT_ENCODERS and self.precision == "fp16"):
+        if self.precision == "bf16" or (self.component in CLIP_ENCODERS and self.precision == "fp16"):
             return "dynamo"
         return "torchscript"
 
@@ -50,9 +56,9 @@ class ExportConfig:
             raise ConfigError(f"precision '{self.precision}' is not one of {', '.join(PRECISIONS)}")
         if self.exporter not in ("auto", "dynamo", "torchscript"):
             raise ConfigError(f"exporter '{self.exporter}' is not auto, dynamo or torchscript")
-        if self.exporter == "torchscript" and self.component in TEXT_ENCODERS and self.precision == "fp16":
+        if self.exporter == "torchscript" and self.component in CLIP_ENCODERS and self.precision == "fp16":
             raise ConfigError(
-                "the TorchScript-based exporter writes an invalid fp16 text encoder graph (fp32 LayerNorm weights "
+                "the TorchScript-based exporter writes an invalid fp16 CLIP encoder graph (fp32 LayerNorm weights "
                 "on fp16 inputs); use --exporter dynamo (or auto)"
             )
         if self.io_naming not in ("named", "indexed"):

@@ -1,0 +1,171 @@
+"""IP-Adapter on denoiser engines: a random adapter made offline in the published layout (h94/IP-Adapter's for a UNet,
+XLabs' for Flux: diffusers' load_ip_adapter reads it), compiled into the denoiser (compile's ExportConfig(ip_adapter=…),
+``--ip-adapter``), run by diffusers' own IP-Adapter API on engine pipelines of SD 1.x, SDXL and Flux on ONNX Runtime
+(fp32) against diffusers' PyTorch pipeline with the same adapter loaded; refused in one line where the engines were
+compiled without it or cannot take it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrt import ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
+from sdtrt.core.config.shapes import Range
+from sdtrt.core.trt_products import rtx_missing
+from sdtrt.pipeline.loading import engine_members, load_pipeline
+from sdtrt.sources.ip_adapters import RANDOM_WEIGHTS, random_ip_adapter
+from sdtrt.sources.models import resolve_model
+from sdtrt.spec import denoiser_component
+from sdtrt.stages import export
+from sdtrt.standins.image_encoder import EngineImageEncoder
+from sdtrt.tools.compile import compile_model
+from sdtrt.tools.image_quality import psnr_db
+
+from .helpers import last_line, run_cli
+
+PRESETS = ("tiny", "tiny-sdxl", "tiny-flux")
+PROFILE = ShapeProfile(Range(1, 1, 1), Range(64, 128, 128), Range(64, 128, 128))
+# Per-layer scales: InstantStyle's per-block dict (diffusers' docs: style only) on the tiny UNets' blocks with
+# attention (SD 1.x's second up block, SDXL's first; half the scale on the down blocks), one per block for Flux's.
+STYLE = {"tiny": {"down": 0.5, "up": {"block_1": [0.0, 1.0]}},
+         "tiny-sdxl": {"down": 0.5, "up": {"block_0": [0.0, 1.0]}}, "tiny-flux": [0.7]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """preset → folder of its random IP-Adapter (weight file + image_encoder/)."""
+    root = tmp_path_factory.mktemp("ip-adapters")
+    return {preset: random_ip_adapter(resolve_model(preset), root / preset).weights.parent for preset in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def ip_set(tmp_path_factory, adapters):
+    """preset → compile's result for its UNet with the IP-Adapter (fp32 ONNX Runtime), validated against PyTorch
+    (tensors; the tests below compare images)."""
+    store = Store(tmp_path_factory.mktemp("ip-adapter-engines"))
+    built = {}
+
+    def get(preset: str):
+        if preset not in built:
+            model = resolve_model(preset)
+            config = ExportConfig(precision="fp32", ip_adapter=str(adapters[preset] / RANDOM_WEIGHTS))
+            flux = denoiser_component(model) == "transformer"  # no batch doubling
+            built[preset] = compile_model(
+                model, store, "onnxruntime", config, profile=replace(PROFILE, guidance=not flux),
+                components=(denoiser_component(model),), validation=ValidationConfig(images=False),
+            )  # fmt: skip
+        return built[preset]
+
+    return get
+
+
+def ip_image() -> Image.Image:
+    return Image.fromarray((np.random.default_rng(0).random((40, 48, 3)) * 255).astype("uint8"))
+
+
+def generate(pipe, **kwargs) -> np.ndarray:
+    return pipe(
+        "a red fox in the snow", num_inference_steps=6, height=128, width=128, output_type="np",
+        generator=torch.Generator().manual_seed(0), **kwargs,
+    ).images[0]  # fmt: skip
+
+
+def test_the_unet_graph_takes_the_image_embeds_and_scales_and_its_key_the_adapters_digest(ip_set, adapters, tmp_path):
+    model = resolve_model("tiny")
+    result = ip_set("tiny")
+    assert result.validation, result.validation.failures
+    assert {row["case"].split()[0] for row in result.validation.tensors} == {"unet", "image_encoder"}
+    assert max(row["max_abs"] for row in result.validation.tensors) < 1e-4
+    assert result.final.manifest["reproduce"].endswith(
+        f"--components unet --ip-adapter {adapters['tiny']}/{RANDOM_WEIGHTS}"
+    )
+    io = {t["name"]: t["shape"] for t in engine_members(result.final)["unet"].manifest["io"]["inputs"]}
+    assert io["image_embeds"] == ["batch", 1, 32] and io["ip_adapter_scale"] == [4]  # 4 cross-attention layers
+    plain = export.request_for(ExportConfig(precision="fp32"), model)
+    assert "ip_layers" not in export.spec_for(model, ExportConfig()).to_json()  # a plain UNet's key is as it was
+    other = random_ip_adapter(model, tmp_path, seed=1).weights
+    keys = {plain.key} | {
+        export.request_for(ExportConfig(precision="fp32", ip_adapter=str(weights)), model).key
+        for weights in (adapters["tiny"] / RANDOM_WEIGHTS, other)
+    }
+    assert len(keys) == 3  # the adapter's weights are in the key
+
+
+# SDXL's and Flux's cases run the same code as SD 1.x's on other graphs (34 and 30 s): slow.
+@pytest.mark.parametrize("preset", ["tiny", *(pytest.param(p, marks=pytest.mark.slow) for p in PRESETS[1:])])
+def test_engine_ip_adapter_draws_diffusers_images_at_each_scale_and_unloaded_the_plain_one(ip_set, adapters, preset):
+    reference = load_pipeline(preset)
+    # Flux's loader takes the image encoder from a path of its own (XLabs' files hold none).
+    encoder = {"image_encoder_pretrained_model_name_or_path": str(adapters[preset] / "image_encoder")}
+    reference.load_ip_adapter(
+        str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS, **(encoder if preset == "tiny-flux" else {})
+    )
+    pipe = load_pipeline(preset, ip_set(preset))
+    assert isinstance(pipe.image_encoder, EngineImageEncoder)  # the pipeline's encode_image runs over the engine
+    pipe.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=RANDOM_WEIGHTS)  # the same: accepted
+    images = {}
+    for label, scale in (("1.0", 1.0), ("0.4", 0.4), ("style", STYLE[preset])):
+        for each in (pipe, reference):
+            each.set_ip_adapter_scale(scale)
+        images[label] = generate(pipe, ip_adapter_image=ip_image())
+        want = generate(reference, ip_adapter_image=ip_image())
+        print(f"{preset} IP-Adapter scale {label}: engine vs PyTorch {psnr_db(images[label], want):.1f} dB")
+        assert psnr_db(images[label], want) >= 35
+    plain = generate(load_pipeline(preset))
+    assert psnr_db(images["1.0"], images["0.4"]) < 35 and psnr_db(images["1.0"], plain) < 35  # the scale tells
+    pipe.set_ip_adapter_scale(0.0)
+    assert psnr_db(generate(pipe, ip_adapter_image=ip_image()), plain) >= 35
+    pipe.unload_ip_adapter()
+    assert pipe.image_encoder is None and psnr_db(generate(pipe), plain) >= 35
+    pipe.load_ip_adapter(str(adapters[preset]), subfolder="", weight_name=[RANDOM_WEIGHTS])  # back, at scale 1
+    assert psnr_db(generate(pipe, ip_adapter_image=ip_image()), images["1.0"]) >= 35
+
+
+def test_ip_adapter_is_refused_where_the_engines_lack_it_or_cannot_take_it(ip_set, adapters, tmp_path, store):
+    pipe = load_pipeline("tiny", ip_set("tiny"))
+    other = random_ip_adapter(resolve_model("tiny"), tmp_path, seed=1).weights
+    with pytest.raises(EngineInputError, match="not the IP-Adapter this engine was compiled with"):
+        pipe.load_ip_adapter(str(tmp_path), subfolder="", weight_name=other.name)
+    with pytest.raises(EngineInputError, match="ip_adapter_masks: masked IP-Adapter images are not built"):
+        masks = {"ip_adapter_masks": [torch.ones(1, 1, 8, 8)]}
+        generate(pipe, ip_adapter_image=ip_image(), cross_attention_kwargs=masks)
+    weights = str(adapters["tiny"] / RANDOM_WEIGHTS)
+    with pytest.raises(ConfigError, match=r"IP-Adapter on tiny-sd3's transformer engines is not built yet"):
+        compile_model(resolve_model("tiny-sd3"), store, "onnxruntime", ExportConfig(ip_adapter=weights))
+    with pytest.raises(ConfigError, match="the FreeU build would run without it"):
+        compile_model(resolve_model("tiny"), store, "onnxruntime", ExportConfig(ip_adapter=weights), freeu=True)
+    done = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--ip-adapter", str(tmp_path / "none"))
+    assert done.returncode == 2 and "no such .safetensors or .bin file" in last_line(done.stderr)
+
+
+@pytest.mark.skipif(bool(rtx_missing()), reason=f"builds TensorRT-RTX plans: {rtx_missing()}")
+@pytest.mark.parametrize(
+    ("preset", "components"),
+    [("tiny", ("unet", "image_encoder")), pytest.param("tiny-flux", ("transformer",), marks=pytest.mark.slow)],
+)
+def test_the_ip_adapter_denoiser_and_image_encoder_build_as_tensorrt_rtx_plans(adapters, store, preset, components):
+    """The fp16 graphs, the denoiser's scales an fp32 input, as real TensorRT-RTX plans."""
+    from sdtrt.core.config import SimplifyConfig
+    from sdtrt.stages import simplify
+    from sdtrt.tools.compile import build
+
+    model, weights = resolve_model(preset), str(adapters[preset] / RANDOM_WEIGHTS)
+    for component in components:
+        graph = export.run(ExportConfig(component=component, ip_adapter=weights), model, store)
+        plan, _ = build(simplify.run(SimplifyConfig(), graph, store), store, "tensorrt-rtx")
+        assert plan.manifest["details"]["layer_types"].get("HALF"), plan.manifest["details"]["layers"]
+        assert (plan.path / plan.manifest["primary"]).stat().st_size > 0
+
+
+def test_generate_takes_an_ip_adapter_image_and_refuses_it_without_the_adapter(ip_set, tmp_path):
+    picture, image, size = tmp_path / "ip.png", tmp_path / "out.png", ("--height", "128", "--width", "128")
+    ip_image().save(picture)
+    done = run_cli("generate", "--engine", str(ip_set("tiny").final.path), "--ip-adapter-image", str(picture),
+                   "--ip-adapter-scale", "0.6", "--steps", "2", *size, "--out", str(image))  # fmt: skip
+    assert done.returncode == 0 and image.is_file(), done.stderr
+    refused = run_cli("generate", "--model", "tiny", "--ip-adapter-image", str(picture), *size)
+    assert refused.returncode == 2 and "compile one with `sdtrt compile --ip-adapter PATH`" in last_line(refused.stderr)
