@@ -8,6 +8,7 @@ Without Chromium or Playwright the browser tests skip with the reason; under CI=
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -338,3 +339,20 @@ def test_charts_mark_outliers_non_finite_values_and_the_first_layer():
     drawn = line_chart(chart)
     assert drawn.count("<circle") == 2 and drawn.count('class="nonfinite"') == 2, "NaN/inf: crosses, not points"
     assert drawn.count('class="marker"') == 1 and "layer 1: Conv" in drawn and 'class="threshold"' in drawn
+
+
+def test_a_bar_without_a_stage_keeps_the_others_colours_and_a_zero_reference_has_a_latent_psnr():
+    import torch
+
+    from sdtrt.tools.image_quality import latent_psnr_db
+    from sdtrt.tools.report_svg import Bar, stacked_bars
+
+    drawn = stacked_bars("t", "s", [Bar("a", [("x", 1.0), ("z", 2.0)])], ["x", "y", "z"])
+    assert 'class="segment s0"' in drawn and 'class="segment s2"' in drawn and "s1" not in drawn
+    assert math.isfinite(latent_psnr_db(torch.ones(4), torch.zeros(4)))
+
+
+def test_a_validation_file_that_is_stored_already_is_shown_once(healthy, store, tmp_path):
+    given = ReportConfig(tmp_path / "r.html", validations=(healthy["stored"].parent / REPORT,))
+    page = write_report(healthy["set"], store, given).read_text()
+    assert page.count('class="case passed"') == 1
