@@ -132,6 +132,7 @@ def test_a_damaged_stored_validation_is_left_out_and_a_failed_report_is_one_warn
     assert len(stored_validations(healthy["set"], Store(stored.parent.parent))) == 1
     (tmp_path / "taken").mkdir()  # a folder where the page should go: writing fails
     assert write_report_or_warn(healthy["set"], None, ReportConfig(tmp_path / "taken")) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "taken"], "no partial page left behind"
     warning = capsys.readouterr().err.strip()
     assert warning.startswith("! report not written: cannot write the report to") and "\n" not in warning
 

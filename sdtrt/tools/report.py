@@ -83,12 +83,13 @@ def write_report(
             f"the report cannot read {', '.join(given) or 'the stored validations'} ({type(exc).__name__}: {exc}); "
             "pass the files the sdtrt commands wrote"
         ) from exc
+    partial = config.out.with_name(f".{config.out.name}.{os.getpid()}.tmp")
     try:  # written whole or not at all: a reader (or a compile that rewrites it) never sees half a page
         config.out.parent.mkdir(parents=True, exist_ok=True)
-        partial = config.out.with_name(f".{config.out.name}.{os.getpid()}.tmp")
         partial.write_text(html, encoding="utf-8")
         os.replace(partial, config.out)
     except OSError as exc:
+        partial.unlink(missing_ok=True)
         raise RequestError(f"cannot write the report to {config.out} ({exc.strerror}); write it elsewhere") from exc
     return config.out
 
