@@ -7,11 +7,12 @@ Library modules that import torch, diffusers or onnx are imported inside the com
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from ..core.artifact import Artifact
+from ..core.artifact import Artifact, located
 from ..core.config import COMPONENTS, STEP_CACHES, Precision, ValidationConfig
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import console
@@ -223,7 +224,9 @@ def compile(
             console.print("[green]✓[/] validate: cached report for these engines [dim](--revalidate runs it again)[/]")
         print_report(result.validation, console)
         if report:
-            write_validation_report(result.validation, Artifact.open(result.validation.engine), store)
+            # The engine as this store holds it: a cached report records where it was validated, which may have moved.
+            validated = Artifact.open(located(Path(result.validation.engine), store.root))
+            write_validation_report(result.validation, validated, store)
     if guarded is not None:
         print_guard_rounds(guarded)
         guarded.raise_for_status()

@@ -76,18 +76,18 @@ def write_validation_report(
 ) -> None:
     """The HTML report of ``engine``'s validation, beside its JSON: ``out``, else the report.html of the store's
     validate artifact that holds it. With ``store``, of every validation stored for the engine (this one among them),
-    else of ``report`` alone. Said on stderr; a folder that cannot take it (a read-only store) is said too, and the
-    command goes on."""
-    from ..core.errors import RequestError
-    from ..tools.report import REPORT_HTML, ReportConfig, write_report
+    else of ``report`` alone. A by-product: what stops it (a read-only store, a damaged stored validation) is said in
+    one line on stderr, and the command goes on with its own result."""
+    from ..tools.report import REPORT_HTML, ReportConfig, write_report_or_warn
 
     if out is None:
-        if report.stored_in is None:  # a read-only store kept no report.json to write it beside
+        if report.stored_in is None:
+            console.print(
+                "[yellow]![/] report not written: the store is read-only, so no report.json was kept to write it "
+                "beside; `sdtrt validate --json FILE` writes one elsewhere",
+                soft_wrap=True,
+            )
             return
         out = report.stored_in / REPORT_HTML
-    try:
-        written = write_report(engine, store, ReportConfig(out), () if store else (report,))
-    except RequestError as exc:
-        console.print(f"[yellow]![/] report: {escape(str(exc))}", soft_wrap=True)
-        return
-    console.print(f"report: {escape(str(written))}", soft_wrap=True)  # one line, for a script to read
+    if written := write_report_or_warn(engine, store, ReportConfig(out), () if store else (report,)):
+        console.print(f"report: {escape(str(written))}", soft_wrap=True)  # one line, for a script to read

@@ -133,16 +133,19 @@ def located(recorded: Path, store_root: Path) -> Path:
     return beside if (beside / MANIFEST).is_file() else recorded
 
 
+# (file, mtime, size) of an .onnx and its data files → their key: ``lineage`` opens a bare .onnx at every call, and
+# hashing a large graph each time is what would cost.
+_EXTERNAL_KEYS: dict[tuple[tuple[str, int, int], ...], str] = {}
+
+
 def external_onnx_manifest(path: Path) -> dict[str, Any]:
     """A manifest for an .onnx made outside sdtrt, keyed by the content of it and its data files."""
     files = [path, *sorted(path.parent.glob(path.name + ".data"))]
-    return {
-        "format": MANIFEST_FORMAT,
-        "stage": "external",
-        "key": digest([file_sha256(f) for f in files]),
-        "primary": path.name,
-        "files": [],
-    }
+    seen = tuple((str(f.resolve()), (s := f.stat()).st_mtime_ns, s.st_size) for f in files)
+    if seen not in _EXTERNAL_KEYS:
+        _EXTERNAL_KEYS[seen] = digest([file_sha256(f) for f in files])
+    return {"format": MANIFEST_FORMAT, "stage": "external", "key": _EXTERNAL_KEYS[seen], "primary": path.name,
+            "files": []}  # fmt: skip
 
 
 def describe_files(folder: Path) -> list[dict[str, Any]]:

@@ -134,17 +134,20 @@ class Store:
                 "pass --engines DIR or set SDTRT_ENGINES to a writable folder"
             ) from exc
 
-    def produce(self, request: StageRequest, build: Callable[[Path], dict[str, Any]]) -> tuple[Artifact, bool]:
+    def produce(
+        self, request: StageRequest, build: Callable[[Path], dict[str, Any]], rebuild: bool = False
+    ) -> tuple[Artifact, bool]:
         """The artifact for ``request``: from the store if present, else built by ``build(tmp_dir)``.
 
         ``build`` writes files into the temp directory and returns manifest fields (``primary``,
-        ``io``, ``details``, …). Returns the artifact and whether it was a cache hit.
+        ``io``, ``details``, …). Returns the artifact and whether it was a cache hit. ``rebuild``: built even over an
+        intact one, which it replaces (a validation run again is the verdict to keep).
         """
-        if hit := self._intact_hit(request):  # a read-only store serves its hits
+        if not rebuild and (hit := self._intact_hit(request)):  # a read-only store serves its hits
             return hit, True
         self.ensure_writable()
         with exclusive(self.root / LOCK_DIR / f"{request.key[:16]}.lock", f"{request.stage} {request.key[:16]}"):
-            if hit := self._intact_hit(request, quiet=True):  # a concurrent run finished it while we waited
+            if not rebuild and (hit := self._intact_hit(request, quiet=True)):  # a concurrent run finished it
                 return hit, True
             tmp = Path(
                 tempfile.mkdtemp(prefix=f"{request.stage}-{request.key[:12]}-{os.getpid()}-", dir=self.root / TMP_DIR)
@@ -162,7 +165,7 @@ class Store:
                 _write_json_synced(tmp / MANIFEST, manifest)
                 final = self.artifact_dir(request.stage, request.key)
                 final.parent.mkdir(parents=True, exist_ok=True)
-                if final.exists():  # a corrupt artifact, or a manifest-less leftover from an older layout
+                if final.exists():  # rebuilt, a corrupt artifact, or a manifest-less leftover from an older layout
                     shutil.rmtree(final)
                 os.rename(tmp, final)
             except BaseException:

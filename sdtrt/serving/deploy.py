@@ -126,7 +126,7 @@ def deploy_triton(
     from ..pipeline.loading import engine_members
     from ..runtime import check_weight_budget
     from ..stages.engine_set import engine_profile, recorded_model
-    from ..tools.report import REPORT_HTML, ReportConfig, write_report
+    from ..tools.report import REPORT_HTML, ReportConfig, write_report_or_warn
 
     members = engine_members(engine)
     budget = WeightBudget.parse(config.weight_budget) if config.weight_budget is not None else None
@@ -176,7 +176,7 @@ def deploy_triton(
         "config": as_dict(config),
     }
     (folder / DEPLOYMENT).write_text(json.dumps(record, indent=2) + "\n")
-    write_report(engine, Store(engine.path.parent.parent), ReportConfig(folder / REPORT_HTML))
+    write_report_or_warn(engine, Store(engine.path.parent.parent), ReportConfig(folder / REPORT_HTML))
     return Deployment(folder, record)
 
 

@@ -52,6 +52,7 @@ from ..tools.timing import Stats, rss_sampler
 from ..tools.trace import Tracer, breakdown, instrument_pipeline
 
 STAGES = ("text_encoder", "denoise_loop", "unet", "scheduler_guidance", "vae_decode")
+BREAKDOWN_STAGES = ("text_encoder", "unet", "scheduler_guidance", "vae_decode")  # add up to a run: no denoise_loop
 FORMAT = 1
 # A backend whose slowest timed run took this many times its fastest ran on a busy machine: its
 # ratios against other backends are not to be trusted.
@@ -273,8 +274,9 @@ def write_chart(report: dict[str, Any], path: Any) -> None:
 
     ran = [b for b in report["backends"] if b["status"] == "ok"]
     unet = denoiser_label(report["config"].get("denoiser", "unet"))
-    parts = [("text_encoder", "text encoder"), ("unet", unet), ("scheduler_guidance", "scheduler + guidance"),
-             ("vae_decode", "VAE decode")]  # fmt: skip
+    labels = {"text_encoder": "text encoder", "unet": unet, "scheduler_guidance": "scheduler + guidance",
+              "vae_decode": "VAE decode"}  # fmt: skip
+    parts = [(stage, labels[stage]) for stage in BREAKDOWN_STAGES]
     colors = ["#8e6bb8", "#2f7ed8", "#f7a35c", "#4caf50", "#bbbbbb"]
     fig, ax = plt.subplots(figsize=(9, 1.8 + 0.7 * max(1, len(ran))))
     for row, backend in enumerate(ran):

@@ -16,10 +16,11 @@ def psnr_db(candidate: np.ndarray, reference: np.ndarray) -> float:
 
 def latent_psnr_db(candidate: Any, reference: Any) -> float:
     """PSNR of latents (torch tensors), whose range is no image's [0, 1]: the peak is the reference's largest
-    magnitude; inf when they are equal, nan when the candidate holds NaN/inf."""
+    magnitude (the candidate's, where the reference is all zeros); inf when they are equal, nan when the candidate
+    holds NaN/inf."""
     a, b = (np.asarray(t.detach().double().cpu()) for t in (candidate, reference))
     mse = float(np.mean((a - b) ** 2))
-    peak = float(np.abs(b).max(initial=0.0))
+    peak = float(np.abs(b).max(initial=0.0)) or float(np.abs(a).max(initial=0.0))
     return math.inf if mse == 0 else float("nan") if not math.isfinite(mse) else 10 * math.log10(peak**2 / mse)
 
 

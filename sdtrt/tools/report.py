@@ -8,13 +8,17 @@ the one small script (the image flip) inline. Sections without data are left out
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 
+from rich.markup import escape as markup_escape
+
 from ..core.artifact import Artifact
 from ..core.errors import RequestError
+from ..core.progress import console
 from ..core.store import Store
 from .report_data import ReportConfig, ReportData, gather
 from .report_engine_sections import debug_section, precision_section, provenance_section, time_section
@@ -24,7 +28,7 @@ from .validate import ValidationReport
 
 REPORT_HTML = "report.html"  # beside a stored validation's report.json
 
-__all__ = ["REPORT_HTML", "ReportConfig", "render_report", "write_report"]
+__all__ = ["REPORT_HTML", "ReportConfig", "render_report", "write_report", "write_report_or_warn"]
 
 
 def render_report(data: ReportData, out: Path) -> str:
@@ -67,13 +71,41 @@ def write_report(
 
     It shows the ``validations`` given (a run's, with its images), every validation stored for the engine in
     ``store`` (compile's), and the results files ``config`` names (`validate`, `debug`, `bench` JSON, a `profile`
-    folder). RequestError where a named file cannot be read or the page cannot be written.
+    folder). RequestError where a named file cannot be read or does not hold what that command writes, or where the
+    page cannot be written.
     """
     data = gather(engine, store, config, validations)
-    html = render_report(data, config.out)
     try:
+        html = render_report(data, config.out)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a results file of another shape than expected
+        given = [f"{option} {path}" for option, path in config.named_files()]
+        raise RequestError(
+            f"the report cannot read {', '.join(given) or 'the stored validations'} ({type(exc).__name__}: {exc}); "
+            "pass the files the sdtrt commands wrote"
+        ) from exc
+    partial = config.out.with_name(f".{config.out.name}.{os.getpid()}.tmp")
+    try:  # written whole or not at all: a reader (or a compile that rewrites it) never sees half a page
         config.out.parent.mkdir(parents=True, exist_ok=True)
-        config.out.write_text(html, encoding="utf-8")
+        partial.write_text(html, encoding="utf-8")
+        os.replace(partial, config.out)
     except OSError as exc:
-        raise RequestError(f"cannot write the report to {config.out} ({exc.strerror}); pass another --out") from exc
+        partial.unlink(missing_ok=True)
+        raise RequestError(f"cannot write the report to {config.out} ({exc.strerror}); write it elsewhere") from exc
     return config.out
+
+
+def write_report_or_warn(
+    engine: Artifact,
+    store: Store | None = None,
+    config: ReportConfig = ReportConfig(),
+    validations: Sequence[ValidationReport] = (),
+) -> Path | None:
+    """``write_report`` for a command whose result is something else (compile, validate, deploy): the report is a
+    by-product, so whatever stops it (a damaged stored artifact, an unreadable image, a folder it cannot write) is
+    said in one line on stderr and the command goes on. The page's path, or None."""
+    try:
+        return write_report(engine, store, config, validations)
+    except Exception as exc:  # whatever it is, it is not the command's own failure
+        why = str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+        console.print(f"[yellow]![/] report not written: {markup_escape(why)}", soft_wrap=True)
+        return None

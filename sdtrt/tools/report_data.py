@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.artifact import MANIFEST, Artifact
-from ..core.errors import RequestError
+from ..core.errors import ArtifactError, RequestError
+from ..core.progress import console
 from ..core.store import Store
 from .report_images import load_images
 from .validate import REPORT, STAGE, ValidationReport
@@ -29,6 +30,12 @@ class ReportConfig:
     debug: Path | None = None  # `sdtrt debug --json`
     bench: Path | None = None  # `sdtrt bench --json`
     profile: Path | None = None  # a `sdtrt profile --out` folder
+
+    def named_files(self) -> list[tuple[str, Path]]:
+        """(option, path) of every results file given."""
+        named: list[tuple[str, Path | None]] = [("--validation", p) for p in self.validations]
+        named += [("--debug", self.debug), ("--bench", self.bench), ("--profile", self.profile)]
+        return [(option, path) for option, path in named if path is not None]
 
 
 @dataclass(frozen=True)
@@ -81,18 +88,21 @@ def gather(
     members = engine_members(engine)
     data = ReportData(engine, [_member(component, artifact) for component, artifact in members.items()])
     found = [(v, "this run") for v in validations] + stored_validations(engine, store)
-    found += [(ValidationReport.from_json(_read_json(p, "--validation")), str(p)) for p in config.validations]
+    for path in config.validations:
+        given = _validation(_read_json(path, "--validation", dict), path)
+        if _numbers(given) not in {_numbers(known) for known, _ in found}:  # not one stored with the engines again
+            found.append((given, str(path)))
     found.sort(key=lambda pair: bool(pair[0]))  # failures first; stable, so the given ones lead among equals
     data.validations = [v for v, _ in found]
     data.validation_sources = [source for _, source in found]
     if config.debug:
-        debugged = _read_json(config.debug, "--debug")
+        debugged = _read_json(config.debug, "--debug", dict)
         data.debug = {"engine": debugged} if "layers" in debugged or "first" in debugged else debugged
     if config.bench:
-        data.bench = _read_json(config.bench, "--bench")
+        data.bench = _read_json(config.bench, "--bench", dict)
     if config.profile:
         steps = config.profile / PROFILE_FILES[0]
-        data.profile_steps = _read_json(steps, "--profile") if steps.is_file() else []
+        data.profile_steps = _read_json(steps, "--profile", list) if steps.is_file() else []
         data.traces = [config.profile / name for name in PROFILE_FILES[1:] if (config.profile / name).is_file()]
         if not steps.is_file() and not data.traces:
             raise RequestError(f"--profile {config.profile} holds none of {', '.join(PROFILE_FILES)}; pass the folder "
@@ -105,16 +115,23 @@ def gather(
 
 
 def stored_validations(engine: Artifact, store: Store | None) -> list[tuple[ValidationReport, str]]:
-    """The validation reports stored for ``engine`` (compile's, one per validation config), with their images."""
+    """The validation reports stored for ``engine`` (compile's, one per validation config), with their images; a
+    damaged one (files that differ from its manifest, JSON that does not read) is left out, as a cache hit would be."""
     if store is None or not (store.root / STAGE).is_dir():
         return []
     found = []
     for manifest in sorted((store.root / STAGE).glob(f"*/{MANIFEST}")):
-        artifact = Artifact.open(manifest.parent)
-        inputs = artifact.manifest.get("inputs") or [{}]
-        if inputs[0].get("digest") == engine.key and (artifact.path / REPORT).is_file():
-            report = ValidationReport.from_json(json.loads((artifact.path / REPORT).read_text()))
-            found.append((replace(report, images=load_images(artifact.path)), str(artifact.path)))
+        try:
+            artifact = Artifact.open(manifest.parent)
+            if (artifact.manifest.get("inputs") or [{}])[0].get("digest") != engine.key:
+                continue
+            if not (problems := artifact.file_problems()):
+                report = ValidationReport.from_json(json.loads((artifact.path / REPORT).read_text()))
+                found.append((replace(report, images=load_images(artifact.path)), str(artifact.path)))
+        except (ArtifactError, OSError, ValueError, KeyError, TypeError) as exc:
+            problems = [str(exc)]
+        if problems:
+            console.print(f"[yellow]![/] report: left out the damaged validation {manifest.parent} ({problems[0]})")
     return found
 
 
@@ -135,10 +152,28 @@ def _member(component: str, artifact: Artifact) -> Member:
     )  # fmt: skip
 
 
-def _read_json(path: Path, option: str) -> Any:
+def _read_json(path: Path, option: str, shape: type) -> Any:
+    """The JSON ``path`` holds, which must be a ``shape`` (a dict, a list) as the command that writes it writes."""
     try:
-        return json.loads(path.read_text())
+        read = json.loads(path.read_text())
     except FileNotFoundError:
         raise RequestError(f"{option} {path} does not exist; pass the file the command wrote") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise RequestError(f"{option} {path} cannot be read as JSON ({exc}); pass the file the command wrote") from None
+    if not isinstance(read, shape):
+        raise RequestError(f"{option} {path} holds a JSON {type(read).__name__}, not the {shape.__name__} the command "
+                           "writes; pass the file the command wrote")  # fmt: skip
+    return read
+
+
+def _numbers(report: ValidationReport) -> str:
+    """What tells two validations apart (as text: a NaN equals itself there)."""
+    return json.dumps(report.to_json(), sort_keys=True)
+
+
+def _validation(read: dict[str, Any], path: Path) -> ValidationReport:
+    try:
+        return ValidationReport.from_json(read)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RequestError(f"--validation {path} is not a `sdtrt validate --json` report ({type(exc).__name__}: "
+                           f"{exc}); pass the file it wrote") from None  # fmt: skip

@@ -9,17 +9,14 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from .bench import BREAKDOWN_STAGES
 from .report_data import ReportData
 from .report_page import data_table, legend, number, table
 from .report_svg import Axis, Bar, LineChart, Marker, Series, column_chart, line_chart, stacked_bars
 
-# bench's stages that add up to a run: the denoising loop is the denoiser's calls plus the scheduler and guidance.
-TIME_STAGES = (
-    ("text_encoder", "text encoders"),
-    ("unet", "denoiser"),
-    ("scheduler_guidance", "scheduler + guidance"),
-    ("vae_decode", "VAE decode"),
-)
+STAGE_LABELS = {"text_encoder": "text encoders", "unet": "denoiser", "scheduler_guidance": "scheduler + guidance",
+                "vae_decode": "VAE decode"}  # fmt: skip
+TIME_STAGES = tuple((stage, STAGE_LABELS[stage]) for stage in BREAKDOWN_STAGES)
 LOWEST_ERROR = 1e-8  # the debug chart's floor: an exact layer sits on it
 
 
@@ -46,7 +43,8 @@ def debug_section(data: ReportData) -> str:
         layers = report.get("layers") or []
         first, limit = report.get("first"), report["limit"]
         heading = f"{component}: " if component != "engine" else ""
-        parts.append(f"<h3>{escape(heading)}{report['compared']} tensors compared on {escape(report['backend'])}</h3>")
+        parts.append(f"<h3>{escape(heading)}{escape(str(report['compared']))} tensors compared on "
+                     f"{escape(str(report['backend']))}</h3>")  # fmt: skip
         if first:
             what = (
                 "turns NaN/inf"
@@ -97,7 +95,7 @@ def time_section(data: ReportData, out: Path) -> str:
         flagged = [bool(row["outlier"]) for row in data.profile_steps]
         parts.append("<h3>Per denoising step (sdtrt profile)</h3>")
         parts.append(column_chart("Latency of each denoising step", "ms", seconds, flagged, "outlier"))
-        rows = [[str(row["index"]), number("step_ms", row["seconds"] * 1e3, ".2f"),
+        rows = [[escape(str(row["index"])), number("step_ms", row["seconds"] * 1e3, ".2f"),
                  number("unet_ms", row["unet_seconds"] * 1e3, ".2f"), "outlier" if row["outlier"] else ""]
                 for row in data.profile_steps]  # fmt: skip
         parts.append(data_table("The numbers per step", ["step", "ms", "denoiser ms", ""], rows, (1, 2)))
@@ -119,7 +117,7 @@ def _bench(bench: dict[str, Any]) -> str:
         for b in ran
     ]
     parts = ["<h3>Stage breakdown per backend (sdtrt bench, medians)</h3>", legend([label for _, label in TIME_STAGES])]
-    parts.append(stacked_bars("Median seconds per stage, per backend", "s", bars))
+    parts.append(stacked_bars("Median seconds per stage, per backend", "s", bars, [label for _, label in TIME_STAGES]))
     rows = [
         [escape(b["name"]), number("total_s", (b.get("total_s") or {}).get("median"), ".4g")]
         + [number(stage, b["stages_s"].get(stage, {}).get("median"), ".4g") for stage, _ in TIME_STAGES]

@@ -21,19 +21,35 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 
 def save_images(images: dict[str, np.ndarray], folder: Path) -> None:
+    """Each image as a PNG, and where it has NaN/inf pixels (which a PNG cannot hold) their mask beside it, so the
+    stored page still shows them."""
     for name, image in images.items():
         _pil(to_uint8(image)).save(folder / IMAGE_FILES[name])
+        non_finite = ~np.isfinite(image).all(axis=-1)
+        if non_finite.any():
+            _pil(non_finite).save(folder / _mask_file(name))
 
 
 def load_images(folder: Path) -> dict[str, np.ndarray]:
-    """The images saved beside a stored report, in [0, 1] ({} for a report stored without them)."""
+    """The images saved beside a stored report, in [0, 1], NaN where they were not finite ({} for a report stored
+    without them)."""
     from PIL import Image
 
-    return {
-        name: np.asarray(Image.open(folder / file).convert("RGB"), dtype=np.float64) / 255
-        for name, file in IMAGE_FILES.items()
-        if (folder / file).is_file()
-    }
+    images = {}
+    for name, file in IMAGE_FILES.items():
+        if not (folder / file).is_file():
+            continue
+        with Image.open(folder / file) as png:
+            image = np.asarray(png.convert("RGB"), dtype=np.float64) / 255
+        if (folder / _mask_file(name)).is_file():
+            with Image.open(folder / _mask_file(name)) as mask:
+                image[np.asarray(mask.convert("1"), dtype=bool)] = np.nan
+        images[name] = image
+    return images
+
+
+def _mask_file(name: str) -> str:
+    return f"{name}.nonfinite.png"
 
 
 def png_data_uri(pixels: np.ndarray) -> str:

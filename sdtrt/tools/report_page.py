@@ -75,8 +75,12 @@ _SERIES_CSS = "\n".join(
     for k in range(6)
 )
 
-# The flip slider moves the split between the two stacked images; printing opens every data table.
+# The flip's images are the figures' (each data URI is in the page once); its slider moves the split between them;
+# printing opens every data table.
 SCRIPT = """
+for (const img of document.querySelectorAll("img[data-same-as]")) {
+  img.src = document.getElementById(img.dataset.sameAs).src;
+}
 for (const input of document.querySelectorAll("input[data-flip]")) {
   const flip = document.getElementById(input.dataset.flip);
   const show = () => flip.style.setProperty("--split", input.value + "%");

@@ -55,9 +55,9 @@ def _image_row(report: ValidationReport, index: int) -> str:
     cyan = f"cyan: NaN/inf ({non_finite:.0%} of the pixels)" if non_finite else "no NaN/inf"
     sources = {name: png_data_uri(to_uint8(report.images[name])) for name in ("pytorch", "engine")}
     figures = [
-        f'<figure><img src="{sources["pytorch"]}" alt="PyTorch fp32 image" data-role="pytorch">'
+        f'<figure><img src="{sources["pytorch"]}" alt="PyTorch fp32 image" data-role="pytorch" id="pytorch-{index}">'
         "<figcaption>PyTorch fp32</figcaption></figure>",
-        f'<figure><img src="{sources["engine"]}" alt="engine image" data-role="engine">'
+        f'<figure><img src="{sources["engine"]}" alt="engine image" data-role="engine" id="engine-{index}">'
         f"<figcaption>engine ({escape(report.precision)})</figcaption></figure>",
         f'<figure><img src="{png_data_uri(heat)}" alt="|engine − PyTorch| heat map" data-role="difference">'
         '<div class="scale" role="img" aria-label="colour scale of the difference"></div>'
@@ -65,8 +65,9 @@ def _image_row(report: ValidationReport, index: int) -> str:
         f"<figcaption>|engine − PyTorch|, largest over the channels; {cyan}</figcaption></figure>",
     ]
     flip = (
-        f'<div class="flip" id="flip-{index}"><img class="under" src="{sources["pytorch"]}" alt="PyTorch fp32 image">'
-        f'<img class="over" src="{sources["engine"]}" alt="engine image"></div>'
+        f'<div class="flip" id="flip-{index}">'
+        f'<img class="under" data-same-as="pytorch-{index}" alt="PyTorch fp32 image">'
+        f'<img class="over" data-same-as="engine-{index}" alt="engine image"></div>'
         f'<label class="flip-control">PyTorch<input type="range" min="0" max="100" value="50" data-flip="flip-{index}" '
         'aria-label="split between the PyTorch image (left) and the engine image (right)">engine</label>'
     )
@@ -81,13 +82,13 @@ def drift_section(validations: list[ValidationReport]) -> str:
     drifts = [v.image["drift"] for v in drifting if v.image]
     charts = []
     for value, title, label, log in (
-        (lambda row: _finite_or_nan(row["psnr_db"]), "Latent PSNR, engine vs PyTorch, after each step",
+        (lambda row: _charted_psnr(row["psnr_db"]), "Latent PSNR, engine vs PyTorch, after each step",
          "latent PSNR (dB)", False),
         (lambda row: 1 - row["cosine"], "1 − cosine similarity of the latents, after each step (0: the same)",
          "1 − cosine", True),
     ):  # fmt: skip
         series = [
-            Series(name, [(row["step"], value(row)) for row in drift])
+            Series(name, [(row["step"], y) for row in drift if (y := value(row)) is not None])
             for name, drift in zip(names, drifts, strict=True)
         ]
         charts.append(
@@ -107,9 +108,10 @@ def drift_section(validations: list[ValidationReport]) -> str:
     return note + legend(names) + "".join(charts) + data_table("The numbers per step", headers, rows, (1, 2, 3))
 
 
-def _finite_or_nan(value: float) -> float:
-    """Infinite PSNR (identical latents) has no place on a chart: drawn as missing (not as a failure's cross)."""
-    return value if value is None or not math.isinf(value) or value < 0 else math.nan
+def _charted_psnr(value: float | None) -> float | None:
+    """Infinite PSNR (identical latents) has no place on a chart: left off it (None), not drawn as a failure's cross,
+    which NaN (latents that are NaN/inf) is."""
+    return None if value is None or value == math.inf else value
 
 
 def parity_section(validations: list[ValidationReport], sources: list[str]) -> str:

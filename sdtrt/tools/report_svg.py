@@ -35,7 +35,6 @@ class Marker:
 class Axis:
     label: str
     log: bool = False
-    limits: tuple[float, float] | None = None  # default: the data's range
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,8 @@ def line_chart(chart: LineChart) -> str:
     """Lines over x, one per series, in the palette's order; a legend below the title where there are several."""
     xs = [x for s in chart.series for x, _ in s.points]
     ys = [y for s in chart.series for _, y in s.points if math.isfinite(y) and (y > 0 or not chart.y.log)]
-    x_range = chart.x.limits or (min(xs, default=0.0), max(xs, default=1.0))
-    y_range = chart.y.limits or (min(ys, default=1.0), max(ys, default=1.0))
+    x_range = (min(xs, default=0.0), max(xs, default=1.0))
+    y_range = (min(ys, default=1.0), max(ys, default=1.0))
     if chart.threshold:
         y_range = (min(y_range[0], chart.threshold[0]), max(y_range[1], chart.threshold[0]))
     frame = _Frame(x_range, y_range, chart.y.log)
@@ -127,7 +126,8 @@ def line_chart(chart: LineChart) -> str:
     if chart.threshold:
         y = frame.py(chart.threshold[0])
         parts.append(f'<line class="threshold" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>')
-        parts.append(f'<text class="note" x="{WIDTH - RIGHT - 4}" y="{y - 4:.1f}" text-anchor="end">')
+        label_y = y + 14 if y < TOP + 24 else y - 4  # near the top, where NaN/inf crosses are: under the line
+        parts.append(f'<text class="note" x="{WIDTH - RIGHT - 4}" y="{label_y:.1f}" text-anchor="end">')
         parts.append(f"{escape(chart.threshold[1])}</text>")
     for index, series in enumerate(chart.series):
         finite = [(x, y) for x, y in series.points if math.isfinite(y) and (y > 0 or not chart.y.log)]
@@ -160,8 +160,9 @@ class Bar:
     total: float | None = None  # the label right of the bar (default: the segments' sum)
 
 
-def stacked_bars(title: str, unit: str, bars: Sequence[Bar]) -> str:
-    """Horizontal bars, one per name, each split into its segments; segment k takes palette colour k."""
+def stacked_bars(title: str, unit: str, bars: Sequence[Bar], stages: Sequence[str]) -> str:
+    """Horizontal bars, one per name, each split into its segments; a segment takes the palette colour of its
+    stage's place in ``stages`` (the legend's order), so a bar that lacks a stage keeps the others' colours."""
     row, gap, label_room = 28, 10, 80  # label_room: the total's label right of the longest bar
     height = TOP + len(bars) * (row + gap)
     total = max((sum(v for _, v in bar.segments) for bar in bars), default=1.0) or 1.0
@@ -173,9 +174,10 @@ def stacked_bars(title: str, unit: str, bars: Sequence[Bar]) -> str:
         parts.append(f'<text class="tick" x="{left - 6}" y="{y + row / 2 + 4}" text-anchor="end">')
         parts.append(f"{escape(bar.name)}</text>")
         x = float(left)
-        for k, (stage, value) in enumerate(bar.segments):
+        for stage, value in bar.segments:
             width = value * scale
-            parts.append(f'<rect class="segment s{k % 6}" x="{x:.1f}" y="{y}" width="{width:.1f}" height="{row}">')
+            color = f"s{stages.index(stage) % 6}"
+            parts.append(f'<rect class="segment {color}" x="{x:.1f}" y="{y}" width="{width:.1f}" height="{row}">')
             parts.append(f"<title>{escape(bar.name)}: {escape(stage)} {value:.4g} {escape(unit)}</title></rect>")
             x += width
         shown = bar.total if bar.total is not None else sum(v for _, v in bar.segments)

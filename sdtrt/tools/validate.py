@@ -259,7 +259,8 @@ def stored_validate(
     model: ModelSource, engine: Artifact, config: ValidationConfig, store: Store, revalidate: bool = False
 ) -> tuple[ValidationReport, bool]:
     """``validate``, reusing the report stored for this engine and config (second value: True) unless
-    ``revalidate``. A new report is stored beside the engines, where the store is writable.
+    ``revalidate``. A new report is stored beside the engines (replacing the one run again), where the store is
+    writable.
 
     The key is the engine's (which names the model's weights) plus the config and the reference's library
     versions: anything that could change the verdict.
@@ -275,10 +276,10 @@ def stored_validate(
         report = ValidationReport.from_json(json.loads((stored.path / REPORT).read_text()))
         return replace(report, images=load_images(stored.path), stored_in=stored.path), True
     report = validate(model, engine, config)
-    if not intact:
-        with contextlib.suppress(StoreError):  # a read-only store: the report is shown, not kept
-            made, _ = store.produce(request, lambda out_dir: _store_report(report, engine, out_dir))
-            report.stored_in = made.path
+    with contextlib.suppress(StoreError):  # a read-only store: the report is shown, not kept
+        # Run again (revalidate), this run's report replaces the stored one: it is what later cache hits return.
+        made, _ = store.produce(request, lambda out_dir: _store_report(report, engine, out_dir), rebuild=revalidate)
+        report.stored_in = made.path
     return report, False
 
 
