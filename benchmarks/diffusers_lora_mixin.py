@@ -311,7 +311,7 @@ ENGINES: dict[Path, Any] = {}  # pipeline folder → its engine set, in this pro
 
 def engine_has_lora(model: Any) -> bool:
     """ENGINE_CHECK: an adapter the pipeline holds changes this stand-in's network."""
-    from sdtrt.standins.adapters import engine_networks, registry
+    from sdtrt.standins.adapter_registry import engine_networks, registry
     from sdtrt.standins.peft_adapters import pipeline_of
 
     pipe = pipeline_of(model)

@@ -19,7 +19,7 @@ from typing import Any
 from ..core.errors import LoraError, one_line
 from ..lora.files import Scale, network_scale
 from .adapter_files import own_file
-from .adapters import PIPELINES, _not_fused, adapters, commit, engine_networks, holder
+from .adapter_registry import PIPELINES, adapters, commit, engine_networks, holder, not_fused
 
 # Held with the registry: adapter name → (its file, network → (PEFT state dict, LoraConfig)).
 ADDED = "_sdtrt_peft_adapters"
@@ -68,7 +68,7 @@ def add_adapter(network: Any, config: Any, name: str) -> None:
     refuse_unsupported(config, where)
     component = next(c for c, n in engine_networks(pipe).items() if n is network)
     state = adapters(pipe)
-    _not_fused(pipe, state, "add_adapter")
+    not_fused(pipe, state, "add_adapter")
     path, parts = added(pipe).get(name, (None, {}))
     if state.files.get(name) != path:  # deleted, unloaded or hotswapped since: not the file add_adapter wrote
         parts = {}
