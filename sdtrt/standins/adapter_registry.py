@@ -53,6 +53,10 @@ class Adapters:
     fused: tuple[tuple[str, Scale], ...] | None = None  # the fused adapters, at the weights fused; None: not fused
     baked: tuple[tuple[Path, Scale], ...] = ()
     call_scale: Scale = 1.0  # a pipeline call's LoRA scale: it multiplies the active adapters that are not fused
+    # Each adapter's weight as its PEFT layers keep it, per network, active or not: the last set_adapters gave it (1.0
+    # when loaded or added, × lora_scale where fuse_lora scaled it). fuse_lora(adapter_names=…) fuses an inactive
+    # adapter at it, as PEFT's merge does.
+    weights: dict[str, Scale] = field(default_factory=dict)
 
     def loras(self) -> list[tuple[Path, Scale]]:
         """The (file, scale) list the engines run in this state."""
@@ -131,6 +135,14 @@ def forget(pipe: Any) -> None:
 def not_fused(pipe: Any, state: Adapters, method: str) -> None:
     if state.fused is not None:
         raise LoraError(f"{type(pipe).__name__}.{method} on fused adapters: call unfuse_lora() first")
+
+
+def scaled_where_running(weight: Scale, running: Scale, factor: float) -> Scale:
+    """An adapter's kept weight after PEFT's ``scale_layer(factor)``: times ``factor`` on the networks it runs on
+    (``running``, its active weight, not 0 there), as it was on the others."""
+    if not isinstance(weight, Mapping) and not isinstance(running, Mapping):
+        return weight * factor if running != 0 else weight
+    return {c: network_scale(weight, c) * (factor if network_scale(running, c) != 0 else 1.0) for c in LORA_COMPONENTS}
 
 
 def scaled(weight: Scale, factor: Scale) -> Scale:

@@ -34,6 +34,7 @@ from .adapter_registry import (
     not_fused,
     registry,
     scaled,
+    scaled_where_running,
     set_call_scale,
 )
 
@@ -122,7 +123,7 @@ def load_lora_weights(
         # A hotswapped adapter keeps its place among the active ones, at weight 1.0 (PEFT's hotswap resets its scaling).
         active = tuple((n, 1.0 if n == name else w) for n, w in state.active) if hotswap else ((name, 1.0),)
         new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
-                      active=active)  # fmt: skip
+                      active=active, weights={**state.weights, name: 1.0})  # fmt: skip
         commit(pipe, new)
     except LoraError as exc:
         if not isinstance(pretrained_model_name_or_path_or_dict, dict):
@@ -147,7 +148,7 @@ def set_adapters(pipe: Any, adapter_names: str | Sequence[str], adapter_weights:
     if len(weights) != len(names):
         raise LoraError(f"set_adapters: {len(names)} adapter names and {len(weights)} weights; give one weight each")
     active = tuple((n, adapter_weight(pipe, w)) for n, w in zip(names, weights, strict=True))
-    commit(pipe, replace(state, active=active))
+    commit(pipe, replace(state, active=active, weights={**state.weights, **dict(active)}))
 
 
 def known_components(pipe: Any, weights: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +198,9 @@ def delete_adapters(pipe: Any, adapter_names: str | Sequence[str]) -> None:
     not_fused(pipe, state, "delete_adapters")
     files = {n: p for n, p in state.files.items() if n not in names}
     parts = {n: p for n, p in state.parts.items() if n not in names}
-    commit(pipe, replace(state, files=files, parts=parts, active=tuple(a for a in state.active if a[0] not in names)))
+    active = tuple(a for a in state.active if a[0] not in names)
+    weights = {n: w for n, w in state.weights.items() if n not in names}
+    commit(pipe, replace(state, files=files, parts=parts, active=active, weights=weights))
 
 
 def unload_lora_weights(pipe: Any) -> None:
@@ -219,17 +222,19 @@ def fuse_lora(
     pipe: Any, components: Sequence[str] | None = None, lora_scale: float = 1.0, safe_fusing: bool = False,
     adapter_names: Sequence[str] | None = None, **kwargs: Any,
 ) -> None:  # fmt: skip
-    """Run the fused adapters (``adapter_names``, else the active ones) with every active weight × ``lora_scale``; an
-    inactive adapter named fuses at ``lora_scale`` (PEFT merges it at its layers' scaling, 1.0 unless set before)."""
+    """Run the fused adapters with every active weight × ``lora_scale`` (PEFT's ``scale_layer``, kept after unfuse):
+    the active ones, or those ``adapter_names`` names, an inactive one at the weight it keeps (PEFT's merge)."""
     state = adapters(pipe)
     not_fused(pipe, state, "fuse_lora")
     if components is not None and set(get_list_adapters(pipe)) - set(components):
         raise LoraError("fuse_lora: fusing some components only needs PyTorch adapter layers; on engines leave "
                         "components out (every network the adapters change is fused)")  # fmt: skip
-    names = _names(pipe, state, adapter_names, "fuse_lora") if adapter_names else [n for n, _ in state.active]
-    active = {n: scaled(w, lora_scale) for n, w in state.active}  # PEFT's scale_layer, kept after unfuse
-    fused = tuple((n, active.get(n, lora_scale)) for n in names)
-    commit(pipe, replace(state, active=tuple(active.items()), fused=fused))
+    named = _names(pipe, state, adapter_names, "fuse_lora") if adapter_names else None
+    running = dict(state.active)
+    active = tuple((n, scaled(w, lora_scale)) for n, w in state.active)
+    weights = {n: scaled_where_running(w, running.get(n, 0.0), lora_scale) for n, w in state.weights.items()}
+    fused = active if named is None else tuple((n, weights[n]) for n in named)
+    commit(pipe, replace(state, active=active, weights=weights, fused=fused))
 
 
 def unfuse_lora(pipe: Any, components: Sequence[str] | None = None, **kwargs: Any) -> None:

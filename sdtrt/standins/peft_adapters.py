@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.errors import LoraError, one_line
-from ..lora.files import Scale, network_scale
+from ..lora.files import LORA_COMPONENTS, Scale, network_scale
 from .adapter_files import own_file
 from .adapter_registry import PIPELINES, adapters, commit, engine_networks, holder, not_fused
 
@@ -84,7 +84,9 @@ def add_adapter(network: Any, config: Any, name: str) -> None:
         **{f"{c}_lora_adapter_metadata": c_config.to_dict() for c, (_, c_config) in parts.items()},
     )  # fmt: skip
     active = made_active(state.active, name, component, list(engine_networks(pipe)))
-    new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(parts)}, active=active)
+    weight = {c: 1.0 if c == component else network_scale(state.weights.get(name, 1.0), c) for c in LORA_COMPONENTS}
+    new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(parts)}, active=active,
+                  weights={**state.weights, name: weight})  # fmt: skip
     try:
         commit(pipe, new)
     except LoraError as exc:  # the file is sdtrt's own: name the adapter instead
