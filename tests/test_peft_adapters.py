@@ -125,3 +125,30 @@ def test_add_adapter_on_a_flux_transformer_matches_peft_on_pytorch(fp32_engine_s
         pipe.transformer.add_adapter(transformer, adapter_name="x")
         pipe.set_adapters("x", -0.7)
     assert psnr_db(run(engines), run(reference)) >= 35
+
+
+def test_alpha_patterns_are_peft_s_regular_expressions(tiny, tmp_path):
+    """Each module's scale read from a file's alpha_pattern is the scaling PEFT gave that layer (peft matches a pattern
+    as a regular expression on the end of a module's name)."""
+    from diffusers import StableDiffusionPipeline
+
+    from sdtrt.lora.files import read_lora
+    from sdtrt.sources.models import load_folder
+
+    patterns = {
+        "unet": {r"down_blocks\.\d\.attentions\.\d\.transformer_blocks\.0\.attn1\.to_[qk]": 16, "to_out.0": 6},
+        "text_encoder": {r"layers\.0\.self_attn\.(q|v)_proj": 12},
+    }
+    layers, scalings = {}, {}
+    for network, config in (("unet", UNET), ("text_encoder", TEXT)):
+        module = load_folder(tiny, network)
+        module.add_adapter(LoraConfig(**{**config.to_dict(), "alpha_pattern": patterns[network]}))
+        layers[f"{network}_lora_layers"] = get_peft_model_state_dict(module)
+        layers[f"{network}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+        scalings[network] = {name.removeprefix("text_model."): layer.scaling["default"]
+                             for name, layer in module.named_modules() if hasattr(layer, "scaling")}  # fmt: skip
+    StableDiffusionPipeline.save_lora_weights(tmp_path, **layers)
+    read = read_lora(tmp_path / "pytorch_lora_weights.safetensors")
+    for network, scaling in scalings.items():
+        assert {m: pair.scale for m, pair in read.parts[network].items()} == scaling
+    assert len(set(scalings["unet"].values())) == 3 and len(set(scalings["text_encoder"].values())) == 2
