@@ -85,6 +85,15 @@ def test_add_adapter_activates_the_new_adapter_on_its_network_only(tiny, fresh):
     assert psnr_db(image(fresh), image(reference)) >= 35
 
 
+def test_a_text_encoder_adapter_on_its_feed_forward_only(tiny, fresh):
+    """No attention layer among its targets, which diffusers' key converters need to tell PEFT's names."""
+    reference = load_pipeline(tiny)
+    for pipe in (fresh, reference):
+        torch.manual_seed(5)
+        pipe.text_encoder.add_adapter(LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False), "ff")
+    assert psnr_db(image(fresh), image(reference)) >= 35
+
+
 def test_what_an_engine_cannot_hold_is_refused_in_one_line(tiny, fresh, tmp_path):
     fresh.load_lora_weights(peft_lora(tiny, tmp_path, seed=1, rank=4, alpha=4), adapter_name="loaded")
     add(fresh, "x", seed=3, networks=("unet",))

@@ -62,7 +62,10 @@ def peft_names(component: str, state_dict: dict[str, Any]) -> dict[str, Any]:
 
     if component in ("unet", "transformer"):  # a transformer as diffusers' load_lora_adapter renames it
         return convert_unet_state_dict_to_peft(state_dict)
-    renamed = convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict)) if state_dict else {}
+    # PEFT's names need no renaming, and diffusers' converters cannot tell them without an attention layer (a LoRA on
+    # fc1/fc2 only: "Could not automatically infer state dict type")
+    peft = all(".lora_A." in k or ".lora_B." in k for k in state_dict)
+    renamed = state_dict if peft else convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict))
     return {k.removeprefix("text_model."): v for k, v in renamed.items()}
 
 

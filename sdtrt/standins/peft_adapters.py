@@ -90,7 +90,7 @@ def add_adapter(network: Any, config: Any, name: str) -> None:
     try:
         commit(pipe, new)
     except LoraError as exc:  # the file is sdtrt's own: name the adapter instead
-        raise LoraError(str(exc).replace(str(path), f"{where}: adapter {name!r}")) from exc
+        raise LoraError(f"{where}: {str(exc).replace(str(path), f'adapter {name!r}')}") from exc
     added(pipe)[name] = (path, parts)
 
 
