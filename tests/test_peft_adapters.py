@@ -99,7 +99,9 @@ def test_what_an_engine_cannot_hold_is_refused_in_one_line(tiny, fresh, tmp_path
     add(fresh, "x", seed=3, networks=("unet",))
     before = [n.active for n in (fresh.unet.loras, fresh.text_encoder.loras)]
     cases = [
-        (LoraConfig(r=4, target_modules=["to_q"], use_dora=True), "x2", "use_dora asks for DoRA"),
+        (LoraConfig(r=4, target_modules=["to_q"], use_dora=True), "x2", "use_dora asks for a LoRA variant, DoRA"),
+        (LoraConfig(r=4, target_modules=["to_q"], alora_invocation_tokens=[1]), "x2", "variant, aLoRA"),
+        (LoraConfig(r=4, target_modules=["to_q"], init_lora_weights="mica"), "x2", "'mica' asks for a LoRA variant"),
         (LoraConfig(r=4, target_modules=["to_q"], lora_bias=True), "x2", "lora_bias asks for a LoRA bias"),
         (LoraConfig(r=4, target_modules=["to_q"], init_lora_weights="pissa"), "x2", "starts from the base weights"),
         (LoraConfig(r=4, target_modules=["not_there"]), "x2", r"Target modules \{'not_there'\} not found"),
@@ -161,3 +163,17 @@ def test_alpha_patterns_are_peft_s_regular_expressions(tiny, tmp_path):
     for network, scaling in scalings.items():
         assert {m: pair.scale for m, pair in read.parts[network].items()} == scaling
     assert len(set(scalings["unet"].values())) == 3 and len(set(scalings["text_encoder"].values())) == 2
+
+
+def test_an_orthogonal_init_draws_what_peft_draws_on_pytorch(tiny, engines):
+    from sdtrt.sources.models import load_folder
+    from sdtrt.standins.peft_adapters import peft_state_dict
+
+    config = LoraConfig(r=4, target_modules=["to_q", "to_v"], init_lora_weights="orthogonal")
+    torch.manual_seed(3)
+    drawn = peft_state_dict(engines.unet, config, "o", "add_adapter")
+    torch.manual_seed(3)
+    unet = load_folder(tiny, "unet")
+    unet.add_adapter(config, adapter_name="o")
+    reference = get_peft_model_state_dict(unet, adapter_name="o")
+    assert drawn.keys() == reference.keys() and all(torch.equal(drawn[k], reference[k]) for k in drawn)

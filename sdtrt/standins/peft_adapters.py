@@ -6,8 +6,8 @@ PEFT makes the weights itself: ``inject_adapter_in_model`` on a weightless copy 
 on the meta device, each parameter one element broadcast to its shape), so target modules, ranks, alphas, patterns
 and ``init_lora_weights`` are PEFT's, and the weights draw from torch's RNG as a PyTorch network's ``add_adapter``
 draws them: a seeded caller gets the same LoRA. As in PEFT, the new adapter becomes the network's only active one;
-the other networks keep theirs. What an engine's weights cannot hold (DoRA, LoRA biases, whole modules trained, an
-initialisation from the base weights) is refused in one line before anything changes.
+the other networks keep theirs. What an engine's weights cannot hold (LoRA variants such as DoRA and aLoRA, LoRA
+biases, whole modules trained, an initialisation from the base weights) is refused in one line before anything changes.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ from .adapter_registry import PIPELINES, adapters, commit, engine_networks, hold
 
 # Held with the registry: adapter name → (its file, network → (PEFT state dict, LoraConfig)).
 ADDED = "_sdtrt_peft_adapters"
-PLAIN_INITS = (True, False, "gaussian")  # the others (PiSSA, OLoRA, LoftQ, EVA …) start from the base weights
-# LoraConfig fields an engine's weights cannot honour: field → what it asks for.
+# Random draws, as PEFT makes them from nothing but the shapes; the other values start from the base weights (PiSSA,
+# OLoRA, LoftQ, EVA, CorDA, LoRA-GA) or make a LoRA variant (MiCA).
+PLAIN_INITS = (True, False, "gaussian", "orthogonal")
+# What the LoRA variants PEFT marks (``is_lora_variant``: DoRA, aLoRA, VeLoRA …) ask for, where it has a short name.
+VARIANTS = {"use_dora": "DoRA", "alora_invocation_tokens": "aLoRA"}
+# Other LoraConfig fields an engine's weights cannot honour: field → what it asks for.
 UNSUPPORTED = {
-    "use_dora": "DoRA (a learned magnitude per weight column)",
     "lora_bias": "a LoRA bias",
     "modules_to_save": "whole modules trained beside the LoRA",
     "trainable_token_indices": "trainable token embeddings",
@@ -95,15 +98,26 @@ def add_adapter(network: Any, config: Any, name: str) -> None:
 
 
 def refuse_unsupported(config: Any, where: str) -> None:
+    import dataclasses
+
     from peft import LoraConfig
 
     if not isinstance(config, LoraConfig):
         raise LoraError(f"{where} on engines takes a peft LoraConfig, not a {type(config).__name__}; {TAKES}")
+    fields = {field.name: field for field in dataclasses.fields(config)}
+    marked = (name for name, field in fields.items() if field.metadata.get("is_lora_variant"))
+    if variant := next((name for name in marked if getattr(config, name)), None):
+        raise LoraError(f"{where}: {variant} asks for a LoRA variant, {VARIANTS.get(variant, variant)}, which an "
+                        f"engine cannot hold; {TAKES}")  # fmt: skip
+    if config.init_lora_weights in fields["init_lora_weights"].metadata.get("lora_variants", ()):
+        raise LoraError(f"{where}: init_lora_weights={config.init_lora_weights!r} asks for a LoRA variant, which an "
+                        f"engine cannot hold; {TAKES}")  # fmt: skip
     if asked := next((field for field in UNSUPPORTED if getattr(config, field, None)), None):
         raise LoraError(f"{where}: {asked} asks for {UNSUPPORTED[asked]}, which an engine cannot hold; {TAKES}")
     if config.init_lora_weights not in PLAIN_INITS:
         raise LoraError(f"{where}: init_lora_weights={config.init_lora_weights!r} starts from the base weights, "
-                        "which sdtrt does not load beside the engine: use True, False or 'gaussian'")  # fmt: skip
+                        "which sdtrt does not load beside the engine: use True, False, 'gaussian' or 'orthogonal'; "
+                        f"{TAKES}")  # fmt: skip
 
 
 def peft_state_dict(network: Any, config: Any, name: str, where: str) -> dict[str, Any]:
