@@ -177,3 +177,23 @@ def test_an_orthogonal_init_draws_what_peft_draws_on_pytorch(tiny, engines):
     unet.add_adapter(config, adapter_name="o")
     reference = get_peft_model_state_dict(unet, adapter_name="o")
     assert drawn.keys() == reference.keys() and all(torch.equal(drawn[k], reference[k]) for k in drawn)
+
+
+def test_a_denoiser_only_hotswap_keeps_the_adapters_text_encoder_part(tiny, fresh, tmp_path):
+    """diffusers hotswaps the networks the file has: the text encoder keeps the adapter's part, at its weight."""
+    from diffusers import StableDiffusionPipeline
+
+    from sdtrt.sources.models import load_folder
+
+    torch.manual_seed(9)
+    unet = load_folder(tiny, "unet")
+    unet.add_adapter(UNET)
+    unet_only = {"unet_lora_layers": get_peft_model_state_dict(unet), "unet_lora_adapter_metadata": UNET.to_dict()}
+    StableDiffusionPipeline.save_lora_weights(tmp_path, **unet_only)
+    reference = load_pipeline(tiny)
+    for pipe in (fresh, reference):
+        add(pipe, "x", seed=7)
+        pipe.set_adapters("x", 0.6)
+        pipe.load_lora_weights(tmp_path, adapter_name="x", hotswap=True)
+    assert fresh.get_list_adapters() == reference.get_list_adapters() == {"unet": ["x"], "text_encoder": ["x"]}
+    assert psnr_db(image(fresh), image(reference)) >= 35

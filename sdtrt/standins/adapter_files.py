@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import LoraError
+from ..lora.files import LoraFile
 
 OWN_FILES = "_sdtrt_lora_files"  # held by the registry's holder: the folder of its own LoRA files
 
@@ -37,4 +38,20 @@ def saved_state_dict(owner: Any, state_dict: dict[str, Any], name: str, where: s
         raise LoraError(f"{where}: the state dict {what}; pass a LoRA state dict of tensors, or its file")
     path = own_file(owner, name)
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}, path)
+    return path
+
+
+def combined_file(owner: Any, name: str, new: LoraFile, old: LoraFile, kept: list[str]) -> Path:
+    """One LoRA file with ``new``'s networks and ``old``'s ``kept`` ones (a hotswap keeps the networks its file lacks),
+    as ``owner``'s own; each pair's alpha/rank is folded into its up weight, so the file needs no alphas."""
+    from safetensors.torch import save_file
+
+    parts = {**{c: old.parts[c] for c in kept}, **new.parts}
+    tensors = {}
+    for component, modules in parts.items():
+        for module, pair in modules.items():
+            tensors[f"{component}.{module}.lora_A.weight"] = pair.down.contiguous()
+            tensors[f"{component}.{module}.lora_B.weight"] = (pair.up.float() * pair.scale).contiguous()
+    path = own_file(owner, name)
+    save_file(tensors, path)
     return path

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import LoraError
-from ..lora.files import DIFFUSERS_LORA_FILE, Scale, read_lora
-from .adapter_files import saved_state_dict
+from ..lora.files import DIFFUSERS_LORA_FILE, LORA_COMPONENTS, LoraFile, Scale, network_scale, read_lora
+from .adapter_files import combined_file, saved_state_dict
 from .adapter_registry import (
     PIPELINES,
     Adapters,
@@ -89,7 +89,7 @@ def load_lora_weights(
     **kwargs: Any,
 ) -> None:  # fmt: skip
     """A LoRA file, folder or state dict as a new adapter, the only active one, at weight 1.0 (diffusers' behaviour);
-    with ``hotswap``, as the new weights of the adapter ``adapter_name``, which keeps its place at weight 1.0."""
+    with ``hotswap``, as the new weights of adapter ``adapter_name`` on the networks the file changes."""
     where = f"{type(pipe).__name__}.load_lora_weights"
     source = pretrained_model_name_or_path_or_dict
     if unknown := sorted(set(kwargs) - LOAD_KWARGS):
@@ -115,21 +115,46 @@ def load_lora_weights(
         raise LoraError(f"{where}: adapter name {name!r} is already in use; delete_adapters({name!r}) first, or "
                         "load_lora_weights(..., hotswap=True) to replace it")  # fmt: skip
     networks = lora_networks(pipe)
+    family = networks[0].family if networks else None
     try:
-        lora = read_lora(path, networks[0].family if networks else None)
+        lora = read_lora(path, family)
         if hotswap and (encoders := [c for c in lora.parts if c.startswith("text_encoder")]):
             raise LoraError(f"{where}: hotswap replaces denoiser adapters only, as in diffusers, and {path} changes "
                             f"the {encoders[0]}: pass hotswap=False")  # fmt: skip
-        # A hotswapped adapter keeps its place among the active ones, at weight 1.0 (PEFT's hotswap resets its scaling).
-        active = tuple((n, 1.0 if n == name else w) for n, w in state.active) if hotswap else ((name, 1.0),)
-        new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
-                      active=active, weights={**state.weights, name: 1.0})  # fmt: skip
+        if hotswap:
+            new = hotswapped(pipe, state, name, lora, family)
+        else:
+            new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(lora.parts)},
+                          active=((name, 1.0),), weights={**state.weights, name: 1.0})  # fmt: skip
         commit(pipe, new)
     except LoraError as exc:
         if not isinstance(pretrained_model_name_or_path_or_dict, dict):
             raise
         # The file is sdtrt's own copy of the state dict: name what the user gave instead.
         raise LoraError(str(exc).replace(str(path), f"the state dict of adapter {name!r}")) from exc
+
+
+def hotswapped(pipe: Any, state: Adapters, name: str, lora: LoraFile, family: str | None) -> Adapters:
+    """``state`` with ``lora`` as adapter ``name``'s weights on the networks it changes, at weight 1.0 there (PEFT's
+    hotswap resets their scaling; a network the adapter is inactive on stays so); on its other networks the adapter
+    keeps its weights, as diffusers hotswaps only the networks a file has. Its place among the active ones stays."""
+    swapped = set(lora.parts)
+    path = lora.path
+    if kept := [c for c in state.parts[name] if c not in swapped]:
+        path = combined_file(holder(pipe), name, lora, read_lora(state.files[name], family), kept)
+    parts = (*lora.parts, *kept)
+
+    def reset(weight: Scale, inactive_stays: bool) -> Scale:
+        by_network = {c: network_scale(weight, c) for c in LORA_COMPONENTS}
+        for c in swapped:
+            by_network[c] = 0.0 if inactive_stays and by_network[c] == 0 else 1.0
+        values = set(by_network.values())
+        return values.pop() if len(values) == 1 else by_network
+
+    active = tuple((n, reset(w, True) if n == name else w) for n, w in state.active)
+    weights = {**state.weights, name: reset(state.weights.get(name, 1.0), False)}
+    return replace(state, files={**state.files, name: path}, parts={**state.parts, name: parts}, active=active,
+                   weights=weights)  # fmt: skip
 
 
 def enable_lora_hotswap(pipe: Any, **kwargs: Any) -> None:
