@@ -12,6 +12,7 @@ from peft.utils import get_peft_model_state_dict
 
 from sdtrt.core.errors import LoraError
 from sdtrt.pipeline.loading import load_pipeline, set_loras
+from sdtrt.standins.adapter_files import ADDED, OWN_FILES
 from sdtrt.tools.image_quality import psnr_db
 
 from .helpers import peft_lora
@@ -65,6 +66,8 @@ def test_add_adapter_makes_peft_s_weights_and_the_adapter_api_drives_them(tiny, 
     for pipe in (fresh, reference):  # a second adapter, both at weights (a negative one too), fused, unloaded
         add(pipe, "y", seed=8, networks=("unet",))
         pipe.set_adapters(["x", "y"], [0.8, -0.5])
+    own_files = fresh.unet.__dict__[OWN_FILES]  # x's and y's: x's second add_adapter replaced its first file
+    assert len(list(own_files.iterdir())) == 2
     assert psnr_db(image(fresh), image(reference)) >= 35
     for pipe in (fresh, reference):  # an inactive adapter named fuses too, at the weight it keeps (-0.5), as in PEFT
         pipe.set_adapters("x")
@@ -74,6 +77,7 @@ def test_add_adapter_makes_peft_s_weights_and_the_adapter_api_drives_them(tiny, 
     fresh.unfuse_lora()
     fresh.unload_lora_weights()
     assert fresh.unet.peft_config is None and np.array_equal(image(fresh), base)
+    assert not list(own_files.iterdir()) and not fresh.unet.__dict__[ADDED]  # no adapter left to read them
 
 
 def test_add_adapter_activates_the_new_adapter_on_its_network_only(tiny, fresh):
@@ -197,3 +201,12 @@ def test_a_denoiser_only_hotswap_keeps_the_adapters_text_encoder_part(tiny, fres
         pipe.load_lora_weights(tmp_path, adapter_name="x", hotswap=True)
     assert fresh.get_list_adapters() == reference.get_list_adapters() == {"unet": ["x"], "text_encoder": ["x"]}
     assert psnr_db(image(fresh), image(reference)) >= 35
+
+
+def test_a_stand_in_taken_out_of_its_newest_pipeline_keeps_its_older_one(tiny, fresh):
+    from sdtrt.sources.models import load_folder
+
+    other = type(fresh)(**fresh.components)  # the newest pipeline the UNet stand-in is in, until it is swapped out
+    other.register_modules(unet=load_folder(tiny, "unet"))
+    add(fresh, "x", seed=3, networks=("unet",))
+    assert list(fresh.unet.peft_config) == ["x"] and fresh.get_active_adapters() == ["x"]

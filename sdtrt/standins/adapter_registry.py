@@ -12,6 +12,7 @@ from typing import Any
 from ..core.errors import LoraError
 from ..lora.files import LORA_COMPONENTS, LoraSpec, Scale, for_network, network_scale
 from ..lora.refit import EngineLoras, LoraNetwork, apply_loras
+from .adapter_files import drop_unused
 
 # Held by the pipeline's first engine network (its denoiser's stand-in, usually), not by the pipeline: pipelines made
 # from one another (from_pipe, Pipeline(**pipe.components)) share the engines, and so their adapters.
@@ -97,6 +98,15 @@ def commit(pipe: Any, state: Adapters) -> None:
     holder(pipe).__dict__[REGISTRY] = state
     set_call_scale(pipe, state.call_scale)
     pipe._merged_adapters = {n for n, _ in state.fused or ()}  # what diffusers' fused_loras / num_fused_loras read
+    drop_unused_files(pipe, state)
+
+
+def drop_unused_files(pipe: Any, state: Adapters | None) -> None:
+    """Remove the pipeline's own LoRA files that no adapter, baked LoRA or engine reads any more."""
+    files = set(state.files.values()) if state is not None else set()
+    baked = {path for path, _ in state.baked} if state is not None else set()
+    running = {path for network in lora_networks(pipe) for path, _ in network.active}
+    drop_unused(holder(pipe), files | baked | running, files)
 
 
 def engine_networks(pipe: Any) -> dict[str, LoraNetwork]:
@@ -130,6 +140,7 @@ def forget(pipe: Any) -> None:
     """After a direct set_loras: its LoRAs are the new baked ones, no adapters remain."""
     for network in engine_networks(pipe).values():
         network.__dict__.pop(REGISTRY, None)
+    drop_unused_files(pipe, None)
 
 
 def not_fused(pipe: Any, state: Adapters, method: str) -> None:

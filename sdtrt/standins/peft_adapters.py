@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ..core.errors import LoraError, one_line
 from ..lora.files import LORA_COMPONENTS, Scale, network_scale
-from .adapter_files import own_file
+from .adapter_files import added, own_file
 from .adapter_registry import PIPELINES, adapters, commit, engine_networks, holder, not_fused
 
-# Held with the registry: adapter name → (its file, network → (PEFT state dict, LoraConfig)).
-ADDED = "_sdtrt_peft_adapters"
 # Random draws, as PEFT makes them from nothing but the shapes; the other values start from the base weights (PiSSA,
 # OLoRA, LoftQ, EVA, CorDA, LoRA-GA) or make a LoRA variant (MiCA).
 PLAIN_INITS = (True, False, "gaussian", "orthogonal")
@@ -54,9 +53,9 @@ class PeftAdapters:
         if pipe is None:
             return None
         loaded = adapters(pipe).files
-        component = next(c for c, network in engine_networks(pipe).items() if network is self)
-        configs = {n: parts[component][1] for n, (path, parts) in added(pipe).items()
-                   if loaded.get(n) == path and component in parts}  # fmt: skip
+        component = component_of(pipe, self)
+        configs = {n: by_network[component] for n, (path, by_network) in added(holder(pipe)).items()
+                   if loaded.get(n) == path and component in by_network}  # fmt: skip
         return configs or None
 
 
@@ -69,32 +68,44 @@ def add_adapter(network: Any, config: Any, name: str) -> None:
         raise LoraError(f"{where} registers the adapter with the engine's pipeline, and it is in none: make the "
                         "pipeline first (sdtrt.load_pipeline), then add_adapter or pipe.load_lora_weights")  # fmt: skip
     refuse_unsupported(config, where)
-    component = next(c for c, n in engine_networks(pipe).items() if n is network)
+    component = component_of(pipe, network)
     state = adapters(pipe)
     not_fused(pipe, state, "add_adapter")
-    path, parts = added(pipe).get(name, (None, {}))
+    owner = holder(pipe)
+    path, configs = added(owner).get(name, (None, {}))
     if state.files.get(name) != path:  # deleted, unloaded or hotswapped since: not the file add_adapter wrote
-        parts = {}
-    if name in state.files and not parts:
+        configs = {}
+    if name in state.files and not configs:
         raise LoraError(f"{where}: adapter name {name!r} is in use (pipe.load_lora_weights); delete_adapters({name!r}) "
                         "first, or choose another name")  # fmt: skip
-    if component in parts:  # as PEFT: one adapter of a name per network
+    if component in configs:  # as PEFT: one adapter of a name per network
         raise LoraError(f"{where}: adapter {name!r} already exists in the {component}; choose another name")
-    parts = {**parts, component: (peft_state_dict(network, config, name, where), copy.deepcopy(config))}
-    path = own_file(holder(pipe), name)
+    layers = {c: network_layers(state.files[name], c) for c in configs}  # the parts add_adapter made before
+    layers[component] = peft_state_dict(network, config, name, where)
+    configs = {**configs, component: copy.deepcopy(config)}
+    path = own_file(owner, name)
     type(pipe).save_lora_weights(
-        path.parent, weight_name=path.name, **{f"{c}_lora_layers": layers for c, (layers, _) in parts.items()},
-        **{f"{c}_lora_adapter_metadata": c_config.to_dict() for c, (_, c_config) in parts.items()},
+        path.parent, weight_name=path.name, **{f"{c}_lora_layers": c_layers for c, c_layers in layers.items()},
+        **{f"{c}_lora_adapter_metadata": c_config.to_dict() for c, c_config in configs.items()},
     )  # fmt: skip
     active = made_active(state.active, name, component, list(engine_networks(pipe)))
     weight = {c: 1.0 if c == component else network_scale(state.weights.get(name, 1.0), c) for c in LORA_COMPONENTS}
-    new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(parts)}, active=active,
-                  weights={**state.weights, name: weight})  # fmt: skip
+    new = replace(state, files={**state.files, name: path}, parts={**state.parts, name: tuple(configs)},
+                  active=active, weights={**state.weights, name: weight})  # fmt: skip
     try:
         commit(pipe, new)
     except LoraError as exc:  # the file is sdtrt's own: name the adapter instead
+        path.unlink(missing_ok=True)
         raise LoraError(f"{where}: {str(exc).replace(str(path), f'adapter {name!r}')}") from exc
-    added(pipe)[name] = (path, parts)
+    added(owner)[name] = (path, configs)
+
+
+def network_layers(path: Path, component: str) -> dict[str, Any]:
+    """One network's PEFT state dict from the file save_lora_weights wrote."""
+    from safetensors.torch import load_file
+
+    prefix = f"{component}."
+    return {k.removeprefix(prefix): v for k, v in load_file(path).items() if k.startswith(prefix)}
 
 
 def refuse_unsupported(config: Any, where: str) -> None:
@@ -158,11 +169,12 @@ def made_active(active: tuple[tuple[str, Scale], ...], name: str, component: str
     return tuple(out)
 
 
-def added(pipe: Any) -> dict[str, tuple[Any, dict[str, tuple[dict[str, Any], Any]]]]:
-    return holder(pipe).__dict__.setdefault(ADDED, {})
-
-
 def pipeline_of(network: Any) -> Any:
-    """The newest live pipeline ``network`` is in, or None."""
+    """The newest live pipeline ``network`` is in (still one of its networks), or None."""
     live = (ref() for ref in reversed(network.__dict__.get(PIPELINES, [])))
-    return next((pipe for pipe in live if pipe is not None), None)
+    return next((pipe for pipe in live if pipe is not None and component_of(pipe, network)), None)
+
+
+def component_of(pipe: Any, network: Any) -> str:
+    """The component ``network`` is in ``pipe`` ("" where it is none of its engine networks)."""
+    return next((c for c, n in engine_networks(pipe).items() if n is network), "")
