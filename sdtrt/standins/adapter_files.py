@@ -5,6 +5,7 @@ they are written to a folder the engines own, removed with them, or as soon as n
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -26,7 +27,8 @@ def own_file(owner: Any, name: str) -> Path:
     if folder is None:
         folder = owner.__dict__[OWN_FILES] = Path(tempfile.mkdtemp(prefix="sdtrt-loras-"))
         weakref.finalize(owner, shutil.rmtree, folder, True)
-    handle, path = tempfile.mkstemp(suffix=".safetensors", prefix=f"{name}-", dir=folder)
+    readable = re.sub(r"[^\w.-]", "_", name)  # an adapter name is any string; a file name is not
+    handle, path = tempfile.mkstemp(suffix=".safetensors", prefix=f"{readable}-", dir=folder)
     os.close(handle)
     return Path(path)
 
