@@ -10,7 +10,8 @@ engines | reason, and writes the outcomes as JSON.
     git -C <diffusers.git> archive 4e0466f3e5 tests | tar x -C /tmp/difftests
     python benchmarks/diffusers_lora_mixin.py --diffusers-tests /tmp/difftests --commit 4e0466f3e5
 
-``--diffusers-tests`` is a folder holding diffusers' ``tests/`` (run from it, never copied here). Use a checkout from
+``--diffusers-tests`` is a folder holding diffusers' ``tests/`` (run from it, never copied here). diffusers' tests
+need packages sdtrt's ``dev`` extra lacks: ``pip install parameterized`` first (TEST_DEPENDENCIES). Use a checkout from
 before diffusers#14268 (4e0466f3e5, 2026-08): that change moved ``FluxLoRATests`` to the pytest-style
 ``LoraTesterMixin`` and took ``PeftLoraLoaderMixinTests`` down to its SD tests.
 
@@ -51,6 +52,7 @@ HUB_SHAPES = {
         d_model=32, d_ff=37, d_kv=8, num_heads=4, num_layers=5, relative_attention_num_buckets=8,
     ),
 }  # fmt: skip
+TEST_DEPENDENCIES = ("parameterized",)  # what diffusers' LoRA tests import beyond sdtrt[dev]
 PASSED = ("passed", "xpassed")
 ENGINE_CHECK = "stand-ins: an adapter the pipeline holds changes this network (PyTorch modules: diffusers' own check)"
 # Why a test that passes on PyTorch does not on engines, by what its failure shows (first match wins).
@@ -107,7 +109,12 @@ def main() -> None:
                    "--suites", args.suites, "--work", str(args.work), "--report", str(report)]  # fmt: skip
         command += ["-k", args.k] if args.k else []
         started = time.perf_counter()
-        subprocess.run(command, check=False)
+        report.unlink(missing_ok=True)  # a file left by an earlier run is not this run's outcome
+        child = subprocess.run(command, check=False)  # pytest exits 1 when tests fail: the report says which
+        if not report.is_file():
+            needs = ", ".join(TEST_DEPENDENCIES)
+            sys.exit(f"the {side} run wrote no outcomes (exit code {child.returncode}, output above): pass diffusers' "
+                     f"tests folder, and pip install what its tests import ({needs})")  # fmt: skip
         outcomes[side] = json.loads(report.read_text())
         print(f"{side}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     rows = table(outcomes["pytorch"], outcomes["engines"])
@@ -311,7 +318,7 @@ ENGINES: dict[Path, Any] = {}  # pipeline folder → its engine set, in this pro
 
 def engine_has_lora(model: Any) -> bool:
     """ENGINE_CHECK: an adapter the pipeline holds changes this stand-in's network."""
-    from sdtrt.standins.adapters import engine_networks, registry
+    from sdtrt.standins.adapter_registry import engine_networks, registry
     from sdtrt.standins.peft_adapters import pipeline_of
 
     pipe = pipeline_of(model)

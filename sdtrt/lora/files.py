@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import LoraError, RequestError, one_line
+from .peft_form import LoraModule, lora_modules, peft_names
 
 if TYPE_CHECKING:
-    import torch
-
     from ..sources.models import ModelSource
 
 # One scale for every network the file changes, or one per network (component → scale, 1.0 where none is given, as
@@ -144,38 +143,6 @@ def parse_lora_option(value: str) -> tuple[str, float]:
 
 
 @dataclass(frozen=True)
-class LoraModule:
-    down: torch.Tensor  # lora_A: [rank, in, *kernel]
-    up: torch.Tensor  # lora_B: [out, rank, 1, 1 | ·]
-    alpha: float
-    rslora: bool = False
-
-    @property
-    def rank(self) -> int:
-        return int(self.down.shape[0])
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the weight it changes, in PyTorch's layout."""
-        return (int(self.up.shape[0]), *(int(d) for d in self.down.shape[1:]))
-
-    def add_to(self, weight: torch.Tensor, scale: float, transposed: bool) -> None:
-        """weight += scale·ΔW, ΔW = (alpha/rank)·B·A, in place in one matrix product (no ΔW is made).
-
-        ``weight`` is fp32 and 2-D: [out, in·kernel], or [in, out] where the graph holds it transposed.
-        """
-        up, down = self.up.flatten(1).float(), self.down.flatten(1).float()
-        if transposed:
-            weight.addmm_(down.T, up.T, alpha=scale * self.scale)
-        else:
-            weight.addmm_(up, down, alpha=scale * self.scale)
-
-
-@dataclass(frozen=True)
 class LoraFile:
     path: Path
     format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya"
@@ -244,7 +211,7 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
         except ValueError as exc:  # diffusers' converters: "Could not automatically infer state dict type"
             raise LoraError(f"diffusers cannot convert the {component} part of {path}: {one_line(exc)}") from exc
         config = {k[len(prefix) :]: v for k, v in (metadata or {}).items() if k.startswith(prefix)}
-        parts[component] = _modules(path, renamed, module_alphas, config)
+        parts[component] = lora_modules(path, component, renamed, module_alphas, config)
     return LoraFile(path, kind, lora_family.label, parts)
 
 
@@ -278,53 +245,6 @@ def _lora_state_dict(path: Path, lora_family: LoraFamily) -> tuple[dict[str, Any
     except Exception as exc:  # diffusers raises ValueError (AssertionError in Flux's kohya converter) for names it
         raise LoraError(f"diffusers cannot read the LoRA {path}: {one_line(exc)}") from exc  # cannot convert
     return state_dict, (alphas[0] if alphas else None), metadata
-
-
-def peft_names(component: str, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Keys renamed to PEFT's ``<module>.lora_A/B.weight`` the way diffusers' loaders rename them.
-
-    The UNet as ``load_lora_into_unet`` does; text encoders as ``_load_lora_into_text_encoder`` does
-    (diffusers loaders/lora_base.py), with CLIP's ``text_model.`` prefix dropped: recent transformers
-    flatten CLIPTextModel, and weight maps name text encoder weights without it (weight_map.lora_parameters).
-    """
-    from diffusers.utils import (
-        convert_state_dict_to_diffusers,
-        convert_state_dict_to_peft,
-        convert_unet_state_dict_to_peft,
-    )
-
-    if component in ("unet", "transformer"):  # a transformer as diffusers' load_lora_adapter renames it
-        return convert_unet_state_dict_to_peft(state_dict)
-    renamed = convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict)) if state_dict else {}
-    return {k.removeprefix("text_model."): v for k, v in renamed.items()}
-
-
-def _modules(
-    path: Path, weights: dict[str, torch.Tensor], alphas: dict[str, float], config: dict[str, Any]
-) -> dict[str, LoraModule]:
-    """One network's modules; ``config`` is its adapter metadata (lora_alpha, alpha_pattern, use_rslora, …)."""
-    if config.get("use_dora"):
-        raise LoraError(f"{path} is a DoRA adapter; sdtrt applies plain LoRAs only")
-    patterns = config.get("alpha_pattern") or {}
-    modules = {}
-    for key in weights:
-        module, sep, part = key.rpartition(".lora_")
-        if not sep or part not in ("A.weight", "B.weight"):
-            raise LoraError(
-                f"{path}: '{key}' is not a LoRA up/down weight (DoRA, biases and LyCORIS are not supported)"
-            )
-        if part == "B.weight":
-            continue
-        up = weights.get(f"{module}.lora_B.weight")
-        if up is None:
-            raise LoraError(f"{path}: '{module}' has a down (lora_A) weight but no up (lora_B) weight")
-        down = weights[key]
-        alpha = alphas.get(module)
-        if alpha is None:
-            pattern = next((p for p in patterns if module == p or module.endswith("." + p)), None)
-            alpha = patterns[pattern] if pattern else config.get("lora_alpha", down.shape[0])
-        modules[module] = LoraModule(down, up, float(alpha), bool(config.get("use_rslora")))
-    return modules
 
 
 def describe(lora: LoraFile) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_mo
 from ..spec import FOLDERS, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
-from ..standins.adapters import apply_pipeline_loras, lora_networks
-from ..standins.adapters import forget as forget_adapters
+from ..standins.adapter_registry import apply_pipeline_loras, lora_networks
+from ..standins.adapter_registry import forget as forget_adapters
 from ..standins.base import EngineModule, refuse_pytorch_only, saved_engines
 from ..standins.ip_adapter import IPAdapterInputs
 from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config

@@ -137,7 +137,7 @@ def time_loras(pipe: Any, loras: tuple[tuple[str, float], ...], swaps: int) -> t
     """Seconds to put ``loras`` in the first time, and Stats of ``swaps`` later swaps (clear, then them again)."""
     from ..lora.refit import fuse_loras
     from ..pipeline.loading import set_loras
-    from ..standins.adapters import lora_networks
+    from ..standins.adapter_registry import lora_networks
 
     started = time.perf_counter()
     if not lora_networks(pipe):  # PyTorch: diffusers fuses them, once
