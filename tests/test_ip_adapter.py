@@ -15,15 +15,22 @@ import pytest
 import torch
 from PIL import Image
 
-from sdtrt import ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
+from sdtrt import ArtifactError, ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
 from sdtrt.core.config.shapes import Range
 from sdtrt.core.trt_products import rtx_missing
 from sdtrt.pipeline.loading import engine_members, load_pipeline
 from sdtrt.sources import ip_adapters
-from sdtrt.sources.ip_adapters import IMAGE_ENCODER, RANDOM_WEIGHTS, TINY_IMAGE_ENCODER, random_ip_adapter
+from sdtrt.sources.ip_adapters import (
+    IMAGE_ENCODER,
+    RANDOM_WEIGHTS,
+    TINY_IMAGE_ENCODER,
+    random_ip_adapter,
+    resolve_ip_adapter,
+)
 from sdtrt.sources.models import resolve_model
 from sdtrt.spec import denoiser_component
 from sdtrt.stages import export
+from sdtrt.stages.ip_adapter import reference_network
 from sdtrt.standins.image_encoder import EngineImageEncoder
 from sdtrt.tools.compile import compile_model
 from sdtrt.tools.image_quality import psnr_db
@@ -91,6 +98,17 @@ def test_the_unet_graph_takes_the_image_embeds_and_scales_and_its_key_the_adapte
         command = graph.manifest["reproduce"]
         assert command.startswith("sdtrt compile --model tiny --target onnxruntime --components unet")
         assert command.endswith(f"--ip-adapter {adapters['tiny']}/{RANDOM_WEIGHTS}")
+    # Moved: validation's PyTorch side loads the files from the path the (next) compile names, not the recorded one.
+    moved = adapters["tiny"].with_name("tiny-moved")
+    adapters["tiny"].rename(moved)
+    try:
+        member = engine_members(result.final)["image_encoder"]
+        with pytest.raises(ArtifactError, match=r"whose files PyTorch loads here and are gone.*put them back there"):
+            reference_network(None, model, "image_encoder", member)
+        given = resolve_ip_adapter(moved / RANDOM_WEIGHTS)
+        assert reference_network(None, model, "image_encoder", member, given)[0].config.projection_dim == 32
+    finally:
+        moved.rename(adapters["tiny"])
     io = {t["name"]: t["shape"] for t in engine_members(result.final)["unet"].manifest["io"]["inputs"]}
     assert io["image_embeds"] == ["batch", 1, 32] and io["ip_adapter_scale"] == [4]  # 4 cross-attention layers
     plain = export.request_for(ExportConfig(precision="fp32"), model)

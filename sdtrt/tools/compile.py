@@ -42,7 +42,7 @@ from ..core.gpu import (
 from ..core.store import Store
 from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missing, rtx_turing_problem
 from ..graph.onnx_graph import artifact_spec
-from ..sources.ip_adapters import ip_adapter_files
+from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource
 from ..spec import (
     FOLDERS,
@@ -214,12 +214,14 @@ def compile_model(
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
+    # PyTorch's side loads the adapter from the files this compile names (the engines' record may name a moved one).
+    files = ip_adapter_files(export_config) if export_config.ip_adapter else None
     # On a GPU that runs them the plans validate as TensorRT's do; elsewhere the graphs they were built from.
     if chosen == "tensorrt-rtx" and (why := rtx_cannot_run(artifacts)):
         result = CompileResult(chosen, reason, artifacts)
-        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate, why)
-    # PyTorch's side loads the adapter from the files this compile names (the engines' record may name a moved one).
-    files = ip_adapter_files(export_config) if export_config.ip_adapter else None
+        return validate_graphs(
+            result, model, EngineSetConfig(components), graphs, validation, store, revalidate, why, files
+        )
     report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate, files)
     return CompileResult(chosen, reason, artifacts, report, cached)
 
@@ -307,6 +309,7 @@ def validate_graphs(
     store: Store,
     revalidate: bool,
     why: str,
+    ip_adapter: IPAdapterFiles | None = None,
 ) -> CompileResult:
     """TensorRT-RTX plans finish compiling on the GPU that loads them, so where none runs them (``why``) the graphs
     they were built from are validated against PyTorch on ONNX Runtime (as a set of their own when there are several;
@@ -320,7 +323,7 @@ def validate_graphs(
             result, validation_note=f"bf16 graphs do not run on ONNX Runtime, so nothing was compared here; {later}"
         )
     checked = engine_set.run(set_config, graphs, store, model) if len(graphs) > 1 else next(iter(graphs.values()))
-    report, cached = stored_validate(model, checked, validation, store, revalidate)
+    report, cached = stored_validate(model, checked, validation, store, revalidate, ip_adapter)
     note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({checked.path}); {later}"
     return replace(result, validation=report, validation_cached=cached, validation_note=note)
 
