@@ -68,11 +68,13 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> L
     or "stream" (traced without weights, initializers streamed from the safetensors files). "auto" streams
     only with torch.export's exporter and over STREAM_ABOVE bytes of weights on disk. An IP-Adapter's image encoder
     (in the adapter's folder, not the model's: 1.2 GB at most) is loaded, and so is a denoiser the adapter goes into
-    (diffusers loads the adapter into a loaded network; an explicit "stream" is refused before any export)."""
-    if spec.component == IMAGE_ENCODER or (isinstance(spec, DenoiserSpec) and spec.ip_layers):
+    (diffusers loads the adapter into a loaded network; an explicit "stream" is refused)."""
+    if spec.component == IMAGE_ENCODER:
         return "load"
     if config.weights != "auto":
         return config.weights
+    if isinstance(spec, DenoiserSpec) and spec.ip_layers:
+        return "load"
     if exporter_for(config, spec) != "dynamo":
         return "load"
     from ..graph.onnx_weights import weights_size
@@ -158,6 +160,8 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
     ip_adapter = isinstance(spec, DenoiserSpec) and spec.ip_layers
+    if ip_adapter and weights == "stream":  # compile refuses it before any export; export.run's callers here
+        raise ExportError("an IP-Adapter goes into a loaded denoiser, not a streamed one: export with --weights load")
     files = ip_adapter_files(config) if config.ip_adapter else None
     origin = files.image_encoder if files and spec.component == IMAGE_ENCODER else model.name
     with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {origin}"):
