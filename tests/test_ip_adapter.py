@@ -178,7 +178,7 @@ def test_ip_adapter_is_refused_where_the_engines_lack_it_or_cannot_take_it(
         else:
             with pytest.raises(EngineInputError, match="not the IP-Adapter this engine was compiled with"):
                 pipe.load_ip_adapter("someone/ip-adapter", subfolder="models", weight_name=RANDOM_WEIGHTS)
-    with pytest.raises(EngineInputError, match="per-image lists are not built"):
+    with pytest.raises(EngineInputError, match="gives a scale per IP image, and the engine takes one IP image"):
         pipe.set_ip_adapter_scale([[0.5, 0.7]])
     with pytest.raises(EngineInputError, match="ip_adapter_masks: masked IP-Adapter images are not built"):
         masks = {"ip_adapter_masks": [torch.ones(1, 1, 8, 8)]}

@@ -184,10 +184,10 @@ def unet_scales(unet: Any, scale: Any) -> torch.Tensor:
         raise EngineInputError(f"set_ip_adapter_scale: {len(scales)} scale configs for the engine's one IP-Adapter")
     scale = scales[0]
     assert unet.ip_scale is not None
-    if not isinstance(scale, dict | int | float):
+    if isinstance(scale, list | tuple):  # diffusers' per-image form ([[0.5, 0.7]]: a scale per IP image)
         raise EngineInputError(
-            f"set_ip_adapter_scale: {scale!r} is not a float or InstantStyle's per-block dict; the engine takes one "
-            "scale config for all its images (per-image lists are not built)"
+            f"set_ip_adapter_scale: {scale!r} gives a scale per IP image, and the engine takes one IP image: pass a "
+            "float or InstantStyle's per-block dict"
         )
     if not isinstance(scale, dict):
         return torch.full_like(unet.ip_scale, float(scale))
