@@ -7,6 +7,8 @@ compiled without it or cannot take it."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 from dataclasses import replace
 
@@ -15,7 +17,16 @@ import pytest
 import torch
 from PIL import Image
 
-from sdtrt import ArtifactError, ConfigError, EngineInputError, ExportConfig, ShapeProfile, Store, ValidationConfig
+from sdtrt import (
+    ArtifactError,
+    ConfigError,
+    EngineInputError,
+    ExportConfig,
+    RequestError,
+    ShapeProfile,
+    Store,
+    ValidationConfig,
+)
 from sdtrt.core.config.shapes import Range
 from sdtrt.core.trt_products import rtx_missing
 from sdtrt.pipeline.loading import engine_members, load_pipeline
@@ -97,7 +108,9 @@ def test_the_unet_graph_takes_the_image_embeds_and_scales_and_its_key_the_adapte
         graph = next(a for a in engine_members(result.final)[member].lineage() if a.stage == "export")
         command = graph.manifest["reproduce"]
         assert command.startswith("sdtrt compile --model tiny --target onnxruntime --components unet")
-        assert command.endswith(f"--ip-adapter {adapters['tiny']}/{RANDOM_WEIGHTS}")
+        compile_command = cli().get_command(cli().make_context("sdtrt", ["compile"]), "compile")
+        parsed = compile_command.make_context("compile", shlex.split(command)[2:]).params  # it parses
+        assert parsed["ip_adapter"] == f"{adapters['tiny']}/{RANDOM_WEIGHTS}"
     # Moved: validation's PyTorch side loads the files from the path the (next) compile names, not the recorded one.
     moved = adapters["tiny"].with_name("tiny-moved")
     adapters["tiny"].rename(moved)
@@ -267,7 +280,19 @@ def test_generate_takes_an_ip_adapter_image_and_refuses_it_without_the_adapter(i
     done = run_cli("generate", "--engine", str(ip_set("tiny").final.path), "--ip-adapter-image", str(picture),
                    "--ip-adapter-scale", "0.6", "--steps", "2", *size, "--out", str(image))  # fmt: skip
     assert done.returncode == 0 and image.is_file(), done.stderr
-    refused = run_cli("generate", "--model", "tiny", "--ip-adapter-image", str(picture), *size)
-    assert refused.returncode == 2 and "compile one with `sdtrt compile --ip-adapter PATH`" in last_line(refused.stderr)
-    refused = run_cli("generate", "--model", "tiny", "--ip-adapter-scale", "0.5", *size, "--out", str(image))
-    assert refused.returncode == 2 and "--ip-adapter-scale scales an --ip-adapter-image" in last_line(refused.stderr)
+    for args, refusal in (  # usage errors (exit 2) before anything loads: run in-process
+        (("--ip-adapter-image", str(picture)), "compile one with `sdtrt compile --ip-adapter PATH`"),
+        (("--ip-adapter-scale", "0.5"), "--ip-adapter-scale scales an --ip-adapter-image"),
+    ):
+        with pytest.raises(RequestError, match=re.escape(refusal)) as caught:
+            cli().main(["generate", "--model", "tiny", *args, *size], standalone_mode=False)
+        assert caught.value.exit_code == 2
+
+
+def cli():
+    """sdtrt's command group, run in-process (a usage error raises before any work)."""
+    from typer.main import get_command
+
+    from sdtrt.cli import app
+
+    return get_command(app)
