@@ -111,6 +111,7 @@ def test_the_unet_graph_takes_the_image_embeds_and_scales_and_its_key_the_adapte
         compile_command = cli().get_command(cli().make_context("sdtrt", ["compile"]), "compile")
         parsed = compile_command.make_context("compile", shlex.split(command)[2:]).params  # it parses
         assert parsed["ip_adapter"] == f"{adapters['tiny']}/{RANDOM_WEIGHTS}"
+        assert "--exporter" not in command  # auto's, each member's own (the image encoder's is not the UNet's)
     # Moved: validation's PyTorch side loads the files from the path the (next) compile names, not the recorded one.
     moved = adapters["tiny"].with_name("tiny-moved")
     adapters["tiny"].rename(moved)

@@ -247,19 +247,22 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             if files and spec.component == IMAGE_ENCODER
             else model.component_config(folder),
         },
-        "reproduce": reproduce(model, config, spec.component, weights, files),
+        "reproduce": reproduce(model, config, spec, weights, files),
     }
 
 
 def reproduce(
-    model: ModelSource, config: ExportConfig, component: str, weights: str, files: IPAdapterFiles | None
+    model: ModelSource, config: ExportConfig, spec: GraphSpec, weights: str, files: IPAdapterFiles | None
 ) -> str:
     """The command that exports this graph again: an IP-Adapter's graphs come from compile (export takes no
-    adapter), which exports the denoiser and the image encoder together."""
-    options = f"--precision {config.precision} --exporter {config.exporter} --opset {config.opset}"
+    adapter), which exports the denoiser and the image encoder together, each with auto's exporter unless another
+    was asked for (one --exporter is both members')."""
     if files is None:
-        return (f"sdtrt export --model {model.name} --component {component} {options} --io-naming {config.io_naming} "
+        return (f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "
+                f"--exporter {config.exporter} --opset {config.opset} --io-naming {config.io_naming} "
                 f"--weights {weights}")  # fmt: skip
+    auto = exporter_for(dataclasses.replace(config, exporter="auto"), spec) == config.exporter
+    options = f"--precision {config.precision}{'' if auto else f' --exporter {config.exporter}'} --opset {config.opset}"
     encoder = f" --ip-adapter-image-encoder {files.image_encoder}" if config.ip_adapter_image_encoder else ""
     return (f"sdtrt compile --model {model.name} --target onnxruntime --components {denoiser_component(model)} "
             f"{options} --ip-adapter {files.weights}{encoder}")  # fmt: skip
