@@ -109,9 +109,19 @@ def compile(
         typer.Option(
             "--ip-adapter",
             metavar="PATH",
-            help="Compile an IP-Adapter into the UNet (SD 1.x, SDXL): its weight file in h94/IP-Adapter's layout (or a "
-            "folder holding one), its image_encoder/ beside it; the image embeds and per-layer scales become engine "
-            "inputs, so pipe(ip_adapter_image=...) and pipe.set_ip_adapter_scale(...) run on the engines.",
+            help="Compile an IP-Adapter into the denoiser (SD 1.x, SDXL, Flux.1): its weight file in h94/IP-Adapter's "
+            "(XLabs' for Flux) layout (or a folder holding one), its image_encoder/ beside it; the image embeds and "
+            "per-layer scales become engine inputs, so pipe(ip_adapter_image=...) and pipe.set_ip_adapter_scale(...) "
+            "run on the engines.",
+        ),
+    ] = None,
+    ip_adapter_image_encoder: Annotated[
+        str | None,
+        typer.Option(
+            "--ip-adapter-image-encoder",
+            metavar="DIR",
+            help="The --ip-adapter's image encoder folder where it is not the image_encoder/ beside the file "
+            "(diffusers' image_encoder_folder; h94's sdxl_models/ip-adapter_sdxl_vit-h needs models/image_encoder).",
         ),
     ] = None,
     report: ReportOpt = True,
@@ -180,8 +190,12 @@ def compile(
     export_config = graph_options.export_config(
         graph_precision, exporter, opset, io_naming, denoiser_component(source), weights
     )
-    if ip_adapter:  # the file, resolved: what the UNet's export config records
-        export_config = replace(export_config, ip_adapter=str(resolve_ip_adapter(ip_adapter).weights))
+    if ip_adapter_image_encoder and not ip_adapter:
+        raise RequestError("--ip-adapter-image-encoder is the image encoder of an --ip-adapter: pass one")
+    if ip_adapter:  # the files, resolved: what the denoiser's export config records
+        files = resolve_ip_adapter(ip_adapter, ip_adapter_image_encoder)
+        encoder = str(files.image_encoder) if ip_adapter_image_encoder else ""
+        export_config = replace(export_config, ip_adapter=str(files.weights), ip_adapter_image_encoder=encoder)
         try:
             check_ip_adapter(source, export_config, chosen_caches, freeu, quantized)
         except ConfigError as exc:

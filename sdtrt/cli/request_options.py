@@ -88,7 +88,7 @@ def freeu_factors(text: str | None, engine: Artifact | None, model: ModelSource)
     return factors
 
 
-def check_ip_adapter(engine: Artifact | None) -> None:
+def require_ip_adapter_engine(engine: Artifact | None) -> None:
     """--ip-adapter-image needs a denoiser engine compiled with the adapter: checked before anything loads (exit 2)."""
     from ..stages.engine_set import engine_members
 

@@ -90,8 +90,9 @@ def generate_command(
                      "with --ip-adapter."),
     ] = None,
     ip_adapter_scale: Annotated[
-        float, typer.Option(help="How strongly --ip-adapter-image guides (set_ip_adapter_scale's float).")
-    ] = 1.0,
+        float | None,
+        typer.Option(help="How strongly --ip-adapter-image guides (set_ip_adapter_scale's float; 1 by default)."),
+    ] = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:  # fmt: skip
     """Generate an image with the model's own diffusers pipeline, its networks on an engine (or set).
@@ -117,7 +118,9 @@ def generate_command(
         ip_adapter_image=_open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
     )  # fmt: skip
     if ip_adapter_image is not None:
-        request_options.check_ip_adapter(artifact)
+        request_options.require_ip_adapter_engine(artifact)
+    elif ip_adapter_scale is not None:
+        raise RequestError("--ip-adapter-scale scales an --ip-adapter-image: pass one, or leave the scale out")
     request = request.sized_for(SizeRule.for_model(source))
     request_options.check_engine_size(artifact, request)
     pipeline_class = source.pipeline_class()
@@ -137,7 +140,7 @@ def generate_command(
     if freeu_factors is not None:
         pipe.enable_freeu(*freeu_factors)
     if ip_adapter_image is not None:
-        pipe.set_ip_adapter_scale(ip_adapter_scale)
+        pipe.set_ip_adapter_scale(1.0 if ip_adapter_scale is None else ip_adapter_scale)
     if step_cache is not None:
         from ..pipeline.step_cache import enable_step_cache, split_calls
 

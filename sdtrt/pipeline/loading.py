@@ -229,14 +229,17 @@ def ip_adapter_parts(
     from ..standins.image_encoder import EngineImageEncoder
     from ..standins.ip_adapter import feature_extractor_for
 
-    files = recorded_ip_adapter(members[denoiser.spec.component])
-    assert files is not None  # the engine's spec has IP-Adapter layers: its export recorded the adapter
     if runtime is None:
+        files = recorded_ip_adapter(members[denoiser.spec.component])
+        assert files is not None  # the engine's spec has IP-Adapter layers: its export recorded the adapter
         console.print("[dim]on PyTorch (not in the engine set): the IP-Adapter's image encoder[/]")
         encoder: Any = files.load_image_encoder(dtype)
-    else:
-        encoder = EngineImageEncoder(runtime, CLIPVisionConfig.from_pretrained(files.image_encoder), dtype)
-        encoder.model_folder, encoder.engine_paths = files.image_encoder, {IMAGE_ENCODER: members[IMAGE_ENCODER].path}
+    else:  # the engine's config is in its export manifest: the adapter's files are not needed
+        member = members[IMAGE_ENCODER]
+        export = next(a for a in member.lineage() if a.stage == "export")
+        encoder = EngineImageEncoder(runtime, CLIPVisionConfig(**export.manifest["details"]["config"]), dtype)
+        folder = Path(export.manifest["inputs"][0]["path"])  # what save_pretrained copies, where it still is
+        encoder.model_folder, encoder.engine_paths = (folder if folder.is_dir() else None), {IMAGE_ENCODER: member.path}
     denoiser.ip_image_encoder = lambda: encoder
     parts: dict[str, Any] = {"image_encoder": encoder}
     if not (source.path / "feature_extractor").is_dir():

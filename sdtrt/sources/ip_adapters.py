@@ -12,17 +12,19 @@ CLIPVisionModelWithProjection. Flux's (XLabs', as ``FluxIPAdapterMixin`` reads t
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import ModelNotFoundError, UnsupportedModelError
+from ..core.errors import ConfigError, ModelNotFoundError
 from ..core.integrity import file_sha256
 
 if TYPE_CHECKING:
     import torch
 
+    from ..core.config import ExportConfig
     from .models import ModelSource
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -42,7 +44,18 @@ class IPAdapterFiles:
     image_encoder: Path
 
     def digest(self) -> str:
-        return file_sha256(self.weights)
+        return weights_digest(self.weights)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{"image_proj.proj.weight": shape, "ip_adapter.1.to_k_ip.weight": shape, …} in state_dict's names, read
+        from the safetensors header (a .bin file is loaded): what the checks before any export read."""
+        if self.weights.suffix != ".safetensors":
+            return {f"{group}.{name}": tuple(t.shape) for group, part in self.state_dict().items()
+                    for name, t in part.items()}  # fmt: skip
+        from safetensors import safe_open
+
+        with safe_open(self.weights, "pt") as file:
+            return {_grouped(key): tuple(file.get_slice(key).get_shape()) for key in file.keys()}  # noqa: SIM118
 
     def image_encoder_config(self) -> dict[str, Any]:
         return dict(json.loads((self.image_encoder / "config.json").read_text()))
@@ -63,33 +76,91 @@ class IPAdapterFiles:
         return encoder.eval()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{"image_proj": …, "ip_adapter": …}, as load_ip_adapter splits the file; UnsupportedModelError for the
-        adapters whose projection is not the plain one (Plus, Full, FaceID): they are not built yet."""
+        """{"image_proj": …, "ip_adapter": …}, as load_ip_adapter splits the file; ConfigError for the adapters whose
+        projection is not the plain one (Plus, Full, FaceID): they are not built yet."""
         import torch
 
         if self.weights.suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            flat = load_file(self.weights)
             state: dict[str, dict[str, torch.Tensor]] = {"image_proj": {}, "ip_adapter": {}}
-            for key, value in flat.items():
-                group, _, name = key.partition(".")
-                if group in ("image_proj", "ip_adapter_proj_model"):  # h94's, XLabs'
-                    state["image_proj"][name] = value
-                elif group in ("ip_adapter", "double_blocks"):
-                    state["ip_adapter"][xlabs_renamed(name)] = value
+            for key, value in load_file(self.weights).items():
+                group, _, name = _grouped(key).partition(".")
+                if group in state:
+                    state[group][name] = value
         else:
             state = torch.load(self.weights, map_location="cpu", weights_only=True)
-        if "proj.weight" not in state.get("image_proj", {}) or "norm.weight" not in state["image_proj"]:
-            raise UnsupportedModelError(
+        self.check_plain(set(state.get("image_proj", {})))
+        return state
+
+    def check_plain(self, projection: set[str]) -> None:
+        if not {"proj.weight", "norm.weight"} <= projection:
+            raise ConfigError(
                 f"{self.weights.name} is not a plain IP-Adapter (image_proj.proj + image_proj.norm): sdtrt builds "
                 "those only; IP-Adapter Plus, Full and FaceID run on PyTorch (load_pipeline without an engine)"
             )
-        return state
+
+    def misfit(self, model: ModelSource) -> str | None:
+        """Why this adapter and its image encoder cannot go into ``model``'s denoiser (None where they fit), read
+        from the file's header and the configs: the projection's width against the model's text width, the
+        attention layers' count and shapes against the model's, the encoder's output against the projection's."""
+        shapes = self.shapes()
+        self.check_plain({k.removeprefix("image_proj.") for k in shapes if k.startswith("image_proj.")})
+        width_key = text_width_key(model)
+        text_width = model.denoiser_config()[width_key]
+        projection_in = shapes["image_proj.proj.weight"][1]
+        if (norm := shapes["image_proj.norm.weight"][0]) != text_width:
+            return f"its image projection makes {norm}-wide tokens and {model.name}'s {width_key} is {text_width}"
+        if (encoder := self.image_encoder_config().get("projection_dim")) != projection_in:
+            return (f"its image projection takes {projection_in}-wide image embeds and the image encoder "
+                    f"{self.image_encoder} makes {encoder}: pass the encoder it was trained with "
+                    "(--ip-adapter-image-encoder DIR)")  # fmt: skip
+        keys = sorted((k for k in shapes if k.endswith("to_k_ip.weight")), key=lambda k: int(k.split(".")[1]))
+        attention = _ip_attention(model)
+        if len(keys) != len(attention):
+            return f"it has {len(keys)} attention layers and {model.name}'s denoiser {len(attention)}"
+        flux = model.denoiser_folder == "transformer"
+        for key, (name, layer) in zip(keys, attention, strict=True):
+            want = (layer.inner_dim if flux else layer.query_dim, text_width)
+            if shapes[key] != want:
+                return f"its {key} is {list(shapes[key])} and {model.name}'s {name} takes {list(want)}"
+        return None
 
 
-def resolve_ip_adapter(path: str | Path) -> IPAdapterFiles:
-    """``path``: the adapter's weight file, or a folder holding exactly one; its ``image_encoder/`` beside it."""
+def weights_digest(path: Path) -> str:
+    """The weight file's sha256, hashed once per process while its size, mtime and inode stay."""
+    stat = path.stat()
+    return _weights_sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+@functools.lru_cache(maxsize=16)
+def _weights_sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    return file_sha256(Path(path))
+
+
+def text_width_key(model: ModelSource) -> str:
+    """The denoiser config's key of the width an IP-Adapter's tokens have: a UNet's text width, Flux's joint one."""
+    return "joint_attention_dim" if model.denoiser_folder == "transformer" else "cross_attention_dim"
+
+
+def _grouped(key: str) -> str:
+    """A file's tensor name in state_dict's groups: XLabs' (Flux) projection and layers as h94's are named."""
+    group, _, name = key.partition(".")
+    if group == "ip_adapter_proj_model":
+        return f"image_proj.{name}"
+    if group == "double_blocks":
+        return f"ip_adapter.{xlabs_renamed(name)}"
+    return key
+
+
+def ip_adapter_files(config: ExportConfig) -> IPAdapterFiles:
+    """The IP-Adapter an export config names (its weight file, and its image encoder folder where given)."""
+    return resolve_ip_adapter(config.ip_adapter, config.ip_adapter_image_encoder or None)
+
+
+def resolve_ip_adapter(path: str | Path, image_encoder: str | Path | None = None) -> IPAdapterFiles:
+    """``path``: the adapter's weight file, or a folder holding exactly one; its image encoder ``image_encoder``
+    (diffusers' image_encoder_folder), or the ``image_encoder/`` beside it."""
     where = Path(path).expanduser()
     if where.is_dir():
         found = sorted(p for p in where.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
@@ -106,9 +177,12 @@ def resolve_ip_adapter(path: str | Path) -> IPAdapterFiles:
             "a hub one first: hf download h94/IP-Adapter --include 'models/ip-adapter_sd15.safetensors' "
             "'models/image_encoder/*')"
         )
-    encoder = where.parent / IMAGE_ENCODER
+    encoder = Path(image_encoder).expanduser() if image_encoder else where.parent / IMAGE_ENCODER
     if not (encoder / "config.json").is_file():
-        raise ModelNotFoundError(f"--ip-adapter {where}: no {IMAGE_ENCODER}/ with a config.json beside it")
+        what = f"--ip-adapter-image-encoder {encoder}: no config.json in it" if image_encoder else (
+            f"--ip-adapter {where}: no {IMAGE_ENCODER}/ with a config.json beside it; pass its image encoder's folder "
+            "with --ip-adapter-image-encoder")  # fmt: skip
+        raise ModelNotFoundError(what)
     return IPAdapterFiles(where.resolve(), encoder.resolve())
 
 
@@ -163,7 +237,7 @@ def random_ip_adapter(model: ModelSource, folder: Path, *, seed: int = 0) -> IPA
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
     flux = model.denoiser_folder == "transformer"
-    text_width = model.denoiser_config()["joint_attention_dim" if flux else "cross_attention_dim"]
+    text_width = model.denoiser_config()[text_width_key(model)]
     torch.manual_seed(seed)
     vision = CLIPVisionModelWithProjection(CLIPVisionConfig(**TINY_IMAGE_ENCODER))
     vision.save_pretrained(folder / IMAGE_ENCODER)

@@ -26,7 +26,7 @@ from ..core.store import Store
 from ..graph.onnx_graph import artifact_spec
 from ..sources.models import ModelSource, resolve_model
 from ..spec import FOLDERS, DenoiserSpec, component_spec, model_components, spec_from_json, split_members
-from .ip_adapter import recorded_ip_adapter
+from .ip_adapter import recorded_config
 
 STAGE = "set"
 VERSION = 1
@@ -102,8 +102,11 @@ def _describe(members: dict[str, Artifact], model: dict[str, Any]) -> dict[str, 
     caches = f" --caches {','.join(split)}" if split else ""
     caches += " --freeu" if FREEU_MEMBER in members else ""
     denoiser = members.get("unet") or members.get("transformer")
-    if denoiser is not None and (ip_adapter := recorded_ip_adapter(denoiser)):
-        caches += f" --ip-adapter {ip_adapter.weights}"
+    recorded = recorded_config(denoiser) if denoiser is not None else {}
+    if ip_adapter := recorded.get("ip_adapter"):  # as recorded: the set describes itself without the files
+        caches += f" --ip-adapter {ip_adapter}"
+        if encoder := recorded.get("ip_adapter_image_encoder"):
+            caches += f" --ip-adapter-image-encoder {encoder}"
     return {
         "primary": "manifest.json",
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},

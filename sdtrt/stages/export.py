@@ -30,9 +30,9 @@ from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
-from ..sources.ip_adapters import resolve_ip_adapter
+from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource, load_folder
-from ..spec import FOLDERS, DenoiserSpec, GraphSpec, ImageEncoderSpec, component_spec
+from ..spec import FOLDERS, DenoiserSpec, GraphSpec, ImageEncoderSpec, component_spec, denoiser_component
 from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
@@ -67,11 +67,14 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> L
     """How the network's weights reach the graph: "load" (the network loaded whole, traced, its graph re-saved)
     or "stream" (traced without weights, initializers streamed from the safetensors files). "auto" streams
     only with torch.export's exporter and over STREAM_ABOVE bytes of weights on disk. An IP-Adapter's image encoder
-    (in the adapter's folder, not the model's: 1.2 GB at most) is loaded."""
+    (in the adapter's folder, not the model's: 1.2 GB at most) is loaded, and so is a denoiser the adapter goes into
+    (diffusers loads the adapter into a loaded network; an explicit "stream" is refused)."""
     if spec.component == IMAGE_ENCODER:
         return "load"
     if config.weights != "auto":
         return config.weights
+    if isinstance(spec, DenoiserSpec) and spec.ip_layers:
+        return "load"
     if exporter_for(config, spec) != "dynamo":
         return "load"
     from ..graph.onnx_weights import weights_size
@@ -91,14 +94,14 @@ def spec_for(model: ModelSource, config: ExportConfig) -> GraphSpec:
     """The graph contract: the component's, with the IP-Adapter's inputs for a UNet exported with one; an IP-Adapter's
     image encoder's from the adapter's files."""
     if config.component == IMAGE_ENCODER and config.ip_adapter:
-        files = resolve_ip_adapter(config.ip_adapter)
+        files = ip_adapter_files(config)
         return ImageEncoderSpec.from_config(files.image_encoder_config(), config.precision, config.io_naming)
     spec = component_spec(model, config.component, config.precision, config.io_naming)
     if config.ip_adapter and config.component in ("unet", "transformer"):
         from .ip_adapter import with_ip_adapter
 
         assert isinstance(spec, DenoiserSpec)
-        return with_ip_adapter(spec, resolve_ip_adapter(config.ip_adapter), model)
+        return with_ip_adapter(spec, ip_adapter_files(config), model)
     return spec
 
 
@@ -112,7 +115,7 @@ def network_inputs(model: ModelSource, spec: GraphSpec) -> list[dict[str, Any]]:
 
 def adapter_inputs(config: ExportConfig, spec: GraphSpec) -> list[dict[str, Any]]:
     """What an IP-Adapter's image encoder's graph is keyed by: its folder in the adapter and the graph contract."""
-    files = resolve_ip_adapter(config.ip_adapter)
+    files = ip_adapter_files(config)
     return [
         {"kind": "ip_adapter", "digest": files.image_encoder_digest(), "path": str(files.image_encoder)},
         {"kind": "graph", "digest": digest(spec.to_json())},
@@ -157,13 +160,15 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
     ip_adapter = isinstance(spec, DenoiserSpec) and spec.ip_layers
-    if ip_adapter and weights == "stream":
+    if ip_adapter and weights == "stream":  # compile refuses it before any export; export.run's callers here
         raise ExportError("an IP-Adapter goes into a loaded denoiser, not a streamed one: export with --weights load")
-    with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {model.name}"):
+    files = ip_adapter_files(config) if config.ip_adapter else None
+    origin = files.image_encoder if files and spec.component == IMAGE_ENCODER else model.name
+    with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {origin}"):
         if weights == "stream":
             network, sources = weight_free_network(model, folder, dtype)
-        elif spec.component == IMAGE_ENCODER:
-            network = resolve_ip_adapter(config.ip_adapter).load_image_encoder(dtype)
+        elif files and spec.component == IMAGE_ENCODER:
+            network = files.load_image_encoder(dtype)
         else:
             network = load_folder(model, folder, dtype)
         if folder == "unet" and network.config.get("upcast_attention") and config.precision == "fp16":
@@ -171,7 +176,8 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
         if ip_adapter:  # after the upcast: its processors replace those of the layers it adds to
             from .ip_adapter import load_ip_adapter_weights
 
-            load_ip_adapter_weights(network, resolve_ip_adapter(config.ip_adapter))
+            assert files is not None  # a denoiser with IP-Adapter layers is exported from its adapter
+            load_ip_adapter_weights(network, files)
         module = graph_module(spec, network)
     timings["load_s"] = round(time.perf_counter() - started, 3)
 
@@ -237,12 +243,26 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             "exporter": exporter,
             "weights": weights,
             "external_data": onnx_graph.data_file(onnx_path).exists(),
-            "config": resolve_ip_adapter(config.ip_adapter).image_encoder_config()
-            if spec.component == IMAGE_ENCODER
+            "config": files.image_encoder_config()
+            if files and spec.component == IMAGE_ENCODER
             else model.component_config(folder),
         },
-        "reproduce": (
-            f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "
-            f"--exporter {config.exporter} --opset {config.opset} --io-naming {config.io_naming} --weights {weights}"
-        ),
+        "reproduce": reproduce(model, config, spec, weights, files),
     }
+
+
+def reproduce(
+    model: ModelSource, config: ExportConfig, spec: GraphSpec, weights: str, files: IPAdapterFiles | None
+) -> str:
+    """The command that exports this graph again: an IP-Adapter's graphs come from compile (export takes no
+    adapter), which exports the denoiser and the image encoder together, each with auto's exporter unless another
+    was asked for (one --exporter is both members')."""
+    if files is None:
+        return (f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "
+                f"--exporter {config.exporter} --opset {config.opset} --io-naming {config.io_naming} "
+                f"--weights {weights}")  # fmt: skip
+    auto = exporter_for(dataclasses.replace(config, exporter="auto"), spec) == config.exporter
+    options = f"--precision {config.precision}{'' if auto else f' --exporter {config.exporter}'} --opset {config.opset}"
+    encoder = f" --ip-adapter-image-encoder {files.image_encoder}" if config.ip_adapter_image_encoder else ""
+    return (f"sdtrt compile --model {model.name} --target onnxruntime --components {denoiser_component(model)} "
+            f"{options} --ip-adapter {files.weights}{encoder}")  # fmt: skip

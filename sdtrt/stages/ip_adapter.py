@@ -30,7 +30,7 @@ def with_ip_adapter(spec: DenoiserSpec, files: IPAdapterFiles, model: ModelSourc
     """The denoiser's contract with this adapter's inputs; its digest makes the graph's key."""
     if type(spec) not in (UNetSpec, FluxTransformerSpec):
         raise ConfigError(f"IP-Adapter goes into a whole UNet's or Flux transformer's graph, not the {spec.label}'s")
-    width = files.state_dict()["image_proj"]["proj.weight"].shape[-1]
+    width = files.shapes()["image_proj.proj.weight"][-1]
     return replace(spec, image_embeds_dim=width, ip_layers=ip_layers(model), ip_adapter_digest=files.digest())
 
 
@@ -41,26 +41,36 @@ def load_ip_adapter_weights(network: Any, files: IPAdapterFiles) -> None:
     network._load_ip_adapter_weights([files.state_dict()])
 
 
-def recorded_ip_adapter(member: Artifact) -> IPAdapterFiles | None:
-    """The adapter a denoiser or image encoder member was exported with (its export manifest's config), None for one
-    without; ArtifactError where its files are gone."""
+def recorded_config(member: Artifact) -> dict[str, Any]:
+    """The export config a member was exported with (its export manifest's), {} where none is recorded."""
     export = next((a for a in member.lineage() if a.stage == "export"), None)
-    path = (export.manifest.get("config") or {}).get("ip_adapter") if export else None
-    if not path:
+    return dict(export.manifest.get("config") or {}) if export else {}
+
+
+def recorded_ip_adapter(member: Artifact) -> IPAdapterFiles | None:
+    """The files of the adapter a denoiser or image encoder member was exported with (where its export recorded
+    them), None for one without: what PyTorch loads (validation, an image encoder outside the set); ArtifactError
+    where they are gone. The engines themselves need them not."""
+    config = recorded_config(member)
+    if not (path := config.get("ip_adapter")):
         return None
     try:
-        return resolve_ip_adapter(path)
+        return resolve_ip_adapter(path, config.get("ip_adapter_image_encoder") or None)
     except ModelNotFoundError as exc:
         raise ArtifactError(
-            f"the engine {member.path} was compiled with the IP-Adapter {path}, whose files are gone ({exc}); "
-            "put them back or recompile with --ip-adapter"
+            f"the engine {member.path} was compiled with the IP-Adapter {path}, whose files PyTorch loads here and "
+            f"are gone ({exc}): put them back there"
         ) from None
 
 
-def reference_network(pipe: Any, model: ModelSource, component: str, member: Artifact) -> tuple[Any, bool]:
+def reference_network(
+    pipe: Any, model: ModelSource, component: str, member: Artifact, given: IPAdapterFiles | None = None
+) -> tuple[Any, bool]:
     """The PyTorch network a member is checked against: the pipeline's, or the model's (second value: True where an
-    IP-Adapter was loaded into it, for the caller to unload), or an IP-Adapter's image encoder."""
-    files = recorded_ip_adapter(member)
+    IP-Adapter was loaded into it, for the caller to unload), or an IP-Adapter's image encoder. The adapter's files:
+    ``given`` (the compile's) for a member exported with one, else where its export recorded them."""
+    recorded = recorded_config(member).get("ip_adapter")
+    files = (given or recorded_ip_adapter(member)) if recorded else None
     if component == IMAGE_ENCODER:
         assert files is not None  # an image encoder member is exported from its adapter
         return files.load_image_encoder(), False

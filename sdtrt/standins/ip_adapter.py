@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from ..core.errors import EngineInputError
-from ..core.integrity import file_sha256
-from ..sources.ip_adapters import TOKENS
+from ..sources.ip_adapters import TOKENS, weights_digest
 from ..spec import DenoiserSpec, UNetSpec
 from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
@@ -100,13 +99,12 @@ def install(pipe: Any) -> None:
         given = inspect.signature(type(pipe).load_ip_adapter).bind(pipe, *args, **kwargs).arguments
         names = ("pretrained_model_name_or_path_or_dict", "subfolder", "weight_name")
         where, subfolder, name = (one(given.get(k, "")) for k in names)
-        if isinstance(where, str | Path):
-            file = Path(where, subfolder or "", name)
-            if file.is_file() and file_sha256(file) != denoiser.spec.ip_adapter_digest:
-                raise EngineInputError(
-                    f"load_ip_adapter: {file} is not the IP-Adapter this engine was compiled with; an engine holds "
-                    "its adapter: recompile with `sdtrt compile --ip-adapter` that file"
-                )
+        file = adapter_file(where, subfolder, name)
+        if weights_digest(file) != denoiser.spec.ip_adapter_digest:
+            raise EngineInputError(
+                f"load_ip_adapter: {file} is not the IP-Adapter this engine was compiled with; an engine holds "
+                "its adapter: recompile with `sdtrt compile --ip-adapter` that file"
+            )
         denoiser.encoder_hid_proj = image_projection(denoiser.spec)
         denoiser.ip_scale = torch.ones(layers)
         if getattr(pipe, "image_encoder", None) is None:
@@ -131,6 +129,28 @@ def install(pipe: Any) -> None:
 
     for method in (load_ip_adapter, set_ip_adapter_scale, unload_ip_adapter):
         setattr(pipe, method.__name__, method)
+
+
+def adapter_file(where: Any, subfolder: str | None, name: str | None) -> Path:
+    """The local file load_ip_adapter's arguments name (a hub id's in the local Hugging Face cache); EngineInputError
+    for a state dict or what names no file here: the engine's adapter is checked by its file's digest."""
+    refusal = (
+        "load_ip_adapter: this engine holds its IP-Adapter, checked by its weight file's digest, and {what}; pass "
+        "the folder (or hub id) and weight_name of the file the engine was compiled with"
+    )
+    if not isinstance(where, str | Path):
+        raise EngineInputError(refusal.format(what="a state dict has no file"))
+    if not name:
+        raise EngineInputError(refusal.format(what="no weight_name was given"))
+    file = Path(where, subfolder or "", name).expanduser()
+    if not file.is_file() and isinstance(where, str) and where.count("/") == 1 and not Path(where).exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(where, f"{subfolder}/{name}" if subfolder else name)
+        file = Path(cached) if isinstance(cached, str) else file
+    if not file.is_file():
+        raise EngineInputError(refusal.format(what=f"{file} is no file here (not in the Hugging Face cache either)"))
+    return file
 
 
 def one(value: Any) -> Any:
@@ -164,6 +184,11 @@ def unet_scales(unet: Any, scale: Any) -> torch.Tensor:
         raise EngineInputError(f"set_ip_adapter_scale: {len(scales)} scale configs for the engine's one IP-Adapter")
     scale = scales[0]
     assert unet.ip_scale is not None
+    if isinstance(scale, list | tuple):  # diffusers' per-image form ([[0.5, 0.7]]: a scale per IP image)
+        raise EngineInputError(
+            f"set_ip_adapter_scale: {scale!r} gives a scale per IP image, and the engine takes one IP image: pass a "
+            "float or InstantStyle's per-block dict"
+        )
     if not isinstance(scale, dict):
         return torch.full_like(unet.ip_scale, float(scale))
     (expanded,) = _maybe_expand_lora_scales(empty_unet(dict(unet.config)), [scale], default_scale=0.0)

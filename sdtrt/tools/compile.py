@@ -42,7 +42,7 @@ from ..core.gpu import (
 from ..core.store import Store
 from ..core.trt_products import rtx_gpu_problem, rtx_missing, rtx_runtime_missing, rtx_turing_problem
 from ..graph.onnx_graph import artifact_spec
-from ..sources.ip_adapters import resolve_ip_adapter
+from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource
 from ..spec import (
     FOLDERS,
@@ -195,8 +195,9 @@ def compile_model(
     graphs: dict[str, Artifact] = {}
     for component in components:
         precision = component_precision(model, component, export_config.precision)
-        adapter_path = export_config.ip_adapter if component in ("unet", "transformer", IMAGE_ENCODER) else ""
-        config = replace(export_config, component=component, precision=precision, ip_adapter=adapter_path)
+        config = replace(export_config, component=component, precision=precision)
+        if component not in ("unet", "transformer", IMAGE_ENCODER):  # the adapter goes into these only
+            config = replace(config, ip_adapter="", ip_adapter_image_encoder="")
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         exported = quantized[component] if component in quantized else export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
@@ -213,11 +214,15 @@ def compile_model(
         artifacts.append(engine_set.run(EngineSetConfig(components), finals, store, model))
     if validation is None:
         return CompileResult(chosen, reason, artifacts)
+    # PyTorch's side loads the adapter from the files this compile names (the engines' record may name a moved one).
+    files = ip_adapter_files(export_config) if export_config.ip_adapter else None
     # On a GPU that runs them the plans validate as TensorRT's do; elsewhere the graphs they were built from.
     if chosen == "tensorrt-rtx" and (why := rtx_cannot_run(artifacts)):
         result = CompileResult(chosen, reason, artifacts)
-        return validate_graphs(result, model, EngineSetConfig(components), graphs, validation, store, revalidate, why)
-    report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate)
+        return validate_graphs(
+            result, model, EngineSetConfig(components), graphs, validation, store, revalidate, why, files
+        )
+    report, cached = stored_validate(model, artifacts[-1], validation, store, revalidate, files)
     return CompileResult(chosen, reason, artifacts, report, cached)
 
 
@@ -277,11 +282,22 @@ def check_ip_adapter(
         )
     if model.has("controlnet"):
         raise ConfigError("IP-Adapter with a ControlNet is not built yet: compile without --ip-adapter")
+    family = model.family()
+    if family.startswith(("sd2", "sdxl-refiner")) or "inpaint" in family:  # h94 publish none; not tested
+        raise ConfigError(f"IP-Adapter on {family} engines is not built yet (SD 1.x's, SDXL's and Flux's are): compile "
+                          "without --ip-adapter, and run it on PyTorch (load_pipeline without an engine)")  # fmt: skip
     if caches or freeu or quantize_config is not None:
         what = "step caches' members" if caches else "the FreeU build" if freeu else "a quantized UNet"
         raise ConfigError(f"IP-Adapter goes into the whole denoiser only, and {what} would run without it: compile "
                           "without --ip-adapter, or without the other")  # fmt: skip
-    resolve_ip_adapter(export_config.ip_adapter).state_dict()  # a file that cannot be read fails now
+    if export_config.weights == "stream":
+        raise ConfigError(
+            "an IP-Adapter goes into a loaded denoiser (as diffusers loads it), not a streamed one: compile with "
+            "--weights load or auto (a loaded Flux.1 needs about 24 GiB of host memory in bf16)"
+        )
+    files = ip_adapter_files(export_config)
+    if misfit := files.misfit(model):
+        raise ConfigError(f"--ip-adapter {files.weights} does not fit {model.name}: {misfit}")
 
 
 def validate_graphs(
@@ -293,6 +309,7 @@ def validate_graphs(
     store: Store,
     revalidate: bool,
     why: str,
+    ip_adapter: IPAdapterFiles | None = None,
 ) -> CompileResult:
     """TensorRT-RTX plans finish compiling on the GPU that loads them, so where none runs them (``why``) the graphs
     they were built from are validated against PyTorch on ONNX Runtime (as a set of their own when there are several;
@@ -306,7 +323,7 @@ def validate_graphs(
             result, validation_note=f"bf16 graphs do not run on ONNX Runtime, so nothing was compared here; {later}"
         )
     checked = engine_set.run(set_config, graphs, store, model) if len(graphs) > 1 else next(iter(graphs.values()))
-    report, cached = stored_validate(model, checked, validation, store, revalidate)
+    report, cached = stored_validate(model, checked, validation, store, revalidate, ip_adapter)
     note = f"validated here: the graphs the plans were built from, on ONNX Runtime ({checked.path}); {later}"
     return replace(result, validation=report, validation_cached=cached, validation_note=note)
 

@@ -31,6 +31,7 @@ from .image_quality import latent_psnr_db, psnr_db, ssim
 if TYPE_CHECKING:
     from ..pipeline.request import GenerateRequest
     from ..runtime import Runtime
+    from ..sources.ip_adapters import IPAdapterFiles
     from ..sources.models import ModelSource
 
 STAGE = "validate"  # a stored report: keyed by the engine and the validation config
@@ -169,9 +170,12 @@ def check_tensor_row(row: dict[str, Any], tol: Tolerances, what: str) -> list[st
     return failures
 
 
-def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig()) -> ValidationReport:
+def validate(
+    model: ModelSource, engine: Artifact, config: ValidationConfig = ValidationConfig(),
+    ip_adapter: IPAdapterFiles | None = None,
+) -> ValidationReport:  # fmt: skip
     """Compare an engine — the model's denoiser, or each member of an engine set — with the model's PyTorch fp32
-    networks.
+    networks (an IP-Adapter's loaded from ``ip_adapter``, the compile's files, else where the export recorded them).
 
     Tensors member by member, on the cases each member's spec gives (a denoiser's span the schedule's
     timesteps); then one generation with every engine swapped in at once against the PyTorch pipeline
@@ -211,7 +215,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
     for component, runtime in runtimes.items():
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         # A UNet's IP-Adapter is loaded into the reference's, then unloaded below: the images compare without one.
-        network, ip_adapter = reference_network(reference, model, component, members[component])
+        network, loaded_adapter = reference_network(reference, model, component, members[component], ip_adapter)
         cases = spec.validation_cases(profile)
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
@@ -228,7 +232,7 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
                 row["tolerance"] = {"min_cosine": member_tol.min_cosine, "max_abs": member_tol.max_abs}
                 report.tensors.append(row)
                 report.failures += row["failures"]
-        if ip_adapter:
+        if loaded_adapter:
             reference.unload_ip_adapter()
 
     if config.images:
@@ -256,8 +260,9 @@ def validate(model: ModelSource, engine: Artifact, config: ValidationConfig = Va
 
 
 def stored_validate(
-    model: ModelSource, engine: Artifact, config: ValidationConfig, store: Store, revalidate: bool = False
-) -> tuple[ValidationReport, bool]:
+    model: ModelSource, engine: Artifact, config: ValidationConfig, store: Store, revalidate: bool = False,
+    ip_adapter: IPAdapterFiles | None = None,
+) -> tuple[ValidationReport, bool]:  # fmt: skip
     """``validate``, reusing the report stored for this engine and config (second value: True) unless
     ``revalidate``. A new report is stored beside the engines (replacing the one run again), where the store is
     writable.
@@ -275,7 +280,7 @@ def stored_validate(
 
         report = ValidationReport.from_json(json.loads((stored.path / REPORT).read_text()))
         return replace(report, images=load_images(stored.path), stored_in=stored.path), True
-    report = validate(model, engine, config)
+    report = validate(model, engine, config, ip_adapter)
     with contextlib.suppress(StoreError):  # a read-only store: the report is shown, not kept
         # Run again (revalidate), this run's report replaces the stored one: it is what later cache hits return.
         made, _ = store.produce(request, lambda out_dir: _store_report(report, engine, out_dir), rebuild=revalidate)

@@ -39,6 +39,10 @@ class ExportConfig:
     # image-projection attention, the image embeds and a per-layer scale as inputs. The path is no part of the key; the
     # file's digest is, through the UNet's graph spec (spec/unet.py).
     ip_adapter: str = not_in_key("")
+    # The IP-Adapter's image encoder folder where it is not the image_encoder/ beside the file (diffusers'
+    # image_encoder_folder: h94's sdxl_models/ip-adapter_sdxl_vit-h needs models/image_encoder). Its digest keys the
+    # image encoder's graph; its projection_dim is checked against the adapter's before any export.
+    ip_adapter_image_encoder: str = not_in_key("")
 
     @property
     def chosen_exporter(self) -> Literal["dynamo", "torchscript"]:
