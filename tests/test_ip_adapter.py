@@ -282,7 +282,10 @@ def test_generate_takes_an_ip_adapter_image_and_refuses_it_without_the_adapter(i
                    "--ip-adapter-scale", "0.6", "--steps", "2", *size, "--out", str(image))  # fmt: skip
     assert done.returncode == 0 and image.is_file(), done.stderr
     for args, refusal in (  # usage errors (exit 2) before anything loads: run in-process
-        (("--ip-adapter-image", str(picture)), "compile one with `sdtrt compile --ip-adapter PATH`"),
+        (
+            ("--ip-adapter-image", str(picture)),
+            "a PyTorch pipeline loads no IP-Adapter; compile an engine set with `sdtrt compile --ip-adapter PATH`",
+        ),
         (("--ip-adapter-scale", "0.5"), "--ip-adapter-scale scales an --ip-adapter-image"),
     ):
         with pytest.raises(RequestError, match=re.escape(refusal)) as caught:

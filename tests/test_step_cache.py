@@ -213,6 +213,7 @@ def test_a_part_spec_survives_its_manifest(cached_sets):
     members = engine_members(cached_sets("tiny-flux"))
     reproduce = cached_sets("tiny-flux").manifest["reproduce"]
     assert reproduce.endswith(" --caches first-block") and "transformer_embed" not in reproduce  # runs as it says
+    assert " --target onnxruntime " in reproduce, "auto would build TensorRT sets on a GPU machine"
     for component in PARTS:
         spec = artifact_spec(members[component])
         assert type(spec) is part_class(component, "FluxTransformer2DModel")

@@ -95,11 +95,9 @@ def require_ip_adapter_engine(engine: Artifact | None) -> None:
     members = engine_members(engine) if engine is not None else {}
     denoiser = members.get("unet") or members.get("transformer")
     if denoiser is None or not (denoiser.manifest.get("io") or {}).get("ip_layers"):
-        where = (
-            f"{engine.path} has no denoiser" if engine is not None else "a PyTorch pipeline has no IP-Adapter loaded"
-        )
+        where = f"{engine.path} has no denoiser compiled with" if engine is not None else "a PyTorch pipeline loads no"
         raise RequestError(
-            f"--ip-adapter-image: {where} with an IP-Adapter; compile one with `sdtrt compile --ip-adapter PATH` and "
+            f"--ip-adapter-image: {where} IP-Adapter; compile an engine set with `sdtrt compile --ip-adapter PATH` and "
             "pass it as --engine"
         )
 

@@ -107,12 +107,23 @@ def _describe(members: dict[str, Artifact], model: dict[str, Any]) -> dict[str, 
         caches += f" --ip-adapter {ip_adapter}"
         if encoder := recorded.get("ip_adapter_image_encoder"):
             caches += f" --ip-adapter-image-encoder {encoder}"
+    # The target, said: `auto` picks TensorRT on a GPU machine, so a command without it may build another set.
+    target = next((built_for(a) for a in members.values() if built_for(a)), None)
+    where = f" --target {target}" if target else ""
     return {
         "primary": "manifest.json",
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},
         "model": {k: model[k] for k in ("name", "kind", "path") if k in model},
-        "reproduce": f"sdtrt compile --model {model.get('name')} --components {','.join(networks)}{caches}",
+        "reproduce": f"sdtrt compile --model {model.get('name')}{where} --components {','.join(networks)}{caches}",
     }
+
+
+def built_for(member: Artifact) -> str | None:
+    """The compile target a member was built for (ONNX Runtime, or the TensorRT product), if its stage says."""
+    if member.stage == "build-ort":
+        return "onnxruntime"
+    product = (member.manifest.get("config") or {}).get("product") if member.stage == "build-trt" else None
+    return str(product) if product else None
 
 
 def members(engine_set: Artifact) -> dict[str, Artifact]:
