@@ -300,3 +300,12 @@ def cli():
     from sdtrt.cli import app
 
     return get_command(app)
+
+
+def test_ip_adapter_random_from_the_cli_writes_the_seeded_adapter(adapters, tmp_path):
+    """`sdtrt ip-adapter random` (what the docs give newcomers to try --ip-adapter offline): the same files as the
+    library's seeded random adapter, image encoder beside the weights."""
+    cli().main(["ip-adapter", "random", "--model", "tiny", "--out", str(tmp_path)], standalone_mode=False)
+    made = resolve_ip_adapter(str(tmp_path))
+    assert made.digest() == resolve_ip_adapter(str(adapters["tiny"])).digest()
+    assert (made.image_encoder / "config.json").is_file()

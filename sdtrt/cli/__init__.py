@@ -19,7 +19,7 @@ from .app import DEBUG, app  # first of the CLI's modules: it quiets third-party
 # isort: split
 # Command modules import torch, diffusers and onnx inside their commands only, so that `--help`,
 # `cache` and cache hits start in a fraction of a second.
-from . import cache, compile, debug, lora, perf, report, run, serve, stages, step_cache
+from . import cache, compile, debug, ip_adapter, lora, perf, report, run, serve, stages, step_cache
 
 stages.register(app)
 compile.register(app)
@@ -31,6 +31,7 @@ report.register(app)
 serve.register(app)
 app.add_typer(cache.app, name="cache")
 app.add_typer(lora.app, name="lora")
+app.add_typer(ip_adapter.app, name="ip-adapter")
 
 
 def main() -> None:

@@ -136,7 +136,8 @@ def compile(
     Example: sdtrt compile --model tiny --target onnxruntime --components unet,text_encoder,vae_decoder
     Step caches: sdtrt compile --model tiny-flux --target onnxruntime --caches first-block
     FreeU: sdtrt compile --model tiny --target onnxruntime --freeu
-    IP-Adapter: sdtrt compile --model tiny --target onnxruntime --ip-adapter ip-adapter/ip-adapter_sd15.safetensors
+    IP-Adapter: sdtrt ip-adapter random --model tiny --out ip-adapter, then
+    sdtrt compile --model tiny --target onnxruntime --ip-adapter ip-adapter
     """
     from ..sources.ip_adapters import resolve_ip_adapter
     from ..sources.models import resolve_model

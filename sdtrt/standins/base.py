@@ -57,13 +57,18 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
 # The pipeline's own methods that would reach PyTorch-only code (IP-Adapter loaders): on a pipeline
 # with a stand-in they fail deep inside diffusers/PEFT. diffusers' other LoRA methods run on engines (adapters.py), and
 # the IP-Adapter ones on a UNet engine compiled with the adapter (ip_adapter.py).
+IP_ADAPTER_BUILD = (
+    "for a UNet or Flux's transformer, recompile with `sdtrt compile --ip-adapter PATH` (Python: "
+    "ExportConfig(ip_adapter=PATH)); IP-Adapter on SD3's engines is not built yet: " + PYTORCH_ONLY
+)
 PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
-    name: (EngineInputError, "adds image-projection inputs and attention layers to the denoiser, and this pipeline's "
-           "engines were compiled without them: for a UNet or Flux's transformer, recompile with `sdtrt compile "
-           "--ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH)); IP-Adapter on SD3's engines is not built yet: "
-           + PYTORCH_ONLY)
-    for name in ("load_ip_adapter", "set_ip_adapter_scale", "unload_ip_adapter")
-}  # fmt: skip
+    name: (EngineInputError, f"{what}, and this pipeline's engines were compiled without one: {IP_ADAPTER_BUILD}")
+    for name, what in (
+        ("load_ip_adapter", "adds an IP-Adapter's image-projection inputs and attention layers to the denoiser"),
+        ("set_ip_adapter_scale", "sets the scale of an IP-Adapter compiled into the denoiser"),
+        ("unload_ip_adapter", "takes out an IP-Adapter compiled into the denoiser"),
+    )
+}
 
 
 def refusal(name: str, error: type[SdtrtError], why: str) -> Any:
