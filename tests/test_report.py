@@ -91,6 +91,7 @@ def test_compile_writes_no_report_when_told_not_to(healthy):
     assert "validate: cached report" in quiet.stderr and "report: " not in quiet.stderr
 
 
+@pytest.mark.slow  # two compiles and a validation from the command line (~35 s): suite time
 def test_revalidate_replaces_the_stored_validation_and_a_moved_store_reports_from_it(healthy, tmp_path):
     """The healthy set's artifacts copied into a store of their own: `compile --revalidate` there replaces the stored
     validation (which now names the engines there) and its page; the store moved, compile reads the cached
