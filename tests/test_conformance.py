@@ -142,7 +142,7 @@ def test_methods_that_change_the_network_raise_one_line_naming_the_feature(pipes
     cases = [
         (lambda: eng.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4), "FreeU"),
         (lambda: eng.unet.set_attn_processor(IPAdapterAttnProcessor2_0(32, 32)), "IPAdapterAttnProcessor2_0"),
-        (lambda: eng.unet._load_ip_adapter_weights([{}]), "recompile it with `sdtrt compile --ip-adapter PATH`"),
+        (lambda: eng.unet._load_ip_adapter_weights([{}]), "recompile with `sdtrt compile --ip-adapter PATH`"),
         (lambda: eng.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn), "enable_layerwise_casting"),
         (lambda: eng.vae.enable_group_offload(torch.device("cpu")), "enable_group_offload"),
     ]

@@ -19,6 +19,7 @@ import torch
 
 from ..core.errors import ArtifactError, EngineInputError, LoraError, SdtrtError
 from ..runtime import Runtime
+from .ip_adapter import RECOMPILE_WITH_IP_ADAPTER
 
 # Attention processors that compute what an engine's graph computes (plain scaled dot-product
 # attention, fused or sliced or not): setting one changes nothing. Others (IP-Adapter, custom) would.
@@ -58,8 +59,8 @@ REFUSED_METHODS: dict[str, tuple[type[SdtrtError], str]] = {
 # with a stand-in they fail deep inside diffusers/PEFT. diffusers' other LoRA methods run on engines (adapters.py), and
 # the IP-Adapter ones on a UNet engine compiled with the adapter (ip_adapter.py).
 IP_ADAPTER_BUILD = (
-    "for a UNet or Flux's transformer, recompile with `sdtrt compile --ip-adapter PATH` (Python: "
-    "ExportConfig(ip_adapter=PATH)); IP-Adapter on SD3's engines is not built yet: " + PYTORCH_ONLY
+    f"for a UNet or Flux's transformer, {RECOMPILE_WITH_IP_ADAPTER}; IP-Adapter on SD3's engines is not built yet: "
+    + PYTORCH_ONLY
 )
 PIPELINE_REFUSALS: dict[str, tuple[type[SdtrtError], str]] = {
     name: (EngineInputError, f"{what}, and this pipeline's engines were compiled without one: {IP_ADAPTER_BUILD}")

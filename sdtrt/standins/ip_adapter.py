@@ -25,9 +25,11 @@ from ..sources.ip_adapters import TOKENS, weights_digest
 from ..spec import DenoiserSpec, UNetSpec
 from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
+# How to get an engine set with an IP-Adapter: every refusal on a set without one ends with it.
+RECOMPILE_WITH_IP_ADAPTER = "recompile with `sdtrt compile --ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH))"
 NO_IP_ADAPTER = (
     "IP-Adapter adds image-projection inputs and attention layers to the denoiser, and this engine set was compiled "
-    "without them: recompile it with `sdtrt compile --ip-adapter PATH` (Python: ExportConfig(ip_adapter=PATH))"
+    "without them: " + RECOMPILE_WITH_IP_ADAPTER
 )
 
 
