@@ -22,6 +22,7 @@ from sdtrt import (
     ConfigError,
     EngineInputError,
     ExportConfig,
+    ModelNotFoundError,
     RequestError,
     ShapeProfile,
     Store,
@@ -204,6 +205,9 @@ def test_ip_adapter_is_refused_where_the_engines_lack_it_or_cannot_take_it(
         compile_model(resolve_model("tiny"), store, "onnxruntime", ExportConfig(ip_adapter=weights), freeu=True)
     done = run_cli("compile", "--model", "tiny", "--target", "onnxruntime", "--ip-adapter", str(tmp_path / "none"))
     assert done.returncode == 2 and "no such .safetensors or .bin file" in last_line(done.stderr)
+    (tmp_path / "style.png").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="goes to `sdtrt generate --ip-adapter-image`"):
+        resolve_ip_adapter(tmp_path / "style.png")
 
 
 def copy_adapter(adapter, folder, drop=()) -> str:

@@ -171,7 +171,12 @@ def resolve_ip_adapter(path: str | Path, image_encoder: str | Path | None = None
                 "file itself"
             )
         where = found[0]
-    if not where.is_file() or where.suffix not in WEIGHT_SUFFIXES:
+    if where.is_file() and where.suffix not in WEIGHT_SUFFIXES:
+        raise ModelNotFoundError(
+            f"--ip-adapter {path}: a {where.suffix or 'suffix-less'} file is no IP-Adapter weight file (.safetensors"
+            " or .bin); the image to condition on goes to `sdtrt generate --ip-adapter-image`"
+        )
+    if not where.is_file():
         raise ModelNotFoundError(
             f"--ip-adapter {path}: no such .safetensors or .bin file; pass a local IP-Adapter weight file (download "
             "a hub one first: hf download h94/IP-Adapter --include 'models/ip-adapter_sd15.safetensors' "
