@@ -6,6 +6,8 @@ compiled without it or cannot take it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shlex
@@ -285,6 +287,12 @@ def test_generate_takes_an_ip_adapter_image_and_refuses_it_without_the_adapter(i
     done = run_cli("generate", "--engine", str(ip_set("tiny").final.path), "--ip-adapter-image", str(picture),
                    "--ip-adapter-scale", "0.6", "--steps", "2", *size, "--out", str(image))  # fmt: skip
     assert done.returncode == 0 and image.is_file(), done.stderr
+    listing = io.StringIO()
+    with contextlib.redirect_stdout(listing):  # `cache ls` names the adapter folder an image encoder came from
+        cli().main(["cache", "ls", "--engines", str(ip_set("tiny").final.path.parents[1])], standalone_mode=False)
+    export_row = next(row.split() for row in listing.getvalue().splitlines() if row.startswith("export  ") and
+                      " image_encoder " in row)  # fmt: skip
+    assert export_row[-2].endswith("/tiny/image_encoder"), listing.getvalue()
     for args, refusal in (  # usage errors (exit 2) before anything loads: run in-process
         (
             ("--ip-adapter-image", str(picture)),

@@ -37,6 +37,12 @@ def _family(artifact: Artifact) -> str:
         return "?"
 
 
+def _made_from(source: dict[str, Any]) -> str:
+    """An artifact's first input: the model's name, the adapter folder an image encoder came from, or a stage."""
+    adapter = source.get("path") if source.get("kind") == "ip_adapter" else None
+    return str(source.get("name") or adapter or source.get("stage", "?"))
+
+
 @app.command("ls")
 def ls(engines: EnginesOpt = None) -> None:
     """List artifacts, one a line: stage, key, component, model family, size, created, made from, path.
@@ -49,7 +55,7 @@ def ls(engines: EnginesOpt = None) -> None:
         source = a.manifest["inputs"][0] if a.manifest.get("inputs") else {}
         rows.append((
             a.stage, a.key[:16], a.component(), _family(a), f"{_size_mb(a.manifest['files']):.1f}",
-            a.manifest.get("created_at", "?"), source.get("name") or source.get("stage", "?"), str(a.path),
+            a.manifest.get("created_at", "?"), _made_from(source), str(a.path),
         ))  # fmt: skip
     if len(rows) > 1:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
