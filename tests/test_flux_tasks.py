@@ -92,3 +92,13 @@ def test_missing_or_misfit_inputs_fail_with_one_line_before_running(family):
             generate(engine, family.request(height=128, width=128, **kwargs))
         assert "\n" not in str(error.value)
     assert not calls
+
+
+@pytest.mark.slow  # 13 s a preset
+def test_validate_runs_the_task_pipeline_with_its_images(family):
+    """validate compares every member, then the images of the set's own pipeline, given the images it needs."""
+    from sdtrt.tools.validate import ValidationConfig, validate
+
+    report = validate(family.source, family.engine, ValidationConfig(steps=2, height=128, width=192))
+    assert report, report.failures
+    assert report.image["case"]["pipeline"] == family.source.pipeline_class() and report.image["psnr_db"] >= 35.0

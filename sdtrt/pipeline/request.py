@@ -47,6 +47,7 @@ FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
 NOT_FOR_FLUX = ("flow-heun",)
 
 
+CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
 # The LatentConsistencyModel pipelines pass original_inference_steps to set_timesteps, which only these take.
 CONSISTENCY_SCHEDULERS = ("lcm", "tcd")
 
@@ -203,7 +204,7 @@ class GenerateRequest:
                 raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
         for name in ("negative_prompt", "image", "mask_image", "control_image"):
             if getattr(self, name) is not None and name not in accepts:
-                fix = "" if name == "negative_prompt" else image_fix
+                fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
                 raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
     def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
