@@ -55,6 +55,17 @@ def test_task_matches_pytorch(family, size):
     assert_images_match(family, request, TASKS[family.name])
 
 
+@pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
+def test_control_img2img_and_inpaint_match_pytorch(family, size):
+    """FluxControlImg2ImgPipeline and FluxControlInpaintPipeline (--task img2img / inpaint) on the control set."""
+    if family.name != "tiny-flux-control":
+        pytest.skip("the control set's img2img and inpaint pipelines")
+    given = inputs(family.name, *size) | {"image": picture(*size), "strength": 0.8, "steps": 3}
+    assert_images_match(family, family.request(height=size[0], width=size[1], **given), "img2img")
+    given["mask_image"] = mask(*size)
+    assert_images_match(family, family.request(height=size[0], width=size[1], **given), "inpaint")
+
+
 def test_every_network_is_an_engine_and_the_transformer_takes_the_task_inputs(family):
     _, engine = family.pipelines(TASKS[family.name])
     networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
