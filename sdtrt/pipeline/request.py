@@ -47,7 +47,6 @@ FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
 NOT_FOR_FLUX = ("flow-heun",)
 
 
-CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
 # The LatentConsistencyModel pipelines pass original_inference_steps to set_timesteps, which only these take.
 CONSISTENCY_SCHEDULERS = ("lcm", "tcd")
 
@@ -140,6 +139,10 @@ class SizeRule:
             if problem := grid_problem(name, value, self.multiple):
                 raise RequestError(problem)
         return sides[0][1], sides[1][1]
+
+
+# What to say to a control image given to a pipeline that takes none.
+CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
 
 
 @dataclass(frozen=True)
@@ -254,8 +257,10 @@ def image_size(image: Any) -> tuple[int, int] | None:
         return None
     if hasattr(image, "getbbox"):  # PIL
         return int(image.height), int(image.width)
-    shape = tuple(int(n) for n in image.shape)
-    return shape[-2:] if type(image).__module__.startswith("torch") else shape[-3:-1] if len(shape) > 2 else shape  # type: ignore[return-value]
+    shape = [int(n) for n in image.shape]
+    if type(image).__module__.startswith("torch") or len(shape) == 2:  # channels first, or a single channel
+        return shape[-2], shape[-1]
+    return shape[-3], shape[-2]
 
 
 def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task | None) -> None:

@@ -42,7 +42,7 @@ class TransformerSpec(DenoiserSpec):
         kind = _kind(config.get("_class_name", ""))
         factor = model.vae_scale_factor()
         vae = model.component_config("vae") if model.has("vae") else {}
-        pipeline = model.pipeline_class() if model.has("vae") else ""
+        pipeline = model.pipeline_class() if model.has("vae") else ""  # a pipeline folder, not a bare network
         return kind(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,
             **kind.fields_from(config, vae, factor) | kind.pipeline_fields(pipeline),
