@@ -7,6 +7,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sdtrt.pipeline.loading import GenerateRequest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,3 +124,49 @@ def external_copy(artifact, folder: Path, edit=None):
     manifest = artifact.manifest | {"key": digest([artifact.key, "external copy", str(folder)])}
     (folder / "manifest.json").write_text(json.dumps(manifest | {"files": describe_files(folder)}))
     return Artifact.open(folder)
+
+
+class Family:
+    """A preset compiled once to fp32 ONNX Runtime engines, its (PyTorch fp32, engine) pipelines per task, and the
+    requests its tests make (``extra``: what each is asked with besides prompt, steps and seed)."""
+
+    def __init__(self, name: str, store, extra: dict) -> None:
+        from sdtrt.core.config import ExportConfig
+        from sdtrt.sources.models import resolve_model
+        from sdtrt.tools.compile import compile_model
+
+        self.name, self.source = name, resolve_model(name)
+        self.engine = compile_model(self.source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+        self.pipes: dict[str, tuple] = {}
+        self.extra = extra
+
+    def pipelines(self, task: str = "txt2img") -> tuple:
+        """(PyTorch fp32, engine) pipelines for ``task``, made once."""
+        from sdtrt.pipeline.loading import load_pipeline
+
+        if task not in self.pipes:
+            self.pipes[task] = (
+                load_pipeline(self.source, task=task),
+                load_pipeline(self.source, self.engine, task=task),
+            )
+        return self.pipes[task]
+
+    def request(self, **kwargs) -> GenerateRequest:
+        from sdtrt.pipeline.loading import GenerateRequest
+
+        return GenerateRequest(**({"prompt": "a red fox in the snow", "steps": 2, "seed": 3} | self.extra | kwargs))
+
+
+def assert_images_match(family: Family, request: GenerateRequest, task: str = "txt2img") -> float:
+    """The engine pipeline's image against the PyTorch fp32 one's for ``request``: same shape, not flat, >= 35 dB
+    PSNR (returned)."""
+    from sdtrt.pipeline.loading import generate
+    from sdtrt.tools.image_quality import psnr_db
+
+    reference, engine = family.pipelines(task)
+    a, b = (generate(p, request, output_type="np").images[0] for p in (reference, engine))
+    psnr = psnr_db(b, a)
+    print(f"{family.name} {task} {request.height}x{request.width}: PSNR {psnr:.1f} dB")
+    assert a.shape == b.shape == (request.height, request.width, 3) and a.std() > 0.01
+    assert psnr >= 35.0
+    return psnr

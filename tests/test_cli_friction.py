@@ -90,7 +90,9 @@ def test_pipeline_inputs_match_diffusers_signatures():
 
     for name in (name for row in PIPELINE_TASKS for name in row.values()):
         parameters = inspect.signature(getattr(diffusers, name).__call__).parameters
-        expected = {p for p in ("negative_prompt", "image", "mask_image", "strength") if p in parameters}
+        expected = {
+            p for p in ("negative_prompt", "image", "mask_image", "control_image", "strength") if p in parameters
+        }
         assert pipeline_inputs(name) == expected, name
 
 

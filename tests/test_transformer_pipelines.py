@@ -12,14 +12,14 @@ import pytest
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
-from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.pipeline.loading import generate, load_pipeline
 from sdtrt.pipeline.request import FLOW_SCHEDULERS, NOT_FOR_FLUX
 from sdtrt.standins.base import EngineModule
 from sdtrt.standins.text_encoders import EngineT5
 from sdtrt.standins.transformer import EngineTransformer
 from sdtrt.tools.image_quality import psnr_db
+from tests.helpers import Family, assert_images_match
 
 FAMILIES = ("tiny-sd3", "tiny-flux", "tiny-flux-schnell")
 # What each family is asked with: SD3 a negative prompt, Flux dev guidance 3.5, schnell nothing more.
@@ -27,42 +27,9 @@ EXTRA = {"tiny-sd3": {"negative_prompt": "blurry"}, "tiny-flux": {"guidance": 3.
 LONG_PROMPT = "a photo of an astronaut riding a horse on the moon, " * 5  # over 77 CLIP tokens, under 256 T5
 
 
-class Family:
-    def __init__(self, name: str, store) -> None:
-        from sdtrt.sources.models import resolve_model
-        from sdtrt.tools.compile import compile_model
-
-        self.name, self.source = name, resolve_model(name)
-        self.engine = compile_model(self.source, store, "onnxruntime", ExportConfig(precision="fp32")).final
-        self.pipes: dict[str, tuple] = {}
-
-    def pipelines(self, task: str = "txt2img") -> tuple:
-        """(PyTorch fp32, engine) pipelines for ``task``, made once."""
-        if task not in self.pipes:
-            self.pipes[task] = (
-                load_pipeline(self.source, task=task),
-                load_pipeline(self.source, self.engine, task=task),
-            )
-        return self.pipes[task]
-
-    def request(self, **kwargs) -> GenerateRequest:
-        return GenerateRequest(
-            **({"prompt": "a red fox in the snow", "steps": 2, "seed": 3} | EXTRA[self.name] | kwargs)
-        )
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, store):
-    return Family(request.param, store)
-
-
-def assert_images_match(family: Family, request: GenerateRequest, task: str = "txt2img") -> None:
-    reference, engine = family.pipelines(task)
-    a, b = (generate(p, request, output_type="np").images[0] for p in (reference, engine))
-    psnr = psnr_db(b, a)
-    print(f"{family.name} {task} {request.height}x{request.width}: PSNR {psnr:.1f} dB")
-    assert a.shape == b.shape == (request.height, request.width, 3) and a.std() > 0.01
-    assert psnr >= 35.0
+    return Family(request.param, store, EXTRA[request.param])
 
 
 def test_every_network_is_an_engine_standin(family):

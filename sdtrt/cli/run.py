@@ -66,6 +66,9 @@ def generate_command(
     scheduler: request_options.SchedulerOpt = None,
     image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
+    control_image: Annotated[
+        Path | None, typer.Option(help="FLUX.1 Canny / Depth: the control image (edges, depth), at the output's size.")
+    ] = None,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
     task: Annotated[
         str | None,
@@ -99,6 +102,7 @@ def generate_command(
 
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
+    FLUX.1 Fill / Canny / Kontext: --image photo.png --mask mask.png; --control-image edges.png; --image reference.png
     IP-Adapter: sdtrt generate --engine engines/set/… --ip-adapter-image style.png --ip-adapter-scale 0.6
     """
     from ..core.families import pipeline_class_name
@@ -116,6 +120,7 @@ def generate_command(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
         image=_open_image(image, "RGB", "--image"), mask_image=_open_image(mask, "L", "--mask"),
         ip_adapter_image=_open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
+        control_image=_open_image(control_image, "RGB", "--control-image"),
     )  # fmt: skip
     if ip_adapter_image is not None:
         request_options.require_ip_adapter_engine(artifact)

@@ -34,11 +34,18 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "StableDiffusion3Pipeline", "img2img": "StableDiffusion3Img2ImgPipeline",
      "inpaint": "StableDiffusion3InpaintPipeline"},
     {"txt2img": "FluxPipeline", "img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
+    # FLUX.1 Fill (in_channels 384: + masked-image latents and mask), Canny / Depth (128: + control latents), Kontext.
+    {"inpaint": "FluxFillPipeline"},
+    {"txt2img": "FluxControlPipeline", "img2img": "FluxControlImg2ImgPipeline",
+     "inpaint": "FluxControlInpaintPipeline"},
+    {"img2img": "FluxKontextPipeline"},
 )  # fmt: skip
+# Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
+REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5 and Flux.1 "
-    "dev / schnell"
+    "dev / schnell (with Fill, Canny / Depth control and Kontext)"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
 TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
@@ -139,14 +146,19 @@ def pipeline_class_name(index_class: str, task: Task | None) -> str:
 
 
 def pipeline_inputs(class_name: str) -> frozenset[str]:
-    """Which of a request's optional inputs (negative_prompt, image, mask_image, strength) the ``__call__`` of a
-    PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported (8 s), and
-    tests hold this to diffusers' signatures. ControlNet pipelines take their control image as ``image``."""
-    img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name
+    """Which of a request's optional inputs (negative_prompt, image, mask_image, control_image, strength) the
+    ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported
+    (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their control image as
+    ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``); Kontext's reference
+    image is its ``image``."""
+    img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
+    kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
+    flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
     inputs = {
-        "negative_prompt": not class_name.startswith("LatentConsistencyModel"),
-        "image": img2img or inpaint or "ControlNet" in class_name,
+        "negative_prompt": not class_name.startswith(("LatentConsistencyModel", "FluxFill", "FluxControl")),
+        "image": img2img or inpaint or kontext or controlnet,
         "mask_image": inpaint,
+        "control_image": flux_control or (controlnet and (img2img or inpaint)),
         "strength": img2img or inpaint,
     }
     return frozenset(name for name, taken in inputs.items() if taken)

@@ -141,6 +141,10 @@ class SizeRule:
         return sides[0][1], sides[1][1]
 
 
+# What to say to a control image given to a pipeline that takes none.
+CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str = DEFAULT_PROMPT
@@ -157,6 +161,8 @@ class GenerateRequest:
     strength: float = 0.6
     # An IP-Adapter's image (its content guides the image): for a pipeline whose UNet has the adapter.
     ip_adapter_image: Any = None
+    # FLUX.1 Canny / Depth (and SD ControlNet img2img / inpaint): the control image, at the output's size.
+    control_image: Any = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -178,6 +184,13 @@ class GenerateRequest:
         model's guidance (RequestError where it takes none and one was given)."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
+        control = image_size(self.control_image)
+        if control is not None and control != (height, width):
+            raise RequestError(
+                f"the control image is {control[0]}x{control[1]} px and the image to generate {height}x{width}: a "
+                "Canny / depth map lines up with the output pixel for pixel, and the pipeline would stretch it without "
+                f"a word; pass one of the output's size, or ask for --height {control[0]} --width {control[1]}"
+            )
         if self.negative_prompt and not rule.takes_negative_prompt:
             raise RequestError(
                 "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
@@ -189,12 +202,12 @@ class GenerateRequest:
     def check_inputs(self, accepts: Collection[str], image_fix: str = "") -> None:
         """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
         for one it takes none of (``image_fix`` says what to do then); light: no torch."""
-        for name, flag in (("image", "--image"), ("mask_image", "--mask")):
+        for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
             if name in accepts and getattr(self, name) is None:
                 raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
-        for name in ("negative_prompt", "image", "mask_image"):
+        for name in ("negative_prompt", "image", "mask_image", "control_image"):
             if getattr(self, name) is not None and name not in accepts:
-                fix = "" if name == "negative_prompt" else image_fix
+                fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
                 raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
     def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
@@ -215,13 +228,39 @@ class GenerateRequest:
             "num_images_per_prompt": self.images,
             "image": self.image,
             "mask_image": self.mask_image,
+            "control_image": self.control_image,
             "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
         self.check_inputs(accepts)
         if "strength" in accepts and self.image is not None:
             wanted["strength"] = self.strength
+        if "max_area" in accepts and self.height and self.width:
+            wanted |= self.kontext_kwargs(self.height, self.width)
         return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
+
+    def kontext_kwargs(self, height: int, width: int) -> dict[str, Any]:
+        """FLUX.1 Kontext's call: the image at the asked size (it would scale it to max_area, 1 MP), and the reference
+        resized to that size, not to the ~1 MP resolution of the nearest aspect ratio diffusers picks (_auto_resize):
+        the engine's profile covers as many reference tokens as generated ones."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        image = VaeImageProcessor().resize(self.image, height, width) if self.image is not None else None
+        return {"max_area": height * width, "_auto_resize": False, "image": image}
+
+
+def image_size(image: Any) -> tuple[int, int] | None:
+    """(height, width) of a PIL image, an HWC array or a CHW / BCHW tensor (a list's first); None for no image."""
+    if isinstance(image, list):
+        image = image[0] if image else None
+    if image is None:
+        return None
+    if hasattr(image, "getbbox"):  # PIL
+        return int(image.height), int(image.width)
+    shape = [int(n) for n in image.shape]
+    if type(image).__module__.startswith("torch") or len(shape) == 2:  # channels first, or a single channel
+        return shape[-2], shape[-1]
+    return shape[-3], shape[-2]
 
 
 def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task | None) -> None:
@@ -319,7 +358,9 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     each = [r.pipeline_kwargs(accepts) for r in requests]
     if len(each) == 1:
         return each[0]
-    with_images = any(r.image is not None or r.ip_adapter_image is not None for r in requests)
+    with_images = any(
+        r.image is not None or r.ip_adapter_image is not None or r.control_image is not None for r in requests
+    )
     if len({r.batch_key for r in requests}) > 1 or with_images or any(r.images != 1 for r in requests):
         raise RequestError("only text-to-image requests of one image that share size, steps and guidance batch")
     merged = each[0] | {"prompt": [k["prompt"] for k in each], "generator": [k["generator"] for k in each]}

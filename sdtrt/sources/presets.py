@@ -173,6 +173,16 @@ PRESETS: dict[str, Recipe] = {
         "FluxPipeline", (TINY_FLUX[0], dict(TINY_FLUX[1], guidance_embeds=False)), dict(TINY_VAE, **FLUX_VAE),
         TINY_FLUX_ENCODERS, scheduler=FLUX_SCHNELL_FLOW,
     ),
+    # FLUX.1 Fill (masked-image latents + the 8×8 mask packed: 64 + 64 + 256 channels in), Canny / Depth control (the
+    # control image's latents: 64 + 64), Kontext (a reference image's latents as more tokens; dev's transformer).
+    "tiny-flux-fill": Recipe("FluxFillPipeline", (TINY_FLUX[0], dict(TINY_FLUX[1], in_channels=384, out_channels=64)),
+                             dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS, scheduler=FLUX_DEV_FLOW),
+    "tiny-flux-control": Recipe(
+        "FluxControlPipeline", (TINY_FLUX[0], dict(TINY_FLUX[1], in_channels=128, out_channels=64)),
+        dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS, scheduler=FLUX_DEV_FLOW,
+    ),
+    "tiny-flux-kontext": Recipe("FluxKontextPipeline", TINY_FLUX, dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS,
+                                scheduler=FLUX_DEV_FLOW),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(
         "StableDiffusionPipeline",

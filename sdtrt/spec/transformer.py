@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision, ShapeProfile
 from ..core.errors import ArtifactError
-from ..core.families import T5_TOKENS, transformer_family
+from ..core.families import REFERENCE_TOKEN_PIPELINES, T5_TOKENS, transformer_family
 from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
 from .denoiser import DenoiserSpec
 
@@ -42,14 +42,21 @@ class TransformerSpec(DenoiserSpec):
         kind = _kind(config.get("_class_name", ""))
         factor = model.vae_scale_factor()
         vae = model.component_config("vae") if model.has("vae") else {}
+        pipeline = model.pipeline_class() if model.has("vae") else ""  # a pipeline folder, not a bare network
         return kind(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,
-            **kind.fields_from(config, vae, factor), max_sequence_length=T5_TOKENS[transformer_family(config)],
+            **kind.fields_from(config, vae, factor) | kind.pipeline_fields(pipeline),
+            max_sequence_length=T5_TOKENS[transformer_family(config)],
         )  # fmt: skip
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
         raise NotImplementedError
+
+    @classmethod
+    def pipeline_fields(cls, pipeline_class: str) -> dict[str, Any]:
+        """The fields the pipeline class (model_index.json's) sets: how it calls the transformer."""
+        return {}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Any:
@@ -146,6 +153,26 @@ class FluxTransformerSpec(TransformerSpec):
     grid: ClassVar[dict[str, str]] = {}  # no latent height/width among the inputs: pixel_multiple says it
 
     guidance_embeds: bool = True
+    # Kontext: the reference image's packed latents follow the generated ones in hidden_states and img_ids (and the
+    # output, which the pipeline cuts back), as many as them: generate resizes the reference to the output size.
+    reference_tokens: bool = False
+
+    @classmethod
+    def pipeline_fields(cls, pipeline_class: str) -> dict[str, Any]:
+        return {"reference_tokens": True} if pipeline_class in REFERENCE_TOKEN_PIPELINES else {}
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
+        sizes = super().axis_sizes(batch, height_px, width_px, tokens)
+        if self.reference_tokens:
+            sizes["patches"] *= 2
+            sizes["rope_tokens"] = sizes["tokens"] + sizes["patches"]
+        return sizes
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if not self.reference_tokens:  # Flux's other sets keep the JSON, and so the keys, they had
+            del data["reference_tokens"]
+        return data
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:

@@ -297,11 +297,12 @@ def _store_report(report: ValidationReport, engine: Artifact, out_dir: Path) -> 
 
 
 def with_input_images(request: GenerateRequest, pipe: Any) -> GenerateRequest:
-    """The request with a seeded input image (and a mask) where the pipeline needs them: img2img, inpaint, refiner."""
+    """The request with a seeded input image (and a mask, a control image) where the pipeline needs them: img2img,
+    inpaint, refiner, FLUX.1 Fill, Canny / Depth (the image flipped: another structure) and Kontext (its reference)."""
     from PIL import Image
 
     needs = inspect.signature(pipe.__call__).parameters
-    if "image" not in needs:
+    if "image" not in needs and "control_image" not in needs:
         return request
     assert request.height and request.width  # sized_for set them
     rng = np.random.default_rng(request.seed)
@@ -314,7 +315,8 @@ def with_input_images(request: GenerateRequest, pipe: Any) -> GenerateRequest:
         box = np.zeros((request.height, request.width), np.uint8)
         box[request.height // 4 : 3 * request.height // 4, request.width // 4 : 3 * request.width // 4] = 255
         mask = Image.fromarray(box)
-    return replace(request, image=image, mask_image=mask)
+    control = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if "control_image" in needs else None
+    return replace(request, image=image if "image" in needs else None, mask_image=mask, control_image=control)
 
 
 def compare_images(
