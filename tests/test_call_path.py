@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import sdtrt
 from sdtrt import Store, compile_model, resolve_model
 
@@ -56,6 +58,7 @@ def climbs_recorded(model: Any) -> Iterator[list[tuple[str, str, bool]]]:
         sys.setprofile(None)
 
 
+@pytest.mark.slow  # 42 s under sys.setprofile; tests/test_layers.py checks the same order statically on every run
 def test_compile_models_path_climbs_only_through_the_stores_build_callback(tmp_path):
     model = resolve_model("tiny")
     with climbs_recorded(model) as climbs:

@@ -48,6 +48,7 @@ def test_the_worst_layers_leave_out_those_already_kept():
     assert worst_layers(errors, 2, kept=["b"]) == ["d", "a"]
 
 
+@pytest.mark.slow  # 62 s; test_an_unreachable_target_exits_3_in_one_line runs the guard's loop in the default suite
 def test_the_guard_finds_the_outlier_layer_and_meets_the_target(outlier_model, store):
     config = GuardConfig(min_psnr_db=TARGET_DB, layers_per_round=1)
     report = guard(outlier_model, store, QUANT, config, target="onnxruntime", components=("unet",))
