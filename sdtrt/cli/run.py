@@ -16,10 +16,10 @@ from ..core.config import ValidationConfig
 from ..core.errors import RequestError
 from ..core.families import TASKS
 from ..core.progress import console, counted_steps, results, step
+from ..pipeline.image_inputs import check_pipeline_inputs
 from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
-    check_pipeline_inputs,
     check_scheduler,
     check_t5_request,
     check_validation,
