@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.config import DEFAULT_PROMPT, MAX_T5_TOKENS, grid_problem
 from ..core.errors import RequestError
-from .image_inputs import check_inputs, image_size, kontext_kwargs
+from .image_inputs import check_control_image, check_inputs
 
 if TYPE_CHECKING:
     from ..core.config import ShapeProfile, ValidationConfig
@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from ..spec import DenoiserSpec
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
-DEFAULT_GUIDANCE = 7.5  # a request's guidance when it gives none (FLUX.1-dev: FluxPipeline's 3.5)
-FLUX_GUIDANCE = 3.5
 
 # --scheduler names → diffusers classes (all built from the model's own scheduler config).
 SCHEDULERS = {
@@ -74,12 +72,16 @@ def check_scheduler(name: str, family: str, pipeline_class: str = "") -> str:
 
 @dataclass(frozen=True)
 class SizeRule:
-    """The image sizes (and guidance) a model can generate: one rule, from its denoiser's and VAE's configs."""
+    """The image sizes (and guidance) a model can generate: one rule, from its denoiser's and VAE's configs.
+
+    A request without guidance (or strength) runs with the default of its pipeline's ``__call__``, as diffusers has
+    it per class (FluxPipeline 3.5, FluxFillPipeline 30, FluxControlImg2ImgPipeline 7, SDXL's 5): not passed.
+    """
 
     multiple: int  # pixels: the VAE's scale factor times the denoiser's latent multiple
     default_height: int
     default_width: int
-    default_guidance: float | None = DEFAULT_GUIDANCE  # None: the model takes no guidance (FLUX.1-schnell)
+    takes_guidance: bool = True  # False: no guidance embedding (FLUX.1-schnell)
     # FluxPipeline reads a negative prompt only for true CFG (true_cfg_scale > 1), which a request does not ask for.
     takes_negative_prompt: bool = True
 
@@ -89,8 +91,7 @@ class SizeRule:
 
         native = spec.latent_sample_size * spec.vae_scale_factor
         if isinstance(spec, FluxTransformerSpec):
-            guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
-            return cls(spec.pixel_multiple, native, native, guidance, takes_negative_prompt=False)
+            return cls(spec.pixel_multiple, native, native, spec.guidance_embeds, takes_negative_prompt=False)
         return cls(spec.pixel_multiple, native, native)
 
     @classmethod
@@ -109,19 +110,17 @@ class SizeRule:
 
     def applicable(self, guidance: float | None) -> float | None:
         """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's
-        (None configured: the model's own)."""
-        if self.default_guidance is None:
-            return None
-        return self.default_guidance if guidance is None else guidance
+        (None: the pipeline's own)."""
+        return guidance if self.takes_guidance else None
 
     def resolve_guidance(self, guidance: float | None) -> float | None:
-        """The guidance to run with: the model's default for None; RequestError for one a model cannot take."""
-        if self.default_guidance is None and guidance is not None:
+        """The guidance to run with (None: the pipeline's default); RequestError for one a model cannot take."""
+        if not self.takes_guidance and guidance is not None:
             raise RequestError(
                 f"guidance {guidance} was given, but this model has no guidance embedding (FLUX.1-schnell, "
                 "a guidance-distilled model): leave --guidance out"
             )
-        return self.default_guidance if guidance is None else guidance
+        return guidance
 
     @classmethod
     def for_model(cls, model: ModelSource) -> SizeRule:
@@ -146,7 +145,7 @@ class GenerateRequest:
     prompt: str = DEFAULT_PROMPT
     negative_prompt: str | None = None
     steps: int = 20
-    guidance: float | None = None  # None: the model's (7.5; FLUX.1-dev 3.5; FLUX.1-schnell takes none)
+    guidance: float | None = None  # None: the pipeline's default (diffusers' __call__; FLUX.1-schnell takes none)
     seed: int = 0
     height: int | None = None  # None: the model's default
     width: int | None = None
@@ -154,10 +153,10 @@ class GenerateRequest:
     # img2img / inpaint / refiner pipelines: the input image and mask (PIL images, arrays or tensors).
     image: Any = None
     mask_image: Any = None
-    strength: float = 0.6
+    strength: float | None = None  # None: the pipeline's default (diffusers' __call__: 0.6 Flux img2img, 1.0 Fill)
     # An IP-Adapter's image (its content guides the image): for a pipeline whose UNet has the adapter.
     ip_adapter_image: Any = None
-    # FLUX.1 Canny / Depth (and SD ControlNet img2img / inpaint): the control image, at the output's size.
+    # FLUX.1 Canny / Depth (and SD ControlNet img2img / inpaint): the control image, in the output's aspect ratio.
     control_image: Any = None
 
     def __post_init__(self) -> None:
@@ -180,13 +179,6 @@ class GenerateRequest:
         model's guidance (RequestError where it takes none and one was given)."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
-        control = image_size(self.control_image)
-        if control is not None and control != (height, width):
-            raise RequestError(
-                f"the control image is {control[0]}x{control[1]} px and the image to generate {height}x{width}: a "
-                "Canny / depth map lines up with the output pixel for pixel, and the pipeline would stretch it without "
-                f"a word; pass one of the output's size, or ask for --height {control[0]} --width {control[1]}"
-            )
         if self.negative_prompt and not rule.takes_negative_prompt:
             raise RequestError(
                 "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
@@ -217,11 +209,14 @@ class GenerateRequest:
             "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
-        check_inputs(self, accepts)
-        if "strength" in accepts and self.image is not None:
+        check_inputs(self, accepts, image_optional="max_area" in accepts)  # FLUX.1 Kontext's __call__ alone takes it
+        if self.height and self.width:
+            check_control_image(self.control_image, self.height, self.width)
+        if "strength" in accepts and self.image is not None and self.strength is not None:
             wanted["strength"] = self.strength
         if "max_area" in accepts and self.height and self.width:
-            wanted |= kontext_kwargs(self, self.height, self.width)
+            # FLUX.1 Kontext: the asked size (it would scale it to 1 MP); the reference is resized (fit_reference).
+            wanted |= {"max_area": self.height * self.width, "_auto_resize": False}
         return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
 
 
