@@ -175,8 +175,8 @@ class GenerateRequest:
         return self.steps, self.guidance, self.height or 0, self.width or 0
 
     def sized_for(self, rule: SizeRule) -> GenerateRequest:
-        """This request with both sides set and on the model's grid (diffusers would reset a lone side), and the
-        model's guidance (RequestError where it takes none and one was given)."""
+        """This request with both sides set and on the model's grid (diffusers would reset a lone side); RequestError
+        for guidance given to a model that takes none."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
         if self.negative_prompt and not rule.takes_negative_prompt:
