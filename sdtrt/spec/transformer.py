@@ -8,6 +8,7 @@ keyword arguments, so the exported wrapper passes them by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -162,9 +163,12 @@ class FluxTransformerSpec(TransformerSpec):
         return {"reference_tokens": True} if pipeline_class in REFERENCE_TOKEN_PIPELINES else {}
 
     def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
-        """Kontext's with a reference of the output's size: validate's and bench's seeded inputs."""
+        """Kontext's with a reference as many tokens as the output, at most a preferred resolution's: validate's and
+        bench's seeded inputs, inside the profile at each of its corners."""
         sizes = super().axis_sizes(batch, height_px, width_px, tokens)
-        return with_reference(sizes, sizes["patches"]) if self.reference_tokens else sizes
+        if not self.reference_tokens:
+            return sizes
+        return with_reference(sizes, min(sizes["patches"], self.most_reference_patches))
 
     def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
         """Kontext's: no reference at the minimum (text-to-image, no --image), one of the output's size at the
@@ -173,13 +177,18 @@ class FluxTransformerSpec(TransformerSpec):
             return super().profile_shapes(profile)
         profile.check(self.pixel_multiple)
         batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
-        native = self.latent_sample_size * self.vae_scale_factor
-        most = max(self.patches(h, w) for h, w in reference_sizes(native, self.pixel_multiple))
+        most = self.most_reference_patches
         corners = []
-        for i, extra in enumerate((0, self.patches(profile.height.opt, profile.width.opt), most)):
+        for i, extra in enumerate((0, min(self.patches(profile.height.opt, profile.width.opt), most), most)):
             sizes = super().axis_sizes(batch[i], profile.height[i], profile.width[i], tokens[i])
             corners.append(self.shapes_of(with_reference(sizes, extra)))
         return {name: tuple(c[name] for c in corners) for name in self.input_names}
+
+    @property
+    def most_reference_patches(self) -> int:
+        """The tokens of Kontext's preferred reference resolution of most tokens, at this model's native size."""
+        native = self.latent_sample_size * self.vae_scale_factor
+        return max(self.patches(h, w) for h, w in reference_sizes(native, self.pixel_multiple))
 
     def patches(self, height_px: int, width_px: int) -> int:
         """The tokens an image of this size packs into."""
@@ -246,7 +255,8 @@ def with_reference(sizes: dict[str, int], reference_patches: int) -> dict[str, i
     return sizes | {axis: sizes[axis] + reference_patches for axis in ("patches", "rope_tokens")}
 
 
-def reference_sizes(native_px: int, multiple: int) -> list[tuple[int, int]]:
+@functools.cache
+def reference_sizes(native_px: int, multiple: int) -> tuple[tuple[int, int], ...]:
     """FLUX.1 Kontext's preferred reference resolutions as (height, width): diffusers' for its 1024 px model (the
     nearest in aspect ratio is what FluxKontextPipeline resizes a reference to), scaled to a model of ``native_px``
     and floored to ``multiple``. Imports diffusers: call it only for a Kontext set."""
@@ -255,4 +265,4 @@ def reference_sizes(native_px: int, multiple: int) -> list[tuple[int, int]]:
     def side(px: int) -> int:
         return max(multiple, px * native_px // 1024 // multiple * multiple)
 
-    return [(side(h), side(w)) for w, h in PREFERRED_KONTEXT_RESOLUTIONS]  # diffusers lists (width, height)
+    return tuple((side(h), side(w)) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)  # diffusers lists (width, height)
