@@ -2,7 +2,8 @@
 pipeline's at two sizes (one non-square), every network an engine, and the inputs each task needs refused with one
 line before anything runs.
 
-One fp32 ONNX Runtime engine set per preset (its default profile covers both sizes), shared by the module's tests.
+One fp32 ONNX Runtime engine set per preset (its default profile covers both sizes), shared by the module's tests;
+requests leave guidance and strength out, so each pipeline runs with its own defaults.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
+from sdtrt.core.config import ShapeProfile
 from sdtrt.core.errors import RequestError
+from sdtrt.pipeline.image_inputs import check_pipeline_inputs
 from sdtrt.pipeline.loading import generate
+from sdtrt.pipeline.request import GenerateRequest, SizeRule
 from sdtrt.standins.base import EngineModule
 from sdtrt.standins.transformer import EngineTransformer
 from tests.helpers import Family, assert_images_match
@@ -36,7 +40,8 @@ def mask(height: int, width: int) -> Image.Image:
 
 def inputs(name: str, height: int, width: int) -> dict:
     """What the preset's pipeline needs at this size: Fill an image and mask, control a control image at the output's
-    size, Kontext a reference of another size (generate resizes it to the output's)."""
+    size, Kontext a reference of another size (resized to FLUX.1 Kontext's preferred resolution nearest its aspect
+    ratio, scaled to the tiny model's 256 px: 96x160 → 192x320, 240 tokens)."""
     if name == "tiny-flux-fill":
         return {"image": picture(height, width), "mask_image": mask(height, width)}
     if name == "tiny-flux-control":
@@ -46,7 +51,7 @@ def inputs(name: str, height: int, width: int) -> dict:
 
 @pytest.fixture(scope="module", params=list(TASKS))
 def family(request, store):
-    return Family(request.param, store, {"guidance": 3.5})
+    return Family(request.param, store, {})
 
 
 @pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
@@ -75,8 +80,9 @@ def test_every_network_is_an_engine_and_the_transformer_takes_the_task_inputs(fa
     assert isinstance(engine.transformer, EngineTransformer) and engine.vae.encoder is not None
     channels = {"tiny-flux-fill": 384, "tiny-flux-control": 128, "tiny-flux-kontext": 64}[family.name]
     assert (spec.in_channels, spec.out_channels) == (channels, 64)
-    patches = (128 // 16) * (192 // 16) * (2 if family.name == "tiny-flux-kontext" else 1)
-    assert spec.input_shapes(1, 128, 192)["hidden_states"] == (1, patches, channels)
+    patches = (128 // 16) * (192 // 16)
+    assert spec.input_shapes(1, 128, 192)["hidden_states"][1] == patches * (2 if spec.reference_tokens else 1)
+    patches += (192 // 16) * (320 // 16) if spec.reference_tokens else 0  # the resized reference's
     fed = []  # what the pipeline hands the engine: Kontext's reference tokens follow the generated ones
     hook = engine.transformer.register_forward_pre_hook(
         lambda _, args, kwargs: fed.append(kwargs["hidden_states"].shape), with_kwargs=True
@@ -91,18 +97,95 @@ def test_every_network_is_an_engine_and_the_transformer_takes_the_task_inputs(fa
 def test_missing_or_misfit_inputs_fail_with_one_line_before_running(family):
     _, engine = family.pipelines(TASKS[family.name])
     calls = []
-    engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
     given = inputs(family.name, 128, 128)
     bad = [{name: value for name, value in given.items() if name != missing} for missing in given]
     if family.name == "tiny-flux-control":
-        bad.append({"control_image": picture(128, 192)})  # the pipeline would stretch it to 128x128
+        bad.append({"control_image": picture(128, 192)})  # another aspect ratio: the pipeline would stretch it
     if family.name != "tiny-flux-fill":
         bad.append(given | {"mask_image": mask(128, 128)})
-    for kwargs in bad:
-        with pytest.raises(RequestError) as error:
-            generate(engine, family.request(height=128, width=128, **kwargs))
-        assert "\n" not in str(error.value)
+    if family.name == "tiny-flux-kontext":  # without a reference it generates from text: not refused
+        latents = torch.zeros(1, 16, 64, 64)  # 1024 reference tokens + 64: more than the profile's 832
+        bad = [given | {"mask_image": mask(128, 128)}, {"image": [given["image"]] * 2}, {"image": latents}]
+    hook = engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        for kwargs in bad:
+            with pytest.raises(RequestError) as error:
+                generate(engine, family.request(height=128, width=128, **kwargs))
+            assert "\n" not in str(error.value)
+    finally:
+        hook.remove()
     assert not calls
+    if family.name == "tiny-flux-kontext":
+        assert "1088 is outside the engines' 64..832" in str(error.value)
+
+
+def test_guidance_and_strength_default_to_the_pipelines_own(family):
+    """diffusers' __call__ defaults per class: Fill guidance 30 and strength 1 (every step), control img2img guidance 7
+    and strength 0.6 (3 of 4 steps), FluxPipeline-like 3.5. The transformer is handed the guidance each step."""
+    tasks = {"tiny-flux-fill": [("inpaint", 30.0, 4)], "tiny-flux-kontext": [("img2img", 3.5, 4)],
+             "tiny-flux-control": [("txt2img", 3.5, 4), ("img2img", 7.0, 3)]}[family.name]  # fmt: skip
+    fed: list[float] = []
+    for task, guidance, steps in tasks:
+        _, engine = family.pipelines(task)
+        given = inputs(family.name, 128, 128) | ({"image": picture(128, 128)} if task == "img2img" else {})
+        fed.clear()
+        hook = engine.transformer.register_forward_pre_hook(
+            lambda _, args, kwargs: fed.append(float(kwargs["guidance"][0])), with_kwargs=True
+        )
+        try:
+            generate(engine, family.request(height=128, width=128, steps=4, **given))
+        finally:
+            hook.remove()
+        assert fed == [guidance] * steps, (task, fed)
+
+
+def test_inputs_are_checked_before_sizes_and_a_proportional_control_image_is_taken(family):
+    """The CLI's order: what the pipeline takes, then the control image's aspect ratio; diffusers resizes a control
+    image of the output's aspect ratio, so one of half the size runs."""
+    rule = SizeRule.for_model(family.source)
+    misfit = GenerateRequest(
+        **inputs(family.name, 128, 128) | {"control_image": picture(64, 96)}, height=128, width=128
+    )
+    takes_control = family.name == "tiny-flux-control"
+    with pytest.raises(RequestError, match="another aspect ratio" if takes_control else "takes no control image"):
+        check_pipeline_inputs(misfit, family.source.pipeline_class(), TASKS[family.name], rule)
+    if takes_control:
+        _, engine = family.pipelines("txt2img")
+        result = generate(engine, family.request(height=128, width=128, steps=1, control_image=picture(64, 64)))
+        assert result.images[0].size == (128, 128)
+
+
+def test_kontext_generates_from_text_and_its_profile_covers_a_default_diffusers_call(family):
+    """Without a reference FluxKontextPipeline generates from text (the profile's minimum has no reference tokens);
+    at FLUX.1's 1024 px the default profile takes a 1024x1024 image with a 672x1568 reference (4096 + 4116 tokens),
+    and the VAE encoder's 1568x672 and 672x1568 references."""
+    import dataclasses
+
+    from sdtrt.spec.transformer import reference_sizes
+
+    if family.name != "tiny-flux-kontext":
+        pytest.skip("FLUX.1 Kontext's reference")
+    assert_images_match(family, family.request(height=128, width=128), "img2img")
+    _, engine = family.pipelines("img2img")
+    flux1 = dataclasses.replace(engine.transformer.spec, latent_sample_size=128)  # FLUX.1's 1024 px
+    low, _, high = (s[1] for s in flux1.profile_shapes(flux1.default_profile())["hidden_states"])
+    assert low <= 32 * 32 and high >= 4096 + 42 * 98
+    assert {(672, 1568), (1568, 672)} <= set(reference_sizes(1024, 16))
+    encoder = engine.vae.encoder_runtime.spec
+    assert (encoder.reference_min_px, encoder.reference_max_px) == (160, 384)  # 672 and 1568 scaled to 256 px
+    wide = dataclasses.replace(encoder, native_px=1024, reference_min_px=672, reference_max_px=1568)
+    for size in ((1568, 672), (672, 1568)):
+        assert wide.check_shapes({"sample": (1, 3, *size)}, ShapeProfile.around(1024, 8)) is None, size
+
+
+def test_deploy_triton_refuses_a_set_whose_pipeline_needs_images(family, tmp_path):
+    from sdtrt.serving.deploy import deploy_triton
+
+    if family.name != "tiny-flux-control":
+        pytest.skip("the set with a txt2img pipeline that needs an image")
+    with pytest.raises(RequestError, match="FluxControlPipeline needs an input control image, which Triton") as error:
+        deploy_triton(family.engine, tmp_path / "repo")
+    assert "\n" not in str(error.value) and not (tmp_path / "repo").exists()
 
 
 @pytest.mark.slow  # 13 s a preset

@@ -29,7 +29,10 @@ StepsOpt = Annotated[int, typer.Option(min=1, help="Denoising steps.")]
 GuidanceOpt = Annotated[
     float | None,
     # No square brackets: rich reads them as markup and drops them from --help.
-    typer.Option(help="Guidance scale (default: 7.5; FLUX.1-dev's distilled guidance 3.5; FLUX.1-schnell takes none)."),
+    typer.Option(
+        help="Guidance scale (default: the pipeline's own, as diffusers has it: 7.5 SD, 5 SDXL, 7 SD3, 3.5 FLUX.1-dev, "
+        "30 FLUX.1 Fill, 7 FLUX.1 control img2img / inpaint; FLUX.1-schnell takes none)."
+    ),
 ]
 LORA_METAVAR = "<FILE[:SCALE]>"
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]

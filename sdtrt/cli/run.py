@@ -16,10 +16,10 @@ from ..core.config import ValidationConfig
 from ..core.errors import RequestError
 from ..core.families import TASKS
 from ..core.progress import console, counted_steps, results, step
+from ..pipeline.image_inputs import check_pipeline_inputs
 from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
-    check_pipeline_inputs,
     check_scheduler,
     check_t5_request,
     check_validation,
@@ -64,12 +64,28 @@ def generate_command(
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
     scheduler: request_options.SchedulerOpt = None,
-    image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
+    image: Annotated[
+        Path | None,
+        typer.Option(
+            help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's reference, or an SD "
+            "ControlNet txt2img pipeline's control image."
+        ),
+    ] = None,
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
     control_image: Annotated[
-        Path | None, typer.Option(help="FLUX.1 Canny / Depth: the control image (edges, depth), at the output's size.")
+        Path | None,
+        typer.Option(
+            help="The control image (edges, depth, pose) of FLUX.1 Canny / Depth and of SD ControlNet img2img / "
+            "inpaint, in the output's aspect ratio (SD ControlNet txt2img takes it as --image)."
+        ),
     ] = None,
-    strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
+    strength: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, max=1.0, help="How much of --image to repaint (default: the pipeline's own, as diffusers has it: "
+            "0.8 SD img2img, 0.3 SDXL img2img, 0.6 Flux img2img / inpaint, 1.0 FLUX.1 Fill)."
+        ),
+    ] = None,
     task: Annotated[
         str | None,
         typer.Option(
@@ -126,12 +142,12 @@ def generate_command(
         request_options.require_ip_adapter_engine(artifact)
     elif ip_adapter_scale is not None:
         raise RequestError("--ip-adapter-scale scales an --ip-adapter-image: pass one, or leave the scale out")
-    request = request.sized_for(SizeRule.for_model(source))
+    rule, pipeline_class = SizeRule.for_model(source), source.pipeline_class()
+    check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes
+    request = request.sized_for(rule)
     request_options.check_engine_size(artifact, request)
-    pipeline_class = source.pipeline_class()
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
-    check_pipeline_inputs(request, pipeline_class, task)
     check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)

@@ -31,6 +31,7 @@ from ..standins.ip_adapter import IPAdapterInputs
 from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config
 from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
+from .image_inputs import fit_reference
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
 
 __all__ = [
@@ -331,7 +332,11 @@ def generate(
     requests = [request] if isinstance(request, GenerateRequest) else request
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
-    kwargs = batch_kwargs([r.sized_for(rule) for r in requests], inspect.signature(pipe.__call__).parameters)
+    accepts = inspect.signature(pipe.__call__).parameters
+    sized = [r.sized_for(rule) for r in requests]
+    if "max_area" in accepts:  # FLUX.1 Kontext
+        sized = [fit_reference(r, rule, pipe) for r in sized]
+    kwargs = batch_kwargs(sized, accepts)
     prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
     kwargs |= t5_kwargs(pipe, prompts)
     for line in clip_cuts(prompts, _clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):

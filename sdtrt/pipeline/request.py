@@ -14,16 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.config import DEFAULT_PROMPT, MAX_T5_TOKENS, grid_problem
 from ..core.errors import RequestError
+from .image_inputs import check_control_image, check_inputs
 
 if TYPE_CHECKING:
     from ..core.config import ShapeProfile, ValidationConfig
-    from ..core.families import Task
     from ..sources.models import ModelSource
     from ..spec import DenoiserSpec
 
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
-DEFAULT_GUIDANCE = 7.5  # a request's guidance when it gives none (FLUX.1-dev: FluxPipeline's 3.5)
-FLUX_GUIDANCE = 3.5
 
 # --scheduler names → diffusers classes (all built from the model's own scheduler config).
 SCHEDULERS = {
@@ -74,12 +72,16 @@ def check_scheduler(name: str, family: str, pipeline_class: str = "") -> str:
 
 @dataclass(frozen=True)
 class SizeRule:
-    """The image sizes (and guidance) a model can generate: one rule, from its denoiser's and VAE's configs."""
+    """The image sizes (and guidance) a model can generate: one rule, from its denoiser's and VAE's configs.
+
+    A request without guidance (or strength) runs with the default of its pipeline's ``__call__``, as diffusers has
+    it per class (FluxPipeline 3.5, FluxFillPipeline 30, FluxControlImg2ImgPipeline 7, SDXL's 5): not passed.
+    """
 
     multiple: int  # pixels: the VAE's scale factor times the denoiser's latent multiple
     default_height: int
     default_width: int
-    default_guidance: float | None = DEFAULT_GUIDANCE  # None: the model takes no guidance (FLUX.1-schnell)
+    takes_guidance: bool = True  # False: no guidance embedding (FLUX.1-schnell)
     # FluxPipeline reads a negative prompt only for true CFG (true_cfg_scale > 1), which a request does not ask for.
     takes_negative_prompt: bool = True
 
@@ -89,8 +91,7 @@ class SizeRule:
 
         native = spec.latent_sample_size * spec.vae_scale_factor
         if isinstance(spec, FluxTransformerSpec):
-            guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
-            return cls(spec.pixel_multiple, native, native, guidance, takes_negative_prompt=False)
+            return cls(spec.pixel_multiple, native, native, spec.guidance_embeds, takes_negative_prompt=False)
         return cls(spec.pixel_multiple, native, native)
 
     @classmethod
@@ -109,19 +110,17 @@ class SizeRule:
 
     def applicable(self, guidance: float | None) -> float | None:
         """A configured (not user-asked) guidance where the model takes one, else None: validate's and bench's
-        (None configured: the model's own)."""
-        if self.default_guidance is None:
-            return None
-        return self.default_guidance if guidance is None else guidance
+        (None: the pipeline's own)."""
+        return guidance if self.takes_guidance else None
 
     def resolve_guidance(self, guidance: float | None) -> float | None:
-        """The guidance to run with: the model's default for None; RequestError for one a model cannot take."""
-        if self.default_guidance is None and guidance is not None:
+        """The guidance to run with (None: the pipeline's default); RequestError for one a model cannot take."""
+        if not self.takes_guidance and guidance is not None:
             raise RequestError(
                 f"guidance {guidance} was given, but this model has no guidance embedding (FLUX.1-schnell, "
                 "a guidance-distilled model): leave --guidance out"
             )
-        return self.default_guidance if guidance is None else guidance
+        return guidance
 
     @classmethod
     def for_model(cls, model: ModelSource) -> SizeRule:
@@ -141,16 +140,12 @@ class SizeRule:
         return sides[0][1], sides[1][1]
 
 
-# What to say to a control image given to a pipeline that takes none.
-CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
-
-
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str = DEFAULT_PROMPT
     negative_prompt: str | None = None
     steps: int = 20
-    guidance: float | None = None  # None: the model's (7.5; FLUX.1-dev 3.5; FLUX.1-schnell takes none)
+    guidance: float | None = None  # None: the pipeline's default (diffusers' __call__; FLUX.1-schnell takes none)
     seed: int = 0
     height: int | None = None  # None: the model's default
     width: int | None = None
@@ -158,10 +153,10 @@ class GenerateRequest:
     # img2img / inpaint / refiner pipelines: the input image and mask (PIL images, arrays or tensors).
     image: Any = None
     mask_image: Any = None
-    strength: float = 0.6
+    strength: float | None = None  # None: the pipeline's default (diffusers' __call__: 0.6 Flux img2img, 1.0 Fill)
     # An IP-Adapter's image (its content guides the image): for a pipeline whose UNet has the adapter.
     ip_adapter_image: Any = None
-    # FLUX.1 Canny / Depth (and SD ControlNet img2img / inpaint): the control image, at the output's size.
+    # FLUX.1 Canny / Depth (and SD ControlNet img2img / inpaint): the control image, in the output's aspect ratio.
     control_image: Any = None
 
     def __post_init__(self) -> None:
@@ -180,17 +175,10 @@ class GenerateRequest:
         return self.steps, self.guidance, self.height or 0, self.width or 0
 
     def sized_for(self, rule: SizeRule) -> GenerateRequest:
-        """This request with both sides set and on the model's grid (diffusers would reset a lone side), and the
-        model's guidance (RequestError where it takes none and one was given)."""
+        """This request with both sides set and on the model's grid (diffusers would reset a lone side); RequestError
+        for guidance given to a model that takes none."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
-        control = image_size(self.control_image)
-        if control is not None and control != (height, width):
-            raise RequestError(
-                f"the control image is {control[0]}x{control[1]} px and the image to generate {height}x{width}: a "
-                "Canny / depth map lines up with the output pixel for pixel, and the pipeline would stretch it without "
-                f"a word; pass one of the output's size, or ask for --height {control[0]} --width {control[1]}"
-            )
         if self.negative_prompt and not rule.takes_negative_prompt:
             raise RequestError(
                 "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
@@ -198,17 +186,6 @@ class GenerateRequest:
                 "or call the pipeline with negative_prompt and true_cfg_scale from Python"
             )
         return dataclasses.replace(self, height=height, width=width, guidance=guidance)
-
-    def check_inputs(self, accepts: Collection[str], image_fix: str = "") -> None:
-        """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
-        for one it takes none of (``image_fix`` says what to do then); light: no torch."""
-        for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
-            if name in accepts and getattr(self, name) is None:
-                raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
-        for name in ("negative_prompt", "image", "mask_image", "control_image"):
-            if getattr(self, name) is not None and name not in accepts:
-                fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
-                raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
     def pipeline_kwargs(self, accepts: Collection[str]) -> dict[str, Any]:
         """Keyword arguments for a pipeline whose ``__call__`` takes ``accepts``; RequestError for what it lacks.
@@ -232,50 +209,15 @@ class GenerateRequest:
             "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
-        self.check_inputs(accepts)
-        if "strength" in accepts and self.image is not None:
+        check_inputs(self, accepts, image_optional="max_area" in accepts)  # FLUX.1 Kontext's __call__ alone takes it
+        if self.height and self.width:
+            check_control_image(self.control_image, self.height, self.width)
+        if "strength" in accepts and self.image is not None and self.strength is not None:
             wanted["strength"] = self.strength
         if "max_area" in accepts and self.height and self.width:
-            wanted |= self.kontext_kwargs(self.height, self.width)
+            # FLUX.1 Kontext: the asked size (it would scale it to 1 MP); the reference is resized (fit_reference).
+            wanted |= {"max_area": self.height * self.width, "_auto_resize": False}
         return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
-
-    def kontext_kwargs(self, height: int, width: int) -> dict[str, Any]:
-        """FLUX.1 Kontext's call: the image at the asked size (it would scale it to max_area, 1 MP), and the reference
-        resized to that size, not to the ~1 MP resolution of the nearest aspect ratio diffusers picks (_auto_resize):
-        the engine's profile covers as many reference tokens as generated ones."""
-        from diffusers.image_processor import VaeImageProcessor
-
-        image = VaeImageProcessor().resize(self.image, height, width) if self.image is not None else None
-        return {"max_area": height * width, "_auto_resize": False, "image": image}
-
-
-def image_size(image: Any) -> tuple[int, int] | None:
-    """(height, width) of a PIL image, an HWC array or a CHW / BCHW tensor (a list's first); None for no image."""
-    if isinstance(image, list):
-        image = image[0] if image else None
-    if image is None:
-        return None
-    if hasattr(image, "getbbox"):  # PIL
-        return int(image.height), int(image.width)
-    shape = [int(n) for n in image.shape]
-    if type(image).__module__.startswith("torch") or len(shape) == 2:  # channels first, or a single channel
-        return shape[-2], shape[-1]
-    return shape[-3], shape[-2]
-
-
-def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task | None) -> None:
-    """``request.check_inputs`` against the pipeline ``task`` picks in the family of ``index_class`` (the class
-    model_index.json names), before diffusers is imported; an image or mask it takes none of is answered with the
-    --task whose pipeline takes it."""
-    from ..core.families import family_tasks, pipeline_class_name, pipeline_inputs
-
-    wanted: Task = "inpaint" if request.mask_image is not None else "img2img"
-    row = family_tasks(index_class)
-    if wanted in row:
-        fix = f": pass --task {wanted}" + (" and an --image" if request.image is None else "")
-    else:
-        fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
-    request.check_inputs(pipeline_inputs(pipeline_class_name(index_class, task)), fix)
 
 
 def check_steps(steps: int, scheduler_config: Any) -> None:

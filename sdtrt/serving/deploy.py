@@ -27,7 +27,7 @@ from .. import __version__
 from ..core.artifact import Artifact
 from ..core.config import ShapeProfile, WeightBudget, as_dict
 from ..core.errors import ArtifactError, ConfigError, RequestError
-from ..core.families import pipeline_class_name
+from ..core.families import pipeline_class_name, pipeline_inputs
 from ..core.store import Store
 from ..pipeline.step_cache import StepCache, engines_problem
 from ..sources.models import ModelSource
@@ -132,7 +132,12 @@ def deploy_triton(
     budget = WeightBudget.parse(config.weight_budget) if config.weight_budget is not None else None
     check_weight_budget(members.values(), budget)  # RequestError: no member streams, so it would change nothing
     source = model or recorded_model(engine)
-    pipeline_class_name(source.pipeline_class(), "txt2img")  # UnsupportedModelError for refiners and the like
+    pipeline = pipeline_class_name(source.pipeline_class(), "txt2img")  # UnsupportedModelError: refiners and the like
+    if images := sorted(pipeline_inputs(pipeline) & {"image", "mask_image", "control_image"}):
+        raise RequestError(
+            f"{pipeline} needs an input {images[0].replace('_', ' ')}, which Triton's rows (prompt, steps, guidance, "
+            "seed, size) do not carry: serve this set from Python (sdtrt generate, or load_pipeline and generate)"
+        )
     profile = engine_profile(members)  # every member of a set records compile's one profile
     if profile is None:
         raise ArtifactError(f"{engine.path} records no shape profile; serve an engine built by `sdtrt compile`")

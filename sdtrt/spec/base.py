@@ -41,6 +41,8 @@ class ModelConfigs(Protocol):
     """What specs read of a model: its folders' configs. models.ModelSource is one; the contract lives here, in
     the core layer, so core code depends on it and not on the model-sources layer above."""
 
+    @property
+    def is_pipeline(self) -> bool: ...  # a pipeline folder (model_index.json), not a bare network's
     def has(self, folder: str) -> bool: ...
     def component_config(self, folder: str) -> dict[str, Any]: ...
     def component_class(self, folder: str) -> tuple[str, str]: ...
@@ -172,7 +174,10 @@ class GraphSpec:
         return sizes | {scaled_axis(a, k): sizes[a] // k for a in ("height", "width") for k in RESIDUAL_SCALES}
 
     def input_shapes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> Shapes:
-        sizes = self.axis_sizes(batch, height_px, width_px, tokens)
+        return self.shapes_of(self.axis_sizes(batch, height_px, width_px, tokens))
+
+    def shapes_of(self, sizes: dict[str, int]) -> Shapes:
+        """The inputs' shapes, their named axes ``sizes``."""
         return {t.name: tuple(sizes[d] if isinstance(d, str) else d for d in t.shape) for t in self.inputs()}
 
     def output_shapes(self, input_shapes: Shapes) -> Shapes:

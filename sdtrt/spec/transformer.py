@@ -8,6 +8,7 @@ keyword arguments, so the exported wrapper passes them by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,7 +43,7 @@ class TransformerSpec(DenoiserSpec):
         kind = _kind(config.get("_class_name", ""))
         factor = model.vae_scale_factor()
         vae = model.component_config("vae") if model.has("vae") else {}
-        pipeline = model.pipeline_class() if model.has("vae") else ""  # a pipeline folder, not a bare network
+        pipeline = model.pipeline_class() if model.is_pipeline else ""
         return kind(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,
             **kind.fields_from(config, vae, factor) | kind.pipeline_fields(pipeline),
@@ -154,7 +155,7 @@ class FluxTransformerSpec(TransformerSpec):
 
     guidance_embeds: bool = True
     # Kontext: the reference image's packed latents follow the generated ones in hidden_states and img_ids (and the
-    # output, which the pipeline cuts back), as many as them: generate resizes the reference to the output size.
+    # output, which the pipeline cuts back); the reference is resized to a preferred resolution (reference_sizes).
     reference_tokens: bool = False
 
     @classmethod
@@ -162,11 +163,36 @@ class FluxTransformerSpec(TransformerSpec):
         return {"reference_tokens": True} if pipeline_class in REFERENCE_TOKEN_PIPELINES else {}
 
     def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
+        """Kontext's with a reference as many tokens as the output, at most a preferred resolution's: validate's and
+        bench's seeded inputs, inside the profile at each of its corners."""
         sizes = super().axis_sizes(batch, height_px, width_px, tokens)
-        if self.reference_tokens:
-            sizes["patches"] *= 2
-            sizes["rope_tokens"] = sizes["tokens"] + sizes["patches"]
-        return sizes
+        if not self.reference_tokens:
+            return sizes
+        return with_reference(sizes, min(sizes["patches"], self.most_reference_patches))
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Kontext's: no reference at the minimum (text-to-image, no --image), one of the output's size at the
+        optimum, the preferred resolution of most tokens at the maximum (a default diffusers call fits)."""
+        if not self.reference_tokens:
+            return super().profile_shapes(profile)
+        profile.check(self.pixel_multiple)
+        batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
+        most = self.most_reference_patches
+        corners = []
+        for i, extra in enumerate((0, min(self.patches(profile.height.opt, profile.width.opt), most), most)):
+            sizes = super().axis_sizes(batch[i], profile.height[i], profile.width[i], tokens[i])
+            corners.append(self.shapes_of(with_reference(sizes, extra)))
+        return {name: tuple(c[name] for c in corners) for name in self.input_names}
+
+    @property
+    def most_reference_patches(self) -> int:
+        """The tokens of Kontext's preferred reference resolution of most tokens, at this model's native size."""
+        native = self.latent_sample_size * self.vae_scale_factor
+        return max(self.patches(h, w) for h, w in reference_sizes(native, self.pixel_multiple))
+
+    def patches(self, height_px: int, width_px: int) -> int:
+        """The tokens an image of this size packs into."""
+        return (height_px // self.pixel_multiple) * (width_px // self.pixel_multiple)
 
     def to_json(self) -> dict[str, Any]:
         data = super().to_json()
@@ -222,3 +248,21 @@ def _kind(architecture: str) -> type[TransformerSpec]:
             f"{', '.join(TRANSFORMER_KINDS)}"
         )
     return kind
+
+
+def with_reference(sizes: dict[str, int], reference_patches: int) -> dict[str, int]:
+    """Axis sizes with a Kontext reference's tokens after the generated ones."""
+    return sizes | {axis: sizes[axis] + reference_patches for axis in ("patches", "rope_tokens")}
+
+
+@functools.cache
+def reference_sizes(native_px: int, multiple: int) -> tuple[tuple[int, int], ...]:
+    """FLUX.1 Kontext's preferred reference resolutions as (height, width): diffusers' for its 1024 px model (the
+    nearest in aspect ratio is what FluxKontextPipeline resizes a reference to), scaled to a model of ``native_px``
+    and floored to ``multiple``. Imports diffusers: call it only for a Kontext set."""
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    def side(px: int) -> int:
+        return max(multiple, px * native_px // 1024 // multiple * multiple)
+
+    return tuple((side(h), side(w)) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)  # diffusers lists (width, height)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision, ShapeProfile
+from ..core.families import REFERENCE_TOKEN_PIPELINES
 from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
+from .transformer import reference_sizes
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,37 @@ class VaeEncoderSpec(_VaeSpec):
     canonical_outputs: ClassVar[tuple[str, ...]] = ("latent_parameters",)
     image_channels_key: ClassVar[str] = "in_channels"
     grid: ClassVar[dict[str, str]] = {"image_height": "vae_scale_factor", "image_width": "vae_scale_factor"}
+
+    # FLUX.1 Kontext: the sides of the reference images it encodes too (their preferred resolutions), 0 for none.
+    reference_min_px: int = 0
+    reference_max_px: int = 0
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> VaeEncoderSpec:
+        spec = super().for_model(model, precision, io_naming)
+        assert isinstance(spec, VaeEncoderSpec)
+        if not (model.is_pipeline and model.pipeline_class() in REFERENCE_TOKEN_PIPELINES):
+            return spec
+        sides = [side for size in reference_sizes(spec.native_px, 2 * spec.vae_scale_factor) for side in size]
+        return dataclasses.replace(spec, reference_min_px=min(sides), reference_max_px=max(sides))
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Images of the output's sizes and, for Kontext, its references' (672x1568 and 1568x672 at 1024 px)."""
+        shapes = super().profile_shapes(profile)
+        if not self.reference_max_px:
+            return shapes
+        ((name, (low, opt, high)),) = shapes.items()
+        low = low[:2] + tuple(min(side, self.reference_min_px) for side in low[2:])
+        high = high[:2] + tuple(max(side, self.reference_max_px) for side in high[2:])
+        return {name: (low, opt, high)}
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if not self.reference_max_px:  # the other sets keep the JSON, and so the keys, they had
+            del data["reference_min_px"], data["reference_max_px"]
+        return data
 
     def inputs(self) -> list[TensorSpec]:
         shape = ("batch", self.image_channels, "image_height", "image_width")

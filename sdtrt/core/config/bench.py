@@ -24,7 +24,7 @@ class BenchConfig:
     warmup: int = 1
     repeats: int = 3
     prompt: str = DEFAULT_PROMPT
-    guidance: float | None = None  # None: the model's own (7.5; FLUX.1-dev 3.5; schnell none)
+    guidance: float | None = None  # None: the pipeline's own (diffusers' __call__ default; schnell none)
     seed: int = 0
     precision: Precision = "fp16"  # engines' default; PyTorch runs fp32 on the CPU and fp16 on a GPU
     # (file, scale) LoRAs put into each backend before its runs: how long that and a swap take is reported.

@@ -16,7 +16,7 @@ class ValidationConfig:
 
     prompt: str = DEFAULT_PROMPT
     steps: int = 10
-    guidance: float | None = None  # None: the model's own (7.5; FLUX.1-dev 3.5; schnell none)
+    guidance: float | None = None  # None: the pipeline's own (diffusers' __call__ default; schnell none)
     seed: int = 0
     scheduler: str | None = None
     images: bool = True

@@ -1,0 +1,143 @@
+"""The images a request hands a pipeline — input image, mask, control image, Kontext's reference — checked against
+what the pipeline takes, before any engine runs.
+
+Light to import (no torch at import time), like request.py, whose GenerateRequest these checks serve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+from ..core.errors import RequestError
+
+if TYPE_CHECKING:
+    from ..core.families import Task
+    from .request import GenerateRequest, SizeRule
+
+# How far a control image's aspect ratio may stray from the output's: diffusers resizes it to the output's size, so a
+# proportional one (a 1024x1024 depth map for a 512x512 image) lines up; another would be stretched without a word.
+ASPECT_TOLERANCE = 0.01
+
+# What to say to a control image given to a pipeline that takes none.
+CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
+
+
+def check_inputs(
+    request: GenerateRequest, accepts: Collection[str], image_fix: str = "", image_optional: bool = False
+) -> None:
+    """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
+    for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext,
+    whose reference image is optional (without one it generates from text)."""
+    for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
+        if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
+            raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
+    for name in ("negative_prompt", "image", "mask_image", "control_image"):
+        if getattr(request, name) is not None and name not in accepts:
+            fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
+            raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
+
+
+def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any) -> GenerateRequest:
+    """The request with FLUX.1 Kontext's reference resized as FluxKontextPipeline resizes it (_auto_resize): to the
+    preferred resolution nearest its aspect ratio, scaled to the model's native size (diffusers' own at 1024 px).
+    RequestError, before anything runs, where the engines' profile cannot take its tokens or its size."""
+    import torch
+    from diffusers.image_processor import VaeImageProcessor
+
+    from ..spec.transformer import reference_sizes
+
+    image = request.image
+    if isinstance(image, list):
+        if len(image) != 1:
+            raise RequestError(f"FLUX.1 Kontext takes one reference image, not {len(image)}: pass one")
+        image = image[0]
+    assert request.height and request.width  # sized_for set them
+    size = None
+    if image is None:  # text to image
+        tokens = 0
+    elif isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
+        tokens = (image.shape[-2] // 2) * (image.shape[-1] // 2)  # latents: the pipeline packs them as they are
+    else:
+        height, width = image_size(image) or (0, 0)
+        preferred = reference_sizes(rule.default_height, rule.multiple)
+        _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
+        size, tokens = (h, w), (h // rule.multiple) * (w // rule.multiple)
+        image = VaeImageProcessor().resize(image, h, w)
+    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size)
+    return dataclasses.replace(request, image=image)
+
+
+def check_reference_fits(
+    pipe: Any, height: int, width: int, multiple: int, tokens: int, size: tuple[int, int] | None
+) -> None:
+    """RequestError where the engine transformer's profile takes fewer or more tokens than a ``height`` x ``width``
+    image and ``tokens`` of a reference resized to ``size``, or the VAE encoder's not that size."""
+    generated = (height // multiple) * (width // multiple)
+    cause = f"the {height}x{width} image is {generated} tokens" + (
+        f" and its reference, resized to {size[0]}x{size[1]} (FLUX.1 Kontext's preferred resolution nearest its aspect "
+        f"ratio), {tokens} more"
+        if size
+        else f" and its reference latents {tokens} more"
+        if tokens
+        else " (text to image: no reference)"
+    )
+    fix = "ask for another --height / --width, or rebuild the set with `sdtrt compile --height / --width` ranges wider"
+    transformer = getattr(getattr(pipe.transformer, "runtime", None), "profile", None)
+    if transformer is not None:
+        low, _, high = (shape[1] for shape in pipe.transformer.spec.profile_shapes(transformer)["hidden_states"])
+        if not low <= generated + tokens <= high:
+            raise RequestError(f"{cause}: {generated + tokens} is outside the engines' {low}..{high}; {fix}")
+    encoder = getattr(pipe.vae, "encoder_runtime", None)
+    if size is not None and encoder is not None and encoder.profile is not None:
+        low_shape, _, high_shape = next(iter(encoder.spec.profile_shapes(encoder.profile).values()))
+        if not all(lo <= side <= hi for side, lo, hi in zip(size, low_shape[2:], high_shape[2:], strict=True)):
+            raise RequestError(
+                f"{cause}: the VAE encoder's profile takes {low_shape[2]}..{high_shape[2]} x "
+                f"{low_shape[3]}..{high_shape[3]} px; {fix}"
+            )
+
+
+def image_size(image: Any) -> tuple[int, int] | None:
+    """(height, width) of a PIL image, an HWC array or a CHW / BCHW tensor (a list's first); None for no image."""
+    if isinstance(image, list):
+        image = image[0] if image else None
+    if image is None:
+        return None
+    if hasattr(image, "getbbox"):  # PIL
+        return int(image.height), int(image.width)
+    shape = [int(n) for n in image.shape]
+    if type(image).__module__.startswith("torch") or len(shape) == 2:  # channels first, or a single channel
+        return shape[-2], shape[-1]
+    return shape[-3], shape[-2]
+
+
+def check_control_image(control: Any, height: int, width: int) -> None:
+    """RequestError for a control image whose aspect ratio is not the ``height`` x ``width`` output's."""
+    size = image_size(control)
+    if size is None or abs(size[0] * width - size[1] * height) <= ASPECT_TOLERANCE * size[0] * width:
+        return
+    raise RequestError(
+        f"the control image is {size[0]}x{size[1]} px and the image to generate {height}x{width}, another aspect "
+        "ratio: a control image (edges, depth, pose) lines up with the output pixel for pixel, and the pipeline would "
+        "stretch it; pass one in the output's aspect ratio (any size: it is resized), or ask for a --height and "
+        "--width in its ratio"
+    )
+
+
+def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task | None, rule: SizeRule) -> None:
+    """``check_inputs`` against the pipeline ``task`` picks in the family of ``index_class`` (the class
+    model_index.json names), before diffusers is imported; an image or mask it takes none of is answered with the
+    --task whose pipeline takes it. Then the control image's aspect ratio against the size ``rule`` gives."""
+    from ..core.families import REFERENCE_TOKEN_PIPELINES, family_tasks, pipeline_class_name, pipeline_inputs
+
+    wanted: Task = "inpaint" if request.mask_image is not None else "img2img"
+    row = family_tasks(index_class)
+    if wanted in row:
+        fix = f": pass --task {wanted}" + (" and an --image" if request.image is None else "")
+    else:
+        fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
+    pipeline = pipeline_class_name(index_class, task)
+    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=pipeline in REFERENCE_TOKEN_PIPELINES)
+    check_control_image(request.control_image, *rule.resolve(request.height, request.width))
