@@ -34,14 +34,15 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "StableDiffusion3Pipeline", "img2img": "StableDiffusion3Img2ImgPipeline",
      "inpaint": "StableDiffusion3InpaintPipeline"},
     {"txt2img": "FluxPipeline", "img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
+    {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
 )  # fmt: skip
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
-    "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5 and Flux.1 "
-    "dev / schnell"
+    "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
+    "dev / schnell and FLUX.2 [klein]"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
-TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
+TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "Flux2Transformer2DModel": "flux2"}
 # T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
 T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for

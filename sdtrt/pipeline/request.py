@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 DEFAULT_GUIDANCE = 7.5  # a request's guidance when it gives none (FLUX.1-dev: FluxPipeline's 3.5)
 FLUX_GUIDANCE = 3.5
+FLUX2_GUIDANCE = 4.0  # Flux2KleinPipeline's guidance_scale (true CFG; a step-distilled klein ignores it)
+# Pipelines whose `image` is optional: reference images to edit from, not an img2img start.
+REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
 
 # --scheduler names → diffusers classes (all built from the model's own scheduler config).
 SCHEDULERS = {
@@ -43,7 +46,7 @@ SCHEDULERS = {
 # in both, but draws each step's noise from torch's global generator (the pipelines hand step none), so a
 # seed would not reproduce its image: not offered.
 FLOW_SCHEDULERS = {"flow-euler": "FlowMatchEulerDiscreteScheduler", "flow-heun": "FlowMatchHeunDiscreteScheduler"}
-FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
+FLOW_FAMILIES = ("sd3", "flux", "flux-schnell", "flux2")
 NOT_FOR_FLUX = ("flow-heun",)
 
 
@@ -85,9 +88,11 @@ class SizeRule:
 
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
-        from ..spec import FluxTransformerSpec
+        from ..spec import Flux2TransformerSpec, FluxTransformerSpec
 
         native = spec.latent_sample_size * spec.vae_scale_factor
+        if isinstance(spec, Flux2TransformerSpec):
+            return cls(spec.pixel_multiple, native, native, FLUX2_GUIDANCE, takes_negative_prompt=False)
         if isinstance(spec, FluxTransformerSpec):
             guidance = FLUX_GUIDANCE if spec.guidance_embeds else None
             return cls(spec.pixel_multiple, native, native, guidance, takes_negative_prompt=False)
@@ -268,6 +273,22 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
                     if rebuild
                     else ""
                 )
+            )
+
+
+def check_llm_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
+    """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
+    the tokenizer's chat template first) outnumber ``limit``, which the tokenizer would cut without a word."""
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        count = len(tokenizer(text).input_ids)
+        if count > limit:
+            where = "the LLM text encoder engine was built for" if built else "the pipeline takes"
+            raise RequestError(
+                f"the prompt {prompt[:30]!r}… is {count} tokens with its chat template, more than the {limit} {where}; "
+                "shorten it" + (", or rebuild the engines with a --tokens range covering it" if built else "")
             )
 
 

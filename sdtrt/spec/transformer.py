@@ -44,7 +44,8 @@ class TransformerSpec(DenoiserSpec):
         vae = model.component_config("vae") if model.has("vae") else {}
         return kind(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,
-            **kind.fields_from(config, vae, factor), max_sequence_length=T5_TOKENS[transformer_family(config)],
+            **kind.fields_from(config, vae, factor),
+            max_sequence_length=T5_TOKENS.get(transformer_family(config), kind.pipeline_tokens),
         )  # fmt: skip
 
     @classmethod
@@ -182,8 +183,54 @@ class FluxTransformerSpec(TransformerSpec):
         return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
 
 
+@dataclass(frozen=True)
+class Flux2TransformerSpec(TransformerSpec):
+    """FLUX.2: latents patchified 2×2 and packed ``[B, (h/2)(w/2), 4C]``, reference images' tokens after them, with
+    positions ``img_ids [patches, 4]`` (t, h, w, l); the LLM's stacked hidden states ``[B, T, joint_attention_dim]``
+    with ``txt_ids [T, 4]``; no pooled embedding; ``guidance [B]`` where embedded (klein has none: true CFG, two passes
+    at B). The timestep is t / 1000, as Flux2KleinPipeline passes it."""
+
+    architecture: ClassVar[str] = "Flux2Transformer2DModel"
+    pipeline_tokens: ClassVar[int] = 512  # Flux2KleinPipeline's max_sequence_length
+    timestep_scale: ClassVar[float] = 1e-3
+    grid: ClassVar[dict[str, str]] = {}  # no latent height/width among the inputs: pixel_multiple says it
+
+    guidance_embeds: bool = False
+
+    @classmethod
+    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        return {
+            "in_channels": config.get("in_channels", 128),
+            "out_channels": config.get("out_channels") or config.get("in_channels", 128),
+            "cross_attention_dim": config["joint_attention_dim"],
+            "pooled_projection_dim": 0,
+            "latent_sample_size": vae.get("sample_size", 1024) // vae_scale_factor,
+            "latent_multiple": 2,  # 2×2 latents per token
+            "guidance_embeds": bool(config.get("guidance_embeds")),
+        }
+
+    @property
+    def doubles_batch(self) -> bool:
+        return False
+
+    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        tensors: dict[str, tuple[str | None, tuple[int | str, ...]]] = {
+            "hidden_states": (None, ("batch", "patches", self.in_channels)),
+            "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),
+            "timestep": ("float32", ("batch",)),
+            "img_ids": ("float32", ("patches", 4)),  # positions feed the rotary embedding, which stays fp32
+            "txt_ids": ("float32", ("tokens", 4)),
+        }
+        if self.guidance_embeds:
+            tensors["guidance"] = ("float32", ("batch",))
+        return tensors
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
+
+
 TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {
-    cls.architecture: cls for cls in (SD3TransformerSpec, FluxTransformerSpec)
+    cls.architecture: cls for cls in (SD3TransformerSpec, FluxTransformerSpec, Flux2TransformerSpec)
 }
 
 

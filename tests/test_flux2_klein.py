@@ -1,0 +1,118 @@
+"""FLUX.2 [klein] on an engine set (issue 38): the Qwen3 LLM text encoder, the Flux2 transformer and AutoencoderKLFlux2
+each an engine stand-in, images as the PyTorch fp32 Flux2KleinPipeline's (txt2img and with a reference image), and a
+prompt over the LLM engine's tokens refused with one line before anything runs.
+
+One fp32 ONNX Runtime engine set, shared by the module's tests; tiny sizes, two steps, true CFG (two passes a step).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.errors import EngineInputError, RequestError
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.standins.base import EngineModule
+from sdtrt.standins.llm_encoder import EngineQwen3
+from sdtrt.standins.transformer import EngineFlux2Transformer
+from sdtrt.standins.vae_flux2 import EngineFlux2VAE
+from sdtrt.tools.image_quality import psnr_db
+
+SIZES = [(128, 128), (128, 192)]
+
+
+@pytest.fixture(scope="module")
+def klein(store):
+    """The preset, and its (PyTorch fp32, engine) pipelines."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-flux2-klein")
+    engine = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+    return source, load_pipeline(source), load_pipeline(source, engine)
+
+
+def request(**kwargs) -> GenerateRequest:
+    return GenerateRequest(**({"prompt": "a red fox in the snow", "steps": 2, "seed": 3} | kwargs))
+
+
+def images(pipes, req: GenerateRequest) -> list[np.ndarray]:
+    return [generate(p, req, output_type="np").images[0] for p in pipes]
+
+
+def test_every_network_is_an_engine_standin(klein):
+    _, _, engine = klein
+    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
+    assert set(networks) == {"text_encoder", "transformer", "vae"}
+    assert all(isinstance(m, EngineModule) for m in networks.values())
+    assert isinstance(engine.text_encoder, EngineQwen3) and isinstance(engine.transformer, EngineFlux2Transformer)
+    assert isinstance(engine.vae, EngineFlux2VAE) and engine.vae.encoder_runtime is not None
+    reference = klein[1].vae.bn  # the latent statistics the pipeline applies, random in the preset
+    assert torch.equal(engine.vae.bn.running_var, reference.running_var) and reference.running_var.std() > 0.1
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
+def test_txt2img_matches_pytorch(klein, size):
+    reference, engine = images(klein[1:], request(height=size[0], width=size[1]))
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-flux2-klein txt2img {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
+def test_reference_image_matches_pytorch(klein, size):
+    """Klein's editing task: a reference image, encoded by the VAE encoder engine, joins the transformer's tokens."""
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (128, 128, 3), dtype=np.uint8))
+    reference, engine = images(klein[1:], request(height=size[0], width=size[1], image=image))
+    plain = generate(klein[1], request(height=size[0], width=size[1]), output_type="np").images[0]
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-flux2-klein reference image {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    # The engines agree, far closer than the reference image moves the image (random weights move it little).
+    assert psnr >= 35.0 and psnr_db(plain, reference) < psnr - 40.0
+
+
+def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(klein):
+    _, _, engine = klein
+    calls = []
+    for network in (engine.text_encoder, engine.transformer):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(RequestError, match="tokens with its chat template") as error:
+        generate(engine, request(prompt="astronaut " * 600, height=128, width=128))
+    assert "\n" not in str(error.value) and not calls
+
+
+def test_what_the_llm_engine_cannot_do_is_refused(klein):
+    _, _, engine = klein
+    ids = torch.ones(1, 32, dtype=torch.int64)
+    out = engine.text_encoder(ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
+    assert out.hidden_states[9].shape == (1, 32, 32) and out.logits is None
+    for call in (
+        lambda: out.hidden_states[3],  # a layer the engine was not built for
+        lambda: engine.text_encoder(ids),  # no hidden states asked: a generation call
+        lambda: engine.text_encoder.generate(ids),
+    ):
+        with pytest.raises(EngineInputError):
+            call()
+
+
+@pytest.mark.slow
+def test_llm_engine_exported_by_torch_export_matches(klein, store):
+    """The LLM encoder as torch.export's exporter gives it (auto's for one too large to load whole, streamed): the
+    prompt embedding as the PyTorch pipeline stacks it, at two token counts, padding and all."""
+    from sdtrt.tools.compile import compile_model
+
+    source, reference, _ = klein
+    config = ExportConfig(precision="fp32", exporter="dynamo", component="text_encoder")
+    member = compile_model(source, store, "onnxruntime", config, components=("text_encoder",)).final
+    engine = load_pipeline(source, member)
+    assert isinstance(engine.text_encoder, EngineQwen3)
+    for tokens in (64, 100):
+        want, got = (
+            p._get_qwen3_prompt_embeds(p.text_encoder, p.tokenizer, ["a red fox", "snow"], max_sequence_length=tokens)
+            for p in (reference, engine)
+        )
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
