@@ -199,15 +199,8 @@ class Flux2TransformerSpec(TransformerSpec):
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
-        return {
-            "in_channels": config.get("in_channels", 128),
-            "out_channels": config.get("out_channels") or config.get("in_channels", 128),
-            "cross_attention_dim": config["joint_attention_dim"],
-            "pooled_projection_dim": 0,
-            "latent_sample_size": vae.get("sample_size", 1024) // vae_scale_factor,
-            "latent_multiple": 2,  # 2×2 latents per token
-            "guidance_embeds": bool(config.get("guidance_embeds")),
-        }
+        # Flux.1's, without a pooled embedding.
+        return FluxTransformerSpec.fields_from(config | {"pooled_projection_dim": 0}, vae, vae_scale_factor)
 
     @property
     def doubles_batch(self) -> bool:
