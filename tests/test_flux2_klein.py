@@ -116,3 +116,11 @@ def test_llm_engine_exported_by_torch_export_matches(klein, store):
             for p in (reference, engine)
         )
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+
+
+def test_the_cli_refuses_a_long_prompt_before_loading(klein):
+    from .helpers import run_cli
+
+    result = run_cli("generate", "--model", "tiny-flux2-klein", "--prompt", "astronaut " * 600)
+    assert result.returncode != 0 and "Loading pipeline" not in result.stderr
+    assert "tokens with its chat template, more than the 512 the pipeline takes; shorten it" in result.stderr

@@ -311,23 +311,30 @@ def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = Fal
 
 
 def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
-    """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux): the engines' ``profile``
-    has the token range, and counting tokens needs only the model's tokenizer folder."""
+    """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux), or ``check_llm_prompts`` for
+    FLUX.2's LLM: the engines' ``profile`` has the token range, and counting tokens needs only the model's tokenizer
+    folder."""
     from ..core.families import T5_TOKENS
 
     family = model.family()
-    if family not in T5_TOKENS:
+    if family not in T5_TOKENS and family not in LLM_TOKENIZERS:
         return
     from transformers import AutoTokenizer
 
     built = profile is not None and profile.tokens is not None
-    limit = profile.tokens.max if profile is not None and profile.tokens is not None else T5_TOKENS[family]
-    tokenizer = AutoTokenizer.from_pretrained(model.path / T5_TOKENIZERS[family], local_files_only=True)
-    check_t5_prompts([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
+    default = T5_TOKENS.get(family, LLM_PIPELINE_TOKENS)
+    limit = profile.tokens.max if profile is not None and profile.tokens is not None else default
+    folder = T5_TOKENIZERS.get(family) or LLM_TOKENIZERS[family]
+    tokenizer = AutoTokenizer.from_pretrained(model.path / folder, local_files_only=True)
+    check = check_t5_prompts if family in T5_TOKENS else check_llm_prompts
+    check([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
 
 
 # T5's tokenizer folder: SD3's third text encoder, Flux's second.
 T5_TOKENIZERS = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "flux-schnell": "tokenizer_2"}
+# An LLM text encoder's tokenizer folder (FLUX.2 [klein]'s Qwen), and its pipeline's max_sequence_length.
+LLM_TOKENIZERS = {"flux2": "tokenizer"}
+LLM_PIPELINE_TOKENS = 512
 
 
 def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:

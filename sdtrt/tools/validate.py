@@ -354,11 +354,13 @@ def step_drift(latents: list[torch.Tensor], reference_latents: list[torch.Tensor
 
 def _decode(pipe: Any, latents: torch.Tensor, request: GenerateRequest) -> np.ndarray:
     """Decode with the pipeline's VAE (the PyTorch one, where no VAE engine is compared), as the pipeline decodes:
-    Flux's packed latents unpacked, SD3's and Flux's VAE shift undone."""
+    Flux's packed latents unpacked, SD3's and Flux's VAE shift undone; FLUX.2's latent output is what its VAE
+    decodes already (the pipeline undid its batch norm and patchification)."""
     config = pipe.vae.config
     if hasattr(pipe, "_unpack_latents"):  # FluxPipeline's output_type="latent" is packed 2×2
         latents = pipe._unpack_latents(latents, request.height, request.width, pipe.vae_scale_factor)
     shift = getattr(config, "shift_factor", None) or 0.0
+    scale = getattr(config, "scaling_factor", None) or 1.0
     with torch.no_grad():
-        decoded = pipe.vae.decode(latents / config.scaling_factor + shift, return_dict=False)[0]
+        decoded = pipe.vae.decode(latents / scale + shift, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np")
