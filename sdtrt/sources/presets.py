@@ -132,9 +132,9 @@ TINY_FLUX2 = ("Flux2Transformer2DModel", dict(
     patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
     joint_attention_dim=96, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
 ))
-# FLUX.2 [klein] 4B (black-forest-labs/FLUX.2-klein-4B): 5 double- + 20 single-stream blocks, 24 heads × 128, joint
-# width 3 × 2560 from Qwen3-4B (36 layers, 32 query / 8 key-value heads of 128, vocabulary 151,936); AutoencoderKLFlux2
-# with 32 latent channels. Streamed in bf16 as the checkpoint.
+# FLUX.2 [klein] 4B (black-forest-labs/FLUX.2-klein-4B; sizes as published, not re-read offline): 5 double- + 20
+# single-stream blocks, 24 heads × 128, joint width 3 × 2560 from Qwen3-4B (36 layers, 32 query / 8 key-value heads
+# of 128, vocabulary 151,936); AutoencoderKLFlux2 with 32 latent channels. Streamed in bf16 as the checkpoint.
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)  # fmt: skip
 FLUX2_KLEIN_4B = ("Flux2Transformer2DModel", dict(
