@@ -67,10 +67,12 @@ def exporter_for(
     config: ExportConfig, spec: GraphSpec, model: ModelSource | None = None
 ) -> Literal["dynamo", "torchscript"]:
     """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
-    Flux's transformers, T5): the one exporter verified on them; and for streamed weights, which need it. An LLM text
-    encoder loaded whole (weights up to STREAM_ABOVE in ``model``) takes TorchScript's: both give its hidden states
-    to 1e-7 (tests/test_flux2_klein.py), and torch.export's takes 5× longer over its dozens of layers."""
-    if config.exporter == "auto" and isinstance(spec, LLMEncoderSpec) and config.weights != "stream" and model:
+    Flux's transformers, T5): the one exporter verified on them; and for streamed weights, which need it. An fp32 LLM
+    text encoder loaded whole (weights up to STREAM_ABOVE in ``model``) takes TorchScript's: both give its hidden
+    states to 1e-7 (tests/test_flux2_klein.py), and torch.export's takes 5× longer over its dozens of layers; fp16 and
+    bf16 keep torch.export's (TorchScript's mis-types fp16 text encoders' norms: ExportConfig)."""
+    llm = isinstance(spec, LLMEncoderSpec) and config.precision == "fp32"
+    if config.exporter == "auto" and llm and config.weights != "stream" and model:
         from ..graph.onnx_weights import weights_size
 
         if weights_size(model.component_dir(FOLDERS[spec.component])) <= STREAM_ABOVE:
