@@ -20,8 +20,8 @@ from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
     check_pipeline_inputs,
+    check_prompt_tokens,
     check_scheduler,
-    check_t5_request,
     check_validation,
 )
 from . import graph_options, request_options, result_files, store_options
@@ -64,7 +64,11 @@ def generate_command(
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
     scheduler: request_options.SchedulerOpt = None,
-    image: Annotated[Path | None, typer.Option(help="Input image (img2img, inpainting, SDXL refiner).")] = None,
+    image: Annotated[
+        Path | None,
+        typer.Option(help="Input image (img2img, inpainting, SDXL refiner; FLUX.2 [klein]: a reference image to "
+                     "edit from)."),
+    ] = None,
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
     strength: Annotated[float, typer.Option(min=0.0, max=1.0, help="How much of --image to repaint.")] = 0.6,
     task: Annotated[
@@ -121,13 +125,14 @@ def generate_command(
         request_options.require_ip_adapter_engine(artifact)
     elif ip_adapter_scale is not None:
         raise RequestError("--ip-adapter-scale scales an --ip-adapter-image: pass one, or leave the scale out")
-    request = request.sized_for(SizeRule.for_model(source))
-    request_options.check_engine_size(artifact, request)
+    rule = SizeRule.for_model(source)
+    request = request.sized_for(rule)
+    request_options.check_engine_size(artifact, request, rule)
     pipeline_class = source.pipeline_class()
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
     check_pipeline_inputs(request, pipeline_class, task)
-    check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
+    check_prompt_tokens(source, request, engine_profile(engine_members(artifact)) if artifact else None)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)
     if freeu_factors is not None and step_cache is not None and step_cache.kind == "deepcache":

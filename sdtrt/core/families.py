@@ -45,6 +45,8 @@ SUPPORTED = (
 TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "Flux2Transformer2DModel": "flux2"}
 # T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
 T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
+# An LLM text encoder's token count by default: Flux2KleinPipeline's max_sequence_length.
+LLM_TOKENS = {"flux2": 512}
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
 SDXL_TIME_IDS = (6, 5)

@@ -31,6 +31,7 @@ from ..standins.ip_adapter import IPAdapterInputs
 from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_norm, text_encoder_config
 from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
+from .references import check_pipeline_references, reference_list
 from .request import (
     REFERENCE_IMAGE_PIPELINES,
     SCHEDULERS,
@@ -357,8 +358,11 @@ def generate(
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
     accepts = set(inspect.signature(pipe.__call__).parameters)
-    if type(pipe).__name__ in REFERENCE_IMAGE_PIPELINES and all(r.image is None for r in requests):
-        accepts.discard("image")  # optional there: reference images to edit from
+    if type(pipe).__name__ in REFERENCE_IMAGE_PIPELINES:
+        for each in requests:
+            check_pipeline_references(pipe, reference_list(each.image))
+        if all(r.image is None for r in requests):
+            accepts.discard("image")  # optional there: reference images to edit from
     kwargs = batch_kwargs([r.sized_for(rule) for r in requests], accepts)
     prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
     kwargs |= t5_kwargs(pipe, prompts) | llm_kwargs(pipe, prompts)

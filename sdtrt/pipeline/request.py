@@ -310,11 +310,11 @@ def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = Fal
     return lines
 
 
-def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
+def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
     """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux), or ``check_llm_prompts`` for
     FLUX.2's LLM: the engines' ``profile`` has the token range, and counting tokens needs only the model's tokenizer
     folder."""
-    from ..core.families import T5_TOKENS
+    from ..core.families import LLM_TOKENS, T5_TOKENS
 
     family = model.family()
     if family not in T5_TOKENS and family not in LLM_TOKENIZERS:
@@ -322,7 +322,7 @@ def check_t5_request(model: ModelSource, request: GenerateRequest, profile: Shap
     from transformers import AutoTokenizer
 
     built = profile is not None and profile.tokens is not None
-    default = T5_TOKENS.get(family, LLM_PIPELINE_TOKENS)
+    default = T5_TOKENS.get(family) or LLM_TOKENS[family]
     limit = profile.tokens.max if profile is not None and profile.tokens is not None else default
     folder = T5_TOKENIZERS.get(family) or LLM_TOKENIZERS[family]
     tokenizer = AutoTokenizer.from_pretrained(model.path / folder, local_files_only=True)
@@ -332,9 +332,8 @@ def check_t5_request(model: ModelSource, request: GenerateRequest, profile: Shap
 
 # T5's tokenizer folder: SD3's third text encoder, Flux's second.
 T5_TOKENIZERS = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "flux-schnell": "tokenizer_2"}
-# An LLM text encoder's tokenizer folder (FLUX.2 [klein]'s Qwen), and its pipeline's max_sequence_length.
+# An LLM text encoder's tokenizer folder (FLUX.2 [klein]'s Qwen).
 LLM_TOKENIZERS = {"flux2": "tokenizer"}
-LLM_PIPELINE_TOKENS = 512
 
 
 def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:
