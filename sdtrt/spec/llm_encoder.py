@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
-from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec, token_range
+from ..core.config import Component, IONaming, Precision
+from ..core.families import LLM_TOKENS
+from .base import FOLDERS, ModelConfigs, TensorSpec
+from .text_encoder import SequenceEncoderSpec
 
 if TYPE_CHECKING:
     import torch
@@ -22,22 +24,26 @@ KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers defau
 
 
 @dataclass(frozen=True)
-class LLMEncoderSpec(GraphSpec):
+class LLMEncoderSpec(SequenceEncoderSpec):
     """Qwen3ForCausalLM in a pipeline's ``text_encoder``: token ids and their padding mask → the hidden states of
     ``hidden_layers`` (indices into transformers' ``hidden_states``: 0 is the embedding), stacked on axis 1."""
 
     component: ClassVar[Component] = "text_encoder"
     label: ClassVar[str] = "LLM text encoder"
-    reads_pixels: ClassVar[bool] = False
     architecture: ClassVar[str] = "Qwen3ForCausalLM"
     canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
     canonical_outputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
-    pipeline_tokens: ClassVar[int] = 512  # Flux2KleinPipeline's max_sequence_length
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
+    fp16_problem: ClassVar[str] = (
+        "Qwen3 is trained in bf16 and its activations overflow fp16 into inf/NaN (QwenLM/Qwen3 issues 761 and 868, "
+        "transformers issue 33312)"
+    )
+    fp16_fallback: ClassVar[Precision] = "bf16"
 
     hidden_size: int = 2560
     vocab_size: int = 151936
     hidden_layers: tuple[int, ...] = KLEIN_LAYERS
-    max_sequence_length: int = 512
+    max_sequence_length: int = LLM_TOKENS["flux2"]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_layers", tuple(self.hidden_layers))  # a list from JSON
@@ -54,26 +60,12 @@ class LLMEncoderSpec(GraphSpec):
             max_sequence_length=cls.pipeline_tokens,
         )  # fmt: skip
 
-    @property
-    def default_tokens(self) -> int:
-        return self.max_sequence_length
-
-    @property
-    def pixel_multiple(self) -> int:
-        return 1  # no pixels: only the batch and token count of a profile matter here
-
     def inputs(self) -> list[TensorSpec]:
         return [TensorSpec(name, "int32", ("batch", "tokens")) for name in self.input_names]
 
     def outputs(self) -> list[TensorSpec]:
         shape = ("batch", len(self.hidden_layers), "tokens", self.hidden_size)
         return [TensorSpec(self.output_names[0], self.dtype, shape)]
-
-    def batch_range(self, profile: ShapeProfile) -> Range:
-        return Range(1, 1, profile.batch.max)  # one call per prompt list, the negative ("") apart
-
-    def default_profile(self) -> ShapeProfile:
-        return ShapeProfile(tokens=token_range(self.max_sequence_length, self.pipeline_tokens))
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,

@@ -102,10 +102,12 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> L
 
 
 def precision_note(spec: GraphSpec) -> dict[str, str]:
-    """The graph's precision for the manifest, and why, where fp16 is not this network's default (T5)."""
+    """The graph's precision for the manifest, and why, where fp16 is not this network's default (T5, an LLM)."""
     if not spec.fp16_problem:
         return {"graph": spec.precision}
-    verdict = "fp32, not fp16 by default" if spec.precision == "fp32" else "fp16 as asked, against the default"
+    verdict = "fp16 as asked, against the default" if spec.precision == "fp16" else f"{spec.precision}, not fp16"
+    if spec.fp16_fallback != "fp32":
+        verdict += f" (fp16 is built as {spec.fp16_fallback}, or fp32 where the target lacks {spec.fp16_fallback})"
     return {"graph": spec.precision, "why": f"{verdict}: {spec.fp16_problem}"}
 
 
