@@ -72,6 +72,12 @@ class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
         if given := [name for name, on in refused.items() if on]:
             raise EngineInputError(f"{', '.join(given)}: {NOT_A_GENERATOR}")
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        if not right_padded(mask):
+            raise EngineInputError(
+                "the attention_mask pads a row before its tokens, or is all padding: an LLM text encoder engine takes "
+                "right-padded rows with at least one token (Qwen's tokenizer pads on the right; set "
+                "tokenizer.padding_side='right')"
+            )
         ids, mask_name = self.spec.input_names
         stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
         stacked = stacked.to(input_ids.device, self._dtype)
@@ -81,3 +87,10 @@ class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise EngineInputError(f"{type(self).__name__}.generate: {NOT_A_GENERATOR}")
+
+
+def right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a ``[B, T]`` padding mask is tokens then padding, its first position a token: the rows
+    the engine's graph masks as transformers does (a row padded first would attend to nothing there)."""
+    tokens = mask.bool()
+    return bool(tokens[:, 0].all() and (tokens[:, 1:] <= tokens[:, :-1]).all())
