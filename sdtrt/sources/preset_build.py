@@ -136,9 +136,8 @@ def _networks(recipe: Recipe) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
     if recipe.vae_class == "AutoencoderKLFlux2":
-        from .qwen_encoder import qwen_chat_tokenizer, random_latent_statistics
+        from .qwen_encoder import random_latent_statistics
 
-        tokenizers["qwen"] = qwen_chat_tokenizer()
         random_latent_statistics(parts["vae"])
     for i, network in enumerate(recipe.text_encoders):
         suffix = f"_{i + 1}" if i else ""
@@ -158,9 +157,9 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
     class_name, kwargs = network
     text = dict(kwargs)
     if class_name == "Qwen3ForCausalLM":
-        from .qwen_encoder import qwen3_config
+        from .qwen_encoder import qwen3_config, qwen_chat_tokenizer
 
-        tokenizer = tokenizers["qwen"]
+        tokenizer = qwen_chat_tokenizer()
         config: Any = qwen3_config(tokenizer, text)
     elif class_name == "T5EncoderModel":
         tokenizer = tokenizers["t5"]

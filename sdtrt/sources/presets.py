@@ -136,7 +136,9 @@ TINY_FLUX2 = ("Flux2Transformer2DModel", dict(
 # single-stream blocks, 24 heads × 128, joint width 3 × 2560 from Qwen3-4B (36 layers, 32 query / 8 key-value heads
 # of 128, vocabulary 151,936); AutoencoderKLFlux2 with 32 latent channels. Streamed in bf16 as the checkpoint.
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)  # fmt: skip
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                max_position_embeddings=40960,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000})  # fmt: skip
 FLUX2_KLEIN_4B = ("Flux2Transformer2DModel", dict(
     patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
     joint_attention_dim=7680, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=False,

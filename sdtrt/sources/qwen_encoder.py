@@ -23,13 +23,14 @@ MERGES = (("t", "h"), ("th", "e"), ("a", "n"), ("an", "d"), ("i", "n"), ("o", "n
 
 def qwen_chat_tokenizer(max_length: int = 512) -> Any:
     """A Qwen2TokenizerFast: byte-level vocabulary, a few merges, Qwen's special tokens and a Qwen3 chat template;
-    it pads with <|endoftext|> on the right, as Qwen's."""
+    it pads with <|endoftext|> on the right and ends a turn with <|im_end|> (its eos), as Qwen3's."""
     from transformers import Qwen2TokenizerFast  # type: ignore[attr-defined]  # lazily exported
 
     tokens = bytes_to_unicode() + ["".join(m) for m in MERGES]
     vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS[:1], *tokens])}
     tokenizer = Qwen2TokenizerFast(vocab=vocab, merges=list(MERGES), model_max_length=max_length)
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -41,7 +42,7 @@ def qwen3_config(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
     text = dict(kwargs)
     return Qwen3Config(
         vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **text,
+        eos_token_id=tokenizer.eos_token_id, **text,
     )  # fmt: skip
 
 

@@ -44,3 +44,15 @@ def llm_call(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
         return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
 
     return forward
+
+
+def llm_reference(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
+    """What validation holds the graph to: the whole network as transformers runs it (its own causal and padding
+    masks from the ``[B, T]`` padding mask), the same layers stacked."""
+    import torch
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = network(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
+
+    return forward

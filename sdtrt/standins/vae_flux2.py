@@ -17,7 +17,7 @@ from diffusers import AutoencoderKLFlux2
 from ..core.errors import ArtifactError
 from .vae import EngineHalves
 
-STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+STATISTICS = ("running_mean", "running_var")  # all the pipelines read (not num_batches_tracked)
 
 
 class EngineFlux2VAE(EngineHalves, AutoencoderKLFlux2):
@@ -44,5 +44,6 @@ def latent_batch_norm(folder: Path, config: dict[str, Any]) -> torch.nn.BatchNor
             f"the VAE weights in {folder} lack bn.{', bn.'.join(missing)}, the latent statistics FLUX.2's pipelines "
             "read: re-download or re-save the VAE"
         )
-    norm.load_state_dict({name: found[name].float() for name in STATISTICS})
+    for name in STATISTICS:
+        getattr(norm, name).copy_(found[name].float())
     return norm.eval()

@@ -24,7 +24,7 @@ from ..core.errors import ParityError, StoreError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..runtime.compare import tensor_stats
-from ..spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
+from ..spec import GraphSpec, LLMEncoderSpec, ValidationCase, denoiser_component, denoiser_spec
 from .host_memory import HostMemory
 from .image_quality import latent_psnr_db, psnr_db, ssim
 
@@ -43,13 +43,15 @@ NOT_JSON = ("images", "stored_in")  # what a report holds for the HTML report on
 
 
 def compare_case(runtime: Runtime, network: Any, spec: GraphSpec, case: ValidationCase) -> dict[str, Any]:
-    """One seeded case through the engine and the fp32 PyTorch network (through the graph's own wrapper): the
-    statistics of its worst output."""
+    """One seeded case through the engine and the fp32 PyTorch network (through the graph's own wrapper; an LLM's
+    as transformers runs it, its own masks from the padding mask): the statistics of its worst output."""
     from ..stages.graph_module import graph_module
+    from ..stages.llm_encoder import llm_reference
 
     feeds = spec.case_inputs(case)
+    reference = llm_reference(network, spec) if isinstance(spec, LLMEncoderSpec) else graph_module(spec, network)
     with torch.no_grad():
-        expected = graph_module(spec, network)(*(feeds[name] for name in spec.input_names))
+        expected = reference(*(feeds[name] for name in spec.input_names))
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = runtime.run(feeds)
     rows = [
