@@ -7,6 +7,8 @@ One fp32 ONNX Runtime engine set, shared by the module's tests; tiny sizes, two 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -62,11 +64,16 @@ def test_txt2img_matches_pytorch(klein, size):
     assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
 
 
-@pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
-def test_reference_image_matches_pytorch(klein, size):
+def noise_image(height: int, width: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+# The second reference is the profile's largest (384 px a side): its tokens and the output's need the patches the
+# profile's reference count adds (576 + 96, over the output's own maximum of 576).
+@pytest.mark.parametrize(("size", "reference_px"), zip(SIZES, (128, 384), strict=True), ids=["square", "non-square"])
+def test_reference_image_matches_pytorch(klein, size, reference_px):
     """Klein's editing task: a reference image, encoded by the VAE encoder engine, joins the transformer's tokens."""
-    rng = np.random.default_rng(0)
-    image = Image.fromarray(rng.integers(0, 256, (128, 128, 3), dtype=np.uint8))
+    image = noise_image(reference_px, reference_px)
     reference, engine = images(klein[1:], request(height=size[0], width=size[1], image=image))
     plain = generate(klein[1], request(height=size[0], width=size[1]), output_type="np").images[0]
     psnr = psnr_db(engine, reference)
@@ -87,16 +94,66 @@ def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(klein):
 
 def test_what_the_llm_engine_cannot_do_is_refused(klein):
     _, _, engine = klein
-    ids = torch.ones(1, 32, dtype=torch.int64)
+    ids = torch.ones(2, 32, dtype=torch.int64)
     out = engine.text_encoder(ids, attention_mask=torch.ones_like(ids), output_hidden_states=True, use_cache=False)
-    assert out.hidden_states[9].shape == (1, 32, 32) and out.logits is None
+    assert out.hidden_states[9].shape == (2, 32, 32) and out.logits is None
+    left_padded = torch.ones_like(ids)
+    left_padded[1, :4] = 0
     for call in (
         lambda: out.hidden_states[3],  # a layer the engine was not built for
         lambda: engine.text_encoder(ids),  # no hidden states asked: a generation call
         lambda: engine.text_encoder.generate(ids),
+        # Masks whose rows the graph masks otherwise than transformers: padded first, or all padding.
+        lambda: engine.text_encoder(ids, attention_mask=left_padded, output_hidden_states=True),
+        lambda: engine.text_encoder(ids, attention_mask=torch.zeros_like(ids), output_hidden_states=True),
     ):
-        with pytest.raises(EngineInputError):
+        with pytest.raises(EngineInputError, match=r"^[^\n]+$"):
             call()
+
+
+def test_reference_images_outside_the_profile_are_refused_before_running(klein):
+    """Each refused in one line before an engine runs: a reference larger than the profile once the pipeline has
+    resized it (it scales down only those over 1024²), and more references than the profile counts."""
+    from sdtrt.cli.request_options import check_engine_size
+    from sdtrt.core.artifact import Artifact
+    from sdtrt.pipeline.request import SizeRule
+
+    source, _, engine = klein
+    calls = []
+    for network in (engine.text_encoder, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    artifact = Artifact.open(engine.transformer.engine_paths["transformer"])  # a member: the set's profile
+    cases = {"512x512 px as the pipeline feeds it, its height outside": noise_image(512, 512),
+             "2 reference image(s), more than the 1": [noise_image(128, 128)] * 2}  # fmt: skip
+    for message, image in cases.items():
+        req = request(height=128, width=128, image=image)
+        with pytest.raises(RequestError, match=re.escape(message)) as error:
+            generate(engine, req)
+        assert "\n" not in str(error.value)
+        with pytest.raises(RequestError, match=re.escape(message)):  # the CLI's check, before loading
+            check_engine_size(artifact, req, SizeRule.for_model(source))
+    assert not calls
+
+
+def test_step_caches_are_refused_for_flux2_before_any_export(klein):
+    from sdtrt.core.errors import ConfigError
+    from sdtrt.tools.compile import cache_members
+
+    with pytest.raises(ConfigError, match="step caches are not built for a Flux2Transformer2DModel"):
+        cache_members(klein[0], ("first-block",))
+
+
+def test_fp16_builds_the_llm_in_bf16_where_the_target_runs_it(klein):
+    from sdtrt.spec import LLMEncoderSpec
+    from sdtrt.stages.export import precision_note
+    from sdtrt.tools.compile import component_precision
+
+    source = klein[0]
+    assert component_precision(source, "text_encoder", "fp16", "tensorrt-rtx") == "bf16"
+    assert component_precision(source, "text_encoder", "fp16", "onnxruntime") == "fp32"  # no bf16 kernels there
+    assert component_precision(source, "transformer", "fp16", "onnxruntime") == "fp16"
+    note = precision_note(LLMEncoderSpec.for_model(source, precision="bf16"))
+    assert note["graph"] == "bf16" and "overflow fp16" in note["why"]
 
 
 @pytest.mark.slow
