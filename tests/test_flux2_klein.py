@@ -68,12 +68,10 @@ def noise_image(height: int, width: int) -> Image.Image:
     return Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-# The second reference is the profile's largest (384 px a side): its tokens and the output's need the patches the
-# profile's reference count adds (576 + 96, over the output's own maximum of 576).
-@pytest.mark.parametrize(("size", "reference_px"), zip(SIZES, (128, 384), strict=True), ids=["square", "non-square"])
-def test_reference_image_matches_pytorch(klein, size, reference_px):
+@pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
+def test_reference_image_matches_pytorch(klein, size):
     """Klein's editing task: a reference image, encoded by the VAE encoder engine, joins the transformer's tokens."""
-    image = noise_image(reference_px, reference_px)
+    image = noise_image(128, 128)
     reference, engine = images(klein[1:], request(height=size[0], width=size[1], image=image))
     plain = generate(klein[1], request(height=size[0], width=size[1]), output_type="np").images[0]
     psnr = psnr_db(engine, reference)
@@ -111,12 +109,25 @@ def test_what_the_llm_engine_cannot_do_is_refused(klein):
             call()
 
 
+def test_the_transformer_profile_takes_the_largest_output_and_reference(klein):
+    """The profile's reference count widens the patches: a 384² output (the profile's largest, 576 patches) with a
+    384² reference (576 more) is inside the transformer engine's profile, as the VAE encoder's range takes it."""
+    transformer, vae = klein[2].transformer, klein[2].vae
+    spec, profile = transformer.runtime.spec, transformer.runtime.profile
+    shapes = spec.input_shapes(1, 384, 384, 512)
+    shapes = {name: tuple(2 * d if d == 576 else d for d in shape) for name, shape in shapes.items()}
+    assert shapes[spec.input_names[0]] == (1, 1152, 16) and spec.check_shapes(shapes, profile) is None
+    assert spec.check_shapes({**shapes, "img_ids": (1153, 4), spec.input_names[0]: (1, 1153, 16)}, profile)
+    encoder = vae.encoder_runtime
+    assert encoder.spec.check_shapes(encoder.spec.input_shapes(1, 384, 384), encoder.profile) is None
+
+
 def test_reference_images_outside_the_profile_are_refused_before_running(klein):
     """Each refused in one line before an engine runs: a reference larger than the profile once the pipeline has
     resized it (it scales down only those over 1024²), and more references than the profile counts."""
     from sdtrt.cli.request_options import check_engine_size
     from sdtrt.core.artifact import Artifact
-    from sdtrt.pipeline.request import SizeRule
+    from sdtrt.pipeline.request import SizeRule, check_pipeline_inputs
 
     source, _, engine = klein
     calls = []
@@ -127,6 +138,7 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
              "2 reference image(s), more than the 1": [noise_image(128, 128)] * 2}  # fmt: skip
     for message, image in cases.items():
         req = request(height=128, width=128, image=image)
+        check_pipeline_inputs(req, "Flux2KleinPipeline", None)  # sdtrt generate --image: klein takes references
         with pytest.raises(RequestError, match=re.escape(message)) as error:
             generate(engine, req)
         assert "\n" not in str(error.value)

@@ -36,6 +36,8 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "FluxPipeline", "img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
 )  # fmt: skip
+# Pipelines whose `image` is optional: reference images to edit from, not an img2img start.
+REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
@@ -146,9 +148,10 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported (8 s), and
     tests hold this to diffusers' signatures. ControlNet pipelines take their control image as ``image``."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name
+    reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt
     inputs = {
-        "negative_prompt": not class_name.startswith("LatentConsistencyModel"),
-        "image": img2img or inpaint or "ControlNet" in class_name,
+        "negative_prompt": not class_name.startswith("LatentConsistencyModel") and not reference,
+        "image": img2img or inpaint or "ControlNet" in class_name or reference,
         "mask_image": inpaint,
         "strength": img2img or inpaint,
     }

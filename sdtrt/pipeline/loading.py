@@ -15,7 +15,7 @@ from rich.markup import escape
 from ..core.artifact import Artifact
 from ..core.config import FREEU_MEMBER, IMAGE_ENCODER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
-from ..core.families import Task, accepted, pipeline_class_name
+from ..core.families import REFERENCE_IMAGE_PIPELINES, Task, accepted, pipeline_class_name
 from ..core.progress import console
 from ..lora.files import LoraSpec
 from ..lora.refit import EngineLoras, fuse_loras
@@ -33,7 +33,6 @@ from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
 from .references import check_pipeline_references, reference_list
 from .request import (
-    REFERENCE_IMAGE_PIPELINES,
     SCHEDULERS,
     GenerateRequest,
     SizeRule,

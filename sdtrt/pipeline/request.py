@@ -25,8 +25,6 @@ SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit see
 DEFAULT_GUIDANCE = 7.5  # a request's guidance when it gives none (FLUX.1-dev: FluxPipeline's 3.5)
 FLUX_GUIDANCE = 3.5
 FLUX2_GUIDANCE = 4.0  # Flux2KleinPipeline's guidance_scale (true CFG; a step-distilled klein ignores it)
-# Pipelines whose `image` is optional: reference images to edit from, not an img2img start.
-REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
 
 # --scheduler names → diffusers classes (all built from the model's own scheduler config).
 SCHEDULERS = {
@@ -191,11 +189,12 @@ class GenerateRequest:
             )
         return dataclasses.replace(self, height=height, width=width, guidance=guidance)
 
-    def check_inputs(self, accepts: Collection[str], image_fix: str = "") -> None:
-        """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
-        for one it takes none of (``image_fix`` says what to do then); light: no torch."""
+    def check_inputs(self, accepts: Collection[str], image_fix: str = "", optional: Collection[str] = ()) -> None:
+        """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs (unless
+        ``optional``: FLUX.2 [klein]'s reference image) and lacks, or for one it takes none of (``image_fix`` says
+        what to do then); light: no torch."""
         for name, flag in (("image", "--image"), ("mask_image", "--mask")):
-            if name in accepts and getattr(self, name) is None:
+            if name in accepts and name not in optional and getattr(self, name) is None:
                 raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
         for name in ("negative_prompt", "image", "mask_image"):
             if getattr(self, name) is not None and name not in accepts:
@@ -233,7 +232,7 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
     """``request.check_inputs`` against the pipeline ``task`` picks in the family of ``index_class`` (the class
     model_index.json names), before diffusers is imported; an image or mask it takes none of is answered with the
     --task whose pipeline takes it."""
-    from ..core.families import family_tasks, pipeline_class_name, pipeline_inputs
+    from ..core.families import REFERENCE_IMAGE_PIPELINES, family_tasks, pipeline_class_name, pipeline_inputs
 
     wanted: Task = "inpaint" if request.mask_image is not None else "img2img"
     row = family_tasks(index_class)
@@ -241,7 +240,8 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
         fix = f": pass --task {wanted}" + (" and an --image" if request.image is None else "")
     else:
         fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
-    request.check_inputs(pipeline_inputs(pipeline_class_name(index_class, task)), fix)
+    name = pipeline_class_name(index_class, task)
+    request.check_inputs(pipeline_inputs(name), fix, ("image",) if name in REFERENCE_IMAGE_PIPELINES else ())
 
 
 def check_steps(steps: int, scheduler_config: Any) -> None:
