@@ -169,8 +169,9 @@ def profile_command(
     artifact = store_options.find_engine(engine, engines) if engine else None
     source = store_options.model_for(model, artifact)
     request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
-    request = request.sized_for(SizeRule.for_model(source))
-    request_options.check_engine_size(artifact, request)
+    rule = SizeRule.for_model(source)
+    request = request.sized_for(rule)
+    request_options.check_engine_size(artifact, request, rule)
 
     from rich.table import Table
 

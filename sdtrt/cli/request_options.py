@@ -16,7 +16,7 @@ from ..core.progress import console
 from ..pipeline.request import FLOW_SCHEDULERS, SCHEDULERS
 
 if TYPE_CHECKING:
-    from ..pipeline.request import GenerateRequest
+    from ..pipeline.request import GenerateRequest, SizeRule
     from ..pipeline.step_cache import StepCache
     from ..sources.models import ModelSource
 
@@ -160,10 +160,12 @@ def weight_budget(text: str | None) -> WeightBudget | None:
         raise RequestError(str(exc)) from None
 
 
-def check_engine_size(artifact: Artifact | None, request: GenerateRequest) -> None:
-    """RequestError (exit 2) before anything loads when a sized request is outside the engines' profile."""
+def check_engine_size(artifact: Artifact | None, request: GenerateRequest, rule: SizeRule) -> None:
+    """RequestError (exit 2) before anything loads when a sized request, or a reference image it edits from
+    (FLUX.2 [klein]), is outside the engines' profile."""
     if artifact is None:
         return
+    from ..pipeline.references import check_references, reference_list
     from ..stages.engine_set import engine_members, engine_profile
 
     profile = engine_profile(engine_members(artifact))
@@ -171,6 +173,8 @@ def check_engine_size(artifact: Artifact | None, request: GenerateRequest) -> No
         return
     if problem := profile.size_problem(request.height, request.width):
         raise RequestError(problem)
+    if profile.references:
+        check_references(reference_list(request.image), profile, rule.multiple)
 
 
 def lora_options(values: list[str] | None) -> list[tuple[str, float]]:

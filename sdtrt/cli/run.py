@@ -20,8 +20,8 @@ from ..pipeline.image_inputs import check_pipeline_inputs
 from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
+    check_prompt_tokens,
     check_scheduler,
-    check_t5_request,
     check_validation,
 )
 from . import graph_options, request_options, result_files, store_options
@@ -67,8 +67,8 @@ def generate_command(
     image: Annotated[
         Path | None,
         typer.Option(
-            help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's reference, or an SD "
-            "ControlNet txt2img pipeline's control image."
+            help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's or FLUX.2 [klein]'s "
+            "reference image, or an SD ControlNet txt2img pipeline's control image."
         ),
     ] = None,
     mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
@@ -145,10 +145,10 @@ def generate_command(
     rule, pipeline_class = SizeRule.for_model(source), source.pipeline_class()
     check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes
     request = request.sized_for(rule)
-    request_options.check_engine_size(artifact, request)
+    request_options.check_engine_size(artifact, request, rule)
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
-    check_t5_request(source, request, engine_profile(engine_members(artifact)) if artifact else None)
+    check_prompt_tokens(source, request, engine_profile(engine_members(artifact)) if artifact else None)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)
     if freeu_factors is not None and step_cache is not None and step_cache.kind == "deepcache":

@@ -39,18 +39,23 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "FluxControlPipeline", "img2img": "FluxControlImg2ImgPipeline",
      "inpaint": "FluxControlInpaintPipeline"},
     {"img2img": "FluxKontextPipeline"},
+    {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
+# Pipelines whose `image` is optional: reference images to edit from (their own profile axis), not an img2img start.
+REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
-    "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5 and Flux.1 "
-    "dev / schnell (with Fill, Canny / Depth control and Kontext)"
+    "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
+    "dev / schnell (with Fill, Canny / Depth control and Kontext) and FLUX.2 [klein]"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
-TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux"}
+TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "Flux2Transformer2DModel": "flux2"}
 # T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
 T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
+# An LLM text encoder's token count by default: Flux2KleinPipeline's max_sequence_length.
+LLM_TOKENS = {"flux2": 512}
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
 SDXL_TIME_IDS = (6, 5)
@@ -150,13 +155,15 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported
     (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their control image as
     ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``); Kontext's reference
-    image is its ``image``."""
+    image is its ``image``, and FLUX.2 [klein]'s optional reference images too."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
     kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
+    reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt
     inputs = {
-        "negative_prompt": not class_name.startswith(("LatentConsistencyModel", "FluxFill", "FluxControl")),
-        "image": img2img or inpaint or kontext or controlnet,
+        "negative_prompt": not class_name.startswith(("LatentConsistencyModel", "FluxFill", "FluxControl"))
+        and not reference,
+        "image": img2img or inpaint or kontext or controlnet or reference,
         "mask_image": inpaint,
         "control_image": flux_control or (controlnet and (img2img or inpaint)),
         "strength": img2img or inpaint,

@@ -28,8 +28,8 @@ def check_inputs(
     request: GenerateRequest, accepts: Collection[str], image_fix: str = "", image_optional: bool = False
 ) -> None:
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
-    for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext,
-    whose reference image is optional (without one it generates from text)."""
+    for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
+    and FLUX.2 [klein], whose reference images are optional (without one they generate from text)."""
     for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
             raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
@@ -130,7 +130,13 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
     """``check_inputs`` against the pipeline ``task`` picks in the family of ``index_class`` (the class
     model_index.json names), before diffusers is imported; an image or mask it takes none of is answered with the
     --task whose pipeline takes it. Then the control image's aspect ratio against the size ``rule`` gives."""
-    from ..core.families import REFERENCE_TOKEN_PIPELINES, family_tasks, pipeline_class_name, pipeline_inputs
+    from ..core.families import (
+        REFERENCE_IMAGE_PIPELINES,
+        REFERENCE_TOKEN_PIPELINES,
+        family_tasks,
+        pipeline_class_name,
+        pipeline_inputs,
+    )
 
     wanted: Task = "inpaint" if request.mask_image is not None else "img2img"
     row = family_tasks(index_class)
@@ -139,5 +145,6 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
     else:
         fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
     pipeline = pipeline_class_name(index_class, task)
-    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=pipeline in REFERENCE_TOKEN_PIPELINES)
+    optional = pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES  # Kontext's, klein's reference
+    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=optional)
     check_control_image(request.control_image, *rule.resolve(request.height, request.width))

@@ -15,13 +15,13 @@ from rich.markup import escape
 from ..core.artifact import Artifact
 from ..core.config import FREEU_MEMBER, IMAGE_ENCODER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
-from ..core.families import Task, accepted, pipeline_class_name
+from ..core.families import REFERENCE_IMAGE_PIPELINES, Task, accepted, pipeline_class_name
 from ..core.progress import console
 from ..lora.files import LoraSpec
 from ..lora.refit import EngineLoras, fuse_loras
 from ..runtime import Runtime, check_weight_budget, open_members
 from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_model
-from ..spec import FOLDERS, T5EncoderSpec, model_components
+from ..spec import FOLDERS, LLMEncoderSpec, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
 from ..standins.adapter_registry import apply_pipeline_loras, lora_networks
@@ -32,7 +32,9 @@ from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_no
 from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
 from .image_inputs import fit_reference
+from .references import check_pipeline_references, reference_list
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
+from .token_limits import clip_tokenizers, llm_kwargs, t5_kwargs
 
 __all__ = [
     "SCHEDULERS", "GenerateRequest", "generate", "load_pipeline", "set_loras", "set_scheduler", "with_components"
@@ -204,10 +206,8 @@ def standins(
             lambda member, runtime: loras(member, "unet", runtime),
         )
     if "vae_decoder" in runtimes or "vae_encoder" in runtimes:
-        out["vae"] = EngineVAE(
-            source.component_config("vae"), runtimes.get("vae_decoder"), runtimes.get("vae_encoder"),
-            pytorch=(lambda: vae) if vae is not None else (lambda: load_folder(source, "vae")), dtype=dtype,
-        )  # fmt: skip
+        out["vae"] = _vae(source, runtimes, (lambda: vae) if vae is not None else (lambda: load_folder(source, "vae")),
+                          dtype)  # fmt: skip
     for folder, standin in out.items():  # what save_pretrained writes: the PyTorch files and the engines
         standin.model_folder = source.component_dir(folder)
         standin.engine_paths = {c: members[c].path for c in members if FOLDERS[c] == folder}
@@ -248,6 +248,18 @@ def ip_adapter_parts(
     return parts
 
 
+def _vae(source: ModelSource, runtimes: dict[str, Runtime], pytorch: Callable[[], Any], dtype: torch.dtype) -> Any:
+    """EngineVAE, or FLUX.2's EngineFlux2VAE with the latent statistics its pipelines read."""
+    config = source.component_config("vae")
+    halves = (config, runtimes.get("vae_decoder"), runtimes.get("vae_encoder"))
+    if config.get("_class_name") == "AutoencoderKLFlux2":
+        from ..standins.vae_flux2 import EngineFlux2VAE, latent_batch_norm
+
+        norm = latent_batch_norm(source.component_dir("vae"), config)
+        return EngineFlux2VAE(*halves, pytorch=pytorch, dtype=dtype, latent_norm=norm)
+    return EngineVAE(*halves, pytorch=pytorch, dtype=dtype)
+
+
 StandIn = Callable[[ModelSource, str, Runtime, torch.dtype, Callable[[str], EngineLoras]], EngineModule]
 
 
@@ -270,10 +282,15 @@ def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: to
 def _text_encoder(
     source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any
 ) -> EngineModule:
-    """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2)."""
+    """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2), or the LLM's
+    (FLUX.2's Qwen3)."""
     config = text_encoder_config(source, FOLDERS[component])
     if isinstance(runtime.spec, T5EncoderSpec):
         return EngineT5(runtime, config, dtype=dtype)
+    if isinstance(runtime.spec, LLMEncoderSpec):
+        from ..standins.llm_encoder import EngineQwen3
+
+        return EngineQwen3(runtime, config, dtype=dtype)
     norm = final_layer_norm(source, config, FOLDERS[component])
     return EngineTextEncoder(runtime, config, norm, dtype=dtype, loras=loras(component))
 
@@ -332,44 +349,19 @@ def generate(
     requests = [request] if isinstance(request, GenerateRequest) else request
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
-    accepts = inspect.signature(pipe.__call__).parameters
+    accepts = set(inspect.signature(pipe.__call__).parameters)
+    if type(pipe).__name__ in REFERENCE_IMAGE_PIPELINES:  # FLUX.2 [klein]
+        for each in requests:
+            check_pipeline_references(pipe, reference_list(each.image))
+        if all(r.image is None for r in requests):
+            accepts.discard("image")  # optional there: reference images to edit from
     sized = [r.sized_for(rule) for r in requests]
     if "max_area" in accepts:  # FLUX.1 Kontext
         sized = [fit_reference(r, rule, pipe) for r in sized]
     kwargs = batch_kwargs(sized, accepts)
     prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
-    kwargs |= t5_kwargs(pipe, prompts)
-    for line in clip_cuts(prompts, _clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
+    kwargs |= t5_kwargs(pipe, prompts) | llm_kwargs(pipe, prompts)
+    for line in clip_cuts(prompts, clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
         console.print(f"[yellow]![/] {escape(line)}")
     with torch.no_grad():
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)
-
-
-def _clip_tokenizers(pipe: Any) -> dict[str, Any]:
-    """Text encoder → tokenizer, for the pipeline's CLIP encoders (SD3's third and Flux's second are T5)."""
-    tokenizers = {f"text_encoder{n}": getattr(pipe, f"tokenizer{n}", None) for n in ("", "_2", "_3")}
-    return {encoder: t for encoder, t in tokenizers.items() if "CLIP" in type(t).__name__}
-
-
-def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
-    """``max_sequence_length`` for a pipeline with T5 (SD3, Flux): the most tokens its T5 engine's profile takes
-    (the pipeline's default on PyTorch). T5 pads every prompt to it; a longer prompt is refused (RequestError),
-    never cut as the tokenizer would cut it.
-    """
-    t5_name = next((n for n in ("text_encoder_3", "text_encoder_2") if _is_t5(getattr(pipe, n, None))), None)
-    if t5_name is None:
-        return {}
-    limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
-    profiles = [getattr(getattr(getattr(pipe, n), "runtime", None), "profile", None) for n in (t5_name, "transformer")]
-    built = [p.tokens.max for p in profiles if p is not None and p.tokens is not None]
-    limit = min(built) if built else limit
-    from .request import check_t5_prompts  # shared with the CLI's check before loading
-
-    check_t5_prompts(prompts, getattr(pipe, t5_name.replace("text_encoder", "tokenizer")), limit, bool(built))
-    return {"max_sequence_length": limit}
-
-
-def _is_t5(module: Any) -> bool:
-    from transformers import T5EncoderModel
-
-    return isinstance(module, T5EncoderModel)

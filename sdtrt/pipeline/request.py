@@ -41,7 +41,7 @@ SCHEDULERS = {
 # in both, but draws each step's noise from torch's global generator (the pipelines hand step none), so a
 # seed would not reproduce its image: not offered.
 FLOW_SCHEDULERS = {"flow-euler": "FlowMatchEulerDiscreteScheduler", "flow-heun": "FlowMatchHeunDiscreteScheduler"}
-FLOW_FAMILIES = ("sd3", "flux", "flux-schnell")
+FLOW_FAMILIES = ("sd3", "flux", "flux-schnell", "flux2")
 NOT_FOR_FLUX = ("flow-heun",)
 
 
@@ -87,9 +87,11 @@ class SizeRule:
 
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
-        from ..spec import FluxTransformerSpec
+        from ..spec import Flux2TransformerSpec, FluxTransformerSpec
 
         native = spec.latent_sample_size * spec.vae_scale_factor
+        if isinstance(spec, Flux2TransformerSpec):
+            return cls(spec.pixel_multiple, native, native, takes_negative_prompt=False)  # klein: true CFG, no negative
         if isinstance(spec, FluxTransformerSpec):
             return cls(spec.pixel_multiple, native, native, spec.guidance_embeds, takes_negative_prompt=False)
         return cls(spec.pixel_multiple, native, native)
@@ -252,6 +254,22 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
             )
 
 
+def check_llm_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
+    """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
+    the tokenizer's chat template first) outnumber ``limit``, which the tokenizer would cut without a word."""
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        count = len(tokenizer(text).input_ids)
+        if count > limit:
+            where = "the LLM text encoder engine was built for" if built else "the pipeline takes"
+            raise RequestError(
+                f"the prompt {prompt[:30]!r}… is {count} tokens with its chat template, more than the {limit} {where}; "
+                "shorten it" + (", or rebuild the engines with a --tokens range covering it" if built else "")
+            )
+
+
 def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:
     """A line for each prompt longer than the CLIP ``tokenizers`` (text encoder → its tokenizer) read: the pipelines
     cut it to their 77 tokens, and sdtrt's quiet loading hides diffusers' warning. ``t5``: a T5 encoder reads it all.
@@ -270,24 +288,30 @@ def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = Fal
     return lines
 
 
-def check_t5_request(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
-    """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux): the engines' ``profile``
-    has the token range, and counting tokens needs only the model's tokenizer folder."""
-    from ..core.families import T5_TOKENS
+def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: ShapeProfile | None) -> None:
+    """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux), or ``check_llm_prompts`` for
+    FLUX.2's LLM: the engines' ``profile`` has the token range, and counting tokens needs only the model's tokenizer
+    folder."""
+    from ..core.families import LLM_TOKENS, T5_TOKENS
 
     family = model.family()
-    if family not in T5_TOKENS:
+    if family not in T5_TOKENS and family not in LLM_TOKENIZERS:
         return
     from transformers import AutoTokenizer
 
     built = profile is not None and profile.tokens is not None
-    limit = profile.tokens.max if profile is not None and profile.tokens is not None else T5_TOKENS[family]
-    tokenizer = AutoTokenizer.from_pretrained(model.path / T5_TOKENIZERS[family], local_files_only=True)
-    check_t5_prompts([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
+    default = T5_TOKENS.get(family) or LLM_TOKENS[family]
+    limit = profile.tokens.max if profile is not None and profile.tokens is not None else default
+    folder = T5_TOKENIZERS.get(family) or LLM_TOKENIZERS[family]
+    tokenizer = AutoTokenizer.from_pretrained(model.path / folder, local_files_only=True)
+    check = check_t5_prompts if family in T5_TOKENS else check_llm_prompts
+    check([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
 
 
 # T5's tokenizer folder: SD3's third text encoder, Flux's second.
 T5_TOKENIZERS = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "flux-schnell": "tokenizer_2"}
+# An LLM text encoder's tokenizer folder (FLUX.2 [klein]'s Qwen).
+LLM_TOKENIZERS = {"flux2": "tokenizer"}
 
 
 def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) -> dict[str, Any]:

@@ -70,12 +70,18 @@ def check_feeds(spec: GraphSpec, profile: ShapeProfile | None, feeds: dict[str, 
             wanted = "floating-point" if kinds[name] else "integer"
             raise EngineInputError(f"input '{name}' is {tensor.dtype}; the engine takes {wanted} tensors")
     reason = spec.check_shapes({name: tuple(t.shape) for name, t in feeds.items()}, profile)
-    tokens = "/--tokens (T5's prompt length)" if profile is not None and profile.tokens else ""
-    if reason:
+    if not reason:
+        return
+    tokens = profile.tokens if profile is not None else None
+    if profile is not None and spec.reads_pixels:
         # In pixels too: a pipeline called without height/width asks for its family's default (Flux's 1024²).
-        sizes = "" if profile is None else (
+        takes = (
             f" (the engines take {profile.height.min}–{profile.height.max} × {profile.width.min}–{profile.width.max} "
             "px images: pass the pipeline a height= and width= inside that)"
-        )  # fmt: skip
-        rebuild = f"or rebuild the engine with --batch/--height/--width{tokens} covering it"
-        raise EngineInputError(f"{reason}{sizes}; {rebuild}")
+        )
+    elif tokens is not None:  # a text encoder: its prompt length
+        takes = f" (the engines take {tokens.min}–{tokens.max} text tokens: pass a max_sequence_length inside that)"
+    else:
+        takes = ""
+    axes = ("--batch/--height/--width" if spec.reads_pixels else "--batch") + ("/--tokens" if tokens else "")
+    raise EngineInputError(f"{reason}{takes}; or rebuild the engines with {axes} covering it")

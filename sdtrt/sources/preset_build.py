@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .byte_level import bytes_to_unicode
 from .presets import PRESETS, SD_BETAS, Network, Recipe
 from .random_weights import SHARD_SIZE, empty_weights, save_random
 
@@ -71,7 +72,7 @@ def _byte_level_tokenizer(folder: Path, max_length: int = 77) -> Any:
     """
     from transformers import CLIPTokenizer
 
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     tokens = byte_chars + [c + "</w>" for c in byte_chars]
     merges = [("t", "h"), ("th", "e</w>"), ("a", "n"), ("an", "d</w>"), ("i", "n"), ("o", "n</w>")]
     tokens += ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
@@ -79,19 +80,6 @@ def _byte_level_tokenizer(folder: Path, max_length: int = 77) -> Any:
     (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
     (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
     return CLIPTokenizer.from_pretrained(folder, model_max_length=max_length)
-
-
-def _bytes_to_unicode() -> list[str]:
-    """The 256 printable stand-ins byte-level BPE uses for raw bytes (the GPT-2/CLIP table)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
 
 
 def _unigram_t5_tokenizer(max_length: int = 512) -> Any:
@@ -143,10 +131,14 @@ def _networks(recipe: Recipe) -> dict[str, Any]:
     denoiser_class, denoiser_kwargs = recipe.denoiser
     parts: dict[str, Any] = {
         recipe.denoiser_folder: getattr(diffusers, denoiser_class)(**denoiser_kwargs),
-        "vae": diffusers.AutoencoderKL(**recipe.vae),
+        "vae": getattr(diffusers, recipe.vae_class)(**recipe.vae),
     }
     with tempfile.TemporaryDirectory() as tok_dir:
         tokenizers = {"clip": _byte_level_tokenizer(Path(tok_dir)), "t5": _unigram_t5_tokenizer()}
+    if recipe.vae_class == "AutoencoderKLFlux2":
+        from .qwen_encoder import random_latent_statistics
+
+        random_latent_statistics(parts["vae"])
     for i, network in enumerate(recipe.text_encoders):
         suffix = f"_{i + 1}" if i else ""
         encoder, tokenizer = _text_encoder(network, tokenizers)
@@ -164,9 +156,14 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
 
     class_name, kwargs = network
     text = dict(kwargs)
-    if class_name == "T5EncoderModel":
+    if class_name == "Qwen3ForCausalLM":
+        from .qwen_encoder import qwen3_config, qwen_chat_tokenizer
+
+        tokenizer = qwen_chat_tokenizer()
+        config: Any = qwen3_config(tokenizer, text)
+    elif class_name == "T5EncoderModel":
         tokenizer = tokenizers["t5"]
-        config: Any = transformers.T5Config(
+        config = transformers.T5Config(
             vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id, **text,
         )  # fmt: skip

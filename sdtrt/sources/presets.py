@@ -59,6 +59,7 @@ class Recipe:
     dtype: str = "float32"  # the networks' torch dtype (multi-GB architectures: fp16, or bf16 as their checkpoints)
     streamed: bool = False  # networks written by streaming random tensors (random_weights.py), never built whole
     controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
+    vae_class: str = "AutoencoderKL"  # FLUX.2's: AutoencoderKLFlux2 (its latents' batch-norm statistics)
 
     @property
     def denoiser_folder(self) -> str:
@@ -122,6 +123,28 @@ TINY_FLUX = ("FluxTransformer2DModel", dict(
 TINY_SD3_ENCODERS = (clip(TINY_SDXL_CLIP, projection=True), clip(TINY_SDXL_CLIP, projection=True), t5(TINY_T5))
 TINY_FLUX_ENCODERS = (clip(TINY_CLIP), t5(TINY_T5))
 
+# FLUX.2 [klein] at test size: a 28-layer Qwen3 (the pipeline stacks layers 9, 18 and 27: joint width 3 × 32), a
+# Flux2 DiT on 2×2-patchified 4-channel latents (16), four rotary axes summing to the head size, no guidance
+# embedding; a classifier-free-guided "base" (is_distilled False: two transformer passes a step).
+TINY_QWEN3 = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=28, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8)  # fmt: skip
+TINY_FLUX2 = ("Flux2Transformer2DModel", dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=96, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+))
+# FLUX.2 [klein] 4B (black-forest-labs/FLUX.2-klein-4B; sizes as published, not re-read offline): 5 double- + 20
+# single-stream blocks, 24 heads × 128, joint width 3 × 2560 from Qwen3-4B (36 layers, 32 query / 8 key-value heads
+# of 128, vocabulary 151,936); AutoencoderKLFlux2 with 32 latent channels. Streamed in bf16 as the checkpoint.
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                max_position_embeddings=40960,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000})  # fmt: skip
+FLUX2_KLEIN_4B = ("Flux2Transformer2DModel", dict(
+    patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=7680, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=False,
+))
+FLUX2_VAE = dict(latent_channels=32, block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024)
+
 PRESETS: dict[str, Recipe] = {
     "tiny": Recipe("StableDiffusionPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM),
     "tiny-sd2": Recipe(
@@ -183,6 +206,10 @@ PRESETS: dict[str, Recipe] = {
     ),
     "tiny-flux-kontext": Recipe("FluxKontextPipeline", TINY_FLUX, dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS,
                                 scheduler=FLUX_DEV_FLOW),
+    "tiny-flux2-klein": Recipe(
+        "Flux2KleinPipeline", TINY_FLUX2, dict(TINY_VAE, latent_channels=4), (("Qwen3ForCausalLM", TINY_QWEN3),),
+        scheduler=FLUX_DEV_FLOW, settings={"is_distilled": False}, vae_class="AutoencoderKLFlux2",
+    ),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(
         "StableDiffusionPipeline",
@@ -277,6 +304,10 @@ PRESETS: dict[str, Recipe] = {
         scheduler=SD3_FLOW,
         dtype="bfloat16",
         streamed=True,
+    ),
+    "flux2-klein-random": Recipe(
+        "Flux2KleinPipeline", FLUX2_KLEIN_4B, FLUX2_VAE, (("Qwen3ForCausalLM", QWEN3_4B),), scheduler=FLUX_DEV_FLOW,
+        settings={"is_distilled": True}, dtype="bfloat16", streamed=True, vae_class="AutoencoderKLFlux2",
     ),
 }
 # fmt: on

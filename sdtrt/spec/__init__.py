@@ -42,8 +42,9 @@ from .base import (
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
+from .llm_encoder import LLMEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
-from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer import Flux2TransformerSpec, FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
 from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
 from .unet_freeu import UNetFreeUSpec
@@ -61,9 +62,11 @@ __all__ = [
     "TEXT_TOKENS",
     "ControlNetSpec",
     "DenoiserSpec",
+    "Flux2TransformerSpec",
     "FluxTransformerSpec",
     "GraphSpec",
     "ImageEncoderSpec",
+    "LLMEncoderSpec",
     "ModelConfigs",
     "SD3TransformerSpec",
     "Shapes",
@@ -95,7 +98,7 @@ __all__ = [
 # row dispatches on its class itself (TransformerSpec.for_model / from_json).
 SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
-    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec,
+    VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 

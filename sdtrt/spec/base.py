@@ -99,8 +99,10 @@ class GraphSpec:
     # The network class this contract is for, where a component's folder may hold several (T5 or CLIP in
     # text_encoder_2, SD3's or Flux's transformer); "" where the component decides alone.
     architecture: ClassVar[str] = ""
-    # Why this network's graph is not fp16 unless asked ("": fp16 is fine); compile builds it fp32 instead.
+    # Why this network's graph is not fp16 unless asked ("": fp16 is fine); compile builds it as fp16_fallback
+    # instead where the target runs that, else fp32.
     fp16_problem: ClassVar[str] = ""
+    fp16_fallback: ClassVar[Precision] = "fp32"
     # Whether the image size shapes its inputs (not a text encoder's): labels name a size only where it does.
     reads_pixels: ClassVar[bool] = True
 

@@ -83,14 +83,41 @@ class TextEncoder2Spec(TextEncoderSpec):
 
 
 @dataclass(frozen=True)
-class T5EncoderSpec(GraphSpec):
+class SequenceEncoderSpec(GraphSpec):
+    """What a text encoder run at a token count shares (T5, an LLM): no pixels; its width, vocabulary and
+    ``max_sequence_length``; a profile of token counts; one call per prompt list."""
+
+    reads_pixels: ClassVar[bool] = False
+    # max_sequence_length when the pipeline is called without one.
+    pipeline_tokens: ClassVar[int]
+
+    hidden_size: int = 4096
+    vocab_size: int = 32128
+    max_sequence_length: int = 256
+
+    @property
+    def default_tokens(self) -> int:
+        return self.max_sequence_length
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 1  # no pixels: only the batch and token count of a profile matter here
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        return Range(1, 1, profile.batch.max)  # one call per prompt list, positive and negative apart
+
+    def default_profile(self) -> ShapeProfile:
+        return ShapeProfile(tokens=token_range(self.max_sequence_length, self.pipeline_tokens))
+
+
+@dataclass(frozen=True)
+class T5EncoderSpec(SequenceEncoderSpec):
     """T5 (``T5EncoderModel``; SD3's text_encoder_3, Flux's text_encoder_2): token ids ``int32 [B, T]`` →
     ``last_hidden_state [B, T, d_model]``, as the pipelines call it (no attention mask). T is the profile's
     token axis (``max_sequence_length``)."""
 
     component: ClassVar[Component] = "text_encoder_3"
     label: ClassVar[str] = "T5 text encoder"
-    reads_pixels: ClassVar[bool] = False
     architecture: ClassVar[str] = "T5EncoderModel"
     fp16_problem: ClassVar[str] = (
         "T5's feed-forward activations overflow fp16 (transformers keeps its wo projections fp32, "
@@ -100,10 +127,6 @@ class T5EncoderSpec(GraphSpec):
     canonical_outputs: ClassVar[tuple[str, ...]] = ("last_hidden_state",)
     # max_sequence_length when the pipeline is called without one: StableDiffusion3Pipeline's.
     pipeline_tokens: ClassVar[int] = 256
-
-    hidden_size: int = 4096
-    vocab_size: int = 32128
-    max_sequence_length: int = 256
 
     @classmethod
     def for_model(
@@ -121,25 +144,11 @@ class T5EncoderSpec(GraphSpec):
             hidden_size=config["d_model"], vocab_size=config["vocab_size"], max_sequence_length=tokens,
         )  # fmt: skip
 
-    @property
-    def default_tokens(self) -> int:
-        return self.max_sequence_length
-
-    @property
-    def pixel_multiple(self) -> int:
-        return 1  # no pixels: only the batch and token count of a profile matter here
-
     def inputs(self) -> list[TensorSpec]:
         return [TensorSpec(self.input_names[0], "int32", ("batch", "tokens"))]
 
     def outputs(self) -> list[TensorSpec]:
         return [TensorSpec(self.output_names[0], self.dtype, ("batch", "tokens", self.hidden_size))]
-
-    def batch_range(self, profile: ShapeProfile) -> Range:
-        return Range(1, 1, profile.batch.max)  # one call per prompt list, positive and negative apart
-
-    def default_profile(self) -> ShapeProfile:
-        return ShapeProfile(tokens=token_range(self.max_sequence_length, self.pipeline_tokens))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision, ShapeProfile
 from ..core.errors import ArtifactError
-from ..core.families import REFERENCE_TOKEN_PIPELINES, T5_TOKENS, transformer_family
+from ..core.families import LLM_TOKENS, REFERENCE_TOKEN_PIPELINES, T5_TOKENS, transformer_family
 from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
 from .denoiser import DenoiserSpec
 
@@ -47,7 +47,7 @@ class TransformerSpec(DenoiserSpec):
         return kind(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,
             **kind.fields_from(config, vae, factor) | kind.pipeline_fields(pipeline),
-            max_sequence_length=T5_TOKENS[transformer_family(config)],
+            max_sequence_length=T5_TOKENS.get(transformer_family(config), kind.pipeline_tokens),
         )  # fmt: skip
 
     @classmethod
@@ -143,15 +143,28 @@ class SD3TransformerSpec(TransformerSpec):
 
 
 @dataclass(frozen=True)
-class FluxTransformerSpec(TransformerSpec):
+class PackedTransformerSpec(TransformerSpec):
+    """What Flux.1's and FLUX.2's transformers share: latents packed into patches ``[B, patches, C]`` and denoised
+    as such, no batch doubling (true CFG runs two passes at B), the timestep as the schedule's t / 1000."""
+
+    timestep_scale: ClassVar[float] = 1e-3
+    grid: ClassVar[dict[str, str]] = {}  # no latent height/width among the inputs: pixel_multiple says it
+
+    @property
+    def doubles_batch(self) -> bool:
+        return False
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
+
+
+@dataclass(frozen=True)
+class FluxTransformerSpec(PackedTransformerSpec):
     """Flux.1: latents packed 2×2 ``[B, (h/2)(w/2), 64]`` with their positions ``img_ids [(h/2)(w/2), 3]``, T5 tokens
-    ``[B, T, 4096]`` with ``txt_ids [T, 3]``, pooled CLIP-L ``[B, 768]``; dev embeds ``guidance [B]``. No batch
-    doubling (true CFG runs two passes at B). The timestep is the schedule's t / 1000, as FluxPipeline passes it."""
+    ``[B, T, 4096]`` with ``txt_ids [T, 3]``, pooled CLIP-L ``[B, 768]``; dev embeds ``guidance [B]``."""
 
     architecture: ClassVar[str] = "FluxTransformer2DModel"
     pipeline_tokens: ClassVar[int] = 512  # FluxPipeline's, dev's and schnell's alike
-    timestep_scale: ClassVar[float] = 1e-3
-    grid: ClassVar[dict[str, str]] = {}  # no latent height/width among the inputs: pixel_multiple says it
 
     guidance_embeds: bool = True
     # Kontext: the reference image's packed latents follow the generated ones in hidden_states and img_ids (and the
@@ -213,10 +226,6 @@ class FluxTransformerSpec(TransformerSpec):
             "guidance_embeds": bool(config.get("guidance_embeds")),
         }
 
-    @property
-    def doubles_batch(self) -> bool:
-        return False
-
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
         tensors: dict[str, tuple[str | None, tuple[int | str, ...]]] = {
             "hidden_states": (None, ("batch", "patches", self.in_channels)),
@@ -231,12 +240,54 @@ class FluxTransformerSpec(TransformerSpec):
             tensors["guidance"] = ("float32", ("batch",))
         return tensors
 
-    def outputs(self) -> list[TensorSpec]:
-        return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
+
+@dataclass(frozen=True)
+class Flux2TransformerSpec(PackedTransformerSpec):
+    """FLUX.2: latents patchified 2×2 and packed ``[B, (h/2)(w/2), 4C]``, reference images' tokens after them, with
+    positions ``img_ids [patches, 4]`` (t, h, w, l); the LLM's stacked hidden states ``[B, T, joint_attention_dim]``
+    with ``txt_ids [T, 4]``; no pooled embedding; ``guidance [B]`` where embedded (klein has none: true CFG, two passes
+    at B). The timestep is t / 1000, as Flux2KleinPipeline passes it. The profile's ``references`` (one by default)
+    widen the patches' maximum: each reference image, inside the profile's height × width, adds its patches after
+    the output's."""
+
+    architecture: ClassVar[str] = "Flux2Transformer2DModel"
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
+
+    guidance_embeds: bool = False
+
+    @classmethod
+    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        # Flux.1's, without a pooled embedding.
+        return FluxTransformerSpec.fields_from(config | {"pooled_projection_dim": 0}, vae, vae_scale_factor)
+
+    def default_profile(self) -> ShapeProfile:
+        return dataclasses.replace(super().default_profile(), references=1)
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        shapes = super().profile_shapes(profile)
+        for t in self.inputs():
+            if "patches" in t.shape:
+                low, opt, high = shapes[t.name]
+                axis = t.shape.index("patches")
+                high = (*high[:axis], high[axis] * (1 + profile.references), *high[axis + 1 :])
+                shapes[t.name] = (low, opt, high)
+        return shapes
+
+    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        tensors: dict[str, tuple[str | None, tuple[int | str, ...]]] = {
+            "hidden_states": (None, ("batch", "patches", self.in_channels)),
+            "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),
+            "timestep": ("float32", ("batch",)),
+            "img_ids": ("float32", ("patches", 4)),  # positions feed the rotary embedding, which stays fp32
+            "txt_ids": ("float32", ("tokens", 4)),
+        }
+        if self.guidance_embeds:
+            tensors["guidance"] = ("float32", ("batch",))
+        return tensors
 
 
 TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {
-    cls.architecture: cls for cls in (SD3TransformerSpec, FluxTransformerSpec)
+    cls.architecture: cls for cls in (SD3TransformerSpec, FluxTransformerSpec, Flux2TransformerSpec)
 }
 
 

@@ -186,6 +186,10 @@ def part_holds(component: str, module: str) -> bool:
 
 
 def split_problem(config: dict[str, Any]) -> str | None:
-    """Why this transformer cannot be split for step caches (one block: nothing to skip), or None."""
+    """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip), or
+    None."""
+    kind = config.get("_class_name", "")
+    if kind and kind not in {c.architecture for c in PART_CLASSES}:
+        return f"step caches are not built for a {kind} (SD3's and Flux.1's transformers only); compile without them"
     blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
     return None if blocks >= 2 else f"it has {blocks} block, and a step cache skips the blocks after the first"

@@ -32,7 +32,15 @@ from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
 from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource, load_folder
-from ..spec import FOLDERS, DenoiserSpec, GraphSpec, ImageEncoderSpec, component_spec, denoiser_component
+from ..spec import (
+    FOLDERS,
+    DenoiserSpec,
+    GraphSpec,
+    ImageEncoderSpec,
+    LLMEncoderSpec,
+    component_spec,
+    denoiser_component,
+)
 from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
@@ -55,9 +63,20 @@ def keep_attention_upcast(unet: Any) -> None:
     unet.set_attn_processor(AttnProcessor())
 
 
-def exporter_for(config: ExportConfig, spec: GraphSpec) -> Literal["dynamo", "torchscript"]:
+def exporter_for(
+    config: ExportConfig, spec: GraphSpec, model: ModelSource | None = None
+) -> Literal["dynamo", "torchscript"]:
     """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
-    Flux's transformers, T5): the one exporter verified on them; and for streamed weights, which need it."""
+    Flux's transformers, T5): the one exporter verified on them; and for streamed weights, which need it. An fp32 LLM
+    text encoder loaded whole (weights up to STREAM_ABOVE in ``model``) takes TorchScript's: both give its hidden
+    states to 1e-7 (tests/test_flux2_klein.py), and torch.export's takes 5× longer over its dozens of layers; fp16 and
+    bf16 keep torch.export's (TorchScript's mis-types fp16 text encoders' norms: ExportConfig)."""
+    llm = isinstance(spec, LLMEncoderSpec) and config.precision == "fp32"
+    if config.exporter == "auto" and llm and config.weights != "stream" and model:
+        from ..graph.onnx_weights import weights_size
+
+        if weights_size(model.component_dir(FOLDERS[spec.component])) <= STREAM_ABOVE:
+            return "torchscript"
     if config.exporter == "auto" and (spec.architecture or config.weights == "stream"):
         return "dynamo"
     return config.chosen_exporter
@@ -75,7 +94,7 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> L
         return config.weights
     if isinstance(spec, DenoiserSpec) and spec.ip_layers:
         return "load"
-    if exporter_for(config, spec) != "dynamo":
+    if exporter_for(config, spec, model) != "dynamo":
         return "load"
     from ..graph.onnx_weights import weights_size
 
@@ -83,10 +102,12 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> L
 
 
 def precision_note(spec: GraphSpec) -> dict[str, str]:
-    """The graph's precision for the manifest, and why, where fp16 is not this network's default (T5)."""
+    """The graph's precision for the manifest, and why, where fp16 is not this network's default (T5, an LLM)."""
     if not spec.fp16_problem:
         return {"graph": spec.precision}
-    verdict = "fp32, not fp16 by default" if spec.precision == "fp32" else "fp16 as asked, against the default"
+    verdict = "fp16 as asked, against the default" if spec.precision == "fp16" else f"{spec.precision}, not fp16"
+    if spec.fp16_fallback != "fp32":
+        verdict += f" (fp16 is built as {spec.fp16_fallback}, or fp32 where the target lacks {spec.fp16_fallback})"
     return {"graph": spec.precision, "why": f"{verdict}: {spec.fp16_problem}"}
 
 
@@ -134,7 +155,7 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     streamed weights and TorchScript's otherwise for a UNet, and the two graphs must not share a key (nor one graph
     have two)."""
     spec = spec_for(model, config)
-    config = dataclasses.replace(config, exporter=exporter_for(config, spec))
+    config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
     return StageRequest(
         stage=STAGE,
         version=VERSION,
@@ -155,7 +176,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     timings: dict[str, float] = {}
     folder = FOLDERS[spec.component]
     weights = weights_path(config, spec, model)
-    exporter = exporter_for(config, spec)
+    exporter = exporter_for(config, spec, model)
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
@@ -261,7 +282,7 @@ def reproduce(
         return (f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "
                 f"--exporter {config.exporter} --opset {config.opset} --io-naming {config.io_naming} "
                 f"--weights {weights}")  # fmt: skip
-    auto = exporter_for(dataclasses.replace(config, exporter="auto"), spec) == config.exporter
+    auto = exporter_for(dataclasses.replace(config, exporter="auto"), spec, model) == config.exporter
     options = f"--precision {config.precision}{'' if auto else f' --exporter {config.exporter}'} --opset {config.opset}"
     encoder = f" --ip-adapter-image-encoder {files.image_encoder}" if config.ip_adapter_image_encoder else ""
     return (f"sdtrt compile --model {model.name} --target onnxruntime --components {denoiser_component(model)} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import DenoiserSpec, GraphSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
+from ..spec import DenoiserSpec, GraphSpec, LLMEncoderSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
 from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 if TYPE_CHECKING:
@@ -72,6 +72,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         "image_encoder": image_encoder,
     }
 
+    if isinstance(spec, LLMEncoderSpec):  # FLUX.2's Qwen3: the stacked hidden states its pipeline reads
+        from .llm_encoder import llm_call
+
+        forward[spec.architecture] = llm_call(network, spec)
     if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches
         from .transformer_split import part_module
 

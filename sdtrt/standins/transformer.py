@@ -14,14 +14,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..lora.refit import EngineLoras, LoraNetwork
 from ..runtime import Runtime
-from ..spec import FluxTransformerSpec, TransformerSpec
+from ..spec import TransformerSpec
 from .base import EngineModule
 from .ip_adapter import NO_IP_ADAPTER, IPAdapterInputs
 from .peft_adapters import PeftAdapters
@@ -53,7 +53,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
 
     def __new__(cls, runtime: Runtime, *args: Any, **kwargs: Any) -> EngineTransformer:
         if cls is EngineTransformer:
-            cls = EngineFluxTransformer if isinstance(runtime.spec, FluxTransformerSpec) else EngineSD3Transformer
+            cls = STANDINS.get(runtime.spec.architecture, EngineSD3Transformer)
         return super().__new__(cls)
 
     def __init__(
@@ -135,13 +135,15 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         ip_embeds = attention.pop("ip_adapter_image_embeds", None) if self.spec.ip_layers else None
         self._refuse(attention, kwargs)
         batch, device = hidden_states.shape[0], hidden_states.device
+        # FLUX.2's pipelines pass integer positions per batch row, which its forward reads from the first row.
+        img_ids, txt_ids = (ids[0] if ids is not None and ids.ndim == 3 else ids for ids in (img_ids, txt_ids))
         given = {
             "hidden_states": hidden_states,
             "encoder_hidden_states": encoder_hidden_states,
             "pooled_projections": pooled_projections,
             "timestep": None if timestep is None else normalise_timestep(timestep, batch, device),
-            "img_ids": img_ids,
-            "txt_ids": txt_ids,
+            "img_ids": None if img_ids is None else img_ids.float(),
+            "txt_ids": None if txt_ids is None else txt_ids.float(),
             "guidance": None if guidance is None else normalise_timestep(guidance, batch, device),
         }
         if self.spec.ip_layers:
@@ -202,3 +204,17 @@ class EngineSD3Transformer(EngineTransformer, SD3Transformer2DModel):
 
 class EngineFluxTransformer(EngineTransformer, FluxTransformer2DModel):
     """A transformer engine standing in for Flux.1's FluxTransformer2DModel."""
+
+
+class EngineFlux2Transformer(EngineTransformer, Flux2Transformer2DModel):
+    """A transformer engine standing in for FLUX.2's Flux2Transformer2DModel."""
+
+
+# The engine's architecture (its spec's) → the stand-in class that is an instance of that diffusers class.
+STANDINS: dict[str, type[EngineTransformer]] = {
+    pytorch.__name__: standin
+    for pytorch, standin in (
+        (SD3Transformer2DModel, EngineSD3Transformer), (FluxTransformer2DModel, EngineFluxTransformer),
+        (Flux2Transformer2DModel, EngineFlux2Transformer),
+    )
+}  # fmt: skip

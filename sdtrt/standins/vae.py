@@ -73,12 +73,13 @@ class PyTorchHalf(torch.nn.Module):
         return vae.decoder(vae.post_quant_conv(x) if vae.post_quant_conv is not None else x)
 
 
-class EngineVAE(EngineModule, AutoencoderKL):
-    """An AutoencoderKL stand-in: its ``encoder`` and ``decoder`` are engines; a half the set lacks runs in PyTorch.
+class EngineHalves(EngineModule):
+    """What a VAE stand-in is: its ``encoder`` and ``decoder`` are engines; a half the set lacks runs in PyTorch.
 
-    AutoencoderKL's own ``encode``/``decode`` run over them, so slicing (a batch loop) and tiling (tiles
-    decoded through the same engine, blended as diffusers blends them) work as on the PyTorch VAE. Tiles
-    are as large as diffusers makes them, and no larger than the engine's profile.
+    The diffusers class's own ``encode``/``decode`` (AutoencoderKL's, or AutoencoderKLFlux2's, the same) run over
+    them, so slicing (a batch loop) and tiling (tiles decoded through the same engine, blended as diffusers blends
+    them) work as on the PyTorch VAE. Tiles are as large as diffusers makes them, and no larger than the engine's
+    profile.
     """
 
     def __init__(
@@ -101,6 +102,10 @@ class EngineVAE(EngineModule, AutoencoderKL):
             (sample_px // scale, *tile_limits(decoder, scale), *tile_limits(encoder, scale))
         )
         self.tile_sample_min_size = self.tile_latent_min_size * scale
+
+
+class EngineVAE(EngineHalves, AutoencoderKL):
+    """An AutoencoderKL stand-in (EngineHalves)."""
 
 
 class InGraph(torch.nn.Identity):

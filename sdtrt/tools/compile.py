@@ -167,7 +167,7 @@ def compile_model(
             require_refit_support()
     if chosen == "tensorrt-rtx" and trt_config is not None:  # before any export: a Turing plan of an fp32 graph
         for component in components or model_components(model):
-            precision = component_precision(model, component, export_config.precision)
+            precision = component_precision(model, component, export_config.precision, chosen)
             if problem := rtx_turing_problem(precision, trt_config.compute_capabilities):
                 raise RequestError(f"cannot build the {component} as a TensorRT-RTX plan: {problem}")
     unwrapped = wrap_problem(trt_config or TrtBuildConfig(), torch_tensorrt_missing()) if chosen == "tensorrt" else None
@@ -194,7 +194,7 @@ def compile_model(
     finals: dict[str, Artifact] = {}
     graphs: dict[str, Artifact] = {}
     for component in components:
-        precision = component_precision(model, component, export_config.precision)
+        precision = component_precision(model, component, export_config.precision, chosen)
         config = replace(export_config, component=component, precision=precision)
         if component not in ("unet", "transformer", IMAGE_ENCODER):  # the adapter goes into these only
             config = replace(config, ip_adapter="", ip_adapter_image_encoder="")
@@ -368,12 +368,27 @@ def upcast_tf32(config: TrtBuildConfig, requested: Precision, precision: Precisi
     return config
 
 
-def component_precision(model: ModelSource, component: str, requested: Precision) -> Precision:
-    """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images) and for networks whose class
-    overflows fp16 (T5: the spec of the folder's class says why; the export manifest records it), else
-    ``requested``."""
+def component_precision(
+    model: ModelSource, component: str, requested: Precision, target: str = "onnxruntime"
+) -> Precision:
+    """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images); for networks whose class
+    overflows fp16 (T5, an LLM: the spec of the folder's class says why; the export manifest records it), its
+    ``fp16_fallback`` where ``target`` runs it (an LLM's bf16), else fp32; else ``requested``."""
     if component.startswith("vae") and model.component_config("vae").get("force_upcast", True):
         return "fp32"
-    if requested == "fp16" and spec_class(component, folder_architecture(model, component)).fp16_problem:
-        return "fp32"
+    spec = spec_class(component, folder_architecture(model, component))
+    if requested == "fp16" and spec.fp16_problem:
+        return "fp32" if _unbuildable(spec.fp16_fallback, target) else spec.fp16_fallback
     return requested
+
+
+def _unbuildable(precision: Precision, target: str) -> bool:
+    """Whether ``target`` cannot build or run graphs of ``precision`` here (bf16 on ONNX Runtime, or before Ampere)."""
+    if target_precision_problem(target, precision):
+        return True
+    if target != "tensorrt" or precision != "bf16":
+        return False
+    from ..core.gpu import gpu_environment
+    from ..stages.build_trt import graph_precision_problem
+
+    return graph_precision_problem(precision, **gpu_environment()) is not None

@@ -24,7 +24,7 @@ from ..core.errors import ParityError, StoreError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..runtime.compare import tensor_stats
-from ..spec import GraphSpec, ValidationCase, denoiser_component, denoiser_spec
+from ..spec import GraphSpec, LLMEncoderSpec, ValidationCase, denoiser_component, denoiser_spec
 from .host_memory import HostMemory
 from .image_quality import latent_psnr_db, psnr_db, ssim
 
@@ -43,13 +43,15 @@ NOT_JSON = ("images", "stored_in")  # what a report holds for the HTML report on
 
 
 def compare_case(runtime: Runtime, network: Any, spec: GraphSpec, case: ValidationCase) -> dict[str, Any]:
-    """One seeded case through the engine and the fp32 PyTorch network (through the graph's own wrapper): the
-    statistics of its worst output."""
+    """One seeded case through the engine and the fp32 PyTorch network (through the graph's own wrapper; an LLM's
+    as transformers runs it, its own masks from the padding mask): the statistics of its worst output."""
     from ..stages.graph_module import graph_module
+    from ..stages.llm_encoder import llm_reference
 
     feeds = spec.case_inputs(case)
+    reference = llm_reference(network, spec) if isinstance(spec, LLMEncoderSpec) else graph_module(spec, network)
     with torch.no_grad():
-        expected = graph_module(spec, network)(*(feeds[name] for name in spec.input_names))
+        expected = reference(*(feeds[name] for name in spec.input_names))
     expected = expected if isinstance(expected, tuple) else (expected,)
     got = runtime.run(feeds)
     rows = [
@@ -356,11 +358,13 @@ def step_drift(latents: list[torch.Tensor], reference_latents: list[torch.Tensor
 
 def _decode(pipe: Any, latents: torch.Tensor, request: GenerateRequest) -> np.ndarray:
     """Decode with the pipeline's VAE (the PyTorch one, where no VAE engine is compared), as the pipeline decodes:
-    Flux's packed latents unpacked, SD3's and Flux's VAE shift undone."""
+    Flux's packed latents unpacked, SD3's and Flux's VAE shift undone; FLUX.2's latent output is what its VAE
+    decodes already (the pipeline undid its batch norm and patchification)."""
     config = pipe.vae.config
     if hasattr(pipe, "_unpack_latents"):  # FluxPipeline's output_type="latent" is packed 2×2
         latents = pipe._unpack_latents(latents, request.height, request.width, pipe.vae_scale_factor)
     shift = getattr(config, "shift_factor", None) or 0.0
+    scale = getattr(config, "scaling_factor", None) or 1.0
     with torch.no_grad():
-        decoded = pipe.vae.decode(latents / config.scaling_factor + shift, return_dict=False)[0]
+        decoded = pipe.vae.decode(latents / scale + shift, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np")

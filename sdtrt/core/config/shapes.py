@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -72,6 +73,9 @@ class ShapeProfile:
     guidance: bool = True
     # None: no T5 in the model; keyed only when set, so the keys of UNet builds stay.
     tokens: Range | None = in_key_unless(None, None)
+    # FLUX.2 [klein]: the most reference images a request may give, each inside height × width; the transformer's
+    # patches cover the output's and theirs (keyed only when set).
+    references: int = in_key_unless(0, 0)
 
     @classmethod
     def around(cls, size_px: int, multiple: int) -> ShapeProfile:
@@ -81,7 +85,8 @@ class ShapeProfile:
         return cls(Range(1, 1, 4), Range(low, size_px, high), Range(low, size_px, high))
 
     def to_json(self) -> dict[str, Any]:
-        tokens = {"tokens": list(self.tokens)} if self.tokens else {}
+        tokens: dict[str, Any] = {"tokens": list(self.tokens)} if self.tokens else {}
+        tokens |= {"references": self.references} if self.references else {}
         return {
             "batch": list(self.batch),
             "height": list(self.height),
@@ -92,7 +97,10 @@ class ShapeProfile:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ShapeProfile:
         tokens = Range(*data["tokens"]) if data.get("tokens") else None
-        return cls(Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"], tokens)
+        return cls(
+            Range(*data["batch"]), Range(*data["height"]), Range(*data["width"]), data["guidance"], tokens,
+            data.get("references", 0),
+        )  # fmt: skip
 
     def unet_batch(self) -> Range:
         """The UNet's batch: doubled by guidance, except at the minimum (guidance off, or LCM/Turbo, runs 1×).
@@ -120,6 +128,24 @@ class ShapeProfile:
                     f"{name} {value} is outside the engine's profile ({rng.min}..{rng.max} px); use a size inside "
                     f"it or rebuild the engine with `sdtrt compile --{name} MIN:OPT:MAX` covering it"
                 )
+        return None
+
+    def references_problem(self, sizes: Sequence[tuple[int, int]]) -> str | None:
+        """Why reference images of these (height, width) sizes, as the pipeline feeds them, are outside the
+        profile, or None."""
+        if len(sizes) > self.references:
+            return (
+                f"{len(sizes)} reference image(s), more than the {self.references} the engines were built for; "
+                f"pass at most {self.references}, or rebuild the engines with a profile of more references"
+            )
+        for i, (height, width) in enumerate(sizes, 1):
+            for name, value, rng in (("height", height, self.height), ("width", width, self.width)):
+                if not rng.min <= value <= rng.max:
+                    return (
+                        f"reference image {i} is {height}x{width} px as the pipeline feeds it, its {name} outside the "
+                        f"engines' profile ({rng.min}..{rng.max} px); resize it to fit, or rebuild the engines with "
+                        f"`sdtrt compile --{name} MIN:OPT:MAX` covering it"
+                    )
         return None
 
     def check(self, pixel_multiple: int) -> None:

@@ -1,0 +1,59 @@
+"""How many text tokens a pipeline's encoders run on (``max_sequence_length``), and the prompts refused for more: T5's
+(SD3, Flux) and an LLM's (FLUX.2 [klein]); which of its tokenizers are CLIP's (they cut a prompt at 77)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+
+def clip_tokenizers(pipe: Any) -> dict[str, Any]:
+    """Text encoder → tokenizer, for the pipeline's CLIP encoders (SD3's third and Flux's second are T5)."""
+    tokenizers = {f"text_encoder{n}": getattr(pipe, f"tokenizer{n}", None) for n in ("", "_2", "_3")}
+    return {encoder: t for encoder, t in tokenizers.items() if "CLIP" in type(t).__name__}
+
+
+def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
+    """``max_sequence_length`` for a pipeline with T5 (SD3, Flux): the most tokens its T5 engine's profile takes
+    (the pipeline's default on PyTorch). T5 pads every prompt to it; a longer prompt is refused (RequestError),
+    never cut as the tokenizer would cut it.
+    """
+    t5_name = next((n for n in ("text_encoder_3", "text_encoder_2") if _is_t5(getattr(pipe, n, None))), None)
+    if t5_name is None:
+        return {}
+    from .request import check_t5_prompts  # shared with the CLI's check before loading
+
+    limit, built = _token_limit(pipe, t5_name)
+    check_t5_prompts(prompts, getattr(pipe, t5_name.replace("text_encoder", "tokenizer")), limit, built)
+    return {"max_sequence_length": limit}
+
+
+def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
+    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s Qwen3), as
+    ``t5_kwargs``: every prompt padded to it, a longer one (counted with its chat template) refused before anything
+    runs."""
+    from transformers import Qwen3ForCausalLM
+
+    if not isinstance(getattr(pipe, "text_encoder", None), Qwen3ForCausalLM):
+        return {}
+    from .request import check_llm_prompts
+
+    limit, built = _token_limit(pipe, "text_encoder")
+    check_llm_prompts(prompts, pipe.tokenizer, limit, built)
+    return {"max_sequence_length": limit}
+
+
+def _token_limit(pipe: Any, encoder: str) -> tuple[int, bool]:
+    """The most text tokens the ``encoder``'s and the transformer's engine profiles take, and True; or the pipeline's
+    max_sequence_length default and False where neither is an engine."""
+    limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
+    profiles = [getattr(getattr(getattr(pipe, n), "runtime", None), "profile", None) for n in (encoder, "transformer")]
+    built = [p.tokens.max for p in profiles if p is not None and p.tokens is not None]
+    return (min(built), True) if built else (limit, False)
+
+
+def _is_t5(module: Any) -> bool:
+    from transformers import T5EncoderModel
+
+    return isinstance(module, T5EncoderModel)

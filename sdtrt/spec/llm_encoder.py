@@ -1,0 +1,81 @@
+"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s Qwen3ForCausalLM): its graph contract.
+
+The pipeline pads each chat-templated prompt to ``max_sequence_length`` with an attention mask, runs the LLM with
+``output_hidden_states=True`` and stacks the hidden states of a few layers (``text_encoder_out_layers``, (9, 18, 27) by
+default) into the prompt embedding. The graph takes ``input_ids`` and ``attention_mask`` (int32 ``[B, T]``, T the
+profile's token axis) and gives only what the pipeline reads: those layers' hidden states, stacked in the graph
+(``[B, layers, T, hidden]``, one output instead of every layer's), never the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from ..core.config import Component, IONaming, Precision
+from ..core.families import LLM_TOKENS
+from .base import FOLDERS, ModelConfigs, TensorSpec
+from .text_encoder import SequenceEncoderSpec
+
+if TYPE_CHECKING:
+    import torch
+
+KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
+
+
+@dataclass(frozen=True)
+class LLMEncoderSpec(SequenceEncoderSpec):
+    """Qwen3ForCausalLM in a pipeline's ``text_encoder``: token ids and their padding mask → the hidden states of
+    ``hidden_layers`` (indices into transformers' ``hidden_states``: 0 is the embedding), stacked on axis 1."""
+
+    component: ClassVar[Component] = "text_encoder"
+    label: ClassVar[str] = "LLM text encoder"
+    architecture: ClassVar[str] = "Qwen3ForCausalLM"
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
+    canonical_outputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
+    fp16_problem: ClassVar[str] = (
+        "Qwen3 is trained in bf16 and its activations overflow fp16 into inf/NaN (QwenLM/Qwen3 issues 761 and 868, "
+        "transformers issue 33312)"
+    )
+    fp16_fallback: ClassVar[Precision] = "bf16"
+
+    hidden_size: int = 2560
+    vocab_size: int = 151936
+    hidden_layers: tuple[int, ...] = KLEIN_LAYERS
+    max_sequence_length: int = LLM_TOKENS["flux2"]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden_layers", tuple(self.hidden_layers))  # a list from JSON
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> LLMEncoderSpec:
+        """This component's contract for ``model``: the LLM's width and vocabulary, the pipeline's layers."""
+        config = model.component_config(FOLDERS[cls.component])
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=model.vae_scale_factor(),
+            hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+            max_sequence_length=cls.pipeline_tokens,
+        )  # fmt: skip
+
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(name, "int32", ("batch", "tokens")) for name in self.input_names]
+
+    def outputs(self) -> list[TensorSpec]:
+        shape = ("batch", len(self.hidden_layers), "tokens", self.hidden_size)
+        return [TensorSpec(self.output_names[0], self.dtype, shape)]
+
+    def sample_inputs(
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
+        tokens: int = 0,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Random ids, and a mask that pads each row on the right after a random length (as Qwen's tokenizer pads)."""
+        import torch
+
+        ids, mask = self.input_names
+        feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype, tokens=tokens)
+        count = feeds[ids].shape[1]
+        lengths = torch.randint(1, count + 1, (batch, 1), generator=torch.Generator().manual_seed(seed + 1))
+        return feeds | {mask: (torch.arange(count)[None, :] < lengths).int()}

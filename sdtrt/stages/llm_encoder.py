@@ -1,0 +1,58 @@
+"""An LLM text encoder (Qwen3ForCausalLM) as the graph exports it: its decoder stack alone (no logits), the pipeline's
+hidden-state layers stacked, and the attention mask built in the graph from the padding mask."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..spec import LLMEncoderSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[B, 1, T, T]`` mask transformers builds for a right-padded batch: query q sees key k ≤ q where
+    k is a token, not padding. A row that would see nothing (a mask padded at its start) sees its own position
+    instead: softmax over nothing but the dtype's minimum is NaN in fp16 and a guess in fp32, never a number to
+    trust, and Qwen's tokenizer pads on the right, where no row is empty."""
+    import torch
+
+    count = attention_mask.shape[1]
+    positions = torch.arange(count, device=attention_mask.device)
+    causal = positions[None, :] <= positions[:, None]
+    allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
+    own = (positions[None, :] == positions[:, None])[None, None]
+    allowed = allowed | (own & ~allowed.any(dim=-1, keepdim=True))
+    minimum = torch.finfo(dtype).min
+    return torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device).masked_fill(~allowed, minimum)
+
+
+def llm_call(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
+    """The graph's forward: (input_ids, attention_mask) → the ``spec.hidden_layers`` hidden states, stacked on axis 1.
+
+    The decoder stack (``network.model``) runs without the LM head, which the pipeline never reads; the mask goes in
+    as transformers' prepared mask mapping, so the graph holds one explicit mask instead of transformers' mask
+    helpers (which branch on the inputs' values)."""
+    import torch
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        dtype = network.model.embed_tokens.weight.dtype
+        mask = {"full_attention": causal_padding_mask(attention_mask, dtype)}
+        out = network.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
+
+    return forward
+
+
+def llm_reference(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
+    """What validation holds the graph to: the whole network as transformers runs it (its own causal and padding
+    masks from the ``[B, T]`` padding mask), the same layers stacked."""
+    import torch
+
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = network(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
+
+    return forward

@@ -1,0 +1,96 @@
+"""EngineQwen3: what FLUX.2 [klein]'s pipeline calls instead of its Qwen3ForCausalLM text encoder.
+
+The pipeline reads nothing of the LLM's output but ``hidden_states[k]`` for its ``text_encoder_out_layers``; the
+engine's graph gives those layers' hidden states stacked (spec/llm_encoder.py), and the stand-in hands them back as
+``hidden_states`` indexed as transformers indexes them, so the pipeline's own code stacks them unchanged. Logits,
+a KV cache, generation and other layers are refused in one line: the engine has none of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Qwen3ForCausalLM
+
+from ..core.errors import ArtifactError, EngineInputError
+from ..runtime import Runtime
+from ..spec import LLMEncoderSpec
+from .base import EngineModule
+
+NOT_A_GENERATOR = (
+    "an LLM text encoder engine gives the hidden states of the layers its pipeline reads, not logits or a KV cache: "
+    "load the model without an engine to generate text"
+)
+
+
+class SelectedLayers(tuple):
+    """``hidden_states`` of an LLM encoder engine: the entries of the layers it was built for (transformers' indices:
+    0 the embedding, i the i-th layer's output); any other index is refused."""
+
+    layers: tuple[int, ...]
+
+    def __new__(cls, stacked: torch.Tensor, layers: tuple[int, ...], count: int) -> SelectedLayers:
+        chosen = dict(zip(layers, stacked.unbind(1), strict=True))
+        out = super().__new__(cls, tuple(chosen.get(i) for i in range(count)))
+        out.layers = layers
+        return out
+
+    def __getitem__(self, index: Any) -> Any:
+        value = super().__getitem__(index)
+        if value is None:
+            raise EngineInputError(
+                f"this LLM text encoder engine keeps hidden_states{list(self.layers)} (the layers its pipeline "
+                f"stacks), not hidden_states[{index}]: call the pipeline with text_encoder_out_layers={self.layers}, "
+                "or run it on PyTorch (load_pipeline without an engine)"
+            )
+        return value
+
+
+class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
+    """A Qwen3ForCausalLM stand-in (FLUX.2 [klein]'s text_encoder) backed by an LLM encoder engine."""
+
+    def __init__(self, runtime: Runtime, config: Any, dtype: torch.dtype | None = None) -> None:
+        super().__init__(config, dtype or runtime.dtype, [runtime])
+        if not isinstance(runtime.spec, LLMEncoderSpec):
+            raise ArtifactError(
+                f"this is a {runtime.spec.component} engine; a Qwen3 text encoder needs an LLM encoder engine"
+            )
+        self.spec: LLMEncoderSpec = runtime.spec
+        self.runtime = runtime
+        self.loras = None  # LoRAs on the LLM: none of the formats sdtrt reads target it
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None, use_cache: bool | None = None, return_dict: bool = True,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        refused = {"output_hidden_states=False": not output_hidden_states, "use_cache=True": bool(use_cache)}
+        refused |= {name: value is not None for name, value in kwargs.items()}
+        if given := [name for name, on in refused.items() if on]:
+            raise EngineInputError(f"{', '.join(given)}: {NOT_A_GENERATOR}")
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        if not right_padded(mask):
+            raise EngineInputError(
+                "the attention_mask pads a row before its tokens, or is all padding: an LLM text encoder engine takes "
+                "right-padded rows with at least one token (Qwen's tokenizer pads on the right; set "
+                "tokenizer.padding_side='right')"
+            )
+        ids, mask_name = self.spec.input_names
+        stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
+        stacked = stacked.to(input_ids.device, self._dtype)
+        hidden = SelectedLayers(stacked, self.spec.hidden_layers, self.config.num_hidden_layers + 1)
+        out = CausalLMOutputWithPast(hidden_states=hidden)
+        return out if return_dict else out.to_tuple()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        raise EngineInputError(f"{type(self).__name__}.generate: {NOT_A_GENERATOR}")
+
+
+def right_padded(mask: torch.Tensor) -> bool:
+    """Whether every row of a ``[B, T]`` padding mask is tokens then padding, its first position a token: the rows
+    the engine's graph masks as transformers does (a row padded first would attend to nothing there)."""
+    tokens = mask.bool()
+    return bool(tokens[:, 0].all() and (tokens[:, 1:] <= tokens[:, :-1]).all())
