@@ -127,7 +127,8 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
     resized it (it scales down only those over 1024²), and more references than the profile counts."""
     from sdtrt.cli.request_options import check_engine_size
     from sdtrt.core.artifact import Artifact
-    from sdtrt.pipeline.request import SizeRule, check_pipeline_inputs
+    from sdtrt.pipeline.image_inputs import check_pipeline_inputs
+    from sdtrt.pipeline.request import SizeRule
 
     source, _, engine = klein
     calls = []
@@ -138,12 +139,13 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
              "2 reference image(s), more than the 1": [noise_image(128, 128)] * 2}  # fmt: skip
     for message, image in cases.items():
         req = request(height=128, width=128, image=image)
-        check_pipeline_inputs(req, "Flux2KleinPipeline", None)  # sdtrt generate --image: klein takes references
+        rule = SizeRule.for_model(source)
+        check_pipeline_inputs(req, "Flux2KleinPipeline", None, rule)  # sdtrt generate --image: klein takes references
         with pytest.raises(RequestError, match=re.escape(message)) as error:
             generate(engine, req)
         assert "\n" not in str(error.value)
         with pytest.raises(RequestError, match=re.escape(message)):  # the CLI's check, before loading
-            check_engine_size(artifact, req, SizeRule.for_model(source))
+            check_engine_size(artifact, req, rule)
     assert not calls
 
 
