@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.artifact import Artifact
-from ..core.config import IMAGE_ENCODER, ExportConfig
+from ..core.config import IMAGE_ENCODER, ExportConfig, format_size
 from ..core.errors import ExportError, one_line
 from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
@@ -39,8 +39,14 @@ from .graph_module import graph_module
 
 STAGE = "export"
 VERSION = 4  # 3: the graph spec is part of the key; 4: torch.concat exported as torch.cat (type-promoted)
-# weights="auto" streams a network whose safetensors files exceed this (SDXL's fp16 UNet: 5.1 GB).
-STREAM_ABOVE = 2_000_000_000
+# Auto streams every network torch.export's exporter traces, and gives that exporter (so as to stream them) the
+# networks it would give TorchScript's whose safetensors files exceed this: every Stable Diffusion network (the
+# smallest, an fp16 VAE: 167 MB), never the tiny presets' (6 MB at most), which TorchScript's exporter traces ~10x
+# faster (the tiny fp16 UNet: 1.8 s, 20 s with torch.export's) and whose weights cost nothing to load.
+STREAM_ABOVE = 64 * 2**20
+# Networks whose streamed graph is not the loaded one byte for byte: auto loads them, with the exporter it gives a
+# loaded network (tests/test_export_streamed.py proves the others).
+NOT_STREAMED = {"vae_encoder": "its streamed graph is the loaded one up to the names of its values, not byte for byte"}
 
 
 def keep_attention_upcast(unet: Any) -> None:
@@ -55,31 +61,50 @@ def keep_attention_upcast(unet: Any) -> None:
     unet.set_attn_processor(AttnProcessor())
 
 
-def exporter_for(config: ExportConfig, spec: GraphSpec) -> Literal["dynamo", "torchscript"]:
+def exporter_for(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["dynamo", "torchscript"]:
     """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
-    Flux's transformers, T5): the one exporter verified on them; and for streamed weights, which need it."""
+    Flux's transformers, T5): the one exporter verified on them; for streamed weights, which need it; and for every
+    network over STREAM_ABOVE, so that auto streams it. An IP-Adapter's image encoder and a denoiser the adapter goes
+    into are loaded whatever their size: they keep the config's choice."""
     if config.exporter == "auto" and (spec.architecture or config.weights == "stream"):
         return "dynamo"
-    return config.chosen_exporter
+    if config.exporter != "auto" or spec.component in (IMAGE_ENCODER, *NOT_STREAMED) or ip_denoiser(spec):
+        return config.chosen_exporter
+    return "dynamo" if folder_size(model, spec) > STREAM_ABOVE else config.chosen_exporter
 
 
-def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["load", "stream"]:
-    """How the network's weights reach the graph: "load" (the network loaded whole, traced, its graph re-saved)
-    or "stream" (traced without weights, initializers streamed from the safetensors files). "auto" streams
-    only with torch.export's exporter and over STREAM_ABOVE bytes of weights on disk. An IP-Adapter's image encoder
-    (in the adapter's folder, not the model's: 1.2 GB at most) is loaded, and so is a denoiser the adapter goes into
-    (diffusers loads the adapter into a loaded network; an explicit "stream" is refused)."""
+def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> tuple[Literal["load", "stream"], str]:
+    """How the network's weights reach the graph, and why (for the manifest): "load" (the network loaded whole,
+    traced, its graph re-saved) or "stream" (traced without weights, initializers streamed from the safetensors
+    files: the same graph, tests/test_export_streamed.py). "auto" streams wherever torch.export's exporter runs
+    (exporter_for gives it every network over STREAM_ABOVE), but for an IP-Adapter's image encoder (in the adapter's
+    folder, not the model's: 1.2 GB at most) and a denoiser the adapter goes into (diffusers loads the adapter into a
+    loaded network; an explicit "stream" is refused)."""
     if spec.component == IMAGE_ENCODER:
-        return "load"
+        return "load", "an IP-Adapter's image encoder, loaded from the adapter's folder (1.2 GB at most)"
     if config.weights != "auto":
-        return config.weights
-    if isinstance(spec, DenoiserSpec) and spec.ip_layers:
-        return "load"
-    if exporter_for(config, spec) != "dynamo":
-        return "load"
+        return config.weights, f"asked for with --weights {config.weights}"
+    if ip_denoiser(spec):
+        return "load", "diffusers loads an IP-Adapter into a loaded denoiser"
+    if spec.component in NOT_STREAMED:
+        return "load", NOT_STREAMED[spec.component]
+    if exporter_for(config, spec, model) == "dynamo":
+        return "stream", "torch.export's exporter traces the network without its weights"
+    if config.exporter == "torchscript":
+        return "load", "TorchScript's exporter runs the network on its weights (torch.export's streams them)"
+    size, limit = format_size(folder_size(model, spec)), format_size(STREAM_ABOVE)
+    return "load", f"{size} of weights, under the {limit} auto streams above: TorchScript's exporter, ~10x faster"
+
+
+def ip_denoiser(spec: GraphSpec) -> bool:
+    return isinstance(spec, DenoiserSpec) and bool(spec.ip_layers)
+
+
+def folder_size(model: ModelSource, spec: GraphSpec) -> int:
+    """Bytes of the safetensors files of the network's folder in the model."""
     from ..graph.onnx_weights import weights_size
 
-    return "stream" if weights_size(model.component_dir(FOLDERS[spec.component])) > STREAM_ABOVE else "load"
+    return weights_size(model.component_dir(FOLDERS[spec.component]))
 
 
 def precision_note(spec: GraphSpec) -> dict[str, str]:
@@ -134,7 +159,7 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     streamed weights and TorchScript's otherwise for a UNet, and the two graphs must not share a key (nor one graph
     have two)."""
     spec = spec_for(model, config)
-    config = dataclasses.replace(config, exporter=exporter_for(config, spec))
+    config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
     return StageRequest(
         stage=STAGE,
         version=VERSION,
@@ -154,12 +179,12 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision, torch.float32)
     timings: dict[str, float] = {}
     folder = FOLDERS[spec.component]
-    weights = weights_path(config, spec, model)
-    exporter = exporter_for(config, spec)
+    weights, weights_reason = weights_path(config, spec, model)
+    exporter = exporter_for(config, spec, model)
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
-    ip_adapter = isinstance(spec, DenoiserSpec) and spec.ip_layers
+    ip_adapter = ip_denoiser(spec)
     if ip_adapter and weights == "stream":  # compile refuses it before any export; export.run's callers here
         raise ExportError("an IP-Adapter goes into a loaded denoiser, not a streamed one: export with --weights load")
     files = ip_adapter_files(config) if config.ip_adapter else None
@@ -242,6 +267,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             "nodes": node_count,
             "exporter": exporter,
             "weights": weights,
+            "weights_reason": weights_reason,
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER
@@ -261,7 +287,7 @@ def reproduce(
         return (f"sdtrt export --model {model.name} --component {spec.component} --precision {config.precision} "
                 f"--exporter {config.exporter} --opset {config.opset} --io-naming {config.io_naming} "
                 f"--weights {weights}")  # fmt: skip
-    auto = exporter_for(dataclasses.replace(config, exporter="auto"), spec) == config.exporter
+    auto = exporter_for(dataclasses.replace(config, exporter="auto"), spec, model) == config.exporter
     options = f"--precision {config.precision}{'' if auto else f' --exporter {config.exporter}'} --opset {config.opset}"
     encoder = f" --ip-adapter-image-encoder {files.image_encoder}" if config.ip_adapter_image_encoder else ""
     return (f"sdtrt compile --model {model.name} --target onnxruntime --components {denoiser_component(model)} "
