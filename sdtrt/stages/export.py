@@ -64,8 +64,8 @@ def keep_attention_upcast(unet: Any) -> None:
 def exporter_for(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["dynamo", "torchscript"]:
     """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
     Flux's transformers, T5): the one exporter verified on them; for streamed weights, which need it; and for every
-    network over STREAM_ABOVE, so that auto streams it. An IP-Adapter's image encoder and a denoiser the adapter goes
-    into are loaded whatever their size: they keep the config's choice."""
+    network over STREAM_ABOVE, so that auto streams it. An IP-Adapter's image encoder, a denoiser the adapter goes
+    into and the NOT_STREAMED networks are loaded whatever their size: they keep the config's choice."""
     if config.exporter == "auto" and (spec.architecture or config.weights == "stream"):
         return "dynamo"
     if config.exporter != "auto" or spec.component in (IMAGE_ENCODER, *NOT_STREAMED) or ip_denoiser(spec):
@@ -97,6 +97,7 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> t
 
 
 def ip_denoiser(spec: GraphSpec) -> bool:
+    """A denoiser exported with an IP-Adapter's layers (it is loaded: diffusers loads the adapter into a network)."""
     return isinstance(spec, DenoiserSpec) and bool(spec.ip_layers)
 
 
@@ -156,8 +157,8 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
 
 def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     """What ``run`` asks the store for. Keyed by the exporter that runs, not "auto": auto means torch.export's for
-    streamed weights and TorchScript's otherwise for a UNet, and the two graphs must not share a key (nor one graph
-    have two)."""
+    a big UNet and TorchScript's for a small one, and the two graphs must not share a key (nor one graph have two).
+    Not by the weights path: a streamed graph is the loaded one, byte for byte."""
     spec = spec_for(model, config)
     config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
     return StageRequest(
