@@ -97,13 +97,6 @@ def pytorch_parity_failures(path, model, spec) -> list[str]:
     return check_tensor_row(row, Tolerances.for_precision(spec.precision), spec.label)
 
 
-@pytest.fixture(scope="module")
-def loaded_store(tmp_path_factory):
-    """The loaded exports' own store: auto streams wherever torch.export's exporter runs, and `weights` is not in the
-    key, so the session store answers these requests with streamed exports."""
-    return Store(tmp_path_factory.mktemp("loaded"))
-
-
 @pytest.mark.parametrize(("preset", "component", "precision"), CASES, ids=lambda v: str(v))
 def test_streamed_export_is_the_loaded_export(preset, component, precision, loaded_store, streamed_export):
     model = resolve_model(preset)
