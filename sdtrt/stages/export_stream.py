@@ -64,6 +64,8 @@ def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> 
                 value = buffer.float() if buffer.dtype == torch.bfloat16 else buffer
                 computed[f"network.{prefix}{'.' if prefix else ''}{name}"] = value.numpy()
     stored = onnx_weights.safetensors_index(path)
+    if rename := getattr(network, "_fix_state_dict_keys_on_load", None):  # diffusers' own renaming, as on load:
+        rename(stored)  # a VAE's attention keys saved under their old names (query → to_q …: SD 2.1-base's)
     # Tied weights are saved once (T5's shared / encoder.embed_tokens): each name reads the one saved.
     tied: dict[int, list[str]] = {}
     for name, tensor in network.state_dict(keep_vars=True).items():
