@@ -150,8 +150,9 @@ def adapter_inputs(config: ExportConfig, spec: GraphSpec) -> list[dict[str, Any]
 
 def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
     request = request_for(config, model)
-    config, spec = request.config, spec_for(model, request.config)
-    artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))
+    spec = spec_for(model, config)
+    weights = weights_path(config, spec, model)  # from the config as given: why auto chose is the manifest's reason
+    artifact, _ = store.produce(request, lambda out_dir: _export(request.config, model, spec, out_dir, weights))
     return artifact
 
 
@@ -172,7 +173,9 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     )
 
 
-def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
+def _export(
+    config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path, weights_and_reason: tuple[str, str]
+) -> dict[str, Any]:
     import torch
 
     from .patches import export_patches
@@ -180,8 +183,8 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision, torch.float32)
     timings: dict[str, float] = {}
     folder = FOLDERS[spec.component]
-    weights, weights_reason = weights_path(config, spec, model)
-    exporter = exporter_for(config, spec, model)
+    weights, weights_reason = weights_and_reason
+    exporter = config.chosen_exporter  # request_for resolved auto
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
