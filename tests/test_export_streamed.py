@@ -170,6 +170,10 @@ def test_auto_streams_every_network_torch_export_traces_and_keys_the_graph_not_t
     encoder = ExportConfig(component="vae_encoder", exporter="dynamo")  # its values numbered otherwise when streamed
     why = export.NOT_STREAMED["vae_encoder"]
     assert export.weights_path(encoder, export.spec_for(tiny, encoder), tiny) == ("load", why)
+    # Its streamed graph names some values otherwise than its loaded one: the two have their own keys.
+    assert export.request_for(dataclasses.replace(encoder, weights="stream"), tiny).key not in {
+        export.request_for(dataclasses.replace(encoder, weights=weights), tiny).key for weights in ("auto", "load")
+    }
     monkeypatch.setattr(export, "STREAM_ABOVE", 1000)  # tiny's UNet as if it were SD 1.5's
     assert plan() == ("dynamo", "stream", "torch.export's exporter traces the network without its weights")
     assert plan(weights="load") == ("dynamo", "load", "asked for with --weights load"), "auto's graph, loaded"

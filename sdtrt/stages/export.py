@@ -158,17 +158,21 @@ def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
 
 def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     """What ``run`` asks the store for. Keyed by the exporter that runs, not "auto": auto means torch.export's for
-    a big UNet and TorchScript's for a small one, and the two graphs must not share a key (nor one graph have two).
-    Not by the weights path: a streamed graph is the loaded one, byte for byte."""
+    a network over STREAM_ABOVE and often TorchScript's for a smaller one (exporter_for), and the two graphs must not
+    share a key (nor one graph have two).
+    Not by the weights path: a streamed graph is the loaded one, byte for byte; but for the NOT_STREAMED networks,
+    whose streamed graph (asked for) has its own key."""
     spec = spec_for(model, config)
+    streamed_otherwise = spec.component in NOT_STREAMED and weights_path(config, spec, model)[0] == "stream"
     config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
+    # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
+    # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
+    inputs = adapter_inputs(config, spec) if spec.component == IMAGE_ENCODER else network_inputs(model, spec)
     return StageRequest(
         stage=STAGE,
         version=VERSION,
         config=config,
-        # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
-        # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
-        inputs=adapter_inputs(config, spec) if spec.component == IMAGE_ENCODER else network_inputs(model, spec),
+        inputs=[*inputs, {"kind": "weights", "path": "stream"}] if streamed_otherwise else inputs,
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
 
