@@ -172,7 +172,7 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
         stage=STAGE,
         version=VERSION,
         config=config,
-        inputs=[*inputs, {"kind": "weights", "path": "stream"}] if streamed_otherwise else inputs,
+        inputs=[*inputs, {"kind": "weights", "digest": "stream"}] if streamed_otherwise else inputs,
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
 
