@@ -9,6 +9,7 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
     python benchmarks/big_export.py --model sd35-large-random --json big-sd35.json
     python benchmarks/big_export.py --model sdxl-random --component unet --exporter dynamo
     python benchmarks/big_export.py --model tiny-flux --engines /tmp/big/engines --models /tmp/big/models
+    python benchmarks/big_export.py --model sd15-random --compare-weights   # loaded and streamed, side by side
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
@@ -50,10 +51,12 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
         from sdtrt.core.config import ExportConfig
         from sdtrt.stages import export
 
-        overrides = {k: v for k, v in (("precision", args.precision), ("exporter", args.exporter)) if v}
+        options = (("precision", args.precision), ("exporter", args.exporter), ("weights", args.weights))
+        overrides = {k: v for k, v in options if v}
         artifact = export.run(ExportConfig(component=component, **overrides), model, store)  # type: ignore[arg-type]
+        details = artifact.manifest["details"]
         return {"export": str(artifact.path), "precision": artifact.manifest["io"]["precision"],
-                "exporter": artifact.manifest["details"]["exporter"]}  # fmt: skip
+                "exporter": details["exporter"], "weights": details["weights"]}  # fmt: skip
     if step == "simplify":
         from sdtrt.core.config import SimplifyConfig, parse_size
         from sdtrt.stages import simplify
@@ -106,6 +109,12 @@ def main() -> None:
     parser.add_argument("--component", default=None, help="default: the model's denoiser")
     parser.add_argument("--precision", default=None, help="default: ExportConfig's")
     parser.add_argument("--exporter", default=None, help="default: ExportConfig's (auto)")
+    parser.add_argument("--weights", default=None, choices=("auto", "load", "stream"), help="default: ExportConfig's")
+    parser.add_argument(
+        "--compare-weights", action="store_true",
+        help="export and simplify twice, --weights load then stream, each into its own store under --engines "
+        "(weights-load/, weights-stream/: the key does not hold the weights path), side by side",
+    )  # fmt: skip
     parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
     parser.add_argument("--models", default=os.environ.get("SDTRT_MODELS"), help="presets cache")
     parser.add_argument("--memory-budget", default=None, help="simplify's (8GiB): over it the ORT check is skipped")
@@ -116,15 +125,23 @@ def main() -> None:
     if ran_as_child(args, run_step):
         return
 
+    # (step, label, extra child arguments): each step once, or export and simplify once per weights path.
+    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS]
+    if args.compare_weights:
+        plan = [("preset", "", [])] + [
+            (step, f" ({weights})", ["--weights", weights, "--engines", str(Path(args.engines) / f"weights-{weights}")])
+            for weights in ("load", "stream")
+            for step in ("export", "simplify")
+        ]
     state: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
-    for step in STEPS:
+    for step, label, extra in plan:
         failed = {r["step"] for r in rows if r["exit"] != 0}  # skipped ones too
-        if NEEDS.get(step) in failed:
-            rows.append({"step": step, "exit": None, "error": f"skipped: {NEEDS[step]} failed"})
+        if step in NEEDS and {NEEDS[step], NEEDS[step] + label} & failed:
+            rows.append({"step": step + label, "exit": None, "error": f"skipped: {NEEDS[step]} failed"})
             continue
-        print(f"== {step}", file=sys.stderr, flush=True)
-        row = child(step, sys.argv[1:], state)
+        print(f"== {step}{label}", file=sys.stderr, flush=True)
+        row = child(step, sys.argv[1:] + extra, state) | {"step": step + label}
         state |= row.get("result", {})
         rows.append(row)
     report(args, state, rows)
@@ -141,12 +158,12 @@ def report(args: argparse.Namespace, state: dict[str, Any], rows: list[dict[str,
                "steps": rows}  # fmt: skip
     print(f"\n{args.model} {state.get('component')}: {state.get('parameters', 0) / 1e6:.1f} M parameters, "
           f"{weight_bytes / 2**30:.2f} GiB at the graph's precision ({state.get('exporter')} exporter)")  # fmt: skip
-    print(f"{'step':<11} {'wall s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
+    print(f"{'step':<18} {'wall s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
     for row in rows:
         rss = f"{row['peak_rss_bytes'] / 2**30:.2f}" if "peak_rss_bytes" in row else "-"
         ratio = f"{row['peak_per_weight_bytes']:.2f}" if "peak_per_weight_bytes" in row else "-"
         wall = f"{row['wall_s']:.1f}" if "wall_s" in row else "-"
-        print(f"{row['step']:<11} {wall:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}")
+        print(f"{row['step']:<18} {wall:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}")
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
@@ -161,7 +178,7 @@ def outcome(result: dict[str, Any]) -> str:
         return f"method {result['method']}"
     if "mapped" in result:
         return f"{result['mapped']} mapped, {result['unmapped']} unmapped"
-    return ", ".join(f"{k} {v}" for k, v in result.items() if k in ("export", "model"))
+    return ", ".join(f"{k} {v}" for k, v in result.items() if k in ("export", "weights", "model"))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,16 @@ def streamed_export(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def loaded_store(tmp_path_factory: pytest.TempPathFactory):
+    """A store for exports with ``weights="load"``, shared by the session's workers: auto streams wherever
+    torch.export's exporter runs, and `weights` is not in the cache key, so the session store answers a loaded
+    request with the streamed export (the same graph)."""
+    from sdtrt.core.store import Store
+
+    return Store(session_dir(tmp_path_factory, "loaded"))
+
+
+@pytest.fixture(scope="session")
 def tiny_export(tiny, store):
     from sdtrt.core.config import ExportConfig
     from sdtrt.stages import export

@@ -7,6 +7,8 @@ and the same output on ONNX Runtime.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import shutil
 
 import numpy as np
@@ -27,8 +29,11 @@ from sdtrt.stages import export
 from sdtrt.tools.validate import Tolerances, check_tensor_row, compare_case
 
 # (preset, component, precision): a UNet in fp32 and SDXL's in fp16 (tiny's fp16 UNet takes the same path, less
-# SDXL's extra inputs), SD3's and Flux's transformers, a T5 (fp16 keeps its `wo` fp32) and a CLIP text encoder (its
-# position ids are a non-persistent buffer, in no safetensors file).
+# SDXL's extra inputs), SD3's and Flux's transformers, a T5 (fp16 keeps its `wo` fp32), a CLIP text encoder (its
+# position ids are a non-persistent buffer, in no safetensors file), a VAE decoder (the network's encoder weights go
+# unused): every component auto streams (the VAE encoder, whose values a streamed trace numbers otherwise, is loaded:
+# export.NOT_STREAMED). ControlNets and the other presets' denoisers (SD 2's upcast attention, LCM's timestep_cond,
+# inpainting's 9 channels, the refiner's and SDXL ControlNet's extra inputs) run with -m slow.
 CASES = [
     ("tiny", "unet", "fp32"),
     # SDXL's fp16 UNet streamed (41 s in CI22): its extra inputs and fp16 are covered by the others; run with -m slow.
@@ -38,6 +43,19 @@ CASES = [
     ("tiny-flux", "text_encoder_2", "fp32"),
     ("tiny-flux", "text_encoder_2", "fp16"),
     ("tiny", "text_encoder", "fp16"),
+    ("tiny", "vae_decoder", "fp16"),
+    *(
+        pytest.param(*case, marks=pytest.mark.slow)
+        for case in [
+            ("tiny-controlnet", "controlnet", "fp16"),  # 20 s: the UNet's blocks, covered by tiny's UNet
+            ("tiny-sd2", "unet", "fp16"),
+            ("tiny-lcm", "unet", "fp16"),
+            ("tiny-inpaint", "unet", "fp16"),
+            ("tiny-sdxl-refiner", "unet", "fp16"),
+            ("tiny-sdxl-controlnet", "controlnet", "fp16"),
+            ("tiny-sdxl", "text_encoder_2", "fp16"),
+        ]
+    ),
 ]
 
 
@@ -81,14 +99,15 @@ def pytorch_parity_failures(path, model, spec) -> list[str]:
 
 
 @pytest.mark.parametrize(("preset", "component", "precision"), CASES, ids=lambda v: str(v))
-def test_streamed_export_is_the_loaded_export(preset, component, precision, store, streamed_export):
+def test_streamed_export_is_the_loaded_export(preset, component, precision, loaded_store, streamed_export):
     model = resolve_model(preset)
     config = ExportConfig(precision, exporter="dynamo", component=component, weights="load")
-    loaded = export.run(config, model, store)
+    loaded = export.run(config, model, loaded_store)
     assert loaded.manifest["details"]["weights"] == "load"
     # Over a 1000-byte threshold the streamed weights go to .onnx.data, the layout real (multi-GB) models get.
     streamed = streamed_export(model, component, precision)  # the one test_block_parity cuts blocks from
     assert streamed.manifest["details"]["weights"] == "stream"
+    assert streamed.manifest["details"]["weights_reason"] == "asked for with --weights stream"
     assert "--weights stream" in streamed.manifest["reproduce"]
 
     want = onnx.load(str(loaded.primary))
@@ -130,13 +149,64 @@ def test_a_weight_missing_from_the_shards_fails_clearly_and_leaves_nothing(tmp_p
     assert not [p for p in (tmp_path / "engines").rglob("*") if p.is_file() and ".onnx" in p.name]
 
 
-def test_auto_streams_only_big_folders_with_torch_export(tiny, monkeypatch):
+def test_auto_streams_every_network_torch_export_traces_and_keys_the_graph_not_the_path(tiny, tiny_export, monkeypatch):
+    # export.run's manifest (the session's tiny UNet, auto) says why auto loaded it: its size, not an exporter asked.
+    details = tiny_export.manifest["details"]
+    assert details["weights"] == "load"
+    assert re.fullmatch(r"3\.\d MiB of weights, under the 64\.0 MiB auto streams above.*", details["weights_reason"])
     spec = export.spec_for(tiny, ExportConfig())
-    assert export.weights_path(ExportConfig(exporter="dynamo"), spec, tiny) == "load"
-    assert export.weights_path(ExportConfig(exporter="dynamo", weights="stream"), spec, tiny) == "stream"
-    assert export.exporter_for(ExportConfig(weights="stream"), spec) == "dynamo"
-    monkeypatch.setattr(export, "STREAM_ABOVE", 1000)  # tiny's UNet as if it were SDXL's
-    assert export.weights_path(ExportConfig(exporter="dynamo"), spec, tiny) == "stream"
-    assert export.weights_path(ExportConfig(), spec, tiny) == "load", "the fp16 UNet's auto exporter is TorchScript's"
+
+    def plan(**options) -> tuple[str, str, str]:
+        config = ExportConfig(**options)
+        return export.exporter_for(config, spec, tiny), *export.weights_path(config, spec, tiny)
+
+    exporter, weights, why = plan()
+    assert (exporter, weights) == ("torchscript", "load"), "tiny's 3 MB UNet"
+    assert re.fullmatch(r"3\.\d MiB of weights, under the 64\.0 MiB auto streams above: TorchScript's exporter.*", why)
+    assert plan(exporter="dynamo")[:2] == ("dynamo", "stream")
+    assert plan(weights="stream")[:2] == ("dynamo", "stream")
     with pytest.raises(ConfigError, match=r"torch\.export"):
         ExportConfig(exporter="torchscript", weights="stream")
+    encoder = ExportConfig(component="vae_encoder", exporter="dynamo")  # its values numbered otherwise when streamed
+    why = export.NOT_STREAMED["vae_encoder"]
+    assert export.weights_path(encoder, export.spec_for(tiny, encoder), tiny) == ("load", why)
+    # Its streamed graph names some values otherwise than its loaded one: the two have their own keys.
+    assert export.request_for(dataclasses.replace(encoder, weights="stream"), tiny).key not in {
+        export.request_for(dataclasses.replace(encoder, weights=weights), tiny).key for weights in ("auto", "load")
+    }
+    monkeypatch.setattr(export, "STREAM_ABOVE", 1000)  # tiny's UNet as if it were SD 1.5's
+    assert plan() == ("dynamo", "stream", "torch.export's exporter traces the network without its weights")
+    assert plan(weights="load") == ("dynamo", "load", "asked for with --weights load"), "auto's graph, loaded"
+    assert plan(exporter="torchscript")[:2] == ("torchscript", "load")
+    # The key follows the graph: the exporter that runs, never how the weights reached it.
+    keys = {options: export.request_for(ExportConfig(**dict(options)), tiny).key for options in (
+        (), (("weights", "load"),), (("exporter", "dynamo"),), (("exporter", "torchscript"),)
+    )}  # fmt: skip
+    assert len(set(keys.values())) == 2 and keys[()] == keys[(("weights", "load"),)] == keys[(("exporter", "dynamo"),)]
+
+
+def test_a_vae_saved_with_the_old_attention_names_streams_as_it_loads(tmp_path, loaded_store):
+    """diffusers renames a VAE's attention weights saved as query/key/value/proj_attn on load (SD 2.1-base's):
+    streamed, their values reach the same graph."""
+    from safetensors.torch import load_file, save_file
+
+    tiny = resolve_model("tiny")
+    folder = tmp_path / "model"
+    shutil.copytree(tiny.path, folder)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    old_names = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+    renamed = {
+        next((key.replace(new, old) for new, old in old_names.items() if ".attentions." in key and new in key), key): v
+        for key, v in load_file(weights).items()
+    }
+    assert len(set(renamed) - set(load_file(weights))) == 16
+    save_file(renamed, weights)
+
+    config = ExportConfig("fp16", exporter="dynamo", component="vae_decoder", weights="load")
+    want = onnx.load(str(export.run(config, tiny, loaded_store).primary))  # the default case's baseline
+    streamed = export.run(
+        dataclasses.replace(config, weights="stream"), resolve_model(str(folder)), Store(tmp_path / "s")
+    )
+    got = onnx.load(str(streamed.primary))
+    assert nodes(got) == nodes(want)
+    assert initializers(got) == initializers(want)

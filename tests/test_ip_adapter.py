@@ -255,9 +255,11 @@ def test_an_adapter_that_does_not_fit_is_refused_from_its_header_before_any_expo
     fresh = random_ip_adapter(model, tmp_path / "fresh", seed=2).weights
     config = ExportConfig(ip_adapter=str(fresh), precision="bf16", exporter="dynamo")
     monkeypatch.setattr("sdtrt.graph.onnx_weights.weights_size", lambda folder: 1 << 40)
-    assert export.weights_path(config, export.spec_for(model, config), model) == "load"
+    assert export.weights_path(config, export.spec_for(model, config), model) == (
+        "load", "diffusers loads an IP-Adapter into a loaded denoiser"
+    )  # fmt: skip
     plain = replace(config, ip_adapter="")
-    assert export.weights_path(plain, export.spec_for(model, plain), model) == "stream"
+    assert export.weights_path(plain, export.spec_for(model, plain), model)[0] == "stream"
     export.request_for(config, model), export.request_for(config, model)
     assert hashed == [fresh]
 

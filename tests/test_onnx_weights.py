@@ -95,3 +95,33 @@ def test_two_graphs_saved_from_one_proto_each_get_their_data_file(tmp_path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == files
     (tmp_path / "unet.trt.onnx.data").unlink()  # the second graph stands alone
     assert np.array_equal(written_initializers(tmp_path / "unet.onnx")["w"], weight)
+
+
+def test_only_the_files_from_pretrained_reads_without_a_variant_are_streamed_and_counted(tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from sdtrt.graph.onnx_weights import safetensors_index, weights_size
+
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    for folder, name, variant in (
+        (sharded, "model-00001-of-00001.safetensors", "model.fp16-00001-of-00001.safetensors"),
+        (single, "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors"),
+    ):
+        folder.mkdir()
+        save_file({"w": torch.ones(4)}, folder / name)
+        save_file({"w": torch.ones(4, dtype=torch.float16)}, folder / variant)  # sorts after: it won before
+        save_file({"w": torch.ones(4).to(torch.float8_e4m3fn)}, folder / name.replace("model", "model.fp8"))
+    for index in ("model.safetensors.index.json", "model.safetensors.index.fp16.json"):
+        shard = "model-00001-of-00001.safetensors" if "fp16" not in index else "model.fp16-00001-of-00001.safetensors"
+        (sharded / index).write_text(json.dumps({"metadata": {}, "weight_map": {"w": shard}}))
+
+    for folder, name in (
+        (sharded, "model-00001-of-00001.safetensors"),
+        (single, "diffusion_pytorch_model.safetensors"),
+    ):
+        stored = safetensors_index(folder)  # the fp8 variant's dtype, which sdtrt cannot stream, is never read
+        assert (stored["w"].file.name, stored["w"].dtype) == (name, "float32")
+        assert weights_size(folder) == (folder / name).stat().st_size

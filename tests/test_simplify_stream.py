@@ -172,3 +172,10 @@ def test_auto_streams_a_graph_whose_weights_do_not_fit(tiny_export, tmp_path):
     assert (result.path / "unet.sim.onnx.data").stat().st_blocks * 512 < HUGE  # the copy kept the hole a hole
     huge = external_weights(source.primary)["huge"]
     assert external_weights(result.primary)["huge"] == ("unet.sim.onnx.data", *huge[1:])
+
+
+def test_auto_streams_every_graph_over_64_mib_and_keeps_onnxsim_for_small_ones():
+    method, why = simplify.choose_method("auto", 1_700_000_000, 64 * 2**30)  # SD 1.5's fp16 UNet, a big machine
+    assert method == "stream" and why.startswith("1.70 GB of weights, over the 64.0 MiB auto loads")
+    assert simplify.choose_method("auto", 6_000_000, 64 * 2**30)[0] == "onnxsim"  # the tiny presets' graphs
+    assert "over the memory budget" in simplify.choose_method("auto", 6_000_000, 2**20)[1]

@@ -31,7 +31,10 @@ PrecisionOpt = Annotated[
 ]
 ExporterOpt = Annotated[
     Exporter,
-    typer.Option(help="auto (TorchScript-based; torch.export-based for fp16 text encoders), torchscript or dynamo."),
+    typer.Option(
+        help="auto (torch.export-based for every network over 64 MiB, so that its weights stream, and for fp16 text "
+        "encoders; TorchScript-based for smaller ones), torchscript or dynamo."
+    ),
 ]
 ComponentOpt = Annotated[
     Component | None, typer.Option(help=f"Which network: {', '.join(COMPONENTS)} (default: the model's denoiser).")
@@ -45,14 +48,14 @@ WeightsOpt = Annotated[
     Weights,
     typer.Option(
         help="load (the network whole, then traced), stream (traced without weights; the initializers streamed from "
-        "the safetensors files: the same graph, memory of one tensor), or auto (stream over 2 GB of weights with "
-        "torch.export's exporter)."
+        "the safetensors files: the same graph, memory of one tensor), or auto (stream wherever torch.export's "
+        "exporter runs; the manifest says why a network was loaded)."
     ),
 ]
 MethodOpt = Annotated[
     SimplifyMethod,
     typer.Option(
-        help="auto: stream for graphs over 2 GB of weights (or too big for this machine's memory), else onnxsim, "
+        help="auto: stream for graphs over 64 MiB of weights (or too big for this machine's memory), else onnxsim, "
         "else constant folding; stream: clean up without loading the weights (the kernel copies their file)."
     ),
 ]

@@ -51,14 +51,29 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
+# The weight files from_pretrained reads without a variant: sharded (an index) or whole, diffusers' and transformers'.
+WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files ``from_pretrained`` reads from the folder without a variant: the shards its index
+    names, else the one file; never a variant's (``name.fp16.safetensors``, ``name.fp16-00001-of-00002…``)."""
+    for name in WEIGHT_FILES:
+        if (index := folder / f"{name}.index.json").is_file():
+            return sorted({folder / file for file in json.loads(index.read_text())["weight_map"].values()})
+        if (single := folder / name).is_file():
+            return [single]
+    return []
+
+
 def safetensors_index(folder: Path) -> dict[str, StoredTensor]:
-    """Every tensor of the folder's ``*.safetensors`` files (one file or diffusers' shards), by name.
+    """Every tensor of the folder's weight files (weight_files: one file or its shards), by name.
 
     Reads the headers only: an 8-byte little-endian length, then JSON naming each tensor's dtype, shape and
     data offsets (relative to the end of the header), as the safetensors format defines them.
     """
     index: dict[str, StoredTensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in weight_files(folder):
         index |= safetensors_file_index(file)
     return index
 
@@ -92,8 +107,8 @@ def read_tensor(stored: StoredTensor, dtype: np.dtype[Any]) -> np.ndarray:
 
 
 def weights_size(folder: Path) -> int:
-    """Bytes of the folder's safetensors files."""
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    """Bytes of the folder's weight files (weight_files)."""
+    return sum(f.stat().st_size for f in weight_files(folder))
 
 
 def check_sources(names: Iterable[str], stored: Mapping[str, StoredTensor], folder: Path) -> None:

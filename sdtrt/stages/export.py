@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.artifact import Artifact
-from ..core.config import IMAGE_ENCODER, ExportConfig
+from ..core.config import IMAGE_ENCODER, ExportConfig, format_size
 from ..core.errors import ExportError, one_line
 from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
@@ -47,8 +47,14 @@ from .graph_module import graph_module
 
 STAGE = "export"
 VERSION = 4  # 3: the graph spec is part of the key; 4: torch.concat exported as torch.cat (type-promoted)
-# weights="auto" streams a network whose safetensors files exceed this (SDXL's fp16 UNet: 5.1 GB).
-STREAM_ABOVE = 2_000_000_000
+# Auto streams every network torch.export's exporter traces, and gives that exporter (so as to stream them) the
+# networks it would give TorchScript's whose safetensors files exceed this: every Stable Diffusion network (the
+# smallest, an fp16 VAE: 167 MB), never the tiny presets' (6 MB at most), which TorchScript's exporter traces ~10x
+# faster (the tiny fp16 UNet: 1.8 s, 20 s with torch.export's) and whose weights cost nothing to load.
+STREAM_ABOVE = 64 * 2**20
+# Networks whose streamed graph is not the loaded one byte for byte: auto loads them, with the exporter it gives a
+# loaded network (tests/test_export_streamed.py proves the others).
+NOT_STREAMED = {"vae_encoder": "its streamed graph is the loaded one up to the names of its values, not byte for byte"}
 
 
 def keep_attention_upcast(unet: Any) -> None:
@@ -63,42 +69,57 @@ def keep_attention_upcast(unet: Any) -> None:
     unet.set_attn_processor(AttnProcessor())
 
 
-def exporter_for(
-    config: ExportConfig, spec: GraphSpec, model: ModelSource | None = None
-) -> Literal["dynamo", "torchscript"]:
+def exporter_for(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["dynamo", "torchscript"]:
     """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
-    Flux's transformers, T5): the one exporter verified on them; and for streamed weights, which need it. An fp32 LLM
-    text encoder loaded whole (weights up to STREAM_ABOVE in ``model``) takes TorchScript's: both give its hidden
-    states to 1e-7 (tests/test_flux2_klein.py), and torch.export's takes 5× longer over its dozens of layers; fp16 and
-    bf16 keep torch.export's (TorchScript's mis-types fp16 text encoders' norms: ExportConfig)."""
-    llm = isinstance(spec, LLMEncoderSpec) and config.precision == "fp32"
-    if config.exporter == "auto" and llm and config.weights != "stream" and model:
-        from ..graph.onnx_weights import weights_size
-
-        if weights_size(model.component_dir(FOLDERS[spec.component])) <= STREAM_ABOVE:
-            return "torchscript"
+    Flux's transformers, T5): the one exporter verified on them; for streamed weights, which need it; and for every
+    network over STREAM_ABOVE, so that auto streams it. An IP-Adapter's image encoder, a denoiser the adapter goes
+    into and the NOT_STREAMED networks are loaded whatever their size: they keep the config's choice. An fp32 LLM
+    text encoder loaded whole (up to STREAM_ABOVE) takes TorchScript's: both give its hidden states to 1e-7
+    (tests/test_flux2_klein.py), and torch.export's takes 5× longer over its dozens of layers; fp16 and bf16 keep
+    torch.export's (TorchScript's mis-types fp16 text encoders' norms: ExportConfig)."""
+    llm = isinstance(spec, LLMEncoderSpec) and config.precision == "fp32" and config.weights != "stream"
+    if config.exporter == "auto" and llm and folder_size(model, spec) <= STREAM_ABOVE:
+        return "torchscript"
     if config.exporter == "auto" and (spec.architecture or config.weights == "stream"):
         return "dynamo"
-    return config.chosen_exporter
+    if config.exporter != "auto" or spec.component in (IMAGE_ENCODER, *NOT_STREAMED) or ip_denoiser(spec):
+        return config.chosen_exporter
+    return "dynamo" if folder_size(model, spec) > STREAM_ABOVE else config.chosen_exporter
 
 
-def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["load", "stream"]:
-    """How the network's weights reach the graph: "load" (the network loaded whole, traced, its graph re-saved)
-    or "stream" (traced without weights, initializers streamed from the safetensors files). "auto" streams
-    only with torch.export's exporter and over STREAM_ABOVE bytes of weights on disk. An IP-Adapter's image encoder
-    (in the adapter's folder, not the model's: 1.2 GB at most) is loaded, and so is a denoiser the adapter goes into
-    (diffusers loads the adapter into a loaded network; an explicit "stream" is refused)."""
+def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> tuple[Literal["load", "stream"], str]:
+    """How the network's weights reach the graph, and why (for the manifest): "load" (the network loaded whole,
+    traced, its graph re-saved) or "stream" (traced without weights, initializers streamed from the safetensors
+    files: the same graph, tests/test_export_streamed.py). "auto" streams wherever torch.export's exporter runs
+    (exporter_for gives it every network over STREAM_ABOVE), but for an IP-Adapter's image encoder (in the adapter's
+    folder, not the model's: 1.2 GB at most) and a denoiser the adapter goes into (diffusers loads the adapter into a
+    loaded network; an explicit "stream" is refused)."""
     if spec.component == IMAGE_ENCODER:
-        return "load"
+        return "load", "an IP-Adapter's image encoder, loaded from the adapter's folder (1.2 GB at most)"
     if config.weights != "auto":
-        return config.weights
-    if isinstance(spec, DenoiserSpec) and spec.ip_layers:
-        return "load"
-    if exporter_for(config, spec, model) != "dynamo":
-        return "load"
+        return config.weights, f"asked for with --weights {config.weights}"
+    if ip_denoiser(spec):
+        return "load", "diffusers loads an IP-Adapter into a loaded denoiser"
+    if spec.component in NOT_STREAMED:
+        return "load", NOT_STREAMED[spec.component]
+    if exporter_for(config, spec, model) == "dynamo":
+        return "stream", "torch.export's exporter traces the network without its weights"
+    if config.exporter == "torchscript":
+        return "load", "TorchScript's exporter runs the network on its weights (torch.export's streams them)"
+    size, limit = format_size(folder_size(model, spec)), format_size(STREAM_ABOVE)
+    return "load", f"{size} of weights, under the {limit} auto streams above: TorchScript's exporter, ~10x faster"
+
+
+def ip_denoiser(spec: GraphSpec) -> bool:
+    """A denoiser exported with an IP-Adapter's layers (it is loaded: diffusers loads the adapter into a network)."""
+    return isinstance(spec, DenoiserSpec) and bool(spec.ip_layers)
+
+
+def folder_size(model: ModelSource, spec: GraphSpec) -> int:
+    """Bytes of the safetensors files of the network's folder in the model."""
     from ..graph.onnx_weights import weights_size
 
-    return "stream" if weights_size(model.component_dir(FOLDERS[spec.component])) > STREAM_ABOVE else "load"
+    return weights_size(model.component_dir(FOLDERS[spec.component]))
 
 
 def precision_note(spec: GraphSpec) -> dict[str, str]:
@@ -145,29 +166,36 @@ def adapter_inputs(config: ExportConfig, spec: GraphSpec) -> list[dict[str, Any]
 
 def run(config: ExportConfig, model: ModelSource, store: Store) -> Artifact:
     request = request_for(config, model)
-    config, spec = request.config, spec_for(model, request.config)
-    artifact, _ = store.produce(request, lambda out_dir: _export(config, model, spec, out_dir))
+    spec = spec_for(model, config)
+    weights = weights_path(config, spec, model)  # from the config as given: why auto chose is the manifest's reason
+    artifact, _ = store.produce(request, lambda out_dir: _export(request.config, model, spec, out_dir, weights))
     return artifact
 
 
 def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     """What ``run`` asks the store for. Keyed by the exporter that runs, not "auto": auto means torch.export's for
-    streamed weights and TorchScript's otherwise for a UNet, and the two graphs must not share a key (nor one graph
-    have two)."""
+    a network over STREAM_ABOVE and often TorchScript's for a smaller one (exporter_for), and the two graphs must not
+    share a key (nor one graph have two).
+    Not by the weights path: a streamed graph is the loaded one, byte for byte; but for the NOT_STREAMED networks,
+    whose streamed graph (asked for) has its own key."""
     spec = spec_for(model, config)
+    streamed_otherwise = spec.component in NOT_STREAMED and weights_path(config, spec, model)[0] == "stream"
     config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
+    # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
+    # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
+    inputs = adapter_inputs(config, spec) if spec.component == IMAGE_ENCODER else network_inputs(model, spec)
     return StageRequest(
         stage=STAGE,
         version=VERSION,
         config=config,
-        # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
-        # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
-        inputs=adapter_inputs(config, spec) if spec.component == IMAGE_ENCODER else network_inputs(model, spec),
+        inputs=[*inputs, {"kind": "weights", "digest": "stream"}] if streamed_otherwise else inputs,
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
 
 
-def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path) -> dict[str, Any]:
+def _export(
+    config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: Path, weights_and_reason: tuple[str, str]
+) -> dict[str, Any]:
     import torch
 
     from .patches import export_patches
@@ -175,12 +203,12 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision, torch.float32)
     timings: dict[str, float] = {}
     folder = FOLDERS[spec.component]
-    weights = weights_path(config, spec, model)
-    exporter = exporter_for(config, spec, model)
+    weights, weights_reason = weights_and_reason
+    exporter = config.chosen_exporter  # request_for resolved auto
     onnx_name = f"{spec.component}.onnx"
     onnx_path = out_dir / onnx_name
     started = time.perf_counter()
-    ip_adapter = isinstance(spec, DenoiserSpec) and spec.ip_layers
+    ip_adapter = ip_denoiser(spec)
     if ip_adapter and weights == "stream":  # compile refuses it before any export; export.run's callers here
         raise ExportError("an IP-Adapter goes into a loaded denoiser, not a streamed one: export with --weights load")
     files = ip_adapter_files(config) if config.ip_adapter else None
@@ -263,6 +291,7 @@ def _export(config: ExportConfig, model: ModelSource, spec: GraphSpec, out_dir: 
             "nodes": node_count,
             "exporter": exporter,
             "weights": weights,
+            "weights_reason": weights_reason,
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER

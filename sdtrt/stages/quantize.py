@@ -233,6 +233,9 @@ def _quantize(
             | {"denoiser_calls": quantized.calibration_calls, "digest": digest(config.calibration_set())},
             "calibration_result": result,
             "opset": OPSET,
+            # Not streamed (export's default): calibration runs the network, so its weights are loaded.
+            "weights": "load",
+            "weights_reason": "ModelOpt calibrates the loaded network on real denoising steps before its export",
         },
         "reproduce": (
             f"sdtrt quantize --model {model.name} --precision {config.precision} --level {config.level:g} "

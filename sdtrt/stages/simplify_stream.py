@@ -9,7 +9,7 @@ Python, holes stay holes, filesystems with shared extents share them); only when
 the kept ones copied tensor by tensor into a new file. Not hard-linked: onnx 1.23 refuses to load or check a graph
 whose data file has more than one link ("potential hardlink attack", onnx/checker.cc), which would break the
 export too. Its memory is the weight-free graph's, whatever the weights weigh; ``auto`` takes it for graphs over
-2 GB of weights or too big for the memory budget.
+64 MiB of weights (simplify.STREAM_ABOVE) or too big for the memory budget.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
 from ..graph import onnx_graph
 from ..graph.graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
-from ..graph.onnx_weights import numpy_dtype, read_tensor, safetensors_file_index
+from ..graph.onnx_weights import WEIGHT_FILES, numpy_dtype, read_tensor, safetensors_file_index, safetensors_index
 from ..spec import FOLDERS
 from .quantize import quantization
 
@@ -174,20 +174,10 @@ def _meta_network(model: ModelSource, folder: str) -> Any:
         return cls._from_config(cls.config_class.from_pretrained(directory))
 
 
-# The weight files from_pretrained reads without a variant: sharded (an index) or whole, diffusers' and transformers'.
-WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
-
-
 def _safetensors_files(directory: Path, model_name: str) -> dict[str, Path]:
-    """Each stored tensor's file: from the shard index, else the one file's own table of contents."""
-    from safetensors import safe_open
-
-    for name in WEIGHT_FILES:
-        if (index := directory / f"{name}.index.json").is_file():
-            return {key: directory / file for key, file in json.loads(index.read_text())["weight_map"].items()}
-        if (single := directory / name).is_file():
-            with safe_open(str(single), framework="pt") as handle:
-                return dict.fromkeys(handle.keys(), single)
+    """Each stored tensor's file, from the weight files' headers."""
+    if files := {name: stored.file for name, stored in safetensors_index(directory).items()}:
+        return files
     raise UnsupportedModelError(
         f"{directory} of '{model_name}' has no {' or '.join(WEIGHT_FILES)} (with or without a shard index): the weight "
         "map reads weights one at a time from safetensors; re-save the model with save_pretrained"

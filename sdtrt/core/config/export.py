@@ -23,17 +23,18 @@ class ExportConfig:
 
     precision: Precision = "fp16"
     opset: int = 18
-    # Both exporters were verified against PyTorch fp32 on ONNX Runtime. "auto" takes the
-    # TorchScript-based one (the tiny UNet in ~1 s instead of ~40 s, SD 1.5 in ~30 s instead of ~60 s)
-    # except for fp16 text encoders, where it writes LayerNorms with fp32 weights on fp16 inputs, a
-    # graph ONNX Runtime refuses (transformers keeps CLIP's LayerNorms fp32); torch.export's does not.
+    # Both exporters were verified against PyTorch fp32 on ONNX Runtime. "auto" takes torch.export's for every
+    # network over 64 MiB of weights, whose weights it then streams (stages/export.py exporter_for), and the
+    # TorchScript-based one for smaller networks (the tiny UNet in ~2 s instead of ~20 s) except for fp16 text
+    # encoders, where it writes LayerNorms with fp32 weights on fp16 inputs, a graph ONNX Runtime refuses
+    # (transformers keeps CLIP's LayerNorms fp32); torch.export's does not.
     exporter: Exporter = "auto"
     # "indexed" names IO input_0.. / output_0, which `torchtrtc --embed-engine` expects.
     io_naming: IONaming = "named"
     component: Component = "unet"
     # How weights reach the graph: "load" the network whole, or "stream" them from the safetensors files into a
-    # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams big folders
-    # (stages/export.py).
+    # weight-free trace (torch.export's exporter; the same graph, tested); "auto" streams wherever torch.export's
+    # exporter runs, except for IP-Adapter networks (stages/export.py weights_path).
     weights: Weights = not_in_key("auto")
     # An IP-Adapter weight file (h94/IP-Adapter's layout, its image_encoder/ beside it): the UNet's graph gets its
     # image-projection attention, the image embeds and a per-layer scale as inputs. The path is no part of the key; the
