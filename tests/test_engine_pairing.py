@@ -84,6 +84,7 @@ def test_same_shapes_other_weights_are_refused_and_a_copy_of_the_model_is_not(ti
         validate(resolve_model(str(copy)), tiny_engine, FAST)
 
 
+@pytest.mark.slow  # 44 s: a whole set copied into a read-only store and compiled again there
 def test_compile_reuses_the_stored_report_and_serves_a_read_only_store(tmp_path, tiny_engine):
     engines = private_store(tiny_engine, tmp_path / "engines")  # made read-only below; export and simplify are hits
     args = ("compile", "--target", "onnxruntime", "--components", "unet", "--engines", str(engines))

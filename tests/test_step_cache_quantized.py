@@ -112,6 +112,7 @@ def test_first_block_cache_runs_on_the_quantized_engines(quantized_set, decision
     assert (generate(pipe) == plain).all()  # disable_cache: the whole engine again, bit for bit
 
 
+@pytest.mark.slow  # 46 s: DeepCache, FreeU and int8 each keep their own default tests; this is their combination
 def test_deepcache_and_freeu_run_on_a_quantized_unet(store):
     model = resolve_model("tiny")
     result = compile_model(model, store, "onnxruntime", ExportConfig(precision="fp32"), quantize_config=INT8,
