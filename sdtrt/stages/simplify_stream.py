@@ -48,7 +48,9 @@ def stream(source: Path, out_path: Path) -> str:
     graph = onnx_graph.import_for_surgery(onnx.shape_inference.infer_shapes(model))
     _bypass_identities(graph)
     quiet_default_logger()  # fold_constants evaluates on ONNX Runtime
-    graph.fold_constants(size_threshold=SMALL_CONSTANT).cleanup().toposort()
+    # In the exporter's order, not re-sorted: ONNX Runtime runs a graph in its nodes' order, and toposort's order
+    # (every node as soon as its inputs are ready) made SD 1.5's fp16 UNet peak 4.7 GiB on ONNX Runtime, not 3.1.
+    graph.fold_constants(size_threshold=SMALL_CONSTANT).cleanup()
     cleaned = gs.export_onnx(graph)
     dropped = _put_weights_back(cleaned, weights, listed)
     carried = _carry_weights(source.parent, out_path, cleaned, dropped)

@@ -49,7 +49,7 @@ def compare_block(
     feeds = {name: values[matched[name]].numpy().astype(np_dtype(elem)) for name, elem, _ in cut.data_inputs}
     feeds |= {name: np.zeros(shape, np_dtype(elem)) for name, elem, shape in cut.shape_inputs}
     names = [name for name, _, _ in cut.outputs]
-    session = ort.InferenceSession(str(cut.path), session_options(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(cut.path), session_options(lean=True), providers=["CPUExecutionProvider"])
     got = dict(zip(names, session.run(names, feeds), strict=True))
     del session
     module = load_block(network, block, params)
