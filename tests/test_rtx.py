@@ -179,6 +179,9 @@ def test_a_q_dq_unet_builds_with_its_quantize_layers(tiny, store, precision):
 TINY_PRESETS = [
     "tiny-sd2", "tiny-sdxl", "tiny-sdxl-refiner", "tiny-inpaint", "tiny-lcm", "tiny-controlnet",
     "tiny-sdxl-controlnet", "tiny-sd3", "tiny-flux", "tiny-flux-schnell",
+    # 1-5 min each on 2 cores (klein's LLM encoder the longest), over the default suite's time: with -m slow
+    *(pytest.param(p, marks=pytest.mark.slow) for p in ("tiny-flux-fill", "tiny-flux-control", "tiny-flux-kontext",
+                                                         "tiny-flux2-klein")),
 ]  # fmt: skip
 
 
