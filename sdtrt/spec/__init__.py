@@ -44,7 +44,13 @@ from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
 from .llm_encoder import LLMEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
-from .transformer import Flux2TransformerSpec, FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer import (
+    Flux2TransformerSpec,
+    FluxTransformerSpec,
+    SD3TransformerSpec,
+    TransformerSpec,
+    ZImageTransformerSpec,
+)
 from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
 from .unet_freeu import UNetFreeUSpec
@@ -83,6 +89,7 @@ __all__ = [
     "VaeDecoderSpec",
     "VaeEncoderSpec",
     "ValidationCase",
+    "ZImageTransformerSpec",
     "component_spec",
     "denoiser_component",
     "folder_architecture",
