@@ -119,6 +119,22 @@ def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(zimage):
     assert "\n" not in str(error.value) and not calls
 
 
+def test_fp16_builds_the_transformer_and_the_llm_in_bf16_where_the_target_runs_it(zimage):
+    """Z-Image is a bf16 model whose transformer overflows fp16 (black images) and so does its Qwen3: asked for fp16,
+    compile builds both in bf16 where the target has bf16, fp32 where not (ONNX Runtime on a CPU)."""
+    from sdtrt.spec import ZImageTransformerSpec
+    from sdtrt.stages.export import precision_note
+    from sdtrt.tools.compile import component_precision
+
+    source = zimage[0]
+    for component in ("transformer", "text_encoder"):
+        assert component_precision(source, component, "fp16", "tensorrt-rtx") == "bf16"
+        assert component_precision(source, component, "fp16", "onnxruntime") == "fp32"
+    assert component_precision(source, "transformer", "fp32", "tensorrt-rtx") == "fp32"
+    note = precision_note(ZImageTransformerSpec.for_model(source, precision="bf16"))
+    assert note["graph"] == "bf16" and "overflow fp16" in note["why"]
+
+
 @pytest.mark.slow
 def test_default_exporter_through_the_cli(zimage, store, tmp_path):
     """The set as `sdtrt compile` builds it by default (torch.export's exporter for the transformer), run by `sdtrt

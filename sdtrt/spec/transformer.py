@@ -306,6 +306,11 @@ class ZImageTransformerSpec(TransformerSpec):
 
     architecture: ClassVar[str] = "ZImageTransformer2DModel"
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["zimage"]
+    fp16_problem: ClassVar[str] = (
+        "Z-Image is trained and shipped in bf16 and its feed-forward and block activations overflow fp16 into NaN "
+        "(black images: Tongyi-MAI/Z-Image issue 14, ComfyUI pull requests 11057 and 11187)"
+    )
+    fp16_fallback: ClassVar[Precision] = "bf16"
     timestep_scale: ClassVar[float] = 1e-3
     grid: ClassVar[dict[str, str]] = {}
     sequence_multiple: ClassVar[int] = 32  # diffusers' SEQ_MULTI_OF: both sequences are padded to it per sample
