@@ -9,7 +9,8 @@ network's rotary axes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..spec import ZImageTransformerSpec
@@ -67,15 +68,38 @@ def rotary_factors(network: Any, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack((angle.cos(), angle.sin()), dim=-1)
 
 
+@contextmanager
+def real_rotary(network: Any) -> Iterator[None]:
+    """The network's attentions on RealRotaryAttention for the call, their own processors back after it: the same
+    network runs diffusers' pipeline next (validate's end-to-end check)."""
+    attentions = [block.attention for block in (*network.noise_refiner, *network.context_refiner, *network.layers)]
+    own = [attention.processor for attention in attentions]
+    for attention in attentions:
+        attention.set_processor(RealRotaryAttention())
+    try:
+        yield
+    finally:
+        for attention, processor in zip(attentions, own, strict=True):
+            attention.set_processor(processor)
+
+
 def zimage_call(network: Any, spec: ZImageTransformerSpec) -> Callable[..., torch.Tensor]:
-    """The graph's forward over the spec's inputs; it sets the real-rotary processor on the network's attentions."""
+    """The graph's forward over the spec's inputs."""
     import torch
 
-    for block in (*network.noise_refiner, *network.context_refiner, *network.layers):
-        block.attention.set_processor(RealRotaryAttention())
     patch = f"{network.all_patch_size[0]}-{network.all_f_patch_size[0]}"
 
     def forward(
+        hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        img_ids: torch.Tensor, txt_ids: torch.Tensor, img_pad: torch.Tensor, txt_pad: torch.Tensor,
+        txt_mask: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        with real_rotary(network):
+            return joint_forward(
+                hidden_states, timestep, encoder_hidden_states, img_ids, txt_ids, img_pad, txt_pad, txt_mask
+            )
+
+    def joint_forward(
         hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
         img_ids: torch.Tensor, txt_ids: torch.Tensor, img_pad: torch.Tensor, txt_pad: torch.Tensor,
         txt_mask: torch.Tensor,
