@@ -101,12 +101,23 @@ def test_the_transformer_standin_keeps_diffusers_call(zimage):
         engine([latents[0], torch.randn(16, 1, 16, 20)], t, captions)  # 96 patches padded beside 64: two lengths
 
 
-def test_img2img_without_its_image_is_refused_before_loading():
-    from .helpers import run_cli
+@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+def test_an_edit_without_its_image_is_refused_before_running(zimage, task):
+    """By generate before an engine runs, and by the check `sdtrt generate` makes before loading (no subprocess:
+    the CLI's call of it is tested for every family in test_cli.py)."""
+    from sdtrt.pipeline.image_inputs import check_pipeline_inputs
+    from sdtrt.pipeline.request import SizeRule
 
-    result = run_cli("generate", "--model", "tiny-zimage", "--task", "img2img", "--prompt", "a fox")
-    assert result.returncode != 0 and "Loading pipeline" not in result.stderr
-    assert "--image" in result.stderr.strip().splitlines()[-1]
+    source, _, pipes = zimage
+    engine, calls = pipes[task][1], []
+    for network in (engine.text_encoder, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    req = request("txt2img", (128, 128))  # no image, no mask
+    with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
+        generate(engine, req)
+    with pytest.raises(RequestError, match=r"--image"):
+        check_pipeline_inputs(req, "ZImagePipeline", task, SizeRule.for_model(source))
+    assert not calls
 
 
 def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(zimage):
