@@ -40,6 +40,7 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
      "inpaint": "FluxControlInpaintPipeline"},
     {"img2img": "FluxKontextPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
+    {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
@@ -48,14 +49,19 @@ REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
-    "dev / schnell (with Fill, Canny / Depth control and Kontext) and FLUX.2 [klein]"
+    "dev / schnell (with Fill, Canny / Depth control and Kontext), FLUX.2 [klein] and Z-Image"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
-TRANSFORMERS = {"SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "Flux2Transformer2DModel": "flux2"}
+TRANSFORMERS = {
+    "SD3Transformer2DModel": "sd3",
+    "FluxTransformer2DModel": "flux",
+    "Flux2Transformer2DModel": "flux2",
+    "ZImageTransformer2DModel": "zimage",
+}
 # T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
 T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
-# An LLM text encoder's token count by default: Flux2KleinPipeline's max_sequence_length.
-LLM_TOKENS = {"flux2": 512}
+# An LLM text encoder's token count by default: Flux2KleinPipeline's and ZImagePipeline's max_sequence_length.
+LLM_TOKENS = {"flux2": 512, "zimage": 512}
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
 SDXL_TIME_IDS = (6, 5)

@@ -143,6 +143,13 @@ FLUX2_KLEIN_4B = ("Flux2Transformer2DModel", dict(
     patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128, num_attention_heads=24,
     joint_attention_dim=7680, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=False,
 ))
+# Z-Image at test size: a single-stream DiT (2×2 patches of 16 Flux-VAE channels; refiners for the image and the
+# caption before the joint layers), three rotary axes summing to the head size; its Qwen3 gives the penultimate
+# layer's hidden states (4 layers: layer 3), their width the transformer's cap_feat_dim.
+TINY_ZIMAGE = ("ZImageTransformer2DModel", dict(
+    in_channels=16, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+    axes_dims=[4, 6, 6], axes_lens=[1024, 128, 128],
+))
 FLUX2_VAE = dict(latent_channels=32, block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024)
 
 PRESETS: dict[str, Recipe] = {
@@ -209,6 +216,10 @@ PRESETS: dict[str, Recipe] = {
     "tiny-flux2-klein": Recipe(
         "Flux2KleinPipeline", TINY_FLUX2, dict(TINY_VAE, latent_channels=4), (("Qwen3ForCausalLM", TINY_QWEN3),),
         scheduler=FLUX_DEV_FLOW, settings={"is_distilled": False}, vae_class="AutoencoderKLFlux2",
+    ),
+    "tiny-zimage": Recipe(
+        "ZImagePipeline", TINY_ZIMAGE, dict(TINY_VAE, **FLUX_VAE),
+        (("Qwen3ForCausalLM", dict(TINY_QWEN3, num_hidden_layers=4)),), scheduler=SD3_FLOW,
     ),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(

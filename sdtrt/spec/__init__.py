@@ -44,7 +44,14 @@ from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
 from .llm_encoder import LLMEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
-from .transformer import Flux2TransformerSpec, FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer import (
+    TRANSFORMER_KINDS,
+    Flux2TransformerSpec,
+    FluxTransformerSpec,
+    SD3TransformerSpec,
+    TransformerSpec,
+    ZImageTransformerSpec,
+)
 from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
 from .unet_freeu import UNetFreeUSpec
@@ -83,6 +90,7 @@ __all__ = [
     "VaeDecoderSpec",
     "VaeEncoderSpec",
     "ValidationCase",
+    "ZImageTransformerSpec",
     "component_spec",
     "denoiser_component",
     "folder_architecture",
@@ -95,9 +103,11 @@ __all__ = [
 ]  # fmt: skip
 
 # (component, architecture) → spec; architecture "" where the component alone decides. The transformer's
-# row dispatches on its class itself (TransformerSpec.for_model / from_json).
+# rows dispatch on its class themselves (TransformerSpec.for_model / from_json); each kind has its row too, so what
+# a kind declares of its class (Z-Image's fp16 problem) is read before a spec is made (compile's precision).
 SPECS: tuple[type[GraphSpec], ...] = (
-    UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
+    UNetSpec, TransformerSpec, *TRANSFORMER_KINDS.values(), ControlNetSpec, TextEncoderSpec, TextEncoder2Spec,
+    T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}

@@ -1,10 +1,11 @@
-"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s Qwen3ForCausalLM): its graph contract.
+"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s and Z-Image's Qwen3ForCausalLM): its graph contract.
 
 The pipeline pads each chat-templated prompt to ``max_sequence_length`` with an attention mask, runs the LLM with
-``output_hidden_states=True`` and stacks the hidden states of a few layers (``text_encoder_out_layers``, (9, 18, 27) by
-default) into the prompt embedding. The graph takes ``input_ids`` and ``attention_mask`` (int32 ``[B, T]``, T the
-profile's token axis) and gives only what the pipeline reads: those layers' hidden states, stacked in the graph
-(``[B, layers, T, hidden]``, one output instead of every layer's), never the logits.
+``output_hidden_states=True`` and stacks the hidden states of a few layers (klein's ``text_encoder_out_layers``, (9,
+18, 27) by default) into the prompt embedding, or takes one (Z-Image's penultimate, each prompt's tokens alone).
+The graph takes ``input_ids`` and ``attention_mask`` (int32 ``[B, T]``, T the profile's token axis) and gives only
+what the pipeline reads: those layers' hidden states, stacked in the graph (``[B, layers, T, hidden]``, one output
+instead of every layer's), never the logits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
     import torch
 
 KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
+
+
+def pipeline_layers(pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
+    """The hidden states a pipeline reads from its LLM: klein stacks three layers; Z-Image takes the penultimate
+    layer's (``hidden_states[-2]``) and keeps each prompt's tokens alone (its mask picks them out of the padded
+    batch, so the engine's fixed-length rows give the same lists)."""
+    return (num_hidden_layers - 1,) if pipeline_class.startswith("ZImage") else KLEIN_LAYERS
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,11 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     ) -> LLMEncoderSpec:
         """This component's contract for ``model``: the LLM's width and vocabulary, the pipeline's layers."""
         config = model.component_config(FOLDERS[cls.component])
+        pipeline = model.pipeline_class() if model.is_pipeline else ""
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=model.vae_scale_factor(),
             hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+            hidden_layers=pipeline_layers(pipeline, config["num_hidden_layers"]),
             max_sequence_length=cls.pipeline_tokens,
         )  # fmt: skip
 

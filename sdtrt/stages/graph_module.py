@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec import DenoiserSpec, GraphSpec, LLMEncoderSpec, TransformerPartSpec, UNetFreeUSpec, UNetPartSpec
+from ..spec import (
+    DenoiserSpec,
+    GraphSpec,
+    LLMEncoderSpec,
+    TransformerPartSpec,
+    UNetFreeUSpec,
+    UNetPartSpec,
+    ZImageTransformerSpec,
+)
 from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 if TYPE_CHECKING:
@@ -76,6 +84,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .llm_encoder import llm_call
 
         forward[spec.architecture] = llm_call(network, spec)
+    if isinstance(spec, ZImageTransformerSpec):  # its padded batch in, not diffusers' lists
+        from .zimage_transformer import zimage_call
+
+        forward[spec.architecture] = zimage_call(network, spec)
     if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches
         from .transformer_split import part_module
 

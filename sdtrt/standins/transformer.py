@@ -9,12 +9,13 @@ engine's graph cannot do: skip-layer guidance, a LoRA scale, ControlNet block sa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel, ZImageTransformer2DModel
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
@@ -210,11 +211,62 @@ class EngineFlux2Transformer(EngineTransformer, Flux2Transformer2DModel):
     """A transformer engine standing in for FLUX.2's Flux2Transformer2DModel."""
 
 
+class EngineZImageTransformer(EngineTransformer, ZImageTransformer2DModel):
+    """A transformer engine standing in for Z-Image's ZImageTransformer2DModel: diffusers' call (lists of per-sample
+    latents and captions in, a list of latents out) over the engine's padded batch (ZImageTransformerSpec), made by
+    the diffusers class's own patchify and undone by its own unpatchify, which read the config alone."""
+
+    def __init__(self, runtime: Runtime, config: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(runtime, config, *args, **kwargs)
+        self.in_channels = self.out_channels = config["in_channels"]  # what the pipeline and unpatchify read
+
+    def forward(  # type: ignore[override]
+        self, x: list[Any], t: torch.Tensor, cap_feats: list[Any], return_dict: bool = True,
+        controlnet_block_samples: dict[int, torch.Tensor] | None = None, siglip_feats: list[Any] | None = None,
+        image_noise_mask: list[list[int]] | None = None, patch_size: int = 2, f_patch_size: int = 1,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> Transformer2DModelOutput | tuple[list[torch.Tensor]]:  # fmt: skip
+        self._refuse(dict(joint_attention_kwargs or {}), {"controlnet_block_samples": controlnet_block_samples})
+        if isinstance(x[0], list) or siglip_feats is not None or image_noise_mask is not None:
+            raise EngineInputError(
+                "this Z-Image transformer engine takes one image and one caption per sample (ZImagePipeline's "
+                "call), not Z-Image Omni's image lists and SigLIP features: run that pipeline on PyTorch"
+            )
+        if (patch_size, f_patch_size) != (self.config.all_patch_size[0], self.config.all_f_patch_size[0]):
+            raise EngineInputError(
+                f"patch_size={patch_size}, f_patch_size={f_patch_size}: the engine was built for the model's first "
+                f"({self.config.all_patch_size[0]}, {self.config.all_f_patch_size[0]})"
+            )
+        patches, captions, sizes, image_ids, caption_ids, image_pad, caption_pad = (
+            ZImageTransformer2DModel.patchify_and_embed(self, list(x), list(cap_feats), patch_size, f_patch_size)
+        )
+        if len({p.shape for p in patches}) > 1:
+            raise EngineInputError("a Z-Image transformer engine takes latents of one size per call; split the batch")
+        lengths = torch.tensor([len(c) for c in captions])
+        # Each caption's ids past its padded length are diffusers' leftovers (its forward cuts them off).
+        caption_ids = [ids[: len(c)] for ids, c in zip(caption_ids, captions, strict=True)]
+        pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)
+        device = x[0].device
+        given = {
+            "hidden_states": torch.stack(patches), "timestep": normalise_timestep(t, len(x), device),
+            "encoder_hidden_states": pad(captions), "img_ids": torch.stack(image_ids).int(),
+            "txt_ids": pad(caption_ids).int(), "img_pad": torch.stack(image_pad).int(),
+            "txt_pad": pad(caption_pad).int(),
+        }  # fmt: skip
+        given["txt_mask"] = (torch.arange(given["txt_pad"].shape[1]) < lengths[:, None]).int()
+        feeds = {
+            graph: given[name] for graph, name in zip(self.spec.input_names, self.spec.canonical_inputs, strict=True)
+        }
+        out = self.runtime.run(feeds)[self.spec.output_name].to(device, x[0].dtype)
+        samples = ZImageTransformer2DModel.unpatchify(self, list(out.unbind(0)), sizes, patch_size, f_patch_size)
+        return Transformer2DModelOutput(sample=samples) if return_dict else (samples,)
+
+
 # The engine's architecture (its spec's) → the stand-in class that is an instance of that diffusers class.
 STANDINS: dict[str, type[EngineTransformer]] = {
     pytorch.__name__: standin
     for pytorch, standin in (
         (SD3Transformer2DModel, EngineSD3Transformer), (FluxTransformer2DModel, EngineFluxTransformer),
-        (Flux2Transformer2DModel, EngineFlux2Transformer),
+        (Flux2Transformer2DModel, EngineFlux2Transformer), (ZImageTransformer2DModel, EngineZImageTransformer),
     )
 }  # fmt: skip

@@ -1,0 +1,166 @@
+"""Z-Image on an engine set (issue 38): the Qwen3 LLM text encoder (its penultimate layer), the ZImageTransformer2DModel
+(its padded-batch graph behind diffusers' list call) and the Flux-style AutoencoderKL each an engine stand-in; images
+as the PyTorch fp32 pipeline's for txt2img, img2img and inpaint at two sizes; bad input refused in one line before
+anything runs.
+
+One fp32 ONNX Runtime engine set (TorchScript's exporter: seconds, where torch.export's takes half a minute over the
+transformer; the slow test holds the default exporter to the same images), shared by the module's tests; tiny sizes,
+two steps, classifier-free guidance (positive and negative captions of different lengths in one transformer call).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.errors import EngineInputError, RequestError
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.standins.base import EngineModule
+from sdtrt.standins.llm_encoder import EngineQwen3
+from sdtrt.standins.transformer import EngineZImageTransformer
+from sdtrt.standins.vae import EngineVAE
+from sdtrt.tools.image_quality import psnr_db
+
+SIZES = [(128, 128), (128, 192)]
+TASKS = ("txt2img", "img2img", "inpaint")
+
+
+@pytest.fixture(scope="module")
+def zimage(store):
+    """The preset and its engine set, and per task the (PyTorch fp32, engine) pipelines."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-zimage")
+    engine = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32", exporter="torchscript")).final
+    pipes = {task: (load_pipeline(source, task=task), load_pipeline(source, engine, task=task)) for task in TASKS}
+    return source, engine, pipes
+
+
+def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def request(task: str, size: tuple[int, int], **kwargs) -> GenerateRequest:
+    inputs: dict = {"image": noise_image(*size)} if task != "txt2img" else {}
+    if task == "inpaint":
+        mask = np.zeros(size, dtype=np.uint8)
+        mask[size[0] // 4 : 3 * size[0] // 4, size[1] // 4 : 3 * size[1] // 4] = 255
+        inputs |= {"mask_image": Image.fromarray(mask)}
+    base = {"prompt": "a red fox in the snow", "steps": 2, "seed": 3, "height": size[0], "width": size[1]}
+    return GenerateRequest(**(base | inputs | kwargs))
+
+
+def test_every_network_is_an_engine_standin(zimage):
+    engine = zimage[2]["txt2img"][1]
+    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
+    assert set(networks) == {"text_encoder", "transformer", "vae"}
+    assert all(isinstance(m, EngineModule) for m in networks.values())
+    assert isinstance(engine.text_encoder, EngineQwen3) and isinstance(engine.transformer, EngineZImageTransformer)
+    assert isinstance(engine.vae, EngineVAE) and engine.vae.encoder_runtime is not None
+    assert engine.text_encoder.spec.hidden_layers == (3,)  # the penultimate of 4 layers: hidden_states[-2]
+
+
+# Each task at both sizes; the default suite runs one size of each (a square and a non-square among them).
+CASES = [
+    pytest.param(task, size, marks=() if (i + j) % 2 == 0 else pytest.mark.slow, id=f"{task}-{label}")
+    for i, task in enumerate(TASKS)
+    for j, (size, label) in enumerate(zip(SIZES, ("square", "non-square"), strict=True))
+]
+
+
+@pytest.mark.parametrize(("task", "size"), CASES)
+def test_images_match_pytorch(zimage, task, size):
+    reference, engine = (generate(p, request(task, size), output_type="np").images[0] for p in zimage[2][task])
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-zimage {task} {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
+    if task == "txt2img":  # the engines agree far closer than another prompt moves the image: captions count
+        other = generate(zimage[2][task][0], request(task, size, prompt="a cat"), output_type="np").images[0]
+        assert psnr_db(other, reference) < psnr - 40.0
+
+
+def test_the_transformer_standin_keeps_diffusers_call(zimage):
+    """Lists in, a list out, as the PyTorch transformer: captions of different lengths (the padded graph's masks) and
+    an image whose patches are not a multiple of 32 (the graph's pad tokens), against diffusers' forward."""
+    reference, engine = (p.transformer for p in zimage[2]["txt2img"])
+    gen = torch.Generator().manual_seed(0)
+    latents = [torch.randn(16, 1, 18, 14, generator=gen) for _ in range(2)]  # 9 × 7 = 63 patches
+    captions = [torch.randn(n, 32, generator=gen) for n in (5, 40)]
+    t = torch.tensor([0.3, 0.3])
+    want, got = (net(latents, t, captions, return_dict=False)[0] for net in (reference, engine))
+    assert isinstance(got, list) and len(got) == 2
+    assert all(
+        g.shape == w.shape == (16, 1, 18, 14) and torch.allclose(g, w, atol=1e-4)
+        for g, w in zip(got, want, strict=True)
+    )
+    with pytest.raises(EngineInputError, match=r"^[^\n]+$"):
+        engine([latents[0], torch.randn(16, 1, 16, 20)], t, captions)  # 96 patches padded beside 64: two lengths
+
+
+@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+def test_an_edit_without_its_image_is_refused_before_running(zimage, task):
+    """By generate before an engine runs, and by the check `sdtrt generate` makes before loading (no subprocess:
+    the CLI's call of it is tested for every family in test_cli.py)."""
+    from sdtrt.pipeline.image_inputs import check_pipeline_inputs
+    from sdtrt.pipeline.request import SizeRule
+
+    source, _, pipes = zimage
+    engine, calls = pipes[task][1], []
+    for network in (engine.text_encoder, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    req = request("txt2img", (128, 128))  # no image, no mask
+    with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
+        generate(engine, req)
+    with pytest.raises(RequestError, match=r"--image"):
+        check_pipeline_inputs(req, "ZImagePipeline", task, SizeRule.for_model(source))
+    assert not calls
+
+
+def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(zimage):
+    engine = zimage[2]["txt2img"][1]
+    calls = []
+    for network in (engine.text_encoder, engine.transformer):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(RequestError, match="tokens with its chat template") as error:
+        generate(engine, request("txt2img", (128, 128), prompt="astronaut " * 600))
+    assert "\n" not in str(error.value) and not calls
+
+
+def test_fp16_builds_the_transformer_and_the_llm_in_bf16_where_the_target_runs_it(zimage):
+    """Z-Image is a bf16 model whose transformer overflows fp16 (black images) and so does its Qwen3: asked for fp16,
+    compile builds both in bf16 where the target has bf16, fp32 where not (ONNX Runtime on a CPU)."""
+    from sdtrt.spec import ZImageTransformerSpec
+    from sdtrt.stages.export import precision_note
+    from sdtrt.tools.compile import component_precision
+
+    source = zimage[0]
+    for component in ("transformer", "text_encoder"):
+        assert component_precision(source, component, "fp16", "tensorrt-rtx") == "bf16"
+        assert component_precision(source, component, "fp16", "onnxruntime") == "fp32"
+    assert component_precision(source, "transformer", "fp32", "tensorrt-rtx") == "fp32"
+    note = precision_note(ZImageTransformerSpec.for_model(source, precision="bf16"))
+    assert note["graph"] == "bf16" and "overflow fp16" in note["why"]
+
+
+@pytest.mark.slow
+def test_default_exporter_through_the_cli(zimage, store, tmp_path):
+    """The set as `sdtrt compile` builds it by default (torch.export's exporter for the transformer), run by `sdtrt
+    generate`: the PyTorch pipeline's image."""
+    from sdtrt.tools.compile import compile_model
+
+    from .helpers import run_cli
+
+    source, out = zimage[0], tmp_path / "fox.png"
+    engine = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+    args = ("--prompt", "a red fox", "--steps", "2", "--height", "128", "--width", "192", "--seed", "3")
+    result = run_cli("generate", "--engine", str(engine.path), *args, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    reference = generate(zimage[2]["txt2img"][0], request("txt2img", (128, 192), prompt="a red fox"), output_type="np")
+    got = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255
+    psnr = psnr_db(got, reference.images[0])
+    print(f"tiny-zimage txt2img 128x192, default exporter, sdtrt generate: PSNR {psnr:.1f} dB")
+    assert psnr >= 35.0
