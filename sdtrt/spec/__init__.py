@@ -42,9 +42,15 @@ from .base import (
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
-from .llm_encoder import LLMEncoderSpec
+from .llm_encoder import LLMEncoderSpec, QwenVLEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
-from .transformer import Flux2TransformerSpec, FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer import (
+    Flux2TransformerSpec,
+    FluxTransformerSpec,
+    QwenImageTransformerSpec,
+    SD3TransformerSpec,
+    TransformerSpec,
+)
 from .transformer_split import PART_CLASSES, TransformerPartSpec
 from .unet import UNetSpec
 from .unet_freeu import UNetFreeUSpec
@@ -68,6 +74,8 @@ __all__ = [
     "ImageEncoderSpec",
     "LLMEncoderSpec",
     "ModelConfigs",
+    "QwenImageTransformerSpec",
+    "QwenVLEncoderSpec",
     "SD3TransformerSpec",
     "Shapes",
     "T5Encoder2Spec",
@@ -99,6 +107,7 @@ __all__ = [
 SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, ControlNetSpec, TextEncoderSpec, TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
+    QwenVLEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 
