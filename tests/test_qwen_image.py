@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
 from sdtrt.core.errors import EngineInputError, RequestError
@@ -115,9 +116,27 @@ def test_the_default_compile_matches_pytorch(store):
         psnr = psnr_db(engine, reference)
         print(f"tiny-qwen-image txt2img (default compile) {height}x{width}: PSNR {psnr:.1f} dB")
         assert psnr >= 35.0
-    image = (
-        torch.rand(1, 3, 1, 128, 192) * 2 - 1
-    )  # the VAE encoder engine on one frame, as the img2img pipelines call it
+    image = torch.rand(1, 3, 1, 128, 192) * 2 - 1  # one frame, as the img2img pipeline encodes it
     latents = [p.vae.encode(image).latent_dist.mean for p in pipes]
     assert latents[1].shape == (1, 4, 1, 16, 24) and torch.allclose(latents[1], latents[0], atol=1e-4)
-    assert np.isfinite(latents[1].numpy()).all()
+    start = Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 192, 3), dtype=np.uint8))
+    img2img = [load_pipeline(source, e, task="img2img") for e in (None, engine_set)]
+    req = request(height=128, width=192, image=start, strength=0.6)
+    reference, engine = (generate(p, req, output_type="np").images[0] for p in img2img)
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-qwen-image img2img (default compile) 128x192: PSNR {psnr:.1f} dB")
+    assert type(img2img[1]).__name__ == "QwenImageImg2ImgPipeline" and psnr >= 35.0
+
+
+def test_fp16_builds_the_transformer_and_the_llm_in_bf16_where_the_target_has_it():
+    """Qwen-Image's bf16 networks are never built fp16 by default: bf16 where the target runs it, else fp32 (ONNX
+    Runtime on a CPU has no bf16); the VAE is fp32."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.spec import QwenImageTransformerSpec, QwenVLEncoderSpec
+    from sdtrt.tools.compile import component_precision
+
+    source = resolve_model("tiny-qwen-image")
+    for component in ("transformer", "text_encoder", "vae_decoder"):
+        assert component_precision(source, component, "fp16", "onnxruntime") == "fp32"
+    assert component_precision(source, "transformer", "fp32", "onnxruntime") == "fp32"
+    assert QwenImageTransformerSpec.fp16_fallback == QwenVLEncoderSpec.fp16_fallback == "bf16"

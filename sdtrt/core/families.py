@@ -40,7 +40,7 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
      "inpaint": "FluxControlInpaintPipeline"},
     {"img2img": "FluxKontextPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
-    {"txt2img": "QwenImagePipeline"},
+    {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline"},
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)

@@ -296,6 +296,11 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
 
     architecture: ClassVar[str] = "QwenImageTransformer2DModel"
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"]
+    fp16_problem: ClassVar[str] = (
+        "Qwen-Image's transformer is a bf16 model whose activations overflow fp16 into NaN latents, black images "
+        "(ComfyUI issue 10751, stable-diffusion.cpp pull request 1249)"
+    )
+    fp16_fallback: ClassVar[Precision] = "bf16"
     native_latents: ClassVar[int] = 128  # QwenImagePipeline's default_sample_size: 1024 px
 
     attention_head_dim: int = 128
