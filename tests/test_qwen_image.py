@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
+from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, ValidationConfig
 from sdtrt.core.errors import EngineInputError, RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
 from sdtrt.standins.base import EngineModule
@@ -100,13 +100,19 @@ def test_what_the_engines_cannot_do_is_refused(qwen):
 
 @pytest.mark.slow
 def test_the_default_compile_matches_pytorch(store):
-    """``sdtrt compile``'s way: torch.export's exporter for the transformer, the VAE encoder too, the default checks."""
+    """``sdtrt compile``'s way: torch.export's exporter for the transformer, the VAE encoder too, the default checks
+    and validation; txt2img at two more sizes, the VAE encoder engine, and img2img."""
     from sdtrt.sources.models import resolve_model
     from sdtrt.tools.compile import compile_model
 
     source = resolve_model("tiny-qwen-image")
     profile = ShapeProfile(Range(1, 1, 2), Range(128, 128, 256), Range(128, 192, 256), False, Range(35, 256, 512))
-    engine_set = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32"), profile=profile).final
+    validation = ValidationConfig(steps=2)  # `sdtrt compile`'s: each member, then the images (one frame decoded)
+    result = compile_model(
+        source, store, "onnxruntime", ExportConfig(precision="fp32"), profile=profile, validation=validation
+    )
+    assert result.validation is not None and bool(result.validation)
+    engine_set = result.final
     pipes = load_pipeline(source), load_pipeline(source, engine_set)
     assert pipes[1].vae.encoder_runtime is not None
     for height, width in [(128, 192), (256, 128)]:
