@@ -41,6 +41,7 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"img2img": "FluxKontextPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
+    {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline"},
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
@@ -49,19 +50,21 @@ REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
-    "dev / schnell (with Fill, Canny / Depth control and Kontext), FLUX.2 [klein] and Z-Image"
+    "dev / schnell (with Fill, Canny / Depth control and Kontext), FLUX.2 [klein], Z-Image and Qwen-Image"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
 TRANSFORMERS = {
-    "SD3Transformer2DModel": "sd3",
-    "FluxTransformer2DModel": "flux",
-    "Flux2Transformer2DModel": "flux2",
-    "ZImageTransformer2DModel": "zimage",
-}
+    "SD3Transformer2DModel": "sd3", "FluxTransformer2DModel": "flux", "Flux2Transformer2DModel": "flux2",
+    "ZImageTransformer2DModel": "zimage", "QwenImageTransformer2DModel": "qwenimage",
+}  # fmt: skip
 # T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
 T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
-# An LLM text encoder's token count by default: Flux2KleinPipeline's and ZImagePipeline's max_sequence_length.
-LLM_TOKENS = {"flux2": 512, "zimage": 512}
+# The prompt tokens an LLM text encoder gives the transformer by default: the pipelines' max_sequence_length
+# (Flux2KleinPipeline's, ZImagePipeline's, QwenImagePipeline's).
+LLM_TOKENS = {"flux2": 512, "zimage": 512, "qwenimage": 1024}
+# The chat template's leading tokens QwenImagePipeline runs through the LLM and then drops (its
+# prompt_template_encode_start_idx): the LLM engine reads this many tokens more than the transformer.
+QWEN_IMAGE_DROPPED_TOKENS = 34
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
 SDXL_TIME_IDS = (6, 5)

@@ -249,7 +249,8 @@ def ip_adapter_parts(
 
 
 def _vae(source: ModelSource, runtimes: dict[str, Runtime], pytorch: Callable[[], Any], dtype: torch.dtype) -> Any:
-    """EngineVAE, or FLUX.2's EngineFlux2VAE with the latent statistics its pipelines read."""
+    """EngineVAE, or FLUX.2's EngineFlux2VAE with the latent statistics its pipelines read, or Qwen-Image's
+    single-frame EngineQwenImageVAE."""
     config = source.component_config("vae")
     halves = (config, runtimes.get("vae_decoder"), runtimes.get("vae_encoder"))
     if config.get("_class_name") == "AutoencoderKLFlux2":
@@ -257,6 +258,10 @@ def _vae(source: ModelSource, runtimes: dict[str, Runtime], pytorch: Callable[[]
 
         norm = latent_batch_norm(source.component_dir("vae"), config)
         return EngineFlux2VAE(*halves, pytorch=pytorch, dtype=dtype, latent_norm=norm)
+    if config.get("_class_name") == "AutoencoderKLQwenImage":
+        from ..standins.vae_qwen import EngineQwenImageVAE
+
+        return EngineQwenImageVAE(*halves, pytorch=pytorch, dtype=dtype)
     return EngineVAE(*halves, pytorch=pytorch, dtype=dtype)
 
 
@@ -283,14 +288,14 @@ def _text_encoder(
     source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any
 ) -> EngineModule:
     """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2), or the LLM's
-    (FLUX.2's Qwen3)."""
+    (FLUX.2's Qwen3, Qwen-Image's Qwen2.5-VL)."""
     config = text_encoder_config(source, FOLDERS[component])
     if isinstance(runtime.spec, T5EncoderSpec):
         return EngineT5(runtime, config, dtype=dtype)
     if isinstance(runtime.spec, LLMEncoderSpec):
-        from ..standins.llm_encoder import EngineQwen3
+        from ..standins.llm_encoder import EngineLLMEncoder
 
-        return EngineQwen3(runtime, config, dtype=dtype)
+        return EngineLLMEncoder(runtime, config, dtype=dtype)
     norm = final_layer_norm(source, config, FOLDERS[component])
     return EngineTextEncoder(runtime, config, norm, dtype=dtype, loras=loras(component))
 
@@ -359,6 +364,8 @@ def generate(
     if "max_area" in accepts:  # FLUX.1 Kontext
         sized = [fit_reference(r, rule, pipe) for r in sized]
     kwargs = batch_kwargs(sized, accepts)
+    if rule.guidance_keyword in accepts and "guidance_scale" in kwargs:  # Qwen-Image: true_cfg_scale
+        kwargs[rule.guidance_keyword] = kwargs.pop("guidance_scale")
     prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
     kwargs |= t5_kwargs(pipe, prompts) | llm_kwargs(pipe, prompts)
     for line in clip_cuts(prompts, clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):

@@ -41,7 +41,7 @@ SCHEDULERS = {
 # in both, but draws each step's noise from torch's global generator (the pipelines hand step none), so a
 # seed would not reproduce its image: not offered.
 FLOW_SCHEDULERS = {"flow-euler": "FlowMatchEulerDiscreteScheduler", "flow-heun": "FlowMatchHeunDiscreteScheduler"}
-FLOW_FAMILIES = ("sd3", "flux", "flux-schnell", "flux2")
+FLOW_FAMILIES = ("sd3", "flux", "flux-schnell", "flux2", "qwenimage")
 NOT_FOR_FLUX = ("flow-heun",)
 
 
@@ -84,12 +84,17 @@ class SizeRule:
     takes_guidance: bool = True  # False: no guidance embedding (FLUX.1-schnell)
     # FluxPipeline reads a negative prompt only for true CFG (true_cfg_scale > 1), which a request does not ask for.
     takes_negative_prompt: bool = True
+    # The pipeline's argument a request's guidance goes to: Qwen-Image's classifier-free guidance is true_cfg_scale
+    # (with a negative prompt; its guidance_scale is for a guidance embedding Qwen-Image has not).
+    guidance_keyword: str = "guidance_scale"
 
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
-        from ..spec import Flux2TransformerSpec, FluxTransformerSpec
+        from ..spec import Flux2TransformerSpec, FluxTransformerSpec, QwenImageTransformerSpec
 
         native = spec.latent_sample_size * spec.vae_scale_factor
+        if isinstance(spec, QwenImageTransformerSpec):
+            return cls(spec.pixel_multiple, native, native, guidance_keyword="true_cfg_scale")
         if isinstance(spec, Flux2TransformerSpec):
             return cls(spec.pixel_multiple, native, native, takes_negative_prompt=False)  # klein: true CFG, no negative
         if isinstance(spec, FluxTransformerSpec):
@@ -254,13 +259,16 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
             )
 
 
-def check_llm_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
+def check_llm_prompts(
+    prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None
+) -> None:
     """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
-    the tokenizer's chat template first) outnumber ``limit``, which the tokenizer would cut without a word."""
+    the tokenizer's chat template first; Qwen-Image its own ``template``, a format string) outnumber ``limit``, which
+    the tokenizer would cut without a word."""
     for prompt in prompts:
-        text = tokenizer.apply_chat_template(
+        text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
+        )  # fmt: skip
         count = len(tokenizer(text).input_ids)
         if count > limit:
             where = "the LLM text encoder engine was built for" if built else "the pipeline takes"

@@ -1,5 +1,5 @@
 """How many text tokens a pipeline's encoders run on (``max_sequence_length``), and the prompts refused for more: T5's
-(SD3, Flux) and an LLM's (FLUX.2 [klein]); which of its tokenizers are CLIP's (they cut a prompt at 77)."""
+(SD3, Flux) and an LLM's (FLUX.2 [klein], Qwen-Image); which of its tokenizers are CLIP's (they cut a prompt at 77)."""
 
 from __future__ import annotations
 
@@ -30,26 +30,32 @@ def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
 
 
 def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
-    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s Qwen3), as
-    ``t5_kwargs``: every prompt padded to it, a longer one (counted with its chat template) refused before anything
-    runs."""
-    from transformers import Qwen3ForCausalLM
+    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s Qwen3, Qwen-Image's
+    Qwen2.5-VL), as ``t5_kwargs``: a prompt longer than the engines take (counted with its chat template) refused
+    before anything runs. Qwen-Image drops its template's first tokens after the LLM: the LLM reads that many more
+    than the transformer."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
 
-    if not isinstance(getattr(pipe, "text_encoder", None), Qwen3ForCausalLM):
+    if not isinstance(getattr(pipe, "text_encoder", None), Qwen3ForCausalLM | Qwen2_5_VLForConditionalGeneration):
         return {}
     from .request import check_llm_prompts
 
-    limit, built = _token_limit(pipe, "text_encoder")
-    check_llm_prompts(prompts, pipe.tokenizer, limit, built)
-    return {"max_sequence_length": limit}
+    dropped = getattr(pipe, "prompt_template_encode_start_idx", 0)
+    limit, built = _token_limit(pipe, "text_encoder", dropped)
+    check_llm_prompts(prompts, pipe.tokenizer, limit, built, getattr(pipe, "prompt_template_encode", None))
+    return {"max_sequence_length": limit - dropped}
 
 
-def _token_limit(pipe: Any, encoder: str) -> tuple[int, bool]:
-    """The most text tokens the ``encoder``'s and the transformer's engine profiles take, and True; or the pipeline's
-    max_sequence_length default and False where neither is an engine."""
-    limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default
-    profiles = [getattr(getattr(getattr(pipe, n), "runtime", None), "profile", None) for n in (encoder, "transformer")]
-    built = [p.tokens.max for p in profiles if p is not None and p.tokens is not None]
+def _token_limit(pipe: Any, encoder: str, dropped: int = 0) -> tuple[int, bool]:
+    """The most text tokens the ``encoder``'s and the transformer's engine profiles take (the transformer's plus the
+    ``dropped`` tokens the pipeline reads from the encoder and drops), and True; or the pipeline's
+    max_sequence_length default (plus ``dropped``) and False where neither is an engine."""
+    limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default + dropped
+    built = []
+    for name, extra in ((encoder, 0), ("transformer", dropped)):
+        profile = getattr(getattr(getattr(pipe, name), "runtime", None), "profile", None)
+        if profile is not None and profile.tokens is not None:
+            built.append(profile.tokens.max + extra)
     return (min(built), True) if built else (limit, False)
 
 

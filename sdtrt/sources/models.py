@@ -99,8 +99,10 @@ class ModelSource:
         vae_config = self.path / "vae" / "config.json"
         if not vae_config.is_file():
             return 8
-        blocks = json.loads(vae_config.read_text()).get("block_out_channels", [0] * 4)
-        return int(2 ** (len(blocks) - 1))
+        config = json.loads(vae_config.read_text())
+        if "temperal_downsample" in config:  # Qwen-Image's video VAE: a spatial halving per temporal stage
+            return int(2 ** len(config["temperal_downsample"]))
+        return int(2 ** (len(config.get("block_out_channels", [0] * 4)) - 1))
 
     def denoiser_digest(self) -> str:
         """sha256 over the denoiser's (UNet's or transformer's) config and weight files."""

@@ -161,6 +161,11 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
 
         tokenizer = qwen_chat_tokenizer()
         config: Any = qwen3_config(tokenizer, text)
+    elif class_name == "Qwen2_5_VLForConditionalGeneration":
+        from .qwen_encoder import qwen_chat_tokenizer, qwen_vl_config
+
+        tokenizer = qwen_chat_tokenizer()
+        config = qwen_vl_config(tokenizer, text)
     elif class_name == "T5EncoderModel":
         tokenizer = tokenizers["t5"]
         config = transformers.T5Config(

@@ -59,7 +59,8 @@ class Recipe:
     dtype: str = "float32"  # the networks' torch dtype (multi-GB architectures: fp16, or bf16 as their checkpoints)
     streamed: bool = False  # networks written by streaming random tensors (random_weights.py), never built whole
     controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
-    vae_class: str = "AutoencoderKL"  # FLUX.2's: AutoencoderKLFlux2 (its latents' batch-norm statistics)
+    # FLUX.2's: AutoencoderKLFlux2 (its latents' batch-norm statistics); Qwen-Image's: AutoencoderKLQwenImage
+    vae_class: str = "AutoencoderKL"
 
     @property
     def denoiser_folder(self) -> str:
@@ -152,6 +153,25 @@ TINY_ZIMAGE = ("ZImageTransformer2DModel", dict(
 ))
 FLUX2_VAE = dict(latent_channels=32, block_out_channels=(128, 256, 512, 512), layers_per_block=2, sample_size=1024)
 
+# Qwen-Image at test size: a 2-layer Qwen2.5-VL language model 32 wide (three rotary sections over the head's 4
+# frequency pairs) with a one-block vision tower the text path never runs, a 2-block QwenImage MMDiT on 2×2-packed
+# 4-channel latents, and the causal 3D VAE (scale factor 8 from its three temporal stages) with fixed, non-trivial
+# latent statistics, which the pipeline applies itself.
+TINY_QWEN25_VL = dict(
+    text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
+                                                             "rope_theta": 1_000_000}),
+    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                       fullatt_block_indexes=[0]),
+)  # fmt: skip
+TINY_QWEN_IMAGE = ("QwenImageTransformer2DModel", dict(
+    patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+))
+TINY_QWEN_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                     temperal_downsample=[False, True, True], latents_mean=[0.05, -0.09, 0.05, -0.02],
+                     latents_std=[1.4, 1.33, 0.64, 0.79])  # fmt: skip  # lists: the class concatenates them
+
 PRESETS: dict[str, Recipe] = {
     "tiny": Recipe("StableDiffusionPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM),
     "tiny-sd2": Recipe(
@@ -220,6 +240,10 @@ PRESETS: dict[str, Recipe] = {
     "tiny-zimage": Recipe(
         "ZImagePipeline", TINY_ZIMAGE, dict(TINY_VAE, **FLUX_VAE),
         (("Qwen3ForCausalLM", dict(TINY_QWEN3, num_hidden_layers=4)),), scheduler=SD3_FLOW,
+    ),
+    "tiny-qwen-image": Recipe(
+        "QwenImagePipeline", TINY_QWEN_IMAGE, TINY_QWEN_VAE, (("Qwen2_5_VLForConditionalGeneration", TINY_QWEN25_VL),),
+        scheduler=FLUX_DEV_FLOW, vae_class="AutoencoderKLQwenImage",
     ),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(

@@ -1,4 +1,5 @@
-"""Preset pieces for a Qwen3 LLM text encoder (FLUX.2 [klein]): an offline Qwen2-style tokenizer, its config.
+"""Preset pieces for a Qwen LLM text encoder (FLUX.2 [klein]'s Qwen3, Qwen-Image's Qwen2.5-VL): an offline
+Qwen2-style tokenizer, their configs.
 
 Byte-level BPE over the 256 byte stand-ins (every text tokenizes), Qwen's special tokens, and a chat template in
 Qwen3's form: the pipeline applies it (``apply_chat_template(..., enable_thinking=False)``) before tokenizing, so the
@@ -44,6 +45,17 @@ def qwen3_config(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
         vocab_size=max(len(tokenizer), text.pop("vocab_size", 0)), pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, **text,
     )  # fmt: skip
+
+
+def qwen_vl_config(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
+    """A Qwen2_5_VLConfig whose language model reads ``tokenizer``'s vocabulary (at least), padding and ending as it
+    does; ``kwargs``: its text_config and vision_config."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(kwargs["text_config"])
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
+    text |= {"vocab_size": max(len(tokenizer), text.get("vocab_size", 0))} | ids
+    return Qwen2_5_VLConfig(text_config=text, vision_config=kwargs["vision_config"], **ids)
 
 
 def random_latent_statistics(vae: Any) -> None:

@@ -42,12 +42,13 @@ from .base import (
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
-from .llm_encoder import LLMEncoderSpec
+from .llm_encoder import LLMEncoderSpec, QwenVLEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import (
     TRANSFORMER_KINDS,
     Flux2TransformerSpec,
     FluxTransformerSpec,
+    QwenImageTransformerSpec,
     SD3TransformerSpec,
     TransformerSpec,
     ZImageTransformerSpec,
@@ -75,6 +76,8 @@ __all__ = [
     "ImageEncoderSpec",
     "LLMEncoderSpec",
     "ModelConfigs",
+    "QwenImageTransformerSpec",
+    "QwenVLEncoderSpec",
     "SD3TransformerSpec",
     "Shapes",
     "T5Encoder2Spec",
@@ -109,6 +112,7 @@ SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, *TRANSFORMER_KINDS.values(), ControlNetSpec, TextEncoderSpec, TextEncoder2Spec,
     T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
+    QwenVLEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 

@@ -1,4 +1,5 @@
-"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s and Z-Image's Qwen3ForCausalLM): its graph contract.
+"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s and Z-Image's Qwen3ForCausalLM, Qwen-Image's Qwen2.5-VL
+language model): its graph contract.
 
 The pipeline pads each chat-templated prompt to ``max_sequence_length`` with an attention mask, runs the LLM with
 ``output_hidden_states=True`` and stacks the hidden states of a few layers (klein's ``text_encoder_out_layers``, (9,
@@ -13,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ..core.config import Component, IONaming, Precision
-from ..core.families import LLM_TOKENS
+from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
+from ..core.families import LLM_TOKENS, QWEN_IMAGE_DROPPED_TOKENS
 from .base import FOLDERS, ModelConfigs, TensorSpec
 from .text_encoder import SequenceEncoderSpec
 
@@ -62,13 +63,19 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     ) -> LLMEncoderSpec:
         """This component's contract for ``model``: the LLM's width and vocabulary, the pipeline's layers."""
         config = model.component_config(FOLDERS[cls.component])
+        text = config.get("text_config") or config  # a vision-language model's language part
         pipeline = model.pipeline_class() if model.is_pipeline else ""
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=model.vae_scale_factor(),
-            hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
-            hidden_layers=pipeline_layers(pipeline, config["num_hidden_layers"]),
+            hidden_size=text["hidden_size"], vocab_size=text["vocab_size"],
+            hidden_layers=cls.layers_read(pipeline, text["num_hidden_layers"]),
             max_sequence_length=cls.pipeline_tokens,
         )  # fmt: skip
+
+    @classmethod
+    def layers_read(cls, pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
+        """The hidden states the pipeline reads (``hidden_layers``)."""
+        return pipeline_layers(pipeline_class, num_hidden_layers)
 
     def inputs(self) -> list[TensorSpec]:
         return [TensorSpec(name, "int32", ("batch", "tokens")) for name in self.input_names]
@@ -89,3 +96,29 @@ class LLMEncoderSpec(SequenceEncoderSpec):
         count = feeds[ids].shape[1]
         lengths = torch.randint(1, count + 1, (batch, 1), generator=torch.Generator().manual_seed(seed + 1))
         return feeds | {mask: (torch.arange(count)[None, :] < lengths).int()}
+
+
+@dataclass(frozen=True)
+class QwenVLEncoderSpec(LLMEncoderSpec):
+    """Qwen2.5-VL's language model in QwenImagePipeline's ``text_encoder`` (Qwen2_5_VLForConditionalGeneration, its
+    vision tower unused for text): the last layer's hidden states (``hidden_states[-1]``), one stacked layer. The
+    pipeline tokenizes its chat template around the prompt, runs it all and drops the template's first 34 tokens, so
+    the engine reads up to 1024 + 34 tokens for the transformer's 1024. Text-only positions are 0..T-1 on all three
+    rotary sections (transformers' default without image grids), as in Qwen3."""
+
+    architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"] + QWEN_IMAGE_DROPPED_TOKENS
+    fp16_problem: ClassVar[str] = (
+        "Qwen2.5-VL is a bf16 model (Qwen-Image ships it in bf16) of the Qwen LLMs whose activations overflow fp16 "
+        "(transformers issue 33312)"
+    )
+
+    hidden_layers: tuple[int, ...] = (28,)  # Qwen2.5-VL-7B's last
+
+    @classmethod
+    def layers_read(cls, pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
+        return (num_hidden_layers,)
+
+    def default_profile(self) -> ShapeProfile:
+        """From a one-word prompt (the template's dropped tokens and a few) to the pipeline's longest."""
+        return ShapeProfile(tokens=Range(QWEN_IMAGE_DROPPED_TOKENS + 1, self.pipeline_tokens, self.pipeline_tokens))

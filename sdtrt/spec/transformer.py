@@ -352,9 +352,64 @@ class ZImageTransformerSpec(TransformerSpec):
         return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
 
 
+@dataclass(frozen=True)
+class QwenImageTransformerSpec(PackedTransformerSpec):
+    """Qwen-Image: latents packed 2×2 ``[B, (h/2)(w/2), 4C]``, the LLM's last hidden states ``[B, T, 3584]`` with
+    their padding mask ``encoder_hidden_states_mask [B, T]`` (int32, 1 a token), the timestep as t / 1000, and the
+    rotary embedding's angles as (cos, sin) pairs: ``img_freqs [patches, head/2, 2]``, ``txt_freqs [T, head/2, 2]``
+    (fp32). The forward computes them from ``img_shapes``, Python sizes a graph would freeze; the stand-in computes
+    them with diffusers' own QwenEmbedRope and the graph rotates by them, as the forward's complex product does."""
+
+    architecture: ClassVar[str] = "QwenImageTransformer2DModel"
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"]
+    fp16_problem: ClassVar[str] = (
+        "Qwen-Image's transformer is a bf16 model whose activations overflow fp16 into NaN latents, black images "
+        "(ComfyUI issue 10751, stable-diffusion.cpp pull request 1249)"
+    )
+    fp16_fallback: ClassVar[Precision] = "bf16"
+    native_latents: ClassVar[int] = 128  # QwenImagePipeline's default_sample_size: 1024 px
+
+    attention_head_dim: int = 128
+
+    @classmethod
+    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        return {
+            "in_channels": config.get("in_channels", 64),
+            "out_channels": 4 * (config.get("out_channels") or config.get("in_channels", 64) // 4),
+            "cross_attention_dim": config["joint_attention_dim"],
+            "pooled_projection_dim": 0,
+            "latent_sample_size": cls.native_latents,
+            "latent_multiple": 2,
+            "attention_head_dim": config.get("attention_head_dim", 128),
+        }
+
+    def default_profile(self) -> ShapeProfile:
+        """A one-word prompt's embedding is a few tokens once the template is dropped: the tokens start at 1."""
+        profile = super().default_profile()
+        assert profile.tokens is not None
+        return dataclasses.replace(profile, tokens=profile.tokens._replace(min=1))
+
+    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        pairs = self.attention_head_dim // 2
+        return {
+            "hidden_states": (None, ("batch", "patches", self.in_channels)),
+            "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),
+            "encoder_hidden_states_mask": ("int32", ("batch", "tokens")),
+            "timestep": ("float32", ("batch",)),
+            "img_freqs": ("float32", ("patches", pairs, 2)),  # the rotary embedding stays fp32
+            "txt_freqs": ("float32", ("tokens", pairs, 2)),
+        }
+
+
 TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {
     cls.architecture: cls
-    for cls in (SD3TransformerSpec, FluxTransformerSpec, Flux2TransformerSpec, ZImageTransformerSpec)
+    for cls in (
+        SD3TransformerSpec,
+        FluxTransformerSpec,
+        Flux2TransformerSpec,
+        ZImageTransformerSpec,
+        QwenImageTransformerSpec,
+    )
 }
 
 

@@ -11,26 +11,41 @@ from ..core.families import REFERENCE_TOKEN_PIPELINES
 from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
 from .transformer import reference_sizes
 
+# Video VAEs whose pipelines run them on one frame.
+SINGLE_FRAME_VAES = ("AutoencoderKLQwenImage",)
+
 
 @dataclass(frozen=True)
 class _VaeSpec(GraphSpec):
-    """What both halves of a VAE know: channels on either side and the native image size."""
+    """What both halves of a VAE know: channels on either side and the native image size. ``single_frame``: a video
+    VAE used on images (Qwen-Image's AutoencoderKLQwenImage, latents ``[B, C, frames, h, w]``): the graph is its
+    encode / decode at one frame, the frame axis taken out of its inputs and outputs (the stand-in puts it back)."""
 
     image_channels_key: ClassVar[str]
 
     latent_channels: int = 4
     image_channels: int = 3
     native_px: int = 512
+    single_frame: bool = False
 
     @classmethod
     def for_model(cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named") -> _VaeSpec:
         """This component's contract for ``model``, from its configs."""
         config = model.component_config(FOLDERS[cls.component])
+        frames = config.get("_class_name") in SINGLE_FRAME_VAES
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=model.vae_scale_factor(),
-            latent_channels=config.get("latent_channels", 4), image_channels=config.get(cls.image_channels_key, 3),
-            native_px=config.get("sample_size", 512),
+            latent_channels=config.get("latent_channels") or config.get("z_dim", 4),
+            image_channels=config.get(cls.image_channels_key, 3),
+            native_px=config.get("sample_size", 1024 if frames else 512),  # QwenImagePipeline: 1024 px
+            single_frame=frames,
         )  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if not self.single_frame:  # the other sets keep the JSON, and so the keys, they had
+            del data["single_frame"]
+        return data
 
     def default_profile(self) -> ShapeProfile:
         return ShapeProfile.around(self.native_px, self.vae_scale_factor)

@@ -10,6 +10,7 @@ from ..spec import (
     DenoiserSpec,
     GraphSpec,
     LLMEncoderSpec,
+    QwenImageTransformerSpec,
     TransformerPartSpec,
     UNetFreeUSpec,
     UNetPartSpec,
@@ -60,10 +61,17 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     def image_encoder(pixel_values: torch.Tensor) -> torch.Tensor:
         return network(pixel_values).image_embeds  # what encode_image reads for the plain IP-Adapter
 
+    # A video VAE on one frame (Qwen-Image's): the frame axis added for it and taken out of what it gives.
+    frame = getattr(spec, "single_frame", False)
+
     def vae_decoder(latent_sample: torch.Tensor) -> torch.Tensor:
+        if frame:
+            return network.decode(latent_sample.unsqueeze(2), return_dict=False)[0][:, :, 0]
         return network.decode(latent_sample, return_dict=False)[0]
 
     def vae_encoder(sample: torch.Tensor) -> torch.Tensor:
+        if frame:
+            return network.encode(sample.unsqueeze(2)).latent_dist.parameters[:, :, 0]
         return network.encode(sample).latent_dist.parameters  # mean and log-variance, stacked on channels
 
     # By component, or by the folder's class where a component's folder may hold several (T5 or CLIP).
@@ -88,6 +96,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .zimage_transformer import zimage_call
 
         forward[spec.architecture] = zimage_call(network, spec)
+    if isinstance(spec, QwenImageTransformerSpec):  # its rotary embedding the graph's inputs
+        from .qwen_transformer import qwen_transformer_call
+
+        forward[spec.architecture] = qwen_transformer_call(network)
     if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches
         from .transformer_split import part_module
 

@@ -101,6 +101,23 @@ def flux_rotary_unflattened() -> contextlib.AbstractContextManager[None]:
     return replaced({(transformer_flux, "apply_rotary_emb"): apply_rotary_emb})
 
 
+def integer_nearest_exact_as_nearest() -> contextlib.AbstractContextManager[None]:
+    """``F.interpolate(mode="nearest-exact")`` by whole-number scale factors as ``mode="nearest"``: the same pixels
+    (a target pixel d of scale s reads floor((d + 0.5) / s) = floor(d / s)), and the TorchScript exporter has no
+    symbolic for ``aten::_upsample_nearest_exact2d`` (Qwen-Image's VAE decoder upsamples ×2 so). Other calls are
+    left to torch."""
+    interpolate = torch.nn.functional.interpolate
+
+    def as_nearest(input: torch.Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                   *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        scales = scale_factor if isinstance(scale_factor, Sequence) else [scale_factor]
+        if mode == "nearest-exact" and size is None and all(float(f).is_integer() for f in scales):
+            mode = "nearest"
+        return interpolate(input, size, scale_factor, mode, *args, **kwargs)
+
+    return replaced({(torch.nn.functional, "interpolate"): as_nearest})
+
+
 Patch = Callable[[], contextlib.AbstractContextManager[None]]
 EXPORT_PATCHES: dict[str, Patch] = {
     "broadcast_to->expand": broadcast_to_as_expand,
@@ -110,6 +127,7 @@ EXPORT_PATCHES: dict[str, Patch] = {
 TORCHSCRIPT_PATCHES: dict[str, Patch] = {
     "rms_norm->arithmetic": rms_norm_as_arithmetic,
     "flux rotary: unflatten": flux_rotary_unflattened,
+    "nearest-exact xN->nearest": integer_nearest_exact_as_nearest,
 }
 
 

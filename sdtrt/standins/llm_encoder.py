@@ -1,6 +1,8 @@
-"""EngineQwen3: what FLUX.2 [klein]'s pipeline calls instead of its Qwen3ForCausalLM text encoder.
+"""EngineQwen3 / EngineQwen2_5_VL: what FLUX.2 [klein]'s and Qwen-Image's pipelines call instead of their LLM text
+encoders (Qwen3ForCausalLM; Qwen2_5_VLForConditionalGeneration, text only).
 
-The pipeline reads nothing of the LLM's output but ``hidden_states[k]`` for its ``text_encoder_out_layers``; the
+The pipelines read nothing of the LLM's output but ``hidden_states[k]`` (klein's ``text_encoder_out_layers``,
+Qwen-Image's last layer, as ``hidden_states[-1]``); the
 engine's graph gives those layers' hidden states stacked (spec/llm_encoder.py), and the stand-in hands them back as
 ``hidden_states`` indexed as transformers indexes them, so the pipeline's own code stacks them unchanged. Logits,
 a KV cache, generation and other layers are refused in one line: the engine has none of them.
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen3ForCausalLM
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
@@ -47,8 +49,14 @@ class SelectedLayers(tuple):
         return value
 
 
-class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
-    """A Qwen3ForCausalLM stand-in (FLUX.2 [klein]'s text_encoder) backed by an LLM encoder engine."""
+class EngineLLMEncoder(EngineModule):
+    """An LLM text encoder stand-in backed by an LLM encoder engine. ``EngineLLMEncoder(runtime, …)`` makes the
+    subclass that is an instance of the class the engine's graph was exported from (its spec's architecture)."""
+
+    def __new__(cls, runtime: Runtime, *args: Any, **kwargs: Any) -> EngineLLMEncoder:
+        if cls is EngineLLMEncoder:
+            cls = STANDINS.get(runtime.spec.architecture, EngineQwen3)
+        return super().__new__(cls)
 
     def __init__(self, runtime: Runtime, config: Any, dtype: torch.dtype | None = None) -> None:
         super().__init__(config, dtype or runtime.dtype, [runtime])
@@ -81,12 +89,30 @@ class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
         ids, mask_name = self.spec.input_names
         stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
         stacked = stacked.to(input_ids.device, self._dtype)
-        hidden = SelectedLayers(stacked, self.spec.hidden_layers, self.config.num_hidden_layers + 1)
+        layers = self.config.get_text_config().num_hidden_layers  # a vision-language model's: its language part's
+        hidden = SelectedLayers(stacked, self.spec.hidden_layers, layers + 1)
         out = CausalLMOutputWithPast(hidden_states=hidden)
         return out if return_dict else out.to_tuple()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise EngineInputError(f"{type(self).__name__}.generate: {NOT_A_GENERATOR}")
+
+
+class EngineQwen3(EngineLLMEncoder, Qwen3ForCausalLM):  # type: ignore[misc]
+    """A Qwen3ForCausalLM stand-in (FLUX.2 [klein]'s text_encoder)."""
+
+
+class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  # type: ignore[misc]
+    """A Qwen2_5_VLForConditionalGeneration stand-in (Qwen-Image's text_encoder), its text path: image inputs
+    (pixel_values, which the Edit pipelines pass) are refused as any other keyword the engine does not take."""
+
+
+# The engine's architecture (its spec's) → the stand-in class that is an instance of that transformers class.
+STANDINS: dict[str, type[EngineLLMEncoder]] = {
+    pytorch.__name__: standin for pytorch, standin in (
+        (Qwen3ForCausalLM, EngineQwen3), (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL),
+    )
+}  # fmt: skip
 
 
 def right_padded(mask: torch.Tensor) -> bool:

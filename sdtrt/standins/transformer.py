@@ -15,7 +15,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel, SD3Transformer2DModel, ZImageTransformer2DModel
+from diffusers import (
+    Flux2Transformer2DModel,
+    FluxTransformer2DModel,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    ZImageTransformer2DModel,
+)
 from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
@@ -262,11 +268,56 @@ class EngineZImageTransformer(EngineTransformer, ZImageTransformer2DModel):
         return Transformer2DModelOutput(sample=samples) if return_dict else (samples,)
 
 
+class EngineQwenImageTransformer(EngineTransformer, QwenImageTransformer2DModel):
+    """A transformer engine standing in for Qwen-Image's QwenImageTransformer2DModel. The rotary embedding's angles
+    are the graph's inputs (spec QwenImageTransformerSpec): computed here with diffusers' own QwenEmbedRope from the
+    pipeline's ``img_shapes`` and the text length, as the forward computes them."""
+
+    def forward(  # type: ignore[override]
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None,
+        img_shapes: list[Any] | None = None, guidance: torch.Tensor | None = None,
+        attention_kwargs: dict[str, Any] | None = None, controlnet_block_samples: Any = None,
+        additional_t_cond: torch.Tensor | None = None, return_dict: bool = True,
+    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:  # fmt: skip
+        self._refuse(dict(attention_kwargs or {}), {"controlnet_block_samples": controlnet_block_samples})
+        given = {"guidance": guidance, "additional_t_cond": additional_t_cond}
+        if unsupported := [name for name, value in given.items() if value is not None]:
+            raise EngineInputError(f"this {self.spec.architecture} engine takes no {', '.join(unsupported)}")
+        if img_shapes is None or timestep is None:
+            raise EngineInputError(f"this {self.spec.architecture} engine needs img_shapes and timestep")
+        batch, tokens = encoder_hidden_states.shape[:2]
+        device = hidden_states.device
+        img_freqs, txt_freqs = self.rotary()(img_shapes, max_txt_seq_len=tokens, device=torch.device("cpu"))
+        mask = torch.ones(batch, tokens) if encoder_hidden_states_mask is None else encoder_hidden_states_mask
+        inputs = (
+            hidden_states, encoder_hidden_states, mask.int(), normalise_timestep(timestep, batch, device),
+            torch.view_as_real(img_freqs).float(), torch.view_as_real(txt_freqs).float(),
+        )  # fmt: skip
+        feeds = dict(zip(self.spec.input_names, inputs, strict=True))
+        out = self.runtime.run(feeds)[self.spec.output_name].to(device, hidden_states.dtype)
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+    def rotary(self) -> Any:
+        """diffusers' rotary embedding module of this transformer's config (no weights: its tables are computed)."""
+        if getattr(self, "_rotary", None) is None:
+            from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+            if self.config.get("use_layer3d_rope") or self.config.get("zero_cond_t"):
+                raise EngineInputError(
+                    f"this {self.spec.architecture} uses Qwen-Image-Edit's or Layered's conditioning (zero_cond_t, "
+                    "use_layer3d_rope), which its engine's graph does not take: run it on PyTorch"
+                )
+            self._rotary = QwenEmbedRope(theta=10000, axes_dim=list(self.config.axes_dims_rope), scale_rope=True)
+        return self._rotary
+
+
 # The engine's architecture (its spec's) → the stand-in class that is an instance of that diffusers class.
 STANDINS: dict[str, type[EngineTransformer]] = {
     pytorch.__name__: standin
     for pytorch, standin in (
         (SD3Transformer2DModel, EngineSD3Transformer), (FluxTransformer2DModel, EngineFluxTransformer),
         (Flux2Transformer2DModel, EngineFlux2Transformer), (ZImageTransformer2DModel, EngineZImageTransformer),
+        (QwenImageTransformer2DModel, EngineQwenImageTransformer),
     )
 }  # fmt: skip

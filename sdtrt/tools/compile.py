@@ -54,6 +54,7 @@ from ..spec import (
     model_components,
     spec_class,
 )
+from ..spec.transformer import TRANSFORMER_KINDS
 from ..stages import build_ort, engine_set, export, quantize, simplify
 from ..stages.engine_set import EngineSetConfig
 from .validate import ValidationReport, stored_validate
@@ -372,11 +373,13 @@ def component_precision(
     model: ModelSource, component: str, requested: Precision, target: str = "onnxruntime"
 ) -> Precision:
     """fp32 for a VAE that asks to be upcast (fp16 VAEs overflow into black images); for networks whose class
-    overflows fp16 (T5, an LLM: the spec of the folder's class says why; the export manifest records it), its
-    ``fp16_fallback`` where ``target`` runs it (an LLM's bf16), else fp32; else ``requested``."""
+    overflows fp16 (T5, an LLM, Qwen-Image's transformer: the spec of the folder's class says why; the export
+    manifest records it), its ``fp16_fallback`` where ``target`` runs it (bf16), else fp32; else ``requested``."""
     if component.startswith("vae") and model.component_config("vae").get("force_upcast", True):
         return "fp32"
-    spec = spec_class(component, folder_architecture(model, component))
+    architecture = folder_architecture(model, component)
+    # A transformer's kind (Qwen-Image's overflows fp16), where the component's row dispatches on the class.
+    spec = TRANSFORMER_KINDS.get(architecture) or spec_class(component, architecture)
     if requested == "fp16" and spec.fp16_problem:
         return "fp32" if _unbuildable(spec.fp16_fallback, target) else spec.fp16_fallback
     return requested

@@ -1,0 +1,148 @@
+"""Qwen-Image (issue 38) on an engine set: the Qwen2.5-VL LLM text encoder's text path, the QwenImage MMDiT and the
+causal 3D VAE's decoder on one frame each an engine stand-in, images as the PyTorch fp32 QwenImagePipeline's with
+true classifier-free guidance (a negative prompt: two transformer passes a step, masks of two lengths), and a prompt
+over the LLM engine's tokens refused with one line before anything runs.
+
+One fp32 ONNX Runtime engine set, shared by the module's tests, kept cheap: TorchScript's exporter, a profile of the
+two test sizes, no VAE encoder (txt2img never encodes); ``-m slow`` compiles the default way (torch.export's
+exporter for the transformer, every network).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, ValidationConfig
+from sdtrt.core.errors import EngineInputError, RequestError
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.standins.base import EngineModule
+from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
+from sdtrt.standins.transformer import EngineQwenImageTransformer
+from sdtrt.standins.vae_qwen import EngineQwenImageVAE
+from sdtrt.tools.image_quality import psnr_db
+
+SIZES = [(128, 128), (128, 192)]
+# The test sizes, and chat-templated prompts of 35 to 256 tokens (the offline tokenizer spells the pipeline's
+# system prompt out in about 150).
+PROFILE = ShapeProfile(Range(1, 1, 1), Range(128, 128, 128), Range(128, 192, 192), False, Range(35, 192, 256))
+TXT2IMG = ("text_encoder", "transformer", "vae_decoder")
+
+
+@pytest.fixture(scope="module")
+def qwen(store):
+    """The preset, and its (PyTorch fp32, engine) pipelines."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-qwen-image")
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine = compile_model(
+        source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE, components=TXT2IMG
+    ).final
+    return source, load_pipeline(source), load_pipeline(source, engine)
+
+
+def request(**kwargs) -> GenerateRequest:
+    base = {"prompt": "a red fox in the snow", "negative_prompt": "blurry", "guidance": 4.0, "steps": 2, "seed": 3}
+    return GenerateRequest(**(base | kwargs))
+
+
+def test_every_network_is_an_engine_standin(qwen):
+    _, reference, engine = qwen
+    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
+    assert set(networks) == {"text_encoder", "transformer", "vae"}
+    assert all(isinstance(m, EngineModule) for m in networks.values())
+    assert isinstance(engine.text_encoder, EngineQwen2_5_VL)
+    assert isinstance(engine.transformer, EngineQwenImageTransformer)
+    assert isinstance(engine.vae, EngineQwenImageVAE) and engine.vae.decoder_runtime is not None
+    assert engine.vae_scale_factor == reference.vae_scale_factor == 8
+    assert engine.vae.config.latents_std == reference.vae.config.latents_std  # the pipeline normalises with them
+
+
+@pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
+def test_txt2img_matches_pytorch(qwen, size):
+    reference, engine = (
+        generate(p, request(height=size[0], width=size[1]), output_type="np").images[0] for p in qwen[1:]
+    )
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-qwen-image txt2img {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
+
+
+def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(qwen):
+    _, _, engine = qwen
+    calls = []
+    for network in (engine.text_encoder, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(RequestError, match="tokens with its chat template, more than the 256") as error:
+        generate(engine, request(prompt="astronaut " * 20, height=128, width=128))
+    assert "\n" not in str(error.value) and not calls
+
+
+def test_what_the_engines_cannot_do_is_refused(qwen):
+    """Each in one line: a video (more frames than one) through the single-frame VAE engine, a layer of the LLM the
+    engine does not keep, Qwen-Image-Edit's image inputs to the text encoder."""
+    _, _, engine = qwen
+    ids = torch.ones(1, 40, dtype=torch.int64)
+    out = engine.text_encoder(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+    assert out.hidden_states[-1].shape == (1, 40, 32)
+    for call in (
+        lambda: engine.vae.decode(torch.zeros(1, 4, 2, 16, 16)),
+        lambda: out.hidden_states[1],
+        lambda: engine.text_encoder(input_ids=ids, pixel_values=torch.zeros(4, 8), output_hidden_states=True),
+    ):
+        with pytest.raises(EngineInputError, match=r"^[^\n]+$"):
+            call()
+
+
+@pytest.mark.slow
+def test_the_default_compile_matches_pytorch(store):
+    """``sdtrt compile``'s way: torch.export's exporter for the transformer, the VAE encoder too, the default checks
+    and validation; txt2img at two more sizes, the VAE encoder engine, and img2img."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-qwen-image")
+    profile = ShapeProfile(Range(1, 1, 2), Range(128, 128, 256), Range(128, 192, 256), False, Range(35, 256, 512))
+    validation = ValidationConfig(steps=2)  # `sdtrt compile`'s: each member, then the images (one frame decoded)
+    result = compile_model(
+        source, store, "onnxruntime", ExportConfig(precision="fp32"), profile=profile, validation=validation
+    )
+    assert result.validation is not None and bool(result.validation)
+    engine_set = result.final
+    pipes = load_pipeline(source), load_pipeline(source, engine_set)
+    assert pipes[1].vae.encoder_runtime is not None
+    for height, width in [(128, 192), (256, 128)]:
+        reference, engine = (
+            generate(p, request(height=height, width=width), output_type="np").images[0] for p in pipes
+        )
+        psnr = psnr_db(engine, reference)
+        print(f"tiny-qwen-image txt2img (default compile) {height}x{width}: PSNR {psnr:.1f} dB")
+        assert psnr >= 35.0
+    image = torch.rand(1, 3, 1, 128, 192) * 2 - 1  # one frame, as the img2img pipeline encodes it
+    latents = [p.vae.encode(image).latent_dist.mean for p in pipes]
+    assert latents[1].shape == (1, 4, 1, 16, 24) and torch.allclose(latents[1], latents[0], atol=1e-4)
+    start = Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 192, 3), dtype=np.uint8))
+    img2img = [load_pipeline(source, e, task="img2img") for e in (None, engine_set)]
+    req = request(height=128, width=192, image=start, strength=0.6)
+    reference, engine = (generate(p, req, output_type="np").images[0] for p in img2img)
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-qwen-image img2img (default compile) 128x192: PSNR {psnr:.1f} dB")
+    assert type(img2img[1]).__name__ == "QwenImageImg2ImgPipeline" and psnr >= 35.0
+
+
+def test_fp16_builds_the_transformer_and_the_llm_in_bf16_where_the_target_has_it():
+    """Qwen-Image's bf16 networks are never built fp16 by default: bf16 where the target runs it, else fp32 (ONNX
+    Runtime on a CPU has no bf16); the VAE is fp32."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.spec import QwenImageTransformerSpec, QwenVLEncoderSpec
+    from sdtrt.tools.compile import component_precision
+
+    source = resolve_model("tiny-qwen-image")
+    for component in ("transformer", "text_encoder", "vae_decoder"):
+        assert component_precision(source, component, "fp16", "onnxruntime") == "fp32"
+    assert component_precision(source, "transformer", "fp32", "onnxruntime") == "fp32"
+    assert QwenImageTransformerSpec.fp16_fallback == QwenVLEncoderSpec.fp16_fallback == "bf16"
