@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import shutil
 import sys
@@ -41,7 +40,15 @@ from ..spec import (
     component_spec,
     denoiser_component,
 )
-from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
+from .export_stream import (
+    _save_streamed,
+    before_optimize,
+    graph_hook,
+    on_fake_cpu,
+    stamp_overrides,
+    stamped_blocks,
+    weight_free_network,
+)
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
 
@@ -214,8 +221,9 @@ def _export(
     files = ip_adapter_files(config) if config.ip_adapter else None
     origin = files.image_encoder if files and spec.component == IMAGE_ENCODER else model.name
     with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {origin}"):
+        stamped = stamped_blocks(spec, model.component_config(folder)) if weights == "stream" else {}
         if weights == "stream":
-            network, sources = weight_free_network(model, folder, dtype)
+            network, sources = weight_free_network(model, folder, dtype, stamp_overrides(spec, stamped))
         elif files and spec.component == IMAGE_ENCODER:
             network = files.load_image_encoder(dtype)
         else:
@@ -246,9 +254,10 @@ def _export(
         try:
             if weights == "stream":
                 # The exporter's optimizer folds constants (the Transpose of every Linear weight): it reads the
-                # weights, so they are attached where it starts, and the graph is what the loaded network gives.
+                # weights, so they are attached where it starts (after the stamped blocks are added), and the graph
+                # is what the loaded network gives.
                 with (
-                    before_optimize(functools.partial(onnx_weights.attach_weights, **sources)),
+                    before_optimize(graph_hook(sources, stamped)),
                     onnx_weights.folded_constants_on_disk(raw_dir / "folded.bin"),
                 ):
                     program = _dynamo_program(module, spec, config, dtype, fake_mode=on_fake_cpu(module))
@@ -292,6 +301,8 @@ def _export(
             "exporter": exporter,
             "weights": weights,
             "weights_reason": weights_reason,
+            # Repeated blocks traced STAMP_FROM times and stamped to their count (module path → count).
+            "stamped": stamped,
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER

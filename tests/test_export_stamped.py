@@ -1,0 +1,87 @@
+"""Stamped blocks (graph/onnx_stamp.py): a network traced with STAMP_FROM copies of each repeated block list and
+stamped to its full length is the network traced whole, up to the names of nodes and values
+(graph/onnx_structure.py), with the same output on ONNX Runtime.
+
+Default suite: a small network of repeated blocks shaped as Flux's (two streams, symbolic shapes computed once, the
+last block's unread result dropped by torch.export), through torch.export's exporter. With -m slow: a tiny Flux
+transformer with 6 double- and 7 single-stream blocks through the export stage, stamped against whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from torch.export import Dim
+
+from sdtrt.core.errors import ExportError
+from sdtrt.graph.onnx_stamp import STAMP_FROM, stamp_blocks
+from sdtrt.graph.onnx_structure import graph_structure
+from sdtrt.stages.export_stream import before_optimize
+
+
+class Block(torch.nn.Module):
+    """Two streams in, two out: each reshaped by its symbolic length (traced once, reused by later blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(8, 8)
+        self.context = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        joint = torch.cat([context, x], dim=1)
+        joint = torch.nn.functional.gelu(self.mix(joint)).reshape(x.shape[0], -1, 8)
+        return joint[:, context.shape[1] :] + x, self.context(joint[:, : context.shape[1]])
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(count))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x, context = block(x, context)  # the last block's context is read by nothing
+        return x * 2
+
+
+def exported(count: int, stamp_to: int | None = None) -> ir.Model:
+    """Blocks(count) through torch.export's exporter; with ``stamp_to``, stamped to that many blocks before the
+    optimizer, their weights (as attach_weights gives them) from Blocks(stamp_to)."""
+    full = Blocks(stamp_to or count).state_dict()
+
+    def stamp(model: ir.Model) -> None:
+        stamp_blocks(model, {"blocks": stamp_to or count})
+        for name, value in model.graph.initializers.items():
+            value.const_value = ir.tensor(full[name].numpy(), name=name)
+
+    inputs = (torch.randn(2, 5, 8), torch.randn(2, 3, 8))
+    dims = ({0: Dim("batch"), 1: Dim("tokens")}, {0: Dim("batch"), 1: Dim("text")})
+    with before_optimize(stamp if stamp_to else lambda model: None):
+        program = torch.onnx.export(Blocks(count), inputs, dynamo=True, dynamic_shapes=dims, verbose=False)
+    return program.model
+
+
+def run(model: ir.Model, x: np.ndarray, context: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {i.name: v for i, v in zip(session.get_inputs(), (x, context), strict=True)})[0]
+
+
+def test_stamped_blocks_are_the_whole_trace_up_to_names():
+    whole, stamped = exported(6), exported(STAMP_FROM, stamp_to=6)
+    assert graph_structure(stamped).differences(graph_structure(whole)) == []
+    assert {"blocks.4.mix.bias", "blocks.5.mix.bias"} <= graph_structure(stamped).weights  # stamped, named by block
+    rng = np.random.default_rng(0)
+    x, context = rng.standard_normal((1, 4, 8), np.float32), rng.standard_normal((1, 6, 8), np.float32)
+    assert np.array_equal(run(stamped, x, context), run(whole, x, context))
+
+
+def test_a_list_whose_copies_differ_is_refused_and_a_missing_block_is_seen():
+    with pytest.raises(ExportError, match="cannot stamp blocks: the trace holds copies"):
+        exported(STAMP_FROM - 1, stamp_to=6)
+    assert graph_structure(exported(STAMP_FROM - 1)).differences(graph_structure(exported(STAMP_FROM)))
