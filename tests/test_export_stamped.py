@@ -12,11 +12,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
+import onnxscript.optimizer
 import pytest
 import torch
 from torch.export import Dim
 
 from sdtrt.core.errors import ExportError
+from sdtrt.graph.onnx_optimizer import multi_output_matches_by_use
 from sdtrt.graph.onnx_stamp import STAMP_FROM, stamp_blocks
 from sdtrt.graph.onnx_structure import graph_structure
 from sdtrt.stages.export_stream import before_optimize
@@ -33,6 +35,8 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         joint = torch.cat([context, x], dim=1)
         joint = torch.nn.functional.gelu(self.mix(joint)).reshape(x.shape[0], -1, 8)
+        gate, value = joint[..., :4], joint[..., 4:]  # two Slices of one value: SlicesSplit's pattern
+        joint = torch.cat([value * torch.sigmoid(gate), gate], dim=-1)
         return joint[:, context.shape[1] :] + x, self.context(joint[:, : context.shape[1]])
 
 
@@ -50,19 +54,24 @@ class Blocks(torch.nn.Module):
         return x * 2
 
 
+UNOPTIMIZED: list[ir.Model] = []  # the graphs the exporter's optimizer was given
+
+
 def exported(count: int, stamp_to: int | None = None) -> ir.Model:
     """Blocks(count) through torch.export's exporter; with ``stamp_to``, stamped to that many blocks before the
     optimizer, their weights (as attach_weights gives them) from Blocks(stamp_to)."""
     full = Blocks(stamp_to or count).state_dict()
 
     def stamp(model: ir.Model) -> None:
-        stamp_blocks(model, {"blocks": stamp_to or count})
-        for name, value in model.graph.initializers.items():
-            value.const_value = ir.tensor(full[name].numpy(), name=name)
+        if stamp_to:
+            stamp_blocks(model, {"blocks": stamp_to})
+            for name, value in model.graph.initializers.items():
+                value.const_value = ir.tensor(full[name].numpy(), name=name)
+        UNOPTIMIZED.append(ir.from_proto(ir.to_proto(model)))
 
     inputs = (torch.randn(2, 5, 8), torch.randn(2, 3, 8))
     dims = ({0: Dim("batch"), 1: Dim("tokens")}, {0: Dim("batch"), 1: Dim("text")})
-    with before_optimize(stamp if stamp_to else lambda model: None):
+    with before_optimize(stamp):
         program = torch.onnx.export(Blocks(count), inputs, dynamo=True, dynamic_shapes=dims, verbose=False)
     return program.model
 
@@ -85,3 +94,42 @@ def test_a_list_whose_copies_differ_is_refused_and_a_missing_block_is_seen():
     with pytest.raises(ExportError, match="cannot stamp blocks: the trace holds copies"):
         exported(STAMP_FROM - 1, stamp_to=6)
     assert graph_structure(exported(STAMP_FROM - 1)).differences(graph_structure(exported(STAMP_FROM)))
+
+
+def test_the_optimizer_bounded_by_use_gives_onnxscripts_graph():
+    whole = exported(6)
+    graphs = UNOPTIMIZED[-1], ir.from_proto(ir.to_proto(UNOPTIMIZED[-1]))
+    onnxscript.optimizer.optimize_ir(graphs[0])
+    with multi_output_matches_by_use():
+        onnxscript.optimizer.optimize_ir(graphs[1])
+    assert graph_structure(graphs[1]).differences(graph_structure(graphs[0])) == []
+    assert graph_structure(graphs[0]).differences(graph_structure(whole)) == []
+    # Each block's gate and value: two Slices of one value, the candidates SlicesSplit's search now draws from.
+    assert sum(n.op_type == "Slice" for n in graphs[0].graph) >= 2 * 6
+
+
+@pytest.mark.slow  # two exports of a 13-block transformer: ~4 min on 2 cores
+def test_flux_transformer_stamped_is_its_whole_export(tmp_path, monkeypatch):
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.core.store import Store
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.sources.preset_build import with_network_config
+    from sdtrt.spec.transformer import FluxTransformerSpec
+    from sdtrt.stages import export
+
+    tiny = resolve_model("tiny-flux")
+    folder = with_network_config(tiny.path, "transformer", tmp_path / "flux-6-7", num_layers=6, num_single_layers=7)
+    model, config = resolve_model(str(folder)), ExportConfig("fp16", component="transformer")
+    stamped = export.run(config, model, Store(tmp_path / "stamped"))
+    assert stamped.manifest["details"]["stamped"] == {
+        "network.transformer_blocks": 6, "network.single_transformer_blocks": 7,
+    }  # fmt: skip
+    monkeypatch.setattr(FluxTransformerSpec, "repeated_blocks", {})
+    whole = export.run(config, model, Store(tmp_path / "whole"))
+    assert whole.manifest["details"]["stamped"] == {}
+    assert graph_structure(ir.load(stamped.primary)).differences(graph_structure(ir.load(whole.primary))) == []
+    spec = export.spec_for(model, config)
+    feeds = {k: v.numpy() for k, v in spec.sample_inputs(2, 128, 192, dtype=torch.float16).items()}
+    sessions = [ort.InferenceSession(str(a.primary), providers=["CPUExecutionProvider"]) for a in (stamped, whole)]
+    outputs = [session.run(None, feeds) for session in sessions]
+    assert np.array_equal(outputs[0][0], outputs[1][0])

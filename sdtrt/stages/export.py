@@ -184,9 +184,12 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     a network over STREAM_ABOVE and often TorchScript's for a smaller one (exporter_for), and the two graphs must not
     share a key (nor one graph have two).
     Not by the weights path: a streamed graph is the loaded one, byte for byte; but for the NOT_STREAMED networks,
-    whose streamed graph (asked for) has its own key."""
+    whose streamed graph (asked for) has its own key, and a graph with stamped blocks (its values named otherwise)."""
     spec = spec_for(model, config)
-    streamed_otherwise = spec.component in NOT_STREAMED and weights_path(config, spec, model)[0] == "stream"
+    streamed = weights_path(config, spec, model)[0] == "stream"
+    streamed_otherwise = spec.component in NOT_STREAMED and streamed
+    # A stamped graph is the full trace's up to the names of its values (graph/onnx_stamp.py): keyed apart.
+    stamped = stamped_blocks(spec, model.component_config(FOLDERS[spec.component])) if streamed else {}
     config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
     # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
     # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
@@ -195,7 +198,11 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
         stage=STAGE,
         version=VERSION,
         config=config,
-        inputs=[*inputs, {"kind": "weights", "digest": "stream"}] if streamed_otherwise else inputs,
+        inputs=[
+            *inputs,
+            *([{"kind": "weights", "digest": "stream"}] if streamed_otherwise else []),
+            *([{"kind": "stamped", "digest": digest(stamped)}] if stamped else []),
+        ],
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
 
