@@ -134,9 +134,8 @@ def test_flux_transformer_stamped_is_its_whole_export(tmp_path, monkeypatch):
     folder = with_network_config(tiny.path, "transformer", tmp_path / "flux-6-7", num_layers=6, num_single_layers=7)
     model, config = resolve_model(str(folder)), ExportConfig("fp16", component="transformer")
     stamped = export.run(config, model, Store(tmp_path / "stamped"))
-    assert stamped.manifest["details"]["stamped"] == {
-        "network.transformer_blocks": 6, "network.single_transformer_blocks": 7,
-    }  # fmt: skip
+    blocks = {"network.transformer_blocks": 6, "network.single_transformer_blocks": 7}
+    assert stamped.manifest["details"]["stamped"] == {"traced_copies": STAMP_FROM, "blocks": blocks}
     monkeypatch.setattr(FluxTransformerSpec, "repeated_blocks", {})
     whole = export.run(config, model, Store(tmp_path / "whole"))
     assert whole.manifest["details"]["stamped"] == {}

@@ -29,6 +29,7 @@ from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
+from ..graph.onnx_stamp import STAMP_FROM
 from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource, load_folder
 from ..spec import (
@@ -308,8 +309,8 @@ def _export(
             "exporter": exporter,
             "weights": weights,
             "weights_reason": weights_reason,
-            # Repeated blocks traced STAMP_FROM times and stamped to their count (module path → count).
-            "stamped": stamped,
+            # Repeated blocks traced STAMP_FROM times each and stamped to their count (module path → count).
+            "stamped": {"traced_copies": STAMP_FROM, "blocks": stamped} if stamped else {},
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER
