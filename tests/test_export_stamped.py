@@ -121,7 +121,7 @@ def test_the_optimizer_bounded_by_use_gives_onnxscripts_graph():
     assert sum(n.op_type == "Slice" for n in unoptimized.graph) >= 2 * 6
 
 
-@pytest.mark.slow  # two exports of a 13-block transformer: ~4 min on 2 cores
+@pytest.mark.slow  # two exports of a 13-block transformer: 80 s on 2 cores
 def test_flux_transformer_stamped_is_its_whole_export(tmp_path, monkeypatch):
     from sdtrt.core.config import ExportConfig
     from sdtrt.core.store import Store
