@@ -10,6 +10,8 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
     python benchmarks/big_export.py --model sdxl-random --component unet --exporter dynamo
     python benchmarks/big_export.py --model tiny-flux --engines /tmp/big/engines --models /tmp/big/models
     python benchmarks/big_export.py --model sd15-random --compare-weights   # loaded and streamed, side by side
+    python benchmarks/big_export.py --model tiny-flux --blocks 19,38 --compare-stamp   # Flux's depth at tiny width:
+        # today's export (every block traced, onnxscript's optimizer search) and the stamped one, side by side
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
@@ -40,6 +42,8 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
 
     model = resolve_model(args.model)
     component = args.component or model.denoiser_folder
+    if args.blocks:
+        model = with_blocks(model, component, [int(n) for n in args.blocks.split(",")])
     store = Store(Path(args.engines))
     if step == "preset":
         from sdtrt.spec import FOLDERS
@@ -53,6 +57,8 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
 
         options = (("precision", args.precision), ("exporter", args.exporter), ("weights", args.weights))
         overrides = {k: v for k, v in options if v}
+        if args.stamp == "off":
+            todays_export(export.spec_for(model, ExportConfig(component=component)))
         artifact = export.run(ExportConfig(component=component, **overrides), model, store)  # type: ignore[arg-type]
         details = artifact.manifest["details"]
         return {"export": str(artifact.path), "precision": artifact.manifest["io"]["precision"],
@@ -73,6 +79,34 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
 
     report = check_blocks(model, Artifact.open(state["export"]))
     return {"blocks": [row["block"] for row in report.blocks], "passed": bool(report), "failures": report.failures}
+
+
+def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
+    """The model with its component's repeated block lists (its spec's repeated_blocks, in order) ``counts`` long,
+    random weights keyed by name (preset_build.with_network_config), built once beside the presets."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.sources.preset_build import with_network_config
+    from sdtrt.spec import FOLDERS
+    from sdtrt.stages import export
+
+    keys = list(type(export.spec_for(model, ExportConfig(component=component))).repeated_blocks.values())
+    if len(keys) != len(counts):
+        raise SystemExit(f"--blocks takes {len(keys)} counts for this {component} ({', '.join(keys)})")
+    dest = model.path.parent / f"{model.path.name}-blocks-{'-'.join(map(str, counts))}"
+    with_network_config(model.path, FOLDERS[component], dest, **dict(zip(keys, counts, strict=True)))
+    return resolve_model(str(dest))
+
+
+def todays_export(spec: Any) -> None:
+    """Export as before stamping: every block traced (the spec names no repeated lists) and onnxscript's own
+    multi-output pattern search, for side-by-side timings in this child process."""
+    import contextlib
+
+    from sdtrt.stages import exporters
+
+    type(spec).repeated_blocks = {}
+    exporters.multi_output_matches_by_use = contextlib.nullcontext  # type: ignore[assignment]
 
 
 def child(step: str, argv: list[str], state: dict[str, Any], script: str = __file__) -> dict[str, Any]:
@@ -115,6 +149,12 @@ def main() -> None:
         help="export and simplify twice, --weights load then stream, each into its own store under --engines "
         "(weights-load/, weights-stream/: the key does not hold the weights path), side by side",
     )  # fmt: skip
+    parser.add_argument("--blocks", default=None, help="the component's repeated block counts, e.g. 19,38 for Flux")
+    parser.add_argument(
+        "--compare-stamp", action="store_true",
+        help="export twice, as before stamping (--stamp off) then stamped, each into its own store under --engines",
+    )  # fmt: skip
+    parser.add_argument("--stamp", default="on", choices=("on", "off"), help="off: as before stamping")
     parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
     parser.add_argument("--models", default=os.environ.get("SDTRT_MODELS"), help="presets cache")
     parser.add_argument("--memory-budget", default=None, help="simplify's (8GiB): over it the ORT check is skipped")
@@ -132,6 +172,11 @@ def main() -> None:
             (step, f" ({weights})", ["--weights", weights, "--engines", str(Path(args.engines) / f"weights-{weights}")])
             for weights in ("load", "stream")
             for step in ("export", "simplify")
+        ]
+    if args.compare_stamp:
+        plan = [("preset", "", [])] + [
+            ("export", f" (stamp {stamp})", ["--stamp", stamp, "--engines", str(Path(args.engines) / f"stamp-{stamp}")])
+            for stamp in ("off", "on")
         ]
     state: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []

@@ -198,3 +198,27 @@ def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
         for conv in zero_convs:
             conv.weight.normal_(std=0.05)
     return controlnet
+
+
+def with_network_config(source: Path, folder: str, dest: Path, **overrides: Any) -> Path:
+    """A copy of the model folder ``source`` whose ``folder`` network is rebuilt from its config with ``overrides``
+    (Flux's ``num_layers=19``: the same network with more blocks) and random weights keyed by name, so that the
+    tensors both networks have hold the same values; its other folders are links to the source's. Built once."""
+    import diffusers
+
+    if (dest / "model_index.json").is_file():
+        return dest
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        for entry in source.iterdir():
+            if entry.name != folder:
+                (tmp / entry.name).symlink_to(entry.resolve())
+        config = json.loads((source / folder / "config.json").read_text())
+        cls = getattr(diffusers, config["_class_name"])
+        with empty_weights():
+            network = cls.from_config({**config, **overrides})
+        save_random(network, tmp / folder, seed=f"{PRESET_SEED}/{folder}")
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

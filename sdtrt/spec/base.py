@@ -105,6 +105,10 @@ class GraphSpec:
     fp16_fallback: ClassVar[Precision] = "fp32"
     # Whether the image size shapes its inputs (not a text encoder's): labels name a size only where it does.
     reads_pixels: ClassVar[bool] = True
+    # The network's lists of identical blocks, by attribute, with the config key that sets each one's length: the
+    # streamed export traces a few copies and stamps the rest (graph/onnx_stamp.py), in time that no longer grows
+    # with the count. Only lists whose copies after the first are alike (tests/test_export_stamped.py proves each).
+    repeated_blocks: ClassVar[dict[str, str]] = {}
 
     precision: Precision
     io_naming: IONaming

@@ -165,6 +165,9 @@ class FluxTransformerSpec(PackedTransformerSpec):
 
     architecture: ClassVar[str] = "FluxTransformer2DModel"
     pipeline_tokens: ClassVar[int] = 512  # FluxPipeline's, dev's and schnell's alike
+    repeated_blocks: ClassVar[dict[str, str]] = {
+        "transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers",
+    }  # fmt: skip
 
     guidance_embeds: bool = True
     # Kontext: the reference image's packed latents follow the generated ones in hidden_states and img_ids (and the

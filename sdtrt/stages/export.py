@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import shutil
 import sys
@@ -30,6 +29,7 @@ from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
+from ..graph.onnx_stamp import STAMP_FROM
 from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource, load_folder
 from ..spec import (
@@ -41,7 +41,15 @@ from ..spec import (
     component_spec,
     denoiser_component,
 )
-from .export_stream import _save_streamed, before_optimize, on_fake_cpu, weight_free_network
+from .export_stream import (
+    _save_streamed,
+    before_optimize,
+    graph_hook,
+    on_fake_cpu,
+    stamp_overrides,
+    stamped_blocks,
+    weight_free_network,
+)
 from .exporters import _dynamo_program, _torch_export
 from .graph_module import graph_module
 
@@ -177,9 +185,12 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     a network over STREAM_ABOVE and often TorchScript's for a smaller one (exporter_for), and the two graphs must not
     share a key (nor one graph have two).
     Not by the weights path: a streamed graph is the loaded one, byte for byte; but for the NOT_STREAMED networks,
-    whose streamed graph (asked for) has its own key."""
+    whose streamed graph (asked for) has its own key, and a graph with stamped blocks (its values named otherwise)."""
     spec = spec_for(model, config)
-    streamed_otherwise = spec.component in NOT_STREAMED and weights_path(config, spec, model)[0] == "stream"
+    streamed = weights_path(config, spec, model)[0] == "stream"
+    streamed_otherwise = spec.component in NOT_STREAMED and streamed
+    # A stamped graph is the full trace's up to the names of its values (graph/onnx_stamp.py): keyed apart.
+    stamped = stamped_blocks(spec, model.component_config(FOLDERS[spec.component])) if streamed else {}
     config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))
     # The graph's IO depends on more than the component's folder (SDXL's text_embeds width comes
     # from text_encoder_2, ControlNet residual inputs from controlnet/): the spec is an input too.
@@ -188,7 +199,11 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
         stage=STAGE,
         version=VERSION,
         config=config,
-        inputs=[*inputs, {"kind": "weights", "digest": "stream"}] if streamed_otherwise else inputs,
+        inputs=[
+            *inputs,
+            *([{"kind": "weights", "digest": "stream"}] if streamed_otherwise else []),
+            *([{"kind": "stamped", "digest": digest(stamped)}] if stamped else []),
+        ],
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
 
@@ -214,8 +229,9 @@ def _export(
     files = ip_adapter_files(config) if config.ip_adapter else None
     origin = files.image_encoder if files and spec.component == IMAGE_ENCODER else model.name
     with step(f"{'Building' if weights == 'stream' else 'Loading'} the {spec.label} from {origin}"):
+        stamped = stamped_blocks(spec, model.component_config(folder)) if weights == "stream" else {}
         if weights == "stream":
-            network, sources = weight_free_network(model, folder, dtype)
+            network, sources = weight_free_network(model, folder, dtype, stamp_overrides(spec, stamped))
         elif files and spec.component == IMAGE_ENCODER:
             network = files.load_image_encoder(dtype)
         else:
@@ -246,9 +262,10 @@ def _export(
         try:
             if weights == "stream":
                 # The exporter's optimizer folds constants (the Transpose of every Linear weight): it reads the
-                # weights, so they are attached where it starts, and the graph is what the loaded network gives.
+                # weights, so they are attached where it starts (after the stamped blocks are added), and the graph
+                # is what the loaded network gives.
                 with (
-                    before_optimize(functools.partial(onnx_weights.attach_weights, **sources)),
+                    before_optimize(graph_hook(sources, stamped)),
                     onnx_weights.folded_constants_on_disk(raw_dir / "folded.bin"),
                 ):
                     program = _dynamo_program(module, spec, config, dtype, fake_mode=on_fake_cpu(module))
@@ -292,6 +309,8 @@ def _export(
             "exporter": exporter,
             "weights": weights,
             "weights_reason": weights_reason,
+            # Repeated blocks traced STAMP_FROM times each and stamped to their count (module path → count).
+            "stamped": {"traced_copies": STAMP_FROM, "blocks": stamped} if stamped else {},
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER

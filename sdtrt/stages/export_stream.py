@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import ExportError
 from ..core.progress import quiet_loading
 from ..graph import onnx_graph, onnx_weights
+from ..graph.onnx_stamp import STAMP_FROM, stamp_blocks
 from ..sources.models import ModelSource
 from ..spec import GraphSpec
 
@@ -22,11 +23,14 @@ if TYPE_CHECKING:
 INLINE_UP_TO = 64 * 2**20
 
 
-def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> tuple[Any, dict[str, Any]]:
-    """The folder's network built from its config with no weight data (every tensor on the meta device), in the
-    dtypes ``from_pretrained(dtype=…)`` gives it; and ``attach_weights``' arguments: its safetensors tensors,
-    and the values of its non-persistent buffers (computed at construction, never in the safetensors files:
-    CLIP's position ids), by graph initializer name. Raise ExportError if the files lack a weight it needs."""
+def weight_free_network(
+    model: ModelSource, folder: str, dtype: torch.dtype, overrides: dict[str, int] | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """The folder's network built from its config (with ``overrides``: fewer blocks, stamped_blocks) with no weight
+    data (every tensor on the meta device), in the dtypes ``from_pretrained(dtype=…)`` gives it; and
+    ``attach_weights``' arguments: its safetensors tensors, and the values of its non-persistent buffers (computed at
+    construction, never in the safetensors files: CLIP's position ids), by graph initializer name. Raise ExportError
+    if the files lack a weight it needs."""
     import importlib
 
     import torch
@@ -46,9 +50,9 @@ def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> 
     # accelerate: parameters on the meta device, buffers computed for real (the non-persistent ones need that).
     with quiet_loading(), init_empty_weights(include_buffers=False):
         if library == "transformers":
-            network = cls._from_config(cls.config_class.from_pretrained(path))
+            network = cls._from_config(cls.config_class.from_pretrained(path, **(overrides or {})))
         else:
-            network = cls.from_config(cls.load_config(path))
+            network = cls.from_config({**cls.load_config(path), **(overrides or {})})
         network.to(dtype)
     if tie := getattr(network, "tie_weights", None):  # transformers ties inside init_empty_weights to copies
         tie()
@@ -75,6 +79,18 @@ def weight_free_network(model: ModelSource, folder: str, dtype: torch.dtype) -> 
             stored |= dict.fromkeys(names, saved)
     onnx_weights.check_sources(network.state_dict().keys(), stored, path)
     return network.to("meta"), {"sources": stored, "computed": computed, "prefix": "network."}
+
+
+def stamped_blocks(spec: GraphSpec, config: dict[str, Any]) -> dict[str, int]:
+    """The spec's repeated block lists that the network's config makes longer than STAMP_FROM, by module path in the
+    traced graph (the network is graph_module's ``network``), with their full length."""
+    counts = {f"network.{blocks}": int(config.get(key, 0)) for blocks, key in spec.repeated_blocks.items()}
+    return {path: count for path, count in counts.items() if count > STAMP_FROM}
+
+
+def stamp_overrides(spec: GraphSpec, blocks: dict[str, int]) -> dict[str, int]:
+    """The config keys that build the network with STAMP_FROM copies of each list in ``blocks``."""
+    return {key: STAMP_FROM for path, key in spec.repeated_blocks.items() if f"network.{path}" in blocks}
 
 
 def keep_fp32_modules(network: Any, dtype: torch.dtype) -> set[str]:
@@ -148,3 +164,14 @@ def before_optimize(hook: Callable[[Any], None]) -> Iterator[None]:
         yield
     finally:
         ONNXProgram.optimize = original  # type: ignore[method-assign]
+
+
+def graph_hook(sources: dict[str, Any], blocks: dict[str, int]) -> Callable[[Any], None]:
+    """What before_optimize runs on the weight-free trace: its repeated blocks stamped to their full count (while the
+    graph holds no data), then its initializers attached by name: the optimizer sees the full network's graph."""
+
+    def hook(model: Any) -> None:
+        stamp_blocks(model, blocks)
+        onnx_weights.attach_weights(model, **sources)
+
+    return hook

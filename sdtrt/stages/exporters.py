@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.config import ExportConfig
+from ..graph.onnx_optimizer import multi_output_matches_by_use
 from ..spec import GraphSpec
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ def _dynamo_program(
     }
     # Static fake inputs: their dynamic axes are what dynamic_shapes says, as with real ones.
     inputs = tuple(fake_mode.from_tensor(t, static_shapes=True) if fake_mode else t for t in example.values())
-    return torch.onnx.export(
-        module, inputs, dynamo=True, opset_version=config.opset, verbose=False, dynamic_shapes=dynamic_shapes,
-        input_names=list(spec.input_names), output_names=list(spec.output_names),
-    )  # fmt: skip
+    with multi_output_matches_by_use():  # its optimizer, linear in the graph: the same graph
+        return torch.onnx.export(
+            module, inputs, dynamo=True, opset_version=config.opset, verbose=False, dynamic_shapes=dynamic_shapes,
+            input_names=list(spec.input_names), output_names=list(spec.output_names),
+        )  # fmt: skip

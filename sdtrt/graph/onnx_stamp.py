@@ -1,0 +1,148 @@
+"""Repeated blocks stamped into a graph traced with fewer of them: tracing cost independent of the block count.
+
+A network whose blocks repeat (Flux's 19 double- and 38 single-stream blocks) is traced with STAMP_FROM copies of each
+list; torch.export's ONNX exporter labels every node with its module path (metadata ``pkg.torch.onnx.name_scopes``)
+and names initializers by state-dict name. Copy 0 computes the symbolic shapes the others reuse, so copy 2 is the
+template: an input it takes from copy 1 is the chain (hidden states flowing block to block), one it takes from before
+is shared (the time embedding, rotary embedding, shape symbols). Copies 3… are copy 2's nodes again, their chain
+inputs wired to the previous copy, their initializers renamed ``…blocks.2.`` → ``…blocks.{i}.``; copy 3, traced as
+the last block (whose unread results torch.export drops), is renumbered the list's last and reads the last stamp.
+The graph is the full trace's up to value and node names (tests/test_export_stamped.py), before the exporter's
+optimizer runs over it. Torch-free: onnx_ir only.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.errors import ExportError
+
+# Copies traced per repeated list: copy 0 computes the shared shape symbols, copy 1 feeds copy 2, copy 2 is stamped,
+# copy 3 is the last (torch.export drops what the last block computes that nothing reads: Flux's single blocks' split).
+STAMP_FROM = 4
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+def stamp_blocks(model: Any, blocks: Mapping[str, int]) -> None:
+    """Grow each repeated list of the ``onnx_ir`` model, traced with STAMP_FROM copies, to its full count:
+    ``blocks`` maps a list's module path in the graph ("network.transformer_blocks") to that count."""
+    for path, count in blocks.items():
+        if count > STAMP_FROM:
+            _stamp(model.graph, path, count)
+
+
+def _block_index(node: Any, path: str) -> int | None:
+    """Which copy of the list ``path`` the node belongs to, from its module path; None outside the list."""
+    scopes = ast.literal_eval(node.metadata_props.get(NAME_SCOPES, "[]"))
+    start = f"{path}."
+    for scope in scopes:
+        if scope.startswith(start) and (index := scope[len(start) :].split(".")[0]).isdigit():
+            return int(index)
+    return None
+
+
+def _stamp(graph: Any, path: str, count: int) -> None:
+    import onnx_ir as ir
+
+    copies: dict[int, list[Any]] = {}
+    for node in graph:
+        if (index := _block_index(node, path)) is not None:
+            copies.setdefault(index, []).append(node)
+    previous, template = copies.get(1, []), copies.get(2, [])
+    if sorted(copies) != list(range(STAMP_FROM)) or _signature(previous) != _signature(template):
+        raise ExportError(
+            f"cannot stamp {path}: the trace holds copies {sorted(copies)} of it, not {STAMP_FROM} with the middle "
+            "two alike; its spec's repeated_blocks names a list whose blocks differ: export with --weights load"
+        )
+    if any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for n in template for a in n.attributes.values()
+    ):
+        raise ExportError(f"cannot stamp {path}: its blocks hold subgraphs; export with --weights load")
+    _renumber(graph, copies[3], f"{path}.3", f"{path}.{count - 1}")  # the last copy keeps its place, after the stamps
+    position = {id(n): k for k, n in enumerate(template)}
+    from_previous = {id(out): (k, j) for k, n in enumerate(previous) for j, out in enumerate(n.outputs)}
+    own = _scope_pattern(f"{path}.2")
+
+    # Each input slot of the template: ("own", k, j) an earlier template node's output, ("chain", k, j) the previous
+    # copy's output, ("weight", value) a block initializer, renamed per copy; ("shared", value) anything else.
+    def slot(value: Any) -> tuple[Any, ...]:
+        producer = value.producer() if value is not None else None
+        if producer is not None and id(producer) in position:
+            return ("own", position[id(producer)], value.index())
+        if value is not None and id(value) in from_previous:
+            return ("chain", *from_previous[id(value)])
+        if value is not None and value.is_initializer() and own.search(value.name or ""):
+            return ("weight", value)
+        return ("shared", value)
+
+    plan = [[slot(v) for v in n.inputs] for n in template]
+    last_outputs = [list(n.outputs) for n in template]
+    anchor, stamped = template[-1], set(position)
+    for index in range(STAMP_FROM - 1, count - 1):
+        scope = f"{path}.{index}"
+        outputs: list[list[Any]] = []
+        nodes = []
+        for node, slots in zip(template, plan, strict=True):
+            inputs = []
+            for kind, *where in slots:
+                if kind == "own":
+                    inputs.append(outputs[where[0]][where[1]])
+                elif kind == "chain":
+                    inputs.append(last_outputs[where[0]][where[1]])
+                elif kind == "weight":
+                    inputs.append(_initializer(graph, where[0], own.sub(scope, where[0].name)))
+                else:
+                    inputs.append(where[0])
+            clone = ir.Node(
+                node.domain, node.op_type, inputs, [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()],
+                overload=node.overload, num_outputs=len(node.outputs), version=node.version,
+                name=f"{own.sub(scope, node.name or '')}__{index}",
+                metadata_props={key: own.sub(scope, value) for key, value in node.metadata_props.items()},
+            )  # fmt: skip
+            for new, old in zip(clone.outputs, node.outputs, strict=True):
+                new.name, new.type, new.shape = f"{old.name}__{index}", old.type, old.shape
+            outputs.append(list(clone.outputs))
+            nodes.append(clone)
+            stamped.add(id(clone))
+        graph.insert_after(anchor, nodes)
+        anchor, last_outputs = nodes[-1], outputs
+    # What read copy 2 (the last copy first of all) reads the last stamped copy instead.
+    for node, finals in zip(template, last_outputs, strict=True):
+        for value, final in zip(node.outputs, finals, strict=True):
+            for use in list(value.uses()):
+                if id(use.node) not in stamped:
+                    use.node.replace_input_with(use.idx, final)
+            graph.outputs[:] = [final if output is value else output for output in graph.outputs]
+
+
+def _signature(nodes: list[Any]) -> list[tuple[str, str, int, int]]:
+    return [(n.domain, n.op_type, len(n.inputs), len(n.outputs)) for n in nodes]
+
+
+def _scope_pattern(scope: str) -> re.Pattern[str]:
+    """``scope`` ("network.blocks.2") as a whole module path in a name or metadata, not "network.blocks.21"."""
+    return re.compile(re.escape(scope) + r"(?![0-9])")
+
+
+def _renumber(graph: Any, nodes: list[Any], scope: str, to: str) -> None:
+    """Move a traced copy to another index: its initializers' names and its nodes' module paths."""
+    pattern = _scope_pattern(scope)
+    for node in nodes:
+        node.metadata_props.update({key: pattern.sub(to, value) for key, value in node.metadata_props.items()})
+        for value in node.inputs:
+            if value is not None and value.is_initializer() and pattern.search(value.name or ""):
+                value.name = pattern.sub(to, value.name)
+
+
+def _initializer(graph: Any, like: Any, name: str) -> Any:
+    """The graph's initializer ``name``, made in ``like``'s type and shape where new (its data comes later, by name:
+    onnx_weights.attach_weights)."""
+    import onnx_ir as ir
+
+    if name not in graph.initializers:
+        value = ir.Value(name=name, type=like.type, shape=like.shape, const_value=like.const_value)
+        graph.initializers[name] = value
+    return graph.initializers[name]
