@@ -5,8 +5,6 @@ pipelines (tests/triton_backend.py stands in for the Python backend's module); t
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 from PIL import Image
@@ -14,6 +12,7 @@ from PIL import Image
 from sdtrt.pipeline.request import GenerateRequest
 
 from . import triton_backend
+from .triton_backend import row
 
 SIZE = 128
 
@@ -28,31 +27,9 @@ def box_mask(height: int, width: int) -> np.ndarray:
     return pixels
 
 
-def row(prompt: str, **inputs: np.ndarray | float | int) -> triton_backend.InferenceRequest:
-    """A one-row request as a Triton client sends it: scalars [1, 1], images [1, h, w, c]."""
-    dtypes = {"steps": np.int32, "seed": np.uint64, "height": np.int32, "width": np.int32, "strength": np.float32}
-    tensors = {"prompt": np.array([[prompt.encode()]], dtype=object)}
-    for name, value in inputs.items():
-        if isinstance(value, np.ndarray):
-            tensors[name] = value.reshape(1, *value.shape[:2], -1)
-        else:
-            tensors[name] = np.array([[value]], dtype=dtypes[name])
-    return triton_backend.InferenceRequest(**tensors)
-
-
 @pytest.fixture(scope="module")
 def served(tiny_set, tmp_path_factory):
-    """The deployed model, initialized as Triton's Python backend would on a CPU instance."""
-    from sdtrt.serving.deploy import deploy_triton
-    from sdtrt.serving.triton_model import TritonPythonModel
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sys.modules, "triton_python_backend_utils", triton_backend)
-        deployment = deploy_triton(tiny_set, tmp_path_factory.mktemp("repo"))
-        model = TritonPythonModel()
-        args = {"model_repository": str(deployment.folder), "model_name": "stable_diffusion", "model_version": "1",
-                "model_instance_kind": "CPU", "model_instance_device_id": "0"}  # fmt: skip
-        model.initialize(args)
+    with triton_backend.served(tiny_set, tmp_path_factory.mktemp("repo")) as model:
         yield model
 
 

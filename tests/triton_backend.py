@@ -4,10 +4,15 @@ and dims checks of config.pbtxt, runs in tests/test_serve.py."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 
 
 class Tensor:
@@ -75,3 +80,33 @@ class MetricFamily:
 
 
 Logger = SimpleNamespace(log_warn=print)
+
+
+@contextlib.contextmanager
+def served(engine: Any, repository: Path) -> Iterator[Any]:
+    """``engine`` deployed to ``repository`` and its Triton model initialized as the Python backend would on a CPU
+    instance; this module stands in for the backend's while the block runs."""
+    from sdtrt.serving.deploy import deploy_triton
+    from sdtrt.serving.triton_model import TritonPythonModel
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "triton_python_backend_utils", sys.modules[__name__])
+        deployment = deploy_triton(engine, repository)
+        model = TritonPythonModel()
+        args = {"model_repository": str(deployment.folder), "model_name": deployment.folder.name, "model_version": "1",
+                "model_instance_kind": "CPU", "model_instance_device_id": "0"}  # fmt: skip
+        model.initialize(args)
+        yield model
+
+
+def row(prompt: str, **inputs: Any) -> InferenceRequest:
+    """A one-row request as a Triton client sends it: scalars [1, 1], images (numpy or PIL) [1, h, w, channels]."""
+    dtypes = {"steps": np.int32, "seed": np.uint64, "height": np.int32, "width": np.int32, "strength": np.float32}
+    tensors = {"prompt": np.array([[prompt.encode()]], dtype=object)}
+    for name, value in inputs.items():
+        if name in dtypes:
+            tensors[name] = np.array([[value]], dtype=dtypes[name])
+        else:
+            pixels = np.asarray(value, dtype=np.uint8)
+            tensors[name] = pixels.reshape(1, *pixels.shape[:2], -1)
+    return InferenceRequest(**tensors)
