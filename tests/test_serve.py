@@ -390,3 +390,32 @@ def test_a_flux_schnell_set_is_deployed_and_served(store, tmp_path):
     assert all(e.status() == "400" for e in refused.values())
     assert "guidance 3.5 was given, but this model has no guidance embedding" in refused["guidance"].message()
     assert "height 136 is not a positive multiple of 16 pixels" in refused["height"].message()
+
+
+def test_images_on_the_wire_pick_the_task_and_the_cli_client_sends_files(server, tiny, tiny_set, tmp_path):
+    """A real Triton takes the UINT8 image inputs config.pbtxt declares: img2img from the library client, inpainting
+    from `sdtrt client --image --mask --strength`, each generate's image."""
+    from PIL import Image
+
+    from sdtrt.pipeline.loading import generate, load_pipeline
+    from sdtrt.serving.client import remote_image
+
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    box = np.zeros((SIZE, SIZE), dtype=np.uint8)
+    box[32:96, 32:96] = 255
+    img2img = GenerateRequest(prompt="a fox", steps=4, seed=2, strength=0.5, image=photo)
+    inpaint = GenerateRequest(prompt="a cat", steps=2, seed=3, height=SIZE, width=SIZE, strength=0.9, image=photo,
+                              mask_image=Image.fromarray(box, "L"))  # fmt: skip
+    photo.save(tmp_path / "photo.png")
+    Image.fromarray(box, "L").save(tmp_path / "mask.png")
+    out = tmp_path / "cat.png"
+    run_cli(
+        "client", "--url", server.config.http_url, "--prompt", inpaint.prompt, "--steps", "2", "--seed", "3",
+        "--height", str(SIZE), "--width", str(SIZE), "--strength", "0.9", "--image", str(tmp_path / "photo.png"),
+        "--mask", str(tmp_path / "mask.png"), "--out", str(out), check=True,
+    )  # fmt: skip
+    served = {"img2img": remote_image(server.config.http_url, img2img), "inpaint": np.asarray(Image.open(out))}
+    for task, request in (("img2img", img2img), ("inpaint", inpaint)):
+        local = np.asarray(generate(load_pipeline(tiny, tiny_set, task=task), request).images[0])
+        np.testing.assert_array_equal(served[task], local, err_msg=task)
