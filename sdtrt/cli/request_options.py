@@ -38,7 +38,7 @@ LORA_METAVAR = "<FILE[:SCALE]>"
 ImageOpt = Annotated[
     Path | None,
     typer.Option(
-        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's or FLUX.2 [klein]'s "
+        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's or FLUX.2 \\[klein]'s "
         "reference image, or an SD ControlNet txt2img pipeline's control image."
     ),
 ]

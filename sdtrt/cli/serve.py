@@ -56,7 +56,10 @@ def deploy_triton_command(
     cache: request_options.CacheOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
-    """Write a Triton model repository: a Python-backend model serving text-to-image on the engine.
+    """Write a Triton model repository: a Python-backend model serving the model's tasks on the engine.
+
+    Text to image, and where the model's family has them img2img and inpainting: a request's images (image, mask_image,
+    control_image, as UINT8 arrays) pick its task.
 
     With --cache every request runs with that step cache (the set compiled with --caches; auto: its calibration at
     --max-steps steps).
