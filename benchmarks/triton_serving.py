@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sdtrt.core.store import Store
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
-from sdtrt.serving.client import txt2img
+from sdtrt.serving.client import remote_image
 from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
 from sdtrt.serving.serve import ServeConfig, free_ports, start_server
 from sdtrt.sources.models import resolve_model
@@ -83,9 +83,9 @@ def main() -> None:
         config = ServeConfig(http_port=http, grpc_port=grpc, metrics_port=metrics)
         with (Path(folder) / "tritonserver.log").open("w") as log, start_server(repository, config, log):
             for name in ("batched", "unbatched"):
-                txt2img(config.http_url, requests[0], name)  # warm-up
+                remote_image(config.http_url, requests[0], name)  # warm-up
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
-                    latencies, wall = timed(lambda r: txt2img(config.http_url, r, name), requests, concurrency)  # noqa: B023
+                    latencies, wall = timed(lambda r: remote_image(config.http_url, r, name), requests, concurrency)  # noqa: B023
                     rows.append(summary(f"triton {name}", concurrency, latencies, wall))
 
     print(f"{args.model}, {args.steps} steps, {args.requests} requests a row")

@@ -195,3 +195,24 @@ def test_the_cli_refuses_a_long_prompt_before_loading(klein):
     result = run_cli("generate", "--model", "tiny-flux2-klein", "--prompt", "astronaut " * 600)
     assert result.returncode != 0 and "Loading pipeline" not in result.stderr
     assert "tokens with its chat template, more than the 512 the pipeline takes; shorten it" in result.stderr
+
+
+def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile(klein, store, tmp_path):
+    """On the Triton wire a row's `image` is klein's reference (the Triton model's execute on numpy rows): generate's
+    image for it; one the profile cannot take gets its one line, the other rows their images."""
+    from sdtrt.tools.compile import compile_model
+
+    from . import triton_backend
+
+    source, _, engine = klein
+    built = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final  # the fixture's: a hit
+    numbers = {"steps": 2, "seed": 3, "height": 128, "width": 128}
+    with triton_backend.served(built, tmp_path) as served:
+        edited, too_big = served.execute([
+            triton_backend.row("a red fox in the snow", **numbers, image=noise_image(128, 128)),
+            triton_backend.row("a red fox in the snow", **numbers, image=noise_image(512, 512)),
+        ])  # fmt: skip
+    local = generate(engine, request(height=128, width=128, image=noise_image(128, 128))).images[0]
+    np.testing.assert_array_equal(edited.image()[0], np.asarray(local))
+    assert too_big.error.code() == "INVALID_ARG" and "\n" not in too_big.error.message()
+    assert "512x512 px as the pipeline feeds it, its height outside" in too_big.error.message()

@@ -178,14 +178,41 @@ def test_kontext_generates_from_text_and_its_profile_covers_a_default_diffusers_
         assert wide.check_shapes({"sample": (1, 3, *size)}, ShapeProfile.around(1024, 8)) is None, size
 
 
-def test_deploy_triton_refuses_a_set_whose_pipeline_needs_images(family, tmp_path):
-    from sdtrt.serving.deploy import deploy_triton
+def test_triton_serves_the_task_with_its_images_and_refuses_a_row_without_them(family, tmp_path):
+    """Deployed, the set's Triton model (its execute on numpy rows, tests/triton_backend.py) gives a row with the task's
+    images the engine pipeline's image, and a row lacking one its one-line error; the config declares what it takes."""
+    from tests import triton_backend
 
-    if family.name != "tiny-flux-control":
-        pytest.skip("the set with a txt2img pipeline that needs an image")
-    with pytest.raises(RequestError, match="FluxControlPipeline needs an input control image, which Triton") as error:
-        deploy_triton(family.engine, tmp_path / "repo")
-    assert "\n" not in str(error.value) and not (tmp_path / "repo").exists()
+    size = (128, 192)
+    given = inputs(family.name, *size)
+    _, engine = family.pipelines(TASKS[family.name])
+    local = np.asarray(generate(engine, family.request(height=size[0], width=size[1], **given)).images[0])
+    lacking = {  # Fill: no mask; control: a control image of another aspect ratio; Kontext: a mask, which it takes not
+        "tiny-flux-fill": lambda: {"image": given["image"]},
+        "tiny-flux-control": lambda: {"control_image": picture(128, 128)},
+        "tiny-flux-kontext": lambda: {"mask_image": mask(*size)},
+    }[family.name]()
+    with triton_backend.served(family.engine, tmp_path) as model:
+        request = family.request(height=size[0], width=size[1])
+        numbers = {"steps": request.steps, "seed": request.seed, "height": size[0], "width": size[1]}
+        good, bad = model.execute([triton_backend.row(request.prompt, **numbers, **given),
+                                   triton_backend.row("bad", **numbers, **lacking)])  # fmt: skip
+        config = (model.deployment.folder / "config.pbtxt").read_text()
+    np.testing.assert_array_equal(good.image()[0], local)
+    assert bad.error.code() == "INVALID_ARG" and "\n" not in bad.error.message()
+    assert {"tiny-flux-fill": "fits none of this model's tasks: inpaint image+mask_image (optional strength)",
+            "tiny-flux-control": "the control image is 128x128 px and the image to generate 128x192",
+            "tiny-flux-kontext": "fits none of this model's tasks: img2img no image (optional image)",
+            }[family.name] in bad.error.message()  # fmt: skip
+    declared = {name for name in ("image", "mask_image", "control_image", "strength") if f'"{name}"' in config}
+    assert (
+        declared
+        == {
+            "tiny-flux-fill": {"image", "mask_image", "strength"},
+            "tiny-flux-kontext": {"image"},
+            "tiny-flux-control": {"image", "mask_image", "control_image", "strength"},
+        }[family.name]
+    )
 
 
 @pytest.mark.slow  # 13 s a preset

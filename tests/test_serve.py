@@ -123,28 +123,28 @@ def test_deploy_a_unet_engine_alone_keeps_the_other_weights(tiny_engine, tmp_pat
 
 def test_server_image_equals_in_process_generate(server, tiny, tiny_set):
     from sdtrt.pipeline.loading import generate, load_pipeline
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
 
-    served = txt2img(server.config.http_url, FAST)
+    served = remote_image(server.config.http_url, FAST)
     local = np.asarray(generate(load_pipeline(tiny, tiny_set), FAST).images[0])
     assert served.dtype == np.uint8 and served.shape == (SIZE, SIZE, 3)
     np.testing.assert_array_equal(served, local)
 
 
 def test_concurrent_requests_all_succeed_are_batched_and_counted(server):
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
 
     requests = [GenerateRequest(prompt=f"request {i}", steps=2, seed=i, height=SIZE, width=SIZE) for i in range(8)]
     before = {m: _metric(server, m) for m in ("nv_inference_request_success", "nv_inference_exec_count")}
     with ThreadPoolExecutor(8) as pool:
-        images = list(pool.map(lambda r: txt2img(server.config.http_url, r), requests))
+        images = list(pool.map(lambda r: remote_image(server.config.http_url, r), requests))
     success = _metric(server, "nv_inference_request_success") - before["nv_inference_request_success"]
     executions = _metric(server, "nv_inference_exec_count") - before["nv_inference_exec_count"]
     print(f"8 concurrent requests: {executions:.0f} executions")
     assert success == 8 and 2 <= executions <= 8, "8 requests in batches of at most max_batch=4"
     assert all(i.shape == (SIZE, SIZE, 3) for i in images)
     # An image depends on its seed, not on the batch it ran in.
-    np.testing.assert_array_equal(images[3], txt2img(server.config.http_url, requests[3]))
+    np.testing.assert_array_equal(images[3], remote_image(server.config.http_url, requests[3]))
 
 
 PROMPT = {"prompt": np.array([[b"a fox"]], dtype=object)}
@@ -179,12 +179,12 @@ def test_bad_request_gets_a_clear_error_and_the_next_succeeds(server, inputs, me
 def test_a_refused_request_counts_as_a_failure(server):
     from tritonclient.utils import InferenceServerException
 
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
 
     names = {"success": ("sdtrt_request_success", {}), "refused": ("sdtrt_request_failure", {"reason": "refused"}),
              "triton_success": ("nv_inference_request_success", {})}  # fmt: skip
     before = {key: _metric(server, name, **labels) for key, (name, labels) in names.items()}
-    txt2img(server.config.http_url, FAST)
+    remote_image(server.config.http_url, FAST)
     with pytest.raises(InferenceServerException) as failed:
         _raw_infer(server, **PROMPT, height=np.array([[100]], dtype=np.int32))
     assert failed.value.status() == "400" and "height 100 is not a positive multiple" in failed.value.message()
@@ -202,13 +202,13 @@ def test_a_refused_request_counts_as_a_failure(server):
 
 def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(repository, tmp_path):
     from sdtrt.core.errors import ServeError
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
 
     outcome: dict[str, BaseException | np.ndarray] = {}
 
     def ask(url: str) -> None:
         try:
-            outcome["result"] = txt2img(url, SLOW)
+            outcome["result"] = remote_image(url, SLOW)
         except BaseException as exc:
             outcome["result"] = exc
 
@@ -225,7 +225,7 @@ def test_killing_the_server_mid_request_fails_the_client_and_a_restart_serves(re
     _, alive = psutil.wait_procs(stubs, timeout=60)
     assert not alive, f"stub processes outlived the killed server: {alive}"
     with _serve(repository, tmp_path) as restarted:
-        assert txt2img(restarted.config.http_url, FAST).shape == (SIZE, SIZE, 3)
+        assert remote_image(restarted.config.http_url, FAST).shape == (SIZE, SIZE, 3)
 
 
 def test_cli_deploy_and_client(server, tiny_set, store, tmp_path):
@@ -249,9 +249,9 @@ def test_cli_deploy_and_client(server, tiny_set, store, tmp_path):
         "--seed", str(FAST.seed), "--height", str(SIZE), "--width", str(SIZE), "--out", str(out), check=True,
     )  # fmt: skip
     assert last_line(asked.stdout) == str(out)
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
 
-    np.testing.assert_array_equal(np.asarray(Image.open(out)), txt2img(server.config.http_url, FAST))
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), remote_image(server.config.http_url, FAST))
     refused = run_cli("client", "--url", server.config.http_url, "--height", "100", "--out", str(out))
     assert refused.returncode == 1 and "answered: [400] height 100 is not a positive multiple" in refused.stderr
 
@@ -272,7 +272,7 @@ def _serve_cli(repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], st
 
 def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(repository, tmp_path):
     from sdtrt.core.errors import ServeError
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
 
     log = tmp_path / "serve.log"
     serve, url = _serve_cli(repository, log)
@@ -285,7 +285,7 @@ def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(rep
 
         def ask() -> None:
             try:
-                outcome["result"] = txt2img(url, SLOW, timeout_s=120)
+                outcome["result"] = remote_image(url, SLOW, timeout_s=120)
             except BaseException as exc:
                 outcome["result"] = exc
 
@@ -390,3 +390,32 @@ def test_a_flux_schnell_set_is_deployed_and_served(store, tmp_path):
     assert all(e.status() == "400" for e in refused.values())
     assert "guidance 3.5 was given, but this model has no guidance embedding" in refused["guidance"].message()
     assert "height 136 is not a positive multiple of 16 pixels" in refused["height"].message()
+
+
+def test_images_on_the_wire_pick_the_task_and_the_cli_client_sends_files(server, tiny, tiny_set, tmp_path):
+    """A real Triton takes the UINT8 image inputs config.pbtxt declares: img2img from the library client, inpainting
+    from `sdtrt client --image --mask --strength`, each generate's image."""
+    from PIL import Image
+
+    from sdtrt.pipeline.loading import generate, load_pipeline
+    from sdtrt.serving.client import remote_image
+
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    box = np.zeros((SIZE, SIZE), dtype=np.uint8)
+    box[32:96, 32:96] = 255
+    img2img = GenerateRequest(prompt="a fox", steps=4, seed=2, strength=0.5, image=photo)
+    inpaint = GenerateRequest(prompt="a cat", steps=2, seed=3, height=SIZE, width=SIZE, strength=0.9, image=photo,
+                              mask_image=Image.fromarray(box, "L"))  # fmt: skip
+    photo.save(tmp_path / "photo.png")
+    Image.fromarray(box, "L").save(tmp_path / "mask.png")
+    out = tmp_path / "cat.png"
+    run_cli(
+        "client", "--url", server.config.http_url, "--prompt", inpaint.prompt, "--steps", "2", "--seed", "3",
+        "--height", str(SIZE), "--width", str(SIZE), "--strength", "0.9", "--image", str(tmp_path / "photo.png"),
+        "--mask", str(tmp_path / "mask.png"), "--out", str(out), check=True,
+    )  # fmt: skip
+    served = {"img2img": remote_image(server.config.http_url, img2img), "inpaint": np.asarray(Image.open(out))}
+    for task, request in (("img2img", img2img), ("inpaint", inpaint)):
+        local = np.asarray(generate(load_pipeline(tiny, tiny_set, task=task), request).images[0])
+        np.testing.assert_array_equal(served[task], local, err_msg=task)

@@ -109,9 +109,9 @@ def test_a_server_that_fails_to_start_is_quoted_not_said_to_be_silent():
 
 def test_client_says_it_cannot_reach_a_server_that_never_answered():
     from sdtrt.core.errors import ServeError
-    from sdtrt.serving.client import txt2img
+    from sdtrt.serving.client import remote_image
     from sdtrt.serving.serve import free_ports
 
     (port,) = free_ports(1)  # nothing listens there
     with pytest.raises(ServeError, match=rf"^cannot reach Triton at 127\.0\.0\.1:{port}: .*Connection refused"):
-        txt2img(f"127.0.0.1:{port}", GenerateRequest(prompt="a fox"))
+        remote_image(f"127.0.0.1:{port}", GenerateRequest(prompt="a fox"))

@@ -107,13 +107,14 @@ def test_a_triton_deployment_runs_every_request_with_its_step_cache(cached_sets,
     written = deploy_triton(cached_sets("tiny-flux"), tmp_path / "repo", TritonDeployConfig(cache="first-block:0.3"))
     model = TritonPythonModel()  # as initialize leaves it, without Triton's process around it
     model.deployment = Deployment.open(written.folder)
-    model.pipe = sdtrt.load_pipeline("tiny-flux", engine=written.engine)
+    pipe = sdtrt.load_pipeline("tiny-flux", engine=written.engine)
+    model.pipes = {"txt2img": pipe}
     model.stop_file, model.server_pid = None, os.getppid()
     rows = [GenerateRequest(prompt="a cat", steps=10, height=128, width=128)]
-    rest = model.pipe.transformer.opened_split().rest
-    cached = np.asarray(model.generate(rows).images[0], dtype=np.float64) / 255
-    assert rest.calls < 10 and not model.pipe.transformer.is_cache_enabled  # skipped steps; off between requests
-    uncached = np.asarray(sdtrt.generate(model.pipe, rows[0]).images[0], dtype=np.float64) / 255
+    rest = pipe.transformer.opened_split().rest
+    cached = np.asarray(model.generate("txt2img", rows).images[0], dtype=np.float64) / 255
+    assert rest.calls < 10 and not pipe.transformer.is_cache_enabled  # skipped steps; off between requests
+    uncached = np.asarray(sdtrt.generate(pipe, rows[0]).images[0], dtype=np.float64) / 255
     assert 30 < psnr_db(cached, uncached) < 80
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -35,6 +35,30 @@ GuidanceOpt = Annotated[
     ),
 ]
 LORA_METAVAR = "<FILE[:SCALE]>"
+ImageOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's or FLUX.2 \\[klein]'s "
+        "reference image, or an SD ControlNet txt2img pipeline's control image."
+    ),
+]
+MaskOpt = Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")]
+ControlImageOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="The control image (edges, depth, pose) of FLUX.1 Canny / Depth and of SD ControlNet img2img / "
+        "inpaint, in the output's aspect ratio (SD ControlNet txt2img takes it as --image)."
+    ),
+]
+StrengthOpt = Annotated[
+    float | None,
+    typer.Option(
+        min=0.0,
+        max=1.0,
+        help="How much of --image to repaint (default: the pipeline's own, as diffusers has it: "
+        "0.8 SD img2img, 0.3 SDXL img2img, 0.6 Flux img2img / inpaint, 1.0 FLUX.1 Fill).",
+    ),
+]
 SeedOpt = Annotated[int, typer.Option(help="Random seed, 0..2^64-1; the same seed gives the same image.")]
 WeightBudgetOpt = Annotated[
     str | None,
@@ -175,6 +199,20 @@ def check_engine_size(artifact: Artifact | None, request: GenerateRequest, rule:
         raise RequestError(problem)
     if profile.references:
         check_references(reference_list(request.image), profile, rule.multiple)
+
+
+def open_image(path: Path | None, mode: str, option: str) -> Any:
+    """--image or --mask, opened; one missing or unreadable is a usage error in one line (not Typer's box)."""
+    if path is None:
+        return None
+    if not path.is_file():
+        raise RequestError(f"{option} {path} {'is a directory' if path.is_dir() else 'does not exist'}; pass an image")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path).convert(mode)
+    except (UnidentifiedImageError, OSError) as exc:
+        raise RequestError(f"{option}: cannot read {path} as an image: {exc}") from exc
 
 
 def lora_options(values: list[str] | None) -> list[tuple[str, float]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -33,20 +33,6 @@ if TYPE_CHECKING:
     from ..tools.validate import ValidationReport
 
 
-def _open_image(path: Path | None, mode: str, option: str) -> Any:
-    """--image or --mask, opened; one missing or unreadable is a usage error in one line (not Typer's box)."""
-    if path is None:
-        return None
-    if not path.is_file():
-        raise RequestError(f"{option} {path} {'is a directory' if path.is_dir() else 'does not exist'}; pass an image")
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        return Image.open(path).convert(mode)
-    except (UnidentifiedImageError, OSError) as exc:
-        raise RequestError(f"{option}: cannot read {path} as an image: {exc}") from exc
-
-
 def register(app: typer.Typer) -> None:
     app.command(name="generate")(generate_command)
     app.command(name="validate")(validate_command)
@@ -64,28 +50,10 @@ def generate_command(
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
     scheduler: request_options.SchedulerOpt = None,
-    image: Annotated[
-        Path | None,
-        typer.Option(
-            help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's or FLUX.2 [klein]'s "
-            "reference image, or an SD ControlNet txt2img pipeline's control image."
-        ),
-    ] = None,
-    mask: Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")] = None,
-    control_image: Annotated[
-        Path | None,
-        typer.Option(
-            help="The control image (edges, depth, pose) of FLUX.1 Canny / Depth and of SD ControlNet img2img / "
-            "inpaint, in the output's aspect ratio (SD ControlNet txt2img takes it as --image)."
-        ),
-    ] = None,
-    strength: Annotated[
-        float | None,
-        typer.Option(
-            min=0.0, max=1.0, help="How much of --image to repaint (default: the pipeline's own, as diffusers has it: "
-            "0.8 SD img2img, 0.3 SDXL img2img, 0.6 Flux img2img / inpaint, 1.0 FLUX.1 Fill)."
-        ),
-    ] = None,
+    image: request_options.ImageOpt = None,
+    mask: request_options.MaskOpt = None,
+    control_image: request_options.ControlImageOpt = None,
+    strength: request_options.StrengthOpt = None,
     task: Annotated[
         str | None,
         typer.Option(
@@ -134,9 +102,10 @@ def generate_command(
     source = store_options.model_for(model, artifact)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-        image=_open_image(image, "RGB", "--image"), mask_image=_open_image(mask, "L", "--mask"),
-        ip_adapter_image=_open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
-        control_image=_open_image(control_image, "RGB", "--control-image"),
+        image=request_options.open_image(image, "RGB", "--image"),
+        mask_image=request_options.open_image(mask, "L", "--mask"),
+        ip_adapter_image=request_options.open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
+        control_image=request_options.open_image(control_image, "RGB", "--control-image"),
     )  # fmt: skip
     if ip_adapter_image is not None:
         request_options.require_ip_adapter_engine(artifact)

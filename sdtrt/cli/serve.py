@@ -56,7 +56,10 @@ def deploy_triton_command(
     cache: request_options.CacheOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
-    """Write a Triton model repository: a Python-backend model serving text-to-image on the engine.
+    """Write a Triton model repository: a Python-backend model serving the model's tasks on the engine.
+
+    Text to image, and where the model's family has them img2img and inpainting: a request's images (image, mask_image,
+    control_image, as UINT8 arrays) pick its task.
 
     With --cache every request runs with that step cache (the set compiled with --caches; auto: its calibration at
     --max-steps steps).
@@ -124,20 +127,32 @@ def client_command(
     seed: request_options.SeedOpt = GenerateRequest.seed,
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
+    image: request_options.ImageOpt = None,
+    mask: request_options.MaskOpt = None,
+    control_image: request_options.ControlImageOpt = None,
+    strength: request_options.StrengthOpt = None,
     model_name: ModelNameOpt = TritonDeployConfig.name,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for the image.")] = TIMEOUT_S,
 ) -> None:
     """Ask a Triton server for an image and save it as a PNG.
 
+    The images given (--image, --mask, --control-image) pick the served task, as --task does for generate: none
+    text-to-image, --image img2img, --image and --mask inpainting.
+
     Example: sdtrt client --url 127.0.0.1:8000 --prompt "a red fox" --seed 1 --out fox.png
+    Inpainting: sdtrt client --prompt "a red fox" --image photo.png --mask mask.png --strength 0.8 --out fox.png
     """
     from PIL import Image
 
-    from ..serving.client import txt2img
+    from ..serving.client import remote_image
 
     result_files.ensure_image_file(out, "--out")
-    request = GenerateRequest(prompt, negative_prompt, steps, guidance, seed, height, width)
-    image = txt2img(url, request, model_name, timeout_s=timeout)
-    Image.fromarray(image).save(out)
+    request = GenerateRequest(
+        prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
+        image=request_options.open_image(image, "RGB", "--image"),
+        mask_image=request_options.open_image(mask, "L", "--mask"),
+        control_image=request_options.open_image(control_image, "RGB", "--control-image"),
+    )  # fmt: skip
+    Image.fromarray(remote_image(url, request, model_name, timeout_s=timeout)).save(out)
     typer.echo(out)

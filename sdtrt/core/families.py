@@ -151,9 +151,7 @@ def pipeline_class_name(index_class: str, task: Task | None) -> str:
     """The diffusers class for ``task`` in the family of the pipeline ``model_index.json`` names."""
     if task is None:
         return index_class
-    row = family_tasks(index_class)
-    if not row:
-        raise UnsupportedModelError(f"'{index_class}' pipelines are not supported; sdtrt supports {SUPPORTED}")
+    row = supported_row(index_class)
     if task not in row:
         raise RequestError(f"the {index_class} family has no {task} pipeline (it has {', '.join(row)})")
     return row[task]
@@ -183,6 +181,23 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
 def family_tasks(index_class: str) -> dict[Task, str]:
     """The task → pipeline class row of the family ``model_index.json``'s class belongs to ({} for none)."""
     return next((row for row in PIPELINE_TASKS if index_class in row.values()), {})
+
+
+def served_tasks(index_class: str) -> dict[Task, str]:
+    """The tasks (→ pipeline class) a model whose ``model_index.json`` names ``index_class`` runs: its whole family row
+    when that is the row's txt2img class, else that class's task alone. A model published for another task is made for
+    it: an inpainting UNet (9 channels in), SDXL's refiner (no first text encoder), FLUX.1 Fill and Kontext."""
+    row = supported_row(index_class)
+    if row.get("txt2img") == index_class:
+        return dict(row)
+    return {task: name for task, name in row.items() if name == index_class}
+
+
+def supported_row(index_class: str) -> dict[Task, str]:
+    """``family_tasks``; UnsupportedModelError for a class in no family sdtrt runs."""
+    if row := family_tasks(index_class):
+        return row
+    raise UnsupportedModelError(f"'{index_class}' pipelines are not supported; sdtrt supports {SUPPORTED}")
 
 
 def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:

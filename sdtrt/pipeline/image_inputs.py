@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import RequestError
 
 if TYPE_CHECKING:
+    from ..core.config import ShapeProfile
     from ..core.families import Task
     from .request import GenerateRequest, SizeRule
 
@@ -148,3 +149,51 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
     optional = pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES  # Kontext's, klein's reference
     check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=optional)
     check_control_image(request.control_image, *rule.resolve(request.height, request.width))
+
+
+# What a request carries besides its text and numbers that decides its task: the images a pipeline takes, strength.
+TASK_INPUTS = ("image", "mask_image", "control_image", "strength")
+
+
+def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
+    """The first of ``tasks`` (task → pipeline class) whose pipeline takes every image and the strength ``request``
+    carries and needs none it lacks: how a request without a --task (a Triton row) picks one. RequestError, saying
+    what each task takes, when none fits."""
+    from ..core.families import REFERENCE_IMAGE_PIPELINES, REFERENCE_TOKEN_PIPELINES, pipeline_inputs
+
+    given = {name for name in TASK_INPUTS if getattr(request, name) is not None}
+    takes = []
+    for task, pipeline in tasks.items():
+        accepts = pipeline_inputs(pipeline) & set(TASK_INPUTS)
+        optional = (
+            {"strength", "image"} if pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES else {"strength"}
+        )
+        needs = accepts - optional
+        if needs <= given <= accepts:
+            return task
+        extra = sorted(accepts & optional)
+        takes.append(
+            f"{task} {'+'.join(sorted(needs)) or 'no image'}" + (f" (optional {'+'.join(extra)})" if extra else "")
+        )
+    raise RequestError(
+        f"a request with {'+'.join(sorted(given)) or 'no image'} fits none of this model's tasks: {', '.join(takes)}"
+    )
+
+
+def sized_by_image(
+    request: GenerateRequest, accepts: Collection[str], multiple: int, profile: ShapeProfile | None = None
+) -> GenerateRequest:
+    """The request sized as its input image where the pipeline (``__call__`` taking ``accepts``) takes no size (SD, SDXL
+    and LCM img2img make the input's size), so later checks see the size that runs; RequestError for an image off the
+    model's ``multiple``-pixel grid or outside the engines' ``profile``. Others unchanged."""
+    from ..core.config import grid_problem
+
+    size = image_size(request.image)
+    if "height" in accepts or size is None:
+        return request
+    problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
+    if profile is not None:
+        problems.append(profile.size_problem(*size))
+    if problem := next(filter(None, problems), None):
+        raise RequestError(f"the input image, whose size the output takes, is {size[0]}x{size[1]} px: {problem}")
+    return dataclasses.replace(request, height=size[0], width=size[1])

@@ -175,6 +175,8 @@ class GenerateRequest:
             raise RequestError(f"seed {self.seed} is outside 0..{SEED_MAX}, the range torch's random generator takes")
         if self.guidance is not None and not math.isfinite(self.guidance):
             raise RequestError(f"guidance {self.guidance} must be a finite number")
+        if self.strength is not None and not 0 <= self.strength <= 1:
+            raise RequestError(f"strength {self.strength} is outside 0..1 (how much of the input image is repainted)")
 
     @property
     def batch_key(self) -> tuple[int, float | None, int, int]:

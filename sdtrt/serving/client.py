@@ -1,8 +1,10 @@
-"""A client for the text-to-image model ``sdtrt deploy triton`` serves (tritonclient, HTTP/REST).
+"""A client for the model ``sdtrt deploy triton`` serves (tritonclient, HTTP/REST).
 
 Request: ``prompt`` BYTES ``[n, 1]`` (one row per image), optional ``negative_prompt`` BYTES, ``steps``
-INT32, ``guidance`` FP32, ``seed`` UINT64, ``height`` and ``width`` INT32, each ``[n, 1]``. Response:
-``image`` UINT8 ``[n, height, width, 3]``.
+INT32, ``guidance`` FP32, ``seed`` UINT64, ``height`` and ``width`` INT32, ``strength`` FP32, each ``[n, 1]``;
+where the model's pipelines take them, ``image`` and ``control_image`` UINT8 ``[n, h, w, 3]`` and ``mask_image``
+UINT8 ``[n, h, w, 1]`` (white is repainted): which of them a row carries picks its task. Response: ``image``
+UINT8 ``[n, height, width, 3]``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ServeError, one_line
 from ..pipeline.request import GenerateRequest
-from .deploy import TritonDeployConfig
+from .deploy import IMAGE_MODES, TritonDeployConfig
 
 if TYPE_CHECKING:  # numpy is imported where it is used: the CLI imports this module at startup
     import numpy as np
@@ -27,27 +29,37 @@ DATATYPES = {
     "seed": ("UINT64", "uint64"),
     "height": ("INT32", "int32"),
     "width": ("INT32", "int32"),
+    "strength": ("FP32", "float32"),
 }
 
 
 def request_inputs(request: GenerateRequest) -> list[Any]:
     """The request as tritonclient HTTP inputs, one row; values left at None are not sent (the server's defaults)."""
     import numpy as np
-    import tritonclient.http as http
 
     inputs = []
     for name, (datatype, dtype) in DATATYPES.items():
         value = getattr(request, name)
         if value is None:
             continue
-        data = np.array([[value.encode() if isinstance(value, str) else value]], dtype=dtype)
-        tensor = http.InferInput(name, list(data.shape), datatype)
-        tensor.set_data_from_numpy(data)
-        inputs.append(tensor)
+        inputs.append(_input(name, np.array([[value.encode() if isinstance(value, str) else value]], dtype=dtype),
+                             datatype))  # fmt: skip
+    for name, mode in IMAGE_MODES.items():
+        if (image := getattr(request, name)) is not None:
+            pixels = np.asarray(image.convert(mode), dtype=np.uint8)  # a PIL image, as `sdtrt client` opens it
+            inputs.append(_input(name, pixels.reshape(1, *pixels.shape[:2], -1), "UINT8"))
     return inputs
 
 
-def txt2img(
+def _input(name: str, data: np.ndarray, datatype: str) -> Any:
+    import tritonclient.http as http
+
+    tensor = http.InferInput(name, list(data.shape), datatype)
+    tensor.set_data_from_numpy(data)
+    return tensor
+
+
+def remote_image(
     url: str, request: GenerateRequest, model: str = TritonDeployConfig.name, timeout_s: float = TIMEOUT_S
 ) -> np.ndarray:
     """One image (UINT8 ``[height, width, 3]``) from the server at ``url`` (``host:port``, ``http://`` optional).

@@ -1,4 +1,4 @@
-"""Deploy stage: a Triton Inference Server model repository serving text-to-image over an engine (set).
+"""Deploy stage: a Triton Inference Server model repository serving the model's tasks over an engine (set).
 
 ::
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from .. import __version__
 from ..core.artifact import Artifact
 from ..core.config import ShapeProfile, WeightBudget, as_dict
 from ..core.errors import ArtifactError, ConfigError, RequestError
-from ..core.families import pipeline_class_name, pipeline_inputs
+from ..core.families import pipeline_inputs, served_tasks
 from ..core.store import Store
 from ..pipeline.step_cache import StepCache, engines_problem
 from ..sources.models import ModelSource
@@ -40,7 +41,7 @@ ENGINES_DIR = "engines"
 MODEL_DIR = "diffusers"
 WEIGHTS = (".safetensors", ".bin", ".ckpt", ".pt", ".pth")
 GPU_STAGES = ("build-trt", "wrap")
-MODEL_PY = '''"""Triton Python-backend model written by `sdtrt deploy triton`: text-to-image on sdtrt engines."""
+MODEL_PY = '''"""Triton Python-backend model written by `sdtrt deploy triton`: image generation on sdtrt engines."""
 
 from sdtrt.serving.triton_model import TritonPythonModel  # noqa: F401  (Triton looks the class up here)
 '''
@@ -132,12 +133,7 @@ def deploy_triton(
     budget = WeightBudget.parse(config.weight_budget) if config.weight_budget is not None else None
     check_weight_budget(members.values(), budget)  # RequestError: no member streams, so it would change nothing
     source = model or recorded_model(engine)
-    pipeline = pipeline_class_name(source.pipeline_class(), "txt2img")  # UnsupportedModelError: refiners and the like
-    if images := sorted(pipeline_inputs(pipeline) & {"image", "mask_image", "control_image"}):
-        raise RequestError(
-            f"{pipeline} needs an input {images[0].replace('_', ' ')}, which Triton's rows (prompt, steps, guidance, "
-            "seed, size) do not carry: serve this set from Python (sdtrt generate, or load_pipeline and generate)"
-        )
+    tasks = served_tasks(source.pipeline_class())  # UnsupportedModelError: a pipeline of no family sdtrt runs
     profile = engine_profile(members)  # every member of a set records compile's one profile
     if profile is None:
         raise ArtifactError(f"{engine.path} records no shape profile; serve an engine built by `sdtrt compile`")
@@ -166,7 +162,7 @@ def deploy_triton(
     skip = frozenset(FOLDERS[d.component] for d in DENOISERS if d.component in members)  # engines replace them
     _link_tree(source.path, version / MODEL_DIR, skip_weights_in=skip)
     (version / "model.py").write_text(MODEL_PY)
-    (folder / "config.pbtxt").write_text(config_pbtxt(config, kind))
+    (folder / "config.pbtxt").write_text(config_pbtxt(config, kind, wire_inputs(tasks.values())))
     record = {
         "sdtrt_version": __version__,
         "engine": {
@@ -176,6 +172,7 @@ def deploy_triton(
         },
         "members": {c: {"stage": a.stage, "key": a.key} for c, a in sorted(members.items())},
         "model": {"name": source.name, "kind": source.kind, "pipeline": source.pipeline_class()},
+        "tasks": tasks,
         "profile": profile.to_json(),
         "kind": kind,
         "config": as_dict(config),
@@ -210,12 +207,30 @@ def _link_tree(src: Path, dst: Path, skip_weights_in: frozenset[str] = frozenset
     shutil.copytree(src, dst, ignore=ignore, copy_function=link_or_copy, symlinks=False)
 
 
-def config_pbtxt(config: TritonDeployConfig, kind: str) -> str:
-    """Triton's model configuration: every input per image (batch dimension first), one UINT8 image out."""
-    optional = [("negative_prompt", "TYPE_STRING"), ("steps", "TYPE_INT32"), ("guidance", "TYPE_FP32"),
-                ("seed", "TYPE_UINT64"), ("height", "TYPE_INT32"), ("width", "TYPE_INT32")]  # fmt: skip
+# The inputs a row may carry for a task other than text-to-image → Triton datatype and dims (after the batch's):
+# pixels as UINT8 height × width × channels, as a PNG decodes (a mask has one channel: white is repainted).
+IMAGE_INPUTS = {
+    "image": ("TYPE_UINT8", "-1, -1, 3"), "mask_image": ("TYPE_UINT8", "-1, -1, 1"),
+    "control_image": ("TYPE_UINT8", "-1, -1, 3"), "strength": ("TYPE_FP32", "1"),
+}  # fmt: skip
+IMAGE_MODES = {"image": "RGB", "mask_image": "L", "control_image": "RGB"}  # the PIL mode each is sent and read in
+
+
+def wire_inputs(pipelines: Iterable[str]) -> list[str]:
+    """The IMAGE_INPUTS that the ``__call__`` of any of ``pipelines`` (diffusers class names) takes, in order."""
+    taken = frozenset().union(*(pipeline_inputs(name) for name in pipelines))
+    return [name for name in IMAGE_INPUTS if name in taken]
+
+
+def config_pbtxt(config: TritonDeployConfig, kind: str, images: Iterable[str] = ()) -> str:
+    """Triton's model configuration: every input per image (batch dimension first), the ``images`` (IMAGE_INPUTS) the
+    served pipelines take, one UINT8 image out. Every input but the prompt is optional."""
+    optional = [("negative_prompt", "TYPE_STRING", "1"), ("steps", "TYPE_INT32", "1"), ("guidance", "TYPE_FP32", "1"),
+                ("seed", "TYPE_UINT64", "1"), ("height", "TYPE_INT32", "1"), ("width", "TYPE_INT32", "1"),
+                *((name, *IMAGE_INPUTS[name]) for name in images)]  # fmt: skip
     inputs = ['  { name: "prompt", data_type: TYPE_STRING, dims: [ 1 ] }'] + [
-        f'  {{ name: "{name}", data_type: {dtype}, dims: [ 1 ], optional: true }}' for name, dtype in optional
+        f'  {{ name: "{name}", data_type: {dtype}, dims: [ {dims} ], optional: true }}'
+        for name, dtype, dims in optional
     ]
     batching = (
         f"dynamic_batching {{ max_queue_delay_microseconds: {config.max_queue_delay_us} }}\n"

@@ -1,9 +1,13 @@
-"""The model ``sdtrt deploy triton`` writes, run by Triton's Python backend: text-to-image on engines.
+"""The model ``sdtrt deploy triton`` writes, run by Triton's Python backend: the model's tasks on engines.
 
 Triton hands ``execute`` the requests its dynamic batcher gathered. Each row of each request becomes
 a ``GenerateRequest``, checked as the CLI checks one (steps, seed, size on the model's grid and inside
-the engine's profile): a bad request gets a Triton error of one line and never fails the others.
-Rows that share size, steps and guidance run as one pipeline call of at most ``max_batch`` images.
+the engine's profile, the images its pipeline needs): a bad request gets a Triton error of one line and
+never fails the others. A row's task is the one whose pipeline takes the images it carries (``image``,
+``mask_image``, ``control_image``; none: text-to-image); the model serves every task of its family
+(``served_tasks``), each a pipeline over the same engines (``from_pipe``). Text-to-image rows that share
+size, steps and guidance run as one pipeline call of at most ``max_batch`` images; a row with images runs
+alone (diffusers' batching of input images is not ``generate``'s).
 Imported only inside Triton, where ``triton_python_backend_utils`` exists.
 
 Stopping: on SIGTERM Triton waits for executions in flight before it unloads a model (``finalize`` comes
@@ -16,6 +20,7 @@ one to answer: the model notices between steps that its process (Triton's stub) 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 from pathlib import Path
@@ -25,15 +30,19 @@ import numpy as np
 
 from .. import __version__
 from ..core.errors import RequestError, SdtrtError, ServeError, one_line
+from ..core.families import Task, served_tasks
+from ..pipeline.image_inputs import check_pipeline_inputs, pick_task, sized_by_image
 from ..pipeline.request import GenerateRequest, SizeRule
+from .deploy import IMAGE_MODES
 from .serve import STOP_FILE_ENV
 
-OPTIONAL = ("negative_prompt", "steps", "guidance", "seed", "height", "width")
+OPTIONAL = ("negative_prompt", "steps", "guidance", "seed", "height", "width", "strength")
 DEFAULTS = GenerateRequest()
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        import diffusers
         import torch
         import triton_python_backend_utils as pb_utils
 
@@ -49,11 +58,17 @@ class TritonPythonModel:
         if gpu:  # before any engine opens: they open on the current device, and the stub starts every instance on
             # device 0 (python_backend src/pb_stub.cc, Stub::Initialize calls `initialize` with no cudaSetDevice)
             torch.cuda.set_device(int(args["model_instance_device_id"]))
+        self.source = resolve_model(str(self.deployment.model))
+        self.tasks = served_tasks(self.source.pipeline_class())
+        first = next(iter(self.tasks))
         pipe = load_pipeline(
-            resolve_model(str(self.deployment.model)), self.deployment.engine, task="txt2img",
+            self.source, self.deployment.engine, task=first,
             dtype=torch.float16 if gpu else torch.float32, weight_budget=self.deployment.weight_budget,
         )  # fmt: skip
-        self.pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
+        pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
+        self.pipes: dict[Task, Any] = {first: pipe}  # the other tasks' pipelines share its engines
+        for task, name in self.tasks.items():
+            self.pipes.setdefault(task, getattr(diffusers, name).from_pipe(pipe)).set_progress_bar_config(disable=True)
         self.rule = SizeRule.for_pipeline(pipe)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
         self.counters = RequestCounters(args["model_name"], args["model_version"])
@@ -66,20 +81,21 @@ class TritonPythonModel:
         import triton_python_backend_utils as pb_utils
 
         errors: dict[int, SdtrtError] = {}  # request index → why it gets no image
-        rows: list[tuple[int, GenerateRequest]] = []
+        groups: dict[tuple[Any, ...], list[tuple[int, GenerateRequest]]] = {}  # in order: a request's rows stay so
+        serial = itertools.count()  # a group of its own for each row with images
         for index, request in enumerate(requests):
             try:
-                rows += [(index, row) for row in self.parse(request)]
+                for task, row in self.parse(request):
+                    alone = next(serial) if any(getattr(row, name) is not None for name in IMAGE_MODES) else -1
+                    groups.setdefault((task, row.batch_key, alone), []).append((index, row))
             except SdtrtError as exc:
                 errors[index] = exc
         images: dict[int, list[np.ndarray]] = {}
-        rows.sort(key=lambda row: row[1].batch_key)  # stable: a request's rows stay in order
-        for _, grouped in itertools.groupby(rows, key=lambda row: row[1].batch_key):
-            group = list(grouped)
+        for (task, _, _), group in groups.items():
             for chunk in (group[i : i + self.max_batch] for i in range(0, len(group), self.max_batch)):
                 try:
                     self.check_running("before it started")
-                    result = self.generate([row for _, row in chunk])
+                    result = self.generate(task, [row for _, row in chunk])
                 except SdtrtError as exc:
                     errors.update((index, exc) for index, _ in chunk)
                     continue
@@ -97,19 +113,19 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("image", np.stack(images[i]))]))
         return responses
 
-    def generate(self, rows: list[GenerateRequest]) -> Any:
-        """One pipeline call for rows that share their steps, with the deployment's step cache if it has one."""
+    def generate(self, task: Task, rows: list[GenerateRequest]) -> Any:
+        """One pipeline call of ``task`` for rows that share their steps, with the deployment's step cache if any."""
         from ..pipeline.loading import generate
         from ..pipeline.step_cache import disable_step_cache, enable_step_cache
 
-        cache = self.deployment.cache
+        pipe, cache = self.pipes[task], self.deployment.cache
         if cache is None:
-            return generate(self.pipe, rows, on_step=self.stop_between_steps)
-        enable_step_cache(self.pipe, cache, rows[0].steps)  # MagCache's ratios are read for the request's steps
+            return generate(pipe, rows, on_step=self.stop_between_steps)
+        enable_step_cache(pipe, cache, rows[0].steps)  # MagCache's ratios are read for the request's steps
         try:
-            return generate(self.pipe, rows, on_step=self.stop_between_steps)
+            return generate(pipe, rows, on_step=self.stop_between_steps)
         finally:
-            disable_step_cache(self.pipe)
+            disable_step_cache(pipe)
 
     def check_running(self, when: str) -> None:
         """ServeError once ``sdtrt serve`` is stopping the server."""
@@ -121,15 +137,20 @@ class TritonPythonModel:
     def stop_between_steps(self, step: int, total: int) -> None:
         self.check_running(f"after {step + 1} of {total} steps")  # raised through the pipeline: it stops now
 
-    def parse(self, request: Any) -> list[GenerateRequest]:
-        """The request's rows as checked GenerateRequests; RequestError for the first problem."""
+    def parse(self, request: Any) -> list[tuple[Task, GenerateRequest]]:
+        """The request's rows as checked GenerateRequests with their tasks; RequestError for the first problem."""
         import triton_python_backend_utils as pb_utils
+        from PIL import Image
 
         columns: dict[str, list[Any]] = {}
         for name in ("prompt", *OPTIONAL):
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 columns[name] = list(tensor.as_numpy().reshape(-1))
+        for name, mode in IMAGE_MODES.items():  # Triton checked the dtype (UINT8) and the dims config.pbtxt declares
+            if (tensor := pb_utils.get_input_tensor_by_name(request, name)) is not None:
+                pixels = np.ascontiguousarray(tensor.as_numpy())
+                columns[name] = [Image.fromarray(p[..., 0] if mode == "L" else p, mode) for p in pixels]
         if "prompt" not in columns:
             raise RequestError("the request has no 'prompt' input; send one BYTES prompt per image")
         rows = []
@@ -144,7 +165,17 @@ class TritonPythonModel:
                 seed=int(value.get("seed", DEFAULTS.seed)),
                 height=int(value["height"]) if "height" in value else None,
                 width=int(value["width"]) if "width" in value else None,
-            ).sized_for(self.rule)
+                strength=float(value["strength"]) if "strength" in value else None,
+                image=value.get("image"),
+                mask_image=value.get("mask_image"),
+                control_image=value.get("control_image"),
+            )
+            task = pick_task(row, self.tasks)
+            accepts = inspect.signature(self.pipes[task].__call__).parameters
+            row = sized_by_image(row, accepts, self.rule.multiple, self.deployment.profile)
+            check_pipeline_inputs(row, self.source.pipeline_class(), task, self.rule)  # the control image's ratio too
+            self.check_cache(row)
+            row = row.sized_for(self.rule)
             if row.steps > self.deployment.max_steps:
                 raise RequestError(
                     f"steps {row.steps} is more than this deployment serves (at most {self.deployment.max_steps}); "
@@ -153,10 +184,20 @@ class TritonPythonModel:
             assert row.height is not None and row.width is not None  # sized_for sets both
             if problem := self.deployment.profile.size_problem(row.height, row.width):
                 raise RequestError(problem)
-            rows.append(row)
-        if len({row.batch_key for row in rows}) > 1:
-            raise RequestError("the rows of one request must share height, width, steps and guidance")
+            rows.append((task, row))
+        if len({(task, row.batch_key) for task, row in rows}) > 1:
+            raise RequestError("the rows of one request must share their task (the images they carry), height, width, "
+                               "steps and guidance")  # fmt: skip
         return rows
+
+    def check_cache(self, row: GenerateRequest) -> None:
+        """RequestError for a row the deployment's step cache cannot run (MagCache on an image to edit)."""
+        from ..pipeline.step_cache import model_problem
+
+        cache = self.deployment.cache
+        from_image = row.image is not None
+        if cache is not None and (problem := model_problem(cache, self.source, self.source.name, from_image)):
+            raise RequestError(problem)
 
 
 class RequestCounters:
