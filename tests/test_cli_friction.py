@@ -233,13 +233,13 @@ def test_an_sd35_lora_on_flux_is_refused_as_an_sd3_lora(tmp_path):
     from safetensors.torch import save_file
 
     from sdtrt.core.errors import LoraError
-    from sdtrt.lora.files import named_kind, read_lora
+    from sdtrt.lora.files import named_kinds, read_lora
 
     key = "transformer.transformer_blocks.0.attn2.to_k"
     save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")
-    with pytest.raises(LoraError, match=rf"is an? SD3 LoRA \('{key}.lora_A.weight'\); this model \(flux\) takes Flux"):
+    with pytest.raises(LoraError, match=rf"is an? SD3 LoRA \('{key}.lora_A.weight'\); this model \(flux\) takes FLUX"):
         read_lora(tmp_path / "a.st", "flux")
-    assert named_kind(["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight"]) == "unet"
+    assert named_kinds(["unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight"])[0] == {"unet"}
 
 
 def test_clip_layers_of_another_familys_lora_on_flux_are_not_called_t5(tmp_path):

@@ -189,7 +189,7 @@ def test_a_kohya_flux_lora_gives_the_weights_of_its_diffusers_twin(models, targe
     read = read_lora(kohya, model.family())
     assert (
         read.format == "kohya"
-        and read.family == "Flux"
+        and read.family == "FLUX.1"
         and "transformer_blocks.0.attn.add_k_proj" in (read.parts["transformer"])
     )
     kohya_weights, _ = target.weights([(read, 0.7)])
@@ -213,11 +213,11 @@ def test_a_lora_of_another_family_is_refused_before_the_engine_changes(models, t
     t5_query = "text_encoder_2.encoder.block.0.layer.0.SelfAttention.q"  # Flux's T5
     save_file({f"{t5_query}.lora_A.weight": torch.ones(4, 64), f"{t5_query}.lora_B.weight": torch.ones(64, 4)}, str(t5))
     cases = [
-        ("tiny-sd3", loras["tiny-flux", "a"], r"is a Flux LoRA \('transformer.single_transformer_blocks.*this model "
+        ("tiny-sd3", loras["tiny-flux", "a"], r"is a FLUX.1 LoRA \('transformer.single_transformer_blocks.*this model "
                                               r"\(sd3\) takes SD3 LoRAs"),
-        ("tiny-flux", str(sd1), r"is a UNet \(SD 1.x/2.x, SDXL\) LoRA .*this model \(flux\) takes Flux LoRAs"),
+        ("tiny-flux", str(sd1), r"is a UNet \(SD 1.x/2.x, SDXL\) LoRA .*this model \(flux\) takes FLUX.1 LoRAs"),
         ("tiny-flux", str(t5), r"'text_encoder_2.encoder.* is not a weight of the transformer, text_encoder networks "
-                               r"sdtrt applies Flux LoRAs to \(T5 encoders take none"),
+                               r"sdtrt applies FLUX.1 LoRAs to \(T5 and LLM text encoders take none"),
     ]  # fmt: skip
     for name, path, message in cases:
         target = targets[name]
@@ -238,9 +238,24 @@ def test_random_transformer_loras_and_their_coverage(models, engines, loras, tmp
     out = tmp_path / "flux.safetensors"
     run_cli("lora", "random", "--model", "tiny-flux", "--out", str(out), "--rank", "4", "--text-encoders", check=True)
     inspected = run_cli("lora", "inspect", str(out), "--engine", str(engines["tiny-flux"].path))
-    assert "family: Flux" in inspected.stdout and "ranks: [4]" in inspected.stdout
+    assert "family: FLUX.1" in inspected.stdout and "ranks: [4]" in inspected.stdout
     flux = describe(read_lora(out, "flux"))["networks"]  # CLIP-L changes, T5 (text_encoder_2) does not
     assert flux.startswith("transformer (") and flux.endswith("text_encoder (12 modules)")
     modules = int(flux.split("(")[1].split()[0])
     assert f"engine: covers {modules}/{modules + 12} modules" in inspected.stdout  # the text encoder has no engine
     assert inspected.returncode == 1 and "no text encoder engine given" in inspected.stderr
+
+
+def test_a_lora_wider_than_the_engines_input_is_refused_in_one_line(models, targets, loras, feeds):
+    """A FLUX.1 Control LoRA (x_embedder on 128 channels) on FLUX.1 dev (64): diffusers widens a PyTorch transformer
+    for it; an engine's input is fixed at build, so it is refused before any change, on both paths."""
+    control = random_lora(resolve_model("tiny-flux-control"), loras["folder"] / "control.safetensors", seed=5)
+    target, message = targets["tiny-flux"], "'x_embedder' takes 128 input features and this transformer's takes 64"
+    apply_loras([target], [(loras["tiny-flux", "a"], 0.8)], lambda _: "")
+    with_a = engine_output(target, feeds["tiny-flux"])
+    with pytest.raises(LoraError, match=message) as caught:
+        apply_loras([target], [(control, 1.0)], lambda _: "")
+    assert "\n" not in str(caught.value) and np.array_equal(engine_output(target, feeds["tiny-flux"]), with_a)
+    with pytest.raises(LoraError, match=message):
+        pytorch_output(models["tiny-flux"], [(control, 1.0)], feeds["tiny-flux"])
+    apply_loras([target], [], lambda _: "")

@@ -28,8 +28,8 @@ def inspect_command(
     model: store_options.EngineModelOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
-    """Format, family, rank, alpha and scale, the modules a LoRA touches in the denoiser (UNet, or SD3's or
-    Flux's transformer) and CLIP text encoders, and (with --engine, a denoiser engine or an engine set) whether
+    """Format, family, rank, alpha and scale, the modules a LoRA touches in the denoiser (UNet, or SD3's, FLUX.1's or
+    FLUX.2's transformer) and CLIP text encoders, and (with --engine, a denoiser engine or an engine set) whether
     the engine's weight maps take them. The file is read with the diffusers loader of the engine's (or
     --model's) family; with neither, of the family its names point to.
 
@@ -83,7 +83,7 @@ def random_command(
     ] = False,
 ) -> None:
     """Make a LoRA with random weights on the attention and feed-forward projections (PEFT) of the model's
-    UNet, or SD3's or Flux's transformer, saved as diffusers saves LoRAs: something to try `generate --lora`
+    UNet, or SD3's, FLUX.1's or FLUX.2's transformer, saved as diffusers saves LoRAs: something to try `generate --lora`
     and `lora inspect` with.
 
     Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders

@@ -72,6 +72,7 @@ def bench(
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     source = resolve_model(model)
+    request_options.check_lora_families(list(loras), source)
     SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
     if step_cache is not None and (problem := model_problem(step_cache, source, source.name)):
         raise RequestError(problem)

@@ -233,6 +233,15 @@ def lora_options(values: list[str] | None) -> list[tuple[str, float]]:
     return loras
 
 
+def check_lora_families(loras: list[tuple[str, float]], source: ModelSource) -> None:
+    """A LoRA whose names say it is for another family than the model's, refused from its header before anything
+    loads (LoraFamilyError, exit 2)."""
+    from ..lora.files import check_family
+
+    for path, _ in loras:
+        check_family(path, source.family())
+
+
 SchedulerOpt = Annotated[
     str | None,
     typer.Option(

@@ -100,6 +100,7 @@ def generate_command(
     result_files.ensure_image_file(out, "--out")
     artifact = store_options.find_engine(engine, engines) if engine else None
     source = store_options.model_for(model, artifact)
+    request_options.check_lora_families(loras, source)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
         image=request_options.open_image(image, "RGB", "--image"),

@@ -92,6 +92,12 @@ class LoraError(SdtrtError, ValueError):
     """
 
 
+class LoraFamilyError(LoraError):
+    """A LoRA for another family of model than the one it is given to, told by its names: a usage error (exit 2)."""
+
+    exit_code = 2
+
+
 class RefitError(LoraError):
     """An engine's refit failed after it began: some of its weights may have changed (next swap rewrites them)."""
 

@@ -1,9 +1,10 @@
 """LoRA files: reading them into per-network low-rank pairs, the ``FILE[:SCALE]`` option, and making random ones.
 
-A file (diffusers/PEFT or kohya/A1111 safetensors, or the folder ``save_lora_weights`` wrote) is read with
-the loader of the model's family in diffusers (``lora_state_dict`` of StableDiffusionPipeline for the UNet
-families, StableDiffusion3Pipeline for SD3, FluxPipeline for Flux: each converts the kohya names of its
-family), split by network and renamed to PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it.
+A file (diffusers/PEFT, kohya/A1111 or ai-toolkit safetensors, or the folder ``save_lora_weights`` wrote) is read
+with the loader of the model's family in diffusers (``lora_state_dict`` of StableDiffusionPipeline for the UNet
+families, StableDiffusion3Pipeline for SD3, FluxPipeline for FLUX.1 with Fill / Control / Kontext,
+Flux2KleinPipeline for FLUX.2: each converts the kohya and ai-toolkit names of its family), split by network and
+renamed to PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it.
 Applying the pairs to engines and PyTorch networks is sdtrt.lora.refit's job.
 """
 
@@ -12,12 +13,12 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import LoraError, RequestError, one_line
+from ..core.errors import LoraError, LoraFamilyError, RequestError, one_line
 from .peft_form import LoraModule, lora_modules, peft_names
 
 if TYPE_CHECKING:
@@ -43,50 +44,81 @@ class LoraFamily:
     # lora_state_dict's keywords for (state dict, alphas, metadata): FluxPipeline's returns alphas only when
     # asked, StableDiffusion3Pipeline's has none (diffusers loaders/lora_pipeline.py).
     loader_kwargs: tuple[tuple[str, bool], ...] = ()
+    # FLUX.1's loader zero-pads a LoRA's down weight that takes fewer input features than its Linear (a FLUX.1 dev
+    # LoRA's x_embedder on Fill's 384 or Control's 128 channels: FluxLoraLoaderMixin._maybe_expand_lora_state_dict).
+    pads_inputs: bool = False
 
 
 # By model family (ModelSource.family()). T5 (SD3's text_encoder_3, Flux's text_encoder_2) takes no LoRAs: diffusers
-# loads none into it (its loaders list no T5), so a file with T5 weights is refused by name.
+# loads none into it (its loaders list no T5), so a file with T5 weights is refused by name. FLUX.2's Qwen3 takes none
+# either (Flux2LoraLoaderMixin loads the transformer only).
 LORA_FAMILIES = {
     "unet": LoraFamily(
         "UNet (SD 1.x/2.x, SDXL)", "StableDiffusionPipeline", ("unet", "text_encoder", "text_encoder_2")
     ),
     "sd3": LoraFamily("SD3", "StableDiffusion3Pipeline", ("transformer", "text_encoder", "text_encoder_2")),
-    "flux": LoraFamily("Flux", "FluxPipeline", ("transformer", "text_encoder"), (("return_alphas", True),)),
+    "flux": LoraFamily(
+        "FLUX.1", "FluxPipeline", ("transformer", "text_encoder"), (("return_alphas", True),), pads_inputs=True
+    ),
+    "flux2": LoraFamily("FLUX.2", "Flux2KleinPipeline", ("transformer",)),
 }
-# Module names only one kind's LoRAs have (diffusers' and kohya's), as patterns searched in its keys: a file naming
-# them is for that kind. SD3.5's joint blocks have a second attention (attn2) that Flux's have not, and UNet keys
-# name theirs under unet. (SD3.0's LoRAs name nothing Flux's could not.)
-FAMILY_MARKERS = {
-    "flux": r"single_transformer_blocks|lora_unet_double_blocks_|lora_unet_single_blocks_|proj_mlp",
-    "unet": r"down_blocks|up_blocks|mid_block",
-    "sd3": r"^transformer\.transformer_blocks\.\d+\.attn2\.",
-}
-# What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target. The
-# transformer's cover SD3's joint blocks (SD3.5's attn2 too) and Flux's double- and single-stream blocks.
+# Module names only some kinds' LoRAs have (diffusers', kohya's, ai-toolkit's), as patterns searched in its keys, each
+# with the kinds that have them: a file is for the kinds every marker it names allows. SD3.5's joint blocks have a
+# second attention (attn2) that Flux's have not, and UNet keys name theirs under unet; FLUX.1 and FLUX.2 share kohya's
+# and ai-toolkit's block names, and differ in their MLPs, single-block projections and modulation layers (SD3.0's
+# LoRAs name nothing FLUX.1's could not).
+FLUX1, FLUXES = frozenset({"flux"}), frozenset({"flux", "flux2"})
+FAMILY_MARKERS: tuple[tuple[str, frozenset[str]], ...] = (
+    (r"down_blocks|up_blocks|mid_block", frozenset({"unet"})),
+    (r"^transformer\.transformer_blocks\.\d+\.attn2\.", frozenset({"sd3"})),
+    (
+        r"proj_mlp|single_transformer_blocks\.\d+\.(proj_out|attn\.to_[qkv]\.)|(img|txt)_mod[._]lin|"
+        r"single_blocks[._]\d+[._]modulation[._]lin",
+        FLUX1,
+    ),
+    (r"ff(_context)?\.net\.", frozenset({"unet", "sd3", "flux"})),
+    (
+        r"to_qkv_mlp_proj|ff(_context)?\.linear_(in|out)|_stream_modulation|single_transformer_blocks\.\d+\.attn\.to_out",
+        frozenset({"flux2"}),
+    ),
+    (r"single_transformer_blocks|lora_unet_(double|single)_blocks_|(^|\.)(double|single)_blocks\.", FLUXES),
+)
+# What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target (the Linear and
+# Conv2d modules whose names end so). The transformer's cover SD3's joint blocks (SD3.5's attn2 too), FLUX.1's and
+# FLUX.2's double- and single-stream blocks, and Flux's x_embedder (the input Fill and Control widen).
 CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 RANDOM_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
     "transformer": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"],
+                    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
+                    "linear_in", "linear_out", "to_qkv_mlp_proj", "to_out", "x_embedder"],
     "text_encoder": CLIP_TARGETS,
     "text_encoder_2": CLIP_TARGETS,
 }  # fmt: skip
 
 
 def lora_kind(family: str) -> str:
-    """The LORA_FAMILIES key of a model family: sd3, flux (dev and schnell) or unet (every UNet family)."""
-    return next((kind for kind in ("sd3", "flux") if family.startswith(kind)), "unet")
+    """The LORA_FAMILIES key of a model family: sd3, flux2, flux (dev and schnell, Fill, Control, Kontext) or unet
+    (every UNet family)."""
+    return next((kind for kind in ("sd3", "flux2", "flux") if family.startswith(kind)), "unet")
 
 
-def named_kind(keys: Sequence[str]) -> str | None:
-    """The kind of model a LoRA's key names say it is for (FAMILY_MARKERS), or None where they do not say."""
-    return next((kind for kind in FAMILY_MARKERS if marked(keys, kind)), None)
+def named_kinds(keys: Sequence[str]) -> tuple[frozenset[str] | None, str | None]:
+    """The kinds of model a LoRA's key names allow (None where they do not say), and the key that says most."""
+    hits = [(kinds, key) for pattern, kinds in FAMILY_MARKERS if (key := next(_matching(keys, pattern), None))]
+    if not hits:
+        return None, None
+    allowed = frozenset.intersection(*(kinds for kinds, _ in hits))
+    return allowed, min(hits, key=lambda hit: len(hit[0]))[1]
 
 
-def marked(keys: Sequence[str], kind: str) -> str | None:
-    """The first key that names a module only ``kind``'s LoRAs have."""
-    return next((k for k in keys if re.search(FAMILY_MARKERS[kind], k)), None)
+def _matching(keys: Sequence[str], pattern: str) -> Iterator[str]:
+    return (k for k in keys if re.search(pattern, k))
+
+
+def kind_label(kinds: frozenset[str]) -> str:
+    """The labels of these kinds, in LORA_FAMILIES' order: "FLUX.1", "FLUX.1 or FLUX.2"."""
+    return " or ".join(family.label for kind, family in LORA_FAMILIES.items() if kind in kinds)
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
@@ -145,14 +177,17 @@ def parse_lora_option(value: str) -> tuple[str, float]:
 @dataclass(frozen=True)
 class LoraFile:
     path: Path
-    format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya"
-    family: str  # the LoraFamily label it was read as: "UNet (SD 1.x/2.x, SDXL)", "SD3", "Flux"
+    format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya", "ai-toolkit"
+    family: str  # the LoraFamily label it was read as: "UNet (SD 1.x/2.x, SDXL)", "SD3", "FLUX.1", "FLUX.2"
     parts: dict[str, dict[str, LoraModule]]  # network (LORA_COMPONENTS) → module name → its low-rank pair
+    pads_inputs: bool = False  # its family's loader zero-pads down weights narrower than their Linear (LoraFamily)
 
 
 def _format(keys: list[str]) -> str | None:
     if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
         return "kohya"
+    if any(k.startswith("diffusion_model.") for k in keys):  # BFL's own module names, as ai-toolkit saves them
+        return "ai-toolkit"
     if any(".lora_A." in k or ".lora_B." in k for k in keys):
         return "diffusers (PEFT)"
     if any(".lora.down." in k or "lora_linear_layer" in k or "_lora.down." in k for k in keys):
@@ -164,23 +199,8 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
     """A LoRA file's parts, network by network, in PEFT form, read with the loader of ``family`` (the model's,
     ModelSource.family(); None: the kind the file's names say). LoraError naming the first thing sdtrt cannot
     use, a file for another kind of model included."""
-    import safetensors
-
-    path = Path(path)
-    if path.is_dir():  # a folder save_lora_weights wrote: its file, as diffusers' load_lora_weights finds it
-        if not (path / DIFFUSERS_LORA_FILE).is_file():
-            raise LoraError(f"{path} is a folder without {DIFFUSERS_LORA_FILE}; pass the LoRA's .safetensors file")
-        path = path / DIFFUSERS_LORA_FILE
-    if not path.is_file():
-        raise LoraError(f"LoRA file {path} does not exist")
-    try:
-        with safetensors.safe_open(str(path), "pt") as handle:
-            keys = list(handle.keys())
-    except Exception as exc:  # SafetensorError for truncated or foreign files, OSError, …
-        raise LoraError(f"{path} is not a readable safetensors file ({one_line(exc)})") from exc
-    kind = _format(keys)
-    if kind is None:
-        raise LoraError(f"{path} is not a LoRA file sdtrt knows (first key '{keys[0] if keys else '(none)'}')")
+    path, keys = _file_and_keys(path)
+    kind = str(_format(keys))
     lora_family = LORA_FAMILIES[_kind_for(path, keys, family)]
     state_dict, alphas, metadata = _lora_state_dict(path, lora_family)
     networks = lora_family.networks
@@ -190,7 +210,7 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
         why = (
             "a CLIP encoder's weight: a LoRA for another model (SD3, SDXL)?"
             if ".text_model." in other
-            else "T5 encoders take none, as in diffusers"
+            else "T5 and LLM text encoders take none, as in diffusers"
         )
         raise LoraError(
             f"{path}: '{other}' is not a weight of the {', '.join(networks)} networks sdtrt applies "
@@ -212,20 +232,50 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
             raise LoraError(f"diffusers cannot convert the {component} part of {path}: {one_line(exc)}") from exc
         config = {k[len(prefix) :]: v for k, v in (metadata or {}).items() if k.startswith(prefix)}
         parts[component] = lora_modules(path, component, renamed, module_alphas, config)
-    return LoraFile(path, kind, lora_family.label, parts)
+    return LoraFile(path, kind, lora_family.label, parts, lora_family.pads_inputs)
+
+
+def check_family(path: str | os.PathLike[str], family: str) -> None:
+    """LoraFamilyError where a LoRA file's names say it is for another kind of model than ``family``'s, read from its
+    header alone (no tensors, no diffusers): the CLI refuses it before anything loads."""
+    _kind_for(*_file_and_keys(path), family)
+
+
+def _file_and_keys(path: str | os.PathLike[str]) -> tuple[Path, list[str]]:
+    """The LoRA's file (a save_lora_weights folder's, as diffusers' load_lora_weights finds it) and its tensors'
+    names; LoraError for a file that is missing, unreadable or no LoRA."""
+    import safetensors
+
+    path = Path(path)
+    if path.is_dir():
+        if not (path / DIFFUSERS_LORA_FILE).is_file():
+            raise LoraError(f"{path} is a folder without {DIFFUSERS_LORA_FILE}; pass the LoRA's .safetensors file")
+        path = path / DIFFUSERS_LORA_FILE
+    if not path.is_file():
+        raise LoraError(f"LoRA file {path} does not exist")
+    try:
+        with safetensors.safe_open(str(path), "pt") as handle:
+            keys = list(handle.keys())
+    except Exception as exc:  # SafetensorError for truncated or foreign files, OSError, …
+        raise LoraError(f"{path} is not a readable safetensors file ({one_line(exc)})") from exc
+    if _format(keys) is None:
+        raise LoraError(f"{path} is not a LoRA file sdtrt knows (first key '{keys[0] if keys else '(none)'}')")
+    return path, keys
 
 
 def _kind_for(path: Path, keys: list[str], family: str | None) -> str:
-    """The LORA_FAMILIES key to read a file with: the model family's; LoraError where the file's names say it
+    """The LORA_FAMILIES key to read a file with: the model family's; LoraFamilyError where the file's names say it
     is for another kind of model (before diffusers' converters fail on them, or a LoRA lands where it fits by
     chance)."""
-    named = named_kind(keys)
-    if family is None:
-        return named or ("sd3" if any(k.startswith("transformer.") for k in keys) else "unet")
+    allowed, key = named_kinds(keys)
+    if family is None:  # the kind the names say (SD3 or a UNet where they say nothing or several)
+        default = "sd3" if any(k.startswith("transformer.") for k in keys) else "unet"
+        return default if not allowed or default in allowed else next(k for k in LORA_FAMILIES if k in allowed)
     kind = lora_kind(family)
-    if named not in (None, kind):
-        raise LoraError(f"{path} is a {LORA_FAMILIES[named].label} LoRA ('{marked(keys, named)}'); this model "
-                        f"({family}) takes {LORA_FAMILIES[kind].label} LoRAs")  # fmt: skip
+    if allowed is not None and kind not in allowed:
+        named = allowed or next(kinds for pattern, kinds in FAMILY_MARKERS if key and re.search(pattern, key))
+        raise LoraFamilyError(f"{path} is a {kind_label(named)} LoRA ('{key}'); this model ({family}) takes "
+                              f"{LORA_FAMILIES[kind].label} LoRAs")  # fmt: skip
     return kind
 
 
@@ -305,9 +355,8 @@ def random_lora(
         torch.manual_seed(seed)
         for network in networks:
             module = load_folder(model, network)
-            config = LoraConfig(
-                r=rank, lora_alpha=alpha, target_modules=RANDOM_TARGETS[network], init_lora_weights=False
-            )
+            config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=_targets(module, RANDOM_TARGETS[network]),
+                                init_lora_weights=False)  # fmt: skip
             module.add_adapter(config)
             layers[f"{network}_lora_layers"] = get_peft_model_state_dict(module)
             layers[f"{network}_lora_adapter_metadata"] = config.to_dict()
@@ -317,3 +366,12 @@ def random_lora(
         follow_umask(Path(tmp))  # written 0600 (a temporary file), as the store's artifacts are not
         os.replace(Path(tmp) / out.name, out)
     return out
+
+
+def _targets(network: Any, suffixes: list[str]) -> list[str]:
+    """The network's Linear and Conv2d modules whose names end with one of ``suffixes``: PEFT's own matching would
+    also take a module list of that name (SD3's and FLUX.1's ``attn.to_out``, FLUX.2's single-block Linear)."""
+    import torch
+
+    return [name for name, module in network.named_modules() if isinstance(module, torch.nn.Linear | torch.nn.Conv2d)
+            and any(name == s or name.endswith(f".{s}") for s in suffixes)]  # fmt: skip

@@ -35,6 +35,13 @@ class LoraModule:
         """The shape of the weight it changes, in PyTorch's layout."""
         return (int(self.up.shape[0]), *(int(d) for d in self.down.shape[1:]))
 
+    def padded(self, in_features: int) -> LoraModule:
+        """The pair for a Linear with more input features, its down weight zero-padded (as FLUX.1's loader pads it)."""
+        import torch
+
+        down = torch.nn.functional.pad(self.down, (0, in_features - int(self.down.shape[1])))
+        return LoraModule(down, self.up, self.alpha, self.rslora)
+
     def add_to(self, weight: torch.Tensor, scale: float, transposed: bool) -> None:
         """weight += scale·ΔW, ΔW = (alpha/rank)·B·A, in place in one matrix product (no ΔW is made).
 
@@ -81,7 +88,8 @@ def lora_modules(
         module, sep, part = key.rpartition(".lora_")
         if not sep or part not in ("A.weight", "B.weight"):
             raise LoraError(
-                f"{path}: '{key}' is not a LoRA up/down weight (DoRA, biases and LyCORIS are not supported)"
+                f"{path}: '{key}' is not a LoRA up/down weight (DoRA, LoRA biases, the norm weights BFL's FLUX.1 "
+                "Control LoRAs replace, and LyCORIS are not supported)"
             )
         if part == "B.weight":
             continue

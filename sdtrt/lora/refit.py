@@ -1,9 +1,11 @@
 """LoRAs on engines without a rebuild: base + Σ scale·ΔW, always from the base weights.
 
-A LoRA file (diffusers/PEFT or kohya/A1111 safetensors) is read with diffusers' loader of the model's
-family (sdtrt.lora.files.LORA_FAMILIES: SD's, SD3's or Flux's ``lora_state_dict``, each converting its
-kohya names) and split by network: the denoiser (UNet, SD3's or Flux's transformer) and the CLIP text
-encoders (``text_encoder``, SDXL's and SD3's ``text_encoder_2``; T5 takes none). Each part is renamed to
+A LoRA file (diffusers/PEFT, kohya/A1111 or ai-toolkit safetensors) is read with diffusers' loader of the model's
+family (sdtrt.lora.files.LORA_FAMILIES: SD's, SD3's, FLUX.1's or FLUX.2's ``lora_state_dict``, each converting
+its kohya names) and split by network: the denoiser (UNet, SD3's, FLUX.1's or FLUX.2's transformer) and the CLIP
+text encoders (``text_encoder``, SDXL's and SD3's ``text_encoder_2``; T5 and LLM encoders take none). A FLUX.1
+LoRA whose down weight takes fewer input features than the engine's Linear (a FLUX.1 dev LoRA's x_embedder on
+Fill's or Control's wider input) is zero-padded, as diffusers' FLUX.1 loader pads it. Each part is renamed to
 PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it, so PEFT-injected names
 (``….base_layer.weight``) never reach an engine: each module's ΔW = (alpha / rank)·B·A is placed
 through the engine graph's weight map (sdtrt.graph.graph_weights) onto the initializer that holds the
@@ -129,9 +131,10 @@ class EngineLoras:
                     continue
                 if self.placed_only and f"{module}.weight" not in weight_map.mapped:
                     continue
-                if problem := placement_problem(module, pair, weight_map, self.component):
+                if problem := placement_problem(module, pair, weight_map, self.component, lora.pads_inputs):
                     raise LoraError(f"{lora.path}: {problem}")
-                placed.append((f"{module}.weight", pair, scale))
+                shape = weight_map.mapped[f"{module}.weight"].shape
+                placed.append((f"{module}.weight", pair.padded(shape[1]) if pair.shape != shape else pair, scale))
         return placed
 
     def _map_or_make(self) -> WeightMap:
@@ -263,20 +266,33 @@ def pipeline_family(pipe: Any) -> str:
     return transformer_family(dict(transformer.config)) if transformer is not None else "UNet"
 
 
-def placement_problem(module: str, pair: LoraModule, weight_map: WeightMap, component: str) -> str | None:
-    """Why the engine's weight map cannot take this module's ΔW, or None."""
+def placement_problem(
+    module: str, pair: LoraModule, weight_map: WeightMap, component: str, pads: bool = False
+) -> str | None:
+    """Why the engine's weight map cannot take this module's ΔW, or None (``pads``: LoraFile.pads_inputs)."""
     param = f"{module}.weight"
     if param in weight_map.unmapped:
         return f"the {NETWORK_NAMES[component]} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
     place = weight_map.mapped.get(param)
-    return shape_problem(module, pair, place.shape if place else None, component)
+    return shape_problem(module, pair, place.shape if place else None, component, pads)
 
 
-def shape_problem(module: str, pair: LoraModule, shape: tuple[int, ...] | None, component: str) -> str | None:
-    """Why a network whose ``module`` weight has ``shape`` (None: it has no such module) cannot take ΔW, or None."""
+def shape_problem(
+    module: str, pair: LoraModule, shape: tuple[int, ...] | None, component: str, pads: bool = False
+) -> str | None:
+    """Why a network whose ``module`` weight has ``shape`` (None: it has no such module) cannot take ΔW, or None.
+    With ``pads`` a Linear's ΔW may take fewer input features than it has (zero-padded, as FLUX.1's loader does)."""
     network = NETWORK_NAMES[component]
     if shape is None:
         return f"'{module}' is not in this {network} (a LoRA for another architecture?)"
+    linear = len(shape) == 2 == len(pair.shape) and shape[0] == pair.shape[0]
+    if pads and linear and pair.shape[1] < shape[1]:
+        return None
+    if pads and linear and pair.shape[1] > shape[1]:  # diffusers widens the PyTorch Linear; an engine's is fixed
+        return (f"'{module}' takes {pair.shape[1]} input features and this {network}'s takes {shape[1]}: diffusers "
+                "widens a PyTorch transformer for such a LoRA (FLUX.1 Canny / Depth LoRAs widen x_embedder), an "
+                "engine's inputs are fixed at build: compile the model the LoRA was made for (FLUX.1 Canny / Depth "
+                "with its control input) and load it there")  # fmt: skip
     if shape != pair.shape:
         return (f"'{module}' changes a {list(pair.shape)} weight, this {network}'s is {list(shape)} "
                 "(a LoRA for another architecture?)")  # fmt: skip
@@ -294,7 +310,7 @@ def refuse_misfits(lora: LoraFile, pipe: Any) -> None:
             raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[component]} ({component}), which this model lacks")
         shapes = {name: tuple(weight.shape) for name, weight in lora_parameters(network).items()}
         for module, pair in modules.items():
-            if problem := shape_problem(module, pair, shapes.get(f"{module}.weight"), component):
+            if problem := shape_problem(module, pair, shapes.get(f"{module}.weight"), component, lora.pads_inputs):
                 raise LoraError(f"{lora.path}: {problem}")
 
 
@@ -302,7 +318,7 @@ def coverage(lora: LoraFile, maps: dict[str, WeightMap]) -> dict[str, dict[str, 
     """network → module → 'ok', or why the engine's weight map cannot take it (no engine for that network)."""
     return {
         component: {
-            module: (placement_problem(module, pair, maps[component], component) or "ok")
+            module: (placement_problem(module, pair, maps[component], component, lora.pads_inputs) or "ok")
             if component in maps
             else f"no {NETWORK_NAMES[component]} engine given"
             for module, pair in modules.items()

@@ -68,7 +68,8 @@ def call_scale_of(pipe: Any, lora_scale: float | None) -> Scale:
     denoiser alone, else 1.0."""
     if lora_scale is not None:
         return float(lora_scale)
-    attention = getattr(pipe, "_joint_attention_kwargs", None) or getattr(pipe, "_cross_attention_kwargs", None)
+    attention = next((given for name in ("_joint_attention_kwargs", "_cross_attention_kwargs", "_attention_kwargs")
+                      if (given := getattr(pipe, name, None))), None)  # FLUX.2's: attention_kwargs  # fmt: skip
     given = (attention or {}).get("scale")
     denoiser = "transformer" if getattr(pipe, "transformer", None) is not None else "unet"
     return 1.0 if given is None else {denoiser: float(given)}
