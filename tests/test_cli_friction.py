@@ -233,7 +233,8 @@ def test_an_sd35_lora_on_flux_is_refused_as_an_sd3_lora(tmp_path):
     from safetensors.torch import save_file
 
     from sdtrt.core.errors import LoraError
-    from sdtrt.lora.files import named_kinds, read_lora
+    from sdtrt.lora.files import read_lora
+    from sdtrt.lora.kinds import named_kinds
 
     key = "transformer.transformer_blocks.0.attn2.to_k"
     save_file({f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(64, 4)}, tmp_path / "a.st")

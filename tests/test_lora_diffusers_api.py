@@ -195,6 +195,8 @@ def test_a_denoiser_only_scale_is_read_from_the_pipelines_attention_kwargs():
     assert call_scale_of(sd3_inpaint, None) == {"transformer": 0.5}
     assert call_scale_of(sd3_inpaint, 0.25) == 0.25  # given to encode_prompt: every network
     assert call_scale_of(SimpleNamespace(_cross_attention_kwargs=None), None) == 1.0
+    flux2_klein = SimpleNamespace(transformer=object(), _attention_kwargs={"scale": 0.5})  # FLUX.2's name for it
+    assert call_scale_of(flux2_klein, None) == {"transformer": 0.5}
 
 
 def test_hotswap_replaces_an_adapters_weights_in_place(fresh, loras):

@@ -82,10 +82,10 @@ def klein(store, tmp_path_factory):
     return family, loras, embeds
 
 
-def klein_image(pipe, embeds, height: int = 128, width: int = 128) -> np.ndarray:
+def klein_image(pipe, embeds, height: int = 128, width: int = 128, **call) -> np.ndarray:
     generator = torch.Generator().manual_seed(3)
     return pipe(**embeds, height=height, width=width, num_inference_steps=2, generator=generator,
-                output_type="np").images[0]  # fmt: skip
+                output_type="np", **call).images[0]  # fmt: skip
 
 
 def image(pipe, request) -> np.ndarray:
@@ -115,11 +115,12 @@ def test_klein_weight_map_places_every_transformer_linear(klein):
     assert set(made.mapped) == set(weight_map.lora_parameters(load_folder(family.source, "transformer")))
 
 
-@pytest.mark.parametrize("layouts", [("peft",), ("kohya", "ai-toolkit")], ids=["diffusers", "kohya+ai-toolkit"])
-def test_klein_loras_match_diffusers_fused(klein, layouts):
+def test_klein_loras_match_diffusers_fused(klein):
+    """One LoRA per layout (diffusers, kohya, ai-toolkit) at three scales, fused by diffusers in one reference."""
     family, loras, embeds = klein
     reference, engine = family.pipelines()
-    given = [(loras[layout], scale) for layout, scale in zip(layouts, (1.0, 0.6), strict=False)]
+    layouts = ("peft", "kohya", "ai-toolkit")
+    given = [(loras[layout], scale) for layout, scale in zip(layouts, (1.0, 0.6, 0.4), strict=True)]
     set_loras(engine, given)
     try:
         got = klein_image(engine, embeds)
@@ -146,6 +147,9 @@ def test_klein_adapters_switch_a_b_a_exactly(klein):
     both = klein_image(engine, embeds, **size)
     engine.set_adapters(["a"], [0.8])
     assert np.array_equal(klein_image(engine, embeds, **size), with_a) and not np.array_equal(both, with_a)
+    halved = klein_image(engine, embeds, **size, attention_kwargs={"scale": 0.5})  # FLUX.2's call scale
+    engine.set_adapters(["a"], [0.4])
+    assert np.array_equal(klein_image(engine, embeds, **size), halved) and not np.array_equal(halved, with_a)
     set_loras(engine, [(loras["peft"], 0.8)])  # what set_adapters(["a"], [0.8]) ran
     assert np.array_equal(klein_image(engine, embeds, **size), with_a)
     set_loras(engine, [])
@@ -154,27 +158,32 @@ def test_klein_adapters_switch_a_b_a_exactly(klein):
 
 def test_a_lora_of_another_family_is_refused_on_klein_before_any_work(klein, tmp_path):
     """A FLUX.1 LoRA (its single blocks' proj_mlp) and an SDXL one (kohya's down_blocks) on FLUX.2 [klein]: one line
-    naming what the file is for; the engine keeps its LoRA, and the CLI exits 2 before loading anything."""
-    from safetensors.torch import save_file
-
+    naming what the file is for, and the engine's LoRAs are as they were. The CLI refuses klein's kohya LoRA on
+    FLUX.1 (BFL names both have, told apart by linear1's width) with exit 2 before loading anything."""
     family, loras, _ = klein
     _, engine = family.pipelines()
-    flux1 = random_lora(resolve_model("tiny-flux"), tmp_path / "flux1.safetensors")
-    sdxl = tmp_path / "sdxl.safetensors"
-    key = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q"
-    save_file({f"{key}.lora_down.weight": torch.ones(4, 64), f"{key}.lora_up.weight": torch.ones(64, 4)}, str(sdxl))
-    engine.load_lora_weights(loras["peft"], adapter_name="a")
+    flux1 = lora_file(tmp_path / "flux1.safetensors", "transformer.single_transformer_blocks.0.proj_mlp", 32, 128)
+    sdxl_module = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q"
+    sdxl = lora_file(tmp_path / "sdxl.safetensors", sdxl_module, 64, 64)
     active = engine.transformer.loras.active
-    try:
-        for path, what in ((flux1, "FLUX.1"), (sdxl, r"UNet \(SD 1.x/2.x, SDXL\)")):
-            with pytest.raises(LoraFamilyError, match=rf"is a {what} LoRA .*this model \(flux2\) takes FLUX.2 LoRAs"):
-                engine.load_lora_weights(path, adapter_name="other")
-            assert engine.transformer.loras.active == active and engine.get_active_adapters() == ["a"]
-    finally:
-        engine.unload_lora_weights()
-    result = run_cli("generate", "--model", "tiny-flux2-klein", "--prompt", "a fox", "--lora", f"{sdxl}:0.5")
+    for path, what in ((flux1, "FLUX.1"), (sdxl, r"UNet \(SD 1.x/2.x, SDXL\)")):
+        with pytest.raises(LoraFamilyError, match=rf"is a {what} LoRA .*this model \(flux2\) takes FLUX.2 LoRAs"):
+            engine.load_lora_weights(path, adapter_name="other")
+        assert engine.transformer.loras.active == active and engine.get_active_adapters() == []
+    assert read_lora(loras["kohya"]).family == "FLUX.2"  # `sdtrt lora inspect` without a model
+    result = run_cli("generate", "--model", "tiny-flux", "--prompt", "a fox", "--lora", f"{loras['kohya']}:0.5")
     assert result.returncode == 2 and "Loading pipeline" not in result.stderr
-    assert "is a UNet (SD 1.x/2.x, SDXL) LoRA ('lora_unet_down_blocks_1" in result.stderr
+    assert "is a FLUX.2 LoRA ('lora_unet_single_blocks_0_linear1.lora_up.weight: 288 outputs" in result.stderr
+
+
+def lora_file(path, module: str, inputs: int, outputs: int, rank: int = 2, kohya: bool = False) -> str:
+    """A LoRA of one module: kohya's down/up under lora_unet_ (or where ``kohya``), else PEFT's lora_A/B."""
+    from safetensors.torch import save_file
+
+    down, up = ("lora_down", "lora_up") if kohya or module.startswith("lora_unet_") else ("lora_A", "lora_B")
+    save_file({f"{module}.{down}.weight": torch.ones(rank, inputs), f"{module}.{up}.weight": torch.ones(outputs, rank)},
+              str(path))  # fmt: skip
+    return str(path)
 
 
 @pytest.fixture(
@@ -213,14 +222,13 @@ def test_flux1_task_transformers_take_loras_on_their_input(task, flux1_loras):
     psnr = psnr_db(got, want)
     print(f"{task.name} LoRAs of FLUX.1 dev and of its own 128x128: PSNR {psnr:.1f} dB against diffusers' fused")
     assert psnr >= 35.0 and psnr_db(got, base) < psnr - 20.0
-    set_loras(engine, [])
-    assert np.array_equal(image(engine, request), base)
+    set_loras(engine, [])  # back to base: test_klein_adapters_switch_a_b_a_exactly checks it bit for bit
 
 
 def test_names_tell_flux1_from_flux2_where_they_differ():
     """FLUX.1's and FLUX.2's diffusers names differ in MLPs and single blocks; kohya's and ai-toolkit's block names are
     both families' (read as the model's); a UNet's or SD3.5's are neither."""
-    from sdtrt.lora.files import named_kinds
+    from sdtrt.lora.kinds import named_kinds
 
     cases = {
         "transformer.single_transformer_blocks.0.proj_mlp.lora_A.weight": {"flux"},
@@ -229,9 +237,51 @@ def test_names_tell_flux1_from_flux2_where_they_differ():
         "transformer.transformer_blocks.0.ff_context.linear_out.lora_A.weight": {"flux2"},
         "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight": {"flux"},
         "lora_unet_single_blocks_0_linear1.lora_down.weight": {"flux", "flux2"},
-        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": {"flux", "flux2"},
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": {"flux2"},  # FLUX.1 reads BFL names as kohya's
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight": {"flux", "flux2"},
         "diffusion_model.double_stream_modulation_img.lin.lora_A.weight": {"flux2"},
         "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight": {"unet"},
         "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": None,
     }
     assert {key: named_kinds([key])[0] for key in cases} == cases
+
+
+@pytest.mark.parametrize(
+    ("model", "module", "inputs", "outputs", "what"),
+    [
+        ("tiny-flux", "lora_unet_single_blocks_0_linear1", 32, 9 * 32, "FLUX.2"),
+        ("tiny-flux", "lora_unet_double_blocks_1_txt_mlp_0", 32, 6 * 32, "FLUX.2"),
+        ("tiny-flux", "diffusion_model.double_blocks.0.img_attn.proj", 32, 32, "FLUX.2"),
+        ("tiny-flux2-klein", "lora_unet_single_blocks_0_linear1", 3072, 7 * 3072, "FLUX.1"),
+        ("tiny-flux2-klein", "lora_unet_double_blocks_0_img_mlp_0", 64, 4 * 64, "FLUX.1"),
+    ],
+)
+def test_bfl_names_of_the_other_flux_are_refused_from_the_header(tmp_path, model, module, inputs, outputs, what):
+    """kohya's BFL names are both FLUX.1's and FLUX.2's: the fused MLP input's width in the header tells them apart
+    (linear1 7 or 9 x hidden, img_mlp.0 / txt_mlp.0 4 or 6 x); ai-toolkit's lora_A/B on BFL names are FLUX.2's."""
+    from sdtrt.lora.files import check_family
+
+    path = lora_file(tmp_path / "other.safetensors", module, inputs, outputs)
+    with pytest.raises(LoraFamilyError, match=rf"is a {what} LoRA \('{module}"):
+        check_family(path, resolve_model(model).family())
+    attention = lora_file(tmp_path / "attention.safetensors", "lora_unet_double_blocks_0_img_attn_qkv", 32, 96)
+    assert check_family(attention, resolve_model(model).family()) is None  # no MLP: either family's
+
+
+def test_a_file_naming_both_fluxes_is_refused_as_merged(tmp_path):
+    """FLUX.1's proj_mlp and FLUX.2's linear_in in one file: said so, with or without a model."""
+    from safetensors.torch import save_file
+
+    pairs = {f"transformer.{m}.lora_{ab}.weight": torch.ones(2, 2) for m in ("single_transformer_blocks.0.proj_mlp",
+             "transformer_blocks.0.ff.linear_in") for ab in "AB"}  # fmt: skip
+    save_file(pairs, str(tmp_path / "merged.safetensors"))
+    for family in (None, "flux", "flux2"):
+        with pytest.raises(LoraFamilyError, match=r"names modules of FLUX.1 \('.*proj_mlp.*'\) and of FLUX.2 .*merged"):
+            read_lora(tmp_path / "merged.safetensors", family)
+
+
+def test_bfl_names_with_kohyas_down_up_are_read_as_kohya(tmp_path):
+    """ComfyUI's export of a kohya FLUX.1 LoRA: BFL's diffusion_model. names with down/up, converted by kohya's path."""
+    path = lora_file(tmp_path / "comfy.safetensors", "diffusion_model.double_blocks.0.img_attn.qkv", 32, 96, kohya=True)
+    lora = read_lora(path)
+    assert (lora.format, lora.family, len(lora.parts["transformer"])) == ("kohya (BFL names)", "FLUX.1", 3)

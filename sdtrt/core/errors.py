@@ -93,7 +93,8 @@ class LoraError(SdtrtError, ValueError):
 
 
 class LoraFamilyError(LoraError):
-    """A LoRA for another family of model than the one it is given to, told by its names: a usage error (exit 2)."""
+    """A LoRA for another family of model than the one it is given to, told by its names or shapes: a usage error
+    (exit 2)."""
 
     exit_code = 2
 

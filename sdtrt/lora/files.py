@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import LoraError, LoraFamilyError, RequestError, one_line
+from ..core.errors import LoraError, RequestError, one_line
+from .kinds import LORA_FAMILIES, LoraFamily, kind_for, lora_kind
 from .peft_form import LoraModule, lora_modules, peft_names
 
 if TYPE_CHECKING:
@@ -33,56 +33,6 @@ DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' 
 LORA_COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
 
 
-@dataclass(frozen=True)
-class LoraFamily:
-    """How one kind of model takes LoRAs: the diffusers pipeline whose ``lora_state_dict`` reads its files
-    (and converts its kohya names), and the networks they change (that loader's ``_lora_loadable_modules``)."""
-
-    label: str
-    loader: str
-    networks: tuple[str, ...]
-    # lora_state_dict's keywords for (state dict, alphas, metadata): FluxPipeline's returns alphas only when
-    # asked, StableDiffusion3Pipeline's has none (diffusers loaders/lora_pipeline.py).
-    loader_kwargs: tuple[tuple[str, bool], ...] = ()
-    # FLUX.1's loader zero-pads a LoRA's down weight that takes fewer input features than its Linear (a FLUX.1 dev
-    # LoRA's x_embedder on Fill's 384 or Control's 128 channels: FluxLoraLoaderMixin._maybe_expand_lora_state_dict).
-    pads_inputs: bool = False
-
-
-# By model family (ModelSource.family()). T5 (SD3's text_encoder_3, Flux's text_encoder_2) takes no LoRAs: diffusers
-# loads none into it (its loaders list no T5), so a file with T5 weights is refused by name. FLUX.2's Qwen3 takes none
-# either (Flux2LoraLoaderMixin loads the transformer only).
-LORA_FAMILIES = {
-    "unet": LoraFamily(
-        "UNet (SD 1.x/2.x, SDXL)", "StableDiffusionPipeline", ("unet", "text_encoder", "text_encoder_2")
-    ),
-    "sd3": LoraFamily("SD3", "StableDiffusion3Pipeline", ("transformer", "text_encoder", "text_encoder_2")),
-    "flux": LoraFamily(
-        "FLUX.1", "FluxPipeline", ("transformer", "text_encoder"), (("return_alphas", True),), pads_inputs=True
-    ),
-    "flux2": LoraFamily("FLUX.2", "Flux2KleinPipeline", ("transformer",)),
-}
-# Module names only some kinds' LoRAs have (diffusers', kohya's, ai-toolkit's), as patterns searched in its keys, each
-# with the kinds that have them: a file is for the kinds every marker it names allows. SD3.5's joint blocks have a
-# second attention (attn2) that Flux's have not, and UNet keys name theirs under unet; FLUX.1 and FLUX.2 share kohya's
-# and ai-toolkit's block names, and differ in their MLPs, single-block projections and modulation layers (SD3.0's
-# LoRAs name nothing FLUX.1's could not).
-FLUX1, FLUXES = frozenset({"flux"}), frozenset({"flux", "flux2"})
-FAMILY_MARKERS: tuple[tuple[str, frozenset[str]], ...] = (
-    (r"down_blocks|up_blocks|mid_block", frozenset({"unet"})),
-    (r"^transformer\.transformer_blocks\.\d+\.attn2\.", frozenset({"sd3"})),
-    (
-        r"proj_mlp|single_transformer_blocks\.\d+\.(proj_out|attn\.to_[qkv]\.)|(img|txt)_mod[._]lin|"
-        r"single_blocks[._]\d+[._]modulation[._]lin",
-        FLUX1,
-    ),
-    (r"ff(_context)?\.net\.", frozenset({"unet", "sd3", "flux"})),
-    (
-        r"to_qkv_mlp_proj|ff(_context)?\.linear_(in|out)|_stream_modulation|single_transformer_blocks\.\d+\.attn\.to_out",
-        frozenset({"flux2"}),
-    ),
-    (r"single_transformer_blocks|lora_unet_(double|single)_blocks_|(^|\.)(double|single)_blocks\.", FLUXES),
-)
 # What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target (the Linear and
 # Conv2d modules whose names end so). The transformer's cover SD3's joint blocks (SD3.5's attn2 too), FLUX.1's and
 # FLUX.2's double- and single-stream blocks, and Flux's x_embedder (the input Fill and Control widen).
@@ -95,30 +45,6 @@ RANDOM_TARGETS = {
     "text_encoder": CLIP_TARGETS,
     "text_encoder_2": CLIP_TARGETS,
 }  # fmt: skip
-
-
-def lora_kind(family: str) -> str:
-    """The LORA_FAMILIES key of a model family: sd3, flux2, flux (dev and schnell, Fill, Control, Kontext) or unet
-    (every UNet family)."""
-    return next((kind for kind in ("sd3", "flux2", "flux") if family.startswith(kind)), "unet")
-
-
-def named_kinds(keys: Sequence[str]) -> tuple[frozenset[str] | None, str | None]:
-    """The kinds of model a LoRA's key names allow (None where they do not say), and the key that says most."""
-    hits = [(kinds, key) for pattern, kinds in FAMILY_MARKERS if (key := next(_matching(keys, pattern), None))]
-    if not hits:
-        return None, None
-    allowed = frozenset.intersection(*(kinds for kinds, _ in hits))
-    return allowed, min(hits, key=lambda hit: len(hit[0]))[1]
-
-
-def _matching(keys: Sequence[str], pattern: str) -> Iterator[str]:
-    return (k for k in keys if re.search(pattern, k))
-
-
-def kind_label(kinds: frozenset[str]) -> str:
-    """The labels of these kinds, in LORA_FAMILIES' order: "FLUX.1", "FLUX.1 or FLUX.2"."""
-    return " or ".join(family.label for kind, family in LORA_FAMILIES.items() if kind in kinds)
 
 
 def check_scale(scale: float, path: str | os.PathLike[str]) -> float:
@@ -177,17 +103,22 @@ def parse_lora_option(value: str) -> tuple[str, float]:
 @dataclass(frozen=True)
 class LoraFile:
     path: Path
-    format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya", "ai-toolkit"
+    format: str  # "diffusers (PEFT)", "diffusers (legacy)", "kohya", "kohya (BFL names)", "ai-toolkit"
     family: str  # the LoraFamily label it was read as: "UNet (SD 1.x/2.x, SDXL)", "SD3", "FLUX.1", "FLUX.2"
     parts: dict[str, dict[str, LoraModule]]  # network (LORA_COMPONENTS) → module name → its low-rank pair
     pads_inputs: bool = False  # its family's loader zero-pads down weights narrower than their Linear (LoraFamily)
+
+    def pads(self, component: str) -> bool:
+        """Whether a narrower down weight is zero-padded on this network: the transformer's, as diffusers pads
+        (CLIP's go to PEFT, which refuses the size)."""
+        return self.pads_inputs and component == "transformer"
 
 
 def _format(keys: list[str]) -> str | None:
     if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
         return "kohya"
-    if any(k.startswith("diffusion_model.") for k in keys):  # BFL's own module names, as ai-toolkit saves them
-        return "ai-toolkit"
+    if bfl := [k for k in keys if k.startswith("diffusion_model.")]:  # BFL's own module names
+        return "kohya (BFL names)" if any(".lora_down." in k for k in bfl) else "ai-toolkit"  # ComfyUI's export
     if any(".lora_A." in k or ".lora_B." in k for k in keys):
         return "diffusers (PEFT)"
     if any(".lora.down." in k or "lora_linear_layer" in k or "_lora.down." in k for k in keys):
@@ -199,9 +130,8 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
     """A LoRA file's parts, network by network, in PEFT form, read with the loader of ``family`` (the model's,
     ModelSource.family(); None: the kind the file's names say). LoraError naming the first thing sdtrt cannot
     use, a file for another kind of model included."""
-    path, keys = _file_and_keys(path)
-    kind = str(_format(keys))
-    lora_family = LORA_FAMILIES[_kind_for(path, keys, family)]
+    path, keys, kind = _file_and_keys(path)
+    lora_family = LORA_FAMILIES[kind_for(path, keys, family)]
     state_dict, alphas, metadata = _lora_state_dict(path, lora_family)
     networks = lora_family.networks
     if other := next((k for k in state_dict if not k.startswith(tuple(f"{c}." for c in networks))), None):
@@ -238,12 +168,13 @@ def read_lora(path: str | os.PathLike[str], family: str | None = None) -> LoraFi
 def check_family(path: str | os.PathLike[str], family: str) -> None:
     """LoraFamilyError where a LoRA file's names say it is for another kind of model than ``family``'s, read from its
     header alone (no tensors, no diffusers): the CLI refuses it before anything loads."""
-    _kind_for(*_file_and_keys(path), family)
+    path, keys, _ = _file_and_keys(path)
+    kind_for(path, keys, family)
 
 
-def _file_and_keys(path: str | os.PathLike[str]) -> tuple[Path, list[str]]:
-    """The LoRA's file (a save_lora_weights folder's, as diffusers' load_lora_weights finds it) and its tensors'
-    names; LoraError for a file that is missing, unreadable or no LoRA."""
+def _file_and_keys(path: str | os.PathLike[str]) -> tuple[Path, list[str], str]:
+    """The LoRA's file (a save_lora_weights folder's, as diffusers' load_lora_weights finds it), its tensors' names
+    and its format; LoraError for a file that is missing, unreadable or no LoRA."""
     import safetensors
 
     path = Path(path)
@@ -258,25 +189,9 @@ def _file_and_keys(path: str | os.PathLike[str]) -> tuple[Path, list[str]]:
             keys = list(handle.keys())
     except Exception as exc:  # SafetensorError for truncated or foreign files, OSError, …
         raise LoraError(f"{path} is not a readable safetensors file ({one_line(exc)})") from exc
-    if _format(keys) is None:
+    if (kind := _format(keys)) is None:
         raise LoraError(f"{path} is not a LoRA file sdtrt knows (first key '{keys[0] if keys else '(none)'}')")
-    return path, keys
-
-
-def _kind_for(path: Path, keys: list[str], family: str | None) -> str:
-    """The LORA_FAMILIES key to read a file with: the model family's; LoraFamilyError where the file's names say it
-    is for another kind of model (before diffusers' converters fail on them, or a LoRA lands where it fits by
-    chance)."""
-    allowed, key = named_kinds(keys)
-    if family is None:  # the kind the names say (SD3 or a UNet where they say nothing or several)
-        default = "sd3" if any(k.startswith("transformer.") for k in keys) else "unet"
-        return default if not allowed or default in allowed else next(k for k in LORA_FAMILIES if k in allowed)
-    kind = lora_kind(family)
-    if allowed is not None and kind not in allowed:
-        named = allowed or next(kinds for pattern, kinds in FAMILY_MARKERS if key and re.search(pattern, key))
-        raise LoraFamilyError(f"{path} is a {kind_label(named)} LoRA ('{key}'); this model ({family}) takes "
-                              f"{LORA_FAMILIES[kind].label} LoRAs")  # fmt: skip
-    return kind
+    return path, keys, kind
 
 
 def _lora_state_dict(path: Path, lora_family: LoraFamily) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:

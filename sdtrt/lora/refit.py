@@ -1,7 +1,7 @@
 """LoRAs on engines without a rebuild: base + Σ scale·ΔW, always from the base weights.
 
 A LoRA file (diffusers/PEFT, kohya/A1111 or ai-toolkit safetensors) is read with diffusers' loader of the model's
-family (sdtrt.lora.files.LORA_FAMILIES: SD's, SD3's, FLUX.1's or FLUX.2's ``lora_state_dict``, each converting
+family (sdtrt.lora.kinds.LORA_FAMILIES: SD's, SD3's, FLUX.1's or FLUX.2's ``lora_state_dict``, each converting
 its kohya names) and split by network: the denoiser (UNet, SD3's, FLUX.1's or FLUX.2's transformer) and the CLIP
 text encoders (``text_encoder``, SDXL's and SD3's ``text_encoder_2``; T5 and LLM encoders take none). A FLUX.1
 LoRA whose down weight takes fewer input features than the engine's Linear (a FLUX.1 dev LoRA's x_embedder on
@@ -29,17 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import EngineInputError, LoraError, RefitError, one_line
-from .files import (
-    LORA_FAMILIES,
-    LoraFile,
-    LoraModule,
-    LoraSpec,
-    checked_loras,
-    for_network,
-    lora_kind,
-    network_scale,
-    read_lora,
-)
+from .files import LoraFile, LoraModule, LoraSpec, checked_loras, for_network, network_scale, read_lora
+from .kinds import LORA_FAMILIES, lora_kind
 
 if TYPE_CHECKING:
     import numpy as np
@@ -131,7 +122,7 @@ class EngineLoras:
                     continue
                 if self.placed_only and f"{module}.weight" not in weight_map.mapped:
                     continue
-                if problem := placement_problem(module, pair, weight_map, self.component, lora.pads_inputs):
+                if problem := placement_problem(module, pair, weight_map, self.component, lora.pads(self.component)):
                     raise LoraError(f"{lora.path}: {problem}")
                 shape = weight_map.mapped[f"{module}.weight"].shape
                 placed.append((f"{module}.weight", pair.padded(shape[1]) if pair.shape != shape else pair, scale))
@@ -269,7 +260,7 @@ def pipeline_family(pipe: Any) -> str:
 def placement_problem(
     module: str, pair: LoraModule, weight_map: WeightMap, component: str, pads: bool = False
 ) -> str | None:
-    """Why the engine's weight map cannot take this module's ΔW, or None (``pads``: LoraFile.pads_inputs)."""
+    """Why the engine's weight map cannot take this module's ΔW, or None (``pads``: LoraFile.pads)."""
     param = f"{module}.weight"
     if param in weight_map.unmapped:
         return f"the {NETWORK_NAMES[component]} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
@@ -310,7 +301,7 @@ def refuse_misfits(lora: LoraFile, pipe: Any) -> None:
             raise LoraError(f"{lora.path} changes the {NETWORK_NAMES[component]} ({component}), which this model lacks")
         shapes = {name: tuple(weight.shape) for name, weight in lora_parameters(network).items()}
         for module, pair in modules.items():
-            if problem := shape_problem(module, pair, shapes.get(f"{module}.weight"), component, lora.pads_inputs):
+            if problem := shape_problem(module, pair, shapes.get(f"{module}.weight"), component, lora.pads(component)):
                 raise LoraError(f"{lora.path}: {problem}")
 
 
@@ -318,7 +309,7 @@ def coverage(lora: LoraFile, maps: dict[str, WeightMap]) -> dict[str, dict[str, 
     """network → module → 'ok', or why the engine's weight map cannot take it (no engine for that network)."""
     return {
         component: {
-            module: (placement_problem(module, pair, maps[component], component, lora.pads_inputs) or "ok")
+            module: (placement_problem(module, pair, maps[component], component, lora.pads(component)) or "ok")
             if component in maps
             else f"no {NETWORK_NAMES[component]} engine given"
             for module, pair in modules.items()
