@@ -51,6 +51,26 @@ def test_config_declares_the_image_inputs_the_served_pipelines_take(served):
     assert wire_inputs(["FluxKontextPipeline"]) == wire_inputs(["Flux2KleinPipeline"]) == ["image"]
 
 
+def test_the_tasks_pipelines_share_every_component_and_keep_an_fp16_load(tiny, tiny_engine):
+    """A GPU instance loads in fp16; the other tasks' pipelines (from_pipe) must neither copy a component nor cast the
+    shared ones back to fp32. A lone UNet engine: the text encoder and VAE are PyTorch weights, fp16 here on a CPU."""
+    import torch
+
+    from sdtrt.core.families import served_tasks
+    from sdtrt.pipeline.loading import load_pipeline, task_pipelines
+
+    tasks = served_tasks(tiny.pipeline_class())
+    pipe = load_pipeline(tiny, tiny_engine, task="txt2img", dtype=torch.float16)
+    pipes = task_pipelines(pipe, tasks)
+    assert pipes["txt2img"] is pipe and {task: type(p).__name__ for task, p in pipes.items()} == tasks
+    networks = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert {"unet", "vae", "text_encoder"} <= set(networks)
+    for task, each in pipes.items():
+        for name, network in networks.items():
+            assert each.components[name] is network, (task, name)
+            assert network.dtype == torch.float16, (task, name)
+
+
 def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alone(served, tiny, tiny_set):
     from sdtrt.pipeline.loading import generate, load_pipeline
 

@@ -42,11 +42,10 @@ DEFAULTS = GenerateRequest()
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        import diffusers
         import torch
         import triton_python_backend_utils as pb_utils
 
-        from ..pipeline.loading import load_pipeline
+        from ..pipeline.loading import load_pipeline, task_pipelines
         from ..sources.models import resolve_model
         from .deploy import Deployment
 
@@ -66,9 +65,7 @@ class TritonPythonModel:
             dtype=torch.float16 if gpu else torch.float32, weight_budget=self.deployment.weight_budget,
         )  # fmt: skip
         pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
-        self.pipes: dict[Task, Any] = {first: pipe}  # the other tasks' pipelines share its engines
-        for task, name in self.tasks.items():
-            self.pipes.setdefault(task, getattr(diffusers, name).from_pipe(pipe)).set_progress_bar_config(disable=True)
+        self.pipes: dict[Task, Any] = task_pipelines(pipe, self.tasks)  # sharing its engines, in its dtype
         self.rule = SizeRule.for_pipeline(pipe)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
         self.counters = RequestCounters(args["model_name"], args["model_version"])
