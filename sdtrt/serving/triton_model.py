@@ -158,11 +158,11 @@ class TritonPythonModel:
                 prompt=_text(value["prompt"], "prompt"),
                 negative_prompt=None if negative is None else _text(negative, "negative_prompt"),
                 steps=int(value.get("steps", DEFAULTS.steps)),
-                guidance=float(value["guidance"]) if "guidance" in value else None,
+                guidance=_short_decimal(value["guidance"]) if "guidance" in value else None,
                 seed=int(value.get("seed", DEFAULTS.seed)),
                 height=int(value["height"]) if "height" in value else None,
                 width=int(value["width"]) if "width" in value else None,
-                strength=float(value["strength"]) if "strength" in value else None,
+                strength=_short_decimal(value["strength"]) if "strength" in value else None,
                 image=value.get("image"),
                 mask_image=value.get("mask_image"),
                 control_image=value.get("control_image"),
@@ -240,3 +240,15 @@ def _text(value: Any, name: str) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError as exc:
         raise RequestError(f"input '{name}' is not UTF-8 text ({exc.reason}); send it as UTF-8 BYTES") from exc
+
+
+def _short_decimal(value: Any) -> float:
+    """An FP32 input as the shortest decimal that rounds to it: the value the client meant (0.9, not 0.899999976).
+
+    The pipelines take ``int(steps * strength)`` steps: float32's 0.899999976 at 10 steps gives 8, generate's 0.9
+    gives 9. Whatever a client holds, a float32 or a float64, its value arrives as the nearest float32, and every
+    decimal of up to 6 significant digits is the shortest that rounds to its float32, so this gives back what any
+    client typed. FP64 on the wire would not: a client's float32 0.9, widened, is still 0.899999976. Guidance too,
+    for generate's exact image.
+    """
+    return float(str(np.float32(value)))
