@@ -31,7 +31,7 @@ import numpy as np
 from .. import __version__
 from ..core.errors import RequestError, SdtrtError, ServeError, one_line
 from ..core.families import Task, served_tasks
-from ..pipeline.image_inputs import check_pipeline_inputs, pick_task, sized_by_image
+from ..pipeline.image_inputs import check_pipeline_inputs, control_map_as_image, pick_task, sized_by_image
 from ..pipeline.request import GenerateRequest, SizeRule
 from .deploy import IMAGE_MODES
 from .serve import STOP_FILE_ENV
@@ -167,6 +167,7 @@ class TritonPythonModel:
                 mask_image=value.get("mask_image"),
                 control_image=value.get("control_image"),
             )
+            row = control_map_as_image(row, self.tasks)  # `image` alone stays the control map there too (generate's)
             task = pick_task(row, self.tasks)
             accepts = inspect.signature(self.pipes[task].__call__).parameters
             row = sized_by_image(row, accepts, self.rule.multiple, self.deployment.profile)
