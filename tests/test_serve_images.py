@@ -86,12 +86,13 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
         row("a cat", steps=2, seed=4, height=SIZE, width=SIZE, image=image, mask_image=mask[..., None]),
         row("too big", steps=2, image=picture(512, 512)),  # SD img2img makes the input's size: outside the profile
         row("off grid", steps=2, image=picture(100, SIZE)),
+        row("sized", steps=2, height=2 * SIZE, width=2 * SIZE, image=image),  # a size asked that is not the image's
         row("too strong", steps=2, strength=1.5, image=image),
         row("text", steps=2, seed=5, height=SIZE, width=SIZE),
     ]
     responses = served.execute(requests)
     errors = {i: r.error for i, r in enumerate(responses) if r.error is not None}
-    assert set(errors) == {1, 3, 4, 5}
+    assert set(errors) == {1, 3, 4, 5, 6}
     assert all(e.code() == "INVALID_ARG" and "\n" not in e.message() for e in errors.values())
     assert errors[1].message() == (
         "a request with mask_image fits none of this model's tasks: txt2img no image, img2img image (optional "
@@ -106,11 +107,12 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
         )
     )
     assert "is 100x128 px: height 100 is not a positive multiple of 16 pixels" in errors[4].message()
-    assert errors[5].message().startswith("strength 1.5 is outside 0..1")
+    assert errors[5].message().startswith("the input image is 128x128 px, not the height 256 and width 256 asked: SD")
+    assert errors[6].message().startswith("strength 1.5 is outside 0..1")
     for index, task in ((0, "img2img"), (2, "inpaint")):
         local = np.asarray(generate(load_pipeline(tiny, tiny_set, task=task), asked[task]).images[0])
         np.testing.assert_array_equal(responses[index].image(), local[None], err_msg=task)
     text = GenerateRequest(prompt="text", steps=2, seed=5, height=SIZE, width=SIZE)
     np.testing.assert_array_equal(
-        responses[6].image()[0], np.asarray(generate(served.pipes["txt2img"], text).images[0])
+        responses[7].image()[0], np.asarray(generate(served.pipes["txt2img"], text).images[0])
     )

@@ -20,7 +20,6 @@ one to answer: the model notices between steps that its process (Triton's stub) 
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 from pathlib import Path
@@ -169,8 +168,7 @@ class TritonPythonModel:
             )
             row = control_map_as_image(row, self.tasks)  # `image` alone stays the control map there too (generate's)
             task = pick_task(row, self.tasks)
-            accepts = inspect.signature(self.pipes[task].__call__).parameters
-            row = sized_by_image(row, accepts, self.rule.multiple, self.deployment.profile)
+            row = sized_by_image(row, self.tasks[task], self.rule.multiple, self.deployment.profile)
             check_pipeline_inputs(row, self.source.pipeline_class(), task, self.rule)  # the control image's ratio too
             self.check_cache(row)
             row = row.sized_for(self.rule)
