@@ -57,7 +57,8 @@ class TritonPythonModel:
             # device 0 (python_backend src/pb_stub.cc, Stub::Initialize calls `initialize` with no cudaSetDevice)
             torch.cuda.set_device(int(args["model_instance_device_id"]))
         self.source = resolve_model(str(self.deployment.model))
-        self.tasks = served_tasks(self.source.pipeline_class())
+        # The tasks deploy declared inputs for in config.pbtxt; a repository recorded before them: the family's own.
+        self.tasks: dict[Task, str] = self.deployment.record.get("tasks") or served_tasks(self.source.pipeline_class())
         first = next(iter(self.tasks))
         pipe = load_pipeline(
             self.source, self.deployment.engine, task=first,
