@@ -89,6 +89,13 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
         row("sized", steps=2, height=2 * SIZE, width=2 * SIZE, image=image),  # a size asked that is not the image's
         row("too strong", steps=2, strength=1.5, image=image),
         row("text", steps=2, seed=5, height=SIZE, width=SIZE),
+        triton_backend.InferenceRequest(  # two img2img rows in one request: each image its own, in order
+            prompt=np.array([[b"a hen"], [b"a cow"]], dtype=object),
+            steps=np.array([[2], [2]], dtype=np.int32),
+            seed=np.array([[6], [7]], dtype=np.uint64),
+            strength=np.array([[0.6], [0.6]], dtype=np.float32),
+            image=np.stack([picture(SIZE, SIZE, 1), picture(SIZE, SIZE, 2)]),
+        ),
     ]
     responses = served.execute(requests)
     errors = {i: r.error for i, r in enumerate(responses) if r.error is not None}
@@ -109,9 +116,14 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
     assert "is 100x128 px: height 100 is not a positive multiple of 16 pixels" in errors[4].message()
     assert errors[5].message().startswith("the input image is 128x128 px, not the height 256 and width 256 asked: SD")
     assert errors[6].message().startswith("strength 1.5 is outside 0..1")
+    local = {task: load_pipeline(tiny, tiny_set, task=task) for task in asked}
     for index, task in ((0, "img2img"), (2, "inpaint")):
-        local = np.asarray(generate(load_pipeline(tiny, tiny_set, task=task), asked[task]).images[0])
-        np.testing.assert_array_equal(responses[index].image(), local[None], err_msg=task)
+        expected = np.asarray(generate(local[task], asked[task]).images[0])
+        np.testing.assert_array_equal(responses[index].image(), expected[None], err_msg=task)
+    two = [GenerateRequest(prompt=p, steps=2, seed=seed, strength=0.6, image=Image.fromarray(picture(SIZE, SIZE, n)))
+           for n, (p, seed) in enumerate((("a hen", 6), ("a cow", 7)), start=1)]  # fmt: skip
+    expected = np.stack([np.asarray(generate(local["img2img"], each).images[0]) for each in two])
+    np.testing.assert_array_equal(responses[8].image(), expected)
     text = GenerateRequest(prompt="text", steps=2, seed=5, height=SIZE, width=SIZE)
     np.testing.assert_array_equal(
         responses[7].image()[0], np.asarray(generate(served.pipes["txt2img"], text).images[0])
