@@ -214,7 +214,7 @@ def test_the_sdxl_set_serves_turbo_style_calls_and_the_inpaint_pipeline(family_s
 
 def test_triton_serves_a_controlnet_set_its_control_image_picking_the_task(family_sets, tmp_path):
     """Deployed (it was refused while Triton's rows carried no image), a ControlNet set's Triton model takes the control
-    image as `image` (txt2img, as `sdtrt generate --image`), adds `control_image` for img2img, refuses one alone."""
+    map as `control_image` (txt2img; `image` alone too, as `sdtrt generate --image`), with an `image` img2img."""
     from PIL import Image
 
     from . import triton_backend
@@ -224,10 +224,11 @@ def test_triton_serves_a_controlnet_set_its_control_image_picking_the_task(famil
     edges, photo = (rng.integers(0, 256, (128, 128, 3), dtype=np.uint8) for _ in range(2))
     numbers = {"steps": 2, "seed": 4, "height": 128, "width": 128}
     with triton_backend.served(engine, tmp_path) as served:
-        control, both, alone = served.execute([
+        control, both, alone, strong = served.execute([
             triton_backend.row("a lighthouse", **numbers, image=edges),
             triton_backend.row("a lighthouse", **numbers, image=photo, control_image=edges),
             triton_backend.row("a lighthouse", **numbers, control_image=edges),
+            triton_backend.row("a lighthouse", **numbers, control_image=edges, strength=0.5),
         ])  # fmt: skip
     asked = GenerateRequest("a lighthouse", steps=2, seed=4, height=128, width=128, image=Image.fromarray(edges))
     np.testing.assert_array_equal(
@@ -237,7 +238,8 @@ def test_triton_serves_a_controlnet_set_its_control_image_picking_the_task(famil
                             control_image=Image.fromarray(edges))  # fmt: skip
     img2img = load_pipeline(model, engine, task="img2img")
     np.testing.assert_array_equal(both.image()[0], np.asarray(generate(img2img, asked).images[0]))
-    assert alone.error.message() == (
-        "a request with control_image fits none of this model's tasks: txt2img image, img2img control_image+image "
-        "(optional strength), inpaint control_image+image+mask_image (optional strength)"
+    np.testing.assert_array_equal(alone.image(), control.image())  # the control map under either name
+    assert strong.error.message() == (
+        "a request with control_image+strength fits none of this model's tasks: txt2img image, img2img "
+        "control_image+image (optional strength), inpaint control_image+image+mask_image (optional strength)"
     )

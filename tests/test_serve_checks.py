@@ -115,3 +115,13 @@ def test_client_says_it_cannot_reach_a_server_that_never_answered():
     (port,) = free_ports(1)  # nothing listens there
     with pytest.raises(ServeError, match=rf"^cannot reach Triton at 127\.0\.0\.1:{port}: .*Connection refused"):
         remote_image(f"127.0.0.1:{port}", GenerateRequest(prompt="a fox"))
+
+
+def test_client_refuses_an_image_that_is_not_a_pil_image_in_one_line():
+    import numpy as np
+
+    from sdtrt.core.errors import RequestError
+    from sdtrt.serving.client import request_inputs
+
+    with pytest.raises(RequestError, match=r"^the Triton client sends image as one PIL image, not a ndarray: open it"):
+        request_inputs(GenerateRequest(prompt="a fox", image=np.zeros((64, 64, 3), dtype=np.uint8)))

@@ -51,27 +51,55 @@ def test_config_declares_the_image_inputs_the_served_pipelines_take(served):
     assert wire_inputs(["FluxKontextPipeline"]) == wire_inputs(["Flux2KleinPipeline"]) == ["image"]
 
 
+def test_the_tasks_pipelines_share_every_component_and_keep_an_fp16_load(tiny, tiny_engine):
+    """A GPU instance loads in fp16; the other tasks' pipelines (from_pipe) must neither copy a component nor cast the
+    shared ones back to fp32. A lone UNet engine: the text encoder and VAE are PyTorch weights, fp16 here on a CPU."""
+    import torch
+
+    from sdtrt.core.families import served_tasks
+    from sdtrt.pipeline.loading import load_pipeline, task_pipelines
+
+    tasks = served_tasks(tiny.pipeline_class())
+    pipe = load_pipeline(tiny, tiny_engine, task="txt2img", dtype=torch.float16)
+    pipes = task_pipelines(pipe, tasks)
+    assert pipes["txt2img"] is pipe and {task: type(p).__name__ for task, p in pipes.items()} == tasks
+    networks = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    assert {"unet", "vae", "text_encoder"} <= set(networks)
+    for task, each in pipes.items():
+        for name, network in networks.items():
+            assert each.components[name] is network, (task, name)
+            assert network.dtype == torch.float16, (task, name)
+
+
 def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alone(served, tiny, tiny_set):
     from sdtrt.pipeline.loading import generate, load_pipeline
 
     image, mask = picture(SIZE, SIZE), box_mask(SIZE, SIZE)
     asked = {
-        "img2img": GenerateRequest(prompt="a fox", steps=4, seed=3, strength=0.5, image=Image.fromarray(image)),
+        "img2img": GenerateRequest(prompt="a fox", steps=10, seed=3, strength=0.9, image=Image.fromarray(image)),
         "inpaint": GenerateRequest(prompt="a cat", steps=2, seed=4, height=SIZE, width=SIZE,
                                    image=Image.fromarray(image), mask_image=Image.fromarray(mask, "L")),
     }  # fmt: skip
     requests = [
-        row("a fox", steps=4, seed=3, strength=0.5, image=image),
+        row("a fox", steps=10, seed=3, strength=0.9, image=image),  # float32's 0.9 is 0.899999976: 8 steps, not 9
         row("no image", steps=2, mask_image=mask[..., None]),  # a mask alone: no task takes it
         row("a cat", steps=2, seed=4, height=SIZE, width=SIZE, image=image, mask_image=mask[..., None]),
         row("too big", steps=2, image=picture(512, 512)),  # SD img2img makes the input's size: outside the profile
         row("off grid", steps=2, image=picture(100, SIZE)),
+        row("sized", steps=2, height=2 * SIZE, width=2 * SIZE, image=image),  # a size asked that is not the image's
         row("too strong", steps=2, strength=1.5, image=image),
         row("text", steps=2, seed=5, height=SIZE, width=SIZE),
+        triton_backend.InferenceRequest(  # two img2img rows in one request: each image its own, in order
+            prompt=np.array([[b"a hen"], [b"a cow"]], dtype=object),
+            steps=np.array([[2], [2]], dtype=np.int32),
+            seed=np.array([[6], [7]], dtype=np.uint64),
+            strength=np.array([[0.6], [0.6]], dtype=np.float32),
+            image=np.stack([picture(SIZE, SIZE, 1), picture(SIZE, SIZE, 2)]),
+        ),
     ]
     responses = served.execute(requests)
     errors = {i: r.error for i, r in enumerate(responses) if r.error is not None}
-    assert set(errors) == {1, 3, 4, 5}
+    assert set(errors) == {1, 3, 4, 5, 6}
     assert all(e.code() == "INVALID_ARG" and "\n" not in e.message() for e in errors.values())
     assert errors[1].message() == (
         "a request with mask_image fits none of this model's tasks: txt2img no image, img2img image (optional "
@@ -86,11 +114,17 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
         )
     )
     assert "is 100x128 px: height 100 is not a positive multiple of 16 pixels" in errors[4].message()
-    assert errors[5].message().startswith("strength 1.5 is outside 0..1")
+    assert errors[5].message().startswith("the input image is 128x128 px, not the height 256 and width 256 asked: SD")
+    assert errors[6].message().startswith("strength 1.5 is outside 0..1")
+    local = {task: load_pipeline(tiny, tiny_set, task=task) for task in asked}
     for index, task in ((0, "img2img"), (2, "inpaint")):
-        local = np.asarray(generate(load_pipeline(tiny, tiny_set, task=task), asked[task]).images[0])
-        np.testing.assert_array_equal(responses[index].image(), local[None], err_msg=task)
+        expected = np.asarray(generate(local[task], asked[task]).images[0])
+        np.testing.assert_array_equal(responses[index].image(), expected[None], err_msg=task)
+    two = [GenerateRequest(prompt=p, steps=2, seed=seed, strength=0.6, image=Image.fromarray(picture(SIZE, SIZE, n)))
+           for n, (p, seed) in enumerate((("a hen", 6), ("a cow", 7)), start=1)]  # fmt: skip
+    expected = np.stack([np.asarray(generate(local["img2img"], each).images[0]) for each in two])
+    np.testing.assert_array_equal(responses[8].image(), expected)
     text = GenerateRequest(prompt="text", steps=2, seed=5, height=SIZE, width=SIZE)
     np.testing.assert_array_equal(
-        responses[6].image()[0], np.asarray(generate(served.pipes["txt2img"], text).images[0])
+        responses[7].image()[0], np.asarray(generate(served.pipes["txt2img"], text).images[0])
     )

@@ -16,7 +16,7 @@ from ..core.config import ValidationConfig
 from ..core.errors import RequestError
 from ..core.families import TASKS
 from ..core.progress import console, counted_steps, results, step
-from ..pipeline.image_inputs import check_pipeline_inputs
+from ..pipeline.image_inputs import check_pipeline_inputs, sized_by_image
 from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
@@ -113,12 +113,13 @@ def generate_command(
     elif ip_adapter_scale is not None:
         raise RequestError("--ip-adapter-scale scales an --ip-adapter-image: pass one, or leave the scale out")
     rule, pipeline_class = SizeRule.for_model(source), source.pipeline_class()
-    check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes
-    request = request.sized_for(rule)
+    profile = engine_profile(engine_members(artifact)) if artifact else None
+    check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes (the Triton row's)
+    request = sized_by_image(request, pipeline_class_name(pipeline_class, task), rule.multiple, profile).sized_for(rule)
     request_options.check_engine_size(artifact, request, rule)
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
-    check_prompt_tokens(source, request, engine_profile(engine_members(artifact)) if artifact else None)
+    check_prompt_tokens(source, request, profile)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)
     if freeu_factors is not None and step_cache is not None and step_cache.kind == "deepcache":

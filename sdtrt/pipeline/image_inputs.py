@@ -180,17 +180,37 @@ def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
     )
 
 
+def control_map_as_image(request: GenerateRequest, tasks: dict[Task, str]) -> GenerateRequest:
+    """On an SD / SDXL ControlNet set (``tasks``: task → pipeline class), a request whose only image is a control image
+    with it as ``image``, the txt2img pipeline's name for the control map: so ``control_image`` names the control map in
+    every family, as FLUX.1 Canny / Depth's and the ControlNet img2img / inpaint pipelines' do. Others unchanged."""
+    given = [name for name in TASK_INPUTS if getattr(request, name) is not None]
+    if given != ["control_image"] or "ControlNet" not in tasks.get("txt2img", ""):
+        return request
+    return dataclasses.replace(request, image=request.control_image, control_image=None)
+
+
 def sized_by_image(
-    request: GenerateRequest, accepts: Collection[str], multiple: int, profile: ShapeProfile | None = None
+    request: GenerateRequest, pipeline: str, multiple: int, profile: ShapeProfile | None = None
 ) -> GenerateRequest:
-    """The request sized as its input image where the pipeline (``__call__`` taking ``accepts``) takes no size (SD, SDXL
-    and LCM img2img make the input's size), so later checks see the size that runs; RequestError for an image off the
-    model's ``multiple``-pixel grid or outside the engines' ``profile``. Others unchanged."""
+    """The request sized as its input image where the ``pipeline`` (diffusers class) takes no size (SD, SDXL and LCM
+    img2img make the input's size), so later checks see the size that runs; RequestError for an image off the model's
+    ``multiple``-pixel grid or outside the engines' ``profile``, or a height / width asked that is not the image's
+    (the pipeline would drop it without a word). Others unchanged. ``sdtrt generate`` and the Triton model both call
+    this, before anything loads."""
     from ..core.config import grid_problem
+    from ..core.families import pipeline_inputs
 
     size = image_size(request.image)
-    if "height" in accepts or size is None:
+    if "height" in pipeline_inputs(pipeline) or size is None:
         return request
+    asked = {"height": request.height, "width": request.width}
+    if any(side not in (None, made) for side, made in zip(asked.values(), size, strict=True)):
+        given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
+        raise RequestError(
+            f"the input image is {size[0]}x{size[1]} px, not the {given} asked: SD, SDXL and LCM img2img make the "
+            "input image's size; leave the height and width out, or resize the image"
+        )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
         problems.append(profile.size_problem(*size))

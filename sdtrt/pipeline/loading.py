@@ -328,6 +328,21 @@ def with_components(pipe: Any, replacements: dict[str, Any]) -> Any:
     return replaced
 
 
+def task_pipelines(pipe: Any, tasks: dict[Task, str]) -> dict[Task, Any]:
+    """A pipeline per task of ``tasks`` (task → diffusers class): ``pipe`` for its own class, for the others one over
+    the same components (engines and PyTorch networks shared, not copied). ``from_pipe`` casts those shared components
+    in place to the dtype it is given, fp32 by default: given none, it would turn an fp16 load (a GPU's) into fp32,
+    its PyTorch weights then taking twice the memory; so it is given ``pipe``'s."""
+    import diffusers
+
+    pipes = {}
+    for task, name in tasks.items():
+        own = type(pipe).__name__ == name
+        pipes[task] = pipe if own else getattr(diffusers, name).from_pipe(pipe, dtype=pipe.dtype)
+        pipes[task].set_progress_bar_config(disable=True)
+    return pipes
+
+
 def generate(
     pipe: Any,
     request: GenerateRequest | Sequence[GenerateRequest],

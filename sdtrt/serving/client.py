@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import ServeError, one_line
+from ..core.errors import RequestError, ServeError, one_line
 from ..pipeline.request import GenerateRequest
 from .deploy import IMAGE_MODES, TritonDeployConfig
 
@@ -34,8 +34,10 @@ DATATYPES = {
 
 
 def request_inputs(request: GenerateRequest) -> list[Any]:
-    """The request as tritonclient HTTP inputs, one row; values left at None are not sent (the server's defaults)."""
+    """The request as tritonclient HTTP inputs, one row; values left at None are not sent (the server's defaults).
+    RequestError for an image that is not a PIL image."""
     import numpy as np
+    from PIL import Image
 
     inputs = []
     for name, (datatype, dtype) in DATATYPES.items():
@@ -45,9 +47,15 @@ def request_inputs(request: GenerateRequest) -> list[Any]:
         inputs.append(_input(name, np.array([[value.encode() if isinstance(value, str) else value]], dtype=dtype),
                              datatype))  # fmt: skip
     for name, mode in IMAGE_MODES.items():
-        if (image := getattr(request, name)) is not None:
-            pixels = np.asarray(image.convert(mode), dtype=np.uint8)  # a PIL image, as `sdtrt client` opens it
-            inputs.append(_input(name, pixels.reshape(1, *pixels.shape[:2], -1), "UINT8"))
+        if (image := getattr(request, name)) is None:
+            continue
+        if not isinstance(image, Image.Image):  # arrays, tensors, lists (FLUX.2 [klein]'s references) go in-process
+            raise RequestError(
+                f"the Triton client sends {name} as one PIL image, not a {type(image).__name__}: open it with "
+                "PIL.Image.open, or pass several references to sdtrt.generate in-process"
+            )
+        pixels = np.asarray(image.convert(mode), dtype=np.uint8)  # as `sdtrt client` opens it
+        inputs.append(_input(name, pixels.reshape(1, *pixels.shape[:2], -1), "UINT8"))
     return inputs
 
 

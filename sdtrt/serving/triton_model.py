@@ -20,7 +20,6 @@ one to answer: the model notices between steps that its process (Triton's stub) 
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 from .. import __version__
 from ..core.errors import RequestError, SdtrtError, ServeError, one_line
 from ..core.families import Task, served_tasks
-from ..pipeline.image_inputs import check_pipeline_inputs, pick_task, sized_by_image
+from ..pipeline.image_inputs import check_pipeline_inputs, control_map_as_image, pick_task, sized_by_image
 from ..pipeline.request import GenerateRequest, SizeRule
 from .deploy import IMAGE_MODES
 from .serve import STOP_FILE_ENV
@@ -42,11 +41,10 @@ DEFAULTS = GenerateRequest()
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        import diffusers
         import torch
         import triton_python_backend_utils as pb_utils
 
-        from ..pipeline.loading import load_pipeline
+        from ..pipeline.loading import load_pipeline, task_pipelines
         from ..sources.models import resolve_model
         from .deploy import Deployment
 
@@ -59,16 +57,15 @@ class TritonPythonModel:
             # device 0 (python_backend src/pb_stub.cc, Stub::Initialize calls `initialize` with no cudaSetDevice)
             torch.cuda.set_device(int(args["model_instance_device_id"]))
         self.source = resolve_model(str(self.deployment.model))
-        self.tasks = served_tasks(self.source.pipeline_class())
+        # The tasks deploy declared inputs for in config.pbtxt; a repository recorded before them: the family's own.
+        self.tasks: dict[Task, str] = self.deployment.record.get("tasks") or served_tasks(self.source.pipeline_class())
         first = next(iter(self.tasks))
         pipe = load_pipeline(
             self.source, self.deployment.engine, task=first,
             dtype=torch.float16 if gpu else torch.float32, weight_budget=self.deployment.weight_budget,
         )  # fmt: skip
         pipe = pipe.to(f"cuda:{args['model_instance_device_id']}") if gpu else pipe
-        self.pipes: dict[Task, Any] = {first: pipe}  # the other tasks' pipelines share its engines
-        for task, name in self.tasks.items():
-            self.pipes.setdefault(task, getattr(diffusers, name).from_pipe(pipe)).set_progress_bar_config(disable=True)
+        self.pipes: dict[Task, Any] = task_pipelines(pipe, self.tasks)  # sharing its engines, in its dtype
         self.rule = SizeRule.for_pipeline(pipe)
         self.max_batch = int(self.deployment.record["config"]["max_batch"])
         self.counters = RequestCounters(args["model_name"], args["model_version"])
@@ -161,18 +158,18 @@ class TritonPythonModel:
                 prompt=_text(value["prompt"], "prompt"),
                 negative_prompt=None if negative is None else _text(negative, "negative_prompt"),
                 steps=int(value.get("steps", DEFAULTS.steps)),
-                guidance=float(value["guidance"]) if "guidance" in value else None,
+                guidance=_short_decimal(value["guidance"]) if "guidance" in value else None,
                 seed=int(value.get("seed", DEFAULTS.seed)),
                 height=int(value["height"]) if "height" in value else None,
                 width=int(value["width"]) if "width" in value else None,
-                strength=float(value["strength"]) if "strength" in value else None,
+                strength=_short_decimal(value["strength"]) if "strength" in value else None,
                 image=value.get("image"),
                 mask_image=value.get("mask_image"),
                 control_image=value.get("control_image"),
             )
+            row = control_map_as_image(row, self.tasks)  # `image` alone stays the control map there too (generate's)
             task = pick_task(row, self.tasks)
-            accepts = inspect.signature(self.pipes[task].__call__).parameters
-            row = sized_by_image(row, accepts, self.rule.multiple, self.deployment.profile)
+            row = sized_by_image(row, self.tasks[task], self.rule.multiple, self.deployment.profile)
             check_pipeline_inputs(row, self.source.pipeline_class(), task, self.rule)  # the control image's ratio too
             self.check_cache(row)
             row = row.sized_for(self.rule)
@@ -243,3 +240,15 @@ def _text(value: Any, name: str) -> str:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError as exc:
         raise RequestError(f"input '{name}' is not UTF-8 text ({exc.reason}); send it as UTF-8 BYTES") from exc
+
+
+def _short_decimal(value: Any) -> float:
+    """An FP32 input as the shortest decimal that rounds to it: the value the client meant (0.9, not 0.899999976).
+
+    The pipelines take ``int(steps * strength)`` steps: float32's 0.899999976 at 10 steps gives 8, generate's 0.9
+    gives 9. Whatever a client holds, a float32 or a float64, its value arrives as the nearest float32, and every
+    decimal of up to 6 significant digits is the shortest that rounds to its float32, so this gives back what any
+    client typed. FP64 on the wire would not: a client's float32 0.9, widened, is still 0.899999976. Guidance too,
+    for generate's exact image.
+    """
+    return float(str(np.float32(value)))
