@@ -46,7 +46,7 @@ def graph_structure(model: Any) -> GraphStructure:
         digests[id(value)] = _digest("initializer", str(value.dtype), str(value.shape), data)
     nodes: Counter[str] = Counter()
     for node in model.graph:
-        attributes = sorted((name, _attribute(attr)) for name, attr in node.attributes.items())
+        attributes = sorted((name, attribute_key(attr)) for name, attr in node.attributes.items())
         inputs = [digests[id(v)] if v is not None else "" for v in node.inputs]
         made = _digest(node.domain, node.op_type, repr(attributes), *inputs)
         nodes[f"{node.op_type}:{made}"] += 1
@@ -56,7 +56,7 @@ def graph_structure(model: Any) -> GraphStructure:
     return GraphStructure(nodes, tuple(digests[id(v)] for v in model.graph.outputs), weights)
 
 
-def _attribute(attr: Any) -> str:
+def attribute_key(attr: Any) -> str:
     value = attr.value
     if hasattr(value, "tobytes"):  # a tensor
         return f"{value.dtype}{value.shape}:{hashlib.sha256(value.tobytes()).hexdigest()}"
