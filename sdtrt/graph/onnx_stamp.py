@@ -112,7 +112,8 @@ def _stamp(graph: Any, path: str, count: int) -> None:
                 metadata_props={key: own.sub(scope, value) for key, value in node.metadata_props.items()},
             )  # fmt: skip
             for new, old in zip(clone.outputs, node.outputs, strict=True):
-                new.name, new.type, new.shape = f"{old.name}__{index}", old.type, old.shape
+                new.name = f"{old.name}__{index}" if old.name else None
+                new.type, new.shape = old.type, old.shape
             outputs.append(list(clone.outputs))
             nodes.append(clone)
             stamped.add(id(clone))
@@ -169,6 +170,6 @@ def _initializer(graph: Any, like: Any, name: str) -> Any:
     import onnx_ir as ir
 
     if name not in graph.initializers:
-        value = ir.Value(name=name, type=like.type, shape=like.shape, const_value=like.const_value)
+        value = ir.Value(name=name, type=like.type, shape=like.shape)  # never block 2's data under this name
         graph.initializers[name] = value
     return graph.initializers[name]
