@@ -156,7 +156,8 @@ def before_optimize(hook: Callable[[Any], None]) -> Iterator[None]:
     """Call ``hook(onnx_ir_model)`` inside torch.onnx.export(dynamo=True) just before it optimizes the model.
 
     torch 2.13's exporter (torch/onnx/_internal/exporter/_core.py ``export``) converts the opset, then calls
-    ``onnx_program.optimize()``, then renames inputs, outputs and axes: hooking there keeps that order.
+    ``onnx_program.optimize()``, then renames inputs, outputs and axes: hooking there keeps that order. Not for
+    threads: the hook is the class's while inside (sdtrt exports one graph at a time, in its calling thread).
     """
     from torch.onnx._internal.exporter._onnx_program import ONNXProgram
 
