@@ -100,7 +100,8 @@ def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
 
 def todays_export(spec: Any) -> None:
     """Export as before stamping: every block traced (the spec names no repeated lists) and onnxscript's own
-    multi-output pattern search, for side-by-side timings in this child process."""
+    multi-output pattern search, for side-by-side timings. It patches the spec's class and a module global for good:
+    only in a child process that exports once."""
     import contextlib
 
     from sdtrt.stages import exporters
@@ -144,13 +145,14 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="default: ExportConfig's")
     parser.add_argument("--exporter", default=None, help="default: ExportConfig's (auto)")
     parser.add_argument("--weights", default=None, choices=("auto", "load", "stream"), help="default: ExportConfig's")
-    parser.add_argument(
+    compare = parser.add_mutually_exclusive_group()  # each is its own plan of exports
+    compare.add_argument(
         "--compare-weights", action="store_true",
         help="export and simplify twice, --weights load then stream, each into its own store under --engines "
         "(weights-load/, weights-stream/: the key does not hold the weights path), side by side",
     )  # fmt: skip
     parser.add_argument("--blocks", default=None, help="the component's repeated block counts, e.g. 19,38 for Flux")
-    parser.add_argument(
+    compare.add_argument(
         "--compare-stamp", action="store_true",
         help="export twice, as before stamping (--stamp off) then stamped, each into its own store under --engines",
     )  # fmt: skip

@@ -21,9 +21,12 @@ from torch.export import Dim
 
 from sdtrt.core.errors import ExportError
 from sdtrt.graph.onnx_optimizer import multi_output_matches_by_use
+from sdtrt.graph.onnx_scopes import NAME_SCOPES
 from sdtrt.graph.onnx_stamp import STAMP_FROM, stamp_blocks
 from sdtrt.graph.onnx_structure import graph_structure
-from sdtrt.stages.export_stream import before_optimize
+from sdtrt.spec.transformer import FluxTransformerSpec
+from sdtrt.spec.transformer_split import part_class
+from sdtrt.stages.export_stream import before_optimize, stamped_blocks
 
 
 class Block(torch.nn.Module):
@@ -57,14 +60,15 @@ class Blocks(torch.nn.Module):
 
 
 @functools.cache
-def exported(count: int, stamp_to: int | None = None) -> tuple[ir.Model, ir.Model]:
-    """Blocks(count) through torch.export's exporter, and the graph its optimizer was given; with ``stamp_to``,
-    stamped to that many blocks before the optimizer, their weights (as attach_weights gives them) from
+def exported(count: int, stamp_to: int | None = None) -> tuple[ir.Model, ir.Model, ir.Model]:
+    """Blocks(count) through torch.export's exporter, the graph its optimizer was given and the trace; with
+    ``stamp_to``, stamped to that many blocks before the optimizer, their weights (as attach_weights gives them) from
     Blocks(stamp_to). Cached: tests read, never change them."""
     full = Blocks(stamp_to or count).state_dict()
-    unoptimized = []
+    unoptimized, traced = [], []
 
     def stamp(model: ir.Model) -> None:
+        traced.append(copy(model))
         if stamp_to:
             stamp_blocks(model, {"blocks": stamp_to})
             for name, value in model.graph.initializers.items():
@@ -75,7 +79,7 @@ def exported(count: int, stamp_to: int | None = None) -> tuple[ir.Model, ir.Mode
     dims = ({0: Dim("batch"), 1: Dim("tokens")}, {0: Dim("batch"), 1: Dim("text")})
     with before_optimize(stamp):
         program = torch.onnx.export(Blocks(count), inputs, dynamo=True, dynamic_shapes=dims, verbose=False)
-    return program.model, unoptimized[0]
+    return program.model, unoptimized[0], traced[0]
 
 
 def copy(model: ir.Model) -> ir.Model:
@@ -88,7 +92,7 @@ def run(model: ir.Model, x: np.ndarray, context: np.ndarray) -> np.ndarray:
 
 
 def test_stamped_blocks_are_the_whole_trace_up_to_names():
-    (whole, _), (stamped, _) = exported(6), exported(STAMP_FROM, stamp_to=6)
+    (whole, *_), (stamped, *_) = exported(6), exported(STAMP_FROM, stamp_to=6)
     assert graph_structure(stamped).differences(graph_structure(whole)) == []
     assert {"blocks.4.mix.bias", "blocks.5.mix.bias"} <= graph_structure(stamped).weights  # stamped, named by block
     rng = np.random.default_rng(0)
@@ -101,16 +105,39 @@ def test_stamped_blocks_are_the_whole_trace_up_to_names():
     mul.replace_input_with(0, second)
     mul.replace_input_with(1, first)
     assert graph_structure(changed).differences(graph_structure(whole))
+    # And one node's module scopes moved to another block (block parity cuts the graph by them).
+    moved = copy(whole)
+    node = next(n for n in moved.graph if "blocks.4" in n.metadata_props.get(NAME_SCOPES, ""))
+    node.metadata_props[NAME_SCOPES] = node.metadata_props[NAME_SCOPES].replace("blocks.4", "blocks.3")
+    assert graph_structure(moved).differences(graph_structure(whole))
 
 
-def test_a_list_whose_copies_differ_is_refused():
-    _, unoptimized = exported(6)  # six copies traced, not STAMP_FROM
-    with pytest.raises(ExportError, match="cannot stamp blocks: the trace holds copies"):
-        stamp_blocks(copy(unoptimized), {"blocks": 9})
+def test_a_trace_without_stamp_from_copies_is_refused():
+    *_, traced = exported(6)  # six copies traced, not STAMP_FROM: the graph does not run the list as stamping needs
+    with pytest.raises(ExportError, match=r"cannot stamp blocks: the trace holds copies \[0, 1, 2, 3, 4, 5\]"):
+        stamp_blocks(copy(traced), {"blocks": 9})
+
+
+def test_copies_that_differ_by_one_attribute_are_refused():
+    *_, traced = exported(STAMP_FROM, stamp_to=6)
+    changed = copy(traced)
+    stamp_blocks(copy(traced), {"blocks": 6})  # as traced, the copies are alike
+    concat = next(n for n in changed.graph if n.op_type == "Concat" and "blocks.2" in n.metadata_props[NAME_SCOPES])
+    concat.attributes["axis"] = ir.AttrInt64("axis", concat.attributes["axis"].value + 1)  # the ops stay the same
+    with pytest.raises(ExportError, match="cannot stamp blocks: its copies 1 and 2 differ"):
+        stamp_blocks(changed, {"blocks": 6})
+
+
+def test_a_transformer_part_stamps_nothing():
+    config = {"num_layers": 19, "num_single_layers": 38}  # FLUX.1's
+    lists = {"network.transformer_blocks": 19, "network.single_transformer_blocks": 38}
+    assert stamped_blocks(FluxTransformerSpec, config) == lists  # type: ignore[arg-type]
+    for part in ("transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out"):
+        assert stamped_blocks(part_class(part, "FluxTransformer2DModel"), config) == {}  # type: ignore[arg-type]
 
 
 def test_the_optimizer_bounded_by_use_gives_onnxscripts_graph():
-    whole, unoptimized = exported(6)
+    whole, unoptimized, _ = exported(6)
     graphs = copy(unoptimized), copy(unoptimized)
     onnxscript.optimizer.optimize_ir(graphs[0])
     with multi_output_matches_by_use():
@@ -121,7 +148,61 @@ def test_the_optimizer_bounded_by_use_gives_onnxscripts_graph():
     assert sum(n.op_type == "Slice" for n in unoptimized.graph) >= 2 * 6
 
 
-@pytest.mark.slow  # two exports of a 13-block transformer: 80 s on 2 cores
+def halves(order: tuple[str, ...]) -> ir.Model:
+    """x[2, 8] sliced into halves on its static last axis, the upper half read through an Identity: the Identity's
+    removal moves that Slice onto x after the lower one, so x's readers are listed out of graph order."""
+    const = {
+        k: ir.node("Constant", [], {"value": ir.tensor([v])}) for k, v in (("0", 0), ("4", 4), ("8", 8), ("-1", -1))
+    }
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 8]))
+    y = ir.node("Identity", [x])
+    nodes = {
+        "id": y,
+        "hi": ir.node("Slice", [y.outputs[0], *(const[k].outputs[0] for k in ("4", "8", "-1"))]),
+        "lo": ir.node("Slice", [x, *(const[k].outputs[0] for k in ("0", "4", "-1"))]),
+    }
+    graph = ir.Graph(
+        [x],
+        [nodes["lo"].outputs[0], nodes["hi"].outputs[0]],
+        nodes=[*const.values(), *(nodes[k] for k in order)],
+        opset_imports={"": 18},
+    )
+    return ir.Model(graph, ir_version=10)
+
+
+@pytest.mark.parametrize(
+    "order, split", [(("id", "hi", "lo"), True), (("id", "lo", "hi"), False), (("lo", "id", "hi"), False)]
+)
+def test_the_bounded_matcher_tries_readers_in_graph_order(order, split):
+    """SlicesSplit rewrites only where the upper half's Slice comes first in the graph (onnxscript tries candidates
+    in graph order and checks only the first structural match): the bounded search does the same, node for node."""
+    from onnxscript.rewriter import _matcher
+
+    ours, theirs = halves(order), halves(order)
+    onnxscript.optimizer.optimize_ir(theirs)
+    with multi_output_matches_by_use():
+        assert _matcher.SimplePatternMatcher.match.__qualname__.startswith("_bounded")  # onnxscript verified: patched
+        onnxscript.optimizer.optimize_ir(ours)
+    assert [n.op_type for n in theirs.graph] == (["Split"] if split else ["Slice", "Slice"])
+    assert ir.to_proto(ours.graph) == ir.to_proto(theirs.graph)
+
+
+def test_an_onnxscript_not_verified_runs_unpatched(monkeypatch, caplog):
+    from onnxscript.rewriter import _matcher
+
+    from sdtrt.graph import onnx_optimizer
+
+    original = _matcher.SimplePatternMatcher.match
+    with multi_output_matches_by_use(), multi_output_matches_by_use():  # reentrant: restored on the last exit
+        patched = _matcher.SimplePatternMatcher.match
+    assert patched is not original and _matcher.SimplePatternMatcher.match is original
+    monkeypatch.setattr(onnx_optimizer, "VERIFIED_ONNXSCRIPT", ("0.0.0",))
+    with multi_output_matches_by_use():
+        assert _matcher.SimplePatternMatcher.match is original
+    assert "its optimizer runs unpatched" in caplog.text
+
+
+@pytest.mark.slow  # two exports of a 13-block transformer: 2 to 3 min on 2 cores
 def test_flux_transformer_stamped_is_its_whole_export(tmp_path, monkeypatch):
     from sdtrt.core.config import ExportConfig
     from sdtrt.core.store import Store

@@ -13,17 +13,17 @@ optimizer runs over it. Torch-free: onnx_ir only.
 
 from __future__ import annotations
 
-import ast
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..core.errors import ExportError
+from .onnx_scopes import NAME_SCOPES, parse_scopes
+from .onnx_structure import attribute_key
 
 # Copies traced per repeated list: copy 0 computes the shared shape symbols, copy 1 feeds copy 2, copy 2 is stamped,
 # copy 3 is the last (torch.export drops what the last block computes that nothing reads: Flux's single blocks' split).
 STAMP_FROM = 4
-NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 
 
 def stamp_blocks(model: Any, blocks: Mapping[str, int]) -> None:
@@ -36,7 +36,7 @@ def stamp_blocks(model: Any, blocks: Mapping[str, int]) -> None:
 
 def _block_index(node: Any, path: str) -> int | None:
     """Which copy of the list ``path`` the node belongs to, from its module path; None outside the list."""
-    scopes = ast.literal_eval(node.metadata_props.get(NAME_SCOPES, "[]"))
+    scopes = parse_scopes(node.metadata_props.get(NAME_SCOPES))
     start = f"{path}."
     for scope in scopes:
         if scope.startswith(start) and (index := scope[len(start) :].split(".")[0]).isdigit():
@@ -51,11 +51,20 @@ def _stamp(graph: Any, path: str, count: int) -> None:
     for node in graph:
         if (index := _block_index(node, path)) is not None:
             copies.setdefault(index, []).append(node)
-    previous, template = copies.get(1, []), copies.get(2, [])
-    if sorted(copies) != list(range(STAMP_FROM)) or _signature(previous) != _signature(template):
+    if sorted(copies) != list(range(STAMP_FROM)):
         raise ExportError(
-            f"cannot stamp {path}: the trace holds copies {sorted(copies)} of it, not {STAMP_FROM} with the middle "
-            "two alike; its spec's repeated_blocks names a list whose blocks differ: export with --weights load"
+            f"cannot stamp {path}: the trace holds copies {sorted(copies)} of it, not 0…{STAMP_FROM - 1}: the graph "
+            "does not run the whole list; its spec's repeated_blocks should not name it"
+        )
+    previous, template = copies[1], copies[2]
+    copy_1, copy_2 = _relative_plan(previous, f"{path}.1"), _relative_plan(template, f"{path}.2")
+    if copy_1 != copy_2:
+        at = next(
+            (k for k, (a, b) in enumerate(zip(copy_1, copy_2, strict=False)) if a != b), min(len(copy_1), len(copy_2))
+        )
+        raise ExportError(
+            f"cannot stamp {path}: its copies 1 and 2 differ (from their node {at}): its blocks are not alike; "
+            "export with --weights load"
         )
     if any(
         a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for n in template for a in n.attributes.values()
@@ -103,7 +112,8 @@ def _stamp(graph: Any, path: str, count: int) -> None:
                 metadata_props={key: own.sub(scope, value) for key, value in node.metadata_props.items()},
             )  # fmt: skip
             for new, old in zip(clone.outputs, node.outputs, strict=True):
-                new.name, new.type, new.shape = f"{old.name}__{index}", old.type, old.shape
+                new.name = f"{old.name}__{index}" if old.name else None
+                new.type, new.shape = old.type, old.shape
             outputs.append(list(clone.outputs))
             nodes.append(clone)
             stamped.add(id(clone))
@@ -118,8 +128,25 @@ def _stamp(graph: Any, path: str, count: int) -> None:
             graph.outputs[:] = [final if output is value else output for output in graph.outputs]
 
 
-def _signature(nodes: list[Any]) -> list[tuple[str, str, int, int]]:
-    return [(n.domain, n.op_type, len(n.inputs), len(n.outputs)) for n in nodes]
+def _relative_plan(nodes: list[Any], scope: str) -> list[tuple[Any, ...]]:
+    """A copy's nodes as the stamps repeat them: op, attributes and, per input, the copy's own node output it is, the
+    copy's weight (by its name after the block index), or a value from outside the copy."""
+    position = {id(n): k for k, n in enumerate(nodes)}
+    pattern = _scope_pattern(scope)
+
+    def source(value: Any) -> tuple[Any, ...]:
+        producer = value.producer() if value is not None else None
+        if producer is not None and id(producer) in position:
+            return ("own", position[id(producer)], value.index())
+        if value is not None and value.is_initializer() and pattern.search(value.name or ""):
+            return ("weight", pattern.sub("", value.name))
+        return ("outside", value is None)
+
+    return [
+        (n.domain, n.op_type, len(n.outputs), sorted((k, attribute_key(a)) for k, a in n.attributes.items()),
+         [source(v) for v in n.inputs])
+        for n in nodes
+    ]  # fmt: skip
 
 
 def _scope_pattern(scope: str) -> re.Pattern[str]:
@@ -143,6 +170,6 @@ def _initializer(graph: Any, like: Any, name: str) -> Any:
     import onnx_ir as ir
 
     if name not in graph.initializers:
-        value = ir.Value(name=name, type=like.type, shape=like.shape, const_value=like.const_value)
+        value = ir.Value(name=name, type=like.type, shape=like.shape)  # never block 2's data under this name
         graph.initializers[name] = value
     return graph.initializers[name]

@@ -201,9 +201,10 @@ def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def with_network_config(source: Path, folder: str, dest: Path, **overrides: Any) -> Path:
-    """A copy of the model folder ``source`` whose ``folder`` network is rebuilt from its config with ``overrides``
-    (Flux's ``num_layers=19``: the same network with more blocks) and random weights keyed by name, so that the
-    tensors both networks have hold the same values; its other folders are links to the source's. Built once."""
+    """A copy of the model folder ``source`` whose ``folder`` network (a diffusers one: its config's ``_class_name``)
+    is rebuilt from its config with ``overrides`` (Flux's ``num_layers=19``: the same network with more blocks) and
+    random weights keyed by name, so that the tensors both networks have hold the same values;
+    its other folders are links to the source's. Built once."""
     import diffusers
 
     if (dest / "model_index.json").is_file():

@@ -107,7 +107,8 @@ class GraphSpec:
     reads_pixels: ClassVar[bool] = True
     # The network's lists of identical blocks, by attribute, with the config key that sets each one's length: the
     # streamed export traces a few copies and stamps the rest (graph/onnx_stamp.py), in time that no longer grows
-    # with the count. Only lists whose copies after the first are alike (tests/test_export_stamped.py proves each).
+    # with the count. Only lists whose copies after the first are alike (a trace whose copies 1 and 2 differ is
+    # refused; tests/test_export_stamped.py proves Flux's at 6+7 blocks).
     repeated_blocks: ClassVar[dict[str, str]] = {}
 
     precision: Precision

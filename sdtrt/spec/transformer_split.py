@@ -28,6 +28,8 @@ Tensors = dict[str, tuple[str | None, tuple[int | str, ...]]]
 class TransformerPartSpec(TransformerSpec):
     """One part of a split transformer, for either kind (the kind's class comes second in a part's bases)."""
 
+    # A part's graph runs part of a block list (or none of it): nothing to stamp, whatever the kind repeats.
+    repeated_blocks: ClassVar[dict[str, str]] = {}
     inner_dim: int = 0  # heads × head size: the width of the tokens between blocks
     head_dim: int = 0  # a head's size: the width of Flux's rotary embedding
 

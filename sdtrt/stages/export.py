@@ -29,7 +29,6 @@ from ..core.progress import step
 from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph, onnx_weights
-from ..graph.onnx_stamp import STAMP_FROM
 from ..sources.ip_adapters import IPAdapterFiles, ip_adapter_files
 from ..sources.models import ModelSource, load_folder
 from ..spec import (
@@ -48,6 +47,7 @@ from .export_stream import (
     on_fake_cpu,
     stamp_overrides,
     stamped_blocks,
+    stamping,
     weight_free_network,
 )
 from .exporters import _dynamo_program, _torch_export
@@ -202,7 +202,7 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
         inputs=[
             *inputs,
             *([{"kind": "weights", "digest": "stream"}] if streamed_otherwise else []),
-            *([{"kind": "stamped", "digest": digest(stamped)}] if stamped else []),
+            *([{"kind": "stamped", "digest": digest(stamping(stamped))}] if stamped else []),
         ],
         environment=environment("torch", "diffusers", "transformers", "onnx", "onnxscript"),
     )
@@ -309,8 +309,8 @@ def _export(
             "exporter": exporter,
             "weights": weights,
             "weights_reason": weights_reason,
-            # Repeated blocks traced STAMP_FROM times each and stamped to their count (module path → count).
-            "stamped": {"traced_copies": STAMP_FROM, "blocks": stamped} if stamped else {},
+            # Repeated blocks traced a few times each and stamped to their count (module path → count).
+            "stamped": stamping(stamped),
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import ExportError
 from ..core.progress import quiet_loading
 from ..graph import onnx_graph, onnx_weights
+from ..graph.onnx_scopes import WRAPPER
 from ..graph.onnx_stamp import STAMP_FROM, stamp_blocks
 from ..sources.models import ModelSource
 from ..spec import GraphSpec
@@ -78,19 +79,25 @@ def weight_free_network(
         if saved := next((stored[name] for name in names if name in stored), None):
             stored |= dict.fromkeys(names, saved)
     onnx_weights.check_sources(network.state_dict().keys(), stored, path)
-    return network.to("meta"), {"sources": stored, "computed": computed, "prefix": "network."}
+    return network.to("meta"), {"sources": stored, "computed": computed, "prefix": WRAPPER}
 
 
 def stamped_blocks(spec: GraphSpec, config: dict[str, Any]) -> dict[str, int]:
     """The spec's repeated block lists that the network's config makes longer than STAMP_FROM, by module path in the
     traced graph (the network is graph_module's ``network``), with their full length."""
-    counts = {f"network.{blocks}": int(config.get(key, 0)) for blocks, key in spec.repeated_blocks.items()}
+    counts = {WRAPPER + blocks: int(config.get(key, 0)) for blocks, key in spec.repeated_blocks.items()}
     return {path: count for path, count in counts.items() if count > STAMP_FROM}
+
+
+def stamping(blocks: dict[str, int]) -> dict[str, Any]:
+    """How a graph's blocks were stamped, for its key and manifest: the copies traced per list (STAMP_FROM: the
+    stamped values' names follow from it) and each list's full count; {} for a graph traced whole."""
+    return {"traced_copies": STAMP_FROM, "blocks": blocks} if blocks else {}
 
 
 def stamp_overrides(spec: GraphSpec, blocks: dict[str, int]) -> dict[str, int]:
     """The config keys that build the network with STAMP_FROM copies of each list in ``blocks``."""
-    return {key: STAMP_FROM for path, key in spec.repeated_blocks.items() if f"network.{path}" in blocks}
+    return {key: STAMP_FROM for path, key in spec.repeated_blocks.items() if WRAPPER + path in blocks}
 
 
 def keep_fp32_modules(network: Any, dtype: torch.dtype) -> set[str]:
@@ -149,7 +156,8 @@ def before_optimize(hook: Callable[[Any], None]) -> Iterator[None]:
     """Call ``hook(onnx_ir_model)`` inside torch.onnx.export(dynamo=True) just before it optimizes the model.
 
     torch 2.13's exporter (torch/onnx/_internal/exporter/_core.py ``export``) converts the opset, then calls
-    ``onnx_program.optimize()``, then renames inputs, outputs and axes: hooking there keeps that order.
+    ``onnx_program.optimize()``, then renames inputs, outputs and axes: hooking there keeps that order. Not for
+    threads: the hook is the class's while inside (sdtrt exports one graph at a time, in its calling thread).
     """
     from torch.onnx._internal.exporter._onnx_program import ONNXProgram
 

@@ -13,8 +13,9 @@ import numpy as np
 
 from ...core.errors import ArtifactError
 from ...graph import onnx_graph
+from ...graph.onnx_scopes import WRAPPER
 from .graph_check import DEDUP_MAX_ELEMENTS, initializer_nbytes
-from .scopes import NO_SCOPES, WRAPPER, node_scopes
+from .scopes import NO_SCOPES, node_scopes
 
 if TYPE_CHECKING:
     import onnx

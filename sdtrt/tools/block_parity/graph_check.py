@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...graph import onnx_graph
+from ...graph.onnx_scopes import WRAPPER
 from ...spec import FOLDERS, GraphSpec
-from .scopes import WRAPPER
 from .shapes import check_size, concrete_shapes, inputs_label
 from .stored import StoredTensor, stored_tensors
 

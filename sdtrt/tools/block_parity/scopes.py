@@ -3,19 +3,15 @@ the network's blocks as the graph's scopes name them."""
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ...graph.onnx_scopes import NAME_SCOPES, WRAPPER, parse_scopes
+
 if TYPE_CHECKING:
     import onnx
 
-# stages.graph_module registers the network as ``Graph.network``: its parameters and module scopes carry this prefix.
-WRAPPER = "network."
-# Name scopes the torch.export-based exporter writes on each node: the module path, outermost first
-# (torch/onnx/_internal/exporter/_core.py, _set_node_metadata), e.g. ['', 'network', 'network.transformer_blocks.0', …].
-SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 NO_SCOPES = (
     "the graph has no module scopes on its nodes (the TorchScript-based exporter writes none); export it with "
     "--exporter dynamo to check it block by block"
@@ -24,8 +20,8 @@ NO_SCOPES = (
 
 def node_scopes(node: onnx.NodeProto) -> list[str]:
     for prop in node.metadata_props:
-        if prop.key == SCOPES_KEY:
-            return [str(s) for s in json.loads(prop.value.replace("'", '"'))]
+        if prop.key == NAME_SCOPES:
+            return parse_scopes(prop.value)
     return []
 
 
