@@ -19,7 +19,7 @@ from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
 from sdtrt.standins.base import EngineModule
-from sdtrt.standins.llm_encoder import EngineQwen3
+from sdtrt.standins.llm_encoder import EngineQwen3Model
 from sdtrt.standins.transformer import EngineZImageTransformer
 from sdtrt.standins.vae import EngineVAE
 from sdtrt.tools.image_quality import psnr_db
@@ -59,7 +59,7 @@ def test_every_network_is_an_engine_standin(zimage):
     networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
     assert set(networks) == {"text_encoder", "transformer", "vae"}
     assert all(isinstance(m, EngineModule) for m in networks.values())
-    assert isinstance(engine.text_encoder, EngineQwen3) and isinstance(engine.transformer, EngineZImageTransformer)
+    assert isinstance(engine.text_encoder, EngineQwen3Model) and isinstance(engine.transformer, EngineZImageTransformer)
     assert isinstance(engine.vae, EngineVAE) and engine.vae.encoder_runtime is not None
     assert engine.text_encoder.spec.hidden_layers == (3,)  # the penultimate of 4 layers: hidden_states[-2]
 

@@ -283,14 +283,14 @@ def _text_encoder(
     source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any
 ) -> EngineModule:
     """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2), or the LLM's
-    (FLUX.2's Qwen3)."""
+    (FLUX.2's and Z-Image's Qwen3)."""
     config = text_encoder_config(source, FOLDERS[component])
     if isinstance(runtime.spec, T5EncoderSpec):
         return EngineT5(runtime, config, dtype=dtype)
     if isinstance(runtime.spec, LLMEncoderSpec):
-        from ..standins.llm_encoder import EngineQwen3
+        from ..standins.llm_encoder import LLM_STANDINS
 
-        return EngineQwen3(runtime, config, dtype=dtype)
+        return LLM_STANDINS[runtime.spec.architecture](runtime, config, dtype=dtype)
     norm = final_layer_norm(source, config, FOLDERS[component])
     return EngineTextEncoder(runtime, config, norm, dtype=dtype, loras=loras(component))
 

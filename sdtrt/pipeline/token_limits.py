@@ -30,12 +30,12 @@ def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
 
 
 def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
-    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s Qwen3), as
+    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s, Z-Image's Qwen3), as
     ``t5_kwargs``: every prompt padded to it, a longer one (counted with its chat template) refused before anything
     runs."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3Model
 
-    if not isinstance(getattr(pipe, "text_encoder", None), Qwen3ForCausalLM):
+    if not isinstance(getattr(pipe, "text_encoder", None), (Qwen3ForCausalLM, Qwen3Model)):
         return {}
     from .request import check_llm_prompts
 

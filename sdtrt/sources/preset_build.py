@@ -156,7 +156,7 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
 
     class_name, kwargs = network
     text = dict(kwargs)
-    if class_name == "Qwen3ForCausalLM":
+    if class_name in ("Qwen3ForCausalLM", "Qwen3Model"):
         from .qwen_encoder import qwen3_config, qwen_chat_tokenizer
 
         tokenizer = qwen_chat_tokenizer()

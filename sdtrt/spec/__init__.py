@@ -42,7 +42,7 @@ from .base import (
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
-from .llm_encoder import LLMEncoderSpec
+from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import (
     TRANSFORMER_KINDS,
@@ -109,6 +109,7 @@ SPECS: tuple[type[GraphSpec], ...] = (
     UNetSpec, TransformerSpec, *TRANSFORMER_KINDS.values(), ControlNetSpec, TextEncoderSpec, TextEncoder2Spec,
     T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
+    LLMModelEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 

@@ -1,4 +1,5 @@
-"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s and Z-Image's Qwen3ForCausalLM): its graph contract.
+"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s Qwen3ForCausalLM, Z-Image's bare Qwen3Model): its graph
+contract.
 
 The pipeline pads each chat-templated prompt to ``max_sequence_length`` with an attention mask, runs the LLM with
 ``output_hidden_states=True`` and stacks the hidden states of a few layers (klein's ``text_encoder_out_layers``, (9,
@@ -89,3 +90,11 @@ class LLMEncoderSpec(SequenceEncoderSpec):
         count = feeds[ids].shape[1]
         lengths = torch.randint(1, count + 1, (batch, 1), generator=torch.Generator().manual_seed(seed + 1))
         return feeds | {mask: (torch.arange(count)[None, :] < lengths).int()}
+
+
+@dataclass(frozen=True)
+class LLMModelEncoderSpec(LLMEncoderSpec):
+    """The same contract for a Qwen3Model (the decoder stack without the LM head), the class Z-Image's checkpoints
+    name in ``text_encoder``: the same graph; its row of SPEC_CLASSES keeps it from CLIP's."""
+
+    architecture: ClassVar[str] = "Qwen3Model"

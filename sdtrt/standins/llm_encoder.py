@@ -1,4 +1,5 @@
-"""EngineQwen3: what FLUX.2 [klein]'s pipeline calls instead of its Qwen3ForCausalLM text encoder.
+"""EngineQwen3 / EngineQwen3Model: what FLUX.2 [klein]'s and Z-Image's pipelines call instead of their Qwen3 text
+encoder (a Qwen3ForCausalLM; Z-Image's checkpoints name the bare Qwen3Model).
 
 The pipeline reads nothing of the LLM's output but ``hidden_states[k]`` for its ``text_encoder_out_layers``; the
 engine's graph gives those layers' hidden states stacked (spec/llm_encoder.py), and the stand-in hands them back as
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM, Qwen3Model
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
@@ -47,8 +49,11 @@ class SelectedLayers(tuple):
         return value
 
 
-class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
-    """A Qwen3ForCausalLM stand-in (FLUX.2 [klein]'s text_encoder) backed by an LLM encoder engine."""
+class LLMEncoderEngine(EngineModule):
+    """An LLM text encoder stand-in backed by an LLM encoder engine; a subclass names the class it stands in for and
+    the output class that class returns (only ``hidden_states`` filled)."""
+
+    output_class: Any
 
     def __init__(self, runtime: Runtime, config: Any, dtype: torch.dtype | None = None) -> None:
         super().__init__(config, dtype or runtime.dtype, [runtime])
@@ -65,8 +70,6 @@ class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
         output_hidden_states: bool | None = None, use_cache: bool | None = None, return_dict: bool = True,
         **kwargs: Any,
     ) -> Any:  # fmt: skip
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         refused = {"output_hidden_states=False": not output_hidden_states, "use_cache=True": bool(use_cache)}
         refused |= {name: value is not None for name, value in kwargs.items()}
         if given := [name for name, on in refused.items() if on]:
@@ -82,11 +85,27 @@ class EngineQwen3(EngineModule, Qwen3ForCausalLM):  # type: ignore[misc]
         stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
         stacked = stacked.to(input_ids.device, self._dtype)
         hidden = SelectedLayers(stacked, self.spec.hidden_layers, self.config.num_hidden_layers + 1)
-        out = CausalLMOutputWithPast(hidden_states=hidden)
+        out = self.output_class(hidden_states=hidden)
         return out if return_dict else out.to_tuple()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise EngineInputError(f"{type(self).__name__}.generate: {NOT_A_GENERATOR}")
+
+
+class EngineQwen3(LLMEncoderEngine, Qwen3ForCausalLM):  # type: ignore[misc]
+    """A Qwen3ForCausalLM stand-in (FLUX.2 [klein]'s text_encoder)."""
+
+    output_class = CausalLMOutputWithPast
+
+
+class EngineQwen3Model(LLMEncoderEngine, Qwen3Model):  # type: ignore[misc]
+    """A Qwen3Model stand-in (Z-Image's text_encoder)."""
+
+    output_class = BaseModelOutputWithPast
+
+
+# The LLM class a text_encoder folder names → its stand-in.
+LLM_STANDINS: dict[str, type[LLMEncoderEngine]] = {"Qwen3ForCausalLM": EngineQwen3, "Qwen3Model": EngineQwen3Model}
 
 
 def right_padded(mask: torch.Tensor) -> bool:
