@@ -87,6 +87,8 @@ def test_the_transformer_standin_keeps_diffusers_call(zimage):
     """Lists in, a list out, as the PyTorch transformer: captions of different lengths (the padded graph's masks) and
     an image whose patches are not a multiple of 32 (the graph's pad tokens), against diffusers' forward."""
     reference, engine = (p.transformer for p in zimage[2]["txt2img"])
+    pads = reference.x_pad_token, reference.cap_pad_token  # random in the preset: swapped or zero pads would show
+    assert pads[0].abs().min() > 0 and not torch.allclose(*pads)
     gen = torch.Generator().manual_seed(0)
     latents = [torch.randn(16, 1, 18, 14, generator=gen) for _ in range(2)]  # 9 × 7 = 63 patches
     captions = [torch.randn(n, 32, generator=gen) for n in (5, 40)]
