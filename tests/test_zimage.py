@@ -166,3 +166,14 @@ def test_default_exporter_through_the_cli(zimage, store, tmp_path):
     psnr = psnr_db(got, reference.images[0])
     print(f"tiny-zimage txt2img 128x192, default exporter, sdtrt generate: PSNR {psnr:.1f} dB")
     assert psnr >= 35.0
+
+
+def test_the_llm_layers_come_from_the_pipeline_class_and_an_unknown_one_is_refused():
+    from sdtrt.core.errors import UnsupportedModelError
+    from sdtrt.spec.llm_encoder import pipeline_layers
+
+    assert pipeline_layers("ZImageInpaintPipeline", 36) == (35,)  # hidden_states[-2] of 36 layers + the embedding
+    assert pipeline_layers("Flux2KleinPipeline", 36) == (9, 18, 27)
+    for unknown in ("QwenImagePipeline", ""):
+        with pytest.raises(UnsupportedModelError, match=r"^[^\n]+ Flux2KleinPipeline, ZImagePipeline[^\n]+$"):
+            pipeline_layers(unknown, 36)
