@@ -75,7 +75,17 @@ RANDOM_TARGETS = {
 
 
 def lora_kind(family: str) -> str:
-    """The LORA_FAMILIES key of a model family: sd3, flux (dev and schnell) or unet (every UNet family)."""
+    """The LORA_FAMILIES key of a model family: sd3, flux (dev and schnell) or unet (every UNet family); LoraError for a
+    transformer family none of them reads (FLUX.2, Z-Image), whose LoRAs the UNet's loader would misread."""
+    from ..core.families import TRANSFORMERS
+
+    if family in TRANSFORMERS.values() and family not in LORA_FAMILIES:
+        model = next(name for name, kind in TRANSFORMERS.items() if kind == family)
+        built = ", ".join(f.label for f in LORA_FAMILIES.values())
+        raise LoraError(
+            f"LoRAs on a {family} model ({model}) are not built yet (sdtrt applies {built} ones): load the LoRA into "
+            "the PyTorch pipeline with diffusers' load_lora_weights"
+        )
     return next((kind for kind in ("sd3", "flux") if family.startswith(kind)), "unet")
 
 
