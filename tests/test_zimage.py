@@ -189,3 +189,15 @@ def test_a_lora_is_refused_naming_zimage(tmp_path):
     save_file({f"transformer.layers.0.attention.to_q.lora_{ab}.weight": torch.zeros(4, 4) for ab in "AB"}, path)
     with pytest.raises(LoraError, match=r"^LoRAs on a zimage model \(ZImageTransformer2DModel\) are not built[^\n]+$"):
         read_lora(path, "zimage")
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantizing_the_transformer_is_refused(precision):
+    """ModelOpt's quantized graph keeps the other layers in fp16 for every family but Flux: the overflow bf16 avoids."""
+    from sdtrt.core.config import QuantizeConfig
+    from sdtrt.core.errors import ConfigError
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages.quantize import check_model
+
+    with pytest.raises(ConfigError, match=r"^a quantized zimage transformer would keep [^\n]+ overflow fp16[^\n]+$"):
+        check_model(QuantizeConfig(precision=precision), resolve_model("tiny-zimage"))
