@@ -3,9 +3,11 @@
 as the PyTorch fp32 pipeline's for txt2img, img2img and inpaint at two sizes; bad input refused in one line before
 anything runs.
 
-One fp32 ONNX Runtime engine set (TorchScript's exporter: seconds, where torch.export's takes half a minute over the
+fp32 ONNX Runtime engines (TorchScript's exporter: seconds, where torch.export's takes half a minute over the
 transformer; the slow test holds the default exporter to the same images), shared by the module's tests; tiny sizes,
 two steps, classifier-free guidance (positive and negative captions of different lengths in one transformer call).
+The default suite builds the txt2img set (no VAE encoder) and checks one size; -m slow adds the other size and
+img2img / inpaint, whose only new parts (the VAE encoder, the pipelines' own code) other families' tests cover.
 """
 
 from __future__ import annotations
@@ -19,25 +21,39 @@ from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
 from sdtrt.standins.base import EngineModule
-from sdtrt.standins.llm_encoder import EngineQwen3
+from sdtrt.standins.llm_encoder import EngineQwen3Model
 from sdtrt.standins.transformer import EngineZImageTransformer
 from sdtrt.standins.vae import EngineVAE
 from sdtrt.tools.image_quality import psnr_db
 
-SIZES = [(128, 128), (128, 192)]
-TASKS = ("txt2img", "img2img", "inpaint")
+FP32 = ExportConfig(precision="fp32", exporter="torchscript")
+SQUARE, NON_SQUARE = (128, 128), (128, 192)
+SIZES = [pytest.param(SQUARE, marks=pytest.mark.slow, id="square"), pytest.param(NON_SQUARE, id="non-square")]
 
 
 @pytest.fixture(scope="module")
 def zimage(store):
-    """The preset and its engine set, and per task the (PyTorch fp32, engine) pipelines."""
+    """The preset, its txt2img engine set, and the (PyTorch fp32, engine) txt2img pipelines."""
     from sdtrt.sources.models import resolve_model
     from sdtrt.tools.compile import compile_model
 
     source = resolve_model("tiny-zimage")
-    engine = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32", exporter="torchscript")).final
-    pipes = {task: (load_pipeline(source, task=task), load_pipeline(source, engine, task=task)) for task in TASKS}
-    return source, engine, pipes
+    components = ("text_encoder", "transformer", "vae_decoder")
+    engine = compile_model(source, store, "onnxruntime", FP32, components=components).final
+    return source, engine, (load_pipeline(source), load_pipeline(source, engine))
+
+
+@pytest.fixture(scope="module")
+def zimage_edits(zimage, store):
+    """Per edit task, the (PyTorch fp32, engine) pipelines on the whole set (the VAE encoder too)."""
+    from sdtrt.tools.compile import compile_model
+
+    source = zimage[0]
+    engine = compile_model(source, store, "onnxruntime", FP32).final
+    return {task: (load_pipeline(source, task=task), load_pipeline(source, engine, task=task)) for task in EDITS}
+
+
+EDITS = ("img2img", "inpaint")
 
 
 def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
@@ -55,38 +71,42 @@ def request(task: str, size: tuple[int, int], **kwargs) -> GenerateRequest:
 
 
 def test_every_network_is_an_engine_standin(zimage):
-    engine = zimage[2]["txt2img"][1]
+    engine = zimage[2][1]
     networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
     assert set(networks) == {"text_encoder", "transformer", "vae"}
     assert all(isinstance(m, EngineModule) for m in networks.values())
-    assert isinstance(engine.text_encoder, EngineQwen3) and isinstance(engine.transformer, EngineZImageTransformer)
-    assert isinstance(engine.vae, EngineVAE) and engine.vae.encoder_runtime is not None
+    assert isinstance(engine.text_encoder, EngineQwen3Model) and isinstance(engine.transformer, EngineZImageTransformer)
+    assert isinstance(engine.vae, EngineVAE)
     assert engine.text_encoder.spec.hidden_layers == (3,)  # the penultimate of 4 layers: hidden_states[-2]
 
 
-# Each task at both sizes; the default suite runs one size of each (a square and a non-square among them).
-CASES = [
-    pytest.param(task, size, marks=() if (i + j) % 2 == 0 else pytest.mark.slow, id=f"{task}-{label}")
-    for i, task in enumerate(TASKS)
-    for j, (size, label) in enumerate(zip(SIZES, ("square", "non-square"), strict=True))
-]
-
-
-@pytest.mark.parametrize(("task", "size"), CASES)
-def test_images_match_pytorch(zimage, task, size):
-    reference, engine = (generate(p, request(task, size), output_type="np").images[0] for p in zimage[2][task])
+def assert_matches_pytorch(pipes, task: str, size: tuple[int, int]) -> None:
+    reference, engine = (generate(p, request(task, size), output_type="np").images[0] for p in pipes)
     psnr = psnr_db(engine, reference)
     print(f"tiny-zimage {task} {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
     assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
-    if task == "txt2img":  # the engines agree far closer than another prompt moves the image: captions count
-        other = generate(zimage[2][task][0], request(task, size, prompt="a cat"), output_type="np").images[0]
-        assert psnr_db(other, reference) < psnr - 40.0
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_txt2img_matches_pytorch(zimage, size):
+    assert_matches_pytorch(zimage[2], "txt2img", size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [SQUARE, NON_SQUARE], ids=["square", "non-square"])
+@pytest.mark.parametrize("task", EDITS)
+def test_edits_match_pytorch(zimage_edits, task, size):
+    assert zimage_edits[task][1].vae.encoder_runtime is not None
+    assert_matches_pytorch(zimage_edits[task], task, size)
 
 
 def test_the_transformer_standin_keeps_diffusers_call(zimage):
     """Lists in, a list out, as the PyTorch transformer: captions of different lengths (the padded graph's masks) and
-    an image whose patches are not a multiple of 32 (the graph's pad tokens), against diffusers' forward."""
-    reference, engine = (p.transformer for p in zimage[2]["txt2img"])
+    an image whose patches are not a multiple of 32 (the graph's pad tokens), against diffusers' forward; other
+    captions give another output (the engine reads them)."""
+    reference, engine = (p.transformer for p in zimage[2])
+    pads = reference.x_pad_token, reference.cap_pad_token  # random in the preset: swapped or zero pads would show
+    assert pads[0].abs().min() > 0 and not torch.allclose(*pads)
     gen = torch.Generator().manual_seed(0)
     latents = [torch.randn(16, 1, 18, 14, generator=gen) for _ in range(2)]  # 9 × 7 = 63 patches
     captions = [torch.randn(n, 32, generator=gen) for n in (5, 40)]
@@ -97,36 +117,49 @@ def test_the_transformer_standin_keeps_diffusers_call(zimage):
         g.shape == w.shape == (16, 1, 18, 14) and torch.allclose(g, w, atol=1e-4)
         for g, w in zip(got, want, strict=True)
     )
+    other = engine(latents, t, [-c for c in captions], return_dict=False)[0]
+    assert all((o - g).abs().max() > 1e-2 for o, g in zip(other, got, strict=True))
     with pytest.raises(EngineInputError, match=r"^[^\n]+$"):
         engine([latents[0], torch.randn(16, 1, 16, 20)], t, captions)  # 96 patches padded beside 64: two lengths
 
 
-@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+@pytest.mark.parametrize("task", EDITS)
 def test_an_edit_without_its_image_is_refused_before_running(zimage, task):
-    """By generate before an engine runs, and by the check `sdtrt generate` makes before loading (no subprocess:
-    the CLI's call of it is tested for every family in test_cli.py)."""
+    """By generate before an engine runs (the edit pipeline made from the txt2img one: no VAE encoder needed), and by
+    the check `sdtrt generate` makes before loading (no subprocess: the CLI's call of it is tested for every family in
+    test_cli.py)."""
+    import diffusers
+
+    from sdtrt.core.families import pipeline_class_name
     from sdtrt.pipeline.image_inputs import check_pipeline_inputs
     from sdtrt.pipeline.request import SizeRule
 
-    source, _, pipes = zimage
-    engine, calls = pipes[task][1], []
-    for network in (engine.text_encoder, engine.transformer, engine.vae):
-        network.register_forward_pre_hook(lambda *_: calls.append(1))
-    req = request("txt2img", (128, 128))  # no image, no mask
-    with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
-        generate(engine, req)
+    source, _, (_, txt2img) = zimage
+    engine = getattr(diffusers, pipeline_class_name("ZImagePipeline", task)).from_pipe(txt2img)
+    calls: list[int] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda *_: calls.append(1))
+        for m in (txt2img.text_encoder, txt2img.transformer, txt2img.vae)
+    ]
+    req = request("txt2img", SQUARE)  # no image, no mask
+    try:
+        with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
+            generate(engine, req)
+    finally:
+        for hook in hooks:
+            hook.remove()
     with pytest.raises(RequestError, match=r"--image"):
         check_pipeline_inputs(req, "ZImagePipeline", task, SizeRule.for_model(source))
     assert not calls
 
 
 def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(zimage):
-    engine = zimage[2]["txt2img"][1]
+    engine = zimage[2][1]
     calls = []
     for network in (engine.text_encoder, engine.transformer):
         network.register_forward_pre_hook(lambda *_: calls.append(1))
     with pytest.raises(RequestError, match="tokens with its chat template") as error:
-        generate(engine, request("txt2img", (128, 128), prompt="astronaut " * 600))
+        generate(engine, request("txt2img", SQUARE, prompt="astronaut " * 600))
     assert "\n" not in str(error.value) and not calls
 
 
@@ -159,8 +192,43 @@ def test_default_exporter_through_the_cli(zimage, store, tmp_path):
     args = ("--prompt", "a red fox", "--steps", "2", "--height", "128", "--width", "192", "--seed", "3")
     result = run_cli("generate", "--engine", str(engine.path), *args, "--out", str(out))
     assert result.returncode == 0, result.stderr
-    reference = generate(zimage[2]["txt2img"][0], request("txt2img", (128, 192), prompt="a red fox"), output_type="np")
+    reference = generate(zimage[2][0], request("txt2img", NON_SQUARE, prompt="a red fox"), output_type="np")
     got = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255
     psnr = psnr_db(got, reference.images[0])
     print(f"tiny-zimage txt2img 128x192, default exporter, sdtrt generate: PSNR {psnr:.1f} dB")
     assert psnr >= 35.0
+
+
+def test_the_llm_layers_come_from_the_pipeline_class_and_an_unknown_one_is_refused():
+    from sdtrt.core.errors import UnsupportedModelError
+    from sdtrt.spec.llm_encoder import pipeline_layers
+
+    assert pipeline_layers("ZImageInpaintPipeline", 36) == (35,)  # hidden_states[-2] of 36 layers + the embedding
+    assert pipeline_layers("Flux2KleinPipeline", 36) == (9, 18, 27)
+    for unknown in ("QwenImagePipeline", ""):
+        with pytest.raises(UnsupportedModelError, match=r"^[^\n]+ Flux2KleinPipeline, ZImagePipeline[^\n]+$"):
+            pipeline_layers(unknown, 36)
+
+
+def test_a_lora_is_refused_naming_zimage(tmp_path):
+    from safetensors.torch import save_file
+
+    from sdtrt.core.errors import LoraError
+    from sdtrt.lora.files import read_lora
+
+    path = tmp_path / "zimage_lora.safetensors"
+    save_file({f"transformer.layers.0.attention.to_q.lora_{ab}.weight": torch.zeros(4, 4) for ab in "AB"}, path)
+    with pytest.raises(LoraError, match=r"^LoRAs on a zimage model \(ZImageTransformer2DModel\) are not built[^\n]+$"):
+        read_lora(path, "zimage")
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantizing_the_transformer_is_refused(precision):
+    """ModelOpt's quantized graph keeps the other layers in fp16 for every family but Flux: the overflow bf16 avoids."""
+    from sdtrt.core.config import QuantizeConfig
+    from sdtrt.core.errors import ConfigError
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages.quantize import check_model
+
+    with pytest.raises(ConfigError, match=r"^a quantized zimage transformer would keep [^\n]+ overflow fp16[^\n]+$"):
+        check_model(QuantizeConfig(precision=precision), resolve_model("tiny-zimage"))

@@ -65,6 +65,13 @@ LLM_TOKENS = {"flux2": 512, "zimage": 512, "qwenimage": 1024}
 # The chat template's leading tokens QwenImagePipeline runs through the LLM and then drops (its
 # prompt_template_encode_start_idx): the LLM engine reads this many tokens more than the transformer.
 QWEN_IMAGE_DROPPED_TOKENS = 34
+# The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
+# from the end, as the pipeline indexes them): klein stacks its text_encoder_out_layers default, Z-Image's pipelines
+# take hidden_states[-2].
+LLM_LAYERS: dict[str, tuple[int, ...]] = {
+    "Flux2KleinPipeline": (9, 18, 27),
+    **dict.fromkeys(("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"), (-2,)),
+}
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
 SDXL_TIME_IDS = (6, 5)

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import LoraFamilyError
+from ..core.errors import LoraError, LoraFamilyError
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,19 @@ UP_TO_DOWN = {".lora_up.": ".lora_down.", ".lora_B.": ".lora_A."}
 
 def lora_kind(family: str) -> str:
     """The LORA_FAMILIES key of a model family: sd3, flux2, flux (dev and schnell, Fill, Control, Kontext) or unet
-    (every UNet family)."""
-    return next((kind for kind in ("sd3", "flux2", "flux") if family.startswith(kind)), "unet")
+    (every UNet family); LoraError for a transformer family none of them reads (Z-Image, Qwen-Image), whose LoRAs the
+    UNet's loader would misread."""
+    from ..core.families import TRANSFORMERS
+
+    kind = next((kind for kind in ("sd3", "flux2", "flux") if family.startswith(kind)), None)
+    if kind is None and family in TRANSFORMERS.values():
+        model = next(name for name, of in TRANSFORMERS.items() if of == family)
+        built = ", ".join(f.label for f in LORA_FAMILIES.values())
+        raise LoraError(
+            f"LoRAs on a {family} model ({model}) are not built yet (sdtrt applies {built} ones): load the LoRA into "
+            "the PyTorch pipeline with diffusers' load_lora_weights"
+        )
+    return kind or "unet"
 
 
 def named_kinds(keys: Sequence[str]) -> tuple[frozenset[str] | None, str | None]:

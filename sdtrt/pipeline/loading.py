@@ -288,7 +288,7 @@ def _text_encoder(
     source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any
 ) -> EngineModule:
     """CLIP's stand-in, or T5's where the engine is T5 (SD3's text_encoder_3, Flux's text_encoder_2), or the LLM's
-    (FLUX.2's Qwen3, Qwen-Image's Qwen2.5-VL)."""
+    (FLUX.2's and Z-Image's Qwen3, Qwen-Image's Qwen2.5-VL)."""
     config = text_encoder_config(source, FOLDERS[component])
     if isinstance(runtime.spec, T5EncoderSpec):
         return EngineT5(runtime, config, dtype=dtype)

@@ -30,13 +30,14 @@ def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
 
 
 def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
-    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s Qwen3, Qwen-Image's
-    Qwen2.5-VL), as ``t5_kwargs``: a prompt longer than the engines take (counted with its chat template) refused
-    before anything runs. Qwen-Image drops its template's first tokens after the LLM: the LLM reads that many more
-    than the transformer."""
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
+    """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s and Z-Image's Qwen3,
+    Qwen-Image's Qwen2.5-VL), as ``t5_kwargs``: a prompt longer than the engines take (counted with its chat template)
+    refused before anything runs. Qwen-Image drops its template's first tokens after the LLM: the LLM reads that many
+    more than the transformer."""
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
 
-    if not isinstance(getattr(pipe, "text_encoder", None), Qwen3ForCausalLM | Qwen2_5_VLForConditionalGeneration):
+    llms = (Qwen3ForCausalLM, Qwen3Model, Qwen2_5_VLForConditionalGeneration)
+    if not isinstance(getattr(pipe, "text_encoder", None), llms):
         return {}
     from .request import check_llm_prompts
 

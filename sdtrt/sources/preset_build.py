@@ -139,6 +139,8 @@ def _networks(recipe: Recipe) -> dict[str, Any]:
         from .qwen_encoder import random_latent_statistics
 
         random_latent_statistics(parts["vae"])
+    if denoiser_class == "ZImageTransformer2DModel":
+        _random_pad_tokens(parts["transformer"])
     for i, network in enumerate(recipe.text_encoders):
         suffix = f"_{i + 1}" if i else ""
         encoder, tokenizer = _text_encoder(network, tokenizers)
@@ -156,7 +158,7 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
 
     class_name, kwargs = network
     text = dict(kwargs)
-    if class_name == "Qwen3ForCausalLM":
+    if class_name in ("Qwen3ForCausalLM", "Qwen3Model"):
         from .qwen_encoder import qwen3_config, qwen_chat_tokenizer
 
         tokenizer = qwen_chat_tokenizer()
@@ -180,6 +182,16 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
             **text,
         )  # fmt: skip
     return getattr(transformers, class_name)(config), tokenizer
+
+
+def _random_pad_tokens(transformer: Any) -> None:
+    """Distinct random pad tokens for a ZImageTransformer2DModel (diffusers starts both at zero; trained ones are not):
+    a graph that swapped the image's and the caption's, or padded with zeros, then gives other images."""
+    import torch
+
+    with torch.no_grad():
+        transformer.x_pad_token.normal_()
+        transformer.cap_pad_token.normal_()
 
 
 def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:

@@ -145,8 +145,9 @@ FLUX2_KLEIN_4B = ("Flux2Transformer2DModel", dict(
     joint_attention_dim=7680, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=False,
 ))
 # Z-Image at test size: a single-stream DiT (2×2 patches of 16 Flux-VAE channels; refiners for the image and the
-# caption before the joint layers), three rotary axes summing to the head size; its Qwen3 gives the penultimate
-# layer's hidden states (4 layers: layer 3), their width the transformer's cap_feat_dim.
+# caption before the joint layers), three rotary axes summing to the head size; its Qwen3 (a bare Qwen3Model, as the
+# published checkpoints name it) gives the penultimate layer's hidden states (4 layers: layer 3), their width the
+# transformer's cap_feat_dim.
 TINY_ZIMAGE = ("ZImageTransformer2DModel", dict(
     in_channels=16, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
     axes_dims=[4, 6, 6], axes_lens=[1024, 128, 128],
@@ -239,7 +240,7 @@ PRESETS: dict[str, Recipe] = {
     ),
     "tiny-zimage": Recipe(
         "ZImagePipeline", TINY_ZIMAGE, dict(TINY_VAE, **FLUX_VAE),
-        (("Qwen3ForCausalLM", dict(TINY_QWEN3, num_hidden_layers=4)),), scheduler=SD3_FLOW,
+        (("Qwen3Model", dict(TINY_QWEN3, num_hidden_layers=4)),), scheduler=SD3_FLOW,
     ),
     "tiny-qwen-image": Recipe(
         "QwenImagePipeline", TINY_QWEN_IMAGE, TINY_QWEN_VAE, (("Qwen2_5_VLForConditionalGeneration", TINY_QWEN25_VL),),

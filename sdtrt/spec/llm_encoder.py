@@ -1,5 +1,5 @@
-"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s and Z-Image's Qwen3ForCausalLM, Qwen-Image's Qwen2.5-VL
-language model): its graph contract.
+"""A decoder-only LLM as a text encoder (FLUX.2 [klein]'s Qwen3ForCausalLM, Z-Image's bare Qwen3Model, Qwen-Image's
+Qwen2.5-VL language model): its graph contract.
 
 The pipeline pads each chat-templated prompt to ``max_sequence_length`` with an attention mask, runs the LLM with
 ``output_hidden_states=True`` and stacks the hidden states of a few layers (klein's ``text_encoder_out_layers``, (9,
@@ -15,21 +15,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
-from ..core.families import LLM_TOKENS, QWEN_IMAGE_DROPPED_TOKENS
+from ..core.errors import UnsupportedModelError
+from ..core.families import LLM_LAYERS, LLM_TOKENS, QWEN_IMAGE_DROPPED_TOKENS
 from .base import FOLDERS, ModelConfigs, TensorSpec
 from .text_encoder import SequenceEncoderSpec
 
 if TYPE_CHECKING:
     import torch
 
-KLEIN_LAYERS = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers default
+KLEIN_LAYERS = LLM_LAYERS["Flux2KleinPipeline"]
 
 
 def pipeline_layers(pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
-    """The hidden states a pipeline reads from its LLM: klein stacks three layers; Z-Image takes the penultimate
-    layer's (``hidden_states[-2]``) and keeps each prompt's tokens alone (its mask picks them out of the padded
-    batch, so the engine's fixed-length rows give the same lists)."""
-    return (num_hidden_layers - 1,) if pipeline_class.startswith("ZImage") else KLEIN_LAYERS
+    """The hidden states a pipeline reads from its LLM (LLM_LAYERS), as indices from 0: klein stacks three layers;
+    Z-Image takes the penultimate layer's and keeps each prompt's tokens alone (its mask picks them out of the padded
+    batch, so the engine's fixed-length rows give the same lists). Any other pipeline is refused: its layers are
+    unknown."""
+    if pipeline_class not in LLM_LAYERS:
+        raise UnsupportedModelError(
+            f"which hidden states a {pipeline_class or 'bare folder'}'s LLM text encoder gives is not known; sdtrt "
+            f"builds the LLM encoders of {', '.join(LLM_LAYERS)}"
+        )
+    return tuple(k if k >= 0 else num_hidden_layers + 1 + k for k in LLM_LAYERS[pipeline_class])
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,11 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
     def default_profile(self) -> ShapeProfile:
         """From a one-word prompt (the template's dropped tokens and a few) to the pipeline's longest."""
         return ShapeProfile(tokens=Range(QWEN_IMAGE_DROPPED_TOKENS + 1, self.pipeline_tokens, self.pipeline_tokens))
+
+
+@dataclass(frozen=True)
+class LLMModelEncoderSpec(LLMEncoderSpec):
+    """The same contract for a Qwen3Model (the decoder stack without the LM head), the class Z-Image's checkpoints
+    name in ``text_encoder``: the same graph; its row of SPEC_CLASSES keeps it from CLIP's."""
+
+    architecture: ClassVar[str] = "Qwen3Model"

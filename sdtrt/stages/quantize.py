@@ -47,7 +47,7 @@ from ..core.stage_request import StageRequest, digest, environment
 from ..core.store import Store
 from ..graph import onnx_graph
 from ..sources.models import ModelSource
-from ..spec import GraphSpec, denoiser_component
+from ..spec import GraphSpec, denoiser_component, folder_architecture, spec_class
 from . import calibration, export
 from .quantize_export import OPSET, ROLE_NAMES, write_graphs
 from .quantize_layers import (
@@ -154,7 +154,15 @@ def tensorrt_precision(model: ModelSource) -> Precision:
 
 
 def check_model(config: QuantizeConfig, model: ModelSource) -> None:
-    """ConfigError, from the model's configs alone (nothing loaded), when this model cannot be quantized so."""
+    """ConfigError, from the model's configs alone (nothing loaded), when this model cannot be quantized so: a
+    denoiser whose class overflows fp16 (Z-Image's) where its quantized graph would be fp16 outside the Q/DQ pairs."""
+    denoiser = denoiser_component(model)
+    fp16_problem = spec_class(denoiser, folder_architecture(model, denoiser)).fp16_problem
+    if fp16_problem and tensorrt_precision(model) == "fp16":
+        raise ConfigError(
+            f"a quantized {model.family()} {denoiser} would keep its other layers in fp16, and {fp16_problem}; "
+            "build it unquantized (--precision fp16 builds it in bf16)"
+        )
     kind = denoiser_quantization(model)
     if why := kind.refused.get(config.level):
         offered = [level for level in QUANT_LEVELS if level not in kind.refused and level < 4]

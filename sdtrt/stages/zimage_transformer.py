@@ -115,14 +115,12 @@ def zimage_call(network: Any, spec: ZImageTransformerSpec) -> Callable[..., torc
         caption_rotary, caption_keys = rotary_factors(network, txt_ids), txt_mask.bool()
         for block in network.context_refiner:
             caption = block(caption, caption_keys, caption_rotary)
-        # Image then caption, as diffusers' basic mode joins them; the keys past each caption are masked, so where the
-        # padding sits (here: in the middle, after the caption) changes nothing.
+        # Image, caption, then the caption's batch padding (its keys masked): diffusers' unified sequence, row by row.
         joint = torch.cat((image, caption), dim=1)
         joint_keys = torch.cat((torch.ones_like(img_pad, dtype=torch.bool), caption_keys), dim=1)
         joint_rotary = torch.cat((image_rotary, caption_rotary), dim=1)
         for block in network.layers:
             joint = block(joint, joint_keys, joint_rotary, adaln)
-        out = network.all_final_layer[patch](joint, c=adaln)
-        return out[:, : hidden_states.shape[1]]
+        return network.all_final_layer[patch](joint[:, : hidden_states.shape[1]], c=adaln)  # per token: the image's
 
     return forward

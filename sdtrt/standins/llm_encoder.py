@@ -1,5 +1,6 @@
-"""EngineQwen3 / EngineQwen2_5_VL: what FLUX.2 [klein]'s and Qwen-Image's pipelines call instead of their LLM text
-encoders (Qwen3ForCausalLM; Qwen2_5_VLForConditionalGeneration, text only).
+"""EngineQwen3 / EngineQwen3Model / EngineQwen2_5_VL: what FLUX.2 [klein]'s, Z-Image's and Qwen-Image's pipelines
+call instead of their LLM text encoders (Qwen3ForCausalLM; the bare Qwen3Model Z-Image's checkpoints name;
+Qwen2_5_VLForConditionalGeneration, text only).
 
 The pipelines read nothing of the LLM's output but ``hidden_states[k]`` (klein's ``text_encoder_out_layers``,
 Qwen-Image's last layer, as ``hidden_states[-1]``); the
@@ -13,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
+from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
@@ -51,7 +53,10 @@ class SelectedLayers(tuple):
 
 class EngineLLMEncoder(EngineModule):
     """An LLM text encoder stand-in backed by an LLM encoder engine. ``EngineLLMEncoder(runtime, …)`` makes the
-    subclass that is an instance of the class the engine's graph was exported from (its spec's architecture)."""
+    subclass that is an instance of the class the engine's graph was exported from (its spec's architecture), which
+    returns that class's output type (only ``hidden_states`` filled)."""
+
+    output_class: Any = CausalLMOutputWithPast
 
     def __new__(cls, runtime: Runtime, *args: Any, **kwargs: Any) -> EngineLLMEncoder:
         if cls is EngineLLMEncoder:
@@ -73,8 +78,6 @@ class EngineLLMEncoder(EngineModule):
         output_hidden_states: bool | None = None, use_cache: bool | None = None, return_dict: bool = True,
         **kwargs: Any,
     ) -> Any:  # fmt: skip
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         refused = {"output_hidden_states=False": not output_hidden_states, "use_cache=True": bool(use_cache)}
         refused |= {name: value is not None for name, value in kwargs.items()}
         if given := [name for name, on in refused.items() if on]:
@@ -91,7 +94,7 @@ class EngineLLMEncoder(EngineModule):
         stacked = stacked.to(input_ids.device, self._dtype)
         layers = self.config.get_text_config().num_hidden_layers  # a vision-language model's: its language part's
         hidden = SelectedLayers(stacked, self.spec.hidden_layers, layers + 1)
-        out = CausalLMOutputWithPast(hidden_states=hidden)
+        out = self.output_class(hidden_states=hidden)
         return out if return_dict else out.to_tuple()
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -102,6 +105,12 @@ class EngineQwen3(EngineLLMEncoder, Qwen3ForCausalLM):  # type: ignore[misc]
     """A Qwen3ForCausalLM stand-in (FLUX.2 [klein]'s text_encoder)."""
 
 
+class EngineQwen3Model(EngineLLMEncoder, Qwen3Model):  # type: ignore[misc]
+    """A Qwen3Model stand-in (Z-Image's text_encoder)."""
+
+    output_class = BaseModelOutputWithPast
+
+
 class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  # type: ignore[misc]
     """A Qwen2_5_VLForConditionalGeneration stand-in (Qwen-Image's text_encoder), its text path: image inputs
     (pixel_values, which the Edit pipelines pass) are refused as any other keyword the engine does not take."""
@@ -110,7 +119,8 @@ class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  #
 # The engine's architecture (its spec's) → the stand-in class that is an instance of that transformers class.
 STANDINS: dict[str, type[EngineLLMEncoder]] = {
     pytorch.__name__: standin for pytorch, standin in (
-        (Qwen3ForCausalLM, EngineQwen3), (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL),
+        (Qwen3ForCausalLM, EngineQwen3), (Qwen3Model, EngineQwen3Model),
+        (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL),
     )
 }  # fmt: skip
 
