@@ -88,6 +88,12 @@ class SizeRule:
     # (with a negative prompt; its guidance_scale is for a guidance embedding Qwen-Image has not).
     guidance_keyword: str = "guidance_scale"
 
+    @property
+    def guides_with_negative_prompt(self) -> bool:
+        """Whether guidance runs only with a negative prompt (QwenImagePipeline's true_cfg_scale needs one; None means
+        no guidance there, not an empty negative prompt)."""
+        return self.guidance_keyword == "true_cfg_scale"
+
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
         from ..spec import Flux2TransformerSpec, FluxTransformerSpec, QwenImageTransformerSpec
@@ -186,6 +192,14 @@ class GenerateRequest:
         for guidance given to a model that takes none."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
+        if rule.guides_with_negative_prompt and self.negative_prompt is None:
+            if guidance is not None and guidance > 1:
+                raise RequestError(
+                    f"guidance {guidance} was given without a negative prompt, but QwenImagePipeline runs classifier-"
+                    'free guidance (true_cfg_scale) only with one: pass a negative prompt (" " will do), or leave '
+                    "--guidance out"
+                )
+            guidance = 1.0  # the pipeline's run without one, in every batch: no guidance
         if self.negative_prompt and not rule.takes_negative_prompt:
             raise RequestError(
                 "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "

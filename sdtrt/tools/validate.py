@@ -202,6 +202,7 @@ def validate(
     rule = SizeRule.for_model(model)
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=rule.applicable(config.guidance), seed=config.seed,
+        negative_prompt=" " if rule.guides_with_negative_prompt else None,  # Qwen-Image: its guided (two-pass) run
         height=config.height or profile.height.opt, width=config.width or profile.width.opt,
     ).sized_for(rule)  # fmt: skip
     reference = load_pipeline(model, scheduler=config.scheduler)
