@@ -219,7 +219,7 @@ def validate(
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         # A UNet's IP-Adapter is loaded into the reference's, then unloaded below: the images compare without one.
         network, loaded_adapter = reference_network(reference, model, component, members[component], ip_adapter)
-        cases = spec.validation_cases(profile)
+        cases = spec.validation_cases(spec.member_profile(profile))
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
         memory = HostMemory(spec, config.memory_budget) if runtime.device.type == "cpu" else None
