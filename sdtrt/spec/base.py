@@ -146,7 +146,7 @@ class GraphSpec:
     def check_profile(self, profile: ShapeProfile) -> None:
         """ConfigError unless ``profile`` fits this network: ordered ranges on its pixel grid, and where it reads text
         tokens, no more than its pipelines take (a VAE's member profile may carry the set's tokens)."""
-        reads_tokens = any("tokens" in t.shape for t in self.inputs())
+        reads_tokens = self.default_profile().tokens is not None
         profile.check(self.pixel_multiple, self.token_cap if reads_tokens else None)
 
     @property
