@@ -160,7 +160,8 @@ def test_guidance_runs_with_a_negative_prompt_alone_whatever_the_batch(qwen):
 
 def test_what_the_engines_cannot_do_is_refused(qwen):
     """Each in one line: a video (more frames than one) through the single-frame VAE engine, a layer of the LLM the
-    engine does not keep, Qwen-Image-Edit's image inputs to the text encoder."""
+    engine does not keep, Qwen-Image-Edit's image inputs to the text encoder, and its transformer's conditioning
+    before any export."""
     _, _, engine = qwen
     ids = torch.ones(1, 40, dtype=torch.int64)
     out = engine.text_encoder(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
@@ -172,6 +173,12 @@ def test_what_the_engines_cannot_do_is_refused(qwen):
     ):
         with pytest.raises(EngineInputError, match=r"^[^\n]+$"):
             call()
+    from sdtrt.core.errors import ArtifactError
+    from sdtrt.spec import QwenImageTransformerSpec
+
+    edit = dict(qwen[0].component_config("transformer"), zero_cond_t=True)  # Qwen-Image-Edit-2511's conditioning
+    with pytest.raises(ArtifactError, match=r"^this QwenImageTransformer2DModel sets zero_cond_t [^\n]+$"):
+        QwenImageTransformerSpec.fields_from(edit, {}, 8)
 
 
 @pytest.mark.slow

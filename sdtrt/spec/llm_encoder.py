@@ -39,7 +39,7 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
     fp16_problem: ClassVar[str] = (
         "Qwen3 is trained in bf16 and its activations overflow fp16 into inf/NaN (QwenLM/Qwen3 issues 761 and 868, "
-        "transformers issue 33312)"
+        "transformers pull request 33312, on Qwen2-VL)"
     )
     fp16_fallback: ClassVar[Precision] = "bf16"
     token_cap: ClassVar[TokenCap] = klein_token_cap
@@ -109,7 +109,7 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
     )
     fp16_problem: ClassVar[str] = (
         "Qwen2.5-VL is a bf16 model (Qwen-Image ships it in bf16) of the Qwen LLMs whose activations overflow fp16 "
-        "(transformers issue 33312)"
+        "(transformers pull request 33312, on Qwen2-VL)"
     )
 
     hidden_layers: tuple[int, ...] = (28,)  # Qwen2.5-VL-7B's last

@@ -318,9 +318,17 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        if taken := [k for k in QWEN_IMAGE_UNBUILT if config.get(k)]:
+            raise ArtifactError(
+                f"this QwenImageTransformer2DModel sets {', '.join(taken)} (Qwen-Image-Edit's or Layered's "
+                "conditioning, or a guidance embedding), which sdtrt's Qwen-Image graph does not take: run it on "
+                "PyTorch"
+            )
         return {
             "in_channels": config.get("in_channels", 64),
-            "out_channels": 4 * (config.get("out_channels") or config.get("in_channels", 64) // 4),
+            # proj_out gives patch_size² × (out_channels or in_channels), diffusers' defaults 2, 16, 64
+            "out_channels": config.get("patch_size", 2) ** 2
+            * (config.get("out_channels", 16) or config.get("in_channels", 64)),
             "cross_attention_dim": config["joint_attention_dim"],
             "pooled_projection_dim": 0,
             "latent_sample_size": cls.native_latents,
@@ -341,6 +349,10 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
             "img_freqs": ("float32", ("patches", pairs, 2)),  # the rotary embedding stays fp32
             "txt_freqs": ("float32", ("tokens", pairs, 2)),
         }
+
+
+# QwenImageTransformer2DModel's config switches of the Edit / Layered models, which the graph does not take.
+QWEN_IMAGE_UNBUILT = ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond", "guidance_embeds")
 
 
 def qwen_image_tokens() -> Range:

@@ -111,7 +111,8 @@ def integer_nearest_exact_as_nearest() -> contextlib.AbstractContextManager[None
     def as_nearest(input: torch.Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
                    *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         scales = scale_factor if isinstance(scale_factor, Sequence) else [scale_factor]
-        if mode == "nearest-exact" and size is None and all(float(f).is_integer() for f in scales):
+        whole = scale_factor is not None and all(float(f).is_integer() for f in scales)  # None: torch's own error
+        if mode == "nearest-exact" and size is None and whole:
             mode = "nearest"
         return interpolate(input, size, scale_factor, mode, *args, **kwargs)
 
