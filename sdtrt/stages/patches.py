@@ -15,15 +15,20 @@ import torch
 
 @contextlib.contextmanager
 def replaced(replacements: Mapping[tuple[Any, str], Any]) -> Iterator[None]:
-    """Set each ``(owner, attribute)`` to its value; restore the originals on exit, also on error."""
+    """Set each ``(owner, attribute)`` to its value; restore the originals on exit, also on error: an attribute the
+    owner only inherited (an instance's bound method, a base class's) is deleted again, not set."""
     originals = {key: getattr(*key) for key in replacements}
+    inherited = {key for key in replacements if key[1] not in getattr(key[0], "__dict__", {})}
     for (owner, name), value in replacements.items():
         setattr(owner, name, value)
     try:
         yield
     finally:
         for (owner, name), value in originals.items():
-            setattr(owner, name, value)
+            if (owner, name) in inherited:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def broadcast_to_as_expand() -> contextlib.AbstractContextManager[None]:
