@@ -55,6 +55,7 @@ CASES = [
             ("tiny-sdxl-refiner", "unet", "fp16"),
             ("tiny-sdxl-controlnet", "controlnet", "fp16"),
             ("tiny-sdxl", "text_encoder_2", "fp16"),
+            ("tiny-qwen-image", "text_encoder", "fp32"),  # Qwen2.5-VL: saved names renamed as transformers loads them
         ]
     ),
 ]

@@ -30,8 +30,10 @@ WidthOpt = Annotated[str | None, typer.Option(help="Pixel width, N or MIN:OPT:MA
 TokensOpt = Annotated[
     str | None,
     typer.Option(
-        help="SD3 / Flux: T5 tokens a prompt may take, N or MIN:OPT:MAX, at most 512 (default 32:256:256 for SD3, "
-        "32:256:512 for schnell, 32:512:512 for dev); a longer prompt is refused, never cut."
+        help="Text tokens a prompt may take, N or MIN:OPT:MAX; a longer prompt is refused, never cut. SD3 / FLUX.1: "
+        "T5 tokens, at most 512 (default 32:256:256 for SD3, 32:256:512 for schnell, 32:512:512 for dev); FLUX.2 "
+        "[klein]: chat-templated tokens, at most 512 (default 32:512:512); Qwen-Image: the prompt tokens its "
+        "transformer reads, at most 1024 (default 1:256:1024; the LLM engine reads its template's 34 more)."
     ),
 ]
 
@@ -43,7 +45,7 @@ def shape_profile(
     (in pixels) before anything is exported: a bad range is a usage error (exit 2), not a build failure."""
     default = spec.default_profile()
     if tokens and default.tokens is None:
-        raise RequestError("--tokens is the T5 token range of SD3 and Flux engines; this model has no T5")
+        raise RequestError("--tokens is the text-token range of T5 and LLM text encoders; this model has no T5 or LLM")
     try:
         profile = dataclasses.replace(  # guidance stays the model's
             default,
@@ -52,7 +54,7 @@ def shape_profile(
             width=Range.parse(width, "width") if width else default.width,
             tokens=Range.parse(tokens, "tokens") if tokens else default.tokens,
         )
-        profile.check(spec.pixel_multiple)
+        spec.check_profile(profile)
     except ConfigError as exc:
         raise RequestError(str(exc)) from exc
     return profile

@@ -59,9 +59,13 @@ TRANSFORMERS = {
 }  # fmt: skip
 # T5's token count by default (the pipelines' max_sequence_length): SD3 256, Flux dev 512, schnell 256.
 T5_TOKENS = {"sd3": 256, "flux": 512, "flux-schnell": 256}
-# The prompt tokens an LLM text encoder gives the transformer by default: the pipelines' max_sequence_length
-# (Flux2KleinPipeline's, ZImagePipeline's, QwenImagePipeline's).
+# The most prompt tokens an LLM text encoder gives the transformer by default: Flux2KleinPipeline's and
+# ZImagePipeline's max_sequence_length; QwenImagePipeline's cap (its check_inputs refuses more; its
+# max_sequence_length default is 512).
 LLM_TOKENS = {"flux2": 512, "zimage": 512, "qwenimage": 1024}
+# The prompt tokens Qwen-Image's engines are tuned for by default: QwenImagePipeline pads a batch to its longest prompt
+# (T5's pipelines pad to max_sequence_length), and most prompts are shorter than this. Not measured on a GPU.
+QWEN_IMAGE_TUNED_TOKENS = 256
 # The chat template's leading tokens QwenImagePipeline runs through the LLM and then drops (its
 # prompt_template_encode_start_idx): the LLM engine reads this many tokens more than the transformer.
 QWEN_IMAGE_DROPPED_TOKENS = 34

@@ -88,6 +88,12 @@ class SizeRule:
     # (with a negative prompt; its guidance_scale is for a guidance embedding Qwen-Image has not).
     guidance_keyword: str = "guidance_scale"
 
+    @property
+    def guides_with_negative_prompt(self) -> bool:
+        """Whether guidance runs only with a negative prompt (QwenImagePipeline's true_cfg_scale needs one; None means
+        no guidance there, not an empty negative prompt)."""
+        return self.guidance_keyword == "true_cfg_scale"
+
     @classmethod
     def for_denoiser(cls, spec: DenoiserSpec) -> SizeRule:
         from ..spec import Flux2TransformerSpec, FluxTransformerSpec, QwenImageTransformerSpec
@@ -188,6 +194,14 @@ class GenerateRequest:
         for guidance given to a model that takes none."""
         height, width = rule.resolve(self.height, self.width)
         guidance = rule.resolve_guidance(self.guidance)
+        if rule.guides_with_negative_prompt and self.negative_prompt is None:
+            if guidance is not None and guidance > 1:
+                raise RequestError(
+                    f"guidance {guidance} was given without a negative prompt, but QwenImagePipeline runs classifier-"
+                    'free guidance (true_cfg_scale) only with one: pass a negative prompt (" " will do), or leave '
+                    "--guidance out"
+                )
+            guidance = 1.0  # the pipeline's run without one, in every batch: no guidance
         if self.negative_prompt and not rule.takes_negative_prompt:
             raise RequestError(
                 "a negative prompt was given, but FLUX.1 pipelines read one only for true classifier-free guidance "
@@ -262,22 +276,28 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
 
 
 def check_llm_prompts(
-    prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None
-) -> None:
+    prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None, *, least: int = 1,
+    dropped: int = 0,
+) -> None:  # fmt: skip
     """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
     the tokenizer's chat template first; Qwen-Image its own ``template``, a format string) outnumber ``limit``, which
-    the tokenizer would cut without a word."""
+    the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum). ``dropped``: the
+    template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
     for prompt in prompts:
         text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
         )  # fmt: skip
         count = len(tokenizer(text).input_ids)
-        if count > limit:
-            where = "the LLM text encoder engine was built for" if built else "the pipeline takes"
-            raise RequestError(
-                f"the prompt {prompt[:30]!r}… is {count} tokens with its chat template, more than the {limit} {where}; "
-                "shorten it" + (", or rebuild the engines with a --tokens range covering it" if built else "")
-            )
+        if least <= count <= limit:
+            continue
+        where = "the engines were built for" if built else "the pipeline takes"
+        longer = count > limit
+        side, fix = (f"more than the {limit}", "shorten it") if longer else (f"fewer than the {least}", "lengthen it")
+        less = f" ({count - dropped} once the pipeline drops the template's first {dropped})" if dropped else ""
+        raise RequestError(
+            f"the prompt {prompt[:30]!r}… is {count} tokens with its chat template{less}, {side} {where}; {fix}"
+            + (f", or rebuild the engines with a --tokens range covering {count - dropped}" if built else "")
+        )
 
 
 def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:

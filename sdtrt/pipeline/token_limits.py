@@ -43,7 +43,9 @@ def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
 
     dropped = getattr(pipe, "prompt_template_encode_start_idx", 0)
     limit, built = _token_limit(pipe, "text_encoder", dropped)
-    check_llm_prompts(prompts, pipe.tokenizer, limit, built, getattr(pipe, "prompt_template_encode", None))
+    least = max([1] + [p.tokens.min + extra for p, extra in _token_profiles(pipe, "text_encoder", dropped)])
+    template = getattr(pipe, "prompt_template_encode", None)
+    check_llm_prompts(prompts, pipe.tokenizer, limit, built, template, least=least, dropped=dropped)
     return {"max_sequence_length": limit - dropped}
 
 
@@ -52,12 +54,19 @@ def _token_limit(pipe: Any, encoder: str, dropped: int = 0) -> tuple[int, bool]:
     ``dropped`` tokens the pipeline reads from the encoder and drops), and True; or the pipeline's
     max_sequence_length default (plus ``dropped``) and False where neither is an engine."""
     limit = inspect.signature(pipe.__call__).parameters["max_sequence_length"].default + dropped
-    built = []
+    built = [profile.tokens.max + extra for profile, extra in _token_profiles(pipe, encoder, dropped)]
+    return (min(built), True) if built else (limit, False)
+
+
+def _token_profiles(pipe: Any, encoder: str, dropped: int) -> list[tuple[Any, int]]:
+    """The engine profiles with a token axis of the ``encoder`` and the transformer, each with the tokens to add to
+    its count for the encoder's (the transformer reads ``dropped`` fewer)."""
+    found = []
     for name, extra in ((encoder, 0), ("transformer", dropped)):
         profile = getattr(getattr(getattr(pipe, name), "runtime", None), "profile", None)
         if profile is not None and profile.tokens is not None:
-            built.append(profile.tokens.max + extra)
-    return (min(built), True) if built else (limit, False)
+            found.append((profile, extra))
+    return found
 
 
 def _is_t5(module: Any) -> bool:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
+from ..core.config import T5_TOKEN_CAP, Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +110,8 @@ class GraphSpec:
     # with the count. Only lists whose copies after the first are alike (a trace whose copies 1 and 2 differ is
     # refused; tests/test_export_stamped.py proves Flux's at 6+7 blocks).
     repeated_blocks: ClassVar[dict[str, str]] = {}
+    # The most text tokens its pipelines take, where a profile has a token axis (T5's for SD3 and FLUX.1).
+    token_cap: ClassVar[TokenCap] = T5_TOKEN_CAP
 
     precision: Precision
     io_naming: IONaming
@@ -140,6 +142,17 @@ class GraphSpec:
         return self.vae_scale_factor
 
     # ---- derived ----------------------------------------------------------------------------
+
+    def member_profile(self, profile: ShapeProfile) -> ShapeProfile:
+        """This network's profile in an engine set built for ``profile`` (the denoiser's, compile's one): the same,
+        except where it reads other text tokens than the denoiser (Qwen-Image's LLM: the template tokens it drops)."""
+        return profile
+
+    def check_profile(self, profile: ShapeProfile) -> None:
+        """ConfigError unless ``profile`` fits this network: ordered ranges on its pixel grid, and where it reads text
+        tokens, no more than its pipelines take (a VAE's member profile may carry the set's tokens)."""
+        reads_tokens = self.default_profile().tokens is not None
+        profile.check(self.pixel_multiple, self.token_cap if reads_tokens else None)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -199,7 +212,7 @@ class GraphSpec:
 
     def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
         """Per input: (min, opt, max) shapes, as a TensorRT optimization profile wants them."""
-        profile.check(self.pixel_multiple)
+        self.check_profile(profile)
         batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
         corners = [self.input_shapes(batch[i], profile.height[i], profile.width[i], tokens[i]) for i in range(3)]
         return {name: tuple(c[name] for c in corners) for name in self.input_names}

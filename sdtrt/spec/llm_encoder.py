@@ -11,14 +11,16 @@ instead of every layer's), never the logits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
+from ..core.config import Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import UnsupportedModelError
 from ..core.families import LLM_LAYERS, LLM_TOKENS, QWEN_IMAGE_DROPPED_TOKENS
 from .base import FOLDERS, ModelConfigs, TensorSpec
 from .text_encoder import SequenceEncoderSpec
+from .transformer import klein_token_cap, qwen_image_tokens
 
 if TYPE_CHECKING:
     import torch
@@ -52,9 +54,10 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
     fp16_problem: ClassVar[str] = (
         "Qwen3 is trained in bf16 and its activations overflow fp16 into inf/NaN (QwenLM/Qwen3 issues 761 and 868, "
-        "transformers issue 33312)"
+        "transformers pull request 33312, on Qwen2-VL)"
     )
     fp16_fallback: ClassVar[Precision] = "bf16"
+    token_cap: ClassVar[TokenCap] = klein_token_cap
 
     hidden_size: int = 2560
     vocab_size: int = 151936
@@ -110,14 +113,20 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
     """Qwen2.5-VL's language model in QwenImagePipeline's ``text_encoder`` (Qwen2_5_VLForConditionalGeneration, its
     vision tower unused for text): the last layer's hidden states (``hidden_states[-1]``), one stacked layer. The
     pipeline tokenizes its chat template around the prompt, runs it all and drops the template's first 34 tokens, so
-    the engine reads up to 1024 + 34 tokens for the transformer's 1024. Text-only positions are 0..T-1 on all three
+    the engine reads 34 tokens more than the transformer (up to 1024 + 34): its profile is the transformer's, shifted
+    by 34. Text-only positions are 0..T-1 on all three
     rotary sections (transformers' default without image grids), as in Qwen3."""
 
     architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"] + QWEN_IMAGE_DROPPED_TOKENS
+    token_cap: ClassVar[TokenCap] = TokenCap(
+        pipeline_tokens,
+        "QwenImagePipeline's Qwen2.5-VL encoder reads",
+        "tokens (the transformer's and the 34 it drops)",
+    )
     fp16_problem: ClassVar[str] = (
         "Qwen2.5-VL is a bf16 model (Qwen-Image ships it in bf16) of the Qwen LLMs whose activations overflow fp16 "
-        "(transformers issue 33312)"
+        "(transformers pull request 33312, on Qwen2-VL)"
     )
 
     hidden_layers: tuple[int, ...] = (28,)  # Qwen2.5-VL-7B's last
@@ -127,8 +136,13 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
         return (num_hidden_layers,)
 
     def default_profile(self) -> ShapeProfile:
-        """From a one-word prompt (the template's dropped tokens and a few) to the pipeline's longest."""
-        return ShapeProfile(tokens=Range(QWEN_IMAGE_DROPPED_TOKENS + 1, self.pipeline_tokens, self.pipeline_tokens))
+        """The transformer's default tokens, and the template's dropped ones."""
+        return self.member_profile(ShapeProfile(tokens=qwen_image_tokens()))
+
+    def member_profile(self, profile: ShapeProfile) -> ShapeProfile:
+        if profile.tokens is None:
+            return profile
+        return dataclasses.replace(profile, tokens=Range(*(n + QWEN_IMAGE_DROPPED_TOKENS for n in profile.tokens)))
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,20 @@ import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core.config import Component, IONaming, Precision, ShapeProfile
+from ..core.config import Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
-from ..core.families import LLM_TOKENS, REFERENCE_TOKEN_PIPELINES, T5_TOKENS, transformer_family
+from ..core.families import (
+    LLM_TOKENS,
+    QWEN_IMAGE_TUNED_TOKENS,
+    REFERENCE_TOKEN_PIPELINES,
+    T5_TOKENS,
+    transformer_family,
+)
 from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
 from .denoiser import DenoiserSpec
+
+# FLUX.2 [klein]'s engines (its LLM's and its transformer's) take the pipeline's max_sequence_length default at most.
+klein_token_cap = TokenCap(LLM_TOKENS["flux2"], "sdtrt's FLUX.2 [klein] engines take")
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,7 @@ class FluxTransformerSpec(PackedTransformerSpec):
         optimum, the preferred resolution of most tokens at the maximum (a default diffusers call fits)."""
         if not self.reference_tokens:
             return super().profile_shapes(profile)
-        profile.check(self.pixel_multiple)
+        self.check_profile(profile)
         batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
         most = self.most_reference_patches
         corners = []
@@ -255,6 +264,7 @@ class Flux2TransformerSpec(PackedTransformerSpec):
 
     architecture: ClassVar[str] = "Flux2Transformer2DModel"
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
+    token_cap: ClassVar[TokenCap] = klein_token_cap
 
     guidance_embeds: bool = False
 
@@ -371,14 +381,23 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
     )
     fp16_fallback: ClassVar[Precision] = "bf16"
     native_latents: ClassVar[int] = 128  # QwenImagePipeline's default_sample_size: 1024 px
+    token_cap: ClassVar[TokenCap] = TokenCap(LLM_TOKENS["qwenimage"], "QwenImagePipeline takes", "prompt tokens")
 
     attention_head_dim: int = 128
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
+        if taken := [k for k in QWEN_IMAGE_UNBUILT if config.get(k)]:
+            raise ArtifactError(
+                f"this QwenImageTransformer2DModel sets {', '.join(taken)} (Qwen-Image-Edit's or Layered's "
+                "conditioning, or a guidance embedding), which sdtrt's Qwen-Image graph does not take: run it on "
+                "PyTorch"
+            )
         return {
             "in_channels": config.get("in_channels", 64),
-            "out_channels": 4 * (config.get("out_channels") or config.get("in_channels", 64) // 4),
+            # proj_out gives patch_size² × (out_channels or in_channels), diffusers' defaults 2, 16, 64
+            "out_channels": config.get("patch_size", 2) ** 2
+            * (config.get("out_channels", 16) or config.get("in_channels", 64)),
             "cross_attention_dim": config["joint_attention_dim"],
             "pooled_projection_dim": 0,
             "latent_sample_size": cls.native_latents,
@@ -387,10 +406,7 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
         }
 
     def default_profile(self) -> ShapeProfile:
-        """A one-word prompt's embedding is a few tokens once the template is dropped: the tokens start at 1."""
-        profile = super().default_profile()
-        assert profile.tokens is not None
-        return dataclasses.replace(profile, tokens=profile.tokens._replace(min=1))
+        return dataclasses.replace(super().default_profile(), tokens=qwen_image_tokens())
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
         pairs = self.attention_head_dim // 2
@@ -402,6 +418,16 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
             "img_freqs": ("float32", ("patches", pairs, 2)),  # the rotary embedding stays fp32
             "txt_freqs": ("float32", ("tokens", pairs, 2)),
         }
+
+
+# QwenImageTransformer2DModel's config switches of the Edit / Layered models, which the graph does not take.
+QWEN_IMAGE_UNBUILT = ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond", "guidance_embeds")
+
+
+def qwen_image_tokens() -> Range:
+    """Qwen-Image's default prompt tokens (the transformer's): a one-word prompt is a few once the template is dropped,
+    tuned for a typical prompt, up to the pipeline's cap."""
+    return Range(1, QWEN_IMAGE_TUNED_TOKENS, LLM_TOKENS["qwenimage"])
 
 
 TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {

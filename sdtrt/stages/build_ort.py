@@ -26,7 +26,7 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 def run(config: OrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     spec = onnx_graph.artifact_spec(source)
-    config.profile.check(spec.pixel_multiple)
+    spec.check_profile(config.profile)
     request = StageRequest(STAGE, VERSION, config, [source.as_input()], environment("onnxruntime"))
     artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir))
     return artifact

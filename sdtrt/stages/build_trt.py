@@ -71,7 +71,7 @@ def run(config: TrtBuildConfig, source: Artifact, store: Store) -> Artifact:
     which = product(config.product)
     env = build_environment(which, config, spec.precision, precision)
     for profile in config.effective_profiles():
-        profile.check(spec.pixel_multiple)
+        spec.check_profile(profile)
     config, level_reason = resolved(config, source)  # the key and manifest say what was built
     request = stage_request(config, source, env)
     artifact, _ = store.produce(request, lambda out_dir: _build(config, source, out_dir, store, level_reason))

@@ -154,8 +154,10 @@ def engine_members(engine: Artifact) -> dict[str, Artifact]:
 
 
 def engine_profile(members: dict[str, Artifact]) -> ShapeProfile | None:
-    """The user shape profile the engines were built for (every member shares compile's one), if recorded."""
-    return next((ShapeProfile.from_json(p) for a in members.values() if (p := a.manifest.get("profile"))), None)
+    """The user shape profile the engines were built for, if recorded: compile's one, the denoiser's (the others share
+    it, or derive theirs from it: Qwen-Image's LLM, spec.member_profile)."""
+    denoiser_first = sorted(members, key=lambda component: component not in ("unet", "transformer"))
+    return next((ShapeProfile.from_json(p) for c in denoiser_first if (p := members[c].manifest.get("profile"))), None)
 
 
 def check_pairing(members: dict[str, Artifact], model: ModelSource) -> None:

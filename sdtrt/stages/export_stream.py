@@ -69,7 +69,9 @@ def weight_free_network(
                 value = buffer.float() if buffer.dtype == torch.bfloat16 else buffer
                 computed[f"network.{prefix}{'.' if prefix else ''}{name}"] = value.numpy()
     stored = onnx_weights.safetensors_index(path)
-    if rename := getattr(network, "_fix_state_dict_keys_on_load", None):  # diffusers' own renaming, as on load:
+    if library == "transformers":
+        stored = renamed_as_loaded(network, stored, path)
+    elif rename := getattr(network, "_fix_state_dict_keys_on_load", None):  # diffusers' own renaming, as on load:
         rename(stored)  # a VAE's attention keys saved under their old names (query → to_q …: SD 2.1-base's)
     # Tied weights are saved once (T5's shared / encoder.embed_tokens): each name reads the one saved.
     tied: dict[int, list[str]] = {}
@@ -98,6 +100,32 @@ def stamping(blocks: dict[str, int]) -> dict[str, Any]:
 def stamp_overrides(spec: GraphSpec, blocks: dict[str, int]) -> dict[str, int]:
     """The config keys that build the network with STAMP_FROM copies of each list in ``blocks``."""
     return {key: STAMP_FROM for path, key in spec.repeated_blocks.items() if WRAPPER + path in blocks}
+
+
+def renamed_as_loaded(network: Any, stored: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The stored tensors under the names ``from_pretrained`` gives them: transformers' own checkpoint conversion
+    mapping for the network's class (Qwen2.5-VL's saved ``visual.*`` / ``model.layers.*`` are its
+    ``model.visual.*`` / ``model.language_model.layers.*``), renamed as its loader renames them. ExportError for a
+    tensor the loader converts (merges or splits), which a stream of stored tensors cannot give."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(network)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    wanted = network.state_dict()
+    renamed = {}
+    for key, tensor in stored.items():
+        name, converted = rename_source_key(key, renamings, converters, network.base_model_prefix, wanted)
+        if name not in wanted and key in wanted:  # as the loader: the saved name itself, where that one fits
+            name, converted = key, None
+        if converted is not None and name in wanted:
+            raise ExportError(
+                f"{path}: transformers converts tensor '{key}' on load (not a renaming), which a streamed export "
+                "cannot give: export with --weights load"
+            )
+        renamed[name] = tensor
+    return renamed
 
 
 def keep_fp32_modules(network: Any, dtype: torch.dtype) -> set[str]:

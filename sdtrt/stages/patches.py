@@ -15,15 +15,20 @@ import torch
 
 @contextlib.contextmanager
 def replaced(replacements: Mapping[tuple[Any, str], Any]) -> Iterator[None]:
-    """Set each ``(owner, attribute)`` to its value; restore the originals on exit, also on error."""
+    """Set each ``(owner, attribute)`` to its value; restore the originals on exit, also on error: an attribute the
+    owner only inherited (an instance's bound method, a base class's) is deleted again, not set."""
     originals = {key: getattr(*key) for key in replacements}
+    inherited = {key for key in replacements if key[1] not in getattr(key[0], "__dict__", {})}
     for (owner, name), value in replacements.items():
         setattr(owner, name, value)
     try:
         yield
     finally:
         for (owner, name), value in originals.items():
-            setattr(owner, name, value)
+            if (owner, name) in inherited:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def broadcast_to_as_expand() -> contextlib.AbstractContextManager[None]:
@@ -111,7 +116,8 @@ def integer_nearest_exact_as_nearest() -> contextlib.AbstractContextManager[None
     def as_nearest(input: torch.Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
                    *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
         scales = scale_factor if isinstance(scale_factor, Sequence) else [scale_factor]
-        if mode == "nearest-exact" and size is None and all(float(f).is_integer() for f in scales):
+        whole = scale_factor is not None and all(float(f).is_integer() for f in scales)  # None: torch's own error
+        if mode == "nearest-exact" and size is None and whole:
             mode = "nearest"
         return interpolate(input, size, scale_factor, mode, *args, **kwargs)
 

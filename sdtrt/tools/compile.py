@@ -199,11 +199,13 @@ def compile_model(
         config = replace(export_config, component=component, precision=precision)
         if component not in ("unet", "transformer", IMAGE_ENCODER):  # the adapter goes into these only
             config = replace(config, ip_adapter="", ip_adapter_image_encoder="")
-        member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         exported = quantized[component] if component in quantized else export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
         graphs[component] = simplified
-        built, _ = build(simplified, store, chosen, profile, trt_config=member_trt)
+        member = artifact_spec(simplified).member_profile  # Qwen-Image's LLM: its template's dropped tokens more
+        member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
+        member_trt = member_trt and replace(member_trt, profiles=tuple(map(member, member_trt.profiles)))
+        built, _ = build(simplified, store, chosen, member(profile), trt_config=member_trt)
         artifacts += [exported, simplified, built]
         if wraps:
             from ..stages import wrap

@@ -202,6 +202,7 @@ def validate(
     rule = SizeRule.for_model(model)
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, guidance=rule.applicable(config.guidance), seed=config.seed,
+        negative_prompt=" " if rule.guides_with_negative_prompt else None,  # Qwen-Image: its guided (two-pass) run
         height=config.height or profile.height.opt, width=config.width or profile.width.opt,
     ).sized_for(rule)  # fmt: skip
     reference = load_pipeline(model, scheduler=config.scheduler)
@@ -218,7 +219,7 @@ def validate(
         spec, member_tol = runtime.spec, Tolerances.of(config, held_to[component])
         # A UNet's IP-Adapter is loaded into the reference's, then unloaded below: the images compare without one.
         network, loaded_adapter = reference_network(reference, model, component, members[component], ip_adapter)
-        cases = spec.validation_cases(profile)
+        cases = spec.validation_cases(spec.member_profile(profile))
         # A set's rows name their member; a denoiser alone needs no name.
         prefix = "" if alone else f"{component} "
         memory = HostMemory(spec, config.memory_budget) if runtime.device.type == "cpu" else None
@@ -361,15 +362,17 @@ def _decode(pipe: Any, latents: torch.Tensor, request: GenerateRequest) -> np.nd
     Flux's packed latents unpacked, SD3's and Flux's VAE shift undone; FLUX.2's latent output is what its VAE
     decodes already (the pipeline undid its batch norm and patchification); Qwen-Image's unpacked to one frame and
     its per-channel statistics undone."""
+    from diffusers import AutoencoderKLQwenImage  # its engine stand-in is one too
+
     config = pipe.vae.config
     if hasattr(pipe, "_unpack_latents"):  # FluxPipeline's output_type="latent" is packed 2×2
         latents = pipe._unpack_latents(latents, request.height, request.width, pipe.vae_scale_factor)
     shift = getattr(config, "shift_factor", None) or 0.0
     scale = getattr(config, "scaling_factor", None) or 1.0
     with torch.no_grad():
-        if getattr(config, "latents_mean", None) is not None:  # Qwen-Image: per-channel statistics, one frame
+        if isinstance(pipe.vae, AutoencoderKLQwenImage):  # per-channel statistics (SDXL's may have some too), one frame
             stats = [torch.tensor(s).view(1, -1, 1, 1, 1) for s in (config.latents_std, config.latents_mean)]
-            decoded = pipe.vae.decode(latents * stats[0] + stats[1], return_dict=False)[0][:, :, 0]
+            decoded = pipe.vae.decode(latents * stats[0] + stats[1], return_dict=False)[0][:, :, 0]  # type: ignore[attr-defined]
         else:
             decoded = pipe.vae.decode(latents / scale + shift, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np")

@@ -42,7 +42,7 @@ from .quantize import (
     QuantPrecision,
     parse_level,
 )
-from .shapes import MAX_BATCH, MAX_T5_TOKENS, RANGE_EXAMPLES, Range, ShapeProfile, grid_problem
+from .shapes import MAX_BATCH, MAX_T5_TOKENS, RANGE_EXAMPLES, T5_TOKEN_CAP, Range, ShapeProfile, TokenCap, grid_problem
 from .simplify import SimplifyConfig, SimplifyMethod
 from .sizes import BINARY_UNITS, DECIMAL_UNITS, WeightBudget, format_size, parse_size
 from .step_cache import CACHE_SETTINGS, CacheCalibrationConfig
@@ -70,6 +70,7 @@ __all__ = [
     "QUANT_PRECISIONS",
     "RANGE_EXAMPLES",
     "STEP_CACHES",
+    "T5_TOKEN_CAP",
     "TEXT_ENCODERS",
     "TRANSFORMER_PARTS",
     "UNET_PARTS",
@@ -91,6 +92,7 @@ __all__ = [
     "SimplifyConfig",
     "SimplifyMethod",
     "Target",
+    "TokenCap",
     "TrtBuildConfig",
     "ValidationConfig",
     "WeightBudget",

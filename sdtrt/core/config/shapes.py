@@ -30,6 +30,17 @@ def grid_problem(name: str, value: int, multiple: int, within: Range | None = No
 MAX_BATCH = 64
 # The most T5 tokens (max_sequence_length) SD3's and FLUX.1's pipelines take: their check_inputs refuse more.
 MAX_T5_TOKENS = 512
+
+
+class TokenCap(NamedTuple):
+    """The most text tokens an engine's pipelines take (a spec's), for ShapeProfile.check's message."""
+
+    most: int
+    takes: str  # who takes them: "SD3 and FLUX.1 pipelines take"
+    kind: str = "tokens"  # what is counted: "T5 tokens"
+
+
+T5_TOKEN_CAP = TokenCap(MAX_T5_TOKENS, "SD3 and FLUX.1 pipelines take", "T5 tokens")
 # An example per kind of range in Range.parse's message: images per prompt, pixels, T5 tokens.
 RANGE_EXAMPLES = {"batch": "1:2:4", "height": "256:512:768", "width": "256:512:768", "tokens": "32:256:512"}
 
@@ -148,8 +159,9 @@ class ShapeProfile:
                     )
         return None
 
-    def check(self, pixel_multiple: int) -> None:
-        """Raise ConfigError unless every range is ordered, positive and on the model's grid."""
+    def check(self, pixel_multiple: int, token_cap: TokenCap | None = T5_TOKEN_CAP) -> None:
+        """Raise ConfigError unless every range is ordered, positive and on the model's grid, the tokens within the
+        pipeline's ``token_cap`` (None: a network that reads none)."""
         ranges = (("batch", self.batch), ("height", self.height), ("width", self.width), ("tokens", self.tokens))
         for name, rng in ranges:
             if rng is not None and not 0 < rng.min <= rng.opt <= rng.max:
@@ -159,10 +171,10 @@ class ShapeProfile:
                 f"batch range {self.batch}: at most {MAX_BATCH} images per prompt (an engine reserves memory for its "
                 "largest batch); generate larger sets in several calls"
             )
-        if self.tokens is not None and self.tokens.max > MAX_T5_TOKENS:
+        if self.tokens is not None and token_cap is not None and self.tokens.max > token_cap.most:
             raise ConfigError(
-                f"tokens range {self.tokens}: SD3 and FLUX.1 pipelines take at most {MAX_T5_TOKENS} T5 tokens "
-                f"(max_sequence_length); use a maximum of {MAX_T5_TOKENS} or less"
+                f"tokens range {self.tokens}: {token_cap.takes} at most {token_cap.most} {token_cap.kind} "
+                f"(max_sequence_length); use a maximum of {token_cap.most} or less"
             )
         for name, rng in (("height", self.height), ("width", self.width)):
             for value in rng:
