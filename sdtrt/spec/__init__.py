@@ -48,12 +48,12 @@ from .transformer import (
     TRANSFORMER_KINDS,
     Flux2TransformerSpec,
     FluxTransformerSpec,
-    QwenImageTransformerSpec,
     SD3TransformerSpec,
     TransformerSpec,
-    ZImageTransformerSpec,
 )
+from .transformer_qwen import QwenImageTransformerSpec
 from .transformer_split import PART_CLASSES, TransformerPartSpec
+from .transformer_zimage import ZImageTransformerSpec
 from .unet import UNetSpec
 from .unet_freeu import UNetFreeUSpec
 from .unet_split import PART_CLASSES as UNET_PART_CLASSES

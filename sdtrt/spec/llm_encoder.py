@@ -20,7 +20,8 @@ from ..core.errors import UnsupportedModelError
 from ..core.families import LLM_LAYERS, LLM_TOKENS, QWEN_IMAGE_DROPPED_TOKENS
 from .base import FOLDERS, ModelConfigs, TensorSpec
 from .text_encoder import SequenceEncoderSpec
-from .transformer import klein_token_cap, qwen_image_tokens
+from .transformer import klein_token_cap
+from .transformer_qwen import qwen_image_tokens
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,5 @@
-"""Transformer denoisers' graph contracts: SD3 / SD3.5 (MMDiT), Flux.1 and FLUX.2 (DiTs on packed latents), Z-Image.
+"""Transformer denoisers' graph contracts: SD3 / SD3.5 (MMDiT), Flux.1 and FLUX.2 (DiTs on packed latents); Z-Image's
+and Qwen-Image's in their own modules.
 
 Optimum's ``SD3TransformerOnnxConfig`` / ``FluxTransformerOnnxConfig`` and NVIDIA demo/Diffusion's
 ``model/diffusion_transformer.py`` declare the same IO. Inputs are named as the diffusers forward's
@@ -12,11 +13,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..core.config import Component, IONaming, Precision, Range, ShapeProfile, TokenCap
+from ..core.config import Component, IONaming, Precision, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
 from ..core.families import (
     LLM_TOKENS,
-    QWEN_IMAGE_TUNED_TOKENS,
     REFERENCE_TOKEN_PIPELINES,
     T5_TOKENS,
     transformer_family,
@@ -26,6 +26,12 @@ from .denoiser import DenoiserSpec
 
 # FLUX.2 [klein]'s engines (its LLM's and its transformer's) take the pipeline's max_sequence_length default at most.
 klein_token_cap = TokenCap(LLM_TOKENS["flux2"], "sdtrt's FLUX.2 [klein] engines take")
+
+
+# Transformer class name → its kind's contract. Each kind registers itself where it is defined (here, or its family's
+# module: transformer_zimage.py, transformer_qwen.py; the spec package imports them all), by its own ``architecture``
+# (a step-cache part inherits its kind's and is not registered).
+TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {}
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,11 @@ class TransformerSpec(DenoiserSpec):
     max_sequence_length: int = 256  # T5's default token count (the pipelines' max_sequence_length)
     # max_sequence_length when the pipeline is called without one (the profile covers it too).
     pipeline_tokens: ClassVar[int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "architecture" in cls.__dict__:
+            TRANSFORMER_KINDS[cls.architecture] = cls
 
     @classmethod
     def for_model(
@@ -297,149 +308,6 @@ class Flux2TransformerSpec(PackedTransformerSpec):
         if self.guidance_embeds:
             tensors["guidance"] = ("float32", ("batch",))
         return tensors
-
-
-@dataclass(frozen=True)
-class ZImageTransformerSpec(TransformerSpec):
-    """Z-Image: its forward takes Python lists (a latent ``[C, 1, h, w]`` and a caption ``[L_i, cap_feat_dim]`` per
-    sample, L_i each prompt's own token count), which no graph takes; the graph takes the padded batch diffusers'
-    forward builds from them instead, with what the padding means as masks. The stand-in converts with the
-    diffusers class's own patchify and unpatchify, so the pipeline's call and its list of outputs stay as they are:
-
-    - ``hidden_states [B, patches, 4C]``: 2×2 patches, padded to a multiple of 32 (``img_pad`` 1 at the pad tokens,
-      which become the model's x_pad_token and are attended to, as in diffusers);
-    - ``encoder_hidden_states [B, tokens, cap_feat_dim]``: each caption padded to a multiple of 32 (``txt_pad``: the
-      cap_pad_token there), then to the batch's longest (``txt_mask`` 0 there: no token attends to them);
-    - ``img_ids [B, patches, 3]`` / ``txt_ids [B, tokens, 3]``: the rotary positions (an image's start after its
-      own caption, so they differ per sample); ``timestep [B]`` as the pipeline passes it, (1000 - t) / 1000.
-
-    Padded forms keep the sequence axes dynamic (a profile axis each) where a per-sample form would need one graph
-    per length; classifier-free guidance doubles B (positive and negative prompts in one call, as the pipeline
-    makes it). The output is the denoised patches ``[B, patches, 4C]``, which the stand-in unpatchifies."""
-
-    architecture: ClassVar[str] = "ZImageTransformer2DModel"
-    pipeline_tokens: ClassVar[int] = LLM_TOKENS["zimage"]
-    fp16_problem: ClassVar[str] = (
-        "Z-Image is trained and shipped in bf16 and its feed-forward and block activations overflow fp16 into NaN "
-        "(black images: Tongyi-MAI/Z-Image issue 14, ComfyUI pull requests 11057 and 11187)"
-    )
-    fp16_fallback: ClassVar[Precision] = "bf16"
-    timestep_scale: ClassVar[float] = 1e-3
-    grid: ClassVar[dict[str, str]] = {}
-    sequence_multiple: ClassVar[int] = 32  # diffusers' SEQ_MULTI_OF: both sequences are padded to it per sample
-
-    @classmethod
-    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
-        patch = config.get("all_patch_size", [2])[0] ** 2 * config.get("all_f_patch_size", [1])[0]
-        return {
-            "in_channels": patch * config.get("in_channels", 16),
-            "out_channels": patch * config.get("in_channels", 16),
-            "cross_attention_dim": config["cap_feat_dim"],
-            "pooled_projection_dim": 0,
-            "latent_sample_size": vae.get("sample_size", 1024) // vae_scale_factor,  # ZImagePipeline's 1024 px
-            "latent_multiple": config.get("all_patch_size", [2])[0],
-        }
-
-    @property
-    def doubles_batch(self) -> bool:
-        return True
-
-    def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
-        sizes = super().axis_sizes(batch, height_px, width_px, tokens)
-        return sizes | {axis: -(-sizes[axis] // self.sequence_multiple) * self.sequence_multiple
-                        for axis in ("patches", "tokens")}  # fmt: skip
-
-    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
-        return {
-            "hidden_states": (None, ("batch", "patches", self.in_channels)),
-            "timestep": ("float32", ("batch",)),
-            "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),
-            "img_ids": ("int32", ("batch", "patches", 3)),
-            "txt_ids": ("int32", ("batch", "tokens", 3)),
-            "img_pad": ("int32", ("batch", "patches")),
-            "txt_pad": ("int32", ("batch", "tokens")),
-            "txt_mask": ("int32", ("batch", "tokens")),
-        }
-
-    def outputs(self) -> list[TensorSpec]:
-        return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
-
-
-@dataclass(frozen=True)
-class QwenImageTransformerSpec(PackedTransformerSpec):
-    """Qwen-Image: latents packed 2×2 ``[B, (h/2)(w/2), 4C]``, the LLM's last hidden states ``[B, T, 3584]`` with
-    their padding mask ``encoder_hidden_states_mask [B, T]`` (int32, 1 a token), the timestep as t / 1000, and the
-    rotary embedding's angles as (cos, sin) pairs: ``img_freqs [patches, head/2, 2]``, ``txt_freqs [T, head/2, 2]``
-    (fp32). The forward computes them from ``img_shapes``, Python sizes a graph would freeze; the stand-in computes
-    them with diffusers' own QwenEmbedRope and the graph rotates by them, as the forward's complex product does."""
-
-    architecture: ClassVar[str] = "QwenImageTransformer2DModel"
-    pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"]
-    fp16_problem: ClassVar[str] = (
-        "Qwen-Image's transformer is a bf16 model whose activations overflow fp16 into NaN latents, black images "
-        "(ComfyUI issue 10751, stable-diffusion.cpp pull request 1249)"
-    )
-    fp16_fallback: ClassVar[Precision] = "bf16"
-    native_latents: ClassVar[int] = 128  # QwenImagePipeline's default_sample_size: 1024 px
-    token_cap: ClassVar[TokenCap] = TokenCap(LLM_TOKENS["qwenimage"], "QwenImagePipeline takes", "prompt tokens")
-
-    attention_head_dim: int = 128
-
-    @classmethod
-    def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
-        if taken := [k for k in QWEN_IMAGE_UNBUILT if config.get(k)]:
-            raise ArtifactError(
-                f"this QwenImageTransformer2DModel sets {', '.join(taken)} (Qwen-Image-Edit's or Layered's "
-                "conditioning, or a guidance embedding), which sdtrt's Qwen-Image graph does not take: run it on "
-                "PyTorch"
-            )
-        return {
-            "in_channels": config.get("in_channels", 64),
-            # proj_out gives patch_size² × (out_channels or in_channels), diffusers' defaults 2, 16, 64
-            "out_channels": config.get("patch_size", 2) ** 2
-            * (config.get("out_channels", 16) or config.get("in_channels", 64)),
-            "cross_attention_dim": config["joint_attention_dim"],
-            "pooled_projection_dim": 0,
-            "latent_sample_size": cls.native_latents,
-            "latent_multiple": 2,
-            "attention_head_dim": config.get("attention_head_dim", 128),
-        }
-
-    def default_profile(self) -> ShapeProfile:
-        return dataclasses.replace(super().default_profile(), tokens=qwen_image_tokens())
-
-    def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
-        pairs = self.attention_head_dim // 2
-        return {
-            "hidden_states": (None, ("batch", "patches", self.in_channels)),
-            "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),
-            "encoder_hidden_states_mask": ("int32", ("batch", "tokens")),
-            "timestep": ("float32", ("batch",)),
-            "img_freqs": ("float32", ("patches", pairs, 2)),  # the rotary embedding stays fp32
-            "txt_freqs": ("float32", ("tokens", pairs, 2)),
-        }
-
-
-# QwenImageTransformer2DModel's config switches of the Edit / Layered models, which the graph does not take.
-QWEN_IMAGE_UNBUILT = ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond", "guidance_embeds")
-
-
-def qwen_image_tokens() -> Range:
-    """Qwen-Image's default prompt tokens (the transformer's): a one-word prompt is a few once the template is dropped,
-    tuned for a typical prompt, up to the pipeline's cap."""
-    return Range(1, QWEN_IMAGE_TUNED_TOKENS, LLM_TOKENS["qwenimage"])
-
-
-TRANSFORMER_KINDS: dict[str, type[TransformerSpec]] = {
-    cls.architecture: cls
-    for cls in (
-        SD3TransformerSpec,
-        FluxTransformerSpec,
-        Flux2TransformerSpec,
-        ZImageTransformerSpec,
-        QwenImageTransformerSpec,
-    )
-}
 
 
 def _kind(architecture: str) -> type[TransformerSpec]:
