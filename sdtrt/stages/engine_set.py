@@ -53,8 +53,10 @@ def source_model(artifact: Artifact) -> dict[str, Any]:
 
 
 def recorded_model(engine: Artifact) -> ModelSource:
-    """The model ``engine`` was made from, resolved here; ArtifactError when it is not on this machine."""
-    recorded = source_model(engine)
+    """The model ``engine`` was made from, resolved here; ArtifactError when it is not on this machine. A set names
+    its model itself: its members' lineage names whichever model first made each (tiny-controlnet's UNet is tiny's)."""
+    described = engine.manifest.get("model") or {}
+    recorded = described if "path" in described else source_model(engine)
     if not Path(recorded["path"]).is_dir():
         raise ArtifactError(
             f"the model {engine.path} was made from ({recorded['path']}) is not on this machine; pass --model"
