@@ -122,3 +122,19 @@ def test_image_guards():
     assert image_problems(np.full((8, 8, 3), np.nan)) == ["contains NaN or inf"]
     assert image_problems(np.random.default_rng(0).random((8, 8, 3))) == []
     assert psnr_db(np.ones(4), np.ones(4)) == float("inf")
+
+
+def test_an_sdxl_vae_with_latent_statistics_decodes_as_sdxl_not_as_qwen_image(tiny):
+    """An AutoencoderKL may carry latents_mean / latents_std (Playground v2.5's, read by its SDXL pipeline): validate
+    decodes its 4-D latents as an AutoencoderKL's, keying Qwen-Image's one-frame decode on the VAE's class alone."""
+    import torch
+
+    from sdtrt.pipeline.loading import load_pipeline
+    from sdtrt.pipeline.request import GenerateRequest
+    from sdtrt.tools.validate import _decode
+
+    pipe = load_pipeline(tiny)
+    channels = pipe.vae.config.latent_channels
+    pipe.vae.register_to_config(latents_mean=[0.1] * channels, latents_std=[0.9] * channels)
+    image = _decode(pipe, torch.randn(1, channels, 8, 8), GenerateRequest(height=64, width=64))
+    assert image.shape == (1, 64, 64, 3) and np.isfinite(image).all()

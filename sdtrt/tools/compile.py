@@ -202,7 +202,7 @@ def compile_model(
         exported = quantized[component] if component in quantized else export.run(config, model, store)
         simplified = simplify.run(simplify_config, exported, store)
         graphs[component] = simplified
-        member = artifact_spec(simplified).member_profile  # Qwen-Image's LLM: its template's dropped tokens more
+        member = export.spec_for(model, config).member_profile  # Qwen-Image's LLM: its template's dropped tokens more
         member_trt = trt_config and upcast_tf32(trt_config, export_config.precision, config.precision)
         member_trt = member_trt and replace(member_trt, profiles=tuple(map(member, member_trt.profiles)))
         built, _ = build(simplified, store, chosen, member(profile), trt_config=member_trt)
