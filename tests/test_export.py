@@ -41,6 +41,7 @@ def test_fp16_export_io_contract(tiny_export):
         "concat->cat",
         "rms_norm->arithmetic",
         "flux rotary: unflatten",
+        "nearest-exact xN->nearest",
     ]
     assert manifest["config"]["precision"] == "fp16"
     assert not onnx_graph.data_file(path).exists()

@@ -168,13 +168,17 @@ def pipeline_class_name(index_class: str, task: Task | None) -> str:
     return row[task]
 
 
+# The img2img pipelines that take a height and width (SD's, SDXL's and LCM's make the input image's size).
+SIZED_IMG2IMG = ("StableDiffusion3", "Flux", "ZImage", "QwenImage")
+
+
 def pipeline_inputs(class_name: str) -> frozenset[str]:
     """Which of a request's optional inputs (negative_prompt, image, mask_image, control_image, strength, height) the
     ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported
     (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their control image as
     ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``); Kontext's reference
     image is its ``image``, and FLUX.2 [klein]'s optional reference images too. SD, SDXL and LCM img2img take no
-    height (nor width): they make the input image's size."""
+    height (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
     kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
@@ -186,7 +190,7 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
         "mask_image": inpaint,
         "control_image": flux_control or (controlnet and (img2img or inpaint)),
         "strength": img2img or inpaint,
-        "height": not img2img or controlnet or class_name.startswith(("StableDiffusion3", "Flux")),
+        "height": not img2img or controlnet or class_name.startswith(SIZED_IMG2IMG),
     }
     return frozenset(name for name, taken in inputs.items() if taken)
 

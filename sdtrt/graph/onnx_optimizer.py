@@ -68,6 +68,8 @@ def _bounded(original: Any) -> Any:
     positions: dict[int, tuple[Any, dict[int, int]]] = {}  # per graph: node → index, rebuilt for a node new to it
 
     def in_graph_order(graph: Any, nodes: list[Any]) -> list[Any]:
+        if len(nodes) < 2:  # most values have one reader of the op type: nothing to order, no index to rebuild
+            return nodes
         held = positions.get(id(graph))
         if held is None or held[0] is not graph or any(id(n) not in held[1] for n in nodes):
             # Nodes inserted since keep the order of those before (the optimizer inserts and removes, never moves).
