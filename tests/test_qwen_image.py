@@ -181,6 +181,35 @@ def test_what_the_engines_cannot_do_is_refused(qwen):
         QwenImageTransformerSpec.fields_from(edit, {}, 8)
 
 
+@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+def test_an_edit_without_its_image_is_refused_before_running(qwen, task):
+    """By generate before an engine runs (the edit pipeline made from the engine txt2img one), and by the check
+    `sdtrt generate` makes before loading."""
+    import diffusers
+
+    from sdtrt.core.families import pipeline_class_name
+    from sdtrt.pipeline.image_inputs import check_pipeline_inputs
+    from sdtrt.pipeline.request import SizeRule
+
+    source, _, txt2img = qwen
+    edit = getattr(diffusers, pipeline_class_name("QwenImagePipeline", task)).from_pipe(txt2img)
+    calls: list[int] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda *_: calls.append(1))
+        for m in (txt2img.text_encoder, txt2img.transformer, txt2img.vae)
+    ]
+    req = request(height=128, width=128)  # no image, no mask
+    try:
+        with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
+            generate(edit, req)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with pytest.raises(RequestError, match=r"--image"):
+        check_pipeline_inputs(req, "QwenImagePipeline", task, SizeRule.for_model(source))
+    assert not calls
+
+
 @pytest.mark.slow
 def test_the_default_compile_matches_pytorch(store):
     """``sdtrt compile``'s way: torch.export's exporter for the transformer, the VAE encoder too, the default checks
@@ -229,3 +258,28 @@ def test_fp16_builds_the_transformer_and_the_llm_in_bf16_where_the_target_has_it
         assert component_precision(source, component, "fp16", "onnxruntime") == "fp32"
     assert component_precision(source, "transformer", "fp32", "onnxruntime") == "fp32"
     assert QwenImageTransformerSpec.fp16_fallback == QwenVLEncoderSpec.fp16_fallback == "bf16"
+
+
+@pytest.mark.slow
+def test_inpaint_matches_pytorch(store):
+    """QwenImageInpaintPipeline on the engine set (the VAE encoder engine encodes the image and the masked image) at
+    a square and a non-square size."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-qwen-image")
+    profile = ShapeProfile(Range(1, 1, 2), Range(128, 128, 256), Range(128, 192, 256), False, Range(1, 160, 256))
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine_set = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=profile).final
+    pipes = [load_pipeline(source, e, task="inpaint") for e in (None, engine_set)]
+    assert type(pipes[1]).__name__ == "QwenImageInpaintPipeline" and pipes[1].vae.encoder_runtime is not None
+    rng = np.random.default_rng(0)
+    for height, width in [(128, 128), (256, 128)]:
+        mask = np.zeros((height, width), dtype=np.uint8)
+        mask[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255
+        start = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        req = request(height=height, width=width, image=start, mask_image=Image.fromarray(mask), strength=0.6)
+        reference, engine = (generate(p, req, output_type="np").images[0] for p in pipes)
+        psnr = psnr_db(engine, reference)
+        print(f"tiny-qwen-image inpaint {height}x{width}: PSNR {psnr:.1f} dB")
+        assert reference.shape == (height, width, 3) and reference.std() > 0.01 and psnr >= 35.0
