@@ -14,7 +14,8 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
         # today's export (every block traced, onnxscript's optimizer search) and the stamped one, side by side
     python benchmarks/big_export.py --model tiny-flux --blocks 19,38 38,76 --baseline /tmp/sdtrt-33de05c
         # export time against block count: torch.export, the optimizer and the whole export, wall and CPU seconds,
-        # per size, for this tree and an sdtrt source tree of another commit (git archive), alternating
+        # per size, for this tree and an sdtrt source tree of another commit, alternating (the tree:
+        # mkdir /tmp/sdtrt-33de05c && git archive 33de05c sdtrt | tar -x -C /tmp/sdtrt-33de05c)
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
@@ -261,13 +262,13 @@ def report(args: argparse.Namespace, state: dict[str, Any], rows: list[dict[str,
                "steps": rows}  # fmt: skip
     print(f"\n{args.model} {state.get('component')}: {state.get('parameters', 0) / 1e6:.1f} M parameters, "
           f"{weight_bytes / 2**30:.2f} GiB at the graph's precision ({state.get('exporter')} exporter)")  # fmt: skip
-    print(f"{'step':<18} {'wall s':>8} {'CPU s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
+    print(f"{'step':<24} {'wall s':>8} {'CPU s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
     for row in rows:
         rss = f"{row['peak_rss_bytes'] / 2**30:.2f}" if "peak_rss_bytes" in row else "-"
         ratio = f"{row['peak_per_weight_bytes']:.2f}" if "peak_per_weight_bytes" in row else "-"
         wall, cpu = (f"{row[k]:.1f}" if k in row else "-" for k in ("wall_s", "cpu_s"))
         print(
-            f"{row['step']:<18} {wall:>8} {cpu:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}"
+            f"{row['step']:<24} {wall:>8} {cpu:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}"
         )
     if any("phases" in row.get("result", {}) for row in rows):
         print_phases(rows)
