@@ -12,6 +12,10 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
     python benchmarks/big_export.py --model sd15-random --compare-weights   # loaded and streamed, side by side
     python benchmarks/big_export.py --model tiny-flux --blocks 19,38 --compare-stamp   # Flux's depth at tiny width:
         # today's export (every block traced, onnxscript's optimizer search) and the stamped one, side by side
+    python benchmarks/big_export.py --model tiny-flux --blocks 19,38 38,76 --baseline /tmp/sdtrt-33de05c
+        # export time against block count: torch.export, the optimizer and the whole export, wall and CPU seconds,
+        # per size, for this tree and an sdtrt source tree of another commit, alternating (the tree:
+        # mkdir /tmp/sdtrt-33de05c && git archive 33de05c sdtrt | tar -x -C /tmp/sdtrt-33de05c)
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
@@ -20,13 +24,14 @@ artifact is there already is a cache hit (delete them to measure again). Not a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +48,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     model = resolve_model(args.model)
     component = args.component or model.denoiser_folder
     if args.blocks:
-        model = with_blocks(model, component, [int(n) for n in args.blocks.split(",")])
+        model = with_blocks(model, component, [int(n) for n in args.blocks[-1].split(",")])
     store = Store(Path(args.engines))
     if step == "preset":
         from sdtrt.spec import FOLDERS
@@ -59,10 +64,12 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
         overrides = {k: v for k, v in options if v}
         if args.stamp == "off":
             todays_export(export.spec_for(model, ExportConfig(component=component)))
-        artifact = export.run(ExportConfig(component=component, **overrides), model, store)  # type: ignore[arg-type]
+        phases: dict[str, float] = {}
+        with timed_phases(phases):
+            artifact = export.run(ExportConfig(component=component, **overrides), model, store)  # type: ignore[arg-type]
         details = artifact.manifest["details"]
         return {"export": str(artifact.path), "precision": artifact.manifest["io"]["precision"],
-                "exporter": details["exporter"], "weights": details["weights"]}  # fmt: skip
+                "exporter": details["exporter"], "weights": details["weights"], "phases": phases}  # fmt: skip
     if step == "simplify":
         from sdtrt.core.config import SimplifyConfig, parse_size
         from sdtrt.stages import simplify
@@ -110,20 +117,55 @@ def todays_export(spec: Any) -> None:
     exporters.multi_output_matches_by_use = contextlib.nullcontext  # type: ignore[assignment]
 
 
-def child(step: str, argv: list[str], state: dict[str, Any], script: str = __file__) -> dict[str, Any]:
+@contextlib.contextmanager
+def timed_phases(into: dict[str, float]) -> Iterator[None]:
+    """Wall and CPU seconds (this process's, all threads) of torch.export and of the exporter's optimizer
+    (``ONNXProgram.optimize``, inside any hook the export puts around it), summed into ``into``."""
+    import torch.export
+    from torch.onnx._internal.exporter._onnx_program import ONNXProgram
+
+    def timed(owner: Any, name: str, phase: str) -> Any:
+        original = getattr(owner, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                into[f"{phase}_s"] = round(into.get(f"{phase}_s", 0) + time.perf_counter() - wall, 1)
+                into[f"{phase}_cpu_s"] = round(into.get(f"{phase}_cpu_s", 0) + time.process_time() - cpu, 1)
+
+        setattr(owner, name, run)
+        return original
+
+    originals = [(torch.export, "export", timed(torch.export, "export", "torch_export")),
+                 (ONNXProgram, "optimize", timed(ONNXProgram, "optimize", "optimizer"))]  # fmt: skip
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+def child(
+    step: str, argv: list[str], state: dict[str, Any], script: str = __file__, source: str | None = None
+) -> dict[str, Any]:
     """Run ``step`` in a child process (``script``, which must take --child STEP --state FILE and write its result to
-    FILE, as this one does): its wall time, peak RSS and result. The peak is ru_maxrss from wait4: that child's, or its
-    largest waited-for descendant's (a build worker's) when larger."""
+    FILE, as this one does), importing sdtrt from ``source`` if given: its wall and CPU time, peak RSS and result.
+    The peak is ru_maxrss from wait4: that child's, or its largest waited-for descendant's (a build worker's) when
+    larger."""
+    env = os.environ | ({"PYTHONPATH": source} if source else {})
     with tempfile.TemporaryDirectory() as tmp:
         state_file = Path(tmp) / "state.json"
         state_file.write_text(json.dumps(state))
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, script, *argv, "--child", step, "--state", str(state_file)])
+        proc = subprocess.Popen([sys.executable, script, *argv, "--child", step, "--state", str(state_file)], env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - started
         code = os.waitstatus_to_exitcode(status)
         result = json.loads(state_file.read_text()) if code == 0 else {}
-    out = {"step": step, "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024, "exit": code}
+    cpu = round(usage.ru_utime + usage.ru_stime, 1)
+    out = {"step": step, "wall_s": round(wall, 1), "cpu_s": cpu, "peak_rss_bytes": usage.ru_maxrss * 1024, "exit": code}
     return out | ({"result": result} if code == 0 else {"error": f"exited {code} (its stderr above says why)"})
 
 
@@ -151,7 +193,14 @@ def main() -> None:
         help="export and simplify twice, --weights load then stream, each into its own store under --engines "
         "(weights-load/, weights-stream/: the key does not hold the weights path), side by side",
     )  # fmt: skip
-    parser.add_argument("--blocks", default=None, help="the component's repeated block counts, e.g. 19,38 for Flux")
+    parser.add_argument(
+        "--blocks", nargs="+", default=None,
+        help="the component's repeated block counts, e.g. 19,38 for Flux; several sizes (19,38 38,76): export each",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline", default=None,
+        help="with --blocks: an sdtrt source tree (another commit's, git archive) to export each size with too",
+    )  # fmt: skip
     compare.add_argument(
         "--compare-stamp", action="store_true",
         help="export twice, as before stamping (--stamp off) then stamped, each into its own store under --engines",
@@ -180,6 +229,13 @@ def main() -> None:
             ("export", f" (stamp {stamp})", ["--stamp", stamp, "--engines", str(Path(args.engines) / f"stamp-{stamp}")])
             for stamp in ("off", "on")
         ]
+    if args.blocks and (len(args.blocks) > 1 or args.baseline):
+        sides = ("baseline", "this") if args.baseline else ("this",)
+        plan = [
+            ("export", f" {size} {side}", ["--blocks", size, "--engines", str(Path(args.engines) / f"{side}-{size}")])
+            for size in args.blocks
+            for side in sides
+        ]
     state: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     for step, label, extra in plan:
@@ -188,7 +244,8 @@ def main() -> None:
             rows.append({"step": step + label, "exit": None, "error": f"skipped: {NEEDS[step]} failed"})
             continue
         print(f"== {step}{label}", file=sys.stderr, flush=True)
-        row = child(step, sys.argv[1:] + extra, state) | {"step": step + label}
+        source = args.baseline if label.endswith(" baseline") else None
+        row = child(step, sys.argv[1:] + extra, state, source=source) | {"step": step + label}
         state |= row.get("result", {})
         rows.append(row)
     report(args, state, rows)
@@ -205,16 +262,32 @@ def report(args: argparse.Namespace, state: dict[str, Any], rows: list[dict[str,
                "steps": rows}  # fmt: skip
     print(f"\n{args.model} {state.get('component')}: {state.get('parameters', 0) / 1e6:.1f} M parameters, "
           f"{weight_bytes / 2**30:.2f} GiB at the graph's precision ({state.get('exporter')} exporter)")  # fmt: skip
-    print(f"{'step':<18} {'wall s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
+    print(f"{'step':<24} {'wall s':>8} {'CPU s':>8} {'peak RSS GiB':>13} {'peak/weights':>13}  result")
     for row in rows:
         rss = f"{row['peak_rss_bytes'] / 2**30:.2f}" if "peak_rss_bytes" in row else "-"
         ratio = f"{row['peak_per_weight_bytes']:.2f}" if "peak_per_weight_bytes" in row else "-"
-        wall = f"{row['wall_s']:.1f}" if "wall_s" in row else "-"
-        print(f"{row['step']:<18} {wall:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}")
+        wall, cpu = (f"{row[k]:.1f}" if k in row else "-" for k in ("wall_s", "cpu_s"))
+        print(
+            f"{row['step']:<24} {wall:>8} {cpu:>8} {rss:>13} {ratio:>13}  {row.get('error') or outcome(row['result'])}"
+        )
+    if any("phases" in row.get("result", {}) for row in rows):
+        print_phases(rows)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
+
+
+def print_phases(rows: list[dict[str, Any]]) -> None:
+    """The exports' phases, wall / CPU seconds (the whole export: its child process, building the preset included)."""
+    print(f"\n{'export':<24} {'torch.export':>14} {'optimizer':>14} {'whole export':>14}")
+    for row in rows:
+        if phases := row.get("result", {}).get("phases"):
+            cells = [
+                f"{phases.get(f'{p}_s', 0):.1f} / {phases.get(f'{p}_cpu_s', 0):.1f}"
+                for p in ("torch_export", "optimizer")
+            ]
+            print(f"{row['step']:<24} {cells[0]:>14} {cells[1]:>14} {row['wall_s']:>6.1f} / {row['cpu_s']:<6.1f}")
 
 
 def outcome(result: dict[str, Any]) -> str:

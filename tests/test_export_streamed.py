@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -22,6 +23,7 @@ from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import ConfigError, ExportError
 from sdtrt.core.store import Store
 from sdtrt.graph import onnx_graph
+from sdtrt.graph.onnx_structure import graph_structure
 from sdtrt.runtime.onnxruntime import OnnxRuntime
 from sdtrt.sources.models import ModelSource, load_folder, resolve_model
 from sdtrt.spec import FOLDERS, ValidationCase
@@ -31,9 +33,10 @@ from sdtrt.tools.validate import Tolerances, check_tensor_row, compare_case
 # (preset, component, precision): a UNet in fp32 and SDXL's in fp16 (tiny's fp16 UNet takes the same path, less
 # SDXL's extra inputs), SD3's and Flux's transformers, a T5 (fp16 keeps its `wo` fp32), a CLIP text encoder (its
 # position ids are a non-persistent buffer, in no safetensors file), a VAE decoder (the network's encoder weights go
-# unused): every component auto streams (the VAE encoder, whose values a streamed trace numbers otherwise, is loaded:
-# export.NOT_STREAMED). ControlNets and the other presets' denoisers (SD 2's upcast attention, LCM's timestep_cond,
-# inpainting's 9 channels, the refiner's and SDXL ControlNet's extra inputs) run with -m slow.
+# unused): every component auto streams (the VAE encoder too, its fp32 graph the loaded one up to value names:
+# test_the_streamed_vae_encoder_is_the_loaded_one_up_to_names). ControlNets and the other presets' denoisers (SD 2's
+# upcast attention, LCM's timestep_cond, inpainting's 9 channels, the refiner's and SDXL ControlNet's extra inputs)
+# run with -m slow.
 CASES = [
     ("tiny", "unet", "fp32"),
     # SDXL's fp16 UNet streamed (41 s in CI22): its extra inputs and fp16 are covered by the others; run with -m slow.
@@ -134,6 +137,24 @@ def test_streamed_export_is_the_loaded_export(preset, component, precision, load
     assert pytorch_parity_failures(streamed.primary, model, spec) == []
 
 
+def test_the_streamed_vae_encoder_is_the_loaded_one_up_to_names(loaded_store, streamed_export):
+    """Streamed, the VAE encoder's fp32 trace numbers some values otherwise (its fp16 one is byte for byte the loaded
+    one): the same nodes, wiring, scopes, types, shapes and weights (graph_structure), the same ONNX Runtime outputs,
+    bit for bit."""
+    model = resolve_model("tiny")
+    config = ExportConfig("fp32", exporter="dynamo", component="vae_encoder", weights="load")
+    loaded, streamed = export.run(config, model, loaded_store), streamed_export(model, "vae_encoder", "fp32")
+    assert (loaded.manifest["details"]["weights"], streamed.manifest["details"]["weights"]) == ("load", "stream")
+    assert loaded.key != streamed.key
+    assert nodes(onnx.load(str(streamed.primary))) != nodes(onnx.load(str(loaded.primary)))  # not byte for byte
+    structures = (graph_structure(ir.load(str(a.primary))) for a in (streamed, loaded))
+    assert next(structures).differences(next(structures)) == []
+    spec = export.spec_for(model, config)
+    for a, b in zip(*(ort_outputs(a.primary, spec, "fp32") for a in (streamed, loaded)), strict=True):
+        assert np.array_equal(a, b)
+    assert pytorch_parity_failures(streamed.primary, model, spec) == []
+
+
 def test_a_weight_missing_from_the_shards_fails_clearly_and_leaves_nothing(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -170,12 +191,13 @@ def test_auto_streams_every_network_torch_export_traces_and_keys_the_graph_not_t
     with pytest.raises(ConfigError, match=r"torch\.export"):
         ExportConfig(exporter="torchscript", weights="stream")
     encoder = ExportConfig(component="vae_encoder", exporter="dynamo")  # its values numbered otherwise when streamed
-    why = export.NOT_STREAMED["vae_encoder"]
-    assert export.weights_path(encoder, export.spec_for(tiny, encoder), tiny) == ("load", why)
-    # Its streamed graph names some values otherwise than its loaded one: the two have their own keys.
-    assert export.request_for(dataclasses.replace(encoder, weights="stream"), tiny).key not in {
-        export.request_for(dataclasses.replace(encoder, weights=weights), tiny).key for weights in ("auto", "load")
+    why = "torch.export's exporter traces the network without its weights"
+    assert export.weights_path(encoder, export.spec_for(tiny, encoder), tiny) == ("stream", why)
+    # Its streamed graph names some values otherwise than its loaded one: the loaded graph has its own key.
+    keys = {
+        w: export.request_for(dataclasses.replace(encoder, weights=w), tiny).key for w in ("auto", "stream", "load")
     }
+    assert keys["auto"] == keys["stream"] != keys["load"]
     monkeypatch.setattr(export, "STREAM_ABOVE", 1000)  # tiny's UNet as if it were SD 1.5's
     assert plan() == ("dynamo", "stream", "torch.export's exporter traces the network without its weights")
     assert plan(weights="load") == ("dynamo", "load", "asked for with --weights load"), "auto's graph, loaded"

@@ -101,6 +101,10 @@ def _readers_of_shared_input(pattern: Any, node: Any, graph: Any) -> list[list[A
     from onnxscript.rewriter import _pattern_ir
 
     first, readers = pattern.output_nodes[0], []
+    if not (first.op.matches(node.op_type) and first.domain.matches(node.domain)):
+        # No candidates: ``node`` fails the first output node's first checks (NodePattern.matches), as in onnxscript,
+        # which walks the whole graph first for a node that reads no value there (each Constant: the quadratic step).
+        return [[] for _ in pattern.output_nodes[1:]]
     for other in pattern.output_nodes[1:]:
         shared = next(
             (

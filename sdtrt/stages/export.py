@@ -60,9 +60,10 @@ VERSION = 4  # 3: the graph spec is part of the key; 4: torch.concat exported as
 # smallest, an fp16 VAE: 167 MB), never the tiny presets' (6 MB at most), which TorchScript's exporter traces ~10x
 # faster (the tiny fp16 UNet: 1.8 s, 20 s with torch.export's) and whose weights cost nothing to load.
 STREAM_ABOVE = 64 * 2**20
-# Networks whose streamed graph is not the loaded one byte for byte: auto loads them, with the exporter it gives a
-# loaded network (tests/test_export_streamed.py proves the others).
-NOT_STREAMED = {"vae_encoder": "its streamed graph is the loaded one up to the names of its values, not byte for byte"}
+# Networks whose streamed graph is the loaded one up to the names of its values (the same structure and ONNX Runtime
+# outputs), not byte for byte (tests/test_export_streamed.py): auto streams them as the others; their streamed graph
+# is keyed apart from their loaded one (--weights load, or a size under STREAM_ABOVE).
+STREAMED_UP_TO_NAMES = ("vae_encoder",)
 
 
 def keep_attention_upcast(unet: Any) -> None:
@@ -80,17 +81,17 @@ def keep_attention_upcast(unet: Any) -> None:
 def exporter_for(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> Literal["dynamo", "torchscript"]:
     """The config's exporter; "auto" takes torch.export's for the networks whose class the spec names (SD3's and
     Flux's transformers, T5): the one exporter verified on them; for streamed weights, which need it; and for every
-    network over STREAM_ABOVE, so that auto streams it. An IP-Adapter's image encoder, a denoiser the adapter goes
-    into and the NOT_STREAMED networks are loaded whatever their size: they keep the config's choice. An fp32 LLM
-    text encoder loaded whole (up to STREAM_ABOVE) takes TorchScript's: both give its hidden states to 1e-7
-    (tests/test_flux2_klein.py), and torch.export's takes 5× longer over its dozens of layers; fp16 and bf16 keep
-    torch.export's (TorchScript's mis-types fp16 text encoders' norms: ExportConfig)."""
+    network over STREAM_ABOVE, so that auto streams it. An IP-Adapter's image encoder and a denoiser the adapter goes
+    into are loaded whatever their size: they keep the config's choice. An fp32 LLM text encoder loaded whole (up to
+    STREAM_ABOVE) takes TorchScript's: both give its hidden states to 1e-7 (tests/test_flux2_klein.py), and
+    torch.export's takes 5× longer over its dozens of layers; fp16 and bf16 keep torch.export's (TorchScript's
+    mis-types fp16 text encoders' norms: ExportConfig)."""
     llm = isinstance(spec, LLMEncoderSpec) and config.precision == "fp32" and config.weights != "stream"
     if config.exporter == "auto" and llm and folder_size(model, spec) <= STREAM_ABOVE:
         return "torchscript"
     if config.exporter == "auto" and (spec.architecture or config.weights == "stream"):
         return "dynamo"
-    if config.exporter != "auto" or spec.component in (IMAGE_ENCODER, *NOT_STREAMED) or ip_denoiser(spec):
+    if config.exporter != "auto" or spec.component == IMAGE_ENCODER or ip_denoiser(spec):
         return config.chosen_exporter
     return "dynamo" if folder_size(model, spec) > STREAM_ABOVE else config.chosen_exporter
 
@@ -108,8 +109,6 @@ def weights_path(config: ExportConfig, spec: GraphSpec, model: ModelSource) -> t
         return config.weights, f"asked for with --weights {config.weights}"
     if ip_denoiser(spec):
         return "load", "diffusers loads an IP-Adapter into a loaded denoiser"
-    if spec.component in NOT_STREAMED:
-        return "load", NOT_STREAMED[spec.component]
     if exporter_for(config, spec, model) == "dynamo":
         return "stream", "torch.export's exporter traces the network without its weights"
     if config.exporter == "torchscript":
@@ -184,11 +183,11 @@ def request_for(config: ExportConfig, model: ModelSource) -> StageRequest:
     """What ``run`` asks the store for. Keyed by the exporter that runs, not "auto": auto means torch.export's for
     a network over STREAM_ABOVE and often TorchScript's for a smaller one (exporter_for), and the two graphs must not
     share a key (nor one graph have two).
-    Not by the weights path: a streamed graph is the loaded one, byte for byte; but for the NOT_STREAMED networks,
-    whose streamed graph (asked for) has its own key, and a graph with stamped blocks (its values named otherwise)."""
+    Not by the weights path: a streamed graph is the loaded one, byte for byte; but for the STREAMED_UP_TO_NAMES
+    networks, whose streamed graph has its own key, and a graph with stamped blocks (its values named otherwise)."""
     spec = spec_for(model, config)
     streamed = weights_path(config, spec, model)[0] == "stream"
-    streamed_otherwise = spec.component in NOT_STREAMED and streamed
+    streamed_otherwise = spec.component in STREAMED_UP_TO_NAMES and streamed
     # A stamped graph is the full trace's up to the names of its values (graph/onnx_stamp.py): keyed apart.
     stamped = stamped_blocks(spec, model.component_config(FOLDERS[spec.component])) if streamed else {}
     config = dataclasses.replace(config, exporter=exporter_for(config, spec, model))

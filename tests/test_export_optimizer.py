@@ -1,0 +1,71 @@
+"""The exporter's optimizer bounded by use (graph/onnx_optimizer.py) makes onnxscript's own graph, proto for proto, on
+every network a tiny preset exports: each network traced once through the export stage (torch.export's exporter,
+weights streamed), the graph its optimizer was given optimized by both, bounded and unpatched.
+
+Default suite: tiny-flux's transformer (Slices of one value, SlicesSplit's pattern), about 15 s of CPU. With
+-m slow: every component of every tiny preset. Stamped against whole: tests/test_export_stamped.py (the tiny presets
+hold fewer blocks than stamping starts at).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+import onnxscript.optimizer
+import pytest
+
+from sdtrt.core.config import ExportConfig
+from sdtrt.core.store import Store
+from sdtrt.graph.onnx_optimizer import multi_output_matches_by_use
+from sdtrt.sources.models import resolve_model
+from sdtrt.sources.presets import PRESETS
+from sdtrt.spec import model_components
+from sdtrt.stages import export
+
+CHEAP = [("tiny-flux", "transformer")]
+
+
+def every_network() -> list[tuple[str, str]]:
+    """(preset, component) for every component of every tiny preset, read from the preset's folder."""
+    return [(p, c) for p in PRESETS if p.startswith("tiny") for c in model_components(resolve_model(p))]
+
+
+def optimizer_input(model, component: str, store: Store) -> ir.Model:
+    """The export stage's graph as its optimizer gets it (stamped, weights attached)."""
+    from torch.onnx._internal.exporter._onnx_program import ONNXProgram
+
+    given = []
+    original = ONNXProgram.optimize
+
+    def optimize(self) -> None:
+        given.append(ir.from_proto(ir.to_proto(self.model)))
+        original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ONNXProgram, "optimize", optimize)
+        export.run(ExportConfig(exporter="dynamo", component=component, weights="stream"), model, store)
+    assert len(given) == 1, "the network was traced once, and optimized once"
+    return given[0]
+
+
+def bounded_is_onnxscripts(preset: str, component: str, store: Store) -> bool:
+    """Both optimizers on copies of the export's optimizer input (the export's own result holds its folded
+    constants in a scratch file, gone once it is saved)."""
+    given = optimizer_input(resolve_model(preset), component, store)
+    ours, theirs = ir.from_proto(ir.to_proto(given)), given
+    with multi_output_matches_by_use():
+        onnxscript.optimizer.optimize_ir(ours)
+    onnxscript.optimizer.optimize_ir(theirs)  # unpatched: onnxscript's own search
+    return ir.to_proto(ours) == ir.to_proto(theirs)
+
+
+@pytest.mark.parametrize(("preset", "component"), CHEAP)
+def test_the_bounded_optimizer_makes_onnxscripts_graph(preset, component, tmp_path):
+    assert bounded_is_onnxscripts(preset, component, Store(tmp_path))
+
+
+@pytest.mark.slow
+def test_the_bounded_optimizer_makes_onnxscripts_graph_on_every_tiny_network(tmp_path):
+    networks = [n for n in every_network() if n not in CHEAP]
+    assert len(networks) > 40  # 17 presets: their denoisers, encoders, VAE halves
+    differ = [n for n in networks if not bounded_is_onnxscripts(*n, Store(tmp_path / n[0]))]
+    assert differ == []
