@@ -45,6 +45,8 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     from sdtrt.core.store import Store
     from sdtrt.sources.models import resolve_model
 
+    if step == "preset" and args.only_component:
+        write_one_network(args.model, args.component, Path(args.models))
     model = resolve_model(args.model)
     component = args.component or model.denoiser_folder
     if args.blocks:
@@ -103,6 +105,24 @@ def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
     dest = model.path.parent / f"{model.path.name}-blocks-{'-'.join(map(str, counts))}"
     with_network_config(model.path, FOLDERS[component], dest, **dict(zip(keys, counts, strict=True)))
     return resolve_model(str(dest))
+
+
+def write_one_network(name: str, component: str | None, models: Path) -> None:
+    """Write the streamed preset ``name`` into ``models`` with only ``component``'s weights (default: the denoiser),
+    unless it is there: flux-random's transformer alone is 23.8 GB of the whole preset's 34, which with the export's
+    own ~24 GB does not fit this machine's disk. Such a folder is no whole pipeline: keep it out of the models cache."""
+    import tempfile
+
+    from sdtrt.sources.preset_build import PRESET_VERSION, save_streamed
+    from sdtrt.sources.presets import PRESETS
+
+    dest, recipe = models / f"{name}-v{PRESET_VERSION}", PRESETS[name]
+    if (dest / "model_index.json").is_file():
+        return
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
+    save_streamed(recipe, tmp, only=component or recipe.denoiser_folder)
+    tmp.rename(dest)
 
 
 def todays_export(spec: Any) -> None:
@@ -208,11 +228,16 @@ def main() -> None:
     parser.add_argument("--stamp", default="on", choices=("on", "off"), help="off: as before stamping")
     parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
     parser.add_argument("--models", default=os.environ.get("SDTRT_MODELS"), help="presets cache")
+    parser.add_argument(
+        "--only-component", action="store_true", help="write only the component's weights into --models (not the cache)"
+    )
     parser.add_argument("--memory-budget", default=None, help="simplify's (8GiB): over it the ORT check is skipped")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.only_component and not args.models:
+        parser.error("--only-component needs --models: a folder of one network's weights is no models cache's")
     if ran_as_child(args, run_step):
         return
 

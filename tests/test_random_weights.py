@@ -94,6 +94,14 @@ def test_shards_and_index_say_where_each_tensor_is(tiny_flux_streamed):
     )
 
 
+def test_one_network_only_is_that_network_of_the_whole_folder(tiny_flux_streamed, tmp_path):
+    """``only``: the same transformer bytes and the pipeline's configs, no other network's weights."""
+    save_streamed(streamed("tiny-flux", "bfloat16"), tmp_path, max_shard_size=SMALL_SHARDS, only="transformer")
+    assert not list(tmp_path.glob("text_encoder*/*.safetensors")) and not list(tmp_path.glob("vae/*"))
+    for file in files(tmp_path):
+        assert (tmp_path / file).read_bytes() == (tiny_flux_streamed / file).read_bytes(), file
+
+
 def test_shards_are_the_bytes_safetensors_writes(tiny_flux_streamed):
     """Header order, padding and metadata as safetensors' own writer makes them for the same tensors."""
     again = tiny_flux_streamed.parent / "resaved.safetensors"

@@ -49,15 +49,19 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     return dest
 
 
-def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE) -> None:
+def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE, only: str | None = None) -> None:
     """The folder ``build(recipe).save_pretrained(folder, safe_serialization=True, max_shard_size=…)`` writes,
     its networks never in memory: each is built on the meta device and its random tensors streamed to disk
-    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them."""
+    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them.
+    ``only``: that network's weights and no other's (an export of one component at scale: Flux.1's transformer
+    alone is 23.8 GB of the preset's 34); the folder is then no whole pipeline, so never the models cache's."""
     import torch
 
     pipeline = build(recipe, empty=True)
     for name, component in pipeline.components.items():
         if isinstance(component, torch.nn.Module):
+            if only is not None and name != only:
+                continue
             save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size)
         elif component is not None:
             component.save_pretrained(folder / name)
