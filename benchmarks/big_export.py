@@ -12,6 +12,10 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
     python benchmarks/big_export.py --model sd15-random --compare-weights   # loaded and streamed, side by side
     python benchmarks/big_export.py --model tiny-flux --blocks 19,38 --compare-stamp   # Flux's depth at tiny width:
         # today's export (every block traced, onnxscript's optimizer search) and the stamped one, side by side
+    python benchmarks/big_export.py --model flux2-klein-random --component text_encoder --precision fp32 \
+        --steps preset,export,blocks   # klein's Qwen3-4B: fp32, the LLM graph ONNX Runtime runs on a CPU
+    python benchmarks/big_export.py --model qwen-image-random --only text_encoder --component text_encoder \
+        --precision fp32 --steps preset,export,blocks   # Qwen2.5-VL-7B alone: the whole preset does not fit 64 GB
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
@@ -40,7 +44,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     from sdtrt.core.store import Store
     from sdtrt.sources.models import resolve_model
 
-    model = resolve_model(args.model)
+    model = preset_part(args.model, args.only.split(",")) if args.only else resolve_model(args.model)
     component = args.component or model.denoiser_folder
     if args.blocks:
         model = with_blocks(model, component, [int(n) for n in args.blocks.split(",")])
@@ -79,6 +83,14 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
 
     report = check_blocks(model, Artifact.open(state["export"]))
     return {"blocks": [row["block"] for row in report.blocks], "passed": bool(report), "failures": report.failures}
+
+
+def preset_part(name: str, networks: list[str]) -> Any:
+    """A streamed preset with only ``networks``' weights written (preset_build.ensure_preset's ``networks``)."""
+    from sdtrt.sources.models import ModelSource, models_cache_dir
+    from sdtrt.sources.preset_build import ensure_preset
+
+    return ModelSource(name, "preset", ensure_preset(name, models_cache_dir(), networks))
 
 
 def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
@@ -152,6 +164,8 @@ def main() -> None:
         "(weights-load/, weights-stream/: the key does not hold the weights path), side by side",
     )  # fmt: skip
     parser.add_argument("--blocks", default=None, help="the component's repeated block counts, e.g. 19,38 for Flux")
+    parser.add_argument("--only", default=None, help="write only these networks of a streamed preset: text_encoder")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"which steps, of {','.join(STEPS)}")
     compare.add_argument(
         "--compare-stamp", action="store_true",
         help="export twice, as before stamping (--stamp off) then stamped, each into its own store under --engines",
@@ -168,7 +182,7 @@ def main() -> None:
         return
 
     # (step, label, extra child arguments): each step once, or export and simplify once per weights path.
-    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS]
+    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS if step in args.steps.split(",")]
     if args.compare_weights:
         plan = [("preset", "", [])] + [
             (step, f" ({weights})", ["--weights", weights, "--engines", str(Path(args.engines) / f"weights-{weights}")])

@@ -167,7 +167,9 @@ def test_a_unets_default_blocks_include_one_with_skip_connections():
     from sdtrt.tools.block_parity import default_blocks
     from sdtrt.tools.block_parity.torch_block import meta_network
 
-    assert default_blocks(meta_network(resolve_model("tiny-sdxl"), "unet")) == ["down_blocks.0", "up_blocks.1"]
+    network = meta_network(resolve_model("tiny-sdxl"), "unet")
+    in_graph = {name for name, _ in network.named_modules()}
+    assert default_blocks(network, in_graph) == ["down_blocks.0", "up_blocks.1"]
 
 
 def test_blocks_are_streamed_from_external_data_and_a_corrupt_weight_fails(transformer_export, tmp_path):

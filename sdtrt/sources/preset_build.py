@@ -11,6 +11,7 @@ import inspect
 import json
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,14 @@ PRESET_SEED = 0
 PRESET_VERSION = 3  # 3: the multi-GB presets are written by streaming (other random values)
 
 
-def ensure_preset(name: str, cache_dir: Path) -> Path:
-    """The preset's folder, built on first use; an interrupted build leaves nothing behind."""
-    dest = cache_dir / f"{name}-v{PRESET_VERSION}"
+def ensure_preset(name: str, cache_dir: Path, networks: Collection[str] = ()) -> Path:
+    """The preset's folder, built on first use; an interrupted build leaves nothing behind.
+
+    ``networks`` (streamed presets): write only these networks' weights (``text_encoder``), in a folder of its own
+    whose other networks are listed in model_index.json but absent: the parts of a model too big for the disk whole
+    (qwen-image-random's 41 GB transformer beside its 17 GB text encoder) are exported one at a time."""
+    only = f"-only-{'-'.join(sorted(networks))}" if networks else ""
+    dest = cache_dir / f"{name}-v{PRESET_VERSION}{only}"
     if (dest / "model_index.json").is_file():
         return dest
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -36,7 +42,9 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
         recipe = PRESETS[name]
         with quiet_loading():
             if recipe.streamed:
-                save_streamed(recipe, tmp)
+                save_streamed(recipe, tmp, networks=networks)
+            elif networks:
+                raise ValueError(f"preset {name} is built whole (not streamed): it has no partial form")
             else:
                 build(recipe).save_pretrained(tmp, safe_serialization=True)
         try:
@@ -49,16 +57,21 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     return dest
 
 
-def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE) -> None:
+def save_streamed(
+    recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE, networks: Collection[str] = ()
+) -> None:
     """The folder ``build(recipe).save_pretrained(folder, safe_serialization=True, max_shard_size=…)`` writes,
     its networks never in memory: each is built on the meta device and its random tensors streamed to disk
-    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them."""
+    (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them.
+    ``networks``: only these networks get weights (default: all); the others their config alone."""
     import torch
 
     pipeline = build(recipe, empty=True)
     for name, component in pipeline.components.items():
         if isinstance(component, torch.nn.Module):
-            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size)
+            weights = not networks or name in networks
+            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size,
+                        weights=weights)  # fmt: skip
         elif component is not None:
             component.save_pretrained(folder / name)
     pipeline.save_config(folder)
