@@ -268,3 +268,33 @@ def test_a_t5_encoders_default_blocks_and_its_whole_encoder_with_a_tied_embeddin
     report = check_blocks(model, artifact, ["encoder"], graph_checks=False)
     assert report, report.failures
     assert report.blocks[0]["outputs"] and report.blocks[0]["outputs"][0]["cosine"] >= 0.9999
+
+
+@pytest.mark.parametrize(
+    ("preset", "blocks"),
+    [pytest.param("tiny-qwen-image", ["model.language_model.layers.0", "model.language_model.layers.1"],
+                  marks=pytest.mark.slow),
+     # klein reads hidden_states 9, 18 and 27 of its 28 layers: the graph ends at layer 26
+     pytest.param("tiny-flux2-klein", ["model.layers.0", "model.layers.26"], marks=pytest.mark.slow)],
+)  # fmt: skip  # 51 s and 219 s under a load of 7 (the default suite is at its budget)
+def test_llm_text_encoder_matches_by_parts(store, preset, blocks):
+    """An LLM encoder's streamed fp32 export by parts: its decoder layers with their rotary (cos, sin) pair and the
+    graph's causal padding mask; Qwen2.5-VL's checkpoint keys read under their loaded names; the LM head, a vision
+    tower and the layers past the last one read (with the final norm) never asked of the graph."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages import export
+    from sdtrt.tools.block_parity import check_blocks
+
+    model = resolve_model(preset)
+    config = ExportConfig(component="text_encoder", precision="fp32", weights="stream")
+    report = check_blocks(model, export.run(config, model, store))
+
+    assert report, report.failures
+    params = report.checks["parameters"]
+    assert params["bytes_in_graph"] == params["bytes_expected"] > 0
+    assert params["initializers"] + params["merged_small"] == params["parameters"]
+    assert [row["block"] for row in report.blocks] == blocks
+    for row in report.blocks:
+        assert {"position_embeddings.0", "position_embeddings.1", "attention_mask"} <= set(row["inputs"].values())
+        assert all(out["cosine"] >= 0.9999 for out in row["outputs"])

@@ -29,13 +29,18 @@ PEAK_LIMIT = 8 * 10**9  # bytes: issue 38's bound on a streamed export
 GB = 10**9
 
 # (preset, component, precision, networks written (all: ()), preset bytes, graph bytes). fp16 for klein's
-# transformer, as compile builds it for ONNX Runtime; fp32 for the LLMs, which ONNX Runtime on a CPU runs (their
-# bf16 graphs it cannot, and fp16 overflows them): their graphs hold only the layers the pipeline reads.
+# transformer; fp32 for klein's Qwen3, the precision ONNX Runtime on a CPU runs an LLM encoder in (no bf16 kernels;
+# real checkpoints overflow fp16); the graphs hold only the layers the pipeline reads. Qwen2.5-VL's in fp16: its
+# fp32 export writes 28 GB of folded (transposed) weights, then 28 GB of graph, beside 17 GB of preset, past a
+# 64 GB disk; random weights do not overflow fp16.
 CASES = [
     ("flux2-klein-random", "transformer", "fp16", (), 16.8 * GB, 7.8 * GB),
     ("flux2-klein-random", "text_encoder", "fp32", (), 16.8 * GB, 12.5 * GB),
-    ("qwen-image-random", "text_encoder", "fp32", ("text_encoder",), 16.6 * GB, 28.3 * GB),
+    ("qwen-image-random", "text_encoder", "fp16", ("text_encoder",), 16.6 * GB, 14.1 * GB),
 ]
+# The exporter's constant folding writes the transposed weights to a scratch file beside the graph while it is
+# written: twice the graph's bytes at the peak.
+SCRATCH_FACTOR = 2
 
 
 def preset_folder(preset: str, networks: tuple[str, ...]) -> Path:
@@ -60,7 +65,7 @@ def test_streamed_export_within_8_gb_and_blocks_match(
     tmp_path, preset, component, precision, networks, preset_bytes, graph_bytes
 ):
     folder = preset_folder(preset, networks)
-    needed = graph_bytes + (0 if (folder / "model_index.json").is_file() else preset_bytes)
+    needed = SCRATCH_FACTOR * graph_bytes + (0 if (folder / "model_index.json").is_file() else preset_bytes)
     free = shutil.disk_usage(models_cache_dir() if models_cache_dir().exists() else tmp_path).free
     if free < needed * 1.05:
         pytest.skip(f"{preset} {component} needs {needed / GB:.0f} GB of disk, {free / GB:.0f} GB free")
