@@ -298,3 +298,21 @@ def test_llm_text_encoder_matches_by_parts(store, preset, blocks):
     for row in report.blocks:
         assert {"position_embeddings.0", "position_embeddings.1", "attention_mask"} <= set(row["inputs"].values())
         assert all(out["cosine"] >= 0.9999 for out in row["outputs"])
+
+
+def test_an_llm_encoders_export_key_names_its_mask_so_graphs_from_before_it_are_not_served():
+    """The empty-row test became a CumSum (check-blocks' shape inference cannot size the old ReduceMax): the spec's
+    JSON, and with it the export key, says so for LLM encoders, and only for them."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.core.stage_request import digest
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages import export
+
+    model = resolve_model("tiny-qwen-image")
+    config = ExportConfig(component="text_encoder", precision="fp32", weights="stream")
+    spec = export.spec_for(model, config).to_json()
+    graph = next(i for i in export.request_for(config, model).inputs if i["kind"] == "graph")
+
+    assert spec["empty_mask_rows"] == "cumsum"
+    assert graph["digest"] == digest(spec) != digest({k: v for k, v in spec.items() if k != "empty_mask_rows"})
+    assert "empty_mask_rows" not in export.spec_for(model, ExportConfig(component="transformer")).to_json()

@@ -15,7 +15,7 @@ import dataclasses
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..core.config import Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import UnsupportedModelError
@@ -70,6 +70,9 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     vocab_size: int = 151936
     hidden_layers: tuple[int, ...] = KLEIN_LAYERS
     max_sequence_length: int = LLM_TOKENS["flux2"]
+    # How the graph finds a mask row that sees nothing (stages/llm_encoder.causal_padding_mask): in the spec's JSON,
+    # so in the export key, because graphs from before it (a ReduceMax) fail check-blocks' shape inference.
+    empty_mask_rows: Literal["cumsum"] = "cumsum"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_layers", tuple(self.hidden_layers))  # a list from JSON
