@@ -15,7 +15,10 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
     python benchmarks/big_export.py --model flux2-klein-random --component text_encoder --precision fp32 \
         --steps preset,export,blocks   # klein's Qwen3-4B: fp32, the LLM graph ONNX Runtime runs on a CPU
     python benchmarks/big_export.py --model qwen-image-random --only text_encoder --component text_encoder \
-        --precision fp32 --steps preset,export,blocks   # Qwen2.5-VL-7B alone: the whole preset does not fit 64 GB
+        --precision fp16 --steps preset,export,blocks   # Qwen2.5-VL-7B alone: the whole preset does not fit 64 GB;
+        # fp16, as fp32's export writes 28 GB of folded-weight scratch, then 28 GB of graph, beside the 17 GB preset
+    python benchmarks/big_export.py --model qwen-image-random --only vae --blocks 2 \
+        --steps preset,export,blocks   # Qwen-Image's transformer at full width, 2 of its 60 blocks
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.

@@ -210,3 +210,18 @@ def test_a_partial_preset_writes_only_the_networks_named(tmp_path, monkeypatch):
     assert list((folder / "text_encoder").glob("*.safetensors"))
     for network in ("transformer", "vae"):
         assert (folder / network / "config.json").is_file() and not list((folder / network).glob("*.safetensors"))
+
+
+def test_a_partial_preset_refuses_what_it_cannot_write_and_reuses_the_whole_one(tmp_path, monkeypatch):
+    """A name that is not one of the pipeline's networks, or a preset built whole, is refused before any file is
+    written; a whole preset already built serves the partial one (no second copy of its weights)."""
+    from sdtrt.core.errors import RequestError
+
+    monkeypatch.setitem(PRESETS, "tiny-qwen-streamed", dataclasses.replace(PRESETS["tiny-qwen-image"], streamed=True))
+    with pytest.raises(RequestError, match=r"^text-encoder: not a network of this pipeline; its networks are .*vae"):
+        ensure_preset("tiny-qwen-streamed", tmp_path, networks=("text-encoder",))
+    with pytest.raises(RequestError, match="preset tiny-qwen-image is built whole"):
+        ensure_preset("tiny-qwen-image", tmp_path, networks=("text_encoder",))
+    assert list(tmp_path.iterdir()) == []
+    whole = ensure_preset("tiny-qwen-streamed", tmp_path)
+    assert ensure_preset("tiny-qwen-streamed", tmp_path, networks=("text_encoder",)) == whole

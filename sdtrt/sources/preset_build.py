@@ -15,6 +15,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import RequestError
 from .byte_level import bytes_to_unicode
 from .presets import PRESETS, SD_BETAS, Network, Recipe
 from .random_weights import SHARD_SIZE, empty_weights, save_random
@@ -29,11 +30,12 @@ def ensure_preset(name: str, cache_dir: Path, networks: Collection[str] = ()) ->
 
     ``networks`` (streamed presets): write only these networks' weights (``text_encoder``), in a folder of its own
     whose other networks are listed in model_index.json but absent: the parts of a model too big for the disk whole
-    (qwen-image-random's 41 GB transformer beside its 17 GB text encoder) are exported one at a time."""
-    only = f"-only-{'-'.join(sorted(networks))}" if networks else ""
-    dest = cache_dir / f"{name}-v{PRESET_VERSION}{only}"
-    if (dest / "model_index.json").is_file():
-        return dest
+    (qwen-image-random's 41 GB transformer beside its 17 GB text encoder) are exported one at a time. The whole
+    preset, where it is built already, serves a partial one too."""
+    dest = preset_dir(name, cache_dir, networks)
+    for built in (preset_dir(name, cache_dir), dest):
+        if (built / "model_index.json").is_file():
+            return built
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
@@ -44,7 +46,9 @@ def ensure_preset(name: str, cache_dir: Path, networks: Collection[str] = ()) ->
             if recipe.streamed:
                 save_streamed(recipe, tmp, networks=networks)
             elif networks:
-                raise ValueError(f"preset {name} is built whole (not streamed): it has no partial form")
+                raise RequestError(
+                    f"preset {name} is built whole (not streamed): it has no partial form; drop the networks"
+                )
             else:
                 build(recipe).save_pretrained(tmp, safe_serialization=True)
         try:
@@ -57,6 +61,12 @@ def ensure_preset(name: str, cache_dir: Path, networks: Collection[str] = ()) ->
     return dest
 
 
+def preset_dir(name: str, cache_dir: Path, networks: Collection[str] = ()) -> Path:
+    """Where ensure_preset keeps the preset ``name`` (with only ``networks``' weights, where given)."""
+    only = f"-only-{'-'.join(sorted(networks))}" if networks else ""
+    return cache_dir / f"{name}-v{PRESET_VERSION}{only}"
+
+
 def save_streamed(
     recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE, networks: Collection[str] = ()
 ) -> None:
@@ -67,6 +77,11 @@ def save_streamed(
     import torch
 
     pipeline = build(recipe, empty=True)
+    modules = [name for name, component in pipeline.components.items() if isinstance(component, torch.nn.Module)]
+    if unknown := sorted(set(networks) - set(modules)):
+        raise RequestError(
+            f"{', '.join(unknown)}: not a network of this pipeline; its networks are {', '.join(modules)}"
+        )
     for name, component in pipeline.components.items():
         if isinstance(component, torch.nn.Module):
             weights = not networks or name in networks
