@@ -168,7 +168,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--blocks", default=None, help="the component's repeated block counts, e.g. 19,38 for Flux")
     parser.add_argument("--only", default=None, help="write only these networks of a streamed preset: text_encoder")
-    parser.add_argument("--steps", default=",".join(STEPS), help=f"which steps, of {','.join(STEPS)}")
+    parser.add_argument("--steps", default=None, help=f"which steps, of {','.join(STEPS)} (default: all)")
     compare.add_argument(
         "--compare-stamp", action="store_true",
         help="export twice, as before stamping (--stamp off) then stamped, each into its own store under --engines",
@@ -184,8 +184,13 @@ def main() -> None:
     if ran_as_child(args, run_step):
         return
 
+    steps = args.steps.split(",") if args.steps else list(STEPS)
+    if unknown := [step for step in steps if step not in STEPS]:
+        parser.error(f"--steps: {', '.join(unknown)} unknown; the steps are {','.join(STEPS)}")
+    if args.steps and (args.compare_weights or args.compare_stamp):
+        parser.error("--steps does not apply to --compare-weights or --compare-stamp, which run their own steps")
     # (step, label, extra child arguments): each step once, or export and simplify once per weights path.
-    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS if step in args.steps.split(",")]
+    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS if step in steps]
     if args.compare_weights:
         plan = [("preset", "", [])] + [
             (step, f" ({weights})", ["--weights", weights, "--engines", str(Path(args.engines) / f"weights-{weights}")])
