@@ -105,6 +105,10 @@ SD3_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0))
 FLUX_DEV_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                  max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096))  # fmt: skip
 FLUX_SCHNELL_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=1.0))
+# Qwen-Image's published scheduler: the dynamic shift up to 8192 tokens, exponential, ending at σ 0.02.
+QWEN_IMAGE_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                   max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                   time_shift_type="exponential"))  # fmt: skip
 # T5 v1.1 (gated GELU) at test size; its width is the transformers' joint_attention_dim, at least CLIP-L + CLIP-G.
 TINY_T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_attention_num_buckets=8,
                feed_forward_proj="gated-gelu")  # fmt: skip
@@ -184,7 +188,7 @@ QWEN25_VL_7B = dict(
                      rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1_000_000}),
     vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                       fullatt_block_indexes=[7, 15, 23, 31]),
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
     tie_word_embeddings=False,
 )  # fmt: skip
 QWEN_IMAGE_20B = ("QwenImageTransformer2DModel", dict(
@@ -366,7 +370,7 @@ PRESETS: dict[str, Recipe] = {
     ),
     "qwen-image-random": Recipe(
         "QwenImagePipeline", QWEN_IMAGE_20B, {}, (("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),),
-        scheduler=FLUX_DEV_FLOW, dtype="bfloat16", streamed=True, vae_class="AutoencoderKLQwenImage",
+        scheduler=QWEN_IMAGE_FLOW, dtype="bfloat16", streamed=True, vae_class="AutoencoderKLQwenImage",
     ),
 }
 # fmt: on
