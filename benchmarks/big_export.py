@@ -16,6 +16,13 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
         # export time against block count: torch.export, the optimizer and the whole export, wall and CPU seconds,
         # per size, for this tree and an sdtrt source tree of another commit, alternating (the tree:
         # mkdir /tmp/sdtrt-33de05c && git archive 33de05c sdtrt | tar -x -C /tmp/sdtrt-33de05c)
+    python benchmarks/big_export.py --model flux2-klein-random --component text_encoder --precision fp32 \
+        --steps preset,export,blocks   # klein's Qwen3-4B: fp32, the LLM graph ONNX Runtime runs on a CPU
+    python benchmarks/big_export.py --model qwen-image-random --only text_encoder --component text_encoder \
+        --precision fp16 --steps preset,export,blocks   # Qwen2.5-VL-7B alone: the whole preset does not fit 64 GB;
+        # fp16, as fp32's export writes 28 GB of folded-weight scratch, then 28 GB of graph, beside the 17 GB preset
+    python benchmarks/big_export.py --model qwen-image-random --only vae --blocks 2 \
+        --steps preset,export,blocks   # Qwen-Image's transformer at full width, 2 of its 60 blocks
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
 artifact is there already is a cache hit (delete them to measure again). Not a test: nothing is asserted.
@@ -45,9 +52,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     from sdtrt.core.store import Store
     from sdtrt.sources.models import resolve_model
 
-    if step == "preset" and args.only_component:
-        write_one_network(args.model, args.component, Path(args.models))
-    model = resolve_model(args.model)
+    model = preset_part(args.model, args.only.split(",")) if args.only else resolve_model(args.model)
     component = args.component or model.denoiser_folder
     if args.blocks:
         model = with_blocks(model, component, [int(n) for n in args.blocks[-1].split(",")])
@@ -90,6 +95,14 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     return {"blocks": [row["block"] for row in report.blocks], "passed": bool(report), "failures": report.failures}
 
 
+def preset_part(name: str, networks: list[str]) -> Any:
+    """A streamed preset with only ``networks``' weights written (preset_build.ensure_preset's ``networks``)."""
+    from sdtrt.sources.models import ModelSource, models_cache_dir
+    from sdtrt.sources.preset_build import ensure_preset
+
+    return ModelSource(name, "preset", ensure_preset(name, models_cache_dir(), networks))
+
+
 def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
     """The model with its component's repeated block lists (its spec's repeated_blocks, in order) ``counts`` long,
     random weights keyed by name (preset_build.with_network_config), built once beside the presets."""
@@ -105,24 +118,6 @@ def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
     dest = model.path.parent / f"{model.path.name}-blocks-{'-'.join(map(str, counts))}"
     with_network_config(model.path, FOLDERS[component], dest, **dict(zip(keys, counts, strict=True)))
     return resolve_model(str(dest))
-
-
-def write_one_network(name: str, component: str | None, models: Path) -> None:
-    """Write the streamed preset ``name`` into ``models`` with only ``component``'s weights (default: the denoiser),
-    unless it is there: flux-random's transformer alone is 23.8 GB of the whole preset's 34, which with the export's
-    own ~24 GB does not fit this machine's disk. Such a folder is no whole pipeline: keep it out of the models cache."""
-    import tempfile
-
-    from sdtrt.sources.preset_build import PRESET_VERSION, save_streamed
-    from sdtrt.sources.presets import PRESETS
-
-    dest, recipe = models / f"{name}-v{PRESET_VERSION}", PRESETS[name]
-    if (dest / "model_index.json").is_file():
-        return
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
-    save_streamed(recipe, tmp, only=component or recipe.denoiser_folder)
-    tmp.rename(dest)
 
 
 def todays_export(spec: Any) -> None:
@@ -221,6 +216,8 @@ def main() -> None:
         "--baseline", default=None,
         help="with --blocks: an sdtrt source tree (another commit's, git archive) to export each size with too",
     )  # fmt: skip
+    parser.add_argument("--only", default=None, help="write only these networks of a streamed preset: text_encoder")
+    parser.add_argument("--steps", default=None, help=f"which steps, of {','.join(STEPS)} (default: all)")
     compare.add_argument(
         "--compare-stamp", action="store_true",
         help="export twice, as before stamping (--stamp off) then stamped, each into its own store under --engines",
@@ -228,21 +225,21 @@ def main() -> None:
     parser.add_argument("--stamp", default="on", choices=("on", "off"), help="off: as before stamping")
     parser.add_argument("--engines", default=os.environ.get("SDTRT_ENGINES", "engines"))
     parser.add_argument("--models", default=os.environ.get("SDTRT_MODELS"), help="presets cache")
-    parser.add_argument(
-        "--only-component", action="store_true", help="write only the component's weights into --models (not the cache)"
-    )
     parser.add_argument("--memory-budget", default=None, help="simplify's (8GiB): over it the ORT check is skipped")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", choices=STEPS, help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.only_component and not args.models:
-        parser.error("--only-component needs --models: a folder of one network's weights is no models cache's")
     if ran_as_child(args, run_step):
         return
 
+    steps = args.steps.split(",") if args.steps else list(STEPS)
+    if unknown := [step for step in steps if step not in STEPS]:
+        parser.error(f"--steps: {', '.join(unknown)} unknown; the steps are {','.join(STEPS)}")
+    if args.steps and (args.compare_weights or args.compare_stamp):
+        parser.error("--steps does not apply to --compare-weights or --compare-stamp, which run their own steps")
     # (step, label, extra child arguments): each step once, or export and simplify once per weights path.
-    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS]
+    plan: list[tuple[str, str, list[str]]] = [(step, "", []) for step in STEPS if step in steps]
     if args.compare_weights:
         plan = [("preset", "", [])] + [
             (step, f" ({weights})", ["--weights", weights, "--engines", str(Path(args.engines) / f"weights-{weights}")])

@@ -167,7 +167,9 @@ def test_a_unets_default_blocks_include_one_with_skip_connections():
     from sdtrt.tools.block_parity import default_blocks
     from sdtrt.tools.block_parity.torch_block import meta_network
 
-    assert default_blocks(meta_network(resolve_model("tiny-sdxl"), "unet")) == ["down_blocks.0", "up_blocks.1"]
+    network = meta_network(resolve_model("tiny-sdxl"), "unet")
+    in_graph = {name for name, _ in network.named_modules()}
+    assert default_blocks(network, in_graph) == ["down_blocks.0", "up_blocks.1"]
 
 
 def test_blocks_are_streamed_from_external_data_and_a_corrupt_weight_fails(transformer_export, tmp_path):
@@ -266,3 +268,51 @@ def test_a_t5_encoders_default_blocks_and_its_whole_encoder_with_a_tied_embeddin
     report = check_blocks(model, artifact, ["encoder"], graph_checks=False)
     assert report, report.failures
     assert report.blocks[0]["outputs"] and report.blocks[0]["outputs"][0]["cosine"] >= 0.9999
+
+
+@pytest.mark.parametrize(
+    ("preset", "blocks"),
+    [pytest.param("tiny-qwen-image", ["model.language_model.layers.0", "model.language_model.layers.1"],
+                  marks=pytest.mark.slow),
+     # klein reads hidden_states 9, 18 and 27 of its 28 layers: the graph ends at layer 26
+     pytest.param("tiny-flux2-klein", ["model.layers.0", "model.layers.26"], marks=pytest.mark.slow)],
+)  # fmt: skip  # 51 s and 219 s under a load of 7 (the default suite is at its budget)
+def test_llm_text_encoder_matches_by_parts(store, preset, blocks):
+    """An LLM encoder's streamed fp32 export by parts: its decoder layers with their rotary (cos, sin) pair and the
+    graph's causal padding mask; Qwen2.5-VL's checkpoint keys read under their loaded names; the LM head, a vision
+    tower and the layers past the last one read (with the final norm) never asked of the graph."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages import export
+    from sdtrt.tools.block_parity import check_blocks
+
+    model = resolve_model(preset)
+    config = ExportConfig(component="text_encoder", precision="fp32", weights="stream")
+    report = check_blocks(model, export.run(config, model, store))
+
+    assert report, report.failures
+    params = report.checks["parameters"]
+    assert params["bytes_in_graph"] == params["bytes_expected"] > 0
+    assert params["initializers"] + params["merged_small"] == params["parameters"]
+    assert [row["block"] for row in report.blocks] == blocks
+    for row in report.blocks:
+        assert {"position_embeddings.0", "position_embeddings.1", "attention_mask"} <= set(row["inputs"].values())
+        assert all(out["cosine"] >= 0.9999 for out in row["outputs"])
+
+
+def test_an_llm_encoders_export_key_names_its_mask_so_graphs_from_before_it_are_not_served():
+    """The empty-row test became a CumSum (check-blocks' shape inference cannot size the old ReduceMax): the spec's
+    JSON, and with it the export key, says so for LLM encoders, and only for them."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.core.stage_request import digest
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages import export
+
+    model = resolve_model("tiny-qwen-image")
+    config = ExportConfig(component="text_encoder", precision="fp32", weights="stream")
+    spec = export.spec_for(model, config).to_json()
+    graph = next(i for i in export.request_for(config, model).inputs if i["kind"] == "graph")
+
+    assert spec["empty_mask_rows"] == "cumsum"
+    assert graph["digest"] == digest(spec) != digest({k: v for k, v in spec.items() if k != "empty_mask_rows"})
+    assert "empty_mask_rows" not in export.spec_for(model, ExportConfig(component="transformer")).to_json()

@@ -95,9 +95,9 @@ def test_shards_and_index_say_where_each_tensor_is(tiny_flux_streamed):
 
 
 def test_one_network_only_is_that_network_of_the_whole_folder(tiny_flux_streamed, tmp_path):
-    """``only``: the same transformer bytes and the pipeline's configs, no other network's weights."""
-    save_streamed(streamed("tiny-flux", "bfloat16"), tmp_path, max_shard_size=SMALL_SHARDS, only="transformer")
-    assert not list(tmp_path.glob("text_encoder*/*.safetensors")) and not list(tmp_path.glob("vae/*"))
+    """``networks``: the same transformer bytes and the pipeline's configs, no other network's weights."""
+    save_streamed(streamed("tiny-flux", "bfloat16"), tmp_path, max_shard_size=SMALL_SHARDS, networks=("transformer",))
+    assert not [path for path in tmp_path.rglob("*.safetensors*") if path.parts[-2] != "transformer"]
     for file in files(tmp_path):
         assert (tmp_path / file).read_bytes() == (tiny_flux_streamed / file).read_bytes(), file
 
@@ -169,11 +169,13 @@ def test_an_interrupted_streamed_preset_leaves_nothing(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("preset", "parameters", "blocks"),
     [("flux-random", 11_901_408_320, {"transformer_blocks": 19, "single_transformer_blocks": 38}),
-     ("sd35-large-random", 8_056_627_520, {"transformer_blocks": 38})],
+     ("sd35-large-random", 8_056_627_520, {"transformer_blocks": 38}),
+     ("flux2-klein-random", 3_875_544_576, {"transformer_blocks": 5, "single_transformer_blocks": 20}),
+     ("qwen-image-random", 20_430_401_088, {"transformer_blocks": 60})],
 )  # fmt: skip
 def test_scale_presets_have_the_real_transformers(preset, parameters, blocks):
-    """FLUX.1 dev's 11.9 B-parameter transformer (its 23.8 GB bf16 checkpoint) and SD3.5 Large's 8.1 B, counted
-    on the meta device."""
+    """FLUX.1 dev's 11.9 B-parameter transformer (its 23.8 GB bf16 checkpoint), SD3.5 Large's 8.1 B, FLUX.2 [klein]
+    4B's 3.9 B and Qwen-Image's 20.4 B (its 40.9 GB bf16 checkpoint), counted on the meta device."""
     import diffusers
 
     recipe = PRESETS[preset]
@@ -183,5 +185,51 @@ def test_scale_presets_have_the_real_transformers(preset, parameters, blocks):
     assert recipe.streamed and recipe.dtype == "bfloat16"
     assert sum(p.numel() for p in transformer.parameters()) == parameters
     assert {name: len(getattr(transformer, name)) for name in blocks} == blocks
-    assert transformer.config.num_attention_heads * transformer.config.attention_head_dim == {
-        "flux-random": 3072, "sd35-large-random": 2432}[preset]  # fmt: skip
+    width = {"sd35-large-random": 2432}.get(preset, 3072)  # 24 heads × 128 but SD3.5 Large's 38 × 64
+    assert transformer.config.num_attention_heads * transformer.config.attention_head_dim == width
+
+
+@pytest.mark.parametrize(
+    ("preset", "parameters", "language_model"),
+    [("flux2-klein-random", 4_022_468_096, 4_022_468_096),  # Qwen3-4B, its embedding tied to the LM head
+     ("qwen-image-random", 8_292_166_656, 7_070_619_136)],  # Qwen2.5-VL-7B-Instruct: 8.29 B with its vision tower
+)  # fmt: skip
+def test_scale_presets_have_the_real_llm_text_encoders(preset, parameters, language_model):
+    """The LLM encoders as published, counted on the meta device: every parameter (a tied one once), and the
+    decoder stack the engine runs (no LM head, no vision tower)."""
+    import transformers
+
+    class_name, kwargs = PRESETS[preset].text_encoders[0]
+    cls = getattr(transformers, class_name)
+    with torch.device("meta"):
+        encoder = cls(cls.config_class(**kwargs))
+    assert encoder.num_parameters() == parameters
+    decoder = getattr(encoder.model, "language_model", encoder.model)
+    assert decoder.num_parameters() == language_model
+
+
+def test_a_partial_preset_writes_only_the_networks_named(tmp_path, monkeypatch):
+    """qwen-image-random's way onto a 64 GB disk: the text encoder's weights alone, every network's config (the
+    folder still reads as the pipeline), in a folder apart from the whole preset's."""
+    monkeypatch.setitem(PRESETS, "tiny-qwen-streamed", dataclasses.replace(PRESETS["tiny-qwen-image"], streamed=True))
+    folder = ensure_preset("tiny-qwen-streamed", tmp_path, networks=("text_encoder",))
+    assert folder.name.endswith("-only-text_encoder")
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert list((folder / "text_encoder").glob("*.safetensors"))
+    for network in ("transformer", "vae"):
+        assert (folder / network / "config.json").is_file() and not list((folder / network).glob("*.safetensors"))
+
+
+def test_a_partial_preset_refuses_what_it_cannot_write_and_reuses_the_whole_one(tmp_path, monkeypatch):
+    """A name that is not one of the pipeline's networks, or a preset built whole, is refused before any file is
+    written; a whole preset already built serves the partial one (no second copy of its weights)."""
+    from sdtrt.core.errors import RequestError
+
+    monkeypatch.setitem(PRESETS, "tiny-qwen-streamed", dataclasses.replace(PRESETS["tiny-qwen-image"], streamed=True))
+    with pytest.raises(RequestError, match=r"^text-encoder: not a network of this pipeline; its networks are .*vae"):
+        ensure_preset("tiny-qwen-streamed", tmp_path, networks=("text-encoder",))
+    with pytest.raises(RequestError, match="preset tiny-qwen-image is built whole"):
+        ensure_preset("tiny-qwen-image", tmp_path, networks=("text_encoder",))
+    assert list(tmp_path.iterdir()) == []
+    whole = ensure_preset("tiny-qwen-streamed", tmp_path)
+    assert ensure_preset("tiny-qwen-streamed", tmp_path, networks=("text_encoder",)) == whole

@@ -11,9 +11,11 @@ import inspect
 import json
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import RequestError
 from .byte_level import bytes_to_unicode
 from .presets import PRESETS, SD_BETAS, Network, Recipe
 from .random_weights import SHARD_SIZE, empty_weights, save_random
@@ -23,11 +25,17 @@ PRESET_SEED = 0
 PRESET_VERSION = 3  # 3: the multi-GB presets are written by streaming (other random values)
 
 
-def ensure_preset(name: str, cache_dir: Path) -> Path:
-    """The preset's folder, built on first use; an interrupted build leaves nothing behind."""
-    dest = cache_dir / f"{name}-v{PRESET_VERSION}"
-    if (dest / "model_index.json").is_file():
-        return dest
+def ensure_preset(name: str, cache_dir: Path, networks: Collection[str] = ()) -> Path:
+    """The preset's folder, built on first use; an interrupted build leaves nothing behind.
+
+    ``networks`` (streamed presets): write only these networks' weights (``text_encoder``), in a folder of its own
+    whose other networks are listed in model_index.json but absent: the parts of a model too big for the disk whole
+    (qwen-image-random's 41 GB transformer beside its 17 GB text encoder) are exported one at a time. The whole
+    preset, where it is built already, serves a partial one too."""
+    dest = preset_dir(name, cache_dir, networks)
+    for built in (preset_dir(name, cache_dir), dest):
+        if (built / "model_index.json").is_file():
+            return built
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir))
     try:
@@ -36,7 +44,11 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
         recipe = PRESETS[name]
         with quiet_loading():
             if recipe.streamed:
-                save_streamed(recipe, tmp)
+                save_streamed(recipe, tmp, networks=networks)
+            elif networks:
+                raise RequestError(
+                    f"preset {name} is built whole (not streamed): it has no partial form; drop the networks"
+                )
             else:
                 build(recipe).save_pretrained(tmp, safe_serialization=True)
         try:
@@ -49,20 +61,32 @@ def ensure_preset(name: str, cache_dir: Path) -> Path:
     return dest
 
 
-def save_streamed(recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE, only: str | None = None) -> None:
+def preset_dir(name: str, cache_dir: Path, networks: Collection[str] = ()) -> Path:
+    """Where ensure_preset keeps the preset ``name`` (with only ``networks``' weights, where given)."""
+    only = f"-only-{'-'.join(sorted(networks))}" if networks else ""
+    return cache_dir / f"{name}-v{PRESET_VERSION}{only}"
+
+
+def save_streamed(
+    recipe: Recipe, folder: Path, max_shard_size: int = SHARD_SIZE, networks: Collection[str] = ()
+) -> None:
     """The folder ``build(recipe).save_pretrained(folder, safe_serialization=True, max_shard_size=…)`` writes,
     its networks never in memory: each is built on the meta device and its random tensors streamed to disk
     (random_weights.py). Tokenizers, scheduler and model_index.json are saved as the pipeline saves them.
-    ``only``: that network's weights and no other's (an export of one component at scale: Flux.1's transformer
-    alone is 23.8 GB of the preset's 34); the folder is then no whole pipeline, so never the models cache's."""
+    ``networks``: only these networks get weights (default: all); the others their config alone."""
     import torch
 
     pipeline = build(recipe, empty=True)
+    modules = [name for name, component in pipeline.components.items() if isinstance(component, torch.nn.Module)]
+    if unknown := sorted(set(networks) - set(modules)):
+        raise RequestError(
+            f"{', '.join(unknown)}: not a network of this pipeline; its networks are {', '.join(modules)}"
+        )
     for name, component in pipeline.components.items():
         if isinstance(component, torch.nn.Module):
-            if only is not None and name != only:
-                continue
-            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size)
+            weights = not networks or name in networks
+            save_random(component, folder / name, seed=f"{PRESET_SEED}/{name}", max_shard_size=max_shard_size,
+                        weights=weights)  # fmt: skip
         elif component is not None:
             component.save_pretrained(folder / name)
     pipeline.save_config(folder)

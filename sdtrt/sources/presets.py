@@ -105,6 +105,10 @@ SD3_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0))
 FLUX_DEV_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                  max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096))  # fmt: skip
 FLUX_SCHNELL_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=1.0))
+# Qwen-Image's published scheduler: the dynamic shift up to 8192 tokens, exponential, ending at σ 0.02.
+QWEN_IMAGE_FLOW = ("FlowMatchEulerDiscreteScheduler", dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                   max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                   time_shift_type="exponential"))  # fmt: skip
 # T5 v1.1 (gated GELU) at test size; its width is the transformers' joint_attention_dim, at least CLIP-L + CLIP-G.
 TINY_T5 = dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, relative_attention_num_buckets=8,
                feed_forward_proj="gated-gelu")  # fmt: skip
@@ -172,6 +176,25 @@ TINY_QWEN_IMAGE = ("QwenImageTransformer2DModel", dict(
 TINY_QWEN_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                      temperal_downsample=[False, True, True], latents_mean=[0.05, -0.09, 0.05, -0.02],
                      latents_std=[1.4, 1.33, 0.64, 0.79])  # fmt: skip  # lists: the class concatenates them
+
+# Qwen-Image (Qwen/Qwen-Image; configs as published, not re-read offline): a 60-layer MMDiT of 24 heads × 128 on
+# 2×2-packed 16-channel latents (64 in), text width 3584 (20.4 B parameters, 40.9 GB in bf16); Qwen2.5-VL-7B-Instruct
+# (28 decoder layers 3584 wide, 28 query / 4 key-value heads, vocabulary 152,064, rotary sections 16/24/24; the
+# 32-block vision tower, 1280 wide: 8.3 B in all); the causal 3D VAE at diffusers' defaults (its published config).
+QWEN25_VL_7B = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1_000_000}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+    tie_word_embeddings=False,
+)  # fmt: skip
+QWEN_IMAGE_20B = ("QwenImageTransformer2DModel", dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, axes_dims_rope=(16, 56, 56),
+))
 
 PRESETS: dict[str, Recipe] = {
     "tiny": Recipe("StableDiffusionPipeline", unet(TINY_UNET), TINY_VAE, (clip(TINY_CLIP),), scheduler=SD1_PNDM),
@@ -344,6 +367,10 @@ PRESETS: dict[str, Recipe] = {
     "flux2-klein-random": Recipe(
         "Flux2KleinPipeline", FLUX2_KLEIN_4B, FLUX2_VAE, (("Qwen3ForCausalLM", QWEN3_4B),), scheduler=FLUX_DEV_FLOW,
         settings={"is_distilled": True}, dtype="bfloat16", streamed=True, vae_class="AutoencoderKLFlux2",
+    ),
+    "qwen-image-random": Recipe(
+        "QwenImagePipeline", QWEN_IMAGE_20B, {}, (("Qwen2_5_VLForConditionalGeneration", QWEN25_VL_7B),),
+        scheduler=QWEN_IMAGE_FLOW, dtype="bfloat16", streamed=True, vae_class="AutoencoderKLQwenImage",
     ),
 }
 # fmt: on

@@ -54,20 +54,23 @@ def empty_weights() -> Iterator[None]:
         yield
 
 
-def save_random(model: Any, folder: Path, *, seed: str, max_shard_size: int = SHARD_SIZE) -> None:
+def save_random(model: Any, folder: Path, *, seed: str, max_shard_size: int = SHARD_SIZE, weights: bool = True) -> None:
     """Write ``model``'s config and random weights into ``folder`` as its save_pretrained would.
 
     ``model`` is a diffusers ModelMixin or a transformers PreTrainedModel built under ``empty_weights()``;
     its meta parameters get random values seeded by ``seed`` and their names, its buffers their own values.
-    ``folder`` should be fresh and renamed into place by the caller once everything is written.
+    ``folder`` should be fresh and renamed into place by the caller once everything is written. ``weights``
+    False: the config alone.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
     layout = _layout(model)
-    state = layout.state_dict(model)
-    split = split_torch_state_dict_into_shards(state, filename_pattern=layout.pattern, max_shard_size=max_shard_size)
     folder.mkdir(parents=True, exist_ok=True)
     layout.save_config(model, folder)
+    if not weights:
+        return
+    state = layout.state_dict(model)
+    split = split_torch_state_dict_into_shards(state, filename_pattern=layout.pattern, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         write_safetensors(folder / filename, {name: state[name] for name in names}, seed)
     if split.is_sharded:

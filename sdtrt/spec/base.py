@@ -6,6 +6,7 @@ One subclass per component kind, one module each (denoiser, unet, controlnet, te
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -242,6 +243,10 @@ class GraphSpec:
             if any(not a <= s <= b for s, a, b in zip(shape, lo, hi, strict=True)):
                 return f"input '{name}' has shape {tuple(shape)}, outside the engine's profile {lo} .. {hi}"
         return None
+
+    def unread_parameters(self, names: Collection[str]) -> set[str]:
+        """Of the network's stored parameters ``names``, those its graph never reads by design (every one is read)."""
+        return set()
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,

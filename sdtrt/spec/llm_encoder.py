@@ -12,8 +12,10 @@ instead of every layer's), never the logits.
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from ..core.config import Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import UnsupportedModelError
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
     import torch
 
 KLEIN_LAYERS = LLM_LAYERS["Flux2KleinPipeline"]
+# Stored parameter names (as saved: Qwen2.5-VL's old ``model.layers.*`` and ``visual.*`` too) by what they are.
+_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_NEVER_READ = re.compile(r"^lm_head\.|(?:^|\.)visual\.")
+_FINAL_NORM = re.compile(r"^(?:model\.(?:language_model\.)?)?norm\.weight$")
 
 
 def pipeline_layers(pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
@@ -64,6 +70,9 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     vocab_size: int = 151936
     hidden_layers: tuple[int, ...] = KLEIN_LAYERS
     max_sequence_length: int = LLM_TOKENS["flux2"]
+    # How the graph finds a mask row that sees nothing (stages/llm_encoder.causal_padding_mask): in the spec's JSON,
+    # so in the export key, because graphs from before it (a ReduceMax) fail check-blocks' shape inference.
+    empty_mask_rows: Literal["cumsum"] = "cumsum"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_layers", tuple(self.hidden_layers))  # a list from JSON
@@ -87,6 +96,17 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     def layers_read(cls, pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
         """The hidden states the pipeline reads (``hidden_layers``)."""
         return pipeline_layers(pipeline_class, num_hidden_layers)
+
+    def unread_parameters(self, names: Collection[str]) -> set[str]:
+        """The LM head, a vision tower, the decoder layers past the last one read (klein reads Qwen3-4B's
+        ``hidden_states[27]``: layers 27-35 are dead code, which the exporter drops) and then the final norm."""
+        layers = {n: int(m.group(1)) for n in names if (m := _DECODER_LAYER.search(n))}
+        read_up_to = max(self.hidden_layers)  # hidden_states[k] is layer k-1's output
+        reads_last = read_up_to > max(layers.values(), default=-1)
+        return {
+            n for n in names
+            if _NEVER_READ.search(n) or layers.get(n, -1) >= read_up_to or (not reads_last and _FINAL_NORM.search(n))
+        }  # fmt: skip
 
     def inputs(self) -> list[TensorSpec]:
         return [TensorSpec(name, "int32", ("batch", "tokens")) for name in self.input_names]

@@ -17,7 +17,9 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     """The additive ``[B, 1, T, T]`` mask transformers builds for a right-padded batch: query q sees key k ≤ q where
     k is a token, not padding. A row that would see nothing (a mask padded at its start) sees its own position
     instead: softmax over nothing but the dtype's minimum is NaN in fp16 and a guess in fp32, never a number to
-    trust, and Qwen's tokenizer pads on the right, where no row is empty."""
+    trust, and Qwen's tokenizer pads on the right, where no row is empty. Row q is empty where the mask's running sum
+    is 0 at q: a CumSum, not a reduction over the [B, 1, T, T] mask, which ONNX Runtime's symbolic shape inference
+    (check-blocks') cannot size at opset 18 (ReduceMax with its axes as an input)."""
     import torch
 
     count = attention_mask.shape[1]
@@ -25,7 +27,8 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     causal = positions[None, :] <= positions[:, None]
     allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
     own = (positions[None, :] == positions[:, None])[None, None]
-    allowed = allowed | (own & ~allowed.any(dim=-1, keepdim=True))
+    sees_nothing = (attention_mask.cumsum(dim=-1) == 0)[:, None, :, None]
+    allowed = allowed | (own & sees_nothing)
     minimum = torch.finfo(dtype).min
     return torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device).masked_fill(~allowed, minimum)
 

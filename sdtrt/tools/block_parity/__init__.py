@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +28,7 @@ from .graph_check import check_graph
 from .matching import Arguments
 from .scopes import NO_SCOPES, blocks_summary, graph_modules
 from .shapes import check_size, concrete_shapes
-from .stored import stored_tensors
+from .stored import loaded_tensors
 from .torch_block import meta_network, trace_calls
 
 if TYPE_CHECKING:
@@ -38,10 +38,12 @@ if TYPE_CHECKING:
 
 # The blocks checked by default, per ModuleList (a path in the network): Flux's first and last double-stream block
 # and one single-stream block, SD3's first and last, a UNet's first down block and its last up block (skip
-# connections), a text encoder's first and last layer (CLIP's, SDXL's second CLIP's, T5's).
+# connections), a text encoder's first and last layer (CLIP's, SDXL's second CLIP's, T5's; an LLM's first and last
+# decoder layer the graph runs: Qwen3's, Qwen2.5-VL's language model's).
 DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,),
                   "up_blocks": (-1,), "encoder.layers": (0, -1), "text_model.encoder.layers": (0, -1),
-                  "encoder.block": (0, -1)}  # fmt: skip
+                  "encoder.block": (0, -1), "model.layers": (0, -1),
+                  "model.language_model.layers": (0, -1)}  # fmt: skip
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear", "TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear")
 
 
@@ -70,8 +72,9 @@ class BlockParityReport:
         return asdict(self) | {"passed": bool(self)}
 
 
-def default_blocks(network: Any) -> list[str]:
-    """DEFAULT_BLOCKS of the network's module lists, as paths (transformer_blocks.0, transformer_blocks.18, …)."""
+def default_blocks(network: Any, in_graph: Collection[str]) -> list[str]:
+    """DEFAULT_BLOCKS of the network's module lists, as paths (transformer_blocks.0, transformer_blocks.18, …), picked
+    among the blocks the graph runs (``in_graph``): an LLM encoder's graph ends at the last layer its pipeline reads."""
     out = []
     for path, picks in DEFAULT_BLOCKS.items():
         try:
@@ -79,7 +82,8 @@ def default_blocks(network: Any) -> list[str]:
         except AttributeError:
             continue
         if hasattr(modules, "__len__") and len(modules):  # a ModuleList (a module of that name may be no list)
-            out += list(dict.fromkeys(f"{path}.{range(len(modules))[i]}" for i in picks))
+            present = [f"{path}.{i}" for i in range(len(modules)) if f"{path}.{i}" in in_graph]
+            out += list(dict.fromkeys(present[i] for i in picks)) if present else []
     return out
 
 
@@ -146,16 +150,16 @@ def check_blocks(
     tol = block_tolerances(spec.precision)
     tol = replace(tol, **{k: v for k, v in (("min_cosine", min_cosine), ("max_abs", max_abs)) if v is not None})
     report = BlockParityReport(str(graph_path), model.name, spec.precision, asdict(tol))
+    folder = FOLDERS[spec.component]
+    network = meta_network(model, folder)
+    params = loaded_tensors(network, model.component_dir(folder))
     if graph_checks:
         with step("Checking the graph's IO, inferred shapes and initializers (weights not loaded)"):
-            checked = check_graph(graph_path, spec, model)
+            checked = check_graph(graph_path, spec, model, params)
         report.checks = asdict(checked)
         report.failures += checked.failures
-    folder = FOLDERS[spec.component]
-    params = stored_tensors(model.component_dir(folder))
-    network = meta_network(model, folder)
-    blocks = list(blocks) or default_blocks(network)  # check_checkable saw at least one of them
     proto = onnx_graph.load_graph(graph_path)
+    blocks = list(blocks) or default_blocks(network, set(graph_modules(proto.graph)))  # check_checkable saw one
     batch, height, width, tokens = check_size(spec)
     shapes = concrete_shapes(proto, spec.input_shapes(batch, height, width, tokens))
     calls = trace_calls(network, spec, blocks)

@@ -135,8 +135,11 @@ def _np_name(dtype: str) -> str:
     return "float16" if dtype == "bfloat16" else dtype
 
 
-def check_graph(graph_path: Path, spec: GraphSpec, model: ModelSource) -> GraphCheck:
-    """IO, output shapes inferred at two sizes, parameters: from the weight-free graph and the safetensors headers."""
+def check_graph(
+    graph_path: Path, spec: GraphSpec, model: ModelSource, params: dict[str, StoredTensor] | None = None
+) -> GraphCheck:
+    """IO, output shapes inferred at two sizes, parameters: from the weight-free graph and the safetensors headers
+    (``params``: the model's stored tensors by loaded name, default: as stored)."""
     proto = onnx_graph.load_graph(graph_path)
     result = GraphCheck()
     inputs, outputs = onnx_graph.graph_io(graph_path)
@@ -162,7 +165,9 @@ def check_graph(graph_path: Path, spec: GraphSpec, model: ModelSource) -> GraphC
                     f"output {name} infers to {list(inferred_shape)} for inputs {shapes}, expected {list(shape)}"
                 )
     folder = FOLDERS[spec.component]
-    params = stored_tensors(model.component_dir(folder))
+    params = params if params is not None else stored_tensors(model.component_dir(folder))
+    unread = spec.unread_parameters(params.keys())
+    params = {name: t for name, t in params.items() if name not in unread}
     result.parameters = account_parameters(proto.graph, params, spec.dtype, fp32_modules(model, folder))
     result.failures += result.parameters["failures"]
     return result

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from .torch_block import BlockCall
 
 # Arguments whose tensors share a shape and say which is which by the op that made them: diffusers' rotary
-# embedding is a (cos, sin) pair (FluxPosEmbed.forward).
-MADE_BY = {"image_rotary_emb": ("Cos", "Sin")}
+# embedding is a (cos, sin) pair (FluxPosEmbed.forward), and so is transformers' (an LLM layer's position_embeddings).
+MADE_BY = {"image_rotary_emb": ("Cos", "Sin"), "position_embeddings": ("Cos", "Sin")}
 
 
 def upstream_ops(graph: onnx.GraphProto, name: str) -> set[str]:

@@ -20,6 +20,7 @@ class StoredTensor:
     shard: Path
     dtype: str  # numpy-style name
     shape: tuple[int, ...]
+    key: str  # its name in the shard
 
     @property
     def numel(self) -> int:
@@ -43,5 +44,15 @@ def stored_tensors(folder: Path) -> dict[str, StoredTensor]:
         for name, entry in safetensors_header(shard).items():
             if name != "__metadata__":
                 out[name] = StoredTensor(shard, SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]),
-                                         tuple(entry["shape"]))  # fmt: skip
+                                         tuple(entry["shape"]), name)  # fmt: skip
     return out
+
+
+def loaded_tensors(network: Any, folder: Path) -> dict[str, StoredTensor]:
+    """``stored_tensors`` by the names ``from_pretrained`` gives them in ``network`` (built from the folder's config):
+    transformers' checkpoint renamings, as the streamed export applies them (Qwen2.5-VL saves its language model's
+    ``model.language_model.layers.*`` as ``model.layers.*``)."""
+    from ...stages.export_stream import renamed_as_loaded
+
+    stored = stored_tensors(folder)
+    return renamed_as_loaded(network, stored, folder) if hasattr(network, "base_model_prefix") else stored

@@ -184,6 +184,6 @@ def load_block(network: Any, block: str, params: dict[str, StoredTensor]) -> Any
     state: dict[str, torch.Tensor] = {}
     for shard, names in by_shard.items():
         with safe_open(str(shard), framework="pt") as f:
-            state |= {name[len(prefix) :]: f.get_tensor(saved).to(torch.float32) for name, saved in names}
+            state |= {name[len(prefix) :]: f.get_tensor(params[saved].key).to(torch.float32) for name, saved in names}
     module.load_state_dict(state, strict=True)  # every parameter and persistent buffer, or a clear error
     return module.float().eval()
