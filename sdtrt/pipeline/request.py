@@ -277,15 +277,18 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
 
 def check_llm_prompts(
     prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None, *, least: int = 1,
-    dropped: int = 0,
+    dropped: int = 0, system: str | None = None,
 ) -> None:  # fmt: skip
     """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
-    the tokenizer's chat template first; Qwen-Image its own ``template``, a format string) outnumber ``limit``, which
-    the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum). ``dropped``: the
-    template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
+    the tokenizer's chat template first, [dev]'s with its ``system`` message; Qwen-Image its own ``template``, a
+    format string) outnumber ``limit``, which the tokenizer would cut without a word, or number fewer than ``least``
+    (the engines' minimum). ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens
+    range counts the others)."""
+    before = [{"role": "system", "content": system}] if system else []
     for prompt in prompts:
         text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            [*before, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
+            enable_thinking=False,
         )  # fmt: skip
         count = len(tokenizer(text).input_ids)
         if least <= count <= limit:
@@ -334,8 +337,21 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     limit = profile.tokens.max if profile is not None and profile.tokens is not None else default
     folder = T5_TOKENIZERS.get(family) or LLM_TOKENIZERS[family]
     tokenizer = AutoTokenizer.from_pretrained(model.path / folder, local_files_only=True)
-    check = check_t5_prompts if family in T5_TOKENS else check_llm_prompts
-    check([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
+    prompts = [p for p in (request.prompt, request.negative_prompt) if p]
+    if family in T5_TOKENS:
+        check_t5_prompts(prompts, tokenizer, limit, built)
+    else:
+        check_llm_prompts(prompts, tokenizer, limit, built, system=llm_system_message(model.pipeline_class()))
+
+
+def llm_system_message(pipeline_class: str) -> str | None:
+    """The system message a pipeline puts before each prompt in its LLM's chat (Flux2Pipeline's ``system_message``
+    default, diffusers' own text), None for a pipeline with none."""
+    if pipeline_class != "Flux2Pipeline":
+        return None
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return str(SYSTEM_MESSAGE)
 
 
 # T5's tokenizer folder: SD3's third text encoder, Flux's second.

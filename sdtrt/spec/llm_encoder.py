@@ -59,6 +59,9 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     )
     fp16_fallback: ClassVar[Precision] = "bf16"
     token_cap: ClassVar[TokenCap] = klein_token_cap
+    # Whether the decoder takes transformers' mask mapping (one mask per attention kind, as Qwen's do) rather than
+    # one prepared [B, 1, T, T] mask.
+    mask_mapping: ClassVar[bool] = True
 
     hidden_size: int = 2560
     vocab_size: int = 151936
@@ -152,3 +155,19 @@ class LLMModelEncoderSpec(LLMEncoderSpec):
     name in ``text_encoder``: the same graph; its row of SPEC_CLASSES keeps it from CLIP's."""
 
     architecture: ClassVar[str] = "Qwen3Model"
+
+
+@dataclass(frozen=True)
+class MistralEncoderSpec(LLMEncoderSpec):
+    """Mistral-Small-3.x's language model in Flux2Pipeline's ``text_encoder`` (Mistral3ForConditionalGeneration, its
+    Pixtral vision tower unused for text): ``hidden_states[10, 20, 30]`` stacked. MistralModel builds its mask itself
+    from what it is given, and returns a prepared 4D mask as it is: the graph hands it one."""
+
+    architecture: ClassVar[str] = "Mistral3ForConditionalGeneration"
+    mask_mapping: ClassVar[bool] = False
+    fp16_problem: ClassVar[str] = (
+        "Mistral-Small-3.x is a bf16 model (FLUX.2 [dev] ships it in bf16) whose activations are not known to stay "
+        "inside fp16's range"
+    )
+
+    hidden_layers: tuple[int, ...] = LLM_LAYERS["Flux2Pipeline"]

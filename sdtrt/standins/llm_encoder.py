@@ -1,6 +1,6 @@
-"""EngineQwen3 / EngineQwen3Model / EngineQwen2_5_VL: what FLUX.2 [klein]'s, Z-Image's and Qwen-Image's pipelines
-call instead of their LLM text encoders (Qwen3ForCausalLM; the bare Qwen3Model Z-Image's checkpoints name;
-Qwen2_5_VLForConditionalGeneration, text only).
+"""EngineQwen3 / EngineQwen3Model / EngineQwen2_5_VL / EngineMistral3: what FLUX.2 [klein]'s, Z-Image's, Qwen-Image's
+and FLUX.2 [dev]'s pipelines call instead of their LLM text encoders (Qwen3ForCausalLM; the bare Qwen3Model Z-Image's
+checkpoints name; Qwen2_5_VLForConditionalGeneration and Mistral3ForConditionalGeneration, text only).
 
 The pipelines read nothing of the LLM's output but ``hidden_states[k]`` (klein's ``text_encoder_out_layers``,
 Qwen-Image's last layer, as ``hidden_states[-1]``); the
@@ -14,8 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
+from transformers import (
+    Mistral3ForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.mistral3.modeling_mistral3 import Mistral3CausalLMOutputWithPast
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
@@ -116,11 +122,18 @@ class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  #
     (pixel_values, which the Edit pipelines pass) are refused as any other keyword the engine does not take."""
 
 
+class EngineMistral3(EngineLLMEncoder, Mistral3ForConditionalGeneration):  # type: ignore[misc]
+    """A Mistral3ForConditionalGeneration stand-in (FLUX.2 [dev]'s text_encoder), its text path: pixel_values (only
+    the prompt upsampling's generate passes them) are refused as any other keyword the engine does not take."""
+
+    output_class = Mistral3CausalLMOutputWithPast
+
+
 # The engine's architecture (its spec's) → the stand-in class that is an instance of that transformers class.
 STANDINS: dict[str, type[EngineLLMEncoder]] = {
     pytorch.__name__: standin for pytorch, standin in (
         (Qwen3ForCausalLM, EngineQwen3), (Qwen3Model, EngineQwen3Model),
-        (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL),
+        (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL), (Mistral3ForConditionalGeneration, EngineMistral3),
     )
 }  # fmt: skip
 
