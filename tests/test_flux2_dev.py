@@ -9,19 +9,19 @@ as the pipeline tokenizes it, the CLI's refusal before loading, and the precisio
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
-from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.pipeline.loading import generate, load_pipeline
 from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineMistral3
 from sdtrt.standins.transformer import EngineFlux2Transformer
 from sdtrt.standins.vae_flux2 import EngineFlux2VAE
 from sdtrt.tools.image_quality import psnr_db
+
+from .test_flux2_klein import images, noise_image, request  # the same requests, as klein's module makes them
 
 SIZES = [(128, 128), (128, 192)]
 
@@ -40,18 +40,6 @@ def dev(store, source):
 
     engine = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final
     return source, load_pipeline(source), load_pipeline(source, engine)
-
-
-def request(**kwargs) -> GenerateRequest:
-    return GenerateRequest(**({"prompt": "a red fox in the snow", "steps": 2, "seed": 3} | kwargs))
-
-
-def images(pipes, req: GenerateRequest) -> list[np.ndarray]:
-    return [generate(p, req, output_type="np").images[0] for p in pipes]
-
-
-def noise_image(height: int, width: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.mark.slow
@@ -118,7 +106,8 @@ def test_the_prompt_count_is_what_the_pipeline_tokenizes(source):
     from diffusers.pipelines.flux2.pipeline_flux2 import format_input
     from transformers import AutoTokenizer
 
-    from sdtrt.pipeline.request import check_llm_prompts, llm_system_message
+    from sdtrt.core.families import llm_system_message
+    from sdtrt.pipeline.request import check_llm_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(source.path / "tokenizer", local_files_only=True)
     prompt = "a red fox in the snow"

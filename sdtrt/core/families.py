@@ -223,3 +223,13 @@ def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments ``cls.__init__`` takes (SDXL pipelines have no safety checker)."""
     parameters = inspect.signature(cls).parameters
     return {k: v for k, v in kwargs.items() if k in parameters}
+
+
+def llm_system_message(pipeline_class: str) -> str | None:
+    """The system message a pipeline puts before each prompt in its LLM's chat (Flux2Pipeline's ``system_message``
+    default, diffusers' own text), None for a pipeline with none."""
+    if pipeline_class != "Flux2Pipeline":
+        return None
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return str(SYSTEM_MESSAGE)

@@ -280,10 +280,9 @@ def check_llm_prompts(
     dropped: int = 0, system: str | None = None,
 ) -> None:  # fmt: skip
     """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
-    the tokenizer's chat template first, [dev]'s with its ``system`` message; Qwen-Image its own ``template``, a
-    format string) outnumber ``limit``, which the tokenizer would cut without a word, or number fewer than ``least``
-    (the engines' minimum). ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens
-    range counts the others)."""
+    the tokenizer's chat template first, [dev]'s after a ``system`` message; Qwen-Image its own ``template``) outnumber
+    ``limit``, which the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum).
+    ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
     before = [{"role": "system", "content": system}] if system else []
     for prompt in prompts:
         text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
@@ -325,7 +324,7 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux), or ``check_llm_prompts`` for
     FLUX.2's LLM: the engines' ``profile`` has the token range, and counting tokens needs only the model's tokenizer
     folder."""
-    from ..core.families import LLM_TOKENS, T5_TOKENS
+    from ..core.families import LLM_TOKENS, T5_TOKENS, llm_system_message
 
     family = model.family()
     if family not in T5_TOKENS and family not in LLM_TOKENIZERS:
@@ -339,19 +338,8 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     tokenizer = AutoTokenizer.from_pretrained(model.path / folder, local_files_only=True)
     prompts = [p for p in (request.prompt, request.negative_prompt) if p]
     if family in T5_TOKENS:
-        check_t5_prompts(prompts, tokenizer, limit, built)
-    else:
-        check_llm_prompts(prompts, tokenizer, limit, built, system=llm_system_message(model.pipeline_class()))
-
-
-def llm_system_message(pipeline_class: str) -> str | None:
-    """The system message a pipeline puts before each prompt in its LLM's chat (Flux2Pipeline's ``system_message``
-    default, diffusers' own text), None for a pipeline with none."""
-    if pipeline_class != "Flux2Pipeline":
-        return None
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    return str(SYSTEM_MESSAGE)
+        return check_t5_prompts(prompts, tokenizer, limit, built)
+    check_llm_prompts(prompts, tokenizer, limit, built, system=llm_system_message(model.pipeline_class()))
 
 
 # T5's tokenizer folder: SD3's third text encoder, Flux's second.
