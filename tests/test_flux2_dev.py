@@ -14,14 +14,13 @@ import torch
 
 from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
-from sdtrt.pipeline.loading import generate, load_pipeline
+from sdtrt.pipeline.loading import load_pipeline
 from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineMistral3
 from sdtrt.standins.transformer import EngineFlux2Transformer
 from sdtrt.standins.vae_flux2 import EngineFlux2VAE
-from sdtrt.tools.image_quality import psnr_db
 
-from .test_flux2_klein import images, noise_image, request  # the same requests, as klein's module makes them
+from .test_flux2_klein import check_long_prompt_refused, check_reference_image, check_txt2img  # klein's checks
 
 SIZES = [(128, 128), (128, 192)]
 
@@ -56,33 +55,19 @@ def test_every_network_is_an_engine_standin(dev):
 @pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
 def test_txt2img_matches_pytorch(dev, size):
-    reference, engine = images(dev[1:], request(height=size[0], width=size[1]))
-    psnr = psnr_db(engine, reference)
-    print(f"tiny-flux2 txt2img {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
-    assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
+    check_txt2img(dev[1:], size, "tiny-flux2")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
 def test_reference_image_matches_pytorch(dev, size):
     """The editing task: a reference image, encoded by the VAE encoder engine, joins the transformer's tokens."""
-    image = noise_image(128, 128)
-    reference, engine = images(dev[1:], request(height=size[0], width=size[1], image=image))
-    plain = generate(dev[1], request(height=size[0], width=size[1]), output_type="np").images[0]
-    psnr = psnr_db(engine, reference)
-    print(f"tiny-flux2 reference image {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
-    assert psnr >= 35.0 and psnr_db(plain, reference) < psnr - 40.0
+    check_reference_image(dev[1:], size, "tiny-flux2")
 
 
 @pytest.mark.slow
 def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(dev):
-    _, _, engine = dev
-    calls = []
-    for network in (engine.text_encoder, engine.transformer):
-        network.register_forward_pre_hook(lambda *_: calls.append(1))
-    with pytest.raises(RequestError, match="tokens with its chat template") as error:
-        generate(engine, request(prompt="astronaut " * 600, height=128, width=128))
-    assert "\n" not in str(error.value) and not calls
+    check_long_prompt_refused(dev[2])
 
 
 @pytest.mark.slow
