@@ -75,8 +75,8 @@ QWEN_IMAGE_DROPPED_TOKENS = 34
 # defaults, Z-Image's pipelines take hidden_states[-2].
 LLM_LAYERS: dict[str, tuple[int, ...]] = {
     "Flux2KleinPipeline": (9, 18, 27),
-    "Flux2Pipeline": (10, 20, 30),
     **dict.fromkeys(("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"), (-2,)),
+    "Flux2Pipeline": (10, 20, 30),
 }
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
