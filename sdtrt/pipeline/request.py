@@ -284,12 +284,15 @@ def check_llm_prompts(
     ``limit``, which the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum).
     ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
     before = [{"role": "system", "content": system}] if system else []
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (FLUX.2 [dev]'s PixtralProcessor)
     for prompt in prompts:
+        # [dev] (the pipeline with a system message) asks for no generation prompt, klein for one; a chat template
+        # writes its own BOS, so the text is counted without the tokenizer's special tokens, as the pipelines do.
         text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
-            [*before, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True,
+            [*before, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=not system,
             enable_thinking=False,
         )  # fmt: skip
-        count = len(tokenizer(text).input_ids)
+        count = len(text_tokenizer(text=text, add_special_tokens=template is not None).input_ids)
         if least <= count <= limit:
             continue
         where = "the engines were built for" if built else "the pipeline takes"

@@ -30,17 +30,19 @@ CHAT_TEMPLATE = (
 
 
 def mistral_chat_tokenizer(max_length: int = 512) -> Any:
-    """A fast tokenizer with Mistral's special tokens and chat markup; it pads with <pad> on the right."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A fast tokenizer with Mistral's special tokens and chat markup; as Mistral's own, it pads with <pad> on the left
+    and puts <s> before a text it tokenizes with special tokens (the chat template writes its own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     tokens = [*SPECIAL_TOKENS, *bytes_to_unicode(), *("".join(m) for m in MERGES)]
     bpe = Tokenizer(models.BPE(vocab={token: i for i, token in enumerate(tokens)}, merges=list(MERGES)))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokens.index("<s>"))])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        model_max_length=max_length, padding_side="right",
+        model_max_length=max_length, padding_side="left",
     )  # fmt: skip
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[4:])})
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -165,11 +165,12 @@ TINY_QWEN25_VL = dict(
     vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                        fullatt_block_indexes=[0]),
 )  # fmt: skip
-# FLUX.2 [dev] at test size: a Mistral3 language model 32 wide with the 30 layers Flux2Pipeline's (10, 20, 30) read
-# (no sliding window, as Mistral-Small-3.x), a one-layer Pixtral vision tower the text path never runs, and klein's
-# tiny transformer with dev's guidance embedding.
+# FLUX.2 [dev] at test size: a Mistral3 language model 32 wide with 31 layers, one past the (10, 20, 30) Flux2Pipeline
+# reads, so hidden_states[30] is a layer's raw output as in the real 40-layer model, not the final norm's (no sliding
+# window, as Mistral-Small-3.x), a one-layer Pixtral vision tower the text path never runs, and klein's tiny
+# transformer with dev's guidance embedding.
 TINY_MISTRAL3 = dict(
-    text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=30, num_attention_heads=4,
+    text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=31, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, sliding_window=None),
     vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
                        image_size=64, patch_size=16),

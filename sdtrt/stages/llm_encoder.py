@@ -17,7 +17,8 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     """The additive ``[B, 1, T, T]`` mask transformers builds for a right-padded batch: query q sees key k ≤ q where
     k is a token, not padding. A row that would see nothing (a mask padded at its start) sees its own position
     instead: softmax over nothing but the dtype's minimum is NaN in fp16 and a guess in fp32, never a number to
-    trust, and Qwen's tokenizer pads on the right, where no row is empty."""
+    trust. Qwen's tokenizer pads on the right, where no row is empty; Mistral's on the left, where this equals
+    transformers' output bit for bit, the pad rows' included."""
     import torch
 
     count = attention_mask.shape[1]

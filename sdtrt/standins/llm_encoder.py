@@ -89,11 +89,12 @@ class EngineLLMEncoder(EngineModule):
         if given := [name for name, on in refused.items() if on]:
             raise EngineInputError(f"{', '.join(given)}: {NOT_A_GENERATOR}")
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if not right_padded(mask):
+        if not one_run_of_tokens(mask, self.spec.left_padding):
+            sides = "padded on either side" if self.spec.left_padding else "right-padded"
             raise EngineInputError(
-                "the attention_mask pads a row before its tokens, or is all padding: an LLM text encoder engine takes "
-                "right-padded rows with at least one token (Qwen's tokenizer pads on the right; set "
-                "tokenizer.padding_side='right')"
+                f"the attention_mask has a row that is all padding or not one run of tokens: this LLM text encoder "
+                f"engine takes {sides} rows with at least one token; pad each prompt on "
+                + ("one side" if self.spec.left_padding else "the right (tokenizer.padding_side='right')")
             )
         ids, mask_name = self.spec.input_names
         stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
@@ -138,8 +139,10 @@ STANDINS: dict[str, type[EngineLLMEncoder]] = {
 }  # fmt: skip
 
 
-def right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a ``[B, T]`` padding mask is tokens then padding, its first position a token: the rows
-    the engine's graph masks as transformers does (a row padded first would attend to nothing there)."""
+def one_run_of_tokens(mask: torch.Tensor, left: bool) -> bool:
+    """Whether every row of a ``[B, T]`` padding mask is tokens then padding, its first position a token, or, where
+    ``left``, padding then tokens, its last a token: the rows the engine's graph masks as transformers does (its
+    positions count from the row's start, pads included, as transformers' do)."""
     tokens = mask.bool()
-    return bool(tokens[:, 0].all() and (tokens[:, 1:] <= tokens[:, :-1]).all())
+    right = bool(tokens[:, 0].all() and (tokens[:, 1:] <= tokens[:, :-1]).all())
+    return right or (left and bool(tokens[:, -1].all() and (tokens[:, 1:] >= tokens[:, :-1]).all()))
