@@ -58,9 +58,14 @@ def test_every_network_is_an_engine_standin(klein):
 
 @pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
 def test_txt2img_matches_pytorch(klein, size):
-    reference, engine = images(klein[1:], request(height=size[0], width=size[1]))
+    check_txt2img(klein[1:], size, "tiny-flux2-klein")
+
+
+def check_txt2img(pipes, size: tuple[int, int], preset: str) -> None:
+    """The (PyTorch, engine) pipelines' images at ``size``: ≥ 35 dB apart, and an image (not a flat field)."""
+    reference, engine = images(pipes, request(height=size[0], width=size[1]))
     psnr = psnr_db(engine, reference)
-    print(f"tiny-flux2-klein txt2img {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    print(f"{preset} txt2img {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
     assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
 
 
@@ -71,17 +76,25 @@ def noise_image(height: int, width: int) -> Image.Image:
 @pytest.mark.parametrize("size", SIZES, ids=["square", "non-square"])
 def test_reference_image_matches_pytorch(klein, size):
     """Klein's editing task: a reference image, encoded by the VAE encoder engine, joins the transformer's tokens."""
+    check_reference_image(klein[1:], size, "tiny-flux2-klein")
+
+
+def check_reference_image(pipes, size: tuple[int, int], preset: str) -> None:
     image = noise_image(128, 128)
-    reference, engine = images(klein[1:], request(height=size[0], width=size[1], image=image))
-    plain = generate(klein[1], request(height=size[0], width=size[1]), output_type="np").images[0]
+    reference, engine = images(pipes, request(height=size[0], width=size[1], image=image))
+    plain = generate(pipes[0], request(height=size[0], width=size[1]), output_type="np").images[0]
     psnr = psnr_db(engine, reference)
-    print(f"tiny-flux2-klein reference image {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    print(f"{preset} reference image {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
     # The engines agree, far closer than the reference image moves the image (random weights move it little).
     assert psnr >= 35.0 and psnr_db(plain, reference) < psnr - 40.0
 
 
 def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(klein):
-    _, _, engine = klein
+    check_long_prompt_refused(klein[2])
+
+
+def check_long_prompt_refused(engine) -> None:
+    """A prompt over the engines' tokens: one line, before the LLM or the transformer runs."""
     calls = []
     for network in (engine.text_encoder, engine.transformer):
         network.register_forward_pre_hook(lambda *_: calls.append(1))

@@ -40,17 +40,18 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
      "inpaint": "FluxControlInpaintPipeline"},
     {"img2img": "FluxKontextPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
+    {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
 # Pipelines whose `image` is optional: reference images to edit from (their own profile axis), not an img2img start.
-REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline",)
+REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
-    "dev / schnell (with Fill, Canny / Depth control and Kontext), FLUX.2 [klein], Z-Image and Qwen-Image"
+    "dev / schnell (with Fill, Canny / Depth control and Kontext), FLUX.2 [klein] and [dev], Z-Image and Qwen-Image"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
 TRANSFORMERS = {
@@ -70,11 +71,12 @@ QWEN_IMAGE_TUNED_TOKENS = 256
 # prompt_template_encode_start_idx): the LLM engine reads this many tokens more than the transformer.
 QWEN_IMAGE_DROPPED_TOKENS = 34
 # The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
-# from the end, as the pipeline indexes them): klein stacks its text_encoder_out_layers default, Z-Image's pipelines
-# take hidden_states[-2].
+# from the end, as the pipeline indexes them): FLUX.2 [klein] and [dev] stack their text_encoder_out_layers
+# defaults, Z-Image's pipelines take hidden_states[-2].
 LLM_LAYERS: dict[str, tuple[int, ...]] = {
     "Flux2KleinPipeline": (9, 18, 27),
     **dict.fromkeys(("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline"), (-2,)),
+    "Flux2Pipeline": (10, 20, 30),
 }
 # SDXL's time_ids: original size, crop corner, target size (6); the refiner swaps the target size for
 # an aesthetic score (5). Each id is embedded with addition_time_embed_dim sinusoids.
@@ -221,3 +223,13 @@ def accepted(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments ``cls.__init__`` takes (SDXL pipelines have no safety checker)."""
     parameters = inspect.signature(cls).parameters
     return {k: v for k, v in kwargs.items() if k in parameters}
+
+
+def llm_system_message(pipeline_class: str) -> str | None:
+    """The system message a pipeline puts before each prompt in its LLM's chat (Flux2Pipeline's ``system_message``
+    default, diffusers' own text), None for a pipeline with none."""
+    if pipeline_class != "Flux2Pipeline":
+        return None
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return str(SYSTEM_MESSAGE)

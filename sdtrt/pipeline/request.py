@@ -277,17 +277,22 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
 
 def check_llm_prompts(
     prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None, *, least: int = 1,
-    dropped: int = 0,
+    dropped: int = 0, system: str | None = None,
 ) -> None:  # fmt: skip
     """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
-    the tokenizer's chat template first; Qwen-Image its own ``template``, a format string) outnumber ``limit``, which
-    the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum). ``dropped``: the
-    template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
+    the tokenizer's chat template first, [dev]'s after a ``system`` message; Qwen-Image its own ``template``) outnumber
+    ``limit``, which the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum).
+    ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
+    before = [{"role": "system", "content": system}] if system else []
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (FLUX.2 [dev]'s PixtralProcessor)
     for prompt in prompts:
+        # [dev] (the pipeline with a system message) asks for no generation prompt, klein for one; a chat template
+        # writes its own BOS, so the text is counted without the tokenizer's special tokens, as the pipelines do.
         text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            [*before, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=not system,
+            enable_thinking=False,
         )  # fmt: skip
-        count = len(tokenizer(text).input_ids)
+        count = len(text_tokenizer(text=text, add_special_tokens=template is not None).input_ids)
         if least <= count <= limit:
             continue
         where = "the engines were built for" if built else "the pipeline takes"
@@ -322,7 +327,7 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     """``check_t5_prompts`` before the pipeline loads, for models with T5 (SD3, Flux), or ``check_llm_prompts`` for
     FLUX.2's LLM: the engines' ``profile`` has the token range, and counting tokens needs only the model's tokenizer
     folder."""
-    from ..core.families import LLM_TOKENS, T5_TOKENS
+    from ..core.families import LLM_TOKENS, T5_TOKENS, llm_system_message
 
     family = model.family()
     if family not in T5_TOKENS and family not in LLM_TOKENIZERS:
@@ -334,8 +339,10 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     limit = profile.tokens.max if profile is not None and profile.tokens is not None else default
     folder = T5_TOKENIZERS.get(family) or LLM_TOKENIZERS[family]
     tokenizer = AutoTokenizer.from_pretrained(model.path / folder, local_files_only=True)
-    check = check_t5_prompts if family in T5_TOKENS else check_llm_prompts
-    check([p for p in (request.prompt, request.negative_prompt) if p], tokenizer, limit, built)
+    prompts = [p for p in (request.prompt, request.negative_prompt) if p]
+    if family in T5_TOKENS:
+        return check_t5_prompts(prompts, tokenizer, limit, built)
+    check_llm_prompts(prompts, tokenizer, limit, built, system=llm_system_message(model.pipeline_class()))
 
 
 # T5's tokenizer folder: SD3's third text encoder, Flux's second.

@@ -31,12 +31,14 @@ def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
 
 def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
     """``max_sequence_length`` for a pipeline whose text encoder is an LLM (FLUX.2 [klein]'s and Z-Image's Qwen3,
-    Qwen-Image's Qwen2.5-VL), as ``t5_kwargs``: a prompt longer than the engines take (counted with its chat template)
-    refused before anything runs. Qwen-Image drops its template's first tokens after the LLM: the LLM reads that many
-    more than the transformer."""
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
+    Qwen-Image's Qwen2.5-VL, FLUX.2 [dev]'s Mistral3), as ``t5_kwargs``: a prompt longer than the engines take
+    (counted with its chat template) refused before anything runs. Qwen-Image drops its template's first tokens
+    after the LLM: the LLM reads that many more than the transformer."""
+    import transformers
 
-    llms = (Qwen3ForCausalLM, Qwen3Model, Qwen2_5_VLForConditionalGeneration)
+    from ..spec import SPECS, LLMEncoderSpec
+
+    llms = tuple(getattr(transformers, s.architecture) for s in SPECS if issubclass(s, LLMEncoderSpec))
     if not isinstance(getattr(pipe, "text_encoder", None), llms):
         return {}
     from .request import check_llm_prompts
@@ -45,7 +47,8 @@ def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
     limit, built = _token_limit(pipe, "text_encoder", dropped)
     least = max([1] + [p.tokens.min + extra for p, extra in _token_profiles(pipe, "text_encoder", dropped)])
     template = getattr(pipe, "prompt_template_encode", None)
-    check_llm_prompts(prompts, pipe.tokenizer, limit, built, template, least=least, dropped=dropped)
+    system = getattr(pipe, "system_message", None)  # Flux2Pipeline's, before each prompt
+    check_llm_prompts(prompts, pipe.tokenizer, limit, built, template, least=least, dropped=dropped, system=system)
     return {"max_sequence_length": limit - dropped}
 
 

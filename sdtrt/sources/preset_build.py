@@ -196,6 +196,11 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
 
         tokenizer = qwen_chat_tokenizer()
         config = qwen_vl_config(tokenizer, text)
+    elif class_name == "Mistral3ForConditionalGeneration":
+        from .mistral_encoder import mistral3_config, mistral_chat_tokenizer
+
+        tokenizer = mistral_chat_tokenizer()
+        config = mistral3_config(tokenizer, text)
     elif class_name == "T5EncoderModel":
         tokenizer = tokenizers["t5"]
         config = transformers.T5Config(

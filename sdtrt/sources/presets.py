@@ -169,6 +169,16 @@ TINY_QWEN25_VL = dict(
     vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                        fullatt_block_indexes=[0]),
 )  # fmt: skip
+# FLUX.2 [dev] at test size: a Mistral3 language model 32 wide with 31 layers, one past the (10, 20, 30) Flux2Pipeline
+# reads, so hidden_states[30] is a layer's raw output as in the real 40-layer model, not the final norm's (no sliding
+# window, as Mistral-Small-3.x), a one-layer Pixtral vision tower the text path never runs, and klein's tiny
+# transformer with dev's guidance embedding.
+TINY_MISTRAL3 = dict(
+    text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=31, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, sliding_window=None),
+    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                       image_size=64, patch_size=16),
+)  # fmt: skip
 TINY_QWEN_IMAGE = ("QwenImageTransformer2DModel", dict(
     patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
     joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
@@ -260,6 +270,10 @@ PRESETS: dict[str, Recipe] = {
     "tiny-flux2-klein": Recipe(
         "Flux2KleinPipeline", TINY_FLUX2, dict(TINY_VAE, latent_channels=4), (("Qwen3ForCausalLM", TINY_QWEN3),),
         scheduler=FLUX_DEV_FLOW, settings={"is_distilled": False}, vae_class="AutoencoderKLFlux2",
+    ),
+    "tiny-flux2": Recipe(
+        "Flux2Pipeline", (TINY_FLUX2[0], dict(TINY_FLUX2[1], guidance_embeds=True)), dict(TINY_VAE, latent_channels=4),
+        (("Mistral3ForConditionalGeneration", TINY_MISTRAL3),), scheduler=FLUX_DEV_FLOW, vae_class="AutoencoderKLFlux2",
     ),
     "tiny-zimage": Recipe(
         "ZImagePipeline", TINY_ZIMAGE, dict(TINY_VAE, **FLUX_VAE),

@@ -42,7 +42,7 @@ from .base import (
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
-from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec, QwenVLEncoderSpec
+from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec, MistralEncoderSpec, QwenVLEncoderSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import (
     TRANSFORMER_KINDS,
@@ -75,6 +75,7 @@ __all__ = [
     "GraphSpec",
     "ImageEncoderSpec",
     "LLMEncoderSpec",
+    "MistralEncoderSpec",
     "ModelConfigs",
     "QwenImageTransformerSpec",
     "QwenVLEncoderSpec",
@@ -113,7 +114,7 @@ SPECS: tuple[type[GraphSpec], ...] = (
     T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
     QwenVLEncoderSpec,
-    LLMModelEncoderSpec,
+    LLMModelEncoderSpec, MistralEncoderSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 

@@ -65,6 +65,12 @@ class LLMEncoderSpec(SequenceEncoderSpec):
     )
     fp16_fallback: ClassVar[Precision] = "bf16"
     token_cap: ClassVar[TokenCap] = klein_token_cap
+    # Whether the decoder takes transformers' mask mapping (one mask per attention kind, as Qwen's do) rather than
+    # one prepared [B, 1, T, T] mask.
+    mask_mapping: ClassVar[bool] = True
+    # Whether the pipeline's tokenizer pads on the left (Mistral's) and the stand-in takes such rows: the graph's mask
+    # gives an all-padding row its own position, bit-exact with transformers' for left padding on MistralModel.
+    left_padding: ClassVar[bool] = False
 
     hidden_size: int = 2560
     vocab_size: int = 151936
@@ -119,14 +125,16 @@ class LLMEncoderSpec(SequenceEncoderSpec):
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
         tokens: int = 0,
     ) -> dict[str, torch.Tensor]:  # fmt: skip
-        """Random ids, and a mask that pads each row on the right after a random length (as Qwen's tokenizer pads)."""
+        """Random ids, and a mask that pads each row after a random length (as Qwen's tokenizer pads), or before it
+        where the family's tokenizer pads on the left."""
         import torch
 
         ids, mask = self.input_names
         feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype, tokens=tokens)
         count = feeds[ids].shape[1]
         lengths = torch.randint(1, count + 1, (batch, 1), generator=torch.Generator().manual_seed(seed + 1))
-        return feeds | {mask: (torch.arange(count)[None, :] < lengths).int()}
+        padding = (torch.arange(count)[None, :] < lengths).int()
+        return feeds | {mask: padding.flip(1) if self.left_padding else padding}
 
 
 @dataclass(frozen=True)
@@ -172,3 +180,36 @@ class LLMModelEncoderSpec(LLMEncoderSpec):
     name in ``text_encoder``: the same graph; its row of SPEC_CLASSES keeps it from CLIP's."""
 
     architecture: ClassVar[str] = "Qwen3Model"
+
+
+@dataclass(frozen=True)
+class MistralEncoderSpec(LLMEncoderSpec):
+    """Mistral-Small-3.x's language model in Flux2Pipeline's ``text_encoder`` (Mistral3ForConditionalGeneration, its
+    Pixtral vision tower unused for text): ``hidden_states[10, 20, 30]`` stacked. MistralModel builds its mask itself
+    from what it is given, and returns a prepared 4D mask as it is: the graph hands it one."""
+
+    architecture: ClassVar[str] = "Mistral3ForConditionalGeneration"
+    mask_mapping: ClassVar[bool] = False
+    left_padding: ClassVar[bool] = True
+    fp16_problem: ClassVar[str] = (
+        "Mistral-Small-3.x is a bf16 model (FLUX.2 [dev] ships it in bf16) whose activations are not known to stay "
+        "inside fp16's range"
+    )
+
+    hidden_layers: tuple[int, ...] = LLM_LAYERS["Flux2Pipeline"]
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> LLMEncoderSpec:
+        """As an LLM encoder's; a sliding window shorter than the prompt is refused: the graph's prepared mask has
+        none (MistralModel builds a windowed mask only when it builds the mask itself)."""
+        config = model.component_config(FOLDERS[cls.component])
+        window = (config.get("text_config") or config).get("sliding_window")
+        if window is not None and window < cls.pipeline_tokens:
+            raise UnsupportedModelError(
+                f"this Mistral text encoder attends through a sliding window of {window} tokens, fewer than the "
+                f"{cls.pipeline_tokens} Flux2Pipeline reads, and the engine's mask has no window: sdtrt builds "
+                "Mistral-Small-3.x's (sliding_window null)"
+            )
+        return super().for_model(model, precision, io_naming)

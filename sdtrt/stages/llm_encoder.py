@@ -17,8 +17,9 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     """The additive ``[B, 1, T, T]`` mask transformers builds for a right-padded batch: query q sees key k ≤ q where
     k is a token, not padding. A row that would see nothing (a mask padded at its start) sees its own position
     instead: softmax over nothing but the dtype's minimum is NaN in fp16 and a guess in fp32, never a number to
-    trust, and Qwen's tokenizer pads on the right, where no row is empty. Row q is empty where the mask's running sum
-    is 0 at q: a CumSum, not a reduction over the [B, 1, T, T] mask, which ONNX Runtime's symbolic shape inference
+    trust. Qwen's tokenizer pads on the right, where no row is empty; Mistral's on the left, where this equals
+    transformers' output bit for bit, the pad rows' included. Row q is empty where the mask's running sum is 0 at q:
+    a CumSum, not a reduction over the [B, 1, T, T] mask, which ONNX Runtime's symbolic shape inference
     (check-blocks') cannot size at opset 18 (ReduceMax with its axes as an input)."""
     import torch
 
@@ -36,17 +37,18 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
 def llm_call(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
     """The graph's forward: (input_ids, attention_mask) → the ``spec.hidden_layers`` hidden states, stacked on axis 1.
 
-    The decoder stack (a causal LM's ``network.model``, a Qwen3Model itself; Qwen2.5-VL's, on text alone, never
-    reaches its vision tower) runs without the LM head, which the pipeline never reads; the mask goes in as
-    transformers' prepared mask mapping, so the graph holds one explicit mask instead of transformers' mask helpers
-    (which branch on the inputs' values)."""
+    The decoder stack (a causal LM's ``network.model``, a Qwen3Model itself; Qwen2.5-VL's and Mistral3's, on text
+    alone, never reach their vision towers) runs without the LM head, which the pipeline never reads; the mask goes
+    in prepared (transformers' mask mapping, or one mask where ``spec.mask_mapping`` is off), so the graph holds one
+    explicit mask instead of transformers' mask helpers (which branch on the inputs' values)."""
     import torch
 
     decoder = getattr(network, "model", network)
 
     def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         dtype = network.get_input_embeddings().weight.dtype
-        mask = {"full_attention": causal_padding_mask(attention_mask, dtype)}
+        prepared = causal_padding_mask(attention_mask, dtype)
+        mask = {"full_attention": prepared} if spec.mask_mapping else prepared
         out = decoder(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
         return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
 

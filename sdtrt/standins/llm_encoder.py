@@ -1,6 +1,6 @@
-"""EngineQwen3 / EngineQwen3Model / EngineQwen2_5_VL: what FLUX.2 [klein]'s, Z-Image's and Qwen-Image's pipelines
-call instead of their LLM text encoders (Qwen3ForCausalLM; the bare Qwen3Model Z-Image's checkpoints name;
-Qwen2_5_VLForConditionalGeneration, text only).
+"""EngineQwen3 / EngineQwen3Model / EngineQwen2_5_VL / EngineMistral3: what FLUX.2 [klein]'s, Z-Image's, Qwen-Image's
+and FLUX.2 [dev]'s pipelines call instead of their LLM text encoders (Qwen3ForCausalLM; the bare Qwen3Model Z-Image's
+checkpoints name; Qwen2_5_VLForConditionalGeneration and Mistral3ForConditionalGeneration, text only).
 
 The pipelines read nothing of the LLM's output but ``hidden_states[k]`` (klein's ``text_encoder_out_layers``,
 Qwen-Image's last layer, as ``hidden_states[-1]``); the
@@ -14,8 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM, Qwen3Model
+from transformers import (
+    Mistral3ForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.mistral3.modeling_mistral3 import Mistral3CausalLMOutputWithPast
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
@@ -83,11 +89,12 @@ class EngineLLMEncoder(EngineModule):
         if given := [name for name, on in refused.items() if on]:
             raise EngineInputError(f"{', '.join(given)}: {NOT_A_GENERATOR}")
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        if not right_padded(mask):
+        if not one_run_of_tokens(mask, self.spec.left_padding):
+            sides = "padded on either side" if self.spec.left_padding else "right-padded"
             raise EngineInputError(
-                "the attention_mask pads a row before its tokens, or is all padding: an LLM text encoder engine takes "
-                "right-padded rows with at least one token (Qwen's tokenizer pads on the right; set "
-                "tokenizer.padding_side='right')"
+                f"the attention_mask has a row that is all padding or not one run of tokens: this LLM text encoder "
+                f"engine takes {sides} rows with at least one token; pad each prompt on "
+                + ("one side" if self.spec.left_padding else "the right (tokenizer.padding_side='right')")
             )
         ids, mask_name = self.spec.input_names
         stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
@@ -116,17 +123,26 @@ class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  #
     (pixel_values, which the Edit pipelines pass) are refused as any other keyword the engine does not take."""
 
 
+class EngineMistral3(EngineLLMEncoder, Mistral3ForConditionalGeneration):  # type: ignore[misc]
+    """A Mistral3ForConditionalGeneration stand-in (FLUX.2 [dev]'s text_encoder), its text path: pixel_values (only
+    the prompt upsampling's generate passes them) are refused as any other keyword the engine does not take."""
+
+    output_class = Mistral3CausalLMOutputWithPast
+
+
 # The engine's architecture (its spec's) → the stand-in class that is an instance of that transformers class.
 STANDINS: dict[str, type[EngineLLMEncoder]] = {
     pytorch.__name__: standin for pytorch, standin in (
         (Qwen3ForCausalLM, EngineQwen3), (Qwen3Model, EngineQwen3Model),
-        (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL),
+        (Qwen2_5_VLForConditionalGeneration, EngineQwen2_5_VL), (Mistral3ForConditionalGeneration, EngineMistral3),
     )
 }  # fmt: skip
 
 
-def right_padded(mask: torch.Tensor) -> bool:
-    """Whether every row of a ``[B, T]`` padding mask is tokens then padding, its first position a token: the rows
-    the engine's graph masks as transformers does (a row padded first would attend to nothing there)."""
+def one_run_of_tokens(mask: torch.Tensor, left: bool) -> bool:
+    """Whether every row of a ``[B, T]`` padding mask is tokens then padding, its first position a token, or, where
+    ``left``, padding then tokens, its last a token: the rows the engine's graph masks as transformers does (its
+    positions count from the row's start, pads included, as transformers' do)."""
     tokens = mask.bool()
-    return bool(tokens[:, 0].all() and (tokens[:, 1:] <= tokens[:, :-1]).all())
+    right = bool(tokens[:, 0].all() and (tokens[:, 1:] <= tokens[:, :-1]).all())
+    return right or (left and bool(tokens[:, -1].all() and (tokens[:, 1:] >= tokens[:, :-1]).all()))

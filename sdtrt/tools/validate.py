@@ -360,13 +360,20 @@ def step_drift(latents: list[torch.Tensor], reference_latents: list[torch.Tensor
 def _decode(pipe: Any, latents: torch.Tensor, request: GenerateRequest) -> np.ndarray:
     """Decode with the pipeline's VAE (the PyTorch one, where no VAE engine is compared), as the pipeline decodes:
     Flux's packed latents unpacked, SD3's and Flux's VAE shift undone; FLUX.2's latent output is what its VAE
-    decodes already (the pipeline undid its batch norm and patchification); Qwen-Image's unpacked to one frame and
+    decodes already (klein undid its batch norm and patchification; Flux2Pipeline leaves both to be undone here, as
+    it undoes them before decoding); Qwen-Image's unpacked to one frame and
     its per-channel statistics undone."""
     from diffusers import AutoencoderKLQwenImage  # its engine stand-in is one too
 
     config = pipe.vae.config
     if hasattr(pipe, "_unpack_latents"):  # FluxPipeline's output_type="latent" is packed 2×2
         latents = pipe._unpack_latents(latents, request.height, request.width, pipe.vae_scale_factor)
+    elif hasattr(pipe, "_unpatchify_latents") and latents.ndim == 3:  # Flux2Pipeline's: a patch sequence, normalised
+        rows, cols = (side // (pipe.vae_scale_factor * 2) for side in (request.height, request.width))
+        latents = latents.transpose(1, 2).reshape(latents.shape[0], -1, rows, cols)
+        norm = pipe.vae.bn
+        std = torch.sqrt(norm.running_var.view(1, -1, 1, 1) + config.batch_norm_eps)
+        latents = pipe._unpatchify_latents(latents * std + norm.running_mean.view(1, -1, 1, 1))
     shift = getattr(config, "shift_factor", None) or 0.0
     scale = getattr(config, "scaling_factor", None) or 1.0
     with torch.no_grad():
