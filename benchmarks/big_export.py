@@ -21,7 +21,7 @@ peak / weight bytes (the component's parameters at the exported graph's precisio
     python benchmarks/big_export.py --model qwen-image-random --only text_encoder --component text_encoder \
         --precision fp16 --steps preset,export,blocks   # Qwen2.5-VL-7B alone: the whole preset does not fit 64 GB;
         # fp16, as fp32's export writes 28 GB of folded-weight scratch, then 28 GB of graph, beside the 17 GB preset
-    python benchmarks/big_export.py --model qwen-image-random --only vae --blocks 2 \
+    python benchmarks/big_export.py --model qwen-image-random --only vae --blocks num_layers=2 \
         --steps preset,export,blocks   # Qwen-Image's transformer at full width, 2 of its 60 blocks
 
 Artifacts go to --engines (default $SDTRT_ENGINES or ./engines), presets to --models ($SDTRT_MODELS); a step whose
@@ -55,7 +55,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     model = preset_part(args.model, args.only.split(",")) if args.only else resolve_model(args.model)
     component = args.component or model.denoiser_folder
     if args.blocks:
-        model = with_blocks(model, component, [int(n) for n in args.blocks[-1].split(",")])
+        model = with_blocks(model, component, args.blocks[-1].split(","))
     store = Store(Path(args.engines))
     if step == "preset":
         from sdtrt.spec import FOLDERS
@@ -103,20 +103,25 @@ def preset_part(name: str, networks: list[str]) -> Any:
     return ModelSource(name, "preset", ensure_preset(name, models_cache_dir(), networks))
 
 
-def with_blocks(model: Any, component: str, counts: list[int]) -> Any:
+def with_blocks(model: Any, component: str, counts: list[str]) -> Any:
     """The model with its component's repeated block lists (its spec's repeated_blocks, in order) ``counts`` long,
-    random weights keyed by name (preset_build.with_network_config), built once beside the presets."""
+    or with the config values ``counts`` names (``num_layers=2``: a network whose spec stamps no blocks), random
+    weights keyed by name (preset_build.with_network_config), built once beside the presets."""
     from sdtrt.core.config import ExportConfig
     from sdtrt.sources.models import resolve_model
     from sdtrt.sources.preset_build import with_network_config
     from sdtrt.spec import FOLDERS
     from sdtrt.stages import export
 
-    keys = list(type(export.spec_for(model, ExportConfig(component=component))).repeated_blocks.values())
-    if len(keys) != len(counts):
-        raise SystemExit(f"--blocks takes {len(keys)} counts for this {component} ({', '.join(keys)})")
-    dest = model.path.parent / f"{model.path.name}-blocks-{'-'.join(map(str, counts))}"
-    with_network_config(model.path, FOLDERS[component], dest, **dict(zip(keys, counts, strict=True)))
+    if all("=" in count for count in counts):
+        overrides = {key: int(n) for key, n in (count.split("=") for count in counts)}
+    else:
+        keys = list(type(export.spec_for(model, ExportConfig(component=component))).repeated_blocks.values())
+        if len(keys) != len(counts) or not keys:
+            raise SystemExit(f"--blocks takes {len(keys)} counts for this {component} ({', '.join(keys)}), or KEY=N")
+        overrides = dict(zip(keys, map(int, counts), strict=True))
+    dest = model.path.parent / f"{model.path.name}-blocks-{'-'.join(f'{k}-{n}' for k, n in overrides.items())}"
+    with_network_config(model.path, FOLDERS[component], dest, **overrides)
     return resolve_model(str(dest))
 
 
@@ -210,7 +215,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--blocks", nargs="+", default=None,
-        help="the component's repeated block counts, e.g. 19,38 for Flux; several sizes (19,38 38,76): export each",
+        help="the component's repeated block counts, e.g. 19,38 for Flux, or config values: num_layers=2; "
+        "several sizes (19,38 38,76): export each",
     )  # fmt: skip
     parser.add_argument(
         "--baseline", default=None,

@@ -316,3 +316,19 @@ def test_an_llm_encoders_export_key_names_its_mask_so_graphs_from_before_it_are_
     assert spec["empty_mask_rows"] == "cumsum"
     assert graph["digest"] == digest(spec) != digest({k: v for k, v in spec.items() if k != "empty_mask_rows"})
     assert "empty_mask_rows" not in export.spec_for(model, ExportConfig(component="transformer")).to_json()
+
+
+@pytest.mark.slow  # 45 s beside a scale export (the default suite is at its budget)
+def test_a_qwen_image_transformer_matches_by_parts_its_rotary_pair_and_dead_text_mlp_included(store):
+    """Qwen-Image's blocks run on the graph's (cos, sin) rotary pair as its forward runs them (diffusers' block takes
+    complex numbers), and the last block's text MLP, dead code the exporter drops, is not reported missing."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages import export
+    from sdtrt.tools.block_parity import check_blocks
+
+    model = resolve_model("tiny-qwen-image")
+    report = check_blocks(model, export.run(ExportConfig(component="transformer", weights="stream"), model, store))
+
+    assert report, report.failures
+    assert [row["block"] for row in report.blocks] == ["transformer_blocks.0", "transformer_blocks.1"]

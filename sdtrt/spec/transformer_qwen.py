@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -10,6 +12,8 @@ from ..core.config import Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
 from ..core.families import LLM_TOKENS, QWEN_IMAGE_TUNED_TOKENS
 from .transformer import PackedTransformerSpec
+
+_BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,13 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
             "latent_multiple": 2,
             "attention_head_dim": config.get("attention_head_dim", 128),
         }
+
+    def unread_parameters(self, names: Collection[str]) -> set[str]:
+        """The last block's text MLP: the transformer returns the image stream, so the text stream's last update is
+        dead code, which the exporter drops."""
+        blocks = {int(m.group(1)) for n in names if (m := _BLOCK.match(n))}
+        last = f"transformer_blocks.{max(blocks, default=-1)}.txt_mlp."
+        return {n for n in names if n.startswith(last)}
 
     def default_profile(self) -> ShapeProfile:
         return dataclasses.replace(super().default_profile(), tokens=qwen_image_tokens())

@@ -148,3 +148,13 @@ def unet_extras(spec: GraphSpec, extras: tuple[Any, ...], first: int = 3) -> dic
         )
         kwargs["mid_block_additional_residual"] = given["mid_block_res"]
     return kwargs
+
+
+def block_patches(spec: GraphSpec) -> dict[tuple[Any, str], Any]:
+    """What the graph's forward replaces inside the network's blocks, for a block run alone on the graph's inputs:
+    Qwen-Image's rotary product on (cos, sin) pairs, where diffusers' takes complex numbers."""
+    if isinstance(spec, QwenImageTransformerSpec):
+        from .qwen_transformer import rotary_patches
+
+        return rotary_patches()
+    return {}

@@ -35,6 +35,14 @@ def text_mask(encoder_hidden_states: torch.Tensor, mask: torch.Tensor) -> tuple[
     return encoder_hidden_states.shape[1], None, mask
 
 
+def rotary_patches() -> dict[tuple[Any, str], Any]:
+    """The rotary product on (cos, sin) pairs, for the forward and for a block run alone on the graph's inputs
+    (check-blocks)."""
+    from diffusers.models.transformers import transformer_qwenimage
+
+    return {(transformer_qwenimage, "apply_rotary_emb_qwen"): rotate_pairs}
+
+
 def qwen_transformer_call(network: Any) -> Callable[..., torch.Tensor]:
     """The graph's forward: the network's own, its rotary embedding the graph's inputs."""
     from diffusers.models.transformers import transformer_qwenimage
@@ -48,7 +56,7 @@ def qwen_transformer_call(network: Any) -> Callable[..., torch.Tensor]:
 
         patches = {
             (network.pos_embed, "forward"): given_rotary,
-            (transformer_qwenimage, "apply_rotary_emb_qwen"): rotate_pairs,
+            **rotary_patches(),
             (transformer_qwenimage, "compute_text_seq_len_from_mask"): text_mask,
         }
         with replaced(patches):

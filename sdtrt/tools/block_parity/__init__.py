@@ -143,6 +143,8 @@ def check_blocks(
     from dataclasses import replace
 
     from ...core.progress import step
+    from ...stages.graph_module import block_patches
+    from ...stages.patches import replaced
 
     check_checkable(artifact, blocks)
     spec = onnx_graph.artifact_spec(artifact)
@@ -165,16 +167,19 @@ def check_blocks(
     calls = trace_calls(network, spec, blocks)
     work = Path(tempfile.mkdtemp(prefix="sdtrt-blocks-"))
     try:
-        for i, block in enumerate(blocks):
-            with step(f"Comparing {block} on ONNX Runtime with PyTorch (loaded alone)"):
-                arguments = Arguments(calls[block], proto.graph, shapes)
-                cut = cut_block(proto, graph_path.parent, block, shapes, work / f"block{i}.onnx", arguments.is_argument)
-                row = compare_block(cut, calls[block], arguments, network, block, params, seed=i)
-            row["failures"] = [f"{block}: {f}" for f in block_failures(row, tol)]
-            report.blocks.append(row)
-            report.failures += row["failures"]
-            for leftover in work.iterdir():
-                leftover.unlink()
+        with replaced(block_patches(spec)):  # each block runs as the graph's forward runs it
+            for i, block in enumerate(blocks):
+                with step(f"Comparing {block} on ONNX Runtime with PyTorch (loaded alone)"):
+                    arguments = Arguments(calls[block], proto.graph, shapes)
+                    cut = cut_block(
+                        proto, graph_path.parent, block, shapes, work / f"block{i}.onnx", arguments.is_argument
+                    )
+                    row = compare_block(cut, calls[block], arguments, network, block, params, seed=i)
+                row["failures"] = [f"{block}: {f}" for f in block_failures(row, tol)]
+                report.blocks.append(row)
+                report.failures += row["failures"]
+                for leftover in work.iterdir():
+                    leftover.unlink()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return report
