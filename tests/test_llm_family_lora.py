@@ -12,6 +12,7 @@ import pytest
 
 from sdtrt.core.errors import LoraFamilyError
 from sdtrt.lora.files import random_lora, read_lora
+from sdtrt.lora.refit import coverage
 from sdtrt.pipeline.loading import generate, set_loras
 from sdtrt.tools.image_quality import psnr_db
 
@@ -79,6 +80,7 @@ def test_weight_map_places_every_lora_module(family):
     assert made.unmapped == {}
     placed = {name.removesuffix(".weight") for name in {*made.mapped, *made.unread}}
     assert set(lora.parts["transformer"]) <= placed
+    assert set(coverage(lora, {"transformer": made})["transformer"].values()) == {"ok"}  # `lora inspect --engine`
     # Qwen-Image's last block's text stream feeds no output: no engine holds it (diffusers' fused model ignores it)
     assert len(made.unread) == (3 if source.family() == "qwenimage" else 0)
 

@@ -123,10 +123,10 @@ class EngineLoras:
                     continue
                 if self.placed_only and f"{module}.weight" not in weight_map.mapped:
                     continue
-                if f"{module}.weight" in weight_map.unread:  # as in diffusers' fused model: changes no output
-                    continue
                 if problem := placement_problem(module, pair, weight_map, self.component, lora.pads(self.component)):
                     raise LoraError(f"{lora.path}: {problem}")
+                if f"{module}.weight" in weight_map.unread:
+                    continue
                 shape = weight_map.mapped[f"{module}.weight"].shape
                 placed.append((f"{module}.weight", pair.padded(shape[1]) if pair.shape != shape else pair, scale))
         return placed
@@ -265,6 +265,8 @@ def placement_problem(
 ) -> str | None:
     """Why the engine's weight map cannot take this module's ΔW, or None (``pads``: LoraFile.pads)."""
     param = f"{module}.weight"
+    if param in weight_map.unread:  # no output reads it: as in diffusers' fused model, the LoRA changes nothing there
+        return None
     if param in weight_map.unmapped:
         return f"the {NETWORK_NAMES[component]} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
     place = weight_map.mapped.get(param)
