@@ -210,18 +210,6 @@ def test_the_llm_layers_come_from_the_pipeline_class_and_an_unknown_one_is_refus
             pipeline_layers(unknown, 36)
 
 
-def test_a_lora_is_refused_naming_zimage(tmp_path):
-    from safetensors.torch import save_file
-
-    from sdtrt.core.errors import LoraError
-    from sdtrt.lora.files import read_lora
-
-    path = tmp_path / "zimage_lora.safetensors"
-    save_file({f"transformer.layers.0.attention.to_q.lora_{ab}.weight": torch.zeros(4, 4) for ab in "AB"}, path)
-    with pytest.raises(LoraError, match=r"^LoRAs on a zimage model \(ZImageTransformer2DModel\) are not built[^\n]+$"):
-        read_lora(path, "zimage")
-
-
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_quantizing_the_transformer_is_refused(precision):
     """ModelOpt's quantized graph keeps the other layers in fp16 for every family but Flux: the overflow bf16 avoids."""

@@ -28,10 +28,10 @@ def inspect_command(
     model: store_options.EngineModelOpt = None,
     engines: store_options.EnginesOpt = None,
 ) -> None:
-    """Format, family, rank, alpha and scale, the modules a LoRA touches in the denoiser (UNet, or SD3's, FLUX.1's or
-    FLUX.2's transformer) and CLIP text encoders, and (with --engine, a denoiser engine or an engine set) whether
-    the engine's weight maps take them. The file is read with the diffusers loader of the engine's (or
-    --model's) family; with neither, of the family its names point to.
+    """Format, family, rank, alpha and scale, the modules a LoRA touches in the denoiser (UNet, or SD3's, FLUX.1's,
+    FLUX.2's, Z-Image's or Qwen-Image's transformer) and CLIP text encoders, and (with --engine, a denoiser engine or
+    an engine set) whether the engine's weight maps take them. The file is read with the diffusers loader of the
+    engine's (or --model's) family; with neither, of the family its names point to.
 
     Example: sdtrt lora inspect style.safetensors --engine engines/set/2a06c39aaf814d52
     """
@@ -83,8 +83,8 @@ def random_command(
     ] = False,
 ) -> None:
     """Make a LoRA with random weights on the attention and feed-forward projections (PEFT) of the model's
-    UNet, or SD3's, FLUX.1's or FLUX.2's transformer, saved as diffusers saves LoRAs: something to try `generate --lora`
-    and `lora inspect` with.
+    UNet, or SD3's, FLUX.1's, FLUX.2's, Z-Image's or Qwen-Image's transformer, saved as diffusers saves LoRAs:
+    something to try `generate --lora` and `lora inspect` with.
 
     Example: sdtrt lora random --model tiny --out style.safetensors --text-encoders
     """

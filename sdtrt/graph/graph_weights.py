@@ -37,6 +37,8 @@ class WeightMap:
     graph_dtype: str
     mapped: dict[str, Placement]
     unmapped: dict[str, str]  # parameter → why it could not be placed
+    # parameters no output reads (TransformerSpec.unread_weights): no engine holds them, a LoRA on them changes nothing
+    unread: frozenset[str] = frozenset()
 
     @classmethod
     def from_json(cls, graph: Path, data: dict[str, Any]) -> WeightMap:
@@ -46,7 +48,7 @@ class WeightMap:
             )
             for k, v in data["mapped"].items()
         }
-        return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]))
+        return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]), frozenset(data.get("unread", ())))
 
     def to_json(self) -> dict[str, Any]:
         mapped = {
@@ -54,7 +56,8 @@ class WeightMap:
                 "columns": list(p.columns) if p.columns else None}
             for k, p in self.mapped.items()
         }  # fmt: skip
-        return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped}
+        unread = sorted(self.unread)
+        return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped, "unread": unread}
 
 
 def initializer_values(graph_path: Path, names: set[str] | None = None, min_rank: int = 0) -> Iterator[tuple[str, Any]]:

@@ -35,13 +35,15 @@ LORA_COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2")
 
 # What random_lora puts adapters on: the attention and feed-forward projections LoRA trainers target (the Linear and
 # Conv2d modules whose names end so). The transformer's cover SD3's joint blocks (SD3.5's attn2 too), FLUX.1's and
-# FLUX.2's double- and single-stream blocks, and Flux's x_embedder (the input Fill and Control widen).
+# FLUX.2's double- and single-stream blocks, and Flux's x_embedder (the input Fill and Control widen), Z-Image's
+# SwiGLU (w1-w3) and Qwen-Image's image and text MLPs.
 CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 RANDOM_TARGETS = {
     "unet": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
     "transformer": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
-                    "linear_in", "linear_out", "to_qkv_mlp_proj", "to_out", "x_embedder"],
+                    "linear_in", "linear_out", "to_qkv_mlp_proj", "to_out", "x_embedder", "w1", "w2", "w3",
+                    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
     "text_encoder": CLIP_TARGETS,
     "text_encoder_2": CLIP_TARGETS,
 }  # fmt: skip

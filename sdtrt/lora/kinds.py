@@ -1,6 +1,7 @@
-"""Which kind of model a LoRA file is for (UNet, SD3, FLUX.1, FLUX.2), from its safetensors header alone: the module
-names only some kinds have, and where FLUX.1 and FLUX.2 share BFL's block names (kohya's and ai-toolkit's files), the
-width of their fused MLP inputs. Each kind's diffusers loader (LoraFamily) is what sdtrt.lora.files reads it with.
+"""Which kind of model a LoRA file is for (UNet, SD3, FLUX.1, FLUX.2, Z-Image, Qwen-Image), from its safetensors
+header alone: the module names only some kinds have, and where FLUX.1 and FLUX.2 share BFL's block names (kohya's
+and ai-toolkit's files), the width of their fused MLP inputs. Each kind's diffusers loader (LoraFamily) is what
+sdtrt.lora.files reads it with.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ LORA_FAMILIES = {
         "FLUX.1", "FluxPipeline", ("transformer", "text_encoder"), (("return_alphas", True),), pads_inputs=True
     ),
     "flux2": LoraFamily("FLUX.2", "Flux2KleinPipeline", ("transformer",)),
+    # ZImageLoraLoaderMixin and QwenImageLoraLoaderMixin load the transformer only, converting kohya's,
+    # ai-toolkit's (diffusion_model.) and PEFT-default names
+    "zimage": LoraFamily("Z-Image", "ZImagePipeline", ("transformer",)),
+    "qwenimage": LoraFamily("Qwen-Image", "QwenImagePipeline", ("transformer",)),
 }
 # Module names only some kinds' LoRAs have (diffusers', kohya's, ai-toolkit's), as patterns searched in its keys, each
 # with the kinds that have them: a file is for the kinds every marker it names allows. SD3.5's joint blocks have a
@@ -64,6 +69,14 @@ FAMILY_MARKERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset({"flux2"}),
     ),
     (r"single_transformer_blocks|lora_unet_(double|single)_blocks_|(^|\.)(double|single)_blocks\.", FLUXES),
+    # Z-Image's blocks (layers, the refiners) and their attention / SwiGLU names; Qwen-Image's MLPs and modulation
+    # (its attention has FLUX.1's and SD3's joint-block names, which say nothing)
+    (
+        r"(layers|noise_refiner|context_refiner)[._]\d+[._](attention[._]to_|feed_forward[._]w[123])|adaLN_modulation|"
+        r"all_x_embedder|cap_embedder",
+        frozenset({"zimage"}),
+    ),
+    (r"(img|txt)_mlp[._]net[._]|(img|txt)_mod[._]1|txt_norm", frozenset({"qwenimage"})),
 )
 # Where the names say FLUX.1 or FLUX.2 (kohya's BFL names), the fused MLP inputs' widths do, as multiples of the
 # hidden size (the down weight's input): single blocks' linear1 is q, k, v and the MLP's input (FLUX.1 3 + 4,
@@ -76,12 +89,12 @@ UP_TO_DOWN = {".lora_up.": ".lora_down.", ".lora_B.": ".lora_A."}
 
 
 def lora_kind(family: str) -> str:
-    """The LORA_FAMILIES key of a model family: sd3, flux2, flux (dev and schnell, Fill, Control, Kontext) or unet
-    (every UNet family); LoraError for a transformer family none of them reads (Z-Image, Qwen-Image), whose LoRAs the
+    """The LORA_FAMILIES key of a model family: sd3, flux2, flux (dev and schnell, Fill, Control, Kontext), zimage,
+    qwenimage or unet (every UNet family); LoraError for a transformer family none of them reads, whose LoRAs the
     UNet's loader would misread."""
     from ..core.families import TRANSFORMERS
 
-    kind = next((kind for kind in ("sd3", "flux2", "flux") if family.startswith(kind)), None)
+    kind = max((kind for kind in LORA_FAMILIES if family.startswith(kind)), key=len, default=None)  # flux2, not flux
     if kind is None and family in TRANSFORMERS.values():
         model = next(name for name, of in TRANSFORMERS.items() if of == family)
         built = ", ".join(f.label for f in LORA_FAMILIES.values())

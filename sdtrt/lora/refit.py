@@ -1,9 +1,10 @@
 """LoRAs on engines without a rebuild: base + Σ scale·ΔW, always from the base weights.
 
 A LoRA file (diffusers/PEFT, kohya/A1111 or ai-toolkit safetensors) is read with diffusers' loader of the model's
-family (sdtrt.lora.kinds.LORA_FAMILIES: SD's, SD3's, FLUX.1's or FLUX.2's ``lora_state_dict``, each converting
-its kohya names) and split by network: the denoiser (UNet, SD3's, FLUX.1's or FLUX.2's transformer) and the CLIP
-text encoders (``text_encoder``, SDXL's and SD3's ``text_encoder_2``; T5 and LLM encoders take none). A FLUX.1
+family (sdtrt.lora.kinds.LORA_FAMILIES: SD's, SD3's, FLUX.1's, FLUX.2's, Z-Image's or Qwen-Image's
+``lora_state_dict``, each converting its kohya and ai-toolkit names) and split by network: the denoiser (UNet, or a
+transformer) and the CLIP text encoders (``text_encoder``, SDXL's and SD3's ``text_encoder_2``; T5 and LLM encoders
+take none). A FLUX.1
 LoRA whose down weight takes fewer input features than the engine's Linear (a FLUX.1 dev LoRA's x_embedder on
 Fill's or Control's wider input) is zero-padded, as diffusers' FLUX.1 loader pads it. Each part is renamed to
 PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it, so PEFT-injected names
@@ -124,6 +125,8 @@ class EngineLoras:
                     continue
                 if problem := placement_problem(module, pair, weight_map, self.component, lora.pads(self.component)):
                     raise LoraError(f"{lora.path}: {problem}")
+                if f"{module}.weight" in weight_map.unread:
+                    continue
                 shape = weight_map.mapped[f"{module}.weight"].shape
                 placed.append((f"{module}.weight", pair.padded(shape[1]) if pair.shape != shape else pair, scale))
         return placed
@@ -262,6 +265,8 @@ def placement_problem(
 ) -> str | None:
     """Why the engine's weight map cannot take this module's ΔW, or None (``pads``: LoraFile.pads)."""
     param = f"{module}.weight"
+    if param in weight_map.unread:  # no output reads it: as in diffusers' fused model, the LoRA changes nothing there
+        return None
     if param in weight_map.unmapped:
         return f"the {NETWORK_NAMES[component]} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
     place = weight_map.mapped.get(param)

@@ -63,6 +63,13 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
         last = f"transformer_blocks.{max(blocks, default=-1)}.txt_mlp."
         return {n for n in names if n.startswith(last)}
 
+    @classmethod
+    def unread_weights(cls, config: dict[str, Any]) -> frozenset[str]:
+        """The last block's text-stream outputs: the forward returns the image stream alone (diffusers'
+        QwenImageTransformer2DModel drops the last block's encoder_hidden_states)."""
+        last = f"transformer_blocks.{config['num_layers'] - 1}"
+        return frozenset(f"{last}.{m}.weight" for m in ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2"))
+
     def default_profile(self) -> ShapeProfile:
         return dataclasses.replace(super().default_profile(), tokens=qwen_image_tokens())
 

@@ -48,7 +48,7 @@ from ..core.store import Store
 from ..graph import onnx_graph
 from ..graph.graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
 from ..graph.onnx_weights import WEIGHT_FILES, numpy_dtype, read_tensor, safetensors_file_index, safetensors_index
-from ..spec import FOLDERS
+from ..spec import FOLDERS, TRANSFORMER_KINDS
 from .quantize import quantization
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from ..sources.models import ModelSource
 
 STAGE = "weight-map"
-VERSION = 2  # 2: packed q/k/v initializers (Placement.columns)
+VERSION = 3  # 2: packed q/k/v initializers (Placement.columns); 3: unread weights (Qwen-Image's last text stream)
 FILE = "weight_map.json"
 
 
@@ -108,6 +108,7 @@ def _produce(graph: Artifact, model: ModelSource, component: str, out_dir: Path)
             "graph": str(graph.primary),
             "mapped": len(weight_map.mapped),
             "unmapped": len(weight_map.unmapped),
+            "unread": len(weight_map.unread),
         },
         "reproduce": f"sdtrt lora inspect LORA.safetensors --engine {graph.path}",
     }
@@ -143,7 +144,12 @@ def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[
     keep_fp32 = set(getattr(network, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
     files = _safetensors_files(model.component_dir(folder), model.name)
     headers = functools.cache(safetensors_file_index)
+    kind = TRANSFORMER_KINDS.get(type(network).__name__)
+    unread = kind.unread_weights(dict(network.config)) if kind else frozenset()
     for param, name, _ in _lora_modules(network):
+        if param in unread:
+            yield param, UNREAD
+            continue
         file = files.get(f"{name}.weight")
         if file is None:
             yield param, None  # tied to or derived from another weight: nothing stored to match
@@ -191,6 +197,7 @@ def _content_key(array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
     return data.dtype.str, data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).hexdigest()
 
 
+UNREAD = "unread"  # network_weights' value for a weight no output reads
 GraphWeights = Callable[[], Iterable[tuple[str, "np.ndarray"]]]
 NetworkWeights = Callable[[Any], Iterable[tuple[str, Any]]]
 
@@ -223,7 +230,11 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
     found: dict[str, list[tuple[str, bool]]] = {}
     unplaced: dict[str, tuple[str, tuple[int, ...], str]] = {}  # Linear weights found nowhere: their transpose's key
     absent: dict[str, str] = {}
+    unread = set()
     for param, weight in network(getattr(torch, graph_dtype)):
+        if isinstance(weight, str):  # UNREAD
+            unread.add(param)
+            continue
         if weight is None:
             absent[param] = "the model's weight files do not hold it (tied to or derived from another weight)"
             continue
@@ -254,7 +265,7 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
             unmapped[param] = f"initializer {hits[0][0]} also holds {others[0]} (identical values, deduplicated)"
         else:
             mapped[param] = Placement(hits[0][0], hits[0][1], shapes[param])
-    return WeightMap(graph_path, graph_dtype, mapped, unmapped)
+    return WeightMap(graph_path, graph_dtype, mapped, unmapped, frozenset(unread))
 
 
 def _packed(
