@@ -125,3 +125,52 @@ def test_only_the_files_from_pretrained_reads_without_a_variant_are_streamed_and
         stored = safetensors_index(folder)  # the fp8 variant's dtype, which sdtrt cannot stream, is never read
         assert (stored["w"].file.name, stored["w"].dtype) == (name, "float32")
         assert weights_size(folder) == (folder / name).stat().st_size
+
+
+def transposed_weights_model(read: list[str]) -> object:
+    """x @ Transpose(w) + x @ Transpose(v) @ Transpose(v)ᵀ…: ``w`` read by its Transpose alone, ``v`` by two nodes
+    (onnxscript keeps a large Transpose whose input another node reads); both lazy, as attach_weights gives them,
+    each read recorded in ``read``."""
+    import onnx_ir as ir
+
+    arrays = {n: np.random.default_rng(i).standard_normal((96, 128)).astype(np.float16) for i, n in enumerate("wv")}
+
+    def lazy(name: str) -> ir.Value:
+        def load() -> ir.TensorProtocol:
+            read.append(name)
+            return ir.tensor(arrays[name])
+
+        tensor = ir.LazyTensor(load, dtype=ir.DataType.FLOAT16, shape=ir.Shape([96, 128]), name=name)
+        return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT16), shape=tensor.shape, const_value=tensor)
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT16), shape=ir.Shape([4, 128]))
+    w, v = lazy("w"), lazy("v")
+    wt, vt = ir.node("Transpose", [w], attributes={"perm": [1, 0]}), ir.node("Transpose", [v])
+    a, b = ir.node("MatMul", [x, wt.outputs[0]]), ir.node("MatMul", [x, vt.outputs[0]])
+    c = ir.node("MatMul", [b.outputs[0], v])
+    nodes = [wt, vt, a, b, c]
+    graph = ir.Graph([x], [a.outputs[0], c.outputs[0]], nodes=nodes, initializers=[w, v], opset_imports={"": 18})
+    return ir.Model(graph, ir_version=9)
+
+
+def test_a_streamed_weights_transpose_folds_unread_and_unspilled_into_onnxscripts_graph(tmp_path):
+    """Under folded_constants_on_disk the optimizer folds Transpose(w) as onnxscript does (the same graph, proto for
+    proto, once the weights are read) without reading w, spilling nothing; w's transposed bytes are computed when
+    the writer asks for them. v, which another node reads, is left as onnxscript leaves it."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    from sdtrt.graph.onnx_weights import folded_constants_on_disk
+
+    read: list[str] = []
+    ours, theirs = transposed_weights_model(read), transposed_weights_model([])
+    with folded_constants_on_disk(tmp_path / "folded.bin"):
+        onnxscript.optimizer.optimize_ir(ours)
+    assert read == [] and (tmp_path / "folded.bin").stat().st_size == 0
+    assert isinstance(ours.graph.initializers["val_0"].const_value, ir.LazyTensor)
+    onnxscript.optimizer.optimize_ir(theirs)  # onnxscript's own fold: it reads w and holds its transpose
+    assert ir.to_proto(ours) == ir.to_proto(theirs)
+    assert sorted(ours.graph.initializers) == ["v", "val_0"], "w's Transpose folded, v's kept"
+    from onnxscript.optimizer import _constant_folding
+
+    assert _constant_folding.registry.lookup_evaluators("", "Transpose", 18) == [], "the evaluator outlived the export"

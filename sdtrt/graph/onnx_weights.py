@@ -166,18 +166,23 @@ def _reader(stored: StoredTensor, dtype: np.dtype[Any]) -> Callable[[], Any]:
 
 @contextlib.contextmanager
 def folded_constants_on_disk(scratch: Path) -> Iterator[None]:
-    """While the exporter's optimizer folds constants, each large tensor it makes goes to ``scratch`` as it is made
-    and stays there as a reference: they never pile up in memory.
+    """While the exporter's optimizer folds constants, no folded weight piles up in memory.
 
     The optimizer folds the Transpose of every Linear weight into a new initializer, so its results are as big as
-    the network's matrices (23 GB for Flux's transformer) and were all held until the graph was written. Folded
-    values keep their names, order and bytes; only where they live changes. The hook is onnxscript's
-    ``FoldConstantsPass.new_initializer`` (onnxscript/optimizer/_constant_folding.py), which torch 2.13's
-    exporter runs through ``onnxscript.optimizer.optimize_ir``: a private name, checked by the streamed-export test.
+    the network's matrices (23 GB for Flux's transformer), and were all held until the graph was written. A
+    Transpose of a streamed weight (attach_weights') that nothing else reads folds into a transposed weight computed
+    when the writer asks for its bytes (_fold_transpose_when_written): read once, at writing, and never spilled.
+    Any other large fold goes to ``scratch`` as it is made and stays there as a reference. Folded values keep their
+    names, order and bytes; only where they live changes. The hooks are onnxscript's
+    ``FoldConstantsPass.new_initializer`` and its registry of partial evaluators
+    (onnxscript/optimizer/_constant_folding.py), which torch 2.13's exporter runs through
+    ``onnxscript.optimizer.optimize_ir``: private names, checked by the streamed-export test.
     """
-    from onnxscript.optimizer._constant_folding import FoldConstantsPass
+    from onnxscript.optimizer import _constant_folding as folding
 
-    original = FoldConstantsPass.new_initializer
+    original = folding.FoldConstantsPass.new_initializer
+    evaluators = folding.registry.op_evaluators.setdefault(("", "Transpose"), [])
+    lazy = folding.PartialEvaluator(None, None, _fold_transpose_when_written)
     with scratch.open("wb") as spill:
 
         def new_initializer(self: Any, node: Any, array: Any) -> Any:
@@ -186,11 +191,49 @@ def folded_constants_on_disk(scratch: Path) -> Iterator[None]:
                 _append_if_large(value, spill, scratch)
             return value
 
-        FoldConstantsPass.new_initializer = new_initializer  # type: ignore[method-assign]
+        folding.FoldConstantsPass.new_initializer = new_initializer  # type: ignore[method-assign]
+        evaluators.append(lazy)
         try:
             yield
         finally:
-            FoldConstantsPass.new_initializer = original  # type: ignore[method-assign]
+            folding.FoldConstantsPass.new_initializer = original  # type: ignore[method-assign]
+            evaluators.remove(lazy)
+
+
+def _fold_transpose_when_written(node: Any, context: Any, state: Any) -> Any:
+    """A partial evaluator for onnxscript's constant folding: ``Transpose(W)``, W a streamed weight of the graph read
+    by this node alone, becomes the initializer onnxscript would make of it (the node's output name, W's dtype, the
+    permuted shape, registered in the graph where onnxscript registers its folds), its bytes W's transposed, computed
+    when written. onnxscript folds every such Transpose whatever its size (``_DEFAULT_ALWAYS_FOLD_OPS``: its input has
+    one consumer), reading W and holding the result; None for anything else, which onnxscript then folds or keeps
+    as it would."""
+    import onnx_ir as ir
+    from onnxscript.optimizer._constant_folding import Replacement
+
+    source = node.inputs[0] if len(node.inputs) == 1 else None
+    graph = node.graph
+    weight = source.const_value if source is not None else None
+    if (
+        not isinstance(weight, ir.LazyTensor)
+        or not isinstance(graph, ir.Graph)
+        or graph.initializers.get(source.name) is not source
+        or source.is_graph_input()
+        or source.is_graph_output()
+        or len(source.consumers()) != 1
+    ):
+        return None
+    perm_attr = node.attributes.get("perm")
+    perm = tuple(perm_attr.value) if perm_attr is not None else tuple(reversed(range(len(weight.shape))))
+    shape = ir.Shape([weight.shape[axis] for axis in perm])
+    name = node.outputs[0].name
+
+    def transposed() -> Any:
+        return ir.tensor(np.ascontiguousarray(np.transpose(weight.numpy(), perm)), name=name)
+
+    tensor = ir.LazyTensor(transposed, dtype=weight.dtype, shape=shape, name=name)
+    value = ir.Value(name=name, type=ir.TensorType(weight.dtype), shape=shape, const_value=tensor)
+    graph.register_initializer(value)
+    return Replacement([value], [])
 
 
 def save_streamed(model: Any, path: Path, external: bool, scratch: Path | None = None) -> None:
