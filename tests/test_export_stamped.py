@@ -4,7 +4,8 @@ stamped to its full length is the network traced whole, up to the names of nodes
 
 Default suite: a small network of repeated blocks shaped as Flux's (two streams, symbolic shapes computed once, the
 last block's unread result dropped by torch.export), through torch.export's exporter. With -m slow: a tiny Flux
-transformer with 6 double- and 7 single-stream blocks through the export stage, stamped against whole.
+transformer with 6 double- and 7 single-stream blocks, and the other kinds that declare repeated blocks (FLUX.2's,
+Qwen-Image's, T5's), through the export stage, stamped against whole.
 """
 
 from __future__ import annotations
@@ -202,26 +203,60 @@ def test_an_onnxscript_not_verified_runs_unpatched(monkeypatch, caplog):
     assert "its optimizer runs unpatched" in caplog.text
 
 
-@pytest.mark.slow  # two exports of a 13-block transformer: 2 to 3 min on 2 cores
-def test_flux_transformer_stamped_is_its_whole_export(tmp_path, monkeypatch):
+# (preset, component, block counts past STAMP_FROM): every kind whose spec declares repeated blocks.
+STAMPED_KINDS = [
+    ("tiny-flux", "transformer", {"num_layers": 6, "num_single_layers": 7}),
+    ("tiny-flux2-klein", "transformer", {"num_layers": 6, "num_single_layers": 7}),
+    ("tiny-qwen-image", "transformer", {"num_layers": 6}),
+    ("tiny-flux", "text_encoder_2", {"num_layers": 6}),  # T5
+]
+
+
+@pytest.mark.parametrize(("preset", "component", "counts"), STAMPED_KINDS)
+def test_a_kinds_repeated_blocks_are_its_networks_lists(preset, component, counts):
+    """Each declared list is a module list of the network, counted by the config key named (a wrong path or key
+    would stamp nothing, or fail at export): cheap, the networks built on the meta device."""
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.graph.onnx_scopes import WRAPPER
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.spec import FOLDERS
+    from sdtrt.stages import export
+    from sdtrt.stages.export_stream import weight_free_network
+
+    model = resolve_model(preset)
+    spec = export.spec_for(model, ExportConfig(component=component))
+    config = model.component_config(FOLDERS[component])
+    network, _ = weight_free_network(model, FOLDERS[component], torch.float32)
+    modules = dict(network.named_modules())
+    assert set(spec.repeated_blocks.values()) == set(counts)
+    for path, key in spec.repeated_blocks.items():
+        assert len(modules[path]) == config[key]
+    grown = {WRAPPER + path: counts[key] for path, key in spec.repeated_blocks.items()}
+    assert stamped_blocks(spec, config | counts) == grown
+
+
+@pytest.mark.slow  # two exports of a 13-block network: 1 to 3 min each on 2 cores
+@pytest.mark.parametrize(("preset", "component", "counts"), STAMPED_KINDS)
+def test_a_stamped_export_is_the_whole_export(preset, component, counts, tmp_path, monkeypatch):
     from sdtrt.core.config import ExportConfig
     from sdtrt.core.store import Store
+    from sdtrt.graph.onnx_scopes import WRAPPER
     from sdtrt.sources.models import resolve_model
     from sdtrt.sources.preset_build import with_network_config
-    from sdtrt.spec.transformer import FluxTransformerSpec
+    from sdtrt.spec import FOLDERS
     from sdtrt.stages import export
 
-    tiny = resolve_model("tiny-flux")
-    folder = with_network_config(tiny.path, "transformer", tmp_path / "flux-6-7", num_layers=6, num_single_layers=7)
-    model, config = resolve_model(str(folder)), ExportConfig("fp16", component="transformer")
+    tiny = resolve_model(preset)
+    folder = with_network_config(tiny.path, FOLDERS[component], tmp_path / "grown", **counts)
+    model, config = resolve_model(str(folder)), ExportConfig("fp16", component=component, weights="stream")
+    spec = export.spec_for(model, config)
     stamped = export.run(config, model, Store(tmp_path / "stamped"))
-    blocks = {"network.transformer_blocks": 6, "network.single_transformer_blocks": 7}
+    blocks = {WRAPPER + path: counts[key] for path, key in spec.repeated_blocks.items()}
     assert stamped.manifest["details"]["stamped"] == {"traced_copies": STAMP_FROM, "blocks": blocks}
-    monkeypatch.setattr(FluxTransformerSpec, "repeated_blocks", {})
+    monkeypatch.setattr(type(spec), "repeated_blocks", {})
     whole = export.run(config, model, Store(tmp_path / "whole"))
     assert whole.manifest["details"]["stamped"] == {}
     assert graph_structure(ir.load(stamped.primary)).differences(graph_structure(ir.load(whole.primary))) == []
-    spec = export.spec_for(model, config)
     feeds = {k: v.numpy() for k, v in spec.sample_inputs(2, 128, 192, dtype=torch.float16).items()}
     sessions = [ort.InferenceSession(str(a.primary), providers=["CPUExecutionProvider"]) for a in (stamped, whole)]
     outputs = [session.run(None, feeds) for session in sessions]

@@ -246,11 +246,12 @@ def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def with_network_config(source: Path, folder: str, dest: Path, **overrides: Any) -> Path:
-    """A copy of the model folder ``source`` whose ``folder`` network (a diffusers one: its config's ``_class_name``)
-    is rebuilt from its config with ``overrides`` (Flux's ``num_layers=19``: the same network with more blocks) and
-    random weights keyed by name, so that the tensors both networks have hold the same values;
-    its other folders are links to the source's. Built once."""
+    """A copy of the model folder ``source`` whose ``folder`` network (a diffusers one, by its config's
+    ``_class_name``, or a transformers one, by its ``architectures``) is rebuilt from its config with ``overrides``
+    (Flux's ``num_layers=19``: the same network with more blocks) and random weights keyed by name, so that the
+    tensors both networks have hold the same values; its other folders are links to the source's. Built once."""
     import diffusers
+    import transformers
 
     if (dest / "model_index.json").is_file():
         return dest
@@ -260,9 +261,12 @@ def with_network_config(source: Path, folder: str, dest: Path, **overrides: Any)
             if entry.name != folder:
                 (tmp / entry.name).symlink_to(entry.resolve())
         config = json.loads((source / folder / "config.json").read_text())
-        cls = getattr(diffusers, config["_class_name"])
         with empty_weights():
-            network = cls.from_config({**config, **overrides})
+            if "_class_name" in config:
+                network = getattr(diffusers, config["_class_name"]).from_config({**config, **overrides})
+            else:
+                cls = getattr(transformers, config["architectures"][0])
+                network = cls(cls.config_class.from_dict({**config, **overrides}))
         save_random(network, tmp / folder, seed=f"{PRESET_SEED}/{folder}")
         tmp.rename(dest)
     finally:

@@ -127,6 +127,8 @@ class T5EncoderSpec(SequenceEncoderSpec):
     canonical_outputs: ClassVar[tuple[str, ...]] = ("last_hidden_state",)
     # max_sequence_length when the pipeline is called without one: StableDiffusion3Pipeline's.
     pipeline_tokens: ClassVar[int] = 256
+    # Block 0 holds the relative attention bias; the position bias it computes is shared input to the others.
+    repeated_blocks: ClassVar[dict[str, str]] = {"encoder.block": "num_layers"}
 
     @classmethod
     def for_model(

@@ -184,6 +184,10 @@ class PackedTransformerSpec(TransformerSpec):
         return [TensorSpec(self.output_name, self.dtype, ("batch", "patches", self.out_channels))]
 
 
+# Flux.1's and FLUX.2's block lists (double-stream, then single-stream), by the config keys that count them.
+FLUX_BLOCKS = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
+
+
 @dataclass(frozen=True)
 class FluxTransformerSpec(PackedTransformerSpec):
     """Flux.1: latents packed 2×2 ``[B, (h/2)(w/2), 64]`` with their positions ``img_ids [(h/2)(w/2), 3]``, T5 tokens
@@ -191,9 +195,7 @@ class FluxTransformerSpec(PackedTransformerSpec):
 
     architecture: ClassVar[str] = "FluxTransformer2DModel"
     pipeline_tokens: ClassVar[int] = 512  # FluxPipeline's, dev's and schnell's alike
-    repeated_blocks: ClassVar[dict[str, str]] = {
-        "transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers",
-    }  # fmt: skip
+    repeated_blocks: ClassVar[dict[str, str]] = FLUX_BLOCKS
 
     guidance_embeds: bool = True
     # Kontext: the reference image's packed latents follow the generated ones in hidden_states and img_ids (and the
@@ -282,6 +284,7 @@ class Flux2TransformerSpec(PackedTransformerSpec):
     architecture: ClassVar[str] = "Flux2Transformer2DModel"
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["flux2"]
     token_cap: ClassVar[TokenCap] = klein_token_cap
+    repeated_blocks: ClassVar[dict[str, str]] = FLUX_BLOCKS
 
     guidance_embeds: bool = False
 

@@ -26,6 +26,7 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
 
     architecture: ClassVar[str] = "QwenImageTransformer2DModel"
     pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"]
+    repeated_blocks: ClassVar[dict[str, str]] = {"transformer_blocks": "num_layers"}
     fp16_problem: ClassVar[str] = (
         "Qwen-Image's transformer is a bf16 model whose activations overflow fp16 into NaN latents, black images "
         "(ComfyUI issue 10751, stable-diffusion.cpp pull request 1249)"
