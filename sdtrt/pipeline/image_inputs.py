@@ -40,7 +40,7 @@ def check_inputs(
             raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
 
-def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any, inpaint: bool = False) -> GenerateRequest:
+def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any, inpaint: bool) -> GenerateRequest:
     """The request with FLUX.1 Kontext's reference resized as FluxKontextPipeline resizes it (_auto_resize): to the
     preferred resolution nearest its aspect ratio, scaled to the model's native size (diffusers' own at 1024 px).
     ``inpaint`` (FluxKontextInpaintPipeline): the image to repaint, its reference tokens too, resized to the output's
