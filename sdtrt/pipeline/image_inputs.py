@@ -30,7 +30,8 @@ def check_inputs(
 ) -> None:
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
     for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
-    and FLUX.2 [klein], whose reference images are optional (without one they generate from text)."""
+    (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
+    images are optional (without one they generate from text)."""
     for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
             raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")

@@ -232,7 +232,6 @@ class GenerateRequest:
             "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
-        # FLUX.1 Kontext's __call__s alone take max_area; its reference is optional, the image to inpaint not.
         check_inputs(self, accepts, image_optional="max_area" in accepts and "mask_image" not in accepts)
         if self.height and self.width:
             check_control_image(self.control_image, self.height, self.width)
