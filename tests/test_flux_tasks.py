@@ -209,10 +209,54 @@ def test_triton_serves_the_task_with_its_images_and_refuses_a_row_without_them(f
         declared
         == {
             "tiny-flux-fill": {"image", "mask_image", "strength"},
-            "tiny-flux-kontext": {"image"},
+            "tiny-flux-kontext": {"image", "mask_image", "strength"},  # its inpainting pipeline's too
             "tiny-flux-control": {"image", "mask_image", "control_image", "strength"},
         }[family.name]
     )
+
+
+@pytest.mark.parametrize(
+    "size", [pytest.param((128, 128), marks=pytest.mark.slow, id="square"), pytest.param((128, 192), id="non-square")]
+)
+def test_kontext_inpaint_matches_pytorch_its_image_the_reference_tokens(family, size):
+    """FluxKontextInpaintPipeline (--task inpaint) on the Kontext set: the image to repaint, resized to the output's
+    size, is encoded by the set's VAE encoder engine and its latents follow the generated ones (twice the output's
+    tokens, inside the default profile)."""
+    if family.name != "tiny-flux-kontext":
+        pytest.skip("FLUX.1 Kontext's inpainting")
+    _, engine = family.pipelines("inpaint")
+    assert type(engine).__name__ == "FluxKontextInpaintPipeline" and engine.vae.encoder_runtime is not None
+    given = {"image": picture(96, 160, seed=2), "mask_image": mask(96, 160), "strength": 0.8}
+    fed = []
+    hook = engine.transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: fed.append(kwargs["hidden_states"].shape), with_kwargs=True
+    )
+    try:
+        assert_images_match(family, family.request(height=size[0], width=size[1], **given), "inpaint")
+    finally:
+        hook.remove()
+    assert set(fed) == {(1, 2 * (size[0] // 16) * (size[1] // 16), 64)}
+
+
+def test_kontext_inpaint_without_its_image_or_mask_is_refused_before_running(family):
+    """By generate before an engine runs, and by the check `sdtrt generate --task inpaint` makes before loading."""
+    if family.name != "tiny-flux-kontext":
+        pytest.skip("FLUX.1 Kontext's inpainting")
+    _, engine = family.pipelines("inpaint")
+    rule = SizeRule.for_model(family.source)
+    calls: list[int] = []
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in (engine.transformer, engine.vae)]
+    try:
+        for lacking, flag in ({"mask_image": mask(128, 128)}, "--image"), ({"image": picture(128, 128)}, "--mask"):
+            request = family.request(height=128, width=128, **lacking)
+            with pytest.raises(RequestError, match=rf"^this model's pipeline needs an input [a-z ]+: pass {flag}$"):
+                generate(engine, request)
+            with pytest.raises(RequestError, match=rf"pass {flag}$"):
+                check_pipeline_inputs(request, family.source.pipeline_class(), "inpaint", rule)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert not calls
 
 
 @pytest.mark.slow  # 13 s a preset

@@ -1,6 +1,7 @@
-"""LoRAs without a rebuild on Z-Image's and Qwen-Image's transformers (issue 38, item 4).
+"""LoRAs without a rebuild on Z-Image's, Qwen-Image's and FLUX.2 [dev]'s transformers (issue 38, item 4).
 
-The engine pipelines are the fp32 ONNX Runtime sets test_zimage and test_qwen_image build (cache hits in a run). Each
+The engine pipelines are the fp32 ONNX Runtime sets test_zimage, test_qwen_image and test_flux2_dev build (cache hits
+in a run; dev's a minute to build, so its cases are slow, as its own module's engine tests). Each
 takes a random diffusers LoRA (``random_lora``, as `sdtrt lora random` makes them) through ``set_loras`` and diffusers'
 LoRA API; its image is checked against diffusers' PyTorch fp32 pipeline with ``load_lora_weights`` + ``fuse_lora``.
 """
@@ -14,30 +15,38 @@ from sdtrt.core.errors import LoraFamilyError
 from sdtrt.lora.files import random_lora, read_lora
 from sdtrt.lora.refit import coverage
 from sdtrt.pipeline.loading import generate, set_loras
+from sdtrt.sources.models import load_folder
 from sdtrt.tools.image_quality import psnr_db
 
 from .helpers import run_cli
-from .test_new_transformer_lora import fused_reference, lora_file
+from .test_flux2_dev import dev, source
+from .test_new_transformer_lora import bfl_lora, fused_reference, lora_file
 from .test_qwen_image import qwen
 from .test_qwen_image import request as qwen_request
 from .test_zimage import request as zimage_request
 from .test_zimage import zimage
 
-__all__ = ["qwen", "zimage"]  # the fixtures, imported to be found here
+__all__ = ["dev", "qwen", "source", "zimage"]  # the fixtures, imported to be found here
+LABELS = {"zimage": "Z-Image", "qwenimage": "Qwen-Image", "flux2": "FLUX.2"}
 
 
-@pytest.fixture(scope="module", params=["zimage", "qwen"])
+@pytest.fixture(scope="module", params=["zimage", "qwen", pytest.param("dev", marks=pytest.mark.slow)])
 def family(request, tmp_path_factory):
     """(label, family, source, PyTorch pipeline, engine pipeline, a request, two LoRAs A and B)."""
     if request.param == "zimage":
         source, _, (reference, engine) = request.getfixturevalue("zimage")
         call = zimage_request("txt2img", (128, 192))
-    else:
+    elif request.param == "qwen":
         source, reference, engine = request.getfixturevalue("qwen")
         call = qwen_request(height=128, width=192)
+    else:  # FLUX.2 [dev]: klein's transformer class at another size, its LoRAs read by Flux2Pipeline's loader
+        source, reference, engine = request.getfixturevalue("dev")
+        call = zimage_request("txt2img", (128, 192))  # a text-to-image request: prompt, 2 steps, seed 3
     folder = tmp_path_factory.mktemp(f"{request.param}-loras")
     loras = [str(random_lora(source, folder / f"{ab}.safetensors", rank=4, alpha=8, seed=seed))
              for ab, seed in (("a", 1), ("b", 2))]  # fmt: skip
+    if request.param == "dev":  # B in kohya's BFL names, which diffusers' FLUX.2 loader converts
+        loras[1] = bfl_lora(load_folder(source, "transformer"), folder / "b.safetensors", "kohya", seed=2)
     return source, reference, engine, call, loras
 
 
@@ -74,7 +83,7 @@ def test_loras_match_diffusers_fused_and_switch_a_b_a_exactly(family):
 def test_weight_map_places_every_lora_module(family):
     source, _, engine, _, (a, _) = family
     lora = read_lora(a, source.family())
-    assert lora.family == {"zimage": "Z-Image", "qwenimage": "Qwen-Image"}[source.family()]
+    assert lora.family == LABELS[source.family()]
     assert read_lora(a).family == lora.family  # `sdtrt lora inspect` without a model reads it the same
     made = engine.transformer.loras.weight_map()
     assert made.unmapped == {}
@@ -91,11 +100,11 @@ def test_a_lora_of_another_family_is_refused_before_any_work(family, tmp_path):
     source, _, engine, _, _ = family
     flux1 = lora_file(tmp_path / "flux1.safetensors", "transformer.single_transformer_blocks.0.proj_mlp", 32, 128)
     active = engine.transformer.loras.active
-    label = {"zimage": "Z-Image", "qwenimage": "Qwen-Image"}[source.family()]
+    label = LABELS[source.family()]
     with pytest.raises(LoraFamilyError, match=rf"^[^\n]* is a FLUX.1 LoRA .*takes {label} LoRAs$"):
         engine.load_lora_weights(flux1, adapter_name="other")
     assert engine.transformer.loras.active == active and engine.get_active_adapters() == []
-    if source.family() == "qwenimage":
+    if source.family() != "zimage":
         return  # one CLI run (5 s) proves the CLI's refusal: a Qwen-Image LoRA on Z-Image, told by its names
     qwen_lora = lora_file(tmp_path / "qwen.safetensors", "transformer.transformer_blocks.0.img_mlp.net.2", 64, 32)
     result = run_cli("generate", "--model", "tiny-zimage", "--prompt", "a fox", "--lora", f"{qwen_lora}:0.5")

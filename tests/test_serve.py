@@ -419,3 +419,39 @@ def test_images_on_the_wire_pick_the_task_and_the_cli_client_sends_files(server,
     for task, request in (("img2img", img2img), ("inpaint", inpaint)):
         local = np.asarray(generate(load_pipeline(tiny, tiny_set, task=task), request).images[0])
         np.testing.assert_array_equal(served[task], local, err_msg=task)
+
+
+@pytest.mark.slow  # the FLUX.2 [dev] set builds in about a minute (tests/test_flux2_dev.py's, a cache hit there)
+def test_a_flux2_dev_set_is_served_text_to_image_and_with_a_reference_image(store, tmp_path):
+    """FLUX.2 [dev] (the Mistral3 LLM encoder, the guidance-embedded Flux2 transformer and its VAE, each an engine)
+    on a real Triton: a text-to-image row and a row with a reference image to edit from (the image input the config
+    declares, encoded by the VAE encoder engine) each give generate's image."""
+    from PIL import Image
+
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.pipeline.loading import generate, load_pipeline
+    from sdtrt.serving.client import remote_image
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-flux2")
+    dev = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+    deployment = deploy_triton(dev, tmp_path / "repo", TritonDeployConfig(max_batch=1))
+    assert deployment.record["tasks"] == {"txt2img": "Flux2Pipeline"}
+    assert {"text_encoder", "transformer", "vae_encoder", "vae_decoder"} <= set(deployment.record["members"])
+    assert (
+        '{ name: "image", data_type: TYPE_UINT8, dims: [ -1, -1, 3 ], optional: true }'
+        in (deployment.folder / "config.pbtxt").read_text()
+    )
+    reference = Image.fromarray(np.random.default_rng(0).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    requests = {
+        "txt2img": GenerateRequest(prompt="a fox", steps=2, seed=5, height=SIZE, width=192),
+        "reference": GenerateRequest(prompt="a fox", steps=2, seed=5, height=SIZE, width=192, image=reference),
+    }
+    with _serve(tmp_path / "repo", tmp_path) as server:
+        served = {name: remote_image(server.config.http_url, request) for name, request in requests.items()}
+    pipe = load_pipeline(source, dev)
+    for name, request in requests.items():
+        np.testing.assert_array_equal(served[name], np.asarray(generate(pipe, request).images[0]), err_msg=name)
+    assert served["txt2img"].shape == (SIZE, 192, 3) and not np.array_equal(served["txt2img"], served["reference"])

@@ -38,7 +38,7 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"inpaint": "FluxFillPipeline"},
     {"txt2img": "FluxControlPipeline", "img2img": "FluxControlImg2ImgPipeline",
      "inpaint": "FluxControlInpaintPipeline"},
-    {"img2img": "FluxKontextPipeline"},
+    {"img2img": "FluxKontextPipeline", "inpaint": "FluxKontextInpaintPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
     {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
@@ -204,10 +204,11 @@ def family_tasks(index_class: str) -> dict[Task, str]:
 
 def served_tasks(index_class: str) -> dict[Task, str]:
     """The tasks (→ pipeline class) a model whose ``model_index.json`` names ``index_class`` runs: its whole family row
-    when that is the row's txt2img class, else that class's task alone. A model published for another task is made for
-    it: an inpainting UNet (9 channels in), SDXL's refiner (no first text encoder), FLUX.1 Fill and Kontext."""
+    when that is the row's first class (its txt2img one, or FLUX.1 Kontext's img2img, whose weights inpaint too), else
+    that class's task alone. A model published for another task is made for it: an inpainting UNet (9 channels in),
+    SDXL's refiner (no first text encoder), FLUX.1 Fill."""
     row = supported_row(index_class)
-    if row.get("txt2img") == index_class:
+    if next(iter(row.values())) == index_class:
         return dict(row)
     return {task: name for task, name in row.items() if name == index_class}
 

@@ -3,8 +3,9 @@
 A file (diffusers/PEFT, kohya/A1111 or ai-toolkit safetensors, or the folder ``save_lora_weights`` wrote) is read
 with the loader of the model's family in diffusers (``lora_state_dict`` of StableDiffusionPipeline for the UNet
 families, StableDiffusion3Pipeline for SD3, FluxPipeline for FLUX.1 with Fill / Control / Kontext,
-Flux2KleinPipeline for FLUX.2: each converts the kohya and ai-toolkit names of its family), split by network and
-renamed to PEFT's ``<module>.lora_A/lora_B`` as diffusers' loaders rename it.
+Flux2KleinPipeline for FLUX.2 [klein] and [dev] (Flux2Pipeline's is the same Flux2LoraLoaderMixin method): each
+converts the kohya and ai-toolkit names of its family), split by network and renamed to PEFT's
+``<module>.lora_A/lora_B`` as diffusers' loaders rename it.
 Applying the pairs to engines and PyTorch networks is sdtrt.lora.refit's job.
 """
 

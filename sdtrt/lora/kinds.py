@@ -31,8 +31,9 @@ class LoraFamily:
 
 
 # By model family (ModelSource.family()). T5 (SD3's text_encoder_3, Flux's text_encoder_2) takes no LoRAs: diffusers
-# loads none into it (its loaders list no T5), so a file with T5 weights is refused by name. FLUX.2's Qwen3 takes none
-# either (Flux2LoraLoaderMixin loads the transformer only).
+# loads none into it (its loaders list no T5), so a file with T5 weights is refused by name. FLUX.2's LLMs (klein's
+# Qwen3, dev's Mistral3) take none either (Flux2LoraLoaderMixin, both pipelines' loader, loads the transformer only);
+# klein's and dev's transformers share their module names, and a LoRA of the other's width is refused by its shapes.
 LORA_FAMILIES = {
     "unet": LoraFamily(
         "UNet (SD 1.x/2.x, SDXL)", "StableDiffusionPipeline", ("unet", "text_encoder", "text_encoder_2")

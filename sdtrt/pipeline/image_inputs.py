@@ -30,7 +30,8 @@ def check_inputs(
 ) -> None:
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
     for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
-    and FLUX.2 [klein], whose reference images are optional (without one they generate from text)."""
+    (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
+    images are optional (without one they generate from text)."""
     for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
             raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
@@ -40,9 +41,11 @@ def check_inputs(
             raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
 
-def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any) -> GenerateRequest:
+def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any, inpaint: bool) -> GenerateRequest:
     """The request with FLUX.1 Kontext's reference resized as FluxKontextPipeline resizes it (_auto_resize): to the
     preferred resolution nearest its aspect ratio, scaled to the model's native size (diffusers' own at 1024 px).
+    ``inpaint`` (FluxKontextInpaintPipeline): the image to repaint, its reference tokens too, resized to the output's
+    size, as the other inpainting pipelines resize theirs (with _auto_resize off it makes the output's size).
     RequestError, before anything runs, where the engines' profile cannot take its tokens or its size."""
     import torch
     from diffusers.image_processor import VaeImageProcessor
@@ -55,9 +58,15 @@ def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any) -> Genera
             raise RequestError(f"FLUX.1 Kontext takes one reference image, not {len(image)}: pass one")
         image = image[0]
     assert request.height and request.width  # sized_for set them
+    if image is None and inpaint:
+        return request  # the request's check_inputs says what is missing
     size = None
     if image is None:  # text to image
         tokens = 0
+    elif inpaint:
+        size = (request.height, request.width)
+        tokens = (request.height // rule.multiple) * (request.width // rule.multiple)
+        image = VaeImageProcessor().resize(image, *size)
     elif isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
         tokens = (image.shape[-2] // 2) * (image.shape[-1] // 2)  # latents: the pipeline packs them as they are
     else:
@@ -66,19 +75,22 @@ def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any) -> Genera
         _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
         size, tokens = (h, w), (h // rule.multiple) * (w // rule.multiple)
         image = VaeImageProcessor().resize(image, h, w)
-    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size)
+    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, inpaint)
     return dataclasses.replace(request, image=image)
 
 
 def check_reference_fits(
-    pipe: Any, height: int, width: int, multiple: int, tokens: int, size: tuple[int, int] | None
+    pipe: Any, height: int, width: int, multiple: int, tokens: int, size: tuple[int, int] | None, inpaint: bool
 ) -> None:
     """RequestError where the engine transformer's profile takes fewer or more tokens than a ``height`` x ``width``
-    image and ``tokens`` of a reference resized to ``size``, or the VAE encoder's not that size."""
+    image and ``tokens`` of a reference resized to ``size`` (``inpaint``: the image to repaint), or the VAE encoder's
+    not that size."""
     generated = (height // multiple) * (width // multiple)
     cause = f"the {height}x{width} image is {generated} tokens" + (
-        f" and its reference, resized to {size[0]}x{size[1]} (FLUX.1 Kontext's preferred resolution nearest its aspect "
-        f"ratio), {tokens} more"
+        " and the image to inpaint, its reference, as many more"
+        if inpaint
+        else f" and its reference, resized to {size[0]}x{size[1]} (FLUX.1 Kontext's preferred resolution nearest its "
+        f"aspect ratio), {tokens} more"
         if size
         else f" and its reference latents {tokens} more"
         if tokens

@@ -377,7 +377,7 @@ def generate(
             accepts.discard("image")  # optional there: reference images to edit from
     sized = [r.sized_for(rule) for r in requests]
     if "max_area" in accepts:  # FLUX.1 Kontext
-        sized = [fit_reference(r, rule, pipe) for r in sized]
+        sized = [fit_reference(r, rule, pipe, inpaint="mask_image" in accepts) for r in sized]
     kwargs = batch_kwargs(sized, accepts)
     if rule.guidance_keyword in accepts and "guidance_scale" in kwargs:  # Qwen-Image: true_cfg_scale
         kwargs[rule.guidance_keyword] = kwargs.pop("guidance_scale")

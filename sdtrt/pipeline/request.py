@@ -232,13 +232,13 @@ class GenerateRequest:
             "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
-        check_inputs(self, accepts, image_optional="max_area" in accepts)  # FLUX.1 Kontext's __call__ alone takes it
+        check_inputs(self, accepts, image_optional="max_area" in accepts and "mask_image" not in accepts)
         if self.height and self.width:
             check_control_image(self.control_image, self.height, self.width)
         if "strength" in accepts and self.image is not None and self.strength is not None:
             wanted["strength"] = self.strength
         if "max_area" in accepts and self.height and self.width:
-            # FLUX.1 Kontext: the asked size (it would scale it to 1 MP); the reference is resized (fit_reference).
+            # FLUX.1 Kontext: the asked size (it would scale it to 1 MP); the image is resized (fit_reference).
             wanted |= {"max_area": self.height * self.width, "_auto_resize": False}
         return {k: v for k, v in wanted.items() if k in accepts and (v is not None or k != "guidance_scale")}
 
