@@ -22,6 +22,7 @@ from ..core.families import (
     transformer_family,
 )
 from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
+from .controlnet_samples import controlnet_sample_names, controlnet_samples
 from .denoiser import DenoiserSpec
 
 # FLUX.2 [klein]'s engines (its LLM's and its transformer's) take the pipeline's max_sequence_length default at most.
@@ -214,9 +215,7 @@ class FluxTransformerSpec(PackedTransformerSpec):
         fields: dict[str, Any] = {}
         if model.is_pipeline and model.pipeline_class() in REFERENCE_TOKEN_PIPELINES:
             fields["reference_tokens"] = True
-        if model.has("controlnet"):  # a FluxControlNetModel (the controlnet spec refuses the kinds it cannot run)
-            from .controlnet_flux import controlnet_samples
-
+        if model.has("controlnet"):  # a FluxControlNetModel (controlnet_samples refuses the kinds it cannot run)
             config = model.component_config("transformer")
             width = config["num_attention_heads"] * config["attention_head_dim"]
             fields |= {"controlnet_samples": controlnet_samples(model.component_config("controlnet")),
@@ -278,8 +277,6 @@ class FluxTransformerSpec(PackedTransformerSpec):
         }
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
-        from .controlnet_flux import controlnet_sample_names
-
         samples = controlnet_sample_names(self.controlnet_samples)
         return self.flux_inputs() | {name: (None, ("batch", "patches", self.controlnet_width)) for name in samples}
 

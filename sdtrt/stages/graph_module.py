@@ -16,7 +16,7 @@ from ..spec import (
     UNetPartSpec,
     ZImageTransformerSpec,
 )
-from ..spec.controlnet_flux import BLOCK_SAMPLE, SINGLE_BLOCK_SAMPLE
+from ..spec.controlnet_samples import BLOCK_SAMPLE, SINGLE_BLOCK_SAMPLE
 from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@ as the Flux transformer engine of a ControlNet set takes them (``controlnet_feed
 
 It is a FluxControlNetModel subclass — the pipeline branches on ``isinstance(controlnet, FluxControlNetModel)``, reads
 ``input_hint_block`` (None: InstantX's kind, the control image VAE-encoded and packed, its samples not repeated) and
-``config.guidance_embeds``, and FluxMultiControlNetModel sums several — that builds none of the model's layers.
+``config.guidance_embeds``, and FluxMultiControlNetModel sums several (passing -1 as each one's mode) — that builds
+none of the model's layers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from diffusers.models.controlnets.controlnet_flux import FluxControlNetOutput
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
 from ..spec import FluxControlNetSpec, FluxTransformerSpec
-from ..spec.controlnet_flux import controlnet_sample_names
+from ..spec.controlnet_samples import controlnet_sample_names
 from .base import EngineModule
 from .unet import normalise_timestep
 
@@ -46,8 +47,8 @@ class EngineFluxControlNet(EngineModule, FluxControlNetModel):
         img_ids: torch.Tensor | None = None, txt_ids: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
         joint_attention_kwargs: dict[str, Any] | None = None, return_dict: bool = True,
     ) -> FluxControlNetOutput | tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:  # fmt: skip
-        if controlnet_mode is not None:
-            raise EngineInputError("this FLUX.1 ControlNet engine takes no controlnet_mode (ControlNet-Union's)")
+        # controlnet_mode is ControlNet-Union's, whose models the spec refuses; FluxMultiControlNetModel passes -1s,
+        # which a single-mode FluxControlNetModel ignores, as the engine does.
         if joint_attention_kwargs:
             raise EngineInputError(
                 f"joint_attention_kwargs {sorted(joint_attention_kwargs)} change the engine's attention, which is "
