@@ -181,7 +181,7 @@ TINY_PRESETS = [
     "tiny-sdxl-controlnet", "tiny-sd3", "tiny-flux", "tiny-flux-schnell",
     # 1-5 min each on 2 cores (klein's LLM encoder the longest), over the default suite's time: with -m slow
     *(pytest.param(p, marks=pytest.mark.slow) for p in ("tiny-flux-fill", "tiny-flux-control", "tiny-flux-kontext",
-                                                         "tiny-flux2-klein", "tiny-flux2")),
+                                                         "tiny-flux-controlnet", "tiny-flux2-klein", "tiny-flux2")),
 ]  # fmt: skip
 
 

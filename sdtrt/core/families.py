@@ -39,6 +39,9 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "FluxControlPipeline", "img2img": "FluxControlImg2ImgPipeline",
      "inpaint": "FluxControlInpaintPipeline"},
     {"img2img": "FluxKontextPipeline", "inpaint": "FluxKontextInpaintPipeline"},
+    # FLUX.1 ControlNets (InstantX's FluxControlNetModel: block samples the transformer adds).
+    {"txt2img": "FluxControlNetPipeline", "img2img": "FluxControlNetImg2ImgPipeline",
+     "inpaint": "FluxControlNetInpaintPipeline"},
     {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
     {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
@@ -51,7 +54,8 @@ REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
-    "dev / schnell (with Fill, Canny / Depth control and Kontext), FLUX.2 [klein] and [dev], Z-Image and Qwen-Image"
+    "dev / schnell (with Fill, Canny / Depth control, Kontext and ControlNet), FLUX.2 [klein] and [dev], Z-Image "
+    "and Qwen-Image"
 )
 # Transformer class → family; Flux's depends on its guidance embedding (dev) or its absence (schnell).
 TRANSFORMERS = {
@@ -179,18 +183,20 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported
     (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their control image as
     ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``); Kontext's reference
-    image is its ``image``, and FLUX.2 [klein]'s optional reference images too. SD, SDXL and LCM img2img take no
-    height (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
+    image is its ``image``, and FLUX.2 [klein]'s optional reference images too; FLUX.1 ControlNet pipelines take a
+    ``control_image`` for every task (a negative prompt for txt2img only). SD, SDXL and LCM img2img take no height
+    (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
     kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
+    flux_controlnet = class_name.startswith("FluxControlNet")
     reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt
+    no_negative = class_name.startswith(("LatentConsistencyModel", "FluxFill")) or flux_control or reference
     inputs = {
-        "negative_prompt": not class_name.startswith(("LatentConsistencyModel", "FluxFill", "FluxControl"))
-        and not reference,
-        "image": img2img or inpaint or kontext or controlnet or reference,
+        "negative_prompt": not (no_negative or (flux_controlnet and (img2img or inpaint))),
+        "image": img2img or inpaint or kontext or (controlnet and not flux_controlnet) or reference,
         "mask_image": inpaint,
-        "control_image": flux_control or (controlnet and (img2img or inpaint)),
+        "control_image": flux_control or flux_controlnet or (controlnet and (img2img or inpaint)),
         "strength": img2img or inpaint,
         "height": not img2img or controlnet or class_name.startswith(SIZED_IMG2IMG),
     }

@@ -195,9 +195,11 @@ def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
 def control_map_as_image(request: GenerateRequest, tasks: dict[Task, str]) -> GenerateRequest:
     """On an SD / SDXL ControlNet set (``tasks``: task → pipeline class), a request whose only image is a control image
     with it as ``image``, the txt2img pipeline's name for the control map: so ``control_image`` names the control map in
-    every family, as FLUX.1 Canny / Depth's and the ControlNet img2img / inpaint pipelines' do. Others unchanged."""
+    every family, as FLUX.1 Canny / Depth's, FLUX.1 ControlNet's and the ControlNet img2img / inpaint pipelines' do.
+    Others unchanged."""
     given = [name for name in TASK_INPUTS if getattr(request, name) is not None]
-    if given != ["control_image"] or "ControlNet" not in tasks.get("txt2img", ""):
+    txt2img = tasks.get("txt2img", "")
+    if given != ["control_image"] or "ControlNet" not in txt2img or txt2img.startswith("FluxControlNet"):
         return request
     return dataclasses.replace(request, image=request.control_image, control_image=None)
 

@@ -21,7 +21,7 @@ from ..lora.files import LoraSpec
 from ..lora.refit import EngineLoras, fuse_loras
 from ..runtime import Runtime, check_weight_budget, open_members
 from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_model
-from ..spec import FOLDERS, LLMEncoderSpec, T5EncoderSpec, model_components
+from ..spec import FOLDERS, FluxControlNetSpec, LLMEncoderSpec, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
 from ..standins.adapter_registry import apply_pipeline_loras, lora_networks
@@ -279,9 +279,12 @@ def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: t
 
 
 def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
+    """SD's and SDXL's ControlNetModel stand-in, or FLUX.1's FluxControlNetModel one, by the engine's graph."""
     from ..standins.controlnet import EngineControlNet
+    from ..standins.controlnet_flux import EngineFluxControlNet
 
-    return EngineControlNet(runtime, source.component_config(FOLDERS[component]), dtype=dtype)
+    standin = EngineFluxControlNet if isinstance(runtime.spec, FluxControlNetSpec) else EngineControlNet
+    return standin(runtime, source.component_config(FOLDERS[component]), dtype=dtype)
 
 
 def _text_encoder(

@@ -174,7 +174,7 @@ def _networks(recipe: Recipe) -> dict[str, Any]:
         encoder, tokenizer = _text_encoder(network, tokenizers)
         parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
     if recipe.controlnet is not None:
-        parts["controlnet"] = _random_controlnet(parts["unet"], recipe.controlnet)
+        parts["controlnet"] = _random_controlnet(parts[recipe.denoiser_folder], recipe.controlnet)
     return parts
 
 
@@ -227,18 +227,23 @@ def _random_pad_tokens(transformer: Any) -> None:
         transformer.cap_pad_token.normal_()
 
 
-def _random_controlnet(unet: Any, kwargs: dict[str, Any]) -> Any:
-    """A ControlNet copied from the UNet, its zero-initialised output convolutions made random.
+def _random_controlnet(denoiser: Any, kwargs: dict[str, Any]) -> Any:
+    """A ControlNet copied from the UNet (or FLUX.1's transformer), its zero-initialised output layers made random.
 
-    A fresh ControlNet adds exactly zero (its "zero convolutions"), so engines that dropped its
-    residuals would still match; random ones make every residual count.
+    A fresh ControlNet adds exactly zero (its "zero convolutions", FLUX.1's zero linears on the control latents and
+    the samples), so engines that dropped its residuals would still match; random ones make every residual count.
     """
     import torch
-    from diffusers import ControlNetModel
+    from diffusers import ControlNetModel, FluxControlNetModel, FluxTransformer2DModel
 
-    controlnet = ControlNetModel.from_unet(unet, **kwargs)
-    zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
-                  controlnet.controlnet_cond_embedding.conv_out]  # fmt: skip
+    if isinstance(denoiser, FluxTransformer2DModel):
+        controlnet = FluxControlNetModel.from_transformer(denoiser, **kwargs)
+        zero_convs = [*controlnet.controlnet_blocks, *controlnet.controlnet_single_blocks,
+                      controlnet.controlnet_x_embedder]  # fmt: skip
+    else:
+        controlnet = ControlNetModel.from_unet(denoiser, **kwargs)
+        zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                      controlnet.controlnet_cond_embedding.conv_out]  # fmt: skip
     with torch.no_grad():
         for conv in zero_convs:
             conv.weight.normal_(std=0.05)

@@ -58,7 +58,8 @@ class Recipe:
     settings: dict[str, Any] = field(default_factory=dict)  # pipeline __init__ settings
     dtype: str = "float32"  # the networks' torch dtype (multi-GB architectures: fp16, or bf16 as their checkpoints)
     streamed: bool = False  # networks written by streaming random tensors (random_weights.py), never built whole
-    controlnet: dict[str, Any] | None = None  # ControlNetModel.from_unet kwargs; None: no ControlNet
+    # ControlNetModel.from_unet kwargs, FluxControlNetModel.from_transformer's for a transformer; None: no ControlNet
+    controlnet: dict[str, Any] | None = None
     # FLUX.2's: AutoencoderKLFlux2 (its latents' batch-norm statistics); Qwen-Image's: AutoencoderKLQwenImage
     vae_class: str = "AutoencoderKL"
 
@@ -267,6 +268,12 @@ PRESETS: dict[str, Recipe] = {
     ),
     "tiny-flux-kontext": Recipe("FluxKontextPipeline", TINY_FLUX, dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS,
                                 scheduler=FLUX_DEV_FLOW),
+    # A FLUX.1 ControlNet (InstantX's kind: the control image's packed latents in) of one double and one single block
+    # beside tiny-flux: built last, so every other network is tiny-flux's, weights and exports alike.
+    "tiny-flux-controlnet": Recipe(
+        "FluxControlNetPipeline", TINY_FLUX, dict(TINY_VAE, **FLUX_VAE), TINY_FLUX_ENCODERS, scheduler=FLUX_DEV_FLOW,
+        controlnet=dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2),
+    ),
     "tiny-flux2-klein": Recipe(
         "Flux2KleinPipeline", TINY_FLUX2, dict(TINY_VAE, latent_channels=4), (("Qwen3ForCausalLM", TINY_QWEN3),),
         scheduler=FLUX_DEV_FLOW, settings={"is_distilled": False}, vae_class="AutoencoderKLFlux2",

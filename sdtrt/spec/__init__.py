@@ -40,6 +40,7 @@ from .base import (
     ValidationCase,
 )  # fmt: skip
 from .controlnet import ControlNetSpec
+from .controlnet_flux import FluxControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
 from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec, MistralEncoderSpec, QwenVLEncoderSpec
@@ -71,6 +72,7 @@ __all__ = [
     "ControlNetSpec",
     "DenoiserSpec",
     "Flux2TransformerSpec",
+    "FluxControlNetSpec",
     "FluxTransformerSpec",
     "GraphSpec",
     "ImageEncoderSpec",
@@ -110,8 +112,8 @@ __all__ = [
 # rows dispatch on its class themselves (TransformerSpec.for_model / from_json); each kind has its row too, so what
 # a kind declares of its class (Z-Image's fp16 problem) is read before a spec is made (compile's precision).
 SPECS: tuple[type[GraphSpec], ...] = (
-    UNetSpec, TransformerSpec, *TRANSFORMER_KINDS.values(), ControlNetSpec, TextEncoderSpec, TextEncoder2Spec,
-    T5EncoderSpec, T5Encoder2Spec,
+    UNetSpec, TransformerSpec, *TRANSFORMER_KINDS.values(), ControlNetSpec, FluxControlNetSpec, TextEncoderSpec,
+    TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
     QwenVLEncoderSpec,
     LLMModelEncoderSpec, MistralEncoderSpec,

@@ -22,6 +22,7 @@ from ..core.families import (
     transformer_family,
 )
 from .base import NAMED_OUTPUT, ModelConfigs, TensorSpec, token_range
+from .controlnet_samples import controlnet_sample_names, controlnet_samples
 from .denoiser import DenoiserSpec
 
 # FLUX.2 [klein]'s engines (its LLM's and its transformer's) take the pipeline's max_sequence_length default at most.
@@ -51,7 +52,7 @@ class TransformerSpec(DenoiserSpec):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "architecture" in cls.__dict__:
+        if "architecture" in cls.__dict__ and cls.component == "transformer":  # not FLUX.1's ControlNet
             TRANSFORMER_KINDS[cls.architecture] = cls
 
     @classmethod
@@ -69,10 +70,9 @@ class TransformerSpec(DenoiserSpec):
         kind = _kind(config.get("_class_name", ""))
         factor = model.vae_scale_factor()
         vae = model.component_config("vae") if model.has("vae") else {}
-        pipeline = model.pipeline_class() if model.is_pipeline else ""
         return kind(
             precision=precision, io_naming=io_naming, vae_scale_factor=factor,
-            **kind.fields_from(config, vae, factor) | kind.pipeline_fields(pipeline),
+            **kind.fields_from(config, vae, factor) | kind.model_fields(model),
             max_sequence_length=T5_TOKENS.get(transformer_family(config), kind.pipeline_tokens),
         )  # fmt: skip
 
@@ -81,8 +81,9 @@ class TransformerSpec(DenoiserSpec):
         raise NotImplementedError
 
     @classmethod
-    def pipeline_fields(cls, pipeline_class: str) -> dict[str, Any]:
-        """The fields the pipeline class (model_index.json's) sets: how it calls the transformer."""
+    def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:
+        """The fields the rest of the model sets: how its pipeline (model_index.json's class) and its other networks
+        call the transformer."""
         return {}
 
     @classmethod
@@ -201,10 +202,27 @@ class FluxTransformerSpec(PackedTransformerSpec):
     # Kontext: the reference image's packed latents follow the generated ones in hidden_states and img_ids (and the
     # output, which the pipeline cuts back); the reference is resized to a preferred resolution (reference_sizes).
     reference_tokens: bool = False
+    # A FLUX.1 ControlNet set's: the (double-block, single-block) samples its ControlNet gives, each [B, patches,
+    # controlnet_width], inputs the graph adds after its blocks as diffusers' forward does (its samples spread over the
+    # blocks); (0, 0): a plain FLUX.1 graph.
+    controlnet_samples: tuple[int, int] = (0, 0)
+    controlnet_width: int = 0  # the transformer's heads × head size
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "controlnet_samples", tuple(self.controlnet_samples))  # a list from JSON
 
     @classmethod
-    def pipeline_fields(cls, pipeline_class: str) -> dict[str, Any]:
-        return {"reference_tokens": True} if pipeline_class in REFERENCE_TOKEN_PIPELINES else {}
+    def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if model.is_pipeline and model.pipeline_class() in REFERENCE_TOKEN_PIPELINES:
+            fields["reference_tokens"] = True
+        if model.has("controlnet"):  # a FluxControlNetModel (controlnet_samples refuses the kinds it cannot run)
+            config = model.component_config("transformer")
+            width = config["num_attention_heads"] * config["attention_head_dim"]
+            fields |= {"controlnet_samples": controlnet_samples(model.component_config("controlnet")),
+                       "controlnet_width": width}  # fmt: skip
+        return fields
 
     def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
         """Kontext's with a reference as many tokens as the output, at most a preferred resolution's: validate's and
@@ -240,8 +258,11 @@ class FluxTransformerSpec(PackedTransformerSpec):
 
     def to_json(self) -> dict[str, Any]:
         data = super().to_json()
-        if not self.reference_tokens:  # Flux's other sets keep the JSON, and so the keys, they had
+        # Flux's other sets keep the JSON, and so the keys, they had.
+        if not self.reference_tokens:
             del data["reference_tokens"]
+        if not any(self.controlnet_samples):
+            del data["controlnet_samples"], data["controlnet_width"]
         return data
 
     @classmethod
@@ -258,6 +279,11 @@ class FluxTransformerSpec(PackedTransformerSpec):
         }
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        samples = controlnet_sample_names(self.controlnet_samples)
+        return self.flux_inputs() | {name: (None, ("batch", "patches", self.controlnet_width)) for name in samples}
+
+    def flux_inputs(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
+        """The inputs FLUX.1's transformer and its ControlNet share."""
         tensors: dict[str, tuple[str | None, tuple[int | str, ...]]] = {
             "hidden_states": (None, ("batch", "patches", self.in_channels)),
             "encoder_hidden_states": (None, ("batch", "tokens", self.cross_attention_dim)),

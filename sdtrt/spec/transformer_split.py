@@ -187,9 +187,11 @@ def part_holds(component: str, module: str) -> bool:
     return not (first or name.startswith(EMBEDDERS + HEAD))
 
 
-def split_problem(config: dict[str, Any]) -> str | None:
-    """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip), or
-    None."""
+def split_problem(config: dict[str, Any], controlnet: bool = False) -> str | None:
+    """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip; a
+    ControlNet's samples, which no part takes), or None."""
+    if controlnet:
+        return "the step-cache members take no ControlNet block samples yet; compile without --caches"
     kind = config.get("_class_name", "")
     if kind and kind not in {c.architecture for c in PART_CLASSES}:
         return f"step caches are not built for a {kind} (SD3's and Flux.1's transformers only); compile without them"

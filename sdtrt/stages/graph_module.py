@@ -16,6 +16,7 @@ from ..spec import (
     UNetPartSpec,
     ZImageTransformerSpec,
 )
+from ..spec.controlnet_samples import BLOCK_SAMPLE, SINGLE_BLOCK_SAMPLE
 from ..spec.denoiser import IMAGE_EMBEDS, IP_SCALE
 
 if TYPE_CHECKING:
@@ -48,7 +49,15 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         if IMAGE_EMBEDS in given:
             del given[IP_SCALE]
             given["joint_attention_kwargs"] = {"ip_adapter_image_embeds": [given.pop(IMAGE_EMBEDS)]}
-        return network(**given, return_dict=False)[0]
+        samples = controlnet_sample_lists(given)
+        return network(**given, **samples, return_dict=False)[0]
+
+    def flux_controlnet(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        given: dict[str, Any] = dict(zip(spec.canonical_inputs, inputs, strict=True))
+        # Scaled in the graph's dtype, so that an fp16 graph gives fp16 samples (the scale is an fp32 input).
+        given["conditioning_scale"] = given["conditioning_scale"].to(given["hidden_states"].dtype)
+        blocks, singles = network(**given, return_dict=False)
+        return (*(blocks or ()), *(singles or ()))
 
     def t5(input_ids: torch.Tensor) -> torch.Tensor:
         return network(input_ids).last_hidden_state  # no attention mask, as SD3's and Flux's pipelines call it
@@ -80,6 +89,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         "unet": unet,
         "transformer": transformer,
         "controlnet": controlnet,
+        "FluxControlNetModel": flux_controlnet,
         "text_encoder": text_encoder,
         "text_encoder_2": text_encoder,
         "text_encoder_3": text_encoder,
@@ -148,6 +158,16 @@ def unet_extras(spec: GraphSpec, extras: tuple[Any, ...], first: int = 3) -> dic
         )
         kwargs["mid_block_additional_residual"] = given["mid_block_res"]
     return kwargs
+
+
+def controlnet_sample_lists(given: dict[str, Any]) -> dict[str, Any]:
+    """A FLUX.1 ControlNet set's transformer inputs (taken out of ``given``) as the lists its forward adds after its
+    blocks: the double blocks', the single blocks' (None for none); {} without them."""
+    blocks = [given.pop(k) for k in list(given) if k.startswith(BLOCK_SAMPLE)]
+    singles = [given.pop(k) for k in list(given) if k.startswith(SINGLE_BLOCK_SAMPLE)]
+    if not (blocks or singles):
+        return {}
+    return {"controlnet_block_samples": blocks or None, "controlnet_single_block_samples": singles or None}
 
 
 def block_patches(spec: GraphSpec) -> dict[tuple[Any, str], Any]:

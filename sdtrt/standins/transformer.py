@@ -28,8 +28,9 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from ..core.errors import ArtifactError, EngineInputError
 from ..lora.refit import EngineLoras, LoraNetwork
 from ..runtime import Runtime
-from ..spec import TransformerSpec
+from ..spec import FluxTransformerSpec, TransformerSpec
 from .base import EngineModule
+from .controlnet_flux import controlnet_feeds
 from .ip_adapter import NO_IP_ADAPTER, IPAdapterInputs
 from .peft_adapters import PeftAdapters
 from .step_cache import SplitTransformer, cache_problem, check_hooked
@@ -43,10 +44,11 @@ REFUSED = {
     "on PyTorch (load_pipeline without an engine)",
     "block_controlnet_hidden_states": "SD3 ControlNet block samples need a transformer graph with their inputs, "
     "which sdtrt does not export: run this pipeline on PyTorch (load_pipeline without an engine)",
-    "controlnet_block_samples": "Flux ControlNet block samples need a transformer graph with their inputs, "
-    "which sdtrt does not export: run this pipeline on PyTorch (load_pipeline without an engine)",
-    "controlnet_single_block_samples": "Flux ControlNet block samples need a transformer graph with their inputs, "
-    "which sdtrt does not export: run this pipeline on PyTorch (load_pipeline without an engine)",
+    **dict.fromkeys(
+        ("controlnet_block_samples", "controlnet_single_block_samples"),
+        "Flux ControlNet block samples need a transformer graph with their inputs, which a FLUX.1 transformer "
+        "compiled from a model with a FluxControlNetModel (a controlnet/ folder) has, and this engine's has not",
+    ),
 }
 IGNORED_DEFAULTS = {"controlnet_blocks_repeat": False}  # Flux's: meaningful only with ControlNet samples
 
@@ -140,6 +142,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
     ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
         attention = dict(joint_attention_kwargs or {})
         ip_embeds = attention.pop("ip_adapter_image_embeds", None) if self.spec.ip_layers else None
+        samples = self._controlnet_samples(kwargs, hidden_states)
         self._refuse(attention, kwargs)
         batch, device = hidden_states.shape[0], hidden_states.device
         # FLUX.2's pipelines pass integer positions per batch row, which its forward reads from the first row.
@@ -155,6 +158,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         }
         if self.spec.ip_layers:
             given |= self.ip_adapter_inputs(ip_embeds, hidden_states)
+        given |= samples
         wanted = self.spec.canonical_inputs
         present = {name: value for name, value in given.items() if value is not None}
         if missing := [name for name in wanted if name not in present]:
@@ -179,6 +183,16 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
             return self.split(inputs)
         with self.cache_context("cond"):
             return self.split(inputs)
+
+    def _controlnet_samples(self, kwargs: dict[str, Any], hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A FLUX.1 ControlNet set's block samples by input name, taken out of ``kwargs``; {} for other engines (whose
+        ``_refuse`` refuses the samples)."""
+        if not (isinstance(self.spec, FluxTransformerSpec) and any(self.spec.controlnet_samples)):
+            return {}
+        blocks = kwargs.pop("controlnet_block_samples", None)
+        singles = kwargs.pop("controlnet_single_block_samples", None)
+        repeat = kwargs.pop("controlnet_blocks_repeat", False)
+        return controlnet_feeds(self.spec, hidden_states, blocks, singles, repeat)
 
     def _refuse(self, attention: dict[str, Any], kwargs: dict[str, Any]) -> None:
         """EngineInputError for a feature the engine cannot run (``attention``: the joint_attention_kwargs it does not
