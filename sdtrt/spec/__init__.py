@@ -43,6 +43,7 @@ from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
 from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec, MistralEncoderSpec, QwenVLEncoderSpec
+from .qwen_vision import QwenVisionTowerSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import (
     TRANSFORMER_KINDS,
@@ -79,6 +80,7 @@ __all__ = [
     "ModelConfigs",
     "QwenImageTransformerSpec",
     "QwenVLEncoderSpec",
+    "QwenVisionTowerSpec",
     "SD3TransformerSpec",
     "Shapes",
     "T5Encoder2Spec",
@@ -114,7 +116,7 @@ SPECS: tuple[type[GraphSpec], ...] = (
     T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
     QwenVLEncoderSpec,
-    LLMModelEncoderSpec, MistralEncoderSpec,
+    LLMModelEncoderSpec, MistralEncoderSpec, QwenVisionTowerSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 

@@ -1,0 +1,118 @@
+"""Qwen2.5-VL's vision tower (issue 38: the Qwen-Image-Edit pipelines run their input image through it) as its own
+engine: exported from the text encoder's folder, built for ONNX Runtime in fp32, and called through the text
+encoder's own ``get_image_features`` with the stand-in in ``model.visual``: the merged embeddings match PyTorch's
+fp32 tower on real processor patches, for one non-square image and for two images of two sizes in one call.
+
+The tower is tiny-qwen-image's text encoder with a two-block tower (one windowed block, one over each frame), so
+both masks and the window reordering run: a 112×168 image is 4×6 merged tokens, two windows of 4×4 (one padded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
+from sdtrt.core.errors import EngineInputError
+
+# One or two images, each 56 to 168 pixels a side (the processor's multiples of 28).
+PROFILE = ShapeProfile(Range(1, 1, 2), Range(56, 112, 168), Range(56, 168, 168), False)
+TOWER = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[1])
+
+
+@pytest.fixture(scope="module")
+def vision(store, tmp_path_factory):
+    """A Qwen-Image folder whose text encoder has the two-block tower, its PyTorch text encoder, the vision tower
+    engine's stand-in and a slow image processor (torchvision's fast one is not installed)."""
+    from transformers import Qwen2VLImageProcessor
+
+    from sdtrt.runtime import open_runtime
+    from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
+    from sdtrt.tools.compile import compile_model
+
+    source, encoder = vision_folder(tmp_path_factory.mktemp("qwen-vision"))
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    built = compile_model(
+        source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE,
+        components=("vision_encoder",),
+    ).final  # fmt: skip
+    tower = EngineQwen2_5_VisionTower(open_runtime(built), encoder.config.vision_config, dtype=torch.float32)
+    processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=168 * 168)
+    return source, encoder, tower, processor
+
+
+def vision_folder(folder):
+    """tiny-qwen-image with the two-block tower in its text encoder, written into ``folder``: the source, and the
+    text encoder."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from sdtrt.sources.models import ModelSource, resolve_model
+    from sdtrt.sources.presets import TINY_QWEN25_VL
+    from sdtrt.sources.qwen_encoder import qwen_vl_config
+
+    preset = resolve_model("tiny-qwen-image")
+    for entry in preset.path.iterdir():
+        if entry.name != "text_encoder":
+            (folder / entry.name).symlink_to(entry)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(preset.path / "tokenizer")
+    encoder = Qwen2_5_VLForConditionalGeneration(qwen_vl_config(tokenizer, TINY_QWEN25_VL | {"vision_config": TOWER}))
+    encoder.eval().save_pretrained(folder / "text_encoder")
+    return ModelSource("tiny-qwen-vision", "folder", folder), encoder
+
+
+def pictures(*sizes: tuple[int, int]) -> list[Image.Image]:
+    rng = np.random.default_rng(5)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+@pytest.mark.parametrize("sizes", [[(112, 168)], [(112, 168), (56, 84)]], ids=["one-112x168", "two-sizes"])
+def test_the_vision_tower_engine_matches_pytorch(vision, sizes):
+    _, encoder, tower, processor = vision
+    check_tower(encoder, tower, processor, sizes)
+
+
+@pytest.mark.slow
+def test_the_default_export_matches_pytorch(vision, store):
+    """Compiled the default way: torch.export's exporter on a weight-free trace, the tower's weights streamed from
+    the text encoder's safetensors (the language model's never read)."""
+    from sdtrt.runtime import open_runtime
+    from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
+    from sdtrt.tools.compile import compile_model
+
+    source, encoder, _, processor = vision
+    built = compile_model(
+        source, store, "onnxruntime", ExportConfig(precision="fp32"), SimplifyConfig(check=False), profile=PROFILE,
+        components=("vision_encoder",),
+    ).final  # fmt: skip
+    tower = EngineQwen2_5_VisionTower(open_runtime(built), encoder.config.vision_config, dtype=torch.float32)
+    check_tower(encoder, tower, processor, [(112, 168), (56, 84)])
+
+
+def check_tower(encoder, tower, processor, sizes: list[tuple[int, int]]) -> None:
+    """The text encoder's get_image_features with the stand-in in model.visual against its PyTorch tower's."""
+    inputs = processor(images=pictures(*sizes), return_tensors="pt")
+    pixels, grid = inputs["pixel_values"], inputs["image_grid_thw"]
+    with torch.no_grad():
+        want = encoder.model.get_image_features(pixels, grid).pooler_output
+        pytorch_tower = encoder.model.visual
+        encoder.model.visual = tower  # where get_image_features calls it
+        try:
+            got = encoder.model.get_image_features(pixels, grid).pooler_output
+        finally:
+            encoder.model.visual = pytorch_tower
+    assert [t.shape for t in got] == [t.shape for t in want]
+    error = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    print(f"vision tower engine, images {sizes}: grids {grid.tolist()}, max |error| {error:.2e}")
+    assert error < 1e-4 and all(float(w.std()) > 1e-3 for w in want)
+
+
+def test_inputs_the_vision_tower_engine_cannot_take_are_refused(vision):
+    tower = vision[2]
+    grid = torch.tensor([[1, 8, 12]])
+    with pytest.raises(EngineInputError, match="10 values a patch; this vision tower engine takes 1176"):
+        tower(torch.zeros(96, 10), grid)
+    with pytest.raises(EngineInputError, match="output_attentions"):
+        tower(torch.zeros(96, 1176), grid, output_attentions=True)
