@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
-from sdtrt.core.errors import EngineInputError
+from sdtrt.core.errors import EngineInputError, UnsupportedModelError
 
 # One or two images, each 56 to 168 pixels a side (the processor's multiples of 28).
 PROFILE = ShapeProfile(Range(1, 1, 2), Range(56, 112, 168), Range(56, 168, 168), False)
@@ -116,3 +116,12 @@ def test_inputs_the_vision_tower_engine_cannot_take_are_refused(vision):
         tower(torch.zeros(96, 10), grid)
     with pytest.raises(EngineInputError, match="output_attentions"):
         tower(torch.zeros(96, 1176), grid, output_attentions=True)
+
+
+def test_a_vision_tower_is_refused_for_a_model_without_qwen_vl(store):
+    """SD's CLIP text encoder has no vision tower: refused in one line before any export."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    with pytest.raises(UnsupportedModelError, match="from a Qwen2_5_VLForConditionalGeneration, not from a CLIPText"):
+        compile_model(resolve_model("tiny"), store, "onnxruntime", components=("vision_encoder",))

@@ -26,7 +26,7 @@ from ..core.config import (
     IONaming,
     Precision,
 )
-from ..core.errors import ArtifactError
+from ..core.errors import ArtifactError, UnsupportedModelError
 from .base import (
     AXIS_LABELS,
     FOLDERS,
@@ -125,9 +125,13 @@ def spec_class(component: str, architecture: str = "") -> type[GraphSpec]:
     """The spec of a component whose folder holds an ``architecture`` (the class model_index.json names):
     T5EncoderModel in a text encoder's folder is T5's contract, anything else there CLIP's."""
     cls = SPEC_CLASSES.get((component, architecture)) or SPEC_CLASSES.get((component, ""))
-    if cls is None:
-        raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(BUILDABLE)}")
-    return cls
+    if cls is not None:
+        return cls
+    if known := [a for c, a in SPEC_CLASSES if c == component]:  # a component of some classes alone (vision_encoder)
+        raise UnsupportedModelError(
+            f"sdtrt builds a {component} from a {' or '.join(known)}, not from a {architecture or 'model without one'}"
+        )
+    raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(BUILDABLE)}")
 
 
 def spec_from_json(data: dict[str, Any]) -> GraphSpec:

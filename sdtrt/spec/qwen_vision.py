@@ -119,10 +119,10 @@ class QwenVisionTowerSpec(GraphSpec):
         return profile.batch  # one image a prompt
 
     def default_profile(self) -> ShapeProfile:
-        """The Edit pipelines' condition image: about 1024² pixels (their calculate_dimensions) that the processor
-        resizes within its max_pixels, 28² × 1280 (Qwen2VLImageProcessor's default): 112 to 1008 pixels a side."""
-        side = Range(112, 1008, 1008)
-        return ShapeProfile(Range(1, 1, 1), side, side)
+        """The Edit pipelines' condition image: about 1024² pixels (their calculate_dimensions), which the processor
+        resizes to at most max_pixels, 28² × 1280 (Qwen2VLImageProcessor's default): at most 5120 patches, which a
+        1008² square covers (5184); a square 1024² image becomes 980² (4900 patches), the smallest 56² (16)."""
+        return ShapeProfile(Range(1, 1, 1), Range(56, 980, 1008), Range(56, 980, 1008))
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
