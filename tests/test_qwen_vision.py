@@ -1,10 +1,14 @@
-"""Qwen2.5-VL's vision tower (issue 38: the Qwen-Image-Edit pipelines run their input image through it) as its own
-engine: exported from the text encoder's folder, built for ONNX Runtime in fp32, and called through the text
-encoder's own ``get_image_features`` with the stand-in in ``model.visual``: the merged embeddings match PyTorch's
-fp32 tower on real processor patches, for one non-square image and for two images of two sizes in one call.
+"""Qwen-Image-Edit's text encoder on engines (issue 38: the Edit pipelines run their input image through
+Qwen2.5-VL): the vision tower as its own engine, exported from the text encoder's folder, and the LLM engine that
+takes its image embeddings, both built for ONNX Runtime in fp32 and checked against PyTorch's fp32 text encoder.
 
-The tower is tiny-qwen-image's text encoder with a two-block tower (one windowed block, one over each frame), so
-both masks and the window reordering run: a 112×168 image is 4×6 merged tokens, two windows of 4×4 (one padded).
+The tower, in ``model.visual`` where ``get_image_features`` calls it: the merged embeddings of real processor patches
+for one non-square image and for two images of two sizes in one call. The LLM engine, beside the tower: two padded
+prompts with an image each, called as QwenImageEditPipeline calls its text encoder.
+
+The model is tiny-qwen-image as a QwenImageEditPipeline folder, its text encoder with the vision tokens and a
+two-block tower (one windowed block, one over each frame), so both masks and the window reordering run: a 112×168
+image is 4×6 merged tokens, two windows of 4×4 (one padded).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from PIL import Image
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
 from sdtrt.core.errors import EngineInputError, UnsupportedModelError
 
-# One or two images, each 56 to 168 pixels a side (the processor's multiples of 28).
-PROFILE = ShapeProfile(Range(1, 1, 2), Range(56, 112, 168), Range(56, 168, 168), False)
+# One or two images, each 56 to 168 pixels a side (the processor's multiples of 28); prompts of up to 80 tokens past
+# the 64 the Edit pipeline's template drops.
+PROFILE = ShapeProfile(Range(1, 1, 2), Range(56, 112, 168), Range(56, 168, 168), False, Range(1, 40, 80))
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 TOWER = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[1])
 
 
@@ -44,8 +50,11 @@ def vision(store, tmp_path_factory):
 
 
 def vision_folder(folder):
-    """tiny-qwen-image with the two-block tower in its text encoder, written into ``folder``: the source, and the
-    text encoder."""
+    """tiny-qwen-image as a QwenImageEditPipeline folder (its processor left out: transformers' Qwen2VLProcessor
+    cannot be made without torchvision), its text encoder with the two-block tower and the image tokens, written
+    into ``folder``: the source, and the text encoder."""
+    import json
+
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     from sdtrt.sources.models import ModelSource, resolve_model
@@ -54,11 +63,17 @@ def vision_folder(folder):
 
     preset = resolve_model("tiny-qwen-image")
     for entry in preset.path.iterdir():
-        if entry.name != "text_encoder":
+        if entry.name not in ("text_encoder", "tokenizer", "model_index.json"):
             (folder / entry.name).symlink_to(entry)
-    torch.manual_seed(0)
+    index = json.loads((preset.path / "model_index.json").read_text()) | {"_class_name": "QwenImageEditPipeline"}
+    (folder / "model_index.json").write_text(json.dumps(index))
     tokenizer = AutoTokenizer.from_pretrained(preset.path / "tokenizer")
-    encoder = Qwen2_5_VLForConditionalGeneration(qwen_vl_config(tokenizer, TINY_QWEN25_VL | {"vision_config": TOWER}))
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
+    tokenizer.save_pretrained(folder / "tokenizer")
+    config = qwen_vl_config(tokenizer, TINY_QWEN25_VL | {"vision_config": TOWER})
+    config.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    torch.manual_seed(0)
+    encoder = Qwen2_5_VLForConditionalGeneration(config)
     encoder.eval().save_pretrained(folder / "text_encoder")
     return ModelSource("tiny-qwen-vision", "folder", folder), encoder
 
@@ -125,3 +140,66 @@ def test_a_vision_tower_is_refused_for_a_model_without_qwen_vl(store):
 
     with pytest.raises(UnsupportedModelError, match="from a Qwen2_5_VLForConditionalGeneration, not from a CLIPText"):
         compile_model(resolve_model("tiny"), store, "onnxruntime", components=("vision_encoder",))
+
+
+@pytest.fixture(scope="module")
+def edit_encoder(vision, store):
+    """The Edit folder's text encoder as engines: the LLM engine that takes image embeddings, its vision tower
+    beside it; and the PyTorch text encoder."""
+    from sdtrt.runtime import open_runtime
+    from sdtrt.spec import QwenVLImageEncoderSpec
+    from sdtrt.stages.engine_set import engine_members
+    from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
+    from sdtrt.tools.compile import compile_model
+
+    source, encoder, tower, _ = vision
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    built = compile_model(
+        source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE,
+        components=("text_encoder", "vision_encoder"),
+    ).final  # fmt: skip
+    runtime = open_runtime(engine_members(built)["text_encoder"])
+    assert isinstance(runtime.spec, QwenVLImageEncoderSpec)
+    engine = EngineQwen2_5_VL(runtime, encoder.config, dtype=torch.float32)
+    engine.use_vision(tower)
+    return encoder, engine
+
+
+def prompts_with_images(source, processor, sizes, text_lengths):
+    """A right-padded batch as the Edit pipeline's processor makes it: each row some text, one image's vision-start,
+    image-pad tokens (one a merged 2×2 patch group) and vision-end, more text; the images' patches and grids."""
+    from transformers import AutoTokenizer
+
+    start, pad, end = AutoTokenizer.from_pretrained(source.path / "tokenizer").convert_tokens_to_ids(VISION_TOKENS)
+    images = processor(images=pictures(*sizes), return_tensors="pt")
+    rows = []
+    for (before, after), grid in zip(text_lengths, images["image_grid_thw"], strict=True):
+        count = int(grid.prod()) // 4
+        rows.append([5 + i % 200 for i in range(before)] + [start] + [pad] * count + [end] + [7] * after)
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, mask, images["pixel_values"], images["image_grid_thw"]
+
+
+def test_the_llm_engine_on_prompts_with_images_matches_pytorch(vision, edit_encoder):
+    """Two prompts of two lengths, each with an image of its own size, called as QwenImageEditPipeline calls its text
+    encoder: the engine's last hidden states on every token the pipeline keeps are PyTorch's."""
+    source, _, _, processor = vision
+    encoder, engine = edit_encoder
+    ids, mask, pixels, grid = prompts_with_images(source, processor, [(112, 168), (56, 84)], [(40, 10), (30, 5)])
+    call = {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grid}
+    with torch.no_grad():
+        want = encoder(**call, output_hidden_states=True).hidden_states[-1]
+    got = engine(**call, output_hidden_states=True).hidden_states[-1]
+    kept = mask.bool()
+    error = float((got[kept] - want[kept]).abs().max())
+    print(f"LLM engine with images, prompts of {kept.sum(1).tolist()} tokens: max |error| {error:.2e}")
+    assert got.shape == want.shape and error < 1e-4 and float(want[kept].std()) > 1e-3
+
+
+def test_an_image_engine_without_its_image_is_refused(edit_encoder):
+    _, engine = edit_encoder
+    ids = torch.ones(1, 70, dtype=torch.int64)
+    with pytest.raises(EngineInputError, match=r"^this Qwen2.5-VL engine was built for a prompt with an image"):
+        engine(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)

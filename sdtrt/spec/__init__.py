@@ -42,7 +42,13 @@ from .base import (
 from .controlnet import ControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
-from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec, MistralEncoderSpec, QwenVLEncoderSpec
+from .llm_encoder import (
+    LLMEncoderSpec,
+    LLMModelEncoderSpec,
+    MistralEncoderSpec,
+    QwenVLEncoderSpec,
+    QwenVLImageEncoderSpec,
+)
 from .qwen_vision import QwenVisionTowerSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import (
@@ -80,6 +86,7 @@ __all__ = [
     "ModelConfigs",
     "QwenImageTransformerSpec",
     "QwenVLEncoderSpec",
+    "QwenVLImageEncoderSpec",
     "QwenVisionTowerSpec",
     "SD3TransformerSpec",
     "Shapes",
