@@ -203,3 +203,18 @@ def test_an_image_engine_without_its_image_is_refused(edit_encoder):
     ids = torch.ones(1, 70, dtype=torch.int64)
     with pytest.raises(EngineInputError, match=r"^this Qwen2.5-VL engine was built for a prompt with an image"):
         engine(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+
+
+def test_the_validation_cases_of_both_engines_match_pytorch(vision, edit_encoder):
+    """What `sdtrt validate` compares member by member, on each spec's seeded cases: the LLM engine against the
+    PyTorch text encoder given the same embeddings (mm_encoder_outputs), the tower against its graph's wrapper."""
+    from sdtrt.tools.validate import compare_case
+
+    encoder, engine = edit_encoder
+    tower = vision[2]
+    for runtime in (engine.runtime, tower.runtime):
+        spec = runtime.spec
+        for case in spec.validation_cases(spec.member_profile(PROFILE)):
+            row = compare_case(runtime, encoder, spec, case)
+            print(f"{spec.label} {row['case']}: cosine {row['cosine']:.8f}, max |error| {row['max_abs']:.2e}")
+            assert row["finite"] and row["cosine"] > 0.99999 and row["max_abs"] < 1e-4

@@ -22,11 +22,13 @@ from ..core.config import (
     FREEU_MEMBER,
     TRANSFORMER_PARTS,
     UNET_PARTS,
+    VISION_ENCODER,
     Component,
     IONaming,
     Precision,
 )
 from ..core.errors import ArtifactError, UnsupportedModelError
+from ..core.families import QWEN_IMAGE_EDIT_PIPELINES
 from .base import (
     AXIS_LABELS,
     FOLDERS,
@@ -181,9 +183,12 @@ def denoiser_spec(model: ModelConfigs, precision: Precision = "fp16", io_naming:
 
 
 def model_components(model: ModelConfigs) -> tuple[Component, ...]:
-    """The components a model has: those with a sub-folder in a pipeline folder, its denoiser alone in a bare one."""
+    """The components a model has: those with a sub-folder in a pipeline folder, its denoiser alone in a bare one;
+    and the vision tower of a pipeline that runs its image through its text encoder (Qwen-Image-Edit's)."""
     denoiser = denoiser_component(model)
-    return tuple(c for c in COMPONENTS if c == denoiser or model.has(FOLDERS[c]))
+    networks = tuple(c for c in COMPONENTS if c == denoiser or model.has(FOLDERS[c]))
+    edits = model.is_pipeline and model.pipeline_class() in QWEN_IMAGE_EDIT_PIPELINES
+    return (*networks, VISION_ENCODER) if edits and model.has(FOLDERS[VISION_ENCODER]) else networks
 
 
 def split_members(model: ModelConfigs) -> tuple[Component, ...]:
