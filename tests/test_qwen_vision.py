@@ -144,24 +144,25 @@ def test_a_vision_tower_is_refused_for_a_model_without_qwen_vl(store):
 
 @pytest.fixture(scope="module")
 def edit_encoder(vision, store):
-    """The Edit folder's text encoder as engines: the LLM engine that takes image embeddings, its vision tower
-    beside it; and the PyTorch text encoder."""
-    from sdtrt.runtime import open_runtime
+    """The Edit folder's text encoder as engines, as the pipeline loader makes its stand-ins: the LLM engine that
+    takes image embeddings, the vision tower beside it; and the PyTorch text encoder."""
+    from sdtrt.pipeline.loading import standins
     from sdtrt.spec import QwenVLImageEncoderSpec
     from sdtrt.stages.engine_set import engine_members
     from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
+    from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
     from sdtrt.tools.compile import compile_model
 
-    source, encoder, tower, _ = vision
+    source, encoder, _, _ = vision
     config = ExportConfig(precision="fp32", exporter="torchscript")
     built = compile_model(
         source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE,
         components=("text_encoder", "vision_encoder"),
     ).final  # fmt: skip
-    runtime = open_runtime(engine_members(built)["text_encoder"])
-    assert isinstance(runtime.spec, QwenVLImageEncoderSpec)
-    engine = EngineQwen2_5_VL(runtime, encoder.config, dtype=torch.float32)
-    engine.use_vision(tower)
+    engine = standins(source, engine_members(built), None, torch.float32)["text_encoder"]
+    assert isinstance(engine, EngineQwen2_5_VL) and isinstance(engine.spec, QwenVLImageEncoderSpec)
+    assert isinstance(engine.vision, EngineQwen2_5_VisionTower)
+    assert set(engine.engine_paths) == {"text_encoder", "vision_encoder"}  # what its save_pretrained names
     return encoder, engine
 
 
@@ -211,8 +212,7 @@ def test_the_validation_cases_of_both_engines_match_pytorch(vision, edit_encoder
     from sdtrt.tools.validate import compare_case
 
     encoder, engine = edit_encoder
-    tower = vision[2]
-    for runtime in (engine.runtime, tower.runtime):
+    for runtime in (engine.runtime, engine.vision.runtime):
         spec = runtime.spec
         for case in spec.validation_cases(spec.member_profile(PROFILE)):
             row = compare_case(runtime, encoder, spec, case)
