@@ -200,10 +200,17 @@ def test_the_llm_engine_on_prompts_with_images_matches_pytorch(vision, edit_enco
 
 
 def test_an_image_engine_without_its_image_is_refused(edit_encoder):
+    """In one line, and before the vision tower runs: a call without its image, and one the engine cannot give."""
     _, engine = edit_encoder
     ids = torch.ones(1, 70, dtype=torch.int64)
+    runs = []
+    engine.vision.register_forward_pre_hook(lambda *_: runs.append(1))
     with pytest.raises(EngineInputError, match=r"^this Qwen2.5-VL engine was built for a prompt with an image"):
         engine(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+    image = {"pixel_values": torch.zeros(96, 1176), "image_grid_thw": torch.tensor([[1, 8, 12]])}
+    with pytest.raises(EngineInputError, match=r"^output_hidden_states=False: [^\n]+$"):
+        engine(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=False, **image)
+    assert not runs
 
 
 def test_the_validation_cases_of_both_engines_match_pytorch(vision, edit_encoder):
