@@ -586,3 +586,16 @@ def test_the_rtx_plans_of_a_pipeline_share_one_activation_buffer(tiny, graph, st
     assert pool.generation == 1
     for runtime in [*shared.values(), *alone.values(), with_graphs]:
         runtime.close()
+
+
+@pytest.mark.slow
+def test_the_qwen_vl_vision_tower_builds_as_a_plan(store, tmp_path):
+    """Qwen2.5-VL's vision tower (tests/test_qwen_vision.py's two-block tower) at the precision compile gives it, bf16
+    (fp16 overflows in Qwen's models), over its default profile: up to 1008×1008 pixels, 5184 patches."""
+    from .test_qwen_vision import vision_folder
+
+    source, _ = vision_folder(tmp_path)
+    exported = export.run(ExportConfig(precision="bf16", component="vision_encoder"), source, store)
+    plan = rtx_build(simplify.run(SimplifyConfig(), exported, store), store)
+    details = check_plan(plan, "bf16", 100_000)
+    assert details["compute_capabilities"] == DEFAULT_COMPUTE_CAPABILITIES

@@ -74,6 +74,11 @@ QWEN_IMAGE_TUNED_TOKENS = 256
 # The chat template's leading tokens QwenImagePipeline runs through the LLM and then drops (its
 # prompt_template_encode_start_idx): the LLM engine reads this many tokens more than the transformer.
 QWEN_IMAGE_DROPPED_TOKENS = 34
+# QwenImageEditPipeline's: its template (a longer system prompt, then the image's vision tokens) drops 64.
+QWEN_IMAGE_EDIT_DROPPED_TOKENS = 64
+# The Qwen-Image pipelines that run an image through their Qwen2.5-VL text encoder (its vision tower, then the
+# language model on the prompt's tokens with the image's embeddings in place of its image-pad tokens).
+QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline",)
 # The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
 # from the end, as the pipeline indexes them): FLUX.2 [klein] and [dev] stack their text_encoder_out_layers
 # defaults, Z-Image's pipelines take hidden_states[-2].

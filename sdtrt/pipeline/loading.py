@@ -186,6 +186,12 @@ def standins(
     for component, runtime in runtimes.items():
         if component in NETWORK_STANDINS:
             out[FOLDERS[component]] = NETWORK_STANDINS[component](source, component, runtime, dtype, loras)
+    if "vision_encoder" in runtimes and "text_encoder" in out:  # Qwen-Image-Edit's tower: its LLM engine runs it
+        from ..standins.qwen_vision import EngineQwen2_5_VisionTower
+
+        vision = text_encoder_config(source).vision_config
+        tower = EngineQwen2_5_VisionTower(runtimes["vision_encoder"], vision, dtype)
+        out["text_encoder"].use_vision(tower)  # type: ignore[operator]  # EngineQwen2_5_VL's, beside the tower
     if parts := [c for c in TRANSFORMER_PARTS if c in split]:
         from ..standins.transformer import EngineTransformer
 

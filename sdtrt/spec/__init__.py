@@ -22,11 +22,13 @@ from ..core.config import (
     FREEU_MEMBER,
     TRANSFORMER_PARTS,
     UNET_PARTS,
+    VISION_ENCODER,
     Component,
     IONaming,
     Precision,
 )
-from ..core.errors import ArtifactError
+from ..core.errors import ArtifactError, UnsupportedModelError
+from ..core.families import QWEN_IMAGE_EDIT_PIPELINES
 from .base import (
     AXIS_LABELS,
     FOLDERS,
@@ -43,7 +45,14 @@ from .controlnet import ControlNetSpec
 from .controlnet_flux import FluxControlNetSpec
 from .denoiser import DenoiserSpec, residual_layout, residual_names
 from .image_encoder import ImageEncoderSpec
-from .llm_encoder import LLMEncoderSpec, LLMModelEncoderSpec, MistralEncoderSpec, QwenVLEncoderSpec
+from .llm_encoder import (
+    LLMEncoderSpec,
+    LLMModelEncoderSpec,
+    MistralEncoderSpec,
+    QwenVLEncoderSpec,
+    QwenVLImageEncoderSpec,
+)
+from .qwen_vision import QwenVisionTowerSpec
 from .text_encoder import T5Encoder2Spec, T5EncoderSpec, TextEncoder2Spec, TextEncoderSpec
 from .transformer import (
     TRANSFORMER_KINDS,
@@ -81,6 +90,8 @@ __all__ = [
     "ModelConfigs",
     "QwenImageTransformerSpec",
     "QwenVLEncoderSpec",
+    "QwenVLImageEncoderSpec",
+    "QwenVisionTowerSpec",
     "SD3TransformerSpec",
     "Shapes",
     "T5Encoder2Spec",
@@ -116,7 +127,7 @@ SPECS: tuple[type[GraphSpec], ...] = (
     TextEncoder2Spec, T5EncoderSpec, T5Encoder2Spec,
     VaeDecoderSpec, VaeEncoderSpec, *PART_CLASSES, *UNET_PART_CLASSES, UNetFreeUSpec, ImageEncoderSpec, LLMEncoderSpec,
     QwenVLEncoderSpec,
-    LLMModelEncoderSpec, MistralEncoderSpec,
+    LLMModelEncoderSpec, MistralEncoderSpec, QwenVisionTowerSpec,
 )  # fmt: skip
 SPEC_CLASSES: dict[tuple[str, str], type[GraphSpec]] = {(cls.component, cls.architecture): cls for cls in SPECS}
 
@@ -125,9 +136,13 @@ def spec_class(component: str, architecture: str = "") -> type[GraphSpec]:
     """The spec of a component whose folder holds an ``architecture`` (the class model_index.json names):
     T5EncoderModel in a text encoder's folder is T5's contract, anything else there CLIP's."""
     cls = SPEC_CLASSES.get((component, architecture)) or SPEC_CLASSES.get((component, ""))
-    if cls is None:
-        raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(BUILDABLE)}")
-    return cls
+    if cls is not None:
+        return cls
+    if known := [a for c, a in SPEC_CLASSES if c == component]:  # a component of some classes alone (vision_encoder)
+        raise UnsupportedModelError(
+            f"sdtrt builds a {component} from a {' or '.join(known)}, not from a {architecture or 'model without one'}"
+        )
+    raise ArtifactError(f"unknown component '{component}'; sdtrt builds {', '.join(BUILDABLE)}")
 
 
 def spec_from_json(data: dict[str, Any]) -> GraphSpec:
@@ -170,9 +185,12 @@ def denoiser_spec(model: ModelConfigs, precision: Precision = "fp16", io_naming:
 
 
 def model_components(model: ModelConfigs) -> tuple[Component, ...]:
-    """The components a model has: those with a sub-folder in a pipeline folder, its denoiser alone in a bare one."""
+    """The components a model has: those with a sub-folder in a pipeline folder, its denoiser alone in a bare one;
+    and the vision tower of a pipeline that runs its image through its text encoder (Qwen-Image-Edit's)."""
     denoiser = denoiser_component(model)
-    return tuple(c for c in COMPONENTS if c == denoiser or model.has(FOLDERS[c]))
+    networks = tuple(c for c in COMPONENTS if c == denoiser or model.has(FOLDERS[c]))
+    edits = model.is_pipeline and model.pipeline_class() in QWEN_IMAGE_EDIT_PIPELINES
+    return (*networks, VISION_ENCODER) if edits and model.has(FOLDERS[VISION_ENCODER]) else networks
 
 
 def split_members(model: ModelConfigs) -> tuple[Component, ...]:

@@ -23,7 +23,7 @@ FOLDERS: dict[str, str] = {"unet": "unet", "transformer": "transformer", "contro
                            "transformer_embed": "transformer", "transformer_first_block": "transformer",
                            "transformer_rest": "transformer", "transformer_out": "transformer",
                            "unet_deep": "unet", "unet_shallow": "unet", "unet_freeu": "unet",
-                           "image_encoder": "image_encoder"}  # fmt: skip
+                           "image_encoder": "image_encoder", "vision_encoder": "text_encoder"}  # fmt: skip
 NAMED_INPUTS = ("sample", "timestep", "encoder_hidden_states")
 NAMED_OUTPUT = "out_sample"
 TEXT_TOKENS = 77
@@ -31,7 +31,8 @@ Shapes = dict[str, tuple[int, ...]]
 S = TypeVar("S", bound="GraphSpec")
 AXIS_LABELS = {"batch": "batch", "height": "latent height", "width": "latent width", "image_height": "image height",
                "image_width": "image width", "tokens": "T5 token count", "text_tokens": "CLIP + T5 token count",
-               "patches": "latent patch count", "rope_tokens": "token count + latent patch count"}  # fmt: skip
+               "patches": "latent patch count", "rope_tokens": "token count + latent patch count",
+               "vision_patches": "vision tower patch count", "vision_tokens": "vision tower token count"}  # fmt: skip
 # ControlNet residuals come at the latent size divided by 2, 4, 8, …: axes "height_2", "width_4", ….
 RESIDUAL_SCALES = (2, 4, 8, 16, 32)
 for _k in RESIDUAL_SCALES:

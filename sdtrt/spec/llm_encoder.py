@@ -15,11 +15,17 @@ import dataclasses
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ..core.config import Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import UnsupportedModelError
-from ..core.families import LLM_LAYERS, LLM_TOKENS, QWEN_IMAGE_DROPPED_TOKENS
+from ..core.families import (
+    LLM_LAYERS,
+    LLM_TOKENS,
+    QWEN_IMAGE_DROPPED_TOKENS,
+    QWEN_IMAGE_EDIT_DROPPED_TOKENS,
+    QWEN_IMAGE_EDIT_PIPELINES,
+)
 from .base import FOLDERS, ModelConfigs, TensorSpec
 from .text_encoder import SequenceEncoderSpec
 from .transformer import klein_token_cap
@@ -129,7 +135,7 @@ class LLMEncoderSpec(SequenceEncoderSpec):
         where the family's tokenizer pads on the left."""
         import torch
 
-        ids, mask = self.input_names
+        ids, mask = self.input_names[:2]
         feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype, tokens=tokens)
         count = feeds[ids].shape[1]
         lengths = torch.randint(1, count + 1, (batch, 1), generator=torch.Generator().manual_seed(seed + 1))
@@ -158,7 +164,35 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
         "(transformers pull request 33312, on Qwen2-VL)"
     )
 
+    # The template's leading tokens the pipeline drops: the engine reads this many more than the transformer.
+    dropped_tokens: ClassVar[int] = QWEN_IMAGE_DROPPED_TOKENS
+
     hidden_layers: tuple[int, ...] = (28,)  # Qwen2.5-VL-7B's last
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> LLMEncoderSpec:
+        """An Edit pipeline's text encoder takes its image's embeddings too (QwenVLImageEncoderSpec)."""
+        spec = super().for_model(model, precision, io_naming)
+        if (
+            cls is not QwenVLEncoderSpec
+            or not model.is_pipeline
+            or model.pipeline_class() not in QWEN_IMAGE_EDIT_PIPELINES
+        ):
+            return spec
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        return QwenVLImageEncoderSpec(
+            **fields | {"max_sequence_length": QwenVLImageEncoderSpec.pipeline_tokens},
+            image_token_id=model.component_config(FOLDERS[cls.component])["image_token_id"],
+        )
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        """The spec a manifest recorded: an Edit pipeline's where it names an image token."""
+        if cls is QwenVLEncoderSpec and "image_token_id" in data:
+            return QwenVLImageEncoderSpec.from_json(data)
+        return super().from_json(data)
 
     @classmethod
     def layers_read(cls, pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
@@ -171,7 +205,59 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
     def member_profile(self, profile: ShapeProfile) -> ShapeProfile:
         if profile.tokens is None:
             return profile
-        return dataclasses.replace(profile, tokens=Range(*(n + QWEN_IMAGE_DROPPED_TOKENS for n in profile.tokens)))
+        return dataclasses.replace(profile, tokens=Range(*(n + self.dropped_tokens for n in profile.tokens)))
+
+
+@dataclass(frozen=True)
+class QwenVLImageEncoderSpec(QwenVLEncoderSpec):
+    """QwenImageEditPipeline's Qwen2.5-VL language model on a prompt with an image: ``image_embeds
+    [vision_tokens, hidden]`` too (the vision tower engine's, all images' in the processor's order), which the graph
+    puts in place of the prompt's ``image_token_id`` tokens, in order, as transformers' ``masked_scatter`` does. The
+    positions stay 0..T-1 on all three rotary sections: the pipeline passes no ``mm_token_type_ids``, without which
+    transformers 5.x computes no multimodal positions (``compute_3d_position_ids``). Its template drops 64 tokens."""
+
+    canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "image_embeds")
+    dropped_tokens: ClassVar[int] = QWEN_IMAGE_EDIT_DROPPED_TOKENS
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"] + QWEN_IMAGE_EDIT_DROPPED_TOKENS
+    token_cap: ClassVar[TokenCap] = TokenCap(
+        pipeline_tokens,
+        "QwenImageEditPipeline's Qwen2.5-VL encoder reads",
+        f"tokens (the transformer's and the {QWEN_IMAGE_EDIT_DROPPED_TOKENS} it drops)",
+    )
+
+    image_token_id: int = 151655  # Qwen2.5-VL's <|image_pad|>
+
+    def inputs(self) -> list[TensorSpec]:
+        ids, mask, embeds = self.input_names
+        tokens = [TensorSpec(name, "int32", ("batch", "tokens")) for name in (ids, mask)]
+        return [*tokens, TensorSpec(embeds, self.dtype, ("vision_tokens", self.hidden_size))]
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
+        """Image embeddings: at most one a token of each prompt."""
+        sizes = super().axis_sizes(batch, height_px, width_px, tokens)
+        return sizes | {"vision_tokens": batch * sizes["tokens"]}
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """From one image embedding up to a token of each prompt each."""
+        shapes = super().profile_shapes(profile)
+        embeds = self.input_names[2]
+        _, opt, most = shapes[embeds]
+        return shapes | {embeds: ((1, self.hidden_size), opt, most)}
+
+    def sample_inputs(
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
+        tokens: int = 0,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Random ids whose first half of each row is image tokens (none elsewhere), an embedding for each."""
+        import torch
+
+        feeds = super().sample_inputs(batch, height_px, width_px, seed=seed, dtype=dtype, tokens=tokens)
+        ids, _, embeds = self.input_names
+        half = feeds[ids].shape[1] // 2
+        text = feeds[ids].masked_fill(feeds[ids] == self.image_token_id, 0)
+        text[:, :half] = self.image_token_id
+        images = torch.randn(batch * half, self.hidden_size, generator=torch.Generator().manual_seed(seed + 2))
+        return feeds | {ids: text, embeds: images.to(feeds[embeds].dtype)}
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from ..spec import (
     GraphSpec,
     LLMEncoderSpec,
     QwenImageTransformerSpec,
+    QwenVisionTowerSpec,
     TransformerPartSpec,
     UNetFreeUSpec,
     UNetPartSpec,
@@ -102,6 +103,10 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
         from .llm_encoder import llm_call
 
         forward[spec.architecture] = llm_call(network, spec)
+    if isinstance(spec, QwenVisionTowerSpec):  # Qwen2.5-VL's vision tower, its grid reckoned outside the graph
+        from .qwen_vision import vision_call
+
+        forward[spec.component] = vision_call(network)
     if isinstance(spec, ZImageTransformerSpec):  # its padded batch in, not diffusers' lists
         from .zimage_transformer import zimage_call
 

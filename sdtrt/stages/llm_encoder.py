@@ -45,23 +45,45 @@ def llm_call(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
 
     decoder = getattr(network, "model", network)
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, *image_embeds: torch.Tensor) -> torch.Tensor:
         dtype = network.get_input_embeddings().weight.dtype
         prepared = causal_padding_mask(attention_mask, dtype)
         mask = {"full_attention": prepared} if spec.mask_mapping else prepared
-        out = decoder(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        # A prompt with an image (QwenVLImageEncoderSpec): its embeddings in place of the image tokens'.
+        tokens = {"inputs_embeds": with_images(network, input_ids, image_embeds[0], spec)} if image_embeds else {}
+        tokens = tokens or {"input_ids": input_ids}
+        out = decoder(**tokens, attention_mask=mask, output_hidden_states=True, use_cache=False)
         return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
 
     return forward
+
+
+def with_images(network: Any, input_ids: torch.Tensor, image_embeds: torch.Tensor, spec: Any) -> torch.Tensor:
+    """The prompt's token embeddings, the image tokens' replaced by ``image_embeds`` row after row in the batch's
+    reading order (transformers' masked_scatter): each image token takes the row its running count names, a
+    gather a graph can hold."""
+    import torch
+
+    embeds = network.get_input_embeddings()(input_ids)
+    is_image = input_ids == spec.image_token_id
+    rows = (is_image.flatten().long().cumsum(0) - 1).clamp(min=0).reshape(input_ids.shape)  # ONNX: no bool CumSum
+    return torch.where(is_image[..., None], image_embeds.to(embeds.dtype)[rows], embeds)
 
 
 def llm_reference(network: Any, spec: LLMEncoderSpec) -> Callable[..., torch.Tensor]:
     """What validation holds the graph to: the whole network as transformers runs it (its own causal and padding
     masks from the ``[B, T]`` padding mask), the same layers stacked."""
     import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = network(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    def forward(input_ids: torch.Tensor, attention_mask: torch.Tensor, *image_embeds: torch.Tensor) -> torch.Tensor:
+        # The images' embeddings go in as get_image_features gives them (Qwen2.5-VL's mm_encoder_outputs): a tuple.
+        tower = BaseModelOutputWithPooling(pooler_output=image_embeds)  # type: ignore[arg-type]
+        images = {"mm_encoder_outputs": {"image": tower}}
+        out = network(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+            **(images if image_embeds else {}),
+        )  # fmt: skip
         return torch.stack([out.hidden_states[k] for k in spec.hidden_layers], dim=1)
 
     return forward

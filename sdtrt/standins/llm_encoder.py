@@ -1,6 +1,7 @@
 """EngineQwen3 / EngineQwen3Model / EngineQwen2_5_VL / EngineMistral3: what FLUX.2 [klein]'s, Z-Image's, Qwen-Image's
 and FLUX.2 [dev]'s pipelines call instead of their LLM text encoders (Qwen3ForCausalLM; the bare Qwen3Model Z-Image's
-checkpoints name; Qwen2_5_VLForConditionalGeneration and Mistral3ForConditionalGeneration, text only).
+checkpoints name; Qwen2_5_VLForConditionalGeneration, with an image for Qwen-Image-Edit, and
+Mistral3ForConditionalGeneration, text only).
 
 The pipelines read nothing of the LLM's output but ``hidden_states[k]`` (klein's ``text_encoder_out_layers``,
 Qwen-Image's last layer, as ``hidden_states[-1]``); the
@@ -25,7 +26,7 @@ from transformers.models.mistral3.modeling_mistral3 import Mistral3CausalLMOutpu
 
 from ..core.errors import ArtifactError, EngineInputError
 from ..runtime import Runtime
-from ..spec import LLMEncoderSpec
+from ..spec import LLMEncoderSpec, QwenVLImageEncoderSpec
 from .base import EngineModule
 
 NOT_A_GENERATOR = (
@@ -84,6 +85,7 @@ class EngineLLMEncoder(EngineModule):
         output_hidden_states: bool | None = None, use_cache: bool | None = None, return_dict: bool = True,
         **kwargs: Any,
     ) -> Any:  # fmt: skip
+        images = self.image_inputs(kwargs)  # taken out of kwargs, run once the call is known to be one it takes
         refused = {"output_hidden_states=False": not output_hidden_states, "use_cache=True": bool(use_cache)}
         refused |= {name: value is not None for name, value in kwargs.items()}
         if given := [name for name, on in refused.items() if on]:
@@ -96,13 +98,23 @@ class EngineLLMEncoder(EngineModule):
                 f"engine takes {sides} rows with at least one token; pad each prompt on "
                 + ("one side" if self.spec.left_padding else "the right (tokenizer.padding_side='right')")
             )
-        ids, mask_name = self.spec.input_names
-        stacked = self.runtime.run({ids: input_ids, mask_name: mask})[self.spec.output_names[0]]
+        ids, mask_name = self.spec.input_names[:2]
+        feeds = {ids: input_ids, mask_name: mask} | self.image_feeds(images)
+        stacked = self.runtime.run(feeds)[self.spec.output_names[0]]
         stacked = stacked.to(input_ids.device, self._dtype)
         layers = self.config.get_text_config().num_hidden_layers  # a vision-language model's: its language part's
         hidden = SelectedLayers(stacked, self.spec.hidden_layers, layers + 1)
         out = self.output_class(hidden_states=hidden)
         return out if return_dict else out.to_tuple()
+
+    def image_inputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The image inputs the engine takes, out of the call's ``kwargs``: none here (a text encoder's image inputs
+        are refused as any other keyword)."""
+        return {}
+
+    def image_feeds(self, images: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The engine's feeds from those image inputs."""
+        return {}
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise EngineInputError(f"{type(self).__name__}.generate: {NOT_A_GENERATOR}")
@@ -119,8 +131,40 @@ class EngineQwen3Model(EngineLLMEncoder, Qwen3Model):  # type: ignore[misc]
 
 
 class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  # type: ignore[misc]
-    """A Qwen2_5_VLForConditionalGeneration stand-in (Qwen-Image's text_encoder), its text path: image inputs
-    (pixel_values, which the Edit pipelines pass) are refused as any other keyword the engine does not take."""
+    """A Qwen2_5_VLForConditionalGeneration stand-in (Qwen-Image's text_encoder). An engine built for an Edit
+    pipeline (QwenVLImageEncoderSpec) takes a prompt with an image: the pipeline's ``pixel_values`` and
+    ``image_grid_thw`` go through the vision tower stand-in (``use_vision``), whose embeddings the graph puts in
+    place of the image tokens; a text-only engine refuses image inputs as any other keyword it does not take."""
+
+    def __init__(self, runtime: Runtime, config: Any, dtype: torch.dtype | None = None) -> None:
+        super().__init__(runtime, config, dtype)
+        self.vision: Any = None  # EngineQwen2_5_VisionTower, for an engine that takes images
+
+    def use_vision(self, tower: Any) -> None:
+        """The vision tower stand-in whose image embeddings this engine takes."""
+        self.vision = tower
+
+    def image_inputs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(self.spec, QwenVLImageEncoderSpec):
+            return {}
+        images = {name: kwargs.pop(name, None) for name in ("pixel_values", "image_grid_thw")}
+        if None in images.values():
+            raise EngineInputError(
+                "this Qwen2.5-VL engine was built for a prompt with an image (QwenImageEditPipeline's): pass "
+                "pixel_values and image_grid_thw, as the pipeline's processor gives them"
+            )
+        if self.vision is None:
+            raise ArtifactError(
+                "this Qwen2.5-VL engine takes image embeddings, and no vision tower engine is beside it"
+            )
+        return images
+
+    def image_feeds(self, images: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if not images:
+            return {}
+        pixels = images["pixel_values"].type(self.vision.dtype)
+        embeds = self.vision(pixels, grid_thw=images["image_grid_thw"]).pooler_output
+        return {self.spec.input_names[2]: embeds}
 
 
 class EngineMistral3(EngineLLMEncoder, Mistral3ForConditionalGeneration):  # type: ignore[misc]

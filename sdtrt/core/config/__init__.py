@@ -28,6 +28,7 @@ from .components import (
     TEXT_ENCODERS,
     TRANSFORMER_PARTS,
     UNET_PARTS,
+    VISION_ENCODER,
     Component,
 )
 from .export import ExportConfig, Exporter, IONaming, Weights
@@ -74,6 +75,7 @@ __all__ = [
     "TEXT_ENCODERS",
     "TRANSFORMER_PARTS",
     "UNET_PARTS",
+    "VISION_ENCODER",
     "BenchConfig",
     "CacheCalibrationConfig",
     "Component",

@@ -9,7 +9,7 @@ from typing import Literal
 Component = Literal[
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
     "vae_encoder", "transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out", "unet_deep",
-    "unet_shallow", "unet_freeu", "image_encoder",
+    "unet_shallow", "unet_freeu", "image_encoder", "vision_encoder",
 ]  # fmt: skip
 COMPONENTS: tuple[Component, ...] = (
     "unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder",
@@ -30,7 +30,13 @@ FREEU_MEMBER: Component = "unet_freeu"
 # An IP-Adapter's CLIP image encoder (spec/image_encoder.py): it comes with the adapter, not the model, and joins the
 # set of a UNet compiled with one (ExportConfig.ip_adapter).
 IMAGE_ENCODER: Component = "image_encoder"
-BUILDABLE: tuple[Component, ...] = COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS + (FREEU_MEMBER, IMAGE_ENCODER)
+# A vision-language text encoder's vision tower (spec/qwen_vision.py: Qwen2.5-VL's, which the Qwen-Image-Edit
+# pipelines run on their input image), from the text encoder's folder: built only when asked, never among a model's
+# components by default (Qwen-Image's text-to-image sets run no image through their text encoder).
+VISION_ENCODER: Component = "vision_encoder"
+BUILDABLE: tuple[Component, ...] = (
+    COMPONENTS + TRANSFORMER_PARTS + UNET_PARTS + (FREEU_MEMBER, IMAGE_ENCODER, VISION_ENCODER)
+)
 
 # Step caches compile can build the split members for (compile's caches=), and the members each needs. The three
 # transformer caches skip the same blocks, so they share one split; DeepCache splits the UNet.

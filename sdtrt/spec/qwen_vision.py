@@ -1,0 +1,174 @@
+"""Qwen2.5-VL's vision tower (``model.visual`` of a Qwen2_5_VLForConditionalGeneration, the text encoder of the
+Qwen-Image-Edit pipelines): its graph contract.
+
+The processor cuts each image into patches (``[patches, C*T*P*P]``, 2×2 neighbours adjacent) and a grid
+``(t, h, w)``; the tower embeds each patch, runs its blocks with 2D rotary angles, windowed attention in most blocks
+and attention over each frame in ``fullatt_block_indexes``, and merges each 2×2 group into one image embedding.
+What depends on the grid alone is reckoned outside the graph (``grid_inputs``, transformers' own helpers): the patch
+order that makes each window contiguous, the rotary angles, and which window and which frame each patch belongs to.
+The graph takes the patches in that order and masks attention from the two segment ids, so it runs any grid as one
+batch-free sequence (transformers splits it by ``cu_seqlens.tolist()``, which no graph can); the caller restores the
+processor's order of the merged embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
+from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class VisionGrid(NamedTuple):
+    """What a grid gives the tower's graph besides the patches (spec docstring), and the orders between them."""
+
+    order: torch.Tensor  # patch index, window-contiguous → the processor's
+    restore: torch.Tensor  # merged token index: the processor's order from the graph's
+    cos: torch.Tensor  # [patches, head_dim] fp32, in the graph's order
+    sin: torch.Tensor
+    window_segments: torch.Tensor  # [patches] int32: the window each patch attends within
+    frame_segments: torch.Tensor  # [patches] int32: the frame each patch attends within (full-attention blocks)
+
+
+@dataclass(frozen=True)
+class QwenVisionTowerSpec(GraphSpec):
+    """``pixel_values [vision_patches, C*T*P*P]`` in window order, the rotary ``cos``/``sin`` and the two segment
+    ids → ``image_embeds [vision_tokens, out_hidden_size]`` (vision_tokens = patches / merge²), in window order.
+    A profile's height and width are the processor's resized image (multiples of patch × merge), its batch the
+    number of images."""
+
+    component: ClassVar[Component] = "vision_encoder"
+    label: ClassVar[str] = "Qwen2.5-VL vision tower"
+    architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
+    reads_pixels: ClassVar[bool] = True
+    canonical_inputs: ClassVar[tuple[str, ...]] = (
+        "pixel_values", "cos", "sin", "window_segments", "frame_segments",
+    )  # fmt: skip
+    canonical_outputs: ClassVar[tuple[str, ...]] = ("image_embeds",)
+    fp16_problem: ClassVar[str] = (
+        "Qwen2.5-VL is a bf16 model (Qwen-Image-Edit ships it in bf16) of the Qwen family whose activations overflow "
+        "fp16 (transformers pull request 33312, on Qwen2-VL)"
+    )
+    fp16_fallback: ClassVar[Precision] = "bf16"
+
+    hidden_size: int = 1280
+    num_heads: int = 16
+    out_hidden_size: int = 3584
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def for_model(
+        cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
+    ) -> QwenVisionTowerSpec:
+        """From the text encoder's ``vision_config`` (transformers' defaults where it leaves a field out)."""
+        from transformers import Qwen2_5_VLVisionConfig
+
+        stored = model.component_config(FOLDERS[cls.component])["vision_config"]
+        config: dict[str, Any] = Qwen2_5_VLVisionConfig(**stored).to_dict()
+        fields = ("hidden_size", "num_heads", "out_hidden_size", "in_channels", "patch_size", "temporal_patch_size",
+                  "spatial_merge_size", "window_size")  # fmt: skip
+        return cls(
+            precision=precision, io_naming=io_naming, vae_scale_factor=1, **{f: config[f] for f in fields},
+            rope_theta=float(config["rope_parameters"]["rope_theta"]),
+        )  # fmt: skip
+
+    @property
+    def patch_values(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.patch_size * self.spatial_merge_size  # the processor resizes to these (smart_resize's factor)
+
+    def unread_parameters(self, names: Any) -> set[str]:
+        """Everything but the tower: the language model and its head."""
+        return {n for n in names if not n.startswith(("visual.", "model.visual."))}
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
+        patches = batch * (height_px // self.patch_size) * (width_px // self.patch_size)
+        return {"vision_patches": patches, "vision_tokens": patches // self.spatial_merge_size**2}
+
+    def output_shapes(self, input_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        patches = input_shapes[self.input_names[0]][0]
+        return {self.output_names[0]: (patches // self.spatial_merge_size**2, self.out_hidden_size)}
+
+    def inputs(self) -> list[TensorSpec]:
+        pixels, cos, sin, windows, frames = self.input_names
+        head_dim = self.hidden_size // self.num_heads
+        return [
+            TensorSpec(pixels, self.dtype, ("vision_patches", self.patch_values)),
+            TensorSpec(cos, "float32", ("vision_patches", head_dim)),  # the rotary angles stay fp32, as transformers'
+            TensorSpec(sin, "float32", ("vision_patches", head_dim)),
+            TensorSpec(windows, "int32", ("vision_patches",)),
+            TensorSpec(frames, "int32", ("vision_patches",)),
+        ]
+
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(self.output_names[0], self.dtype, ("vision_tokens", self.out_hidden_size))]
+
+    def batch_range(self, profile: ShapeProfile) -> Range:
+        return profile.batch  # one image a prompt
+
+    def default_profile(self) -> ShapeProfile:
+        """The Edit pipelines' condition image: about 1024² pixels (their calculate_dimensions), which the processor
+        resizes to at most max_pixels, 28² × 1280 (Qwen2VLImageProcessor's default): at most 5120 patches, which a
+        1008² square covers (5184); a square 1024² image becomes 980² (4900 patches), the smallest 56² (16)."""
+        return ShapeProfile(Range(1, 1, 1), Range(56, 980, 1008), Range(56, 980, 1008))
+
+    def sample_inputs(
+        self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
+        tokens: int = 0,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Random patches of ``batch`` images of that size, and their grid's inputs."""
+        import torch
+
+        grid_thw = torch.tensor([[1, height_px // self.patch_size, width_px // self.patch_size]] * batch)
+        grid = self.grid_inputs(grid_thw)
+        gen = torch.Generator().manual_seed(seed)
+        pixels = torch.randn(int(grid.order.numel()), self.patch_values, generator=gen).to(dtype or torch.float32)
+        return self.feeds(pixels[grid.order], grid)
+
+    def feeds(self, ordered_pixels: torch.Tensor, grid: VisionGrid) -> dict[str, torch.Tensor]:
+        """The graph's inputs by name: patches already in the graph's order, the grid's angles and segments."""
+        values = (ordered_pixels, grid.cos, grid.sin, grid.window_segments, grid.frame_segments)
+        return dict(zip(self.input_names, values, strict=True))
+
+    def grid_inputs(self, grid_thw: torch.Tensor) -> VisionGrid:
+        """What the tower reckons from its grid before its blocks run, as Qwen2_5_VisionTransformerPretrainedModel
+        does (transformers' vision_utils helpers and rotary module), the patches reordered into windows."""
+        import torch
+        from transformers import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLVisionRotaryEmbedding
+        from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+
+        config = Qwen2_5_VLVisionConfig(
+            hidden_size=self.hidden_size, num_heads=self.num_heads,
+            rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta},
+        )  # fmt: skip
+        merge, unit = self.spatial_merge_size, self.spatial_merge_size**2
+        positions = get_vision_position_ids(grid_thw, merge)
+        window_index, cu_windows = get_vision_window_index(grid_thw, merge, self.window_size, self.patch_size)
+        order = (window_index[:, None] * unit + torch.arange(unit)).flatten()
+        cos, sin = Qwen2_5_VLVisionRotaryEmbedding(config)(torch.empty(0), positions)
+        frames = get_vision_cu_seqlens(grid_thw).long()  # frames stay contiguous in window order
+        return VisionGrid(
+            order, torch.argsort(window_index), cos[order].float(), sin[order].float(),
+            segments(cu_windows.long()), segments(frames),
+        )  # fmt: skip
+
+
+def segments(boundaries: torch.Tensor) -> torch.Tensor:
+    """Each position's segment number (int32) from cumulative boundaries ``[0, b1, …, n]``."""
+    import torch
+
+    lengths = boundaries[1:] - boundaries[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
