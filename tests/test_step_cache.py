@@ -31,6 +31,7 @@ from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import ConfigError, EngineInputError
 from sdtrt.core.trt_products import rtx_missing
 from sdtrt.lora.files import random_lora
+from sdtrt.pipeline.step_cache import StepCache, engines_problem
 from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import component_spec
 from sdtrt.spec.transformer_split import TransformerPartSpec, part_class
@@ -194,6 +195,10 @@ def test_compile_refuses_a_cache_the_model_cannot_take(tiny, store):
     for preset, why in refused.items():
         with pytest.raises(ConfigError, match=why):
             compile_model(resolve_model(preset), store, "onnxruntime", caches=("first-block",))
+    on_pytorch = engines_problem(StepCache.parse("first-block"), None, resolve_model("tiny-zimage"))
+    assert on_pytorch and on_pytorch.endswith(
+        "ZImageTransformer2DModel has no enable_cache; sdtrt builds no step cache for it"
+    )
 
 
 def test_loras_change_the_split_members_as_they_change_the_whole_engine(cached_sets, tmp_path):
@@ -225,8 +230,6 @@ def test_a_part_spec_survives_its_manifest(cached_sets):
 
 
 def test_a_cache_option_parses_to_its_kind_and_setting():
-    from sdtrt.pipeline.step_cache import StepCache
-
     assert StepCache.parse("taylorseer") == StepCache("taylorseer", 5.0)  # each kind's default without a value
     assert StepCache.parse("deepcache") == StepCache("deepcache", 3.0)
     assert StepCache.parse("first-block:0.08") == StepCache("first-block", 0.08)

@@ -22,7 +22,7 @@ from ..core.config import TRANSFORMER_PARTS, UNET_PARTS
 from ..core.errors import ConfigError, EngineInputError
 from ..spec import denoiser_component, folder_architecture
 from ..spec.base import ModelConfigs
-from ..spec.transformer_split import split_problem
+from ..spec.transformer_split import splits
 
 CacheKind = Literal["first-block", "taylorseer", "magcache", "deepcache"]
 DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06, "deepcache": 3}
@@ -105,7 +105,9 @@ def engines_problem(cache: StepCache, members: dict[str, Artifact] | None, model
         if cache.kind == "deepcache":
             return "--cache deepcache runs on engines: pass --engine, a set compiled with `--caches deepcache`"
         if not has_enable_cache(kind := folder_architecture(model, "transformer")):
-            use = split_problem({"_class_name": kind}) or "pass --engine, a set compiled with `--caches first-block`"
+            use = "sdtrt builds no step cache for it"
+            if splits(kind):
+                use = "pass --engine, a set compiled with `--caches first-block`"
             return f"--cache {cache.kind}: diffusers' {kind} has no enable_cache; {use}"
         return None
     if not any(c in members for c in (UNET_PARTS if cache.kind == "deepcache" else TRANSFORMER_PARTS)):

@@ -249,11 +249,16 @@ NOT_SPLIT = {
 }
 
 
+def splits(architecture: str) -> bool:
+    """Whether step caches cut a transformer of this class."""
+    return any(k.architecture == architecture for k, _ in KINDS)
+
+
 def split_problem(config: dict[str, Any]) -> str | None:
     """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip), or
     None."""
     kind = config.get("_class_name", "")
-    if kind and kind not in {c.architecture for c in PART_CLASSES}:
+    if kind and not splits(kind):
         split = ", ".join(k.architecture for k, _ in KINDS)
         why = NOT_SPLIT.get(kind, "")
         return f"step caches are not built for a {kind}{why} (only for {split}); compile without them"
