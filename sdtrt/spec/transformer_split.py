@@ -244,8 +244,8 @@ def part_holds(component: str, module: str) -> bool:
 NOT_SPLIT = {
     "Flux2Transformer2DModel": " yet: diffusers' First-Block Cache fails on its PyTorch blocks (a double-stream head "
     "block, a single-stream tail that returns the joined stream); TaylorSeer runs on the PyTorch pipeline",
-    "ZImageTransformer2DModel": ": diffusers' ZImageTransformer2DModel has no enable_cache and ZImagePipeline opens "
-    "no cache context, so its hooks have no steps to tell apart",
+    "ZImageTransformer2DModel": ": diffusers' ZImageTransformer2DModel has no enable_cache, ZImagePipeline opens no "
+    "cache context, and First-Block Cache fails on its PyTorch blocks (they take x, not hidden_states)",
 }
 
 
