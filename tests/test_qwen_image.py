@@ -29,6 +29,7 @@ from sdtrt.tools.image_quality import psnr_db
 # 150 tokens).
 PROFILE = ShapeProfile(Range(1, 1, 2), Range(128, 128, 128), Range(128, 192, 192), False, Range(1, 160, 256))
 TXT2IMG = ("text_encoder", "transformer", "vae_decoder")
+STEPS = 10  # the step caches' test: enough steps for First-Block Cache to skip some
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,66 @@ def qwen(store):
 def request(**kwargs) -> GenerateRequest:
     base = {"prompt": "a red fox in the snow", "negative_prompt": "blurry", "guidance": 4.0, "steps": 2, "seed": 3}
     return GenerateRequest(**(base | kwargs))
+
+
+@pytest.fixture(scope="module")
+def cached(qwen, store):
+    """The PyTorch pipeline, and the engine pipeline of the module's set with the step caches' split members
+    (``--caches first-block``: the other members are the module's, cache hits)."""
+    from sdtrt.tools.compile import compile_model
+
+    source, reference, _ = qwen
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine = compile_model(
+        source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE, components=TXT2IMG,
+        caches=("first-block",),
+    ).final  # fmt: skip
+    return reference, load_pipeline(source, engine)
+
+
+def counted(module: torch.nn.Module) -> list[int]:
+    """How many times ``module`` runs (a PyTorch block's MLP: skipped with its block), as a one-item list."""
+    runs = [0]
+    module.register_forward_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    return runs
+
+
+def cached_image(pipe, config=None) -> np.ndarray:
+    if config is not None:
+        pipe.transformer.enable_cache(config)
+    try:
+        call = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"}
+        return pipe("a red fox in the snow", generator=torch.Generator().manual_seed(0), **call).images
+    finally:
+        if config is not None:
+            pipe.transformer.disable_cache()
+
+
+def test_step_caches_on_the_engines_skip_the_steps_diffusers_skips(cached, decisions):
+    """First-Block Cache and TaylorSeer lite on the transformer's parts (its text mask and rotary angles handed to
+    each block) against the same configs on the PyTorch pipeline: the same decisions, as many runs of the blocks
+    after the first (the PyTorch last block's, the engines' other-blocks part), the same image."""
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    reference, engines = cached
+    uncached = cached_image(engines)
+    pytorch_runs = counted(reference.transformer.transformer_blocks[-1].img_mlp)
+    rest = engines.transformer.opened_split().rest
+    taylorseer = TaylorSeerCacheConfig(
+        cache_interval=2, disable_cache_before_step=2, use_lite_mode=True, taylor_factors_dtype=torch.float32
+    )
+    for config in (FirstBlockCacheConfig(threshold=0.5), taylorseer):
+        decisions.clear()
+        before = pytorch_runs[0]
+        expected = cached_image(reference, config)
+        on_pytorch, runs = "".join(decisions), pytorch_runs[0] - before
+        decisions.clear()
+        before = rest.calls
+        image = cached_image(engines, config)
+        assert "".join(decisions) == on_pytorch and rest.calls - before == runs < STEPS, (config, on_pytorch, runs)
+        assert psnr_db(image, expected) >= 35.0, config
+        assert psnr_db(image, uncached) < 80.0, config  # steps were skipped
+    assert np.array_equal(cached_image(engines), uncached)  # disable_cache: the whole engine again, bit for bit
 
 
 def test_every_network_is_an_engine_standin(qwen):

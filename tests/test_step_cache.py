@@ -31,6 +31,7 @@ from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import ConfigError, EngineInputError
 from sdtrt.core.trt_products import rtx_missing
 from sdtrt.lora.files import random_lora
+from sdtrt.pipeline.step_cache import StepCache, engines_problem
 from sdtrt.sources.models import load_folder, resolve_model
 from sdtrt.spec import component_spec
 from sdtrt.spec.transformer_split import TransformerPartSpec, part_class
@@ -54,7 +55,7 @@ def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.nd
             pipe.transformer.disable_cache()
 
 
-@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-flux-schnell", "tiny-sd3"])
+@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image"])
 def test_the_parts_chained_compute_the_whole_transformer(preset):
     model = resolve_model(preset)
     network = load_folder(model, "transformer", torch.float32)
@@ -190,6 +191,14 @@ def test_compile_refuses_a_cache_the_model_cannot_take(tiny, store):
         compile_model(tiny, store, "onnxruntime", caches=("first-block",))
     with pytest.raises(ConfigError, match="unknown step cache 'teacache'"):
         compile_model(resolve_model("tiny-flux"), store, "onnxruntime", caches=("teacache",))
+    refused = {"tiny-flux2-klein": "First-Block Cache fails on its PyTorch blocks", "tiny-zimage": "no enable_cache"}
+    for preset, why in refused.items():
+        with pytest.raises(ConfigError, match=why):
+            compile_model(resolve_model(preset), store, "onnxruntime", caches=("first-block",))
+    on_pytorch = engines_problem(StepCache.parse("first-block"), None, resolve_model("tiny-zimage"))
+    assert on_pytorch and on_pytorch.endswith(
+        "ZImageTransformer2DModel has no enable_cache; sdtrt builds no step cache for it"
+    )
 
 
 def test_loras_change_the_split_members_as_they_change_the_whole_engine(cached_sets, tmp_path):
@@ -221,8 +230,6 @@ def test_a_part_spec_survives_its_manifest(cached_sets):
 
 
 def test_a_cache_option_parses_to_its_kind_and_setting():
-    from sdtrt.pipeline.step_cache import StepCache
-
     assert StepCache.parse("taylorseer") == StepCache("taylorseer", 5.0)  # each kind's default without a value
     assert StepCache.parse("deepcache") == StepCache("deepcache", 3.0)
     assert StepCache.parse("first-block:0.08") == StepCache("first-block", 0.08)
@@ -246,11 +253,17 @@ def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_on
 
 @pytest.mark.skipif(bool(rtx_missing()), reason=f"builds TensorRT-RTX plans: {rtx_missing()}")
 @pytest.mark.parametrize(
-    ("preset", "members"), [("tiny-flux", PARTS), ("tiny", ("unet_deep", "unet_shallow"))], ids=["flux", "deepcache"]
+    ("preset", "members", "layer_type"),
+    [
+        pytest.param("tiny-flux", PARTS, "HALF", id="flux"),
+        pytest.param("tiny", ("unet_deep", "unet_shallow"), "HALF", id="deepcache"),
+        # The export stage as asked (fp16); compile builds Qwen-Image in bf16 (QwenImageTransformerSpec.fp16_problem)
+        pytest.param("tiny-qwen-image", PARTS, "HALF", id="qwen-image", marks=pytest.mark.slow),
+    ],
 )
-def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members):
-    """The TensorRT build path the two products share, run for real on the fp16 split members: Flux's four parts,
-    DeepCache's two."""
+def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members, layer_type):
+    """The TensorRT build path the two products share, run for real on the split members asked in fp16: Flux's and
+    Qwen-Image's four parts, DeepCache's two."""
     from sdtrt.core.config import SimplifyConfig
     from sdtrt.stages import export, simplify
     from sdtrt.tools.compile import build
@@ -260,5 +273,5 @@ def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members):
         graph = simplify.run(SimplifyConfig(), export.run(ExportConfig(component=component), model, store), store)
         plan, _ = build(graph, store, "tensorrt-rtx")
         details = plan.manifest["details"]
-        assert details["layer_types"].get("HALF"), details["layers"]  # built in the graph's fp16, as asked
+        assert details["layer_types"].get(layer_type), details["layers"]  # built in the graph's precision
         assert (plan.path / plan.manifest["primary"]).stat().st_size > 0

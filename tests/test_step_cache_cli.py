@@ -50,7 +50,7 @@ def test_the_cli_refuses_a_cache_in_one_line_before_loading_anything(fp32_engine
         assert refused.returncode == 2 and "recompile it with `sdtrt compile --caches first-block`" in refused.stderr
         assert refused.stderr.count("\n") == 1 and not report.exists()  # one line, before anything ran
     sd3 = run_cli("generate", "--model", "tiny-sd3", "--cache", "magcache")
-    assert sd3.returncode == 2 and "diffusers publishes for Flux only" in sd3.stderr
+    assert sd3.returncode == 2 and "diffusers publishes for Flux.1 only" in sd3.stderr
 
 
 def test_calibrate_cache_stores_the_boldest_setting_within_the_target_and_auto_uses_it(cached_sets, tmp_path):

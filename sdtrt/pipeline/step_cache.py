@@ -22,6 +22,7 @@ from ..core.config import TRANSFORMER_PARTS, UNET_PARTS
 from ..core.errors import ConfigError, EngineInputError
 from ..spec import denoiser_component, folder_architecture
 from ..spec.base import ModelConfigs
+from ..spec.transformer_split import splits
 
 CacheKind = Literal["first-block", "taylorseer", "magcache", "deepcache"]
 DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06, "deepcache": 3}
@@ -87,7 +88,7 @@ def model_problem(cache: StepCache, model: ModelConfigs, name: str, from_image: 
     flux = folder_architecture(model, "transformer") == "FluxTransformer2DModel"
     if cache.kind == "magcache" and not flux:
         return (
-            "--cache magcache needs the model's magnitude ratios, which diffusers publishes for Flux only: use "
+            "--cache magcache needs the model's magnitude ratios, which diffusers publishes for Flux.1 only: use "
             "MagCacheConfig(calibrate=True) in Python to measure them, or another --cache"
         )
     if cache.kind == "magcache" and from_image:
@@ -103,11 +104,11 @@ def engines_problem(cache: StepCache, members: dict[str, Artifact] | None, model
     if members is None:
         if cache.kind == "deepcache":
             return "--cache deepcache runs on engines: pass --engine, a set compiled with `--caches deepcache`"
-        if folder_architecture(model, "transformer") != "FluxTransformer2DModel":
-            return (
-                f"--cache {cache.kind}: diffusers' SD3Transformer2DModel has no enable_cache; pass --engine, a set "
-                "compiled with `--caches first-block`"
-            )
+        if not has_enable_cache(kind := folder_architecture(model, "transformer")):
+            use = "sdtrt builds no step cache for it"
+            if splits(kind):
+                use = "pass --engine, a set compiled with `--caches first-block`"
+            return f"--cache {cache.kind}: diffusers' {kind} has no enable_cache; {use}"
         return None
     if not any(c in members for c in (UNET_PARTS if cache.kind == "deepcache" else TRANSFORMER_PARTS)):
         kind = "deepcache" if cache.kind == "deepcache" else "first-block"
@@ -116,6 +117,15 @@ def engines_problem(cache: StepCache, members: dict[str, Artifact] | None, model
             f"--caches {kind}`"
         )
     return None
+
+
+def has_enable_cache(architecture: str) -> bool:
+    """Whether diffusers' transformer class of this name has CacheMixin's enable_cache (SD3's and Z-Image's have
+    not)."""
+    import diffusers
+    from diffusers.models.cache_utils import CacheMixin
+
+    return issubclass(getattr(diffusers, architecture), CacheMixin)
 
 
 def enable_step_cache(pipe: Any, cache: StepCache, steps: int) -> None:

@@ -4,8 +4,9 @@ First-Block Cache, MagCache and TaylorSeer skip blocks between steps, which a mo
 engine set holds the transformer a second time, in these four parts (``sdtrt compile --caches first-block``), and
 the stand-in chains them where a cache decides (standins/step_cache.py). Between the parts pass the embedded image
 and text tokens ``[B, patches, D]`` / ``[B, tokens, D]`` (D = heads × head size), the conditioning embedding
-``temb [B, D]`` and, for Flux, the rotary embedding ``rotary_cos`` / ``rotary_sin [tokens + patches, head size]``
-(fp32, as the whole graph keeps it).
+``temb [B, D]`` and what the kind's blocks take besides (its parts mixin: ``block_extras``): Flux's rotary embedding
+``rotary_cos`` / ``rotary_sin [tokens + patches, head size]`` (fp32, as the whole graph keeps it), which the embedders
+compute; Qwen-Image's text mask and rotary angles, the whole transformer's own inputs, which the stand-in hands on.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision
 from .base import NAMED_OUTPUT, GraphSpec, ModelConfigs, TensorSpec, ValidationCase
-from .transformer import FluxTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer import FluxTransformerSpec, PackedTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer_qwen import QwenImageTransformerSpec
 
 if TYPE_CHECKING:
     import torch
@@ -26,10 +28,14 @@ Tensors = dict[str, tuple[str | None, tuple[int | str, ...]]]
 
 @dataclass(frozen=True)
 class TransformerPartSpec(TransformerSpec):
-    """One part of a split transformer, for either kind (the kind's class comes second in a part's bases)."""
+    """One part of a split transformer, for any kind: a part's class is (part, the kind's parts mixin, the kind)."""
 
     # A part's graph runs part of a block list (or none of it): nothing to stamp, whatever the kind repeats.
     repeated_blocks: ClassVar[dict[str, str]] = {}
+    # The pair a block takes as diffusers' ``image_rotary_emb``, by the part's input names (none: SD3's).
+    rotary_pair: ClassVar[tuple[str, ...]] = ()
+    # Whether the embedders compute the block extras (Flux's rotary embedding) or the whole transformer takes them.
+    embedders_compute_extras: ClassVar[bool] = True
     inner_dim: int = 0  # heads × head size: the width of the tokens between blocks
     head_dim: int = 0  # a head's size: the width of Flux's rotary embedding
 
@@ -44,25 +50,27 @@ class TransformerPartSpec(TransformerSpec):
         return part_class(cls.component, whole.architecture)(**fields, inner_dim=heads * head_dim, head_dim=head_dim)
 
     @property
-    def rotary(self) -> bool:
-        """Whether the blocks take a rotary embedding (Flux) rather than positions added at embedding (SD3)."""
-        return isinstance(self, FluxTransformerSpec)
+    def packed(self) -> bool:
+        """Whether the transformer returns packed patches (Flux's, Qwen-Image's) rather than a latent image (SD3's)."""
+        return isinstance(self, PackedTransformerSpec)
 
     def whole_inputs(self) -> Tensors:
         """The whole transformer's inputs."""
         return super().input_tensors()
 
+    def block_extras(self) -> Tensors:
+        """What a block takes besides the tokens and temb (the kind's parts mixin says)."""
+        return {}
+
     def stream(self) -> Tensors:
-        """What a block takes: image and text tokens, temb, and Flux's rotary embedding."""
-        text_axis = "tokens" if self.rotary else "text_tokens"
+        """What a block takes: image and text tokens, temb, and the kind's extras."""
+        text_axis = "tokens" if self.packed else "text_tokens"
         tensors: Tensors = {
             "hidden_states": (None, ("batch", "patches", self.inner_dim)),
             "encoder_hidden_states": (None, ("batch", text_axis, self.inner_dim)),
             "temb": (None, ("batch", self.inner_dim)),
         }
-        if self.rotary:
-            tensors |= {name: ("float32", ("rope_tokens", self.head_dim)) for name in ("rotary_cos", "rotary_sin")}
-        return tensors
+        return tensors | self.block_extras()
 
     def output_tensors(self) -> Tensors:
         raise NotImplementedError
@@ -100,10 +108,17 @@ class EmbedPart(TransformerPartSpec):
     label: ClassVar[str] = "transformer's embedders"
 
     def input_tensors(self) -> Tensors:
-        return self.whole_inputs()
+        """The whole transformer's inputs, but the extras it hands on to the blocks (an ONNX graph has no unread
+        input)."""
+        return {name: io for name, io in self.whole_inputs().items() if name not in self.handed_on()}
 
     def output_tensors(self) -> Tensors:
-        return {f"embedded_{name}" if "hidden" in name else name: io for name, io in self.stream().items()}
+        computed = {name: io for name, io in self.stream().items() if name not in self.handed_on()}
+        return {f"embedded_{name}" if "hidden" in name else name: io for name, io in computed.items()}
+
+    def handed_on(self) -> Tensors:
+        """The block extras the stand-in hands on from the whole transformer's inputs (Qwen-Image's), not computed."""
+        return {} if self.embedders_compute_extras else self.block_extras()
 
 
 @dataclass(frozen=True)
@@ -140,27 +155,64 @@ class OutPart(TransformerPartSpec):
     def input_tensors(self) -> Tensors:
         stream = self.stream()
         tensors = {name: stream[name] for name in ("hidden_states", "temb")}
-        if not self.rotary:  # SD3 folds the patches back into a latent image: the latents' height and width
+        if not self.packed:  # SD3 folds the patches back into a latent image: the latents' height and width
             tensors["latents"] = self.whole_inputs()["hidden_states"]
         return tensors
 
     def output_tensors(self) -> Tensors:
-        if self.rotary:
+        if self.packed:
             return {NAMED_OUTPUT: (None, ("batch", "patches", self.out_channels))}
         return {NAMED_OUTPUT: (None, ("batch", self.out_channels, "height", "width"))}
 
 
-def _part_kind(part: type[TransformerPartSpec], kind: type[TransformerSpec]) -> type[TransformerPartSpec]:
+# ---- what each kind's blocks take besides the tokens and temb ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SD3Parts(TransformerPartSpec):
+    """SD3's blocks take the tokens and temb alone: positions are added at embedding."""
+
+
+@dataclass(frozen=True)
+class FluxParts(TransformerPartSpec):
+    """Flux.1's blocks take the rotary embedding of the text then image positions, which the embedders compute."""
+
+    rotary_pair: ClassVar[tuple[str, ...]] = ("rotary_cos", "rotary_sin")
+
+    def block_extras(self) -> Tensors:
+        return {name: ("float32", ("rope_tokens", self.head_dim)) for name in self.rotary_pair}
+
+
+@dataclass(frozen=True)
+class QwenImageParts(TransformerPartSpec):
+    """Qwen-Image's blocks take the text mask and the rotary angles: the whole transformer's own inputs, which the
+    embedders do not read and the stand-in hands to each block."""
+
+    rotary_pair: ClassVar[tuple[str, ...]] = ("img_freqs", "txt_freqs")
+    embedders_compute_extras: ClassVar[bool] = False
+
+    def block_extras(self) -> Tensors:
+        whole = self.whole_inputs()
+        return {name: whole[name] for name in ("encoder_hidden_states_mask", *self.rotary_pair)}
+
+
+def _part_kind(
+    part: type[TransformerPartSpec], extras: type[TransformerPartSpec], kind: type[TransformerSpec]
+) -> type[TransformerPartSpec]:
     """The part's contract for one kind of transformer (``FluxEmbedSpec``, ``SD3OutSpec``, …): the part's class first
-    in the bases, so its IO wins; the kind's for the rest (architecture, fields, latent layout)."""
+    in the bases, so its IO wins; then the kind's block extras; the kind's for the rest (architecture, fields, latent
+    layout)."""
     name = kind.__name__.removesuffix("TransformerSpec") + part.__name__.removesuffix("Part") + "Spec"
-    return dataclass(frozen=True)(type(name, (part, kind), {"__module__": __name__, "__qualname__": name}))
+    bases = (part, extras, kind)
+    return dataclass(frozen=True)(type(name, bases, {"__module__": __name__, "__qualname__": name}))
 
 
+# Each kind a step cache splits, with its block extras.
+KINDS: tuple[tuple[type[TransformerSpec], type[TransformerPartSpec]], ...] = (
+    (FluxTransformerSpec, FluxParts), (SD3TransformerSpec, SD3Parts), (QwenImageTransformerSpec, QwenImageParts),
+)  # fmt: skip
 PART_CLASSES: tuple[type[TransformerPartSpec], ...] = tuple(
-    _part_kind(part, kind)
-    for kind in (FluxTransformerSpec, SD3TransformerSpec)
-    for part in (EmbedPart, FirstBlockPart, RestPart, OutPart)
+    _part_kind(part, extras, kind) for kind, extras in KINDS for part in (EmbedPart, FirstBlockPart, RestPart, OutPart)
 )
 
 
@@ -168,8 +220,9 @@ def part_class(component: str, architecture: str) -> type[TransformerPartSpec]:
     return next(c for c in PART_CLASSES if c.component == component and c.architecture == architecture)
 
 
-# The transformer's modules outside its blocks, by the part that holds them (diffusers' attribute names).
-EMBEDDERS = ("x_embedder.", "context_embedder.", "time_text_embed.", "pos_embed.")
+# The transformer's modules outside its blocks, by the part that holds them (diffusers' attribute names: Flux's and
+# SD3's, then Qwen-Image's).
+EMBEDDERS = ("x_embedder.", "context_embedder.", "time_text_embed.", "pos_embed.", "img_in.", "txt_norm.", "txt_in.")
 HEAD = ("norm_out.", "proj_out.")
 
 
@@ -187,13 +240,29 @@ def part_holds(component: str, module: str) -> bool:
     return not (first or name.startswith(EMBEDDERS + HEAD))
 
 
+# Why a transformer diffusers' cache hooks could reach is not split (they would be the PyTorch side's reference).
+NOT_SPLIT = {
+    "Flux2Transformer2DModel": " yet: diffusers' First-Block Cache fails on its PyTorch blocks (a double-stream head "
+    "block, a single-stream tail that returns the joined stream); TaylorSeer runs on the PyTorch pipeline",
+    "ZImageTransformer2DModel": ": diffusers' ZImageTransformer2DModel has no enable_cache, ZImagePipeline opens no "
+    "cache context, and First-Block Cache fails on its PyTorch blocks (they take x, not hidden_states)",
+}
+
+
+def splits(architecture: str) -> bool:
+    """Whether step caches cut a transformer of this class."""
+    return any(k.architecture == architecture for k, _ in KINDS)
+
+
 def split_problem(config: dict[str, Any], controlnet: bool = False) -> str | None:
     """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip; a
     ControlNet's samples, which no part takes), or None."""
     if controlnet:
         return "the step-cache members take no ControlNet block samples yet; compile without --caches"
     kind = config.get("_class_name", "")
-    if kind and kind not in {c.architecture for c in PART_CLASSES}:
-        return f"step caches are not built for a {kind} (SD3's and Flux.1's transformers only); compile without them"
+    if kind and not splits(kind):
+        split = ", ".join(k.architecture for k, _ in KINDS)
+        why = NOT_SPLIT.get(kind, "")
+        return f"step caches are not built for a {kind}{why} (only for {split}); compile without them"
     blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
     return None if blocks >= 2 else f"it has {blocks} block, and a step cache skips the blocks after the first"

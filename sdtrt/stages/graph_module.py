@@ -118,7 +118,8 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     if isinstance(spec, TransformerPartSpec):  # the transformer in parts, for step caches
         from .transformer_split import part_module
 
-        forward[spec.component] = part_module(spec, network)
+        # By the architecture too: a part's is its kind's, which names the whole call above (Qwen-Image's).
+        forward[spec.component] = forward[spec.architecture] = part_module(spec, network)
     if isinstance(spec, UNetPartSpec):  # the UNet's DeepCache members
         from . import unet_split
 

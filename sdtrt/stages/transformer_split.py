@@ -2,9 +2,10 @@
 
 Each part is a module over the diffusers network's own submodules (its embedders, blocks, norm_out and proj_out),
 called as the network's forward calls them, so the four parts chained compute what the whole forward computes:
-``tests/test_step_cache.py`` checks that on SD3's and Flux's classes. What passes between the parts: the embedded
-image and text tokens, the conditioning embedding ``temb`` and Flux's rotary embedding (cos, sin), computed once by
-the embedders' part.
+``tests/test_step_cache.py`` checks that on SD3's, Flux's and Qwen-Image's classes. What passes between the parts: the
+embedded image and text tokens, the conditioning embedding ``temb`` and the kind's block extras: Flux's rotary
+embedding (cos, sin), computed once by the embedders' part; Qwen-Image's text mask and rotary angles, the whole
+graph's inputs (stages/qwen_transformer.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..spec.transformer_split import TransformerPartSpec
+from .patches import replaced
+from .qwen_transformer import rotary_patches
 
 if TYPE_CHECKING:
     import torch
@@ -20,8 +23,7 @@ if TYPE_CHECKING:
 
 def part_module(spec: TransformerPartSpec, network: Any) -> Any:
     """The callable an exporter traces for one part: positional tensors in, tensors out, in the spec's order."""
-    parts = FLUX_PARTS if spec.rotary else SD3_PARTS
-    forward = parts[spec.component]
+    forward = KIND_PARTS[spec.architecture][spec.component]
 
     def call(*inputs: torch.Tensor) -> Any:
         return forward(network, **dict(zip(spec.canonical_inputs, inputs, strict=True)))
@@ -63,13 +65,45 @@ def _flux_rest(net: Any, **tensors: Any) -> Any:
     return _flux_blocks(flux_blocks(net)[1:], **tensors)[1]
 
 
-def _flux_out(net: Any, hidden_states: Any, temb: Any) -> Any:
+def _packed_out(net: Any, hidden_states: Any, temb: Any) -> Any:
+    """norm_out and proj_out, the packed patches as the transformer returns them (Flux's, Qwen-Image's)."""
     return net.proj_out(net.norm_out(hidden_states, temb))
 
 
 def flux_blocks(net: Any) -> list[Any]:
     """Flux's blocks in the order its forward runs them: the double-stream ones, then the single-stream ones."""
     return [*net.transformer_blocks, *net.single_transformer_blocks]
+
+
+# ---- Qwen-Image (QwenImageTransformer2DModel.forward, diffusers 0.42) --------------------------------------------
+
+
+def _qwen_embed(net: Any, hidden_states: Any, encoder_hidden_states: Any, timestep: Any) -> tuple[Any, ...]:
+    hidden = net.img_in(hidden_states)
+    temb = net.time_text_embed(timestep.to(hidden.dtype), hidden)
+    return hidden, net.txt_in(net.txt_norm(encoder_hidden_states)), temb
+
+
+def _qwen_blocks(blocks: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any,
+                 encoder_hidden_states_mask: Any, img_freqs: Any, txt_freqs: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The blocks as the forward calls them, on the graph's (cos, sin) angles (the whole graph's rotary patch) and
+    the mask as the forward hands it on, boolean."""
+    encoder, hidden = encoder_hidden_states, hidden_states
+    mask, rotary = encoder_hidden_states_mask.bool(), (img_freqs, txt_freqs)
+    with replaced(rotary_patches()):
+        for block in blocks:
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb,
+                                    encoder_hidden_states_mask=mask, image_rotary_emb=rotary)  # fmt: skip
+    return encoder, hidden
+
+
+def _qwen_first_block(net: Any, **tensors: Any) -> tuple[Any, Any]:
+    return _qwen_blocks(net.transformer_blocks[:1], **tensors)
+
+
+def _qwen_rest(net: Any, **tensors: Any) -> Any:
+    """The image stream alone: the last block's text update is dead code, as in the whole graph."""
+    return _qwen_blocks(net.transformer_blocks[1:], **tensors)[1]
 
 
 # ---- SD3 / SD3.5 (SD3Transformer2DModel.forward, diffusers 0.42) -------------------------------------------------
@@ -111,6 +145,10 @@ def _sd3_out(net: Any, hidden_states: Any, temb: Any, latents: Any) -> Any:
 
 Part = Callable[..., Any]
 FLUX_PARTS: dict[str, Part] = {"transformer_embed": _flux_embed, "transformer_first_block": _flux_first_block,
-                               "transformer_rest": _flux_rest, "transformer_out": _flux_out}  # fmt: skip
+                               "transformer_rest": _flux_rest, "transformer_out": _packed_out}  # fmt: skip
 SD3_PARTS: dict[str, Part] = {"transformer_embed": _sd3_embed, "transformer_first_block": _sd3_first_block,
                               "transformer_rest": _sd3_rest, "transformer_out": _sd3_out}  # fmt: skip
+QWEN_PARTS: dict[str, Part] = {"transformer_embed": _qwen_embed, "transformer_first_block": _qwen_first_block,
+                               "transformer_rest": _qwen_rest, "transformer_out": _packed_out}  # fmt: skip
+KIND_PARTS: dict[str, dict[str, Part]] = {"FluxTransformer2DModel": FLUX_PARTS, "SD3Transformer2DModel": SD3_PARTS,
+                                          "QwenImageTransformer2DModel": QWEN_PARTS}  # fmt: skip

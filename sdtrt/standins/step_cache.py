@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from ..core.errors import ArtifactError
 from ..runtime import Runtime
+from ..spec.transformer_split import TransformerPartSpec
 
 # The cache configs an engine can honour (diffusers.hooks' class names), and why the others cannot.
 HONOURED = ("FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig")
@@ -40,7 +42,9 @@ class PartEngine(torch.nn.Module):
 
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
-        self.runtime = runtime
+        if not isinstance(runtime.spec, TransformerPartSpec):
+            raise ArtifactError(f"this is a {runtime.spec.component} engine, not a part of a split transformer")
+        self.runtime, self.part = runtime, runtime.spec
         self.calls = 0  # engine runs: bench counts the steps a cache skipped from the blocks' runs
 
     def run(self, **tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -51,39 +55,46 @@ class PartEngine(torch.nn.Module):
         return [outputs[name] for name in spec.output_names]
 
 
-def _rotary(image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    if image_rotary_emb is None:
-        return {}
-    cos, sin = image_rotary_emb
-    return {"rotary_cos": cos, "rotary_sin": sin}
+class EngineBlock(PartEngine):
+    """A block part's engine, called as diffusers' forward calls a block: its rotary embedding the pair
+    ``image_rotary_emb`` (Flux's cos and sin, Qwen-Image's image and text angles), Qwen-Image's text mask by name."""
+
+    def run_block(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, encoder_hidden_states_mask: torch.Tensor | None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        extras = dict(zip(self.part.rotary_pair, image_rotary_emb or (), strict=True))
+        if encoder_hidden_states_mask is not None:
+            extras["encoder_hidden_states_mask"] = encoder_hidden_states_mask
+        return self.run(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb, **extras)
 
 
-class EngineFirstBlock(PartEngine):
+class EngineFirstBlock(EngineBlock):
     """The first block's engine, called as a diffusers block: (encoder_hidden_states, hidden_states) out."""
 
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        encoder, hidden = self.run(
-            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-            **_rotary(image_rotary_emb),
-        )  # fmt: skip
+        encoder, hidden = self.run_block(
+            hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_hidden_states_mask
+        )
         return encoder, hidden
 
 
-class EngineOtherBlocks(PartEngine):
+class EngineOtherBlocks(EngineBlock):
     """Every block after the first, one engine called as the last diffusers block. The text tokens it returns are
     those it was given: after the last block the transformer reads only the image tokens (norm_out, proj_out)."""
 
     def forward(
         self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        (hidden,) = self.run(
-            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-            **_rotary(image_rotary_emb),
-        )  # fmt: skip
+        (hidden,) = self.run_block(
+            hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_hidden_states_mask
+        )
         return encoder_hidden_states, hidden
 
 
@@ -127,17 +138,18 @@ class SplitTransformer:
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's output for its canonical inputs, each block and the head called as diffusers calls them
         (so the cache hooks on them see what they see on PyTorch)."""
-        spec = self.embed.runtime.spec
-        embedded = dict(zip(spec.canonical_outputs, self.embed.run(**inputs), strict=True))
-        rotary = None
-        if "rotary_cos" in embedded:
-            rotary = (embedded["rotary_cos"], embedded["rotary_sin"])
-        encoder, hidden = embedded["embedded_encoder_hidden_states"], embedded["embedded_hidden_states"]
-        temb = embedded["temb"]
+        spec = self.embed.part
+        # The block extras: computed by the embedders (Flux's rotary embedding) or the whole call's (Qwen-Image's).
+        given = inputs | dict(zip(spec.canonical_outputs, self.embed.run(**inputs), strict=True))
+        extras: dict[str, Any] = {}
+        if spec.rotary_pair:
+            extras["image_rotary_emb"] = tuple(given[name] for name in spec.rotary_pair)
+        if "encoder_hidden_states_mask" in given:
+            extras["encoder_hidden_states_mask"] = given["encoder_hidden_states_mask"]
+        encoder, hidden = given["embedded_encoder_hidden_states"], given["embedded_hidden_states"]
+        temb = given["temb"]
         for block in self.blocks:
-            encoder, hidden = block(
-                hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, image_rotary_emb=rotary
-            )
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, **extras)
         return self.head(hidden_states=hidden, temb=temb, latents=inputs["hidden_states"])
 
 

@@ -308,8 +308,11 @@ class EngineQwenImageTransformer(EngineTransformer, QwenImageTransformer2DModel)
             hidden_states, encoder_hidden_states, mask.int(), normalise_timestep(timestep, batch, device),
             torch.view_as_real(img_freqs).float(), torch.view_as_real(txt_freqs).float(),
         )  # fmt: skip
-        feeds = dict(zip(self.spec.input_names, inputs, strict=True))
-        out = self.runtime.run(feeds)[self.spec.output_name].to(device, hidden_states.dtype)
+        if self.is_cache_enabled:  # the part engines, where the cache hooks decide which run
+            out = self._cached_step(dict(zip(self.spec.canonical_inputs, inputs, strict=True)))
+        else:
+            out = self.runtime.run(dict(zip(self.spec.input_names, inputs, strict=True)))[self.spec.output_name]
+        out = out.to(device, hidden_states.dtype)
         return Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
     def rotary(self) -> Any:
