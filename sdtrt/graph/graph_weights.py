@@ -37,7 +37,7 @@ class WeightMap:
     graph_dtype: str
     mapped: dict[str, Placement]
     unmapped: dict[str, str]  # parameter → why it could not be placed
-    # parameters no output reads (TransformerSpec.unread_weights): no engine holds them, a LoRA on them changes nothing
+    # parameters no output reads (GraphSpec.unread_parameters): no engine holds them, a LoRA on them changes nothing
     unread: frozenset[str] = frozenset()
 
     @classmethod

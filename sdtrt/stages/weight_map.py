@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.artifact import Artifact
 from ..core.errors import LoraError, UnsupportedModelError
@@ -48,12 +48,13 @@ from ..core.store import Store
 from ..graph import onnx_graph
 from ..graph.graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
 from ..graph.onnx_weights import WEIGHT_FILES, numpy_dtype, read_tensor, safetensors_file_index, safetensors_index
-from ..spec import FOLDERS, TRANSFORMER_KINDS
+from ..spec import FOLDERS, component_spec
 from .quantize import quantization
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..core.config import Component
     from ..sources.models import ModelSource
 
 STAGE = "weight-map"
@@ -144,9 +145,10 @@ def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[
     keep_fp32 = set(getattr(network, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
     files = _safetensors_files(model.component_dir(folder), model.name)
     headers = functools.cache(safetensors_file_index)
-    kind = TRANSFORMER_KINDS.get(type(network).__name__)
-    unread = kind.unread_weights(dict(network.config)) if kind else frozenset()
-    for param, name, _ in _lora_modules(network):
+    modules = list(_lora_modules(network))
+    spec = component_spec(model, cast("Component", component))
+    unread = spec.unread_parameters(model.component_config(folder), [param for param, _, _ in modules])
+    for param, name, _ in modules:
         if param in unread:
             yield param, UNREAD
             continue
