@@ -7,10 +7,12 @@ LoRA API; its image is checked against diffusers' PyTorch fp32 pipeline with ``l
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
-from sdtrt.core.errors import LoraFamilyError
+from sdtrt.core.errors import LoraError, LoraFamilyError
 from sdtrt.lora.files import random_lora, read_lora
 from sdtrt.lora.refit import coverage
 from sdtrt.pipeline.loading import generate, set_loras
@@ -83,6 +85,21 @@ def test_weight_map_places_every_lora_module(family):
     assert set(coverage(lora, {"transformer": made})["transformer"].values()) == {"ok"}  # `lora inspect --engine`
     # Qwen-Image's last block's text stream feeds no output: no engine holds it (diffusers' fused model ignores it)
     assert len(made.unread) == (3 if source.family() == "qwenimage" else 0)
+
+
+def test_a_lora_module_of_another_shape_on_an_unread_weight_is_refused(qwen, tmp_path):
+    """Qwen-Image's last to_add_out feeds no output, yet a ΔW of another shape on it is from another network: refused
+    as one on a read weight is, by the engine and by `lora inspect --engine`, the engine's LoRAs as they were."""
+    source, _, engine = qwen
+    module = f"transformer_blocks.{source.component_config('transformer')['num_layers'] - 1}.attn.to_add_out"
+    made = engine.transformer.loras.weight_map()
+    assert made.unread[f"{module}.weight"] == (32, 32)
+    wide = lora_file(tmp_path / "wide.safetensors", f"transformer.{module}", 32, 64)
+    refusal = rf"'{re.escape(module)}' changes a \[64, 32\] weight, this transformer's is \[32, 32\]"
+    assert re.search(refusal, coverage(read_lora(wide, "qwenimage"), {"transformer": made})["transformer"][module])
+    with pytest.raises(LoraError, match=refusal):
+        engine.load_lora_weights(wide, adapter_name="wide")
+    assert engine.get_active_adapters() == []
 
 
 def test_a_lora_of_another_family_is_refused_before_any_work(family, tmp_path):

@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     from ..sources.models import ModelSource
 
 STAGE = "weight-map"
-VERSION = 3  # 2: packed q/k/v initializers (Placement.columns); 3: unread weights (Qwen-Image's last text stream)
+VERSION = 4  # 2: packed q/k/v initializers (Placement.columns); 3: unread weights (Qwen-Image's last text stream);
+# 4: their shapes (a LoRA module of another shape on one is refused)
 FILE = "weight_map.json"
 
 
@@ -148,9 +149,9 @@ def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[
     modules = list(_lora_modules(network))
     spec = component_spec(model, cast("Component", component))
     unread = spec.unread_parameters(model.component_config(folder), [param for param, _, _ in modules])
-    for param, name, _ in modules:
+    for param, name, module in modules:
         if param in unread:
-            yield param, UNREAD
+            yield param, Unread(tuple(module.weight.shape))  # a meta tensor: its shape, no bytes
             continue
         file = files.get(f"{name}.weight")
         if file is None:
@@ -199,7 +200,13 @@ def _content_key(array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
     return data.dtype.str, data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).hexdigest()
 
 
-UNREAD = "unread"  # network_weights' value for a weight no output reads
+@dataclass(frozen=True)
+class Unread:
+    """network_weights' value for a weight no output reads: its shape, which a LoRA module on it must have."""
+
+    shape: tuple[int, ...]
+
+
 GraphWeights = Callable[[], Iterable[tuple[str, "np.ndarray"]]]
 NetworkWeights = Callable[[Any], Iterable[tuple[str, Any]]]
 
@@ -232,10 +239,10 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
     found: dict[str, list[tuple[str, bool]]] = {}
     unplaced: dict[str, tuple[str, tuple[int, ...], str]] = {}  # Linear weights found nowhere: their transpose's key
     absent: dict[str, str] = {}
-    unread = set()
+    unread = {}
     for param, weight in network(getattr(torch, graph_dtype)):
-        if isinstance(weight, str):  # UNREAD
-            unread.add(param)
+        if isinstance(weight, Unread):
+            unread[param] = weight.shape
             continue
         if weight is None:
             absent[param] = "the model's weight files do not hold it (tied to or derived from another weight)"
@@ -267,7 +274,7 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
             unmapped[param] = f"initializer {hits[0][0]} also holds {others[0]} (identical values, deduplicated)"
         else:
             mapped[param] = Placement(hits[0][0], hits[0][1], shapes[param])
-    return WeightMap(graph_path, graph_dtype, mapped, unmapped, frozenset(unread))
+    return WeightMap(graph_path, graph_dtype, mapped, unmapped, unread)
 
 
 def _packed(
