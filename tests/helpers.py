@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sdtrt.pipeline.loading import GenerateRequest
@@ -170,3 +170,28 @@ def assert_images_match(family: Family, request: GenerateRequest, task: str = "t
     assert a.shape == b.shape == (request.height, request.width, 3) and a.std() > 0.01
     assert psnr >= 35.0
     return psnr
+
+
+def stored_parameters(source) -> dict[str, Any]:
+    """The transformer's parameters as its safetensors files store them."""
+    from safetensors.numpy import load_file
+
+    stored: dict[str, Any] = {}
+    for file in sorted(source.component_dir("transformer").glob("*.safetensors")):
+        stored |= load_file(file)
+    return stored
+
+
+def dropped_parameters(graph: Path, stored: dict[str, Any], dtype: str = "float32") -> set[str]:
+    """Those of ``stored`` whose values, cast to the graph's ``dtype``, are in no initializer of ``graph``, as they
+    are or transposed."""
+    import numpy as np
+
+    from sdtrt.graph.graph_weights import initializer_values
+    from sdtrt.graph.onnx_weights import numpy_dtype
+
+    held = set()
+    for _, value in initializer_values(graph):
+        held |= {(v.shape, np.ascontiguousarray(v).tobytes()) for v in (value, value.T)}
+    cast = numpy_dtype(dtype)
+    return {name for name, v in stored.items() if (v.shape, v.astype(cast).tobytes()) not in held}

@@ -8,10 +8,13 @@ LoRA API; its image is checked against diffusers' PyTorch fp32 pipeline with ``l
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+import torch
 
-from sdtrt.core.errors import LoraFamilyError
+from sdtrt.core.errors import LoraError, LoraFamilyError
 from sdtrt.lora.files import random_lora, read_lora
 from sdtrt.lora.refit import coverage
 from sdtrt.pipeline.loading import generate, set_loras
@@ -94,6 +97,21 @@ def test_weight_map_places_every_lora_module(family):
     assert len(made.unread) == (3 if source.family() == "qwenimage" else 0)
 
 
+def test_a_lora_module_of_another_shape_on_an_unread_weight_is_refused(qwen, tmp_path):
+    """Qwen-Image's last to_add_out feeds no output, yet a ΔW of another shape on it is from another network: refused
+    as one on a read weight is, by the engine and by `lora inspect --engine`, the engine's LoRAs as they were."""
+    source, _, engine = qwen
+    module = f"transformer_blocks.{source.component_config('transformer')['num_layers'] - 1}.attn.to_add_out"
+    made = engine.transformer.loras.weight_map()
+    assert made.unread[f"{module}.weight"] == (32, 32)
+    wide = lora_file(tmp_path / "wide.safetensors", f"transformer.{module}", 32, 64)
+    refusal = rf"'{re.escape(module)}' changes a \[64, 32\] weight, this transformer's is \[32, 32\]"
+    assert re.search(refusal, coverage(read_lora(wide, "qwenimage"), {"transformer": made})["transformer"][module])
+    with pytest.raises(LoraError, match=refusal):
+        engine.load_lora_weights(wide, adapter_name="wide")
+    assert engine.get_active_adapters() == []
+
+
 def test_a_lora_of_another_family_is_refused_before_any_work(family, tmp_path):
     """A FLUX.1 LoRA on the engine pipeline: one line, the engine's LoRAs as they were; through the CLI, a Qwen-Image
     LoRA on Z-Image: exit 2 before the pipeline loads."""
@@ -110,3 +128,43 @@ def test_a_lora_of_another_family_is_refused_before_any_work(family, tmp_path):
     result = run_cli("generate", "--model", "tiny-zimage", "--prompt", "a fox", "--lora", f"{qwen_lora}:0.5")
     assert result.returncode == 2 and "Loading pipeline" not in result.stderr
     assert "is a Qwen-Image LoRA" in result.stderr and "takes Z-Image LoRAs" in result.stderr
+
+
+def attention_lora(path, network, blocks: tuple[int, ...]) -> str:
+    """A rank-1 LoRA on every attention Linear of ``network``'s joint ``blocks``, under diffusers' own module names
+    (the network built on the meta device from its published config), as diffusers' PEFT files name them."""
+    from safetensors.torch import save_file
+
+    linears = [(n, m) for n, m in network.named_modules() if isinstance(m, torch.nn.Linear) and ".attn." in n]
+    save_file({f"transformer.{n}.lora_{ab}.weight": torch.ones(*shape) for n, m in linears
+               if n.startswith("transformer_blocks.") and int(n.split(".")[1]) in blocks
+               for ab, shape in (("A", (1, m.in_features)), ("B", (m.out_features, 1)))}, str(path))  # fmt: skip
+    return str(path)
+
+
+def test_an_attention_only_lora_is_told_qwen_image_from_sd3_by_width_and_depth(tmp_path):
+    """SD3's, FLUX.1's and Qwen-Image's joint attention have the same diffusers names: read without a model, a
+    Qwen-Image LoRA on its attention is Qwen-Image's (3072 wide, a block past FLUX.1's 19), not SD3's, and refused on
+    an SD3 model; SD3 Medium's (1536 wide) is SD3's and refused on Qwen-Image; FLUX.1's (3072, blocks 0-18) is taken
+    by FLUX.1 and Qwen-Image alike; a tiny model's width says nothing (read as before)."""
+    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
+
+    from sdtrt.lora.files import check_family
+
+    with torch.device("meta"):
+        qwen_image, flux = QwenImageTransformer2DModel(), FluxTransformer2DModel()  # their defaults: the published
+        sd3 = SD3Transformer2DModel(num_layers=24, num_attention_heads=24, caption_projection_dim=1536)  # SD3 Medium
+    qwen_lora = attention_lora(tmp_path / "qwen.safetensors", qwen_image, (0, 59))
+    sd3_lora = attention_lora(tmp_path / "sd3.safetensors", sd3, (0, 23))
+    flux_lora = attention_lora(tmp_path / "flux.safetensors", flux, (0, 18))
+    tiny = lora_file(tmp_path / "tiny.safetensors", "transformer.transformer_blocks.1.attn.to_add_out", 32, 32)
+
+    assert read_lora(qwen_lora).family == "Qwen-Image" and len(read_lora(qwen_lora).parts["transformer"]) == 16
+    with pytest.raises(LoraFamilyError, match=r"is a Qwen-Image LoRA \('.*joint block 59 of a 3072-wide .*takes SD3"):
+        check_family(qwen_lora, "sd3")
+    assert read_lora(sd3_lora).family == "SD3"
+    with pytest.raises(LoraFamilyError, match=r"is a SD3 LoRA \('.*: 1536 input features'\).*takes Qwen-Image"):
+        check_family(sd3_lora, "qwenimage")
+    assert read_lora(flux_lora).family == "FLUX.1"
+    assert check_family(flux_lora, "flux") is None and check_family(flux_lora, "qwenimage") is None
+    assert read_lora(tiny).family == "SD3"

@@ -24,6 +24,8 @@ from sdtrt.standins.transformer import EngineQwenImageTransformer
 from sdtrt.standins.vae_qwen import EngineQwenImageVAE
 from sdtrt.tools.image_quality import psnr_db
 
+from .helpers import dropped_parameters, stored_parameters
+
 # The test sizes, one or two prompts, and 1 to 256 prompt tokens the transformer reads (the LLM engine 34 more: the
 # template's first, which the pipeline drops; the offline tokenizer spells the pipeline's system prompt out in about
 # 150 tokens).
@@ -185,6 +187,25 @@ def test_the_default_profile_compiles(qwen, store):
     assert llm.default_profile().tokens == llm.member_profile(transformer.default_profile()).tokens == (35, 290, 1058)
     with pytest.raises(ConfigError, match="QwenImagePipeline takes at most 1024 prompt tokens"):
         transformer.check_profile(ShapeProfile(tokens=Range(1, 256, 1025)))
+
+
+def test_the_exporter_drops_exactly_the_parameters_the_spec_says_no_output_reads(qwen, store):
+    """The one unread set check-blocks and the weight map read is what the exporter drops: every other parameter of
+    the safetensors is in an initializer of the graph (found by value, a Linear's transposed), and none of the unread
+    ones is. The module's transformer export (a cache hit); the slow block-parity test checks torch.export's."""
+    from sdtrt.spec import component_spec
+    from sdtrt.stages import export
+
+    source = qwen[0]
+    config = ExportConfig(precision="fp32", exporter="torchscript", component="transformer")
+    stored = stored_parameters(source)
+    unread = component_spec(source, "transformer", "fp32").unread_parameters(
+        source.component_config("transformer"), stored
+    )
+    assert dropped_parameters(export.run(config, source, store).primary, stored) == unread
+    assert {n.split(".", 2)[2] for n in unread} == {
+        f"{m}.{p}" for m in ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2") for p in ("weight", "bias")
+    }
 
 
 def test_the_llm_streams_its_weights_under_the_names_transformers_loads_them():

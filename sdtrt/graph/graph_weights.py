@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +37,9 @@ class WeightMap:
     graph_dtype: str
     mapped: dict[str, Placement]
     unmapped: dict[str, str]  # parameter → why it could not be placed
-    # parameters no output reads (TransformerSpec.unread_weights): no engine holds them, a LoRA on them changes nothing
-    unread: frozenset[str] = frozenset()
+    # parameters no output reads (GraphSpec.unread_parameters) → their shapes: no engine holds them, a LoRA of their
+    # shape changes nothing there
+    unread: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, graph: Path, data: dict[str, Any]) -> WeightMap:
@@ -48,7 +49,8 @@ class WeightMap:
             )
             for k, v in data["mapped"].items()
         }
-        return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]), frozenset(data.get("unread", ())))
+        unread = {k: tuple(v) for k, v in data["unread"].items()}
+        return cls(graph, data["graph_dtype"], mapped, dict(data["unmapped"]), unread)
 
     def to_json(self) -> dict[str, Any]:
         mapped = {
@@ -56,7 +58,7 @@ class WeightMap:
                 "columns": list(p.columns) if p.columns else None}
             for k, p in self.mapped.items()
         }  # fmt: skip
-        unread = sorted(self.unread)
+        unread = {k: list(v) for k, v in sorted(self.unread.items())}
         return {"graph_dtype": self.graph_dtype, "mapped": mapped, "unmapped": self.unmapped, "unread": unread}
 
 

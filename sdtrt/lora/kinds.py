@@ -87,6 +87,14 @@ FLUX_WIDTHS = (
     (r"(img|txt)_mlp[._]0", {4: "flux", 6: "flux2"}),
 )
 UP_TO_DOWN = {".lora_up.": ".lora_down.", ".lora_B.": ".lora_A."}
+# SD3's, FLUX.1's, FLUX.2's and Qwen-Image's joint blocks name their attention alike in diffusers (to_q/k/v, to_out.0,
+# add_q/k/v_proj, to_add_out), so an attention-only LoRA is told by its width, every projection's input features, and
+# the blocks it names: SD3 Medium / SD3.5 Medium are 1536 wide, SD3.5 Large 2432 (their published configs, as
+# sd3-random's and sd35-random's), FLUX.1, FLUX.2 [klein] 4B and Qwen-Image 3072, of which only Qwen-Image has joint
+# blocks past FLUX.1's 19 (its 60; klein's 5). Other widths (FLUX.2 [dev]'s 6144, tiny models) say nothing.
+JOINT_ATTENTION = r"(?<!single_)transformer_blocks[._](\d+)[._]attn[._](to_[qkv]|to_out|add_[qkv]_proj|to_add_out)"
+ATTENTION_WIDTHS = {1536: frozenset({"sd3"}), 2432: frozenset({"sd3"}), 3072: frozenset({"flux", "flux2", "qwenimage"})}
+FLUX_JOINT_BLOCKS = 19
 
 
 def lora_kind(family: str) -> str:
@@ -141,6 +149,8 @@ def kind_for(path: Path, keys: list[str], family: str | None) -> str:
                               "pass a LoRA trained for one")  # fmt: skip
     if allowed == FLUXES and (by_width := _flux_by_width(path, keys)):
         allowed, key = by_width
+    if allowed is None and (by_attention := _attention_kinds(path, keys)):
+        allowed, key = by_attention
     if family is None:  # the kind the file says (SD3 or a UNet where it says nothing, FLUX.1 where either FLUX)
         default = "sd3" if any(k.startswith("transformer.") for k in keys) else "unet"
         return default if not allowed or default in allowed else next(k for k in LORA_FAMILIES if k in allowed)
@@ -166,3 +176,24 @@ def _flux_by_width(path: Path, keys: list[str]) -> tuple[frozenset[str], str] | 
                 if kind := kinds.get(rows // columns) if rows % columns == 0 else None:
                     return frozenset({kind}), f"{up}: {rows} outputs for {columns} inputs"
     return None
+
+
+def _attention_kinds(path: Path, keys: list[str]) -> tuple[frozenset[str], str] | None:
+    """The kinds a LoRA naming joint-block attention is for, by ATTENTION_WIDTHS and the deepest block it names, from
+    the shape of one down weight in the file's header (no tensor is read); None where it names no such attention with a
+    down weight, or its width is in no table."""
+    import safetensors
+
+    blocks = {key: int(found.group(1)) for key in keys if (found := re.search(JOINT_ATTENTION, key))}
+    down = next((key for key in blocks if any(d in key for d in UP_TO_DOWN.values())), None)
+    if down is None:
+        return None
+    with safetensors.safe_open(str(path), "pt") as handle:
+        width = handle.get_slice(down).get_shape()[1]
+    kinds = ATTENTION_WIDTHS.get(width)
+    if kinds is None:
+        return None
+    deepest = max(blocks, key=blocks.__getitem__)
+    if "qwenimage" in kinds and blocks[deepest] >= FLUX_JOINT_BLOCKS:
+        return frozenset({"qwenimage"}), f"{deepest}: joint block {blocks[deepest]} of a {width}-wide transformer"
+    return kinds, f"{down}: {width} input features"

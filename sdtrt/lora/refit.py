@@ -265,8 +265,8 @@ def placement_problem(
 ) -> str | None:
     """Why the engine's weight map cannot take this module's ΔW, or None (``pads``: LoraFile.pads)."""
     param = f"{module}.weight"
-    if param in weight_map.unread:  # no output reads it: as in diffusers' fused model, the LoRA changes nothing there
-        return None
+    if param in weight_map.unread:  # no output reads it: as in diffusers' fused model, a fitting LoRA changes nothing
+        return shape_problem(module, pair, weight_map.unread[param], component, pads)
     if param in weight_map.unmapped:
         return f"the {NETWORK_NAMES[component]} engine's weight map cannot place {param}: {weight_map.unmapped[param]}"
     place = weight_map.mapped.get(param)

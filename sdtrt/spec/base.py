@@ -6,7 +6,7 @@ One subclass per component kind, one module each (denoiser, unet, controlnet, te
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
@@ -245,9 +245,11 @@ class GraphSpec:
                 return f"input '{name}' has shape {tuple(shape)}, outside the engine's profile {lo} .. {hi}"
         return None
 
-    def unread_parameters(self, names: Collection[str]) -> set[str]:
-        """Of the network's stored parameters ``names``, those its graph never reads by design (every one is read)."""
-        return set()
+    def unread_parameters(self, config: Mapping[str, Any], names: Collection[str]) -> frozenset[str]:
+        """Of the network's parameters ``names`` (state-dict names; ``config``: its folder's config.json), those no
+        output of its graph reads by design, which the exporter drops: check-blocks looks for no initializer of them,
+        the weight map lists them as unread (a LoRA on them changes nothing). Here every one is read."""
+        return frozenset()
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,

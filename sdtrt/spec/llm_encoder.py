@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -109,16 +109,16 @@ class LLMEncoderSpec(SequenceEncoderSpec):
         """The hidden states the pipeline reads (``hidden_layers``)."""
         return pipeline_layers(pipeline_class, num_hidden_layers)
 
-    def unread_parameters(self, names: Collection[str]) -> set[str]:
+    def unread_parameters(self, config: Mapping[str, Any], names: Collection[str]) -> frozenset[str]:
         """The LM head, a vision tower, the decoder layers past the last one read (klein reads Qwen3-4B's
         ``hidden_states[27]``: layers 27-35 are dead code, which the exporter drops) and then the final norm."""
         layers = {n: int(m.group(1)) for n in names if (m := _DECODER_LAYER.search(n))}
         read_up_to = max(self.hidden_layers)  # hidden_states[k] is layer k-1's output
         reads_last = read_up_to > max(layers.values(), default=-1)
-        return {
+        return frozenset(
             n for n in names
             if _NEVER_READ.search(n) or layers.get(n, -1) >= read_up_to or (not reads_last and _FINAL_NORM.search(n))
-        }  # fmt: skip
+        )  # fmt: skip
 
     def inputs(self) -> list[TensorSpec]:
         return [TensorSpec(name, "int32", ("batch", "tokens")) for name in self.input_names]

@@ -56,12 +56,6 @@ class TransformerSpec(DenoiserSpec):
             TRANSFORMER_KINDS[cls.architecture] = cls
 
     @classmethod
-    def unread_weights(cls, config: dict[str, Any]) -> frozenset[str]:
-        """The transformer's weights (state-dict names) no output of its forward reads: export drops them, so no
-        engine holds them, and a LoRA on them changes nothing (the weight map lists them as unread)."""
-        return frozenset()
-
-    @classmethod
     def for_model(
         cls, model: ModelConfigs, precision: Precision = "fp16", io_naming: IONaming = "named"
     ) -> TransformerSpec:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..core.artifact import Artifact
 from ..core.errors import LoraError, UnsupportedModelError
@@ -48,16 +48,18 @@ from ..core.store import Store
 from ..graph import onnx_graph
 from ..graph.graph_weights import Placement, WeightMap, as_numpy, as_torch, initializer_values
 from ..graph.onnx_weights import WEIGHT_FILES, numpy_dtype, read_tensor, safetensors_file_index, safetensors_index
-from ..spec import FOLDERS, TRANSFORMER_KINDS
+from ..spec import FOLDERS, component_spec
 from .quantize import quantization
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..core.config import Component
     from ..sources.models import ModelSource
 
 STAGE = "weight-map"
-VERSION = 3  # 2: packed q/k/v initializers (Placement.columns); 3: unread weights (Qwen-Image's last text stream)
+VERSION = 4  # 2: packed q/k/v initializers (Placement.columns); 3: unread weights (Qwen-Image's last text stream);
+# 4: their shapes (a LoRA module of another shape on one is refused)
 FILE = "weight_map.json"
 
 
@@ -144,11 +146,12 @@ def network_weights(model: ModelSource, component: str, dtype: Any) -> Iterator[
     keep_fp32 = set(getattr(network, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
     files = _safetensors_files(model.component_dir(folder), model.name)
     headers = functools.cache(safetensors_file_index)
-    kind = TRANSFORMER_KINDS.get(type(network).__name__)
-    unread = kind.unread_weights(dict(network.config)) if kind else frozenset()
-    for param, name, _ in _lora_modules(network):
+    modules = list(_lora_modules(network))
+    spec = component_spec(model, cast("Component", component))
+    unread = spec.unread_parameters(model.component_config(folder), [param for param, _, _ in modules])
+    for param, name, module in modules:
         if param in unread:
-            yield param, UNREAD
+            yield param, Unread(tuple(module.weight.shape))  # a meta tensor: its shape, no bytes
             continue
         file = files.get(f"{name}.weight")
         if file is None:
@@ -197,7 +200,13 @@ def _content_key(array: np.ndarray) -> tuple[str, tuple[int, ...], str]:
     return data.dtype.str, data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).hexdigest()
 
 
-UNREAD = "unread"  # network_weights' value for a weight no output reads
+@dataclass(frozen=True)
+class Unread:
+    """network_weights' value for a weight no output reads: its shape, which a LoRA module on it must have."""
+
+    shape: tuple[int, ...]
+
+
 GraphWeights = Callable[[], Iterable[tuple[str, "np.ndarray"]]]
 NetworkWeights = Callable[[Any], Iterable[tuple[str, Any]]]
 
@@ -230,10 +239,10 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
     found: dict[str, list[tuple[str, bool]]] = {}
     unplaced: dict[str, tuple[str, tuple[int, ...], str]] = {}  # Linear weights found nowhere: their transpose's key
     absent: dict[str, str] = {}
-    unread = set()
+    unread = {}
     for param, weight in network(getattr(torch, graph_dtype)):
-        if isinstance(weight, str):  # UNREAD
-            unread.add(param)
+        if isinstance(weight, Unread):
+            unread[param] = weight.shape
             continue
         if weight is None:
             absent[param] = "the model's weight files do not hold it (tied to or derived from another weight)"
@@ -265,7 +274,7 @@ def match(graph_path: Path, graph_weights: GraphWeights, network: NetworkWeights
             unmapped[param] = f"initializer {hits[0][0]} also holds {others[0]} (identical values, deduplicated)"
         else:
             mapped[param] = Placement(hits[0][0], hits[0][1], shapes[param])
-    return WeightMap(graph_path, graph_dtype, mapped, unmapped, frozenset(unread))
+    return WeightMap(graph_path, graph_dtype, mapped, unmapped, unread)
 
 
 def _packed(

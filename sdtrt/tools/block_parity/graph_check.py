@@ -166,7 +166,7 @@ def check_graph(
                 )
     folder = FOLDERS[spec.component]
     params = params if params is not None else stored_tensors(model.component_dir(folder))
-    unread = spec.unread_parameters(params.keys())
+    unread = spec.unread_parameters(model.component_config(folder), params.keys())
     params = {name: t for name, t in params.items() if name not in unread}
     result.parameters = account_parameters(proto.graph, params, spec.dtype, fp32_modules(model, folder))
     result.failures += result.parameters["failures"]
