@@ -3,9 +3,9 @@ every network a tiny preset exports: each network traced once through the export
 weights streamed), the graph its optimizer was given optimized by both, bounded and unpatched.
 
 Default suite: tiny-flux's transformer (Slices of one value, SlicesSplit's pattern, which never rewrites there: a
-rule that fires is tests/test_export_stamped.py's synthetic graph), about 15 s of CPU. With
--m slow: every component of every tiny preset, a test per preset. Stamped against whole: tests/test_export_stamped.py (the tiny presets
-hold fewer blocks than stamping starts at).
+rule that fires is tests/test_export_stamped.py's synthetic graph), about 15 s of CPU. With -m slow: every
+component of every tiny preset, a test per preset. Stamped against whole: tests/test_export_stamped.py (the tiny
+presets hold fewer blocks than stamping starts at).
 """
 
 from __future__ import annotations
