@@ -13,6 +13,7 @@ processor's order of the merged embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -89,9 +90,9 @@ class QwenVisionTowerSpec(GraphSpec):
     def pixel_multiple(self) -> int:
         return self.patch_size * self.spatial_merge_size  # the processor resizes to these (smart_resize's factor)
 
-    def unread_parameters(self, names: Any) -> set[str]:
+    def unread_parameters(self, config: Mapping[str, Any], names: Collection[str]) -> frozenset[str]:
         """Everything but the tower: the language model and its head."""
-        return {n for n in names if not n.startswith(("visual.", "model.visual."))}
+        return frozenset(n for n in names if not n.startswith(("visual.", "model.visual.")))
 
     def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
         patches = batch * (height_px // self.patch_size) * (width_px // self.patch_size)
