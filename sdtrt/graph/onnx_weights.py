@@ -214,12 +214,13 @@ def _fold_transpose_when_written(node: Any, context: Any, state: Any) -> Any:
     graph = node.graph
     weight = source.const_value if source is not None else None
     if (
-        not isinstance(weight, ir.LazyTensor)
+        source is None
+        or not isinstance(weight, ir.LazyTensor)
         or not isinstance(graph, ir.Graph)
-        or graph.initializers.get(source.name) is not source
         or source.is_graph_input()
         or source.is_graph_output()
         or len(source.consumers()) != 1
+        or graph.initializers.get(source.name) is not source
     ):
         return None
     perm_attr = node.attributes.get("perm")
