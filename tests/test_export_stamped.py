@@ -119,6 +119,33 @@ def test_a_trace_without_stamp_from_copies_is_refused():
         stamp_blocks(copy(traced), {"blocks": 9})
 
 
+class BlocksWithSamplesBetween(Blocks):
+    """Blocks chained through an addition outside them, as FLUX.1's transformer adds a ControlNet's samples."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.samples = torch.nn.Parameter(torch.randn(count, 8))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for index, block in enumerate(self.blocks):
+            x, context = block(x, context)
+            x = x + self.samples[index]
+        return x * 2
+
+
+def test_blocks_chained_through_a_value_between_them_are_refused():
+    """Stamped copies wire block to block: a value computed between two blocks would be skipped (a wrong graph, no
+    error), so the stamper refuses the trace."""
+    traced = []
+    inputs = (torch.randn(2, 5, 8), torch.randn(2, 3, 8))
+    dims = ({0: Dim("batch"), 1: Dim("tokens")}, {0: Dim("batch"), 1: Dim("text")})
+    with before_optimize(lambda model: traced.append(copy(model))):
+        torch.onnx.export(BlocksWithSamplesBetween(STAMP_FROM), inputs, dynamo=True, dynamic_shapes=dims, verbose=False)
+    with pytest.raises(ExportError, match="cannot stamp blocks: its blocks are chained through nodes outside them"):
+        stamp_blocks(traced[0], {"blocks": 6})
+
+
 def test_copies_that_differ_by_one_attribute_are_refused():
     *_, traced = exported(STAMP_FROM, stamp_to=6)
     changed = copy(traced)

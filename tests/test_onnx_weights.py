@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper
 
 from sdtrt.graph.onnx_weights import save_streamed
@@ -127,25 +128,29 @@ def test_only_the_files_from_pretrained_reads_without_a_variant_are_streamed_and
         assert weights_size(folder) == (folder / name).stat().st_size
 
 
-def transposed_weights_model(read: list[str]) -> object:
-    """x @ Transpose(w) + x @ Transpose(v) @ Transpose(v)ᵀ…: ``w`` read by its Transpose alone, ``v`` by two nodes
-    (onnxscript keeps a large Transpose whose input another node reads); both lazy, as attach_weights gives them,
-    each read recorded in ``read``."""
+def transposed_weights_model(read: list[str], dtype: str = "float16", perm: list[int] | None = None) -> object:
+    """x @ Transpose(w) + x @ Transpose(v) @ Transpose(v)ᵀ…: ``w`` read by its Transpose alone (``perm``: its
+    attribute, None for none: the reversed axes), ``v`` by two nodes (onnxscript keeps a large Transpose whose input
+    another node reads); both lazy, as attach_weights gives them, in ``dtype``, each read recorded in ``read``."""
+    import ml_dtypes
     import onnx_ir as ir
 
-    arrays = {n: np.random.default_rng(i).standard_normal((96, 128)).astype(np.float16) for i, n in enumerate("wv")}
+    numpy = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    arrays = {n: np.random.default_rng(i).standard_normal((96, 128)).astype(numpy) for i, n in enumerate("wv")}
+    onnx_dtype = ir.DataType.FLOAT16 if dtype == "float16" else ir.DataType.BFLOAT16
 
     def lazy(name: str) -> ir.Value:
         def load() -> ir.TensorProtocol:
             read.append(name)
             return ir.tensor(arrays[name])
 
-        tensor = ir.LazyTensor(load, dtype=ir.DataType.FLOAT16, shape=ir.Shape([96, 128]), name=name)
-        return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT16), shape=tensor.shape, const_value=tensor)
+        tensor = ir.LazyTensor(load, dtype=onnx_dtype, shape=ir.Shape([96, 128]), name=name)
+        return ir.Value(name=name, type=ir.TensorType(onnx_dtype), shape=tensor.shape, const_value=tensor)
 
-    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT16), shape=ir.Shape([4, 128]))
+    x = ir.Value(name="x", type=ir.TensorType(onnx_dtype), shape=ir.Shape([4, 128]))
     w, v = lazy("w"), lazy("v")
-    wt, vt = ir.node("Transpose", [w], attributes={"perm": [1, 0]}), ir.node("Transpose", [v])
+    wt = ir.node("Transpose", [w], attributes={} if perm is None else {"perm": perm})
+    vt = ir.node("Transpose", [v])
     a, b = ir.node("MatMul", [x, wt.outputs[0]]), ir.node("MatMul", [x, vt.outputs[0]])
     c = ir.node("MatMul", [b.outputs[0], v])
     nodes = [wt, vt, a, b, c]
@@ -153,7 +158,8 @@ def transposed_weights_model(read: list[str]) -> object:
     return ir.Model(graph, ir_version=9)
 
 
-def test_a_streamed_weights_transpose_folds_unread_and_unspilled_into_onnxscripts_graph(tmp_path):
+@pytest.mark.parametrize(("dtype", "perm"), [("float16", [1, 0]), ("bfloat16", None)])
+def test_a_streamed_weights_transpose_folds_unread_and_unspilled_into_onnxscripts_graph(dtype, perm, tmp_path):
     """Under folded_constants_on_disk the optimizer folds Transpose(w) as onnxscript does (the same graph, proto for
     proto, once the weights are read) without reading w, spilling nothing; w's transposed bytes are computed when
     the writer asks for them. v, which another node reads, is left as onnxscript leaves it."""
@@ -163,7 +169,7 @@ def test_a_streamed_weights_transpose_folds_unread_and_unspilled_into_onnxscript
     from sdtrt.graph.onnx_weights import folded_constants_on_disk
 
     read: list[str] = []
-    ours, theirs = transposed_weights_model(read), transposed_weights_model([])
+    ours, theirs = transposed_weights_model(read, dtype, perm), transposed_weights_model([], dtype, perm)
     with folded_constants_on_disk(tmp_path / "folded.bin"):
         onnxscript.optimizer.optimize_ir(ours)
     assert read == [] and (tmp_path / "folded.bin").stat().st_size == 0
@@ -174,3 +180,19 @@ def test_a_streamed_weights_transpose_folds_unread_and_unspilled_into_onnxscript
     from onnxscript.optimizer import _constant_folding
 
     assert _constant_folding.registry.lookup_evaluators("", "Transpose", 18) == [], "the evaluator outlived the export"
+
+
+def test_a_transpose_whose_perm_is_no_permutation_is_left_as_onnxscript_leaves_it(tmp_path):
+    """onnxscript cannot evaluate a Transpose whose perm does not permute its input's axes and keeps it: so does the
+    fold when written (it would make an initializer of the wrong shape)."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    from sdtrt.graph.onnx_weights import folded_constants_on_disk
+
+    ours, theirs = transposed_weights_model([], perm=[0, 0]), transposed_weights_model([], perm=[0, 0])
+    with folded_constants_on_disk(tmp_path / "folded.bin"):
+        onnxscript.optimizer.optimize_ir(ours)
+    onnxscript.optimizer.optimize_ir(theirs)
+    assert ir.to_proto(ours) == ir.to_proto(theirs)
+    assert "w" in ours.graph.initializers, "the Transpose of w is kept"

@@ -88,6 +88,13 @@ def _stamp(graph: Any, path: str, count: int) -> None:
         return ("shared", value)
 
     plan = [[slot(v) for v in n.inputs] for n in template]
+    in_copies = {id(n) for nodes in copies.values() for n in nodes}
+    if between := next((w[0] for row in plan for k, *w in row if k == "shared" and _after(w[0], in_copies)), None):
+        raise ExportError(
+            f"cannot stamp {path}: its blocks are chained through nodes outside them ({between.name}: a value added "
+            "between blocks, as a ControlNet's samples are), which stamped copies would skip; its spec's "
+            "repeated_blocks should not name it"
+        )
     last_outputs = [list(n.outputs) for n in template]
     anchor, stamped = template[-1], set(position)
     for index in range(STAMP_FROM - 1, count - 1):
@@ -126,6 +133,25 @@ def _stamp(graph: Any, path: str, count: int) -> None:
                 if id(use.node) not in stamped:
                     use.node.replace_input_with(use.idx, final)
             graph.outputs[:] = [final if output is value else output for output in graph.outputs]
+
+
+def _after(value: Any, copies: set[int]) -> bool:
+    """Whether ``value``, made outside the copies (``copies``: their nodes' ids), is computed from what a copy gives:
+    a value between the blocks. One a copy makes (copy 0's shape symbols, which the others reuse) is not."""
+    producer = value.producer()
+    if producer is None or id(producer) in copies:
+        return False
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in copies:
+            return True
+        seen.add(id(node))
+        stack.extend(v for v in node.inputs if v is not None)
+    return False
 
 
 def _relative_plan(nodes: list[Any], scope: str) -> list[tuple[Any, ...]]:

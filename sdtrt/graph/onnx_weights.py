@@ -223,8 +223,11 @@ def _fold_transpose_when_written(node: Any, context: Any, state: Any) -> Any:
         or graph.initializers.get(source.name) is not source
     ):
         return None
+    rank = len(weight.shape)
     perm_attr = node.attributes.get("perm")
-    perm = tuple(perm_attr.value) if perm_attr is not None else tuple(reversed(range(len(weight.shape))))
+    perm = tuple(perm_attr.value) if perm_attr is not None else tuple(reversed(range(rank)))
+    if sorted(perm) != list(range(rank)):
+        return None  # not a permutation of W's axes: onnxscript's evaluation fails, and it keeps the node
     shape = ir.Shape([weight.shape[axis] for axis in perm])
     name = node.outputs[0].name
 
