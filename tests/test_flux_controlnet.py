@@ -123,6 +123,19 @@ def test_a_plain_flux_transformer_keeps_its_graph_contract(family):
     assert isinstance(component_spec(family.source, "controlnet", "fp32"), FluxControlNetSpec)
 
 
+def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(family):
+    """Its samples are added between the blocks, which stamped copies would skip (graph/onnx_stamp.py refuses such
+    a trace): at FLUX.1's depth a ControlNet set's transformer stamps nothing, a plain one its two lists."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.stages.export_stream import stamped_blocks
+
+    depth = {"num_layers": 19, "num_single_layers": 38}
+    controlnet_set = component_spec(family.source, "transformer", "fp32")
+    assert stamped_blocks(controlnet_set, family.source.component_config("transformer") | depth) == {}
+    plain = component_spec(resolve_model("tiny-flux"), "transformer", "fp32")
+    assert len(stamped_blocks(plain, resolve_model("tiny-flux").component_config("transformer") | depth)) == 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -205,6 +205,8 @@ class FluxTransformerSpec(PackedTransformerSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "controlnet_samples", tuple(self.controlnet_samples))  # a list from JSON
+        if any(self.controlnet_samples):  # added between the blocks, which stamped copies would skip: traced whole
+            object.__setattr__(self, "repeated_blocks", {})
 
     @classmethod
     def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:
