@@ -147,7 +147,12 @@ def test_an_attention_only_lora_is_told_qwen_image_from_sd3_by_width_and_depth(t
     Qwen-Image LoRA on its attention is Qwen-Image's (3072 wide, a block past FLUX.1's 19), not SD3's, and refused on
     an SD3 model; SD3 Medium's (1536 wide) is SD3's and refused on Qwen-Image; FLUX.1's (3072, blocks 0-18) is taken
     by FLUX.1 and Qwen-Image alike; a tiny model's width says nothing (read as before)."""
-    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
+    from diffusers import (
+        Flux2Transformer2DModel,
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+        SD3Transformer2DModel,
+    )
 
     from sdtrt.lora.files import check_family
 
@@ -168,3 +173,7 @@ def test_an_attention_only_lora_is_told_qwen_image_from_sd3_by_width_and_depth(t
     assert read_lora(flux_lora).family == "FLUX.1"
     assert check_family(flux_lora, "flux") is None and check_family(flux_lora, "qwenimage") is None
     assert read_lora(tiny).family == "SD3"
+    with torch.device("meta"):  # FLUX.2 [dev]'s published width (48 heads of 128), its attention named as SD3's
+        dev = Flux2Transformer2DModel(num_layers=1, num_single_layers=1)
+    dev_lora = attention_lora(tmp_path / "dev.safetensors", dev, (0,))
+    assert read_lora(dev_lora).family == "FLUX.2"

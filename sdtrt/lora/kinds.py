@@ -91,9 +91,13 @@ UP_TO_DOWN = {".lora_up.": ".lora_down.", ".lora_B.": ".lora_A."}
 # add_q/k/v_proj, to_add_out), so an attention-only LoRA is told by its width, every projection's input features, and
 # the blocks it names: SD3 Medium / SD3.5 Medium are 1536 wide, SD3.5 Large 2432 (their published configs, as
 # sd3-random's and sd35-random's), FLUX.1, FLUX.2 [klein] 4B and Qwen-Image 3072, of which only Qwen-Image has joint
-# blocks past FLUX.1's 19 (its 60; klein's 5). Other widths (FLUX.2 [dev]'s 6144, tiny models) say nothing.
+# blocks past FLUX.1's 19 (its 60; klein's 5); FLUX.2 [klein] 9B 4096 and [dev] 6144 (heads × head size, diffusers'
+# Flux2Transformer2DModel). Other widths (tiny models) say nothing.
 JOINT_ATTENTION = r"(?<!single_)transformer_blocks[._](\d+)[._]attn[._](to_[qkv]|to_out|add_[qkv]_proj|to_add_out)"
-ATTENTION_WIDTHS = {1536: frozenset({"sd3"}), 2432: frozenset({"sd3"}), 3072: frozenset({"flux", "flux2", "qwenimage"})}
+ATTENTION_WIDTHS = {
+    1536: frozenset({"sd3"}), 2432: frozenset({"sd3"}), 3072: frozenset({"flux", "flux2", "qwenimage"}),
+    4096: frozenset({"flux2"}), 6144: frozenset({"flux2"}),
+}  # fmt: skip
 FLUX_JOINT_BLOCKS = 19
 
 

@@ -98,7 +98,9 @@ def controlnet_feeds(
             "controlnet_blocks_repeat=True: XLabs-style ControlNet samples repeated over the blocks, which this "
             "transformer engine does not take (its graph spreads an InstantX-style ControlNet's samples)"
         )
-    zeros = torch.zeros(*hidden_states.shape[:2], spec.controlnet_width, dtype=hidden_states.dtype)
+    zeros = torch.zeros(
+        *hidden_states.shape[:2], spec.controlnet_width, dtype=hidden_states.dtype, device=hidden_states.device
+    )
     given = []
     for samples, count, what in zip((blocks, singles), spec.controlnet_samples, ("double", "single"), strict=True):
         if samples is not None and len(samples) != count:
