@@ -36,6 +36,7 @@ def family(store):
     return Family(PRESET, store, {})
 
 
+@pytest.mark.slow  # compiling the set: ~50 CPU s, over the default suite's budget
 def test_controlnet_set_matches_pytorch_and_its_control_image_counts(family):
     """128x192 (non-square) against the PyTorch fp32 pipeline, each step's samples going from the ControlNet engine
     into the transformer engine; another control image gives another image (the samples are not dropped)."""
@@ -154,6 +155,7 @@ def test_generate_refuses_a_missing_or_misfit_control_image_before_loading(args,
     assert message in usage_error_before_loading("generate", "--model", PRESET, *args)
 
 
+@pytest.mark.slow  # on the compiled set (the refusal before loading is the default suite's, above)
 def test_a_control_image_of_another_aspect_ratio_is_refused_before_any_engine_runs(family):
     _, engine = family.pipelines()
     calls = []

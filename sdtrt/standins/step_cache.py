@@ -38,13 +38,12 @@ UNHONOURED = {
 
 
 class PartEngine(torch.nn.Module):
-    """One part of the split transformer: its runtime, fed by canonical names, its outputs in the spec's order."""
+    """One part of a split denoiser (a transformer's, or a UNet's for DeepCache): its runtime, fed by canonical names,
+    its outputs in the spec's order."""
 
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
-        if not isinstance(runtime.spec, TransformerPartSpec):
-            raise ArtifactError(f"this is a {runtime.spec.component} engine, not a part of a split transformer")
-        self.runtime, self.part = runtime, runtime.spec
+        self.runtime = runtime
         self.calls = 0  # engine runs: bench counts the steps a cache skipped from the blocks' runs
 
     def run(self, **tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -55,7 +54,17 @@ class PartEngine(torch.nn.Module):
         return [outputs[name] for name in spec.output_names]
 
 
-class EngineBlock(PartEngine):
+class TransformerPartEngine(PartEngine):
+    """One part of the split transformer, its contract (``part``) what the chain reads its extras from."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__(runtime)
+        if not isinstance(runtime.spec, TransformerPartSpec):
+            raise ArtifactError(f"this is a {runtime.spec.component} engine, not a part of a split transformer")
+        self.part = runtime.spec
+
+
+class EngineBlock(TransformerPartEngine):
     """A block part's engine, called as diffusers' forward calls a block: its rotary embedding the pair
     ``image_rotary_emb`` (Flux's cos and sin, Qwen-Image's image and text angles), Qwen-Image's text mask by name."""
 
@@ -98,7 +107,7 @@ class EngineOtherBlocks(EngineBlock):
         return encoder_hidden_states, hidden
 
 
-class EngineOutputHead(PartEngine):
+class EngineOutputHead(TransformerPartEngine):
     """norm_out and proj_out (and SD3's patches back into latents) as one engine, where TaylorSeer-lite predicts."""
 
     def forward(self, hidden_states: torch.Tensor, temb: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
@@ -126,7 +135,7 @@ class SplitTransformer:
 
     def __init__(self, parts: dict[str, Runtime]) -> None:
         register_blocks()
-        self.embed = PartEngine(parts["transformer_embed"])
+        self.embed = TransformerPartEngine(parts["transformer_embed"])
         self.first = EngineFirstBlock(parts["transformer_first_block"])
         self.rest = EngineOtherBlocks(parts["transformer_rest"])
         self.blocks = torch.nn.ModuleList([self.first, self.rest])
