@@ -213,6 +213,31 @@ def test_an_image_engine_without_its_image_is_refused(edit_encoder):
     assert not runs
 
 
+@pytest.mark.parametrize("aspect", [(1, 1), (16, 9), (4, 3)], ids=["square", "16x9", "4x3"])
+def test_the_edit_llm_default_profile_holds_the_pipeline_default_prompt(aspect):
+    """The Edit pipeline's own condition image (its calculate_dimensions of 1024² pixels), through the slow processor
+    at its default max_pixels: its tokens, the 64 the template drops and a prompt of the pipeline's whole text cap fit
+    the LLM engine's default profile and its token cap; and the vision tower's default profile takes its patches."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    from transformers import Qwen2VLImageProcessor
+
+    from sdtrt.core.families import LLM_TOKENS, QWEN_IMAGE_EDIT_DROPPED_TOKENS
+    from sdtrt.spec import QwenVisionTowerSpec, QwenVLImageEncoderSpec
+
+    width, height, _ = calculate_dimensions(1024 * 1024, aspect[0] / aspect[1])
+    grid = Qwen2VLImageProcessor()(images=Image.new("RGB", (width, height)), return_tensors="pt")["image_grid_thw"]
+    patches = int(grid.prod())
+    tower = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1)
+    llm = QwenVLImageEncoderSpec(precision="bf16", io_naming="named", vae_scale_factor=8)
+    most_patches = tower.profile_shapes(tower.default_profile())[tower.input_names[0]][2][0]
+    tokens = llm.default_profile().tokens
+    prompt = QWEN_IMAGE_EDIT_DROPPED_TOKENS + patches // 4 + LLM_TOKENS["qwenimage"]
+    print(f"{width}x{height} condition image: {patches} patches, a full prompt {prompt} tokens; profile {tokens}")
+    assert patches <= most_patches and tokens is not None
+    assert tokens.opt >= QWEN_IMAGE_EDIT_DROPPED_TOKENS + patches // 4 and prompt <= tokens.max <= llm.token_cap.most
+    llm.check_profile(llm.default_profile())
+
+
 def test_the_validation_cases_of_both_engines_match_pytorch(vision, edit_encoder):
     """What `sdtrt validate` compares member by member, on each spec's seeded cases: the LLM engine against the
     PyTorch text encoder given the same embeddings (mm_encoder_outputs), the tower against its graph's wrapper."""
