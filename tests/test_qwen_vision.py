@@ -213,6 +213,28 @@ def test_an_image_engine_without_its_image_is_refused(edit_encoder):
     assert not runs
 
 
+def test_image_tokens_that_are_not_one_an_embedding_are_refused(vision, edit_encoder):
+    """A prompt with one image token fewer or more than its image's embeddings: refused in one line, as transformers
+    refuses it, before the tower (and so the LLM) runs, not a Gather error or embeddings silently dropped."""
+    source, _, _, processor = vision
+    _, engine = edit_encoder
+    ids, mask, pixels, grid = prompts_with_images(source, processor, [(112, 168)], [(10, 5)])
+    pad = int(ids[0, 11])  # the first image token, after 10 of text and the vision-start
+    runs = []
+    hook = engine.vision.register_forward_pre_hook(lambda *_: runs.append(1))
+    fewer, more = ids.clone(), ids.clone()
+    fewer[0, 11] = 7  # an image token made text
+    more[0, 2] = pad  # a text token made an image token
+    for changed, count in ((fewer, 23), (more, 25)):
+        call = {"input_ids": changed, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grid}
+        with pytest.raises(
+            EngineInputError, match=rf"^the prompts hold {count} image tokens and their images make 24 "
+        ):
+            engine(**call, output_hidden_states=True)
+    hook.remove()
+    assert not runs
+
+
 @pytest.mark.parametrize("aspect", [(1, 1), (16, 9), (4, 3)], ids=["square", "16x9", "4x3"])
 def test_the_edit_llm_default_profile_holds_the_pipeline_default_prompt(aspect):
     """The Edit pipeline's own condition image (its calculate_dimensions of 1024² pixels), through the slow processor
