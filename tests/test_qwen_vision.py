@@ -213,6 +213,53 @@ def test_an_image_engine_without_its_image_is_refused(edit_encoder):
     assert not runs
 
 
+def test_image_tokens_that_are_not_one_an_embedding_are_refused(vision, edit_encoder):
+    """A prompt with one image token fewer or more than its image's embeddings: refused in one line, as transformers
+    refuses it, before the tower (and so the LLM) runs, not a Gather error or embeddings silently dropped."""
+    source, _, _, processor = vision
+    _, engine = edit_encoder
+    ids, mask, pixels, grid = prompts_with_images(source, processor, [(112, 168)], [(10, 5)])
+    pad = int(ids[0, 11])  # the first image token, after 10 of text and the vision-start
+    runs = []
+    hook = engine.vision.register_forward_pre_hook(lambda *_: runs.append(1))
+    fewer, more = ids.clone(), ids.clone()
+    fewer[0, 11] = 7  # an image token made text
+    more[0, 2] = pad  # a text token made an image token
+    for changed, count in ((fewer, 23), (more, 25)):
+        call = {"input_ids": changed, "attention_mask": mask, "pixel_values": pixels, "image_grid_thw": grid}
+        with pytest.raises(
+            EngineInputError, match=rf"^the prompts hold {count} image tokens and their images make 24 "
+        ):
+            engine(**call, output_hidden_states=True)
+    hook.remove()
+    assert not runs
+
+
+@pytest.mark.parametrize("aspect", [(1, 1), (16, 9), (4, 3)], ids=["square", "16x9", "4x3"])
+def test_the_edit_llm_default_profile_holds_the_pipeline_default_prompt(aspect):
+    """The Edit pipeline's own condition image (its calculate_dimensions of 1024² pixels), through the slow processor
+    at its default max_pixels: its tokens, the 64 the template drops and a prompt of the pipeline's whole text cap fit
+    the LLM engine's default profile and its token cap; and the vision tower's default profile takes its patches."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    from transformers import Qwen2VLImageProcessor
+
+    from sdtrt.core.families import LLM_TOKENS, QWEN_IMAGE_EDIT_DROPPED_TOKENS
+    from sdtrt.spec import QwenVisionTowerSpec, QwenVLImageEncoderSpec
+
+    width, height, _ = calculate_dimensions(1024 * 1024, aspect[0] / aspect[1])
+    grid = Qwen2VLImageProcessor()(images=Image.new("RGB", (width, height)), return_tensors="pt")["image_grid_thw"]
+    patches = int(grid.prod())
+    tower = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1)
+    llm = QwenVLImageEncoderSpec(precision="bf16", io_naming="named", vae_scale_factor=8)
+    most_patches = tower.profile_shapes(tower.default_profile())[tower.input_names[0]][2][0]
+    tokens = llm.default_profile().tokens
+    prompt = QWEN_IMAGE_EDIT_DROPPED_TOKENS + patches // 4 + LLM_TOKENS["qwenimage"]
+    print(f"{width}x{height} condition image: {patches} patches, a full prompt {prompt} tokens; profile {tokens}")
+    assert patches <= most_patches and tokens is not None
+    assert tokens.opt >= QWEN_IMAGE_EDIT_DROPPED_TOKENS + patches // 4 and prompt <= tokens.max <= llm.token_cap.most
+    llm.check_profile(llm.default_profile())
+
+
 def test_the_validation_cases_of_both_engines_match_pytorch(vision, edit_encoder):
     """What `sdtrt validate` compares member by member, on each spec's seeded cases: the LLM engine against the
     PyTorch text encoder given the same embeddings (mm_encoder_outputs), the tower against its graph's wrapper."""

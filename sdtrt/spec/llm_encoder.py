@@ -27,6 +27,7 @@ from ..core.families import (
     QWEN_IMAGE_EDIT_PIPELINES,
 )
 from .base import FOLDERS, ModelConfigs, TensorSpec
+from .qwen_vision import QwenVisionTowerSpec
 from .text_encoder import SequenceEncoderSpec
 from .transformer import klein_token_cap
 from .transformer_qwen import qwen_image_tokens
@@ -39,6 +40,8 @@ KLEIN_LAYERS = LLM_LAYERS["Flux2KleinPipeline"]
 _DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _NEVER_READ = re.compile(r"^lm_head\.|(?:^|\.)visual\.")
 _FINAL_NORM = re.compile(r"^(?:model\.(?:language_model\.)?)?norm\.weight$")
+# The image tokens an Edit prompt holds: one condition image of the vision tower's default profile (Qwen2.5-VL's).
+EDIT_IMAGE_TOKENS = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1).image_tokens()
 
 
 def pipeline_layers(pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:
@@ -214,15 +217,18 @@ class QwenVLImageEncoderSpec(QwenVLEncoderSpec):
     [vision_tokens, hidden]`` too (the vision tower engine's, all images' in the processor's order), which the graph
     puts in place of the prompt's ``image_token_id`` tokens, in order, as transformers' ``masked_scatter`` does. The
     positions stay 0..T-1 on all three rotary sections: the pipeline passes no ``mm_token_type_ids``, without which
-    transformers 5.x computes no multimodal positions (``compute_3d_position_ids``). Its template drops 64 tokens."""
+    transformers 5.x computes no multimodal positions (``compute_3d_position_ids``). Its template drops 64 tokens.
+    The pipeline never cuts the prompt to ``max_sequence_length``, and the prompt holds its image's tokens (1225 for
+    its ~1024² condition image): the cap and default profile add the vision tower's default image to the text's."""
 
     canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "image_embeds")
     dropped_tokens: ClassVar[int] = QWEN_IMAGE_EDIT_DROPPED_TOKENS
-    pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"] + QWEN_IMAGE_EDIT_DROPPED_TOKENS
+    pipeline_tokens: ClassVar[int] = LLM_TOKENS["qwenimage"] + QWEN_IMAGE_EDIT_DROPPED_TOKENS + EDIT_IMAGE_TOKENS.max
     token_cap: ClassVar[TokenCap] = TokenCap(
         pipeline_tokens,
         "QwenImageEditPipeline's Qwen2.5-VL encoder reads",
-        f"tokens (the transformer's and the {QWEN_IMAGE_EDIT_DROPPED_TOKENS} it drops)",
+        f"tokens (the transformer's {LLM_TOKENS['qwenimage']}, the {QWEN_IMAGE_EDIT_DROPPED_TOKENS} it drops and "
+        f"up to {EDIT_IMAGE_TOKENS.max} of its image)",
     )
 
     image_token_id: int = 151655  # Qwen2.5-VL's <|image_pad|>
@@ -243,6 +249,12 @@ class QwenVLImageEncoderSpec(QwenVLEncoderSpec):
         embeds = self.input_names[2]
         _, opt, most = shapes[embeds]
         return shapes | {embeds: ((1, self.hidden_size), opt, most)}
+
+    def default_profile(self) -> ShapeProfile:
+        """The text's default tokens, the template's dropped ones and the tokens of one condition image of the vision
+        tower's default profile (EDIT_IMAGE_TOKENS), at each of its smallest, tuned and largest."""
+        text_and_image = zip(qwen_image_tokens(), EDIT_IMAGE_TOKENS, strict=True)
+        return ShapeProfile(tokens=Range(*(t + self.dropped_tokens + i for t, i in text_and_image)))
 
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,

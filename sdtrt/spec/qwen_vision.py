@@ -125,6 +125,13 @@ class QwenVisionTowerSpec(GraphSpec):
         1008² square covers (5184); a square 1024² image becomes 980² (4900 patches), the smallest 56² (16)."""
         return ShapeProfile(Range(1, 1, 1), Range(56, 980, 1008), Range(56, 980, 1008))
 
+    def image_tokens(self) -> Range:
+        """The merged tokens one image of the default profile puts in a prompt, at its smallest, tuned and largest
+        size (4:1225:1296 for Qwen2.5-VL's patches and merge): what an Edit prompt holds besides its text."""
+        profile = self.default_profile()
+        sizes = zip(profile.height, profile.width, strict=True)
+        return Range(*(self.axis_sizes(1, height, width)["vision_tokens"] for height, width in sizes))
+
     def sample_inputs(
         self, batch: int, height_px: int, width_px: int, *, seed: int = 0, dtype: torch.dtype | None = None,
         tokens: int = 0,

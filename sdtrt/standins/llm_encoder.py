@@ -99,7 +99,7 @@ class EngineLLMEncoder(EngineModule):
                 + ("one side" if self.spec.left_padding else "the right (tokenizer.padding_side='right')")
             )
         ids, mask_name = self.spec.input_names[:2]
-        feeds = {ids: input_ids, mask_name: mask} | self.image_feeds(images)
+        feeds = {ids: input_ids, mask_name: mask} | self.image_feeds(images, input_ids)
         stacked = self.runtime.run(feeds)[self.spec.output_names[0]]
         stacked = stacked.to(input_ids.device, self._dtype)
         layers = self.config.get_text_config().num_hidden_layers  # a vision-language model's: its language part's
@@ -112,8 +112,8 @@ class EngineLLMEncoder(EngineModule):
         are refused as any other keyword)."""
         return {}
 
-    def image_feeds(self, images: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The engine's feeds from those image inputs."""
+    def image_feeds(self, images: dict[str, Any], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The engine's feeds from those image inputs, for the prompt ``input_ids``."""
         return {}
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -159,9 +159,19 @@ class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  #
             )
         return images
 
-    def image_feeds(self, images: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def image_feeds(self, images: dict[str, Any], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tower's embeddings, once the prompt is known to have a token for each (transformers refuses a
+        mismatch in get_placeholder_mask; the graph would gather past the embeddings or drop some)."""
         if not images:
             return {}
+        assert isinstance(self.spec, QwenVLImageEncoderSpec)  # image_inputs gives images only to such an engine
+        tokens = int((input_ids == self.spec.image_token_id).sum())
+        embeds = int(images["image_grid_thw"].prod(-1).sum()) // self.vision.spatial_merge_size**2
+        if tokens != embeds:
+            raise EngineInputError(
+                f"the prompts hold {tokens} image tokens and their images make {embeds} image embeddings: tokenize "
+                "each prompt with its images, as the pipeline's processor does (one image token a merged patch group)"
+            )
         pixels = images["pixel_values"].type(self.vision.dtype)
         embeds = self.vision(pixels, grid_thw=images["image_grid_thw"]).pooler_output
         return {self.spec.input_names[2]: embeds}
