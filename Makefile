@@ -8,7 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 TRT_STUBS ?= tensorrt-stubs==10.13.0.35.1
 MODEL ?= tiny
 TARGET ?= auto
-ENGINES ?= engines
+# The store: $SDTRT_ENGINES, as the CLI reads it, else ./engines.
+ENGINES ?= $(or $(SDTRT_ENGINES),engines)
 IMAGE ?= sdtrt:latest
 TRITON_IMAGE ?= sdtrt-triton:latest
 NGC_TAG ?= 25.01-py3

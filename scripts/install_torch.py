@@ -65,7 +65,8 @@ def pip_command(spec: str) -> list[str]:
         return [*pip, "--index-url", index, spec]
     print(
         f"install-torch: no NVIDIA GPU, but PyTorch's CPU index {index} cannot be reached ({why}): "
-        "installing the plain requirement from pip's configured indexes (on Linux, PyPI's is the CUDA build)"
+        "installing the plain requirement from pip's configured indexes (on Linux, PyPI's is the CUDA build, "
+        "unless pip's configuration serves a CPU wheel; the line after the install says which came)"
     )
     return [*pip, spec]
 

@@ -46,8 +46,9 @@ MaskOpt = Annotated[Path | None, typer.Option(help="Inpainting mask: white is re
 ControlImageOpt = Annotated[
     Path | None,
     typer.Option(
-        help="The control image (edges, depth, pose) of FLUX.1 Canny / Depth and of SD ControlNet img2img / "
-        "inpaint, in the output's aspect ratio (SD ControlNet txt2img takes it as --image)."
+        help="The control image (edges, depth, pose) of FLUX.1 Canny / Depth, of a FLUX.1 ControlNet set (every "
+        "task) and of SD ControlNet img2img / inpaint, in the output's aspect ratio (SD ControlNet txt2img takes "
+        "it as --image)."
     ),
 ]
 StrengthOpt = Annotated[
