@@ -82,6 +82,7 @@ def test_controlnet_set_matches_pytorch_square_img2img_inpaint_and_two_controlne
     assert_images_match(family, family.request(height=128, width=192, **given), "inpaint")
 
 
+@pytest.mark.slow  # on the compiled set (~30 s of setup in CI)
 def test_samples_the_engines_cannot_take_are_refused(family):
     """The transformer engine adds the ControlNet's one double and one single sample: other counts, or XLabs' repeated
     samples, are refused."""
