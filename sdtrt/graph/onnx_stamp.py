@@ -88,8 +88,8 @@ def _stamp(graph: Any, path: str, count: int) -> None:
         return ("shared", value)
 
     plan = [[slot(v) for v in n.inputs] for n in template]
-    in_copies = {id(n) for nodes in copies.values() for n in nodes}
-    if between := next((w[0] for row in plan for k, *w in row if k == "shared" and _after(w[0], in_copies)), None):
+    shared = {id(w[0]): w[0] for row in plan for kind, *w in row if kind == "shared" and w[0] is not None}
+    if between := _between(list(shared.values()), {id(n) for nodes in copies.values() for n in nodes}):
         raise ExportError(
             f"cannot stamp {path}: its blocks are chained through nodes outside them ({between.name}: a value added "
             "between blocks, as a ControlNet's samples are), which stamped copies would skip; its spec's "
@@ -135,23 +135,25 @@ def _stamp(graph: Any, path: str, count: int) -> None:
             graph.outputs[:] = [final if output is value else output for output in graph.outputs]
 
 
-def _after(value: Any, copies: set[int]) -> bool:
-    """Whether ``value``, made outside the copies (``copies``: their nodes' ids), is computed from what a copy gives:
-    a value between the blocks. One a copy makes (copy 0's shape symbols, which the others reuse) is not."""
-    producer = value.producer()
-    if producer is None or id(producer) in copies:
-        return False
+def _between(values: list[Any], copies: set[int]) -> Any:
+    """The first of ``values`` made outside the copies (``copies``: their nodes' ids) but computed from what a copy
+    gives: a value between the blocks; None if there is none. One a copy makes (copy 0's shape symbols, which the
+    others reuse) is not. One walk over their producers' ancestors, each node visited once."""
     seen: set[int] = set()
-    stack = [value]
-    while stack:
-        node = stack.pop().producer()
-        if node is None or id(node) in seen:
+    for value in values:
+        producer = value.producer()
+        if producer is None or id(producer) in copies:
             continue
-        if id(node) in copies:
-            return True
-        seen.add(id(node))
-        stack.extend(v for v in node.inputs if v is not None)
-    return False
+        stack = [producer]
+        while stack:
+            node = stack.pop()
+            if id(node) in copies:
+                return value
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            stack.extend(p for v in node.inputs if v is not None and (p := v.producer()) is not None)
+    return None
 
 
 def _relative_plan(nodes: list[Any], scope: str) -> list[tuple[Any, ...]]:
