@@ -16,20 +16,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(
-    *args: str, env: dict[str, str] | None = None, check: bool = False, **kwargs
+    *args: str, env: dict[str, str] | None = None, check: bool = False, forked: bool = True, **kwargs
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m sdtrt`` as a user would, capturing its output."""
+    """Run ``python -m sdtrt`` as a user would, capturing its output: in a process forked from one that imported the
+    CLI's libraries once (tests/forked_cli.py), or with ``forked=False`` (and whenever SDTRT_DEBUG is on: it is read
+    at import) as a subprocess of its own, for what only a fresh interpreter shows (its imports, its start-up time)."""
     full_env = os.environ | {"SDTRT_DEBUG": "0"} | (env or {})
-    result = subprocess.run(
-        [sys.executable, "-m", "sdtrt", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=kwargs.pop("cwd", REPO),
-        stdin=subprocess.DEVNULL,
-        timeout=kwargs.pop("timeout", 600),
-        **kwargs,
-    )
+    cwd, timeout = kwargs.pop("cwd", REPO), kwargs.pop("timeout", 600)
+    if forked and full_env["SDTRT_DEBUG"] in ("", "0") and not kwargs:
+        from tests.forked_cli import run_forked
+
+        result = run_forked(list(args), full_env, Path(cwd), timeout)
+    else:
+        result = subprocess.run(
+            [sys.executable, "-m", "sdtrt", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            timeout=timeout,
+            **kwargs,
+        )
     if check and result.returncode != 0:
         raise AssertionError(f"sdtrt {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
