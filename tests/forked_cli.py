@@ -182,5 +182,6 @@ if __name__ == "__main__":
         importlib.import_module(name)
     IMPORT_SET = {name: value for name, value in os.environ.items() if before.get(name) != value}
     child_request = serve()
-    if child_request is not None:
-        run_command(child_request)
+    if child_request is None:
+        os._exit(0)  # the server ran nothing: no teardown of torch's and diffusers' modules to wait for (seconds)
+    run_command(child_request)
