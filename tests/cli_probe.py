@@ -19,7 +19,7 @@ state = {
     "argv0": sys.argv[0],
     "args": sys.argv[1:],
     "cwd": os.getcwd(),
-    "stdin": sys.stdin.read(),
+    "stdin_is_devnull": os.path.samestat(os.fstat(0), os.stat(os.devnull)),  # as subprocess.DEVNULL opens it
     "env": {k: v for k, v in os.environ.items() if k.startswith("PROBE_") or k == "TERMINAL_WIDTH"},
     "rng": torch.rand(2).tolist(),
     "handlers": len(logging.getLogger().handlers),

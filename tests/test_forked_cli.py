@@ -32,7 +32,7 @@ def test_each_command_starts_from_the_same_fresh_state_and_leaves_none_behind(tm
     assert first.pop("pid") != second.pop("pid") != os.getpid()
     assert first == second
     assert first["args"] == ["a b", "0"] and first["argv0"] == str(REPO / "tests" / "cli_probe.py")
-    assert first["cwd"] == str(tmp_path) and first["stdin"] == ""
+    assert first["cwd"] == str(tmp_path) and first["stdin_is_devnull"]
     # the call's environment and what the CLI's import sets in a process of its own; nothing the probe set
     assert first["env"] == {"PROBE_GIVEN": "yes", "TERMINAL_WIDTH": "160"}
     assert first["sigterm"] == str(signal.SIG_DFL)
