@@ -64,7 +64,12 @@ class CliServer:
             request = {"module": module, "args": args, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
             assert self.process.stdin
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
-            pid = int(self.reply(timeout))  # the first waits for the server's imports
+            try:
+                pid = int(self.reply(timeout))  # the first waits for the server's imports
+            except subprocess.TimeoutExpired:  # a server that does not answer is stopped: the next call starts another
+                self.process.kill()
+                self.process.wait()
+                raise
             try:
                 code = int(self.reply(timeout))
             except subprocess.TimeoutExpired:
