@@ -19,11 +19,11 @@ def run_cli(
     *args: str, env: dict[str, str] | None = None, check: bool = False, forked: bool = True, **kwargs
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m sdtrt`` as a user would, capturing its output: in a process forked from one that imported the
-    CLI's libraries once (tests/forked_cli.py), or with ``forked=False`` (and whenever SDTRT_DEBUG is on: it is read
-    at import) as a subprocess of its own, for what only a fresh interpreter shows (its imports, its start-up time)."""
+    CLI's libraries once (tests/forked_cli.py: a fresh interpreter where ``env`` changes what is read at import), or
+    with ``forked=False`` as a subprocess of its own, for what only that shows (its imports, what it leaves at exit)."""
     full_env = os.environ | {"SDTRT_DEBUG": "0"} | (env or {})
     cwd, timeout = kwargs.pop("cwd", REPO), kwargs.pop("timeout", 600)
-    if forked and full_env["SDTRT_DEBUG"] in ("", "0") and not kwargs:
+    if forked and not kwargs:
         from tests.forked_cli import run_forked
 
         result = run_forked(list(args), full_env, Path(cwd), timeout)
