@@ -144,8 +144,11 @@ def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(family):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "this model's pipeline needs an input control image: pass --control-image"),
-        (["--control-image", "{wide}"], "the control image is 64x128 px and the image to generate 256x256"),
+        ([], "--task txt2img on this model needs a control image: pass --control-image"),
+        (
+            ["--control-image", "{wide}"],
+            "the control image is 128×64 px (w×h) and the image to generate 256×256 px (w×h)",
+        ),
     ],
 )
 def test_generate_refuses_a_missing_or_misfit_control_image_before_loading(args, message, tmp_path):

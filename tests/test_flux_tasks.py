@@ -201,7 +201,7 @@ def test_triton_serves_the_task_with_its_images_and_refuses_a_row_without_them(f
     np.testing.assert_array_equal(good.image()[0], local)
     assert bad.error.code() == "INVALID_ARG" and "\n" not in bad.error.message()
     assert {"tiny-flux-fill": "fits none of this model's tasks: inpaint image+mask_image (optional strength)",
-            "tiny-flux-control": "the control image is 128x128 px and the image to generate 128x192",
+            "tiny-flux-control": "the control image is 128×128 px (w×h) and the image to generate 192×128 px (w×h)",
             "tiny-flux-kontext": "fits none of this model's tasks: img2img no image (optional image)",
             }[family.name] in bad.error.message()  # fmt: skip
     declared = {name for name in ("image", "mask_image", "control_image", "strength") if f'"{name}"' in config}
@@ -249,7 +249,7 @@ def test_kontext_inpaint_without_its_image_or_mask_is_refused_before_running(fam
     try:
         for lacking, flag in ({"mask_image": mask(128, 128)}, "--image"), ({"image": picture(128, 128)}, "--mask"):
             request = family.request(height=128, width=128, **lacking)
-            with pytest.raises(RequestError, match=rf"^this model's pipeline needs an input [a-z ]+: pass {flag}$"):
+            with pytest.raises(RequestError, match=rf"^--task inpaint needs an? [a-z ]+: pass {flag}$"):
                 generate(engine, request)
             with pytest.raises(RequestError, match=rf"pass {flag}$"):
                 check_pipeline_inputs(request, family.source.pipeline_class(), "inpaint", rule)

@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from ..core.config import pixel_size
 from ..core.errors import RequestError
 
 if TYPE_CHECKING:
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
 # proportional one (a 1024x1024 depth map for a 512x512 image) lines up; another would be stretched without a word.
 ASPECT_TOLERANCE = 0.01
 
+# What each image a pipeline may need is, in words, and the flag that passes it.
+NEEDED = {
+    "image": ("an input image", "--image"),
+    "mask_image": ("a mask image", "--mask"),
+    "control_image": ("a control image", "--control-image"),
+}
+
 # What to say to a control image given to a pipeline that takes none.
 CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
 
@@ -31,10 +39,13 @@ def check_inputs(
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
     for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
     (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
-    images are optional (without one they generate from text)."""
-    for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
+    images are optional (without one they generate from text). The refusal names the task, which needs the image
+    (only inpainting pipelines take a mask, only img2img and inpainting ones a strength), not the model."""
+    task = "inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else "txt2img"
+    for name, (what, flag) in NEEDED.items():
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
-            raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
+            here = " on this model" if name == "control_image" else ""  # a txt2img task needs none elsewhere
+            raise RequestError(f"--task {task}{here} needs {what}: pass {flag}")
     for name in ("negative_prompt", "image", "mask_image", "control_image"):
         if getattr(request, name) is not None and name not in accepts:
             fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
@@ -86,10 +97,10 @@ def check_reference_fits(
     image and ``tokens`` of a reference resized to ``size`` (``inpaint``: the image to repaint), or the VAE encoder's
     not that size."""
     generated = (height // multiple) * (width // multiple)
-    cause = f"the {height}x{width} image is {generated} tokens" + (
+    cause = f"the {pixel_size(height, width)} image is {generated} tokens" + (
         " and the image to inpaint, its reference, as many more"
         if inpaint
-        else f" and its reference, resized to {size[0]}x{size[1]} (FLUX.1 Kontext's preferred resolution nearest its "
+        else f" and its reference, resized to {pixel_size(*size)} (FLUX.1 Kontext's preferred resolution nearest its "
         f"aspect ratio), {tokens} more"
         if size
         else f" and its reference latents {tokens} more"
@@ -107,8 +118,8 @@ def check_reference_fits(
         low_shape, _, high_shape = next(iter(encoder.spec.profile_shapes(encoder.profile).values()))
         if not all(lo <= side <= hi for side, lo, hi in zip(size, low_shape[2:], high_shape[2:], strict=True)):
             raise RequestError(
-                f"{cause}: the VAE encoder's profile takes {low_shape[2]}..{high_shape[2]} x "
-                f"{low_shape[3]}..{high_shape[3]} px; {fix}"
+                f"{cause}: the VAE encoder's profile takes {low_shape[3]}..{high_shape[3]} px wide and "
+                f"{low_shape[2]}..{high_shape[2]} px high; {fix}"
             )
 
 
@@ -132,9 +143,9 @@ def check_control_image(control: Any, height: int, width: int) -> None:
     if size is None or abs(size[0] * width - size[1] * height) <= ASPECT_TOLERANCE * size[0] * width:
         return
     raise RequestError(
-        f"the control image is {size[0]}x{size[1]} px and the image to generate {height}x{width}, another aspect "
-        "ratio: a control image (edges, depth, pose) lines up with the output pixel for pixel, and the pipeline would "
-        "stretch it; pass one in the output's aspect ratio (any size: it is resized), or ask for a --height and "
+        f"the control image is {pixel_size(*size)} and the image to generate {pixel_size(height, width)}, another "
+        "aspect ratio: a control image (edges, depth, pose) lines up with the output pixel for pixel, and the pipeline "
+        "would stretch it; pass one in the output's aspect ratio (any size: it is resized), or ask for a --height and "
         "--width in its ratio"
     )
 
@@ -222,12 +233,12 @@ def sized_by_image(
     if any(side not in (None, made) for side, made in zip(asked.values(), size, strict=True)):
         given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
         raise RequestError(
-            f"the input image is {size[0]}x{size[1]} px, not the {given} asked: SD, SDXL and LCM img2img make the "
+            f"the input image is {pixel_size(*size)}, not the {given} asked: SD, SDXL and LCM img2img make the "
             "input image's size; leave the height and width out, or resize the image"
         )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
         problems.append(profile.size_problem(*size))
     if problem := next(filter(None, problems), None):
-        raise RequestError(f"the input image, whose size the output takes, is {size[0]}x{size[1]} px: {problem}")
+        raise RequestError(f"the input image, whose size the output takes, is {pixel_size(*size)}: {problem}")
     return dataclasses.replace(request, height=size[0], width=size[1])
