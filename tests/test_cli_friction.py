@@ -103,7 +103,7 @@ def test_pipeline_inputs_match_diffusers_signatures():
 
     for name in (name for row in PIPELINE_TASKS for name in row.values()):
         parameters = inspect.signature(getattr(diffusers, name).__call__).parameters
-        optional = ("negative_prompt", "image", "mask_image", "control_image", "strength", "height")
+        optional = ("negative_prompt", "image", "mask_image", "control_image", "image_reference", "strength", "height")
         expected = {p for p in optional if p in parameters}
         assert pipeline_inputs(name) == expected, name
 

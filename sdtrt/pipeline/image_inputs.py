@@ -29,8 +29,9 @@ NEEDED = {
     "control_image": ("a control image", "--control-image"),
 }
 
-# What to say to a control image given to a pipeline that takes none.
+# What to say to a control image, or a reference to inpaint by, given to a pipeline that takes none.
 CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
+REFERENCE_FIX = " (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a --mask)"
 
 
 def check_inputs(
@@ -46,48 +47,66 @@ def check_inputs(
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
             here = " on this model" if name == "control_image" else ""  # a txt2img task needs none elsewhere
             raise RequestError(f"--task {task}{here} needs {what}: pass {flag}")
-    for name in ("negative_prompt", "image", "mask_image", "control_image"):
+    for name in ("negative_prompt", "image", "mask_image", "control_image", "image_reference"):
         if getattr(request, name) is not None and name not in accepts:
-            fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
+            fixes = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}
+            fix = fixes.get(name, REFERENCE_FIX if name == "image_reference" else "")
             raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
 
 def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any, inpaint: bool) -> GenerateRequest:
     """The request with FLUX.1 Kontext's reference resized as FluxKontextPipeline resizes it (_auto_resize): to the
     preferred resolution nearest its aspect ratio, scaled to the model's native size (diffusers' own at 1024 px).
-    ``inpaint`` (FluxKontextInpaintPipeline): the image to repaint, its reference tokens too, resized to the output's
-    size, as the other inpainting pipelines resize theirs (with _auto_resize off it makes the output's size).
-    RequestError, before anything runs, where the engines' profile cannot take its tokens or its size."""
+    ``inpaint`` (FluxKontextInpaintPipeline): the image to repaint resized to the output's size, as the other
+    inpainting pipelines resize theirs (with _auto_resize off it makes the output's size); its reference tokens are
+    that image's, or those of its ``image_reference``, resized as a Kontext reference is. RequestError, before
+    anything runs, where the engines' profile cannot take the tokens or the sizes."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    image = one_reference(request.image)
+    assert request.height and request.width  # sized_for set them
+    if image is None and inpaint:
+        return request  # the request's check_inputs says what is missing
+    if not inpaint:
+        size, tokens, image = kontext_reference(image, rule, pipe)
+        check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, inpaint=False)
+        return dataclasses.replace(request, image=image)
+    image = VaeImageProcessor().resize(image, request.height, request.width)
+    reference = one_reference(request.image_reference)
+    if reference is None:  # the image to repaint is the reference too
+        size = (request.height, request.width)
+        tokens = (request.height // rule.multiple) * (request.width // rule.multiple)
+    else:
+        size, tokens, reference = kontext_reference(reference, rule, pipe)
+    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, reference is None)
+    return dataclasses.replace(request, image=image, image_reference=reference)
+
+
+def one_reference(image: Any) -> Any:
+    """A request's Kontext reference (or image to repaint): one image, or None; RequestError for a list of others."""
+    if not isinstance(image, list):
+        return image
+    if len(image) != 1:
+        raise RequestError(f"FLUX.1 Kontext takes one reference image, not {len(image)}: pass one")
+    return image[0]
+
+
+def kontext_reference(image: Any, rule: SizeRule, pipe: Any) -> tuple[tuple[int, int] | None, int, Any]:
+    """A Kontext reference's (height, width) once resized (None where it is not: no reference, or latents), its
+    tokens, and the reference resized to the preferred resolution nearest its aspect ratio, as diffusers picks it."""
     import torch
     from diffusers.image_processor import VaeImageProcessor
 
     from ..spec.transformer import reference_sizes
 
-    image = request.image
-    if isinstance(image, list):
-        if len(image) != 1:
-            raise RequestError(f"FLUX.1 Kontext takes one reference image, not {len(image)}: pass one")
-        image = image[0]
-    assert request.height and request.width  # sized_for set them
-    if image is None and inpaint:
-        return request  # the request's check_inputs says what is missing
-    size = None
     if image is None:  # text to image
-        tokens = 0
-    elif inpaint:
-        size = (request.height, request.width)
-        tokens = (request.height // rule.multiple) * (request.width // rule.multiple)
-        image = VaeImageProcessor().resize(image, *size)
-    elif isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
-        tokens = (image.shape[-2] // 2) * (image.shape[-1] // 2)  # latents: the pipeline packs them as they are
-    else:
-        height, width = image_size(image) or (0, 0)
-        preferred = reference_sizes(rule.default_height, rule.multiple)
-        _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
-        size, tokens = (h, w), (h // rule.multiple) * (w // rule.multiple)
-        image = VaeImageProcessor().resize(image, h, w)
-    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, inpaint)
-    return dataclasses.replace(request, image=image)
+        return None, 0, None
+    if isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
+        return None, (image.shape[-2] // 2) * (image.shape[-1] // 2), image  # latents: packed as they are
+    height, width = image_size(image) or (0, 0)
+    preferred = reference_sizes(rule.default_height, rule.multiple)
+    _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
+    return (h, w), (h // rule.multiple) * (w // rule.multiple), VaeImageProcessor().resize(image, h, w)
 
 
 def check_reference_fits(
@@ -175,7 +194,7 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
 
 
 # What a request carries besides its text and numbers that decides its task: the images a pipeline takes, strength.
-TASK_INPUTS = ("image", "mask_image", "control_image", "strength")
+TASK_INPUTS = ("image", "mask_image", "control_image", "image_reference", "strength")
 
 
 def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
@@ -188,8 +207,8 @@ def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
     takes = []
     for task, pipeline in tasks.items():
         accepts = pipeline_inputs(pipeline) & set(TASK_INPUTS)
-        optional = (
-            {"strength", "image"} if pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES else {"strength"}
+        optional = {"strength", "image_reference"} | (
+            {"image"} if pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES else set()
         )
         needs = accepts - optional
         if needs <= given <= accepts:
