@@ -62,6 +62,10 @@ def pictures(tmp_path_factory):
             ["--model", "tiny-flux-kontext", "--task", "inpaint", "--image", "{in}"],
             "--task inpaint needs a mask image: pass --mask",
         ),
+        (  # a reference to inpaint by, on Kontext's img2img pipeline
+            ["--model", "tiny-flux-kontext", "--image", "{in}", "--reference-image", "{in}"],
+            "takes no image reference (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a",
+        ),
         (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
         (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),
         (["--model", "tiny-lcm", "--image", "{in}", "--mask", "{mask}"], "its family has no inpaint pipeline"),
