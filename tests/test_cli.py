@@ -254,7 +254,7 @@ def test_version_and_help_do_not_import_the_heavy_libraries():
             ["validate", "--model", "tiny", "--engine", "0123abcd", "--height", "300"],
             "height 300 is not a positive multiple of 16",
         ),
-        (["generate", "--task", "inpaint"], "this model's pipeline needs an input image: pass --image"),
+        (["generate", "--task", "inpaint"], "--task inpaint needs an input image: pass --image"),
         (
             ["generate", "--model", "tiny-flux", "--negative-prompt", "blurry"],
             "FLUX.1 pipelines read one only for true",

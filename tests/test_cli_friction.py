@@ -52,15 +52,28 @@ def pictures(tmp_path_factory):
         (["--image", "{in}"], "this model's pipeline takes no image: pass --task img2img"),
         (["--mask", "{mask}"], "takes no mask image: pass --task inpaint and an --image"),
         (["--task", "img2img", "--image", "{in}", "--mask", "{mask}"], "takes no mask image: pass --task inpaint"),
-        (["--model", "tiny-inpaint"], "this model's pipeline needs an input image: pass --image"),
-        (["--model", "tiny-inpaint", "--image", "{in}"], "needs an input mask image: pass --mask"),
-        (["--model", "tiny-flux-kontext", "--task", "inpaint", "--mask", "{mask}"], "input image: pass --image"),
-        (["--model", "tiny-flux-kontext", "--task", "inpaint", "--image", "{in}"], "input mask image: pass --mask"),
+        (["--model", "tiny-inpaint"], "--task inpaint needs an input image: pass --image"),
+        (["--model", "tiny-inpaint", "--image", "{in}"], "--task inpaint needs a mask image: pass --mask"),
+        (
+            ["--model", "tiny-flux-kontext", "--task", "inpaint", "--mask", "{mask}"],
+            "--task inpaint needs an input image: pass --image",
+        ),
+        (
+            ["--model", "tiny-flux-kontext", "--task", "inpaint", "--image", "{in}"],
+            "--task inpaint needs a mask image: pass --mask",
+        ),
+        (  # a reference to inpaint by, on Kontext's img2img pipeline
+            ["--model", "tiny-flux-kontext", "--image", "{in}", "--reference-image", "{in}"],
+            "takes no image reference (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a",
+        ),
         (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
         (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),
         (["--model", "tiny-lcm", "--image", "{in}", "--mask", "{mask}"], "its family has no inpaint pipeline"),
         # SD img2img makes the input's size (held to the grid and profile as on the Triton wire): a height asked is not
-        (["--task", "img2img", "--image", "{in}", "--height", "128"], "64x64 px, not the height 128 asked: SD, SDXL"),
+        (
+            ["--task", "img2img", "--image", "{in}", "--height", "128"],
+            "64×64 px (w×h), not the height 128 asked: SD, SDXL",
+        ),
     ],
 )
 def test_generate_refuses_inputs_the_pipeline_cannot_take_before_loading_it(args, message, pictures):
@@ -94,7 +107,7 @@ def test_pipeline_inputs_match_diffusers_signatures():
 
     for name in (name for row in PIPELINE_TASKS for name in row.values()):
         parameters = inspect.signature(getattr(diffusers, name).__call__).parameters
-        optional = ("negative_prompt", "image", "mask_image", "control_image", "strength", "height")
+        optional = ("negative_prompt", "image", "mask_image", "control_image", "image_reference", "strength", "height")
         expected = {p for p in optional if p in parameters}
         assert pipeline_inputs(name) == expected, name
 

@@ -159,9 +159,9 @@ def test_copies_that_differ_by_one_attribute_are_refused():
 def test_a_transformer_part_stamps_nothing():
     config = {"num_layers": 19, "num_single_layers": 38}  # FLUX.1's
     lists = {"network.transformer_blocks": 19, "network.single_transformer_blocks": 38}
-    assert stamped_blocks(FluxTransformerSpec, config) == lists  # type: ignore[arg-type]
+    assert stamped_blocks(FluxTransformerSpec("fp32", "named", 8), config) == lists
     for part in ("transformer_embed", "transformer_first_block", "transformer_rest", "transformer_out"):
-        assert stamped_blocks(part_class(part, "FluxTransformer2DModel"), config) == {}  # type: ignore[arg-type]
+        assert stamped_blocks(part_class(part, "FluxTransformer2DModel")("fp32", "named", 8), config) == {}
 
 
 def test_the_optimizer_bounded_by_use_gives_onnxscripts_graph():
@@ -280,6 +280,10 @@ def test_a_stamped_export_is_the_whole_export(preset, component, counts, tmp_pat
     stamped = export.run(config, model, Store(tmp_path / "stamped"))
     blocks = {WRAPPER + path: counts[key] for path, key in spec.repeated_blocks.items()}
     assert stamped.manifest["details"]["stamped"] == {"traced_copies": STAMP_FROM, "blocks": blocks}
+    assert (
+        stamped.manifest["details"]["stamped_reason"]
+        == f"streamed: {STAMP_FROM} copies of each list traced, the others stamped"
+    )
     monkeypatch.setattr(type(spec), "repeated_blocks", {})
     whole = export.run(config, model, Store(tmp_path / "whole"))
     assert whole.manifest["details"]["stamped"] == {}

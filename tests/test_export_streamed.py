@@ -113,6 +113,15 @@ def test_streamed_export_is_the_loaded_export(preset, component, precision, load
     streamed = streamed_export(model, component, precision)  # the one test_block_parity cuts blocks from
     assert streamed.manifest["details"]["weights"] == "stream"
     assert streamed.manifest["details"]["weights_reason"] == "asked for with --weights stream"
+    # Nothing stamped on a tiny preset, and its manifest says why: T5's and Flux's lists are short, the others none.
+    spec = export.spec_for(model, config)
+    short = "no block list is longer than the 4 copies a stamped trace traces"
+    none = f"the {spec.label} lists no repeated blocks to stamp"
+    assert streamed.manifest["details"]["stamped"] == {}
+    assert streamed.manifest["details"]["stamped_reason"] == f"traced whole: {short if spec.repeated_blocks else none}"
+    assert loaded.manifest["details"]["stamped_reason"] == (
+        "traced whole: only a streamed export (--weights stream) stamps blocks"
+    )
     assert "--weights stream" in streamed.manifest["reproduce"]
 
     want = onnx.load(str(loaded.primary))
@@ -130,7 +139,6 @@ def test_streamed_export_is_the_loaded_export(preset, component, precision, load
 
     # Both graphs load and run (tiny-sdxl fp16: its get_aug_embed concat of fp16 and fp32 is cast, patches.py),
     # give the same output, and that output is the PyTorch fp32 network's within the graph precision's tolerances.
-    spec = export.spec_for(model, config)
     outputs = ort_outputs(streamed.primary, spec, precision), ort_outputs(loaded.primary, spec, precision)
     for a, b in zip(*outputs, strict=True):
         assert np.array_equal(a, b)

@@ -148,7 +148,7 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
     for network in (engine.text_encoder, engine.transformer, engine.vae):
         network.register_forward_pre_hook(lambda *_: calls.append(1))
     artifact = Artifact.open(engine.transformer.engine_paths["transformer"])  # a member: the set's profile
-    cases = {"512x512 px as the pipeline feeds it, its height outside": noise_image(512, 512),
+    cases = {"512×512 px (w×h) as the pipeline feeds it, its height outside": noise_image(512, 512),
              "2 reference image(s), more than the 1": [noise_image(128, 128)] * 2}  # fmt: skip
     for message, image in cases.items():
         req = request(height=128, width=128, image=image)
@@ -228,4 +228,4 @@ def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile
     local = generate(engine, request(height=128, width=128, image=noise_image(128, 128))).images[0]
     np.testing.assert_array_equal(edited.image()[0], np.asarray(local))
     assert too_big.error.code() == "INVALID_ARG" and "\n" not in too_big.error.message()
-    assert "512x512 px as the pipeline feeds it, its height outside" in too_big.error.message()
+    assert "512×512 px (w×h) as the pipeline feeds it, its height outside" in too_big.error.message()

@@ -129,11 +129,14 @@ def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(family):
     """Its samples are added between the blocks, which stamped copies would skip (graph/onnx_stamp.py refuses such
     a trace): at FLUX.1's depth a ControlNet set's transformer stamps nothing, a plain one its two lists."""
     from sdtrt.sources.models import resolve_model
-    from sdtrt.stages.export_stream import stamped_blocks
+    from sdtrt.stages.export_stream import stamped_blocks, stamped_reason
 
     depth = {"num_layers": 19, "num_single_layers": 38}
     controlnet_set = component_spec(family.source, "transformer", "fp32")
     assert stamped_blocks(controlnet_set, family.source.component_config("transformer") | depth) == {}
+    assert stamped_reason(controlnet_set, "stream", {}) == (
+        "traced whole: a FLUX.1 ControlNet set's samples are added between its blocks, which stamped copies would skip"
+    )
     plain = component_spec(resolve_model("tiny-flux"), "transformer", "fp32")
     assert len(stamped_blocks(plain, resolve_model("tiny-flux").component_config("transformer") | depth)) == 2
 
@@ -141,8 +144,11 @@ def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(family):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "this model's pipeline needs an input control image: pass --control-image"),
-        (["--control-image", "{wide}"], "the control image is 64x128 px and the image to generate 256x256"),
+        ([], "--task txt2img on this model needs a control image: pass --control-image"),
+        (
+            ["--control-image", "{wide}"],
+            "the control image is 128×64 px (w×h) and the image to generate 256×256 px (w×h)",
+        ),
     ],
 )
 def test_generate_refuses_a_missing_or_misfit_control_image_before_loading(args, message, tmp_path):

@@ -201,15 +201,16 @@ def test_triton_serves_the_task_with_its_images_and_refuses_a_row_without_them(f
     np.testing.assert_array_equal(good.image()[0], local)
     assert bad.error.code() == "INVALID_ARG" and "\n" not in bad.error.message()
     assert {"tiny-flux-fill": "fits none of this model's tasks: inpaint image+mask_image (optional strength)",
-            "tiny-flux-control": "the control image is 128x128 px and the image to generate 128x192",
+            "tiny-flux-control": "the control image is 128×128 px (w×h) and the image to generate 192×128 px (w×h)",
             "tiny-flux-kontext": "fits none of this model's tasks: img2img no image (optional image)",
             }[family.name] in bad.error.message()  # fmt: skip
-    declared = {name for name in ("image", "mask_image", "control_image", "strength") if f'"{name}"' in config}
+    names = ("image", "mask_image", "control_image", "image_reference", "strength")
+    declared = {name for name in names if f'"{name}"' in config}
     assert (
         declared
         == {
             "tiny-flux-fill": {"image", "mask_image", "strength"},
-            "tiny-flux-kontext": {"image", "mask_image", "strength"},  # its inpainting pipeline's too
+            "tiny-flux-kontext": {"image", "mask_image", "image_reference", "strength"},  # its inpainting one's too
             "tiny-flux-control": {"image", "mask_image", "control_image", "strength"},
         }[family.name]
     )
@@ -238,6 +239,26 @@ def test_kontext_inpaint_matches_pytorch_its_image_the_reference_tokens(family, 
     assert set(fed) == {(1, 2 * (size[0] // 16) * (size[1] // 16), 64)}
 
 
+def test_kontext_inpaint_with_a_reference_image_matches_pytorch(family):
+    """FluxKontextInpaintPipeline's image_reference: a reference apart from the image to repaint, resized as a Kontext
+    reference is (a 96-wide, 160-high portrait → Kontext's 784x1312 scaled to 256 px: 192 wide, 320 high, 240 tokens),
+    whose tokens, not the repainted image's, follow the generated ones; the image is PyTorch fp32's."""
+    if family.name != "tiny-flux-kontext":
+        pytest.skip("FLUX.1 Kontext's inpainting")
+    _, engine = family.pipelines("inpaint")
+    given = {"image": picture(96, 160, seed=2), "mask_image": mask(96, 160), "strength": 0.8}
+    fed = []
+    hook = engine.transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: fed.append(kwargs["hidden_states"].shape), with_kwargs=True
+    )
+    try:
+        request = family.request(height=128, width=192, image_reference=picture(160, 96, seed=4), **given)
+        assert_images_match(family, request, "inpaint")
+    finally:
+        hook.remove()
+    assert set(fed) == {(1, (128 // 16) * (192 // 16) + 240, 64)}
+
+
 def test_kontext_inpaint_without_its_image_or_mask_is_refused_before_running(family):
     """By generate before an engine runs, and by the check `sdtrt generate --task inpaint` makes before loading."""
     if family.name != "tiny-flux-kontext":
@@ -248,11 +269,15 @@ def test_kontext_inpaint_without_its_image_or_mask_is_refused_before_running(fam
     hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in (engine.transformer, engine.vae)]
     try:
         for lacking, flag in ({"mask_image": mask(128, 128)}, "--image"), ({"image": picture(128, 128)}, "--mask"):
-            request = family.request(height=128, width=128, **lacking)
-            with pytest.raises(RequestError, match=rf"^this model's pipeline needs an input [a-z ]+: pass {flag}$"):
+            request = family.request(height=128, width=128, image_reference=picture(128, 128), **lacking)
+            with pytest.raises(RequestError, match=rf"^--task inpaint needs an? [a-z ]+: pass {flag}$"):
                 generate(engine, request)
             with pytest.raises(RequestError, match=rf"pass {flag}$"):
                 check_pipeline_inputs(request, family.source.pipeline_class(), "inpaint", rule)
+        # A reference to inpaint by, given to Kontext's img2img pipeline: --task inpaint takes it.
+        request = family.request(height=128, width=128, image=picture(128, 128), image_reference=picture(128, 128))
+        with pytest.raises(RequestError, match=r"takes no image reference \(FLUX.1 Kontext's inpainting takes one: "):
+            check_pipeline_inputs(request, family.source.pipeline_class(), None, rule)
     finally:
         for hook in hooks:
             hook.remove()

@@ -282,7 +282,7 @@ def test_an_edit_without_its_image_is_refused_before_running(qwen, task):
     ]
     req = request(height=128, width=128)  # no image, no mask
     try:
-        with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
+        with pytest.raises(RequestError, match=r"^--task (img2img|inpaint) needs an input image: pass --image$"):
             generate(edit, req)
     finally:
         for hook in hooks:

@@ -6,6 +6,7 @@ it was written; every test that stops a server starts its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -455,3 +456,40 @@ def test_a_flux2_dev_set_is_served_text_to_image_and_with_a_reference_image(stor
     for name, request in requests.items():
         np.testing.assert_array_equal(served[name], np.asarray(generate(pipe, request).images[0]), err_msg=name)
     assert served["txt2img"].shape == (SIZE, 192, 3) and not np.array_equal(served["txt2img"], served["reference"])
+
+
+@pytest.mark.slow  # the Kontext set's compile (tests/test_flux_tasks.py's, a cache hit there) and a server of its own
+def test_a_kontext_set_serves_inpaint_rows_with_and_without_a_reference_image(store, tmp_path):
+    """FLUX.1 Kontext inpainting on a real Triton: an image + mask_image row (the image its own reference) and one
+    with an image_reference too (the UINT8 input config.pbtxt declares), each generate's image bit for bit."""
+    from PIL import Image
+
+    from sdtrt.core.config import ExportConfig
+    from sdtrt.pipeline.loading import generate, load_pipeline
+    from sdtrt.serving.client import remote_image
+    from sdtrt.serving.deploy import TritonDeployConfig, deploy_triton
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-flux-kontext")
+    kontext = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final
+    deployment = deploy_triton(kontext, tmp_path / "repo", TritonDeployConfig(max_batch=1))
+    assert deployment.record["tasks"] == {"img2img": "FluxKontextPipeline", "inpaint": "FluxKontextInpaintPipeline"}
+    assert (
+        '{ name: "image_reference", data_type: TYPE_UINT8, dims: [ -1, -1, 3 ], optional: true }'
+        in (deployment.folder / "config.pbtxt").read_text()
+    )
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (96, 160, 3), dtype=np.uint8))
+    reference = Image.fromarray(rng.integers(0, 256, (160, 96, 3), dtype=np.uint8))  # another aspect ratio
+    box = np.zeros((96, 160), dtype=np.uint8)
+    box[24:72, 40:120] = 255
+    inpaint = GenerateRequest(prompt="a fox", steps=2, seed=5, height=SIZE, width=192, strength=0.8, image=photo,
+                              mask_image=Image.fromarray(box, "L"))  # fmt: skip
+    requests = {"inpaint": inpaint, "reference": dataclasses.replace(inpaint, image_reference=reference)}
+    with _serve(tmp_path / "repo", tmp_path) as server:
+        served = {name: remote_image(server.config.http_url, request) for name, request in requests.items()}
+    pipe = load_pipeline(source, kontext, task="inpaint")
+    for name, request in requests.items():
+        np.testing.assert_array_equal(served[name], np.asarray(generate(pipe, request).images[0]), err_msg=name)
+    assert served["inpaint"].shape == (SIZE, 192, 3) and not np.array_equal(served["inpaint"], served["reference"])

@@ -109,12 +109,16 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
         errors[3]
         .message()
         .startswith(
-            "the input image, whose size the output takes, is 512x512 px: height 512 is outside the engine's profile "
-            "(128..384 px)"
+            "the input image, whose size the output takes, is 512×512 px (w×h): height 512 is outside the engine's "
+            "profile (128..384 px)"
         )
     )
-    assert "is 100x128 px: height 100 is not a positive multiple of 16 pixels" in errors[4].message()
-    assert errors[5].message().startswith("the input image is 128x128 px, not the height 256 and width 256 asked: SD")
+    assert "is 128×100 px (w×h): height 100 is not a positive multiple of 16 pixels" in errors[4].message()
+    assert (
+        errors[5]
+        .message()
+        .startswith("the input image is 128×128 px (w×h), not the height 256 and width 256 asked: SD")
+    )
     assert errors[6].message().startswith("strength 1.5 is outside 0..1")
     local = {task: load_pipeline(tiny, tiny_set, task=task) for task in asked}
     for index, task in ((0, "img2img"), (2, "inpaint")):

@@ -143,7 +143,7 @@ def test_an_edit_without_its_image_is_refused_before_running(zimage, task):
     ]
     req = request("txt2img", SQUARE)  # no image, no mask
     try:
-        with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image: pass --image$"):
+        with pytest.raises(RequestError, match=r"^--task (img2img|inpaint) needs an input image: pass --image$"):
             generate(engine, req)
     finally:
         for hook in hooks:

@@ -51,6 +51,14 @@ ControlImageOpt = Annotated[
         "it as --image)."
     ),
 ]
+ReferenceImageOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="FLUX.1 Kontext inpainting (--task inpaint on a Kontext set): the reference image its edit reads, apart "
+        "from the --image it repaints (which is the reference without one); resized to Kontext's preferred "
+        "resolution nearest its aspect ratio."
+    ),
+]
 StrengthOpt = Annotated[
     float | None,
     typer.Option(

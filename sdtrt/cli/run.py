@@ -53,6 +53,7 @@ def generate_command(
     image: request_options.ImageOpt = None,
     mask: request_options.MaskOpt = None,
     control_image: request_options.ControlImageOpt = None,
+    reference_image: request_options.ReferenceImageOpt = None,
     strength: request_options.StrengthOpt = None,
     task: Annotated[
         str | None,
@@ -87,6 +88,7 @@ def generate_command(
     Example: sdtrt generate --engine engines/set/2a06c39aaf814d52 --prompt "a red fox" --lora style.safetensors:.8
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     FLUX.1 Fill / Canny / Kontext: --image photo.png --mask mask.png; --control-image edges.png; --image reference.png
+    Kontext inpainting: --task inpaint --image photo.png --mask mask.png (--reference-image other.png: its reference)
     IP-Adapter: sdtrt generate --engine engines/set/… --ip-adapter-image style.png --ip-adapter-scale 0.6
     """
     from ..core.families import pipeline_class_name
@@ -107,6 +109,7 @@ def generate_command(
         mask_image=request_options.open_image(mask, "L", "--mask"),
         ip_adapter_image=request_options.open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
         control_image=request_options.open_image(control_image, "RGB", "--control-image"),
+        image_reference=request_options.open_image(reference_image, "RGB", "--reference-image"),
     )  # fmt: skip
     if ip_adapter_image is not None:
         request_options.require_ip_adapter_engine(artifact)

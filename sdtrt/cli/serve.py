@@ -130,6 +130,7 @@ def client_command(
     image: request_options.ImageOpt = None,
     mask: request_options.MaskOpt = None,
     control_image: request_options.ControlImageOpt = None,
+    reference_image: request_options.ReferenceImageOpt = None,
     strength: request_options.StrengthOpt = None,
     model_name: ModelNameOpt = TritonDeployConfig.name,
     out: Annotated[Path, typer.Option(help="Where to write the PNG.")] = Path("image.png"),
@@ -137,8 +138,8 @@ def client_command(
 ) -> None:
     """Ask a Triton server for an image and save it as a PNG.
 
-    The images given (--image, --mask, --control-image) pick the served task, as --task does for generate: none
-    text-to-image, --image img2img, --image and --mask inpainting.
+    The images given (--image, --mask, --control-image, --reference-image) pick the served task, as --task does for
+    generate: none text-to-image, --image img2img, --image and --mask inpainting.
 
     Example: sdtrt client --url 127.0.0.1:8000 --prompt "a red fox" --seed 1 --out fox.png
     Inpainting: sdtrt client --prompt "a red fox" --image photo.png --mask mask.png --strength 0.8 --out fox.png
@@ -153,6 +154,7 @@ def client_command(
         image=request_options.open_image(image, "RGB", "--image"),
         mask_image=request_options.open_image(mask, "L", "--mask"),
         control_image=request_options.open_image(control_image, "RGB", "--control-image"),
+        image_reference=request_options.open_image(reference_image, "RGB", "--reference-image"),
     )  # fmt: skip
     Image.fromarray(remote_image(url, request, model_name, timeout_s=timeout)).save(out)
     typer.echo(out)

@@ -184,11 +184,12 @@ SIZED_IMG2IMG = ("StableDiffusion3", "Flux", "ZImage", "QwenImage")
 
 
 def pipeline_inputs(class_name: str) -> frozenset[str]:
-    """Which of a request's optional inputs (negative_prompt, image, mask_image, control_image, strength, height) the
-    ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported
-    (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their control image as
-    ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``); Kontext's reference
-    image is its ``image``, and FLUX.2 [klein]'s optional reference images too; FLUX.1 ControlNet pipelines take a
+    """Which of a request's optional inputs (negative_prompt, image, mask_image, control_image, image_reference,
+    strength, height) the ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before
+    diffusers is imported (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their
+    control image as ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``);
+    Kontext's reference image is its ``image`` (its inpainting pipeline's an optional ``image_reference``, ``image``
+    being repainted), and FLUX.2 [klein]'s optional reference images too; FLUX.1 ControlNet pipelines take a
     ``control_image`` for every task (a negative prompt for txt2img only). SD, SDXL and LCM img2img take no height
     (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
@@ -202,6 +203,7 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
         "image": img2img or inpaint or kontext or (controlnet and not flux_controlnet) or reference,
         "mask_image": inpaint,
         "control_image": flux_control or flux_controlnet or (controlnet and (img2img or inpaint)),
+        "image_reference": kontext and inpaint,  # its own reference, where ``image`` is repainted
         "strength": img2img or inpaint,
         "height": not img2img or controlnet or class_name.startswith(SIZED_IMG2IMG),
     }

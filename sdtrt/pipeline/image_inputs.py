@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from ..core.config import pixel_size
 from ..core.errors import RequestError
 
 if TYPE_CHECKING:
@@ -21,8 +22,16 @@ if TYPE_CHECKING:
 # proportional one (a 1024x1024 depth map for a 512x512 image) lines up; another would be stretched without a word.
 ASPECT_TOLERANCE = 0.01
 
-# What to say to a control image given to a pipeline that takes none.
+# What each image a pipeline may need is, in words, and the flag that passes it.
+NEEDED = {
+    "image": ("an input image", "--image"),
+    "mask_image": ("a mask image", "--mask"),
+    "control_image": ("a control image", "--control-image"),
+}
+
+# What to say to a control image, or a reference to inpaint by, given to a pipeline that takes none.
 CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
+REFERENCE_FIX = " (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a --mask)"
 
 
 def check_inputs(
@@ -31,52 +40,73 @@ def check_inputs(
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
     for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
     (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
-    images are optional (without one they generate from text)."""
-    for name, flag in (("image", "--image"), ("mask_image", "--mask"), ("control_image", "--control-image")):
+    images are optional (without one they generate from text). The refusal names the task, which needs the image
+    (only inpainting pipelines take a mask, only img2img and inpainting ones a strength), not the model."""
+    task = "inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else "txt2img"
+    for name, (what, flag) in NEEDED.items():
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
-            raise RequestError(f"this model's pipeline needs an input {name.replace('_', ' ')}: pass {flag}")
-    for name in ("negative_prompt", "image", "mask_image", "control_image"):
+            here = " on this model" if name == "control_image" else ""  # a txt2img task needs none elsewhere
+            raise RequestError(f"--task {task}{here} needs {what}: pass {flag}")
+    for name in ("negative_prompt", "image", "mask_image", "control_image", "image_reference"):
         if getattr(request, name) is not None and name not in accepts:
-            fix = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}.get(name, "")
+            fixes = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}
+            fix = fixes.get(name, REFERENCE_FIX if name == "image_reference" else "")
             raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
 
 def fit_reference(request: GenerateRequest, rule: SizeRule, pipe: Any, inpaint: bool) -> GenerateRequest:
     """The request with FLUX.1 Kontext's reference resized as FluxKontextPipeline resizes it (_auto_resize): to the
     preferred resolution nearest its aspect ratio, scaled to the model's native size (diffusers' own at 1024 px).
-    ``inpaint`` (FluxKontextInpaintPipeline): the image to repaint, its reference tokens too, resized to the output's
-    size, as the other inpainting pipelines resize theirs (with _auto_resize off it makes the output's size).
-    RequestError, before anything runs, where the engines' profile cannot take its tokens or its size."""
+    ``inpaint`` (FluxKontextInpaintPipeline): the image to repaint resized to the output's size, as the other
+    inpainting pipelines resize theirs (with _auto_resize off it makes the output's size); its reference tokens are
+    that image's, or those of its ``image_reference``, resized as a Kontext reference is. RequestError, before
+    anything runs, where the engines' profile cannot take the tokens or the sizes."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    image = one_reference(request.image)
+    assert request.height and request.width  # sized_for set them
+    if image is None and inpaint:
+        return request  # the request's check_inputs says what is missing
+    if not inpaint:
+        size, tokens, image = kontext_reference(image, rule, pipe)
+        check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, inpaint=False)
+        return dataclasses.replace(request, image=image)
+    image = VaeImageProcessor().resize(image, request.height, request.width)
+    reference = one_reference(request.image_reference)
+    if reference is None:  # the image to repaint is the reference too
+        size = (request.height, request.width)
+        tokens = (request.height // rule.multiple) * (request.width // rule.multiple)
+    else:
+        size, tokens, reference = kontext_reference(reference, rule, pipe)
+    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, reference is None)
+    return dataclasses.replace(request, image=image, image_reference=reference)
+
+
+def one_reference(image: Any) -> Any:
+    """A request's Kontext reference (or image to repaint): one image, or None; RequestError for a list of others."""
+    if not isinstance(image, list):
+        return image
+    if len(image) != 1:
+        raise RequestError(f"FLUX.1 Kontext takes one reference image, not {len(image)}: pass one")
+    return image[0]
+
+
+def kontext_reference(image: Any, rule: SizeRule, pipe: Any) -> tuple[tuple[int, int] | None, int, Any]:
+    """A Kontext reference's (height, width) once resized (None where it is not: no reference, or latents), its
+    tokens, and the reference resized to the preferred resolution nearest its aspect ratio, as diffusers picks it."""
     import torch
     from diffusers.image_processor import VaeImageProcessor
 
     from ..spec.transformer import reference_sizes
 
-    image = request.image
-    if isinstance(image, list):
-        if len(image) != 1:
-            raise RequestError(f"FLUX.1 Kontext takes one reference image, not {len(image)}: pass one")
-        image = image[0]
-    assert request.height and request.width  # sized_for set them
-    if image is None and inpaint:
-        return request  # the request's check_inputs says what is missing
-    size = None
     if image is None:  # text to image
-        tokens = 0
-    elif inpaint:
-        size = (request.height, request.width)
-        tokens = (request.height // rule.multiple) * (request.width // rule.multiple)
-        image = VaeImageProcessor().resize(image, *size)
-    elif isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
-        tokens = (image.shape[-2] // 2) * (image.shape[-1] // 2)  # latents: the pipeline packs them as they are
-    else:
-        height, width = image_size(image) or (0, 0)
-        preferred = reference_sizes(rule.default_height, rule.multiple)
-        _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
-        size, tokens = (h, w), (h // rule.multiple) * (w // rule.multiple)
-        image = VaeImageProcessor().resize(image, h, w)
-    check_reference_fits(pipe, request.height, request.width, rule.multiple, tokens, size, inpaint)
-    return dataclasses.replace(request, image=image)
+        return None, 0, None
+    if isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
+        return None, (image.shape[-2] // 2) * (image.shape[-1] // 2), image  # latents: packed as they are
+    height, width = image_size(image) or (0, 0)
+    preferred = reference_sizes(rule.default_height, rule.multiple)
+    _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
+    return (h, w), (h // rule.multiple) * (w // rule.multiple), VaeImageProcessor().resize(image, h, w)
 
 
 def check_reference_fits(
@@ -86,10 +116,10 @@ def check_reference_fits(
     image and ``tokens`` of a reference resized to ``size`` (``inpaint``: the image to repaint), or the VAE encoder's
     not that size."""
     generated = (height // multiple) * (width // multiple)
-    cause = f"the {height}x{width} image is {generated} tokens" + (
+    cause = f"the {pixel_size(height, width)} image is {generated} tokens" + (
         " and the image to inpaint, its reference, as many more"
         if inpaint
-        else f" and its reference, resized to {size[0]}x{size[1]} (FLUX.1 Kontext's preferred resolution nearest its "
+        else f" and its reference, resized to {pixel_size(*size)} (FLUX.1 Kontext's preferred resolution nearest its "
         f"aspect ratio), {tokens} more"
         if size
         else f" and its reference latents {tokens} more"
@@ -107,8 +137,8 @@ def check_reference_fits(
         low_shape, _, high_shape = next(iter(encoder.spec.profile_shapes(encoder.profile).values()))
         if not all(lo <= side <= hi for side, lo, hi in zip(size, low_shape[2:], high_shape[2:], strict=True)):
             raise RequestError(
-                f"{cause}: the VAE encoder's profile takes {low_shape[2]}..{high_shape[2]} x "
-                f"{low_shape[3]}..{high_shape[3]} px; {fix}"
+                f"{cause}: the VAE encoder's profile takes {low_shape[3]}..{high_shape[3]} px wide and "
+                f"{low_shape[2]}..{high_shape[2]} px high; {fix}"
             )
 
 
@@ -132,9 +162,9 @@ def check_control_image(control: Any, height: int, width: int) -> None:
     if size is None or abs(size[0] * width - size[1] * height) <= ASPECT_TOLERANCE * size[0] * width:
         return
     raise RequestError(
-        f"the control image is {size[0]}x{size[1]} px and the image to generate {height}x{width}, another aspect "
-        "ratio: a control image (edges, depth, pose) lines up with the output pixel for pixel, and the pipeline would "
-        "stretch it; pass one in the output's aspect ratio (any size: it is resized), or ask for a --height and "
+        f"the control image is {pixel_size(*size)} and the image to generate {pixel_size(height, width)}, another "
+        "aspect ratio: a control image (edges, depth, pose) lines up with the output pixel for pixel, and the pipeline "
+        "would stretch it; pass one in the output's aspect ratio (any size: it is resized), or ask for a --height and "
         "--width in its ratio"
     )
 
@@ -164,7 +194,7 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
 
 
 # What a request carries besides its text and numbers that decides its task: the images a pipeline takes, strength.
-TASK_INPUTS = ("image", "mask_image", "control_image", "strength")
+TASK_INPUTS = ("image", "mask_image", "control_image", "image_reference", "strength")
 
 
 def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
@@ -177,8 +207,8 @@ def pick_task(request: GenerateRequest, tasks: dict[Task, str]) -> Task:
     takes = []
     for task, pipeline in tasks.items():
         accepts = pipeline_inputs(pipeline) & set(TASK_INPUTS)
-        optional = (
-            {"strength", "image"} if pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES else {"strength"}
+        optional = {"strength", "image_reference"} | (
+            {"image"} if pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES else set()
         )
         needs = accepts - optional
         if needs <= given <= accepts:
@@ -222,12 +252,12 @@ def sized_by_image(
     if any(side not in (None, made) for side, made in zip(asked.values(), size, strict=True)):
         given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
         raise RequestError(
-            f"the input image is {size[0]}x{size[1]} px, not the {given} asked: SD, SDXL and LCM img2img make the "
+            f"the input image is {pixel_size(*size)}, not the {given} asked: SD, SDXL and LCM img2img make the "
             "input image's size; leave the height and width out, or resize the image"
         )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
         problems.append(profile.size_problem(*size))
     if problem := next(filter(None, problems), None):
-        raise RequestError(f"the input image, whose size the output takes, is {size[0]}x{size[1]} px: {problem}")
+        raise RequestError(f"the input image, whose size the output takes, is {pixel_size(*size)}: {problem}")
     return dataclasses.replace(request, height=size[0], width=size[1])

@@ -44,7 +44,6 @@ FLOW_SCHEDULERS = {"flow-euler": "FlowMatchEulerDiscreteScheduler", "flow-heun":
 FLOW_FAMILIES = ("sd3", "flux", "flux-schnell", "flux2", "qwenimage")
 NOT_FOR_FLUX = ("flow-heun",)
 
-
 # The LatentConsistencyModel pipelines pass original_inference_steps to set_timesteps, which only these take.
 CONSISTENCY_SCHEDULERS = ("lcm", "tcd")
 
@@ -171,6 +170,7 @@ class GenerateRequest:
     ip_adapter_image: Any = None
     # FLUX.1 Canny / Depth (and SD ControlNet img2img / inpaint): the control image, in the output's aspect ratio.
     control_image: Any = None
+    image_reference: Any = None  # FLUX.1 Kontext inpainting: the reference its edit reads (``image`` is repainted)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -229,6 +229,7 @@ class GenerateRequest:
             "image": self.image,
             "mask_image": self.mask_image,
             "control_image": self.control_image,
+            "image_reference": self.image_reference,
             "ip_adapter_image": self.ip_adapter_image,
             "generator": torch.Generator().manual_seed(self.seed),
         }
@@ -389,8 +390,7 @@ def check_size(height: int | None, width: int | None, multiple: int, profile: Sh
 
 def check_validation(config: ValidationConfig, rule: SizeRule, profile: ShapeProfile | None) -> None:
     """RequestError for what no validation can honour: a size off the model's grid or outside the engines'
-    profile (in pixels), a tolerance no comparison can meet or miss. Cheap: run it before loading anything.
-    """
+    profile (in pixels), a tolerance no comparison can meet or miss. Cheap: run it before loading anything."""
     check_size(config.height, config.width, rule.multiple, profile)
     if config.min_cosine is not None and not -1.0 <= config.min_cosine <= 1.0:
         raise RequestError(f"minimum cosine {config.min_cosine} is outside -1..1, the range a cosine similarity has")

@@ -76,8 +76,8 @@ def check_feeds(spec: GraphSpec, profile: ShapeProfile | None, feeds: dict[str, 
     if profile is not None and spec.reads_pixels:
         # In pixels too: a pipeline called without height/width asks for its family's default (Flux's 1024²).
         takes = (
-            f" (the engines take {profile.height.min}–{profile.height.max} × {profile.width.min}–{profile.width.max} "
-            "px images: pass the pipeline a height= and width= inside that)"
+            f" (the engines take images {profile.width.min}–{profile.width.max} px wide and "
+            f"{profile.height.min}–{profile.height.max} px high: pass the pipeline a height= and width= inside that)"
         )
     elif tokens is not None:  # a text encoder: its prompt length
         takes = f" (the engines take {tokens.min}–{tokens.max} text tokens: pass a max_sequence_length inside that)"

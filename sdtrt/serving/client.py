@@ -2,9 +2,9 @@
 
 Request: ``prompt`` BYTES ``[n, 1]`` (one row per image), optional ``negative_prompt`` BYTES, ``steps``
 INT32, ``guidance`` FP32, ``seed`` UINT64, ``height`` and ``width`` INT32, ``strength`` FP32, each ``[n, 1]``;
-where the model's pipelines take them, ``image`` and ``control_image`` UINT8 ``[n, h, w, 3]`` and ``mask_image``
-UINT8 ``[n, h, w, 1]`` (white is repainted): which of them a row carries picks its task. Response: ``image``
-UINT8 ``[n, height, width, 3]``.
+where the model's pipelines take them, ``image``, ``control_image`` and ``image_reference`` (FLUX.1 Kontext
+inpainting's) UINT8 ``[n, h, w, 3]`` and ``mask_image`` UINT8 ``[n, h, w, 1]`` (white is repainted): which of them
+a row carries picks its task. Response: ``image`` UINT8 ``[n, height, width, 3]``.
 """
 
 from __future__ import annotations

@@ -211,9 +211,11 @@ def _link_tree(src: Path, dst: Path, skip_weights_in: frozenset[str] = frozenset
 # pixels as UINT8 height × width × channels, as a PNG decodes (a mask has one channel: white is repainted).
 IMAGE_INPUTS = {
     "image": ("TYPE_UINT8", "-1, -1, 3"), "mask_image": ("TYPE_UINT8", "-1, -1, 1"),
-    "control_image": ("TYPE_UINT8", "-1, -1, 3"), "strength": ("TYPE_FP32", "1"),
+    "control_image": ("TYPE_UINT8", "-1, -1, 3"), "image_reference": ("TYPE_UINT8", "-1, -1, 3"),
+    "strength": ("TYPE_FP32", "1"),
 }  # fmt: skip
-IMAGE_MODES = {"image": "RGB", "mask_image": "L", "control_image": "RGB"}  # the PIL mode each is sent and read in
+# The PIL mode each image is sent and read in.
+IMAGE_MODES = {"image": "RGB", "mask_image": "L", "control_image": "RGB", "image_reference": "RGB"}
 
 
 def wire_inputs(pipelines: Iterable[str]) -> list[str]:

@@ -4,8 +4,8 @@ Triton hands ``execute`` the requests its dynamic batcher gathered. Each row of 
 a ``GenerateRequest``, checked as the CLI checks one (steps, seed, size on the model's grid and inside
 the engine's profile, the images its pipeline needs): a bad request gets a Triton error of one line and
 never fails the others. A row's task is the one whose pipeline takes the images it carries (``image``,
-``mask_image``, ``control_image``; none: text-to-image); the model serves every task of its family
-(``served_tasks``), each a pipeline over the same engines (``from_pipe``). Text-to-image rows that share
+``mask_image``, ``control_image``, ``image_reference``; none: text-to-image); the model serves every task of its
+family (``served_tasks``), each a pipeline over the same engines (``from_pipe``). Text-to-image rows that share
 size, steps and guidance run as one pipeline call of at most ``max_batch`` images; a row with images runs
 alone (diffusers' batching of input images is not ``generate``'s).
 Imported only inside Triton, where ``triton_python_backend_utils`` exists.
@@ -166,6 +166,7 @@ class TritonPythonModel:
                 image=value.get("image"),
                 mask_image=value.get("mask_image"),
                 control_image=value.get("control_image"),
+                image_reference=value.get("image_reference"),
             )
             row = control_map_as_image(row, self.tasks)  # `image` alone stays the control map there too (generate's)
             task = pick_task(row, self.tasks)

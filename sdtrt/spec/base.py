@@ -143,6 +143,17 @@ class GraphSpec:
     def pixel_multiple(self) -> int:
         return self.vae_scale_factor
 
+    @property
+    def stamping_problem(self) -> str:
+        """Why this graph's repeated blocks must be traced whole although its kind lists them ("": they may be
+        stamped)."""
+        return ""
+
+    @property
+    def stampable_blocks(self) -> dict[str, str]:
+        """The repeated_blocks a streamed export may stamp: none where ``stamping_problem`` says why not."""
+        return {} if self.stamping_problem else self.repeated_blocks
+
     # ---- derived ----------------------------------------------------------------------------
 
     def member_profile(self, profile: ShapeProfile) -> ShapeProfile:

@@ -205,8 +205,12 @@ class FluxTransformerSpec(PackedTransformerSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "controlnet_samples", tuple(self.controlnet_samples))  # a list from JSON
-        if any(self.controlnet_samples):  # added between the blocks, which stamped copies would skip: traced whole
-            object.__setattr__(self, "repeated_blocks", {})
+
+    @property
+    def stamping_problem(self) -> str:
+        if any(self.controlnet_samples):
+            return "a FLUX.1 ControlNet set's samples are added between its blocks, which stamped copies would skip"
+        return ""
 
     @classmethod
     def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:

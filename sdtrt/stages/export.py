@@ -47,6 +47,7 @@ from .export_stream import (
     on_fake_cpu,
     stamp_overrides,
     stamped_blocks,
+    stamped_reason,
     stamping,
     weight_free_network,
 )
@@ -310,6 +311,7 @@ def _export(
             "weights_reason": weights_reason,
             # Repeated blocks traced a few times each and stamped to their count (module path → count).
             "stamped": stamping(stamped),
+            "stamped_reason": stamped_reason(spec, weights, stamped),
             "external_data": onnx_graph.data_file(onnx_path).exists(),
             "config": files.image_encoder_config()
             if files and spec.component == IMAGE_ENCODER

@@ -87,7 +87,7 @@ def weight_free_network(
 def stamped_blocks(spec: GraphSpec, config: dict[str, Any]) -> dict[str, int]:
     """The spec's repeated block lists that the network's config makes longer than STAMP_FROM, by module path in the
     traced graph (the network is graph_module's ``network``), with their full length."""
-    counts = {WRAPPER + blocks: int(config.get(key, 0)) for blocks, key in spec.repeated_blocks.items()}
+    counts = {WRAPPER + blocks: int(config.get(key, 0)) for blocks, key in spec.stampable_blocks.items()}
     return {path: count for path, count in counts.items() if count > STAMP_FROM}
 
 
@@ -95,6 +95,19 @@ def stamping(blocks: dict[str, int]) -> dict[str, Any]:
     """How a graph's blocks were stamped, for its key and manifest: the copies traced per list (STAMP_FROM: the
     stamped values' names follow from it) and each list's full count; {} for a graph traced whole."""
     return {"traced_copies": STAMP_FROM, "blocks": blocks} if blocks else {}
+
+
+def stamped_reason(spec: GraphSpec, weights: str, blocks: dict[str, int]) -> str:
+    """Why a graph's blocks were stamped (``blocks``, stamped_blocks') or traced whole, for its manifest."""
+    if blocks:
+        return f"streamed: {STAMP_FROM} copies of each list traced, the others stamped"
+    if weights != "stream":
+        return "traced whole: only a streamed export (--weights stream) stamps blocks"
+    if spec.stamping_problem:
+        return f"traced whole: {spec.stamping_problem}"
+    if not spec.repeated_blocks:
+        return f"traced whole: the {spec.label} lists no repeated blocks to stamp"
+    return f"traced whole: no block list is longer than the {STAMP_FROM} copies a stamped trace traces"
 
 
 def stamp_overrides(spec: GraphSpec, blocks: dict[str, int]) -> dict[str, int]:

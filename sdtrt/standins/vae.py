@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKL
 
+from ..core.config import pixel_size
 from ..core.progress import console
 from ..runtime import Runtime
 from .base import EngineModule
@@ -39,8 +40,9 @@ class EngineHalf(torch.nn.Module):
             if not self.said_fallback:  # once per VAE half
                 self.said_fallback = True
                 console.print(
-                    f"[yellow]note:[/] a {spec.component} tile of {height}×{width} is below the engine's smallest "
-                    f"input {low_h}×{low_w}, so such tiles run on the PyTorch VAE; to keep every tile on the engine, "
+                    f"[yellow]note:[/] a {spec.component} tile of {pixel_size(height, width)} is below the engine's "
+                    f"smallest input, {pixel_size(low_h, low_w)}, so such tiles run on the PyTorch VAE; to keep every "
+                    "tile on the engine, "
                     "build the VAE with a smaller --height/--width minimum or pick a size whose tiles fit"
                 )
             return self.fallback(x)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..core.artifact import Artifact
-from ..core.config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig
+from ..core.config import QUANT_PRECISIONS, Precision, QuantPrecision, ValidationConfig, pixel_size
 from ..core.errors import ParityError, StoreError
 from ..core.stage_request import StageRequest, environment
 from ..core.store import Store
@@ -242,7 +242,10 @@ def validate(
         swapped = standins(model, members, reference.vae, reference.dtype, config.weight_budget, opened=runtimes)
         engine_pipe = with_components(reference, swapped)
         decoder = engine_pipe if "vae" in swapped else reference
-        with step(f"Generating with both pipelines ({config.steps} steps, {request.height}x{request.width})"):
+        assert request.height and request.width  # sized_for set them
+        with step(
+            f"Generating with both pipelines ({config.steps} steps, {pixel_size(request.height, request.width)})"
+        ):
             steps: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
             latents = [
                 generate(p, request, output_type="latent", on_latents=_kept_in(kept)).images

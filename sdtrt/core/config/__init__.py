@@ -43,7 +43,17 @@ from .quantize import (
     QuantPrecision,
     parse_level,
 )
-from .shapes import MAX_BATCH, MAX_T5_TOKENS, RANGE_EXAMPLES, T5_TOKEN_CAP, Range, ShapeProfile, TokenCap, grid_problem
+from .shapes import (
+    MAX_BATCH,
+    MAX_T5_TOKENS,
+    RANGE_EXAMPLES,
+    T5_TOKEN_CAP,
+    Range,
+    ShapeProfile,
+    TokenCap,
+    grid_problem,
+    pixel_size,
+)
 from .simplify import SimplifyConfig, SimplifyMethod
 from .sizes import BINARY_UNITS, DECIMAL_UNITS, WeightBudget, format_size, parse_size
 from .step_cache import CACHE_SETTINGS, CacheCalibrationConfig
@@ -109,5 +119,6 @@ __all__ = [
     "not_in_key",
     "parse_level",
     "parse_size",
+    "pixel_size",
     "target_precision_problem",
 ]

@@ -10,6 +10,11 @@ from ..errors import ConfigError
 from .keys import in_key_unless
 
 
+def pixel_size(height: int, width: int) -> str:
+    """An image size as people read it: width first, as image tools (PIL's ``.size``) give it, and said so."""
+    return f"{width}×{height} px (w×h)"
+
+
 def grid_problem(name: str, value: int, multiple: int, within: Range | None = None) -> str | None:
     """Why an image side cannot be generated, or None: the one size rule every command applies. ``within``: the
     engines' range for this side (its ends are on the grid), so the size suggested is one they take."""
@@ -153,7 +158,8 @@ class ShapeProfile:
             for name, value, rng in (("height", height, self.height), ("width", width, self.width)):
                 if not rng.min <= value <= rng.max:
                     return (
-                        f"reference image {i} is {height}x{width} px as the pipeline feeds it, its {name} outside the "
+                        f"reference image {i} is {pixel_size(height, width)} as the pipeline feeds it, its {name} "
+                        "outside the "
                         f"engines' profile ({rng.min}..{rng.max} px); resize it to fit, or rebuild the engines with "
                         f"`sdtrt compile --{name} MIN:OPT:MAX` covering it"
                     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
+from ...core.config import pixel_size
 from ...core.errors import ArtifactError, one_line
 
 if TYPE_CHECKING:
@@ -21,9 +22,9 @@ def check_size(spec: GraphSpec) -> tuple[int, int, int, int]:
 
 
 def inputs_label(spec: GraphSpec, batch: int, height: int, width: int, tokens: int) -> str:
-    """The check size in words: "batch 1, 32x48 px" (no size for a text encoder; ", 10 T5 tokens" for graphs with a
-    T5 axis)."""
-    size = f", {height}x{width} px" if spec.reads_pixels else ""
+    """The check size in words: "batch 1, 48×32 px (w×h)" (no size for a text encoder; ", 10 T5 tokens" for graphs
+    with a T5 axis)."""
+    size = f", {pixel_size(height, width)}" if spec.reads_pixels else ""
     t5 = f", {tokens} T5 tokens" if spec.default_profile().tokens is not None else ""
     return f"batch {batch}{size}{t5}"
 
