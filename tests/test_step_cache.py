@@ -257,20 +257,24 @@ def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_on
     [
         pytest.param("tiny-flux", PARTS, "HALF", id="flux"),
         pytest.param("tiny", ("unet_deep", "unet_shallow"), "HALF", id="deepcache"),
-        # The export stage as asked (fp16); compile builds Qwen-Image in bf16 (QwenImageTransformerSpec.fp16_problem)
-        pytest.param("tiny-qwen-image", PARTS, "HALF", id="qwen-image", marks=pytest.mark.slow),
+        # compile's fp16 builds Qwen-Image's transformer in bf16 (QwenImageTransformerSpec.fp16_problem): its parts too
+        pytest.param("tiny-qwen-image", PARTS, "BF16", id="qwen-image", marks=pytest.mark.slow),
     ],
 )
 def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members, layer_type):
-    """The TensorRT build path the two products share, run for real on the split members asked in fp16: Flux's and
-    Qwen-Image's four parts, DeepCache's two."""
+    """The TensorRT build path the two products share, run for real on the split members in the precision
+    ``compile --precision fp16`` exports them in: Flux's four parts and DeepCache's two in fp16, Qwen-Image's four
+    in bf16."""
     from sdtrt.core.config import SimplifyConfig
     from sdtrt.stages import export, simplify
-    from sdtrt.tools.compile import build
+    from sdtrt.tools.compile import build, component_precision
 
     model = resolve_model(preset)
     for component in members:
-        graph = simplify.run(SimplifyConfig(), export.run(ExportConfig(component=component), model, store), store)
+        config = ExportConfig(
+            component=component, precision=component_precision(model, component, "fp16", "tensorrt-rtx")
+        )
+        graph = simplify.run(SimplifyConfig(), export.run(config, model, store), store)
         plan, _ = build(graph, store, "tensorrt-rtx")
         details = plan.manifest["details"]
         assert details["layer_types"].get(layer_type), details["layers"]  # built in the graph's precision
