@@ -259,12 +259,14 @@ def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_on
         pytest.param("tiny", ("unet_deep", "unet_shallow"), "HALF", id="deepcache"),
         # compile's fp16 builds Qwen-Image's transformer in bf16 (QwenImageTransformerSpec.fp16_problem): its parts too
         pytest.param("tiny-qwen-image", PARTS, "BF16", id="qwen-image", marks=pytest.mark.slow),
+        # FLUX.2's: its blocks' modulations and the rotary tokens, widened by the profile's reference, profiled
+        pytest.param("tiny-flux2-klein", PARTS, "HALF", id="flux2-klein", marks=pytest.mark.slow),
     ],
 )
 def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members, layer_type):
     """The TensorRT build path the two products share, run for real on the split members in the precision
-    ``compile --precision fp16`` exports them in: Flux's four parts and DeepCache's two in fp16, Qwen-Image's four
-    in bf16."""
+    ``compile --precision fp16`` exports them in: Flux's and FLUX.2's four parts and DeepCache's two in fp16,
+    Qwen-Image's four in bf16."""
     from sdtrt.core.config import SimplifyConfig
     from sdtrt.stages import export, simplify
     from sdtrt.tools.compile import build, component_precision

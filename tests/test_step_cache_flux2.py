@@ -17,6 +17,7 @@ import pytest
 import torch
 from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks.mag_cache import FLUX_MAG_RATIOS
+from PIL import Image
 
 from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import ConfigError, EngineInputError
@@ -38,11 +39,11 @@ def klein(store):
     return load_pipeline(source), load_pipeline(source, engine.final)
 
 
-def image(pipe, config=None) -> np.ndarray:
+def image(pipe, config=None, **call: object) -> np.ndarray:
     if config is not None:
         pipe.transformer.enable_cache(config)
     try:
-        return pipe(prompt="a red fox in the snow", generator=torch.Generator().manual_seed(0), **CALL).images
+        return pipe(prompt="a red fox in the snow", generator=torch.Generator().manual_seed(0), **CALL, **call).images
     finally:
         if config is not None:
             pipe.transformer.disable_cache()
@@ -71,30 +72,49 @@ def counted(module: torch.nn.Module) -> Callable[[], int]:
     return lambda: runs[0]
 
 
-def check_parity(klein, config_of: Callable[[], object]) -> str:
-    """The cache on both pipelines: the same decisions on every call, some skipped, images ≥ 35 dB apart; the
-    uncached engine image again after disable_cache. Returns the decisions."""
+def check_parity(klein, config_of: Callable[[], object], **call: object) -> str:
+    """The cache on both pipelines (``call``: the pipeline call's other arguments): the same decisions on every call,
+    some skipped, images ≥ 35 dB apart; the uncached engine image again after disable_cache. Returns the
+    decisions."""
     reference, engines = klein
-    uncached = image(engines)
+    uncached = image(engines, **call)
     pytorch_runs = counted(reference.transformer.single_transformer_blocks[-1].attn)
     with decisions(reference.transformer, pytorch_runs) as on_pytorch:
-        expected = image(reference, config_of())
+        expected = image(reference, config_of(), **call)
     rest = engines.transformer.opened_split() or pytest.fail("the set has no split members")
     with decisions(engines.transformer, lambda: rest.rest.calls) as on_engines:
-        cached = image(engines, config_of())
+        cached = image(engines, config_of(), **call)
     made = "".join(on_engines)
     assert made == "".join(on_pytorch) and "s" in made and len(made) == 2 * STEPS, (made, on_pytorch)
     psnr = psnr_db(cached, expected)
     print(f"tiny-flux2-klein {type(config_of()).__name__}: {made}, PSNR {psnr:.1f} dB")
     assert psnr >= 35.0 and psnr_db(cached, uncached) < 80.0  # matched, and steps were skipped
-    assert np.array_equal(image(engines), uncached)  # disable_cache: the whole engine again, bit for bit
+    assert np.array_equal(image(engines, **call), uncached)  # disable_cache: the whole engine again, bit for bit
     return made
 
 
-def test_taylorseer_lite_on_the_engines_predicts_the_steps_pytorch_predicts(klein):
-    check_parity(klein, lambda: TaylorSeerCacheConfig(
+def taylorseer_lite() -> TaylorSeerCacheConfig:
+    return TaylorSeerCacheConfig(
         cache_interval=2, disable_cache_before_step=2, use_lite_mode=True, taylor_factors_dtype=torch.float32
-    ))  # fmt: skip
+    )
+
+
+def test_taylorseer_lite_on_the_engines_predicts_the_steps_pytorch_predicts(klein):
+    check_parity(klein, taylorseer_lite)
+
+
+@pytest.mark.slow
+def test_taylorseer_lite_with_a_reference_image_matches_pytorch(klein):
+    """Klein's editing task: the reference's tokens join the image tokens, and its positions the rotary embedding's,
+    through every part."""
+    noise = np.random.default_rng(0).integers(0, 256, (128, 128, 3), dtype=np.uint8)
+    widths: list[int] = []
+    split = klein[1].transformer.opened_split()
+    split.first.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(kw["hidden_states"].shape[1]), with_kwargs=True
+    )
+    check_parity(klein, taylorseer_lite, image=Image.fromarray(noise))
+    assert set(widths) == {2 * (128 // 16) ** 2}  # the output's 64 patches and the reference's 64
 
 
 @pytest.mark.slow
