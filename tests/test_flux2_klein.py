@@ -162,12 +162,16 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
     assert not calls
 
 
-def test_step_caches_are_refused_for_flux2_before_any_export(klein):
+def test_first_block_cache_is_refused_for_flux2_before_any_export(klein):
+    """diffusers' First-Block Cache fails on the PyTorch FLUX.2 transformer: no reference, refused; TaylorSeer and
+    MagCache take the split (tests/test_step_cache_flux2.py runs them)."""
+    from sdtrt.core.config import TRANSFORMER_PARTS
     from sdtrt.core.errors import ConfigError
     from sdtrt.tools.compile import cache_members
 
-    with pytest.raises(ConfigError, match="step caches are not built for a Flux2Transformer2DModel"):
+    with pytest.raises(ConfigError, match=r"First-Block Cache fails on the PyTorch [^\n]+issue 14280"):
         cache_members(klein[0], ("first-block",))
+    assert cache_members(klein[0], ("taylorseer", "magcache")) == TRANSFORMER_PARTS
 
 
 def test_fp16_builds_the_llm_in_bf16_where_the_target_runs_it(klein):

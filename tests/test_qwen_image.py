@@ -75,12 +75,12 @@ def counted(module: torch.nn.Module) -> list[int]:
     return runs
 
 
-def cached_image(pipe, config=None) -> np.ndarray:
+def cached_image(pipe, config=None, prompt: str | list[str] = "a red fox in the snow", **call) -> np.ndarray:
     if config is not None:
         pipe.transformer.enable_cache(config)
     try:
-        call = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"}
-        return pipe("a red fox in the snow", generator=torch.Generator().manual_seed(0), **call).images
+        call = {"num_inference_steps": STEPS, "height": 128, "width": 128, "output_type": "np"} | call
+        return pipe(prompt, generator=torch.Generator().manual_seed(0), **call).images
     finally:
         if config is not None:
             pipe.transformer.disable_cache()
@@ -111,6 +111,31 @@ def test_step_caches_on_the_engines_skip_the_steps_diffusers_skips(cached, decis
         assert psnr_db(image, expected) >= 35.0, config
         assert psnr_db(image, uncached) < 80.0, config  # steps were skipped
     assert np.array_equal(cached_image(engines), uncached)  # disable_cache: the whole engine again, bit for bit
+
+
+def test_step_caches_take_padded_text_masks_and_the_negative_prompt_s_context(cached, decisions):
+    """Two prompts of two lengths (a text mask with zeros reaches the block parts) and a negative prompt each (true
+    CFG: the pipeline's "uncond" cache context beside "cond", each with its own cached residuals): the engines make
+    PyTorch's decisions on both passes of every step, and each image is PyTorch's."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    reference, engines = cached
+    masks: list[torch.Tensor] = []
+    first = engines.transformer.opened_split().first
+    first.register_forward_pre_hook(lambda _m, _a, kw: masks.append(kw["encoder_hidden_states_mask"]), with_kwargs=True)
+    call = {"prompt": ["a red fox in the snow", "a cat"], "negative_prompt": ["blurry", "ugly"], "true_cfg_scale": 4.0}
+    config = FirstBlockCacheConfig(threshold=0.5)
+    expected = cached_image(reference, config, **call)
+    on_pytorch = "".join(decisions)
+    decisions.clear()
+    images = cached_image(engines, config, **call)
+    made = "".join(decisions)
+    assert made == on_pytorch and len(made) == 2 * STEPS and "s" in made, (made, on_pytorch)
+    assert any(not bool(m.all()) for m in masks)  # a padded mask went through the parts
+    for got, want in zip(images, expected, strict=True):
+        psnr = psnr_db(got, want)
+        print(f"tiny-qwen-image First-Block Cache, two prompts with negative prompts: {made}, PSNR {psnr:.1f} dB")
+        assert psnr >= 35.0
 
 
 def test_every_network_is_an_engine_standin(qwen):

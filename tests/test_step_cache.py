@@ -55,7 +55,9 @@ def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.nd
             pipe.transformer.disable_cache()
 
 
-@pytest.mark.parametrize("preset", ["tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein", "tiny-flux2"]
+)
 def test_the_parts_chained_compute_the_whole_transformer(preset):
     model = resolve_model(preset)
     network = load_folder(model, "transformer", torch.float32)
@@ -191,10 +193,8 @@ def test_compile_refuses_a_cache_the_model_cannot_take(tiny, store):
         compile_model(tiny, store, "onnxruntime", caches=("first-block",))
     with pytest.raises(ConfigError, match="unknown step cache 'teacache'"):
         compile_model(resolve_model("tiny-flux"), store, "onnxruntime", caches=("teacache",))
-    refused = {"tiny-flux2-klein": "First-Block Cache fails on its PyTorch blocks", "tiny-zimage": "no enable_cache"}
-    for preset, why in refused.items():
-        with pytest.raises(ConfigError, match=why):
-            compile_model(resolve_model(preset), store, "onnxruntime", caches=("first-block",))
+    with pytest.raises(ConfigError, match="no enable_cache"):
+        compile_model(resolve_model("tiny-zimage"), store, "onnxruntime", caches=("first-block",))
     on_pytorch = engines_problem(StepCache.parse("first-block"), None, resolve_model("tiny-zimage"))
     assert on_pytorch and on_pytorch.endswith(
         "ZImageTransformer2DModel has no enable_cache; sdtrt builds no step cache for it"
@@ -257,20 +257,26 @@ def test_ssim_is_one_for_equal_images_and_the_paper_s_luminance_term_for_flat_on
     [
         pytest.param("tiny-flux", PARTS, "HALF", id="flux"),
         pytest.param("tiny", ("unet_deep", "unet_shallow"), "HALF", id="deepcache"),
-        # The export stage as asked (fp16); compile builds Qwen-Image in bf16 (QwenImageTransformerSpec.fp16_problem)
-        pytest.param("tiny-qwen-image", PARTS, "HALF", id="qwen-image", marks=pytest.mark.slow),
+        # compile's fp16 builds Qwen-Image's transformer in bf16 (QwenImageTransformerSpec.fp16_problem): its parts too
+        pytest.param("tiny-qwen-image", PARTS, "BF16", id="qwen-image", marks=pytest.mark.slow),
+        # FLUX.2's: its blocks' modulations and the rotary tokens, widened by the profile's reference, profiled
+        pytest.param("tiny-flux2-klein", PARTS, "HALF", id="flux2-klein", marks=pytest.mark.slow),
     ],
 )
 def test_the_split_members_build_as_tensorrt_rtx_plans(store, preset, members, layer_type):
-    """The TensorRT build path the two products share, run for real on the split members asked in fp16: Flux's and
-    Qwen-Image's four parts, DeepCache's two."""
+    """The TensorRT build path the two products share, run for real on the split members in the precision
+    ``compile --precision fp16`` exports them in: Flux's and FLUX.2's four parts and DeepCache's two in fp16,
+    Qwen-Image's four in bf16."""
     from sdtrt.core.config import SimplifyConfig
     from sdtrt.stages import export, simplify
-    from sdtrt.tools.compile import build
+    from sdtrt.tools.compile import build, component_precision
 
     model = resolve_model(preset)
     for component in members:
-        graph = simplify.run(SimplifyConfig(), export.run(ExportConfig(component=component), model, store), store)
+        config = ExportConfig(
+            component=component, precision=component_precision(model, component, "fp16", "tensorrt-rtx")
+        )
+        graph = simplify.run(SimplifyConfig(), export.run(config, model, store), store)
         plan, _ = build(graph, store, "tensorrt-rtx")
         details = plan.manifest["details"]
         assert details["layer_types"].get(layer_type), details["layers"]  # built in the graph's precision

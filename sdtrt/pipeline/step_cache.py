@@ -22,7 +22,7 @@ from ..core.config import TRANSFORMER_PARTS, UNET_PARTS
 from ..core.errors import ConfigError, EngineInputError
 from ..spec import denoiser_component, folder_architecture
 from ..spec.base import ModelConfigs
-from ..spec.transformer_split import splits
+from ..spec.transformer_split import reference_problem, splits
 
 CacheKind = Literal["first-block", "taylorseer", "magcache", "deepcache"]
 DEFAULTS: dict[str, float] = {"first-block": 0.05, "taylorseer": 5, "magcache": 0.06, "deepcache": 3}
@@ -85,7 +85,10 @@ def model_problem(cache: StepCache, model: ModelConfigs, name: str, from_image: 
             else ("transformer", "first-block, taylorseer or magcache")
         )
         return f"--cache {cache.kind} cannot run on {name}: its denoiser is a {what}; use {use}"
-    flux = folder_architecture(model, "transformer") == "FluxTransformer2DModel"
+    architecture = folder_architecture(model, "transformer")
+    if problem := reference_problem(architecture, cache.kind):
+        return f"--cache {cache.kind} cannot run on {name}: {problem}"
+    flux = architecture == "FluxTransformer2DModel"
     if cache.kind == "magcache" and not flux:
         return (
             "--cache magcache needs the model's magnitude ratios, which diffusers publishes for Flux.1 only: use "

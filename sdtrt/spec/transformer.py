@@ -323,14 +323,21 @@ class Flux2TransformerSpec(PackedTransformerSpec):
         return dataclasses.replace(super().default_profile(), references=1)
 
     def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """The references' patches on every axis that counts the image's (the step-cache parts' rotary tokens
+        too)."""
         shapes = super().profile_shapes(profile)
+        patches = self.patches_of(shapes)
         for t in self.inputs():
-            if "patches" in t.shape:
-                low, opt, high = shapes[t.name]
-                axis = t.shape.index("patches")
-                high = (*high[:axis], high[axis] * (1 + profile.references), *high[axis + 1 :])
-                shapes[t.name] = (low, opt, high)
+            low, opt, high = shapes[t.name]
+            widened = [size + patches * profile.references if axis in ("patches", "rope_tokens") else size
+                       for axis, size in zip(t.shape, high, strict=True)]  # fmt: skip
+            shapes[t.name] = (low, opt, tuple(widened))
         return shapes
+
+    def patches_of(self, shapes: dict[str, tuple[tuple[int, ...], ...]]) -> int:
+        """The profile's most image patches, read off an input that counts them."""
+        t = next(t for t in self.inputs() if "patches" in t.shape)
+        return shapes[t.name][2][t.shape.index("patches")]
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
         tensors: dict[str, tuple[str | None, tuple[int | str, ...]]] = {

@@ -6,7 +6,8 @@ the stand-in chains them where a cache decides (standins/step_cache.py). Between
 and text tokens ``[B, patches, D]`` / ``[B, tokens, D]`` (D = heads × head size), the conditioning embedding
 ``temb [B, D]`` and what the kind's blocks take besides (its parts mixin: ``block_extras``): Flux's rotary embedding
 ``rotary_cos`` / ``rotary_sin [tokens + patches, head size]`` (fp32, as the whole graph keeps it), which the embedders
-compute; Qwen-Image's text mask and rotary angles, the whole transformer's own inputs, which the stand-in hands on.
+compute; Qwen-Image's text mask and rotary angles, the whole transformer's own inputs, which the stand-in hands on;
+FLUX.2's rotary embedding and its modulations (computed once from temb outside the blocks, as its forward does).
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision
 from .base import NAMED_OUTPUT, GraphSpec, ModelConfigs, TensorSpec, ValidationCase
-from .transformer import FluxTransformerSpec, PackedTransformerSpec, SD3TransformerSpec, TransformerSpec
+from .transformer import (
+    Flux2TransformerSpec,
+    FluxTransformerSpec,
+    PackedTransformerSpec,
+    SD3TransformerSpec,
+    TransformerSpec,
+)
 from .transformer_qwen import QwenImageTransformerSpec
 
 if TYPE_CHECKING:
@@ -47,7 +54,13 @@ class TransformerPartSpec(TransformerSpec):
         config = model.component_config("transformer")
         fields = {f.name: getattr(whole, f.name) for f in dataclasses.fields(whole)}
         heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-        return part_class(cls.component, whole.architecture)(**fields, inner_dim=heads * head_dim, head_dim=head_dim)
+        part = part_class(cls.component, whole.architecture)
+        return part(**fields, inner_dim=heads * head_dim, head_dim=head_dim, **part.kind_fields(config))
+
+    @classmethod
+    def kind_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The kind's own part fields, from the transformer's config (FLUX.2's block counts)."""
+        return {}
 
     @property
     def packed(self) -> bool:
@@ -71,6 +84,11 @@ class TransformerPartSpec(TransformerSpec):
             "temb": (None, ("batch", self.inner_dim)),
         }
         return tensors | self.block_extras()
+
+    def block_inputs(self, first: bool) -> Tensors:
+        """What the first block (``first``) or the other blocks read: the stream (an ONNX graph has no unread input,
+        and FLUX.2's blocks read their modulations, not temb)."""
+        return self.stream()
 
     def output_tensors(self) -> Tensors:
         raise NotImplementedError
@@ -127,7 +145,7 @@ class FirstBlockPart(TransformerPartSpec):
     label: ClassVar[str] = "transformer's first block"
 
     def input_tensors(self) -> Tensors:
-        return self.stream()
+        return self.block_inputs(first=True)
 
     def output_tensors(self) -> Tensors:
         stream = self.stream()
@@ -141,7 +159,7 @@ class RestPart(TransformerPartSpec):
     label: ClassVar[str] = "transformer's other blocks"
 
     def input_tensors(self) -> Tensors:
-        return self.stream()
+        return self.block_inputs(first=False)
 
     def output_tensors(self) -> Tensors:
         return {"rest_hidden_states": self.stream()["hidden_states"]}
@@ -196,6 +214,39 @@ class QwenImageParts(TransformerPartSpec):
         return {name: whole[name] for name in ("encoder_hidden_states_mask", *self.rotary_pair)}
 
 
+# FLUX.2's modulations as its blocks take them, by keyword: the double-stream blocks' image and text ones (shift,
+# scale and gate for attention and MLP: 6 × D), the single-stream blocks' (3 × D).
+FLUX2_DOUBLE_MODULATIONS = ("temb_mod_img", "temb_mod_txt")
+FLUX2_SINGLE_MODULATION = "temb_mod"
+
+
+@dataclass(frozen=True)
+class Flux2Parts(TransformerPartSpec):
+    """FLUX.2's blocks take the rotary embedding and their modulations, which the embedders compute (its forward
+    computes them once from temb, outside the blocks); no block reads temb, which only the output head's norm does."""
+
+    rotary_pair: ClassVar[tuple[str, ...]] = ("rotary_cos", "rotary_sin")
+    double_blocks: int = 0  # the config's num_layers: whether the other blocks hold double-stream ones
+    single_blocks: int = 0  # num_single_layers
+
+    @classmethod
+    def kind_fields(cls, config: dict[str, Any]) -> dict[str, Any]:
+        return {"double_blocks": config["num_layers"], "single_blocks": config["num_single_layers"]}
+
+    def block_extras(self) -> Tensors:
+        rotary: Tensors = {name: ("float32", ("rope_tokens", self.head_dim)) for name in self.rotary_pair}
+        doubles: Tensors = {name: (None, ("batch", 6 * self.inner_dim)) for name in FLUX2_DOUBLE_MODULATIONS}
+        return rotary | doubles | {FLUX2_SINGLE_MODULATION: (None, ("batch", 3 * self.inner_dim))}
+
+    def block_inputs(self, first: bool) -> Tensors:
+        """The first block is a double-stream one (split_problem refuses a FLUX.2 without); the others read the
+        modulations of the kinds of block they hold."""
+        doubles, singles = (1, 0) if first else (self.double_blocks - 1, self.single_blocks)
+        unread = {"temb"} | (set() if doubles else set(FLUX2_DOUBLE_MODULATIONS))
+        unread |= set() if singles else {FLUX2_SINGLE_MODULATION}
+        return {name: io for name, io in self.stream().items() if name not in unread}
+
+
 def _part_kind(
     part: type[TransformerPartSpec], extras: type[TransformerPartSpec], kind: type[TransformerSpec]
 ) -> type[TransformerPartSpec]:
@@ -210,6 +261,7 @@ def _part_kind(
 # Each kind a step cache splits, with its block extras.
 KINDS: tuple[tuple[type[TransformerSpec], type[TransformerPartSpec]], ...] = (
     (FluxTransformerSpec, FluxParts), (SD3TransformerSpec, SD3Parts), (QwenImageTransformerSpec, QwenImageParts),
+    (Flux2TransformerSpec, Flux2Parts),
 )  # fmt: skip
 PART_CLASSES: tuple[type[TransformerPartSpec], ...] = tuple(
     _part_kind(part, extras, kind) for kind, extras in KINDS for part in (EmbedPart, FirstBlockPart, RestPart, OutPart)
@@ -221,8 +273,12 @@ def part_class(component: str, architecture: str) -> type[TransformerPartSpec]:
 
 
 # The transformer's modules outside its blocks, by the part that holds them (diffusers' attribute names: Flux's and
-# SD3's, then Qwen-Image's).
-EMBEDDERS = ("x_embedder.", "context_embedder.", "time_text_embed.", "pos_embed.", "img_in.", "txt_norm.", "txt_in.")
+# SD3's, then Qwen-Image's, then FLUX.2's).
+EMBEDDERS = (
+    "x_embedder.", "context_embedder.", "time_text_embed.", "pos_embed.", "img_in.", "txt_norm.", "txt_in.",
+    "time_guidance_embed.", "double_stream_modulation_img.", "double_stream_modulation_txt.",
+    "single_stream_modulation.",
+)  # fmt: skip
 HEAD = ("norm_out.", "proj_out.")
 
 
@@ -242,10 +298,15 @@ def part_holds(component: str, module: str) -> bool:
 
 # Why a transformer diffusers' cache hooks could reach is not split (they would be the PyTorch side's reference).
 NOT_SPLIT = {
-    "Flux2Transformer2DModel": " yet: diffusers' First-Block Cache fails on its PyTorch blocks (a double-stream head "
-    "block, a single-stream tail that returns the joined stream); TaylorSeer runs on the PyTorch pipeline",
     "ZImageTransformer2DModel": ": diffusers' ZImageTransformer2DModel has no enable_cache, ZImagePipeline opens no "
     "cache context, and First-Block Cache fails on its PyTorch blocks (they take x, not hidden_states)",
+}
+# The caches a split kind's engines do not run, and why: diffusers' hook fails on its PyTorch transformer (measured
+# with diffusers 0.42.1), so no PyTorch pipeline would show what the engines' skipped steps must match.
+NO_REFERENCE = {
+    ("Flux2Transformer2DModel", "first-block"): "diffusers' First-Block Cache fails on the PyTorch "
+    "Flux2Transformer2DModel (unsupported operand type(s) for -: 'Tensor' and 'list': its tail, a single-stream "
+    "block, returns the joined stream; diffusers issue 14280), so it has no reference there: use taylorseer",
 }
 
 
@@ -254,9 +315,14 @@ def splits(architecture: str) -> bool:
     return any(k.architecture == architecture for k, _ in KINDS)
 
 
-def split_problem(config: dict[str, Any], controlnet: bool = False) -> str | None:
+def reference_problem(architecture: str, cache: str) -> str | None:
+    """Why the step cache ``cache`` (first-block, magcache, taylorseer) does not run on this kind's engines, or None."""
+    return NO_REFERENCE.get((architecture, cache))
+
+
+def split_problem(config: dict[str, Any], controlnet: bool = False, caches: tuple[str, ...] = ()) -> str | None:
     """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip; a
-    ControlNet's samples, which no part takes), or None."""
+    ControlNet's samples, which no part takes; one of ``caches`` the kind's engines do not run), or None."""
     if controlnet:
         return "the step-cache members take no ControlNet block samples yet; compile without --caches"
     kind = config.get("_class_name", "")
@@ -264,5 +330,9 @@ def split_problem(config: dict[str, Any], controlnet: bool = False) -> str | Non
         split = ", ".join(k.architecture for k, _ in KINDS)
         why = NOT_SPLIT.get(kind, "")
         return f"step caches are not built for a {kind}{why} (only for {split}); compile without them"
+    if problem := next(filter(None, (reference_problem(kind, cache) for cache in caches)), None):
+        return problem
+    if kind == Flux2TransformerSpec.architecture and not config.get("num_layers"):
+        return "its first block is a single-stream one, and the FLUX.2 split starts with a double-stream block"
     blocks = config.get("num_layers", 0) + config.get("num_single_layers", 0)
     return None if blocks >= 2 else f"it has {blocks} block, and a step cache skips the blocks after the first"

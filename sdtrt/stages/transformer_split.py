@@ -5,7 +5,8 @@ called as the network's forward calls them, so the four parts chained compute wh
 ``tests/test_step_cache.py`` checks that on SD3's, Flux's and Qwen-Image's classes. What passes between the parts: the
 embedded image and text tokens, the conditioning embedding ``temb`` and the kind's block extras: Flux's rotary
 embedding (cos, sin), computed once by the embedders' part; Qwen-Image's text mask and rotary angles, the whole
-graph's inputs (stages/qwen_transformer.py).
+graph's inputs (stages/qwen_transformer.py); FLUX.2's rotary embedding and modulations, computed by its embedders'
+part as its forward computes them once, outside the blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..spec.transformer_split import TransformerPartSpec
+from ..spec.transformer_split import FLUX2_DOUBLE_MODULATIONS, FLUX2_SINGLE_MODULATION, TransformerPartSpec
 from .patches import replaced
 from .qwen_transformer import rotary_patches
 
@@ -106,6 +107,56 @@ def _qwen_rest(net: Any, **tensors: Any) -> Any:
     return _qwen_blocks(net.transformer_blocks[1:], **tensors)[1]
 
 
+# ---- FLUX.2 (Flux2Transformer2DModel.forward, diffusers 0.42; no KV cache of reference tokens) ----------------
+
+
+def _flux2_embed(net: Any, hidden_states: Any, encoder_hidden_states: Any, timestep: Any, img_ids: Any,
+                 txt_ids: Any, guidance: Any = None) -> tuple[Any, ...]:  # fmt: skip
+    """The tokens, temb, the text-then-image rotary embedding and the three modulations, in the spec's order."""
+    import torch
+
+    timestep = timestep.to(hidden_states.dtype) * 1000
+    guidance = None if guidance is None else guidance.to(hidden_states.dtype) * 1000
+    temb = net.time_guidance_embed(timestep, guidance)
+    text_cos, text_sin = net.pos_embed(txt_ids)
+    image_cos, image_sin = net.pos_embed(img_ids)
+    cos, sin = torch.cat([text_cos, image_cos], dim=0), torch.cat([text_sin, image_sin], dim=0)
+    modulations = (net.double_stream_modulation_img(temb), net.double_stream_modulation_txt(temb),
+                   net.single_stream_modulation(temb))  # fmt: skip
+    hidden, encoder = net.x_embedder(hidden_states), net.context_embedder(encoder_hidden_states)
+    return hidden, encoder, temb, cos, sin, *modulations
+
+
+def _flux2_blocks(net: Any, first: bool, hidden_states: Any, encoder_hidden_states: Any, rotary_cos: Any,
+                  rotary_sin: Any, **modulations: Any) -> tuple[Any, Any]:  # fmt: skip
+    """The first double-stream block, or every other block: the double-stream ones, then, on the joined stream, the
+    single-stream ones; (text, image) tokens out, as a double-stream block returns them."""
+    import torch
+
+    encoder, hidden, rotary = encoder_hidden_states, hidden_states, (rotary_cos, rotary_sin)
+    doubles = net.transformer_blocks[:1] if first else net.transformer_blocks[1:]
+    img, txt = (modulations.get(name) for name in FLUX2_DOUBLE_MODULATIONS)
+    for block in doubles:
+        encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb_mod_img=img,
+                                temb_mod_txt=txt, image_rotary_emb=rotary)  # fmt: skip
+    if first or not len(net.single_transformer_blocks):
+        return encoder, hidden
+    text_tokens = encoder.shape[1]
+    joined = torch.cat([encoder, hidden], dim=1)
+    for block in net.single_transformer_blocks:
+        joined = block(hidden_states=joined, encoder_hidden_states=None,
+                       temb_mod=modulations[FLUX2_SINGLE_MODULATION], image_rotary_emb=rotary)  # fmt: skip
+    return joined[:, :text_tokens], joined[:, text_tokens:]
+
+
+def _flux2_first_block(net: Any, **tensors: Any) -> tuple[Any, Any]:
+    return _flux2_blocks(net, True, **tensors)
+
+
+def _flux2_rest(net: Any, **tensors: Any) -> Any:
+    return _flux2_blocks(net, False, **tensors)[1]
+
+
 # ---- SD3 / SD3.5 (SD3Transformer2DModel.forward, diffusers 0.42) -------------------------------------------------
 
 
@@ -150,5 +201,8 @@ SD3_PARTS: dict[str, Part] = {"transformer_embed": _sd3_embed, "transformer_firs
                               "transformer_rest": _sd3_rest, "transformer_out": _sd3_out}  # fmt: skip
 QWEN_PARTS: dict[str, Part] = {"transformer_embed": _qwen_embed, "transformer_first_block": _qwen_first_block,
                                "transformer_rest": _qwen_rest, "transformer_out": _packed_out}  # fmt: skip
+FLUX2_PARTS: dict[str, Part] = {"transformer_embed": _flux2_embed, "transformer_first_block": _flux2_first_block,
+                                "transformer_rest": _flux2_rest, "transformer_out": _packed_out}  # fmt: skip
 KIND_PARTS: dict[str, dict[str, Part]] = {"FluxTransformer2DModel": FLUX_PARTS, "SD3Transformer2DModel": SD3_PARTS,
-                                          "QwenImageTransformer2DModel": QWEN_PARTS}  # fmt: skip
+                                          "QwenImageTransformer2DModel": QWEN_PARTS,
+                                          "Flux2Transformer2DModel": FLUX2_PARTS}  # fmt: skip

@@ -20,10 +20,11 @@ import torch
 
 from ..core.errors import ArtifactError
 from ..runtime import Runtime
-from ..spec.transformer_split import TransformerPartSpec
+from ..spec.transformer_split import TransformerPartSpec, reference_problem
 
-# The cache configs an engine can honour (diffusers.hooks' class names), and why the others cannot.
-HONOURED = ("FirstBlockCacheConfig", "MagCacheConfig", "TaylorSeerCacheConfig")
+# The cache configs an engine can honour (diffusers.hooks' class names, with --cache's names), and why the others
+# cannot.
+HONOURED = {"FirstBlockCacheConfig": "first-block", "MagCacheConfig": "magcache", "TaylorSeerCacheConfig": "taylorseer"}
 INSIDE_BLOCKS = (
     "caches the attention layers inside the blocks, which an engine runs as one graph: use FirstBlockCacheConfig, "
     "MagCacheConfig or TaylorSeerCacheConfig(use_lite_mode=True)"
@@ -66,29 +67,25 @@ class TransformerPartEngine(PartEngine):
 
 class EngineBlock(TransformerPartEngine):
     """A block part's engine, called as diffusers' forward calls a block: its rotary embedding the pair
-    ``image_rotary_emb`` (Flux's cos and sin, Qwen-Image's image and text angles), Qwen-Image's text mask by name."""
+    ``image_rotary_emb`` (Flux's cos and sin, Qwen-Image's image and text angles), the rest by the names the part
+    takes them (temb, Qwen-Image's text mask, FLUX.2's modulations); the engine reads those its graph takes."""
 
     def run_block(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, encoder_hidden_states_mask: torch.Tensor | None,
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None, extras: dict[str, torch.Tensor],
     ) -> list[torch.Tensor]:  # fmt: skip
-        extras = dict(zip(self.part.rotary_pair, image_rotary_emb or (), strict=True))
-        if encoder_hidden_states_mask is not None:
-            extras["encoder_hidden_states_mask"] = encoder_hidden_states_mask
-        return self.run(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb, **extras)
+        rotary = dict(zip(self.part.rotary_pair, image_rotary_emb or (), strict=True))
+        return self.run(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, **rotary, **extras)
 
 
 class EngineFirstBlock(EngineBlock):
     """The first block's engine, called as a diffusers block: (encoder_hidden_states, hidden_states) out."""
 
     def forward(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        encoder_hidden_states_mask: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None, **extras: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        encoder, hidden = self.run_block(
-            hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_hidden_states_mask
-        )
+        encoder, hidden = self.run_block(hidden_states, encoder_hidden_states, image_rotary_emb, extras)
         return encoder, hidden
 
 
@@ -97,13 +94,10 @@ class EngineOtherBlocks(EngineBlock):
     those it was given: after the last block the transformer reads only the image tokens (norm_out, proj_out)."""
 
     def forward(
-        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        encoder_hidden_states_mask: torch.Tensor | None = None,
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None, **extras: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        (hidden,) = self.run_block(
-            hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_hidden_states_mask
-        )
+        (hidden,) = self.run_block(hidden_states, encoder_hidden_states, image_rotary_emb, extras)
         return encoder_hidden_states, hidden
 
 
@@ -148,31 +142,31 @@ class SplitTransformer:
         """The transformer's output for its canonical inputs, each block and the head called as diffusers calls them
         (so the cache hooks on them see what they see on PyTorch)."""
         spec = self.embed.part
-        # The block extras: computed by the embedders (Flux's rotary embedding) or the whole call's (Qwen-Image's).
+        # The block extras: computed by the embedders (Flux's and FLUX.2's) or the whole call's (Qwen-Image's).
         given = inputs | dict(zip(spec.canonical_outputs, self.embed.run(**inputs), strict=True))
-        extras: dict[str, Any] = {}
+        extras: dict[str, Any] = {name: given[name] for name in ("temb", *spec.block_extras())}
         if spec.rotary_pair:
-            extras["image_rotary_emb"] = tuple(given[name] for name in spec.rotary_pair)
-        if "encoder_hidden_states_mask" in given:
-            extras["encoder_hidden_states_mask"] = given["encoder_hidden_states_mask"]
+            extras["image_rotary_emb"] = tuple(extras.pop(name) for name in spec.rotary_pair)
         encoder, hidden = given["embedded_encoder_hidden_states"], given["embedded_hidden_states"]
-        temb = given["temb"]
         for block in self.blocks:
-            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, temb=temb, **extras)
-        return self.head(hidden_states=hidden, temb=temb, latents=inputs["hidden_states"])
+            encoder, hidden = block(hidden_states=hidden, encoder_hidden_states=encoder, **extras)
+        return self.head(hidden_states=hidden, temb=given["temb"], latents=inputs["hidden_states"])
 
 
-def cache_problem(config: Any, has_parts: bool) -> str | None:
-    """Why an engine transformer (``has_parts``: its set has the split members) cannot run ``config`` (a diffusers
-    cache config), or None when it can."""
+def cache_problem(config: Any, has_parts: bool, architecture: str) -> str | None:
+    """Why an engine transformer of this class (``has_parts``: its set has the split members) cannot run ``config``
+    (a diffusers cache config), or None when it can."""
     import diffusers.hooks as hooks
 
     name = type(config).__name__
     for refused, why in UNHONOURED.items():
         if isinstance(config, getattr(hooks, refused, ())):  # a subclass too
             return f"{name} {why}"
-    if not isinstance(config, tuple(getattr(hooks, n) for n in HONOURED)):
+    kind = next((kind for n, kind in HONOURED.items() if isinstance(config, getattr(hooks, n))), None)
+    if kind is None:
         return f"{name} is not a step cache sdtrt knows; engines run {', '.join(HONOURED)}"
+    if problem := reference_problem(architecture, kind):
+        return f"{name}: {problem}"
     if not has_parts:
         return (
             "this engine set has no split members for step caches: recompile with `sdtrt compile --caches "

@@ -107,7 +107,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         run on the engines of a set compiled with caches; any other config, or none of those parts, is refused."""
         if self.is_cache_enabled:
             raise EngineInputError(f"{type(self).__name__}.enable_cache: a cache is on already: disable_cache() first")
-        if problem := cache_problem(config, has_parts=self._open_parts is not None):
+        if problem := cache_problem(config, self._open_parts is not None, self.spec.architecture):
             raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
         split = self.opened_split()
         assert split is not None  # cache_problem said the set has the parts
