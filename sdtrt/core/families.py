@@ -46,6 +46,7 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
+    {"img2img": "QwenImageEditPipeline"},  # an edit of its input image (no strength: denoised from noise)
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
@@ -188,18 +189,19 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before diffusers is imported
     (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their control image as
     ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``); Kontext's reference
-    image is its ``image``, and FLUX.2 [klein]'s optional reference images too; FLUX.1 ControlNet pipelines take a
-    ``control_image`` for every task (a negative prompt for txt2img only). SD, SDXL and LCM img2img take no height
-    (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
+    image is its ``image``, as Qwen-Image-Edit's image to edit is, and FLUX.2 [klein]'s optional reference images too;
+    FLUX.1 ControlNet pipelines take a ``control_image`` for every task (a negative prompt for txt2img only). SD, SDXL
+    and LCM img2img take no height (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and
+    Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
-    kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
+    edits, controlnet = "Kontext" in class_name or "Edit" in class_name, "ControlNet" in class_name
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
     flux_controlnet = class_name.startswith("FluxControlNet")
     reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt
     no_negative = class_name.startswith(("LatentConsistencyModel", "FluxFill")) or flux_control or reference
     inputs = {
         "negative_prompt": not (no_negative or (flux_controlnet and (img2img or inpaint))),
-        "image": img2img or inpaint or kontext or (controlnet and not flux_controlnet) or reference,
+        "image": img2img or inpaint or edits or (controlnet and not flux_controlnet) or reference,
         "mask_image": inpaint,
         "control_image": flux_control or flux_controlnet or (controlnet and (img2img or inpaint)),
         "strength": img2img or inpaint,
