@@ -55,6 +55,7 @@ def pictures(tmp_path_factory):
         (["--model", "tiny-inpaint"], "this model's pipeline needs an input image: pass --image"),
         (["--model", "tiny-inpaint", "--image", "{in}"], "needs an input mask image: pass --mask"),
         (["--model", "tiny-flux-kontext", "--task", "inpaint", "--mask", "{mask}"], "input image: pass --image"),
+        (["--model", "tiny-qwen-image-edit"], "this model's pipeline needs an input image: pass --image"),
         (["--model", "tiny-flux-kontext", "--task", "inpaint", "--image", "{in}"], "input mask image: pass --mask"),
         (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
         (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),

@@ -12,12 +12,15 @@ reads ~4100 image tokens a call (the condition image's 4096 after the output's),
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
+from sdtrt.core.errors import RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
 from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
@@ -86,6 +89,16 @@ def test_an_edit_matches_pytorch(edit):
     check_edit(edit, 128, 128)
     # the output's 8×8 patches, then the 4:3 input's condition image, 1184×896 (calculate_dimensions), 74×56 patches
     assert shapes and shapes[0][0] == [(1, 8, 8), (1, 56, 74)]
+
+
+def test_an_edit_without_its_image_is_refused_before_any_network_runs(edit):
+    _, _, engine = edit
+    calls = []
+    for network in (engine.text_encoder, engine.text_encoder.vision, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image[^\n]+$"):
+        generate(engine, dataclasses.replace(request(height=128, width=128), image=None))
+    assert not calls
 
 
 @pytest.mark.slow
