@@ -14,7 +14,7 @@ from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
 from ..core.families import QWEN_IMAGE_EDIT_PIPELINES
 
 # The tiny preset's condition image (~1024² before the processor) at most 112² pixels after it: 64 patches, 16 tokens.
-TINY_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 112 * 112}
+TINY_PIXELS = (56 * 56, 112 * 112)
 
 
 class ImageQwen2VLProcessor(Qwen2VLProcessor):
@@ -24,9 +24,10 @@ class ImageQwen2VLProcessor(Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
-def new_edit_processor(tokenizer: Any, pixels: dict[str, int]) -> ImageQwen2VLProcessor:
-    """A processor of ``tokenizer`` (with Qwen2.5-VL's vision tokens) whose images are resized to ``pixels``."""
-    return ImageQwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer)
+def new_edit_processor(tokenizer: Any, pixels: tuple[int, int]) -> ImageQwen2VLProcessor:
+    """A processor of ``tokenizer`` (with Qwen2.5-VL's vision tokens) resizing its images to (min, max) ``pixels``."""
+    images = Qwen2VLImageProcessor(min_pixels=pixels[0], max_pixels=pixels[1])
+    return ImageQwen2VLProcessor(image_processor=images, tokenizer=tokenizer)
 
 
 def edit_processor(pipeline_class: str, model_folder: Path) -> dict[str, Any]:
