@@ -91,6 +91,20 @@ def test_an_edit_matches_pytorch(edit):
     assert shapes and shapes[0][0] == [(1, 8, 8), (1, 56, 74)]
 
 
+def test_the_condition_image_sizes_are_the_pipelines():
+    """The spec's condition image sizes (written out: the CLI makes specs before diffusers is imported) are diffusers'
+    calculate_dimensions of 1024², and an Edit set's profile covers them."""
+    import math
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    from sdtrt.spec.transformer_qwen import edit_condition_patches, edit_condition_sizes
+
+    ratios = [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
+    assert edit_condition_sizes() == tuple(calculate_dimensions(1024 * 1024, r)[:2] for r in ratios)
+    assert edit_condition_patches() == (3960, 4096, 4232)
+
+
 def test_an_edit_without_its_image_is_refused_before_any_network_runs(edit):
     _, _, engine = edit
     calls = []

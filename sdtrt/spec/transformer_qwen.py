@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -145,14 +146,14 @@ QWEN_IMAGE_UNBUILT = ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond"
 
 @functools.cache
 def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
-    """QwenImageEditPipeline's condition image sizes (width, height): diffusers' calculate_dimensions of 1024² pixels
-    at aspect ratios 1:3 to 3:1, a square's first. Imports diffusers: call it for an Edit set only."""
-    import math
-
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
-    ratios = [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
-    return tuple(calculate_dimensions(1024 * 1024, ratio)[:2] for ratio in ratios)
+    """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
+    its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
+    refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
+    sizes = []
+    for ratio in [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]:
+        width = math.sqrt(1024 * 1024 * ratio)
+        sizes.append((round(width / 32) * 32, round(width / ratio / 32) * 32))
+    return tuple(sizes)
 
 
 def edit_condition_patches() -> tuple[int, int, int]:
