@@ -105,6 +105,23 @@ def test_the_condition_image_sizes_are_the_pipelines():
     assert edit_condition_patches() == (3960, 4096, 4232)
 
 
+def test_an_edit_sets_default_profile_holds_the_pipelines_default_call():
+    """Without a profile: the transformer takes a 1024² output's 4096 patches and a square condition image's 4096
+    after them, a prompt's 1024 text tokens and its image's 1296 (2320, over the text-to-image cap of 1024), and the
+    VAE encoder takes the condition image's sides at any aspect ratio from 1:3 to 3:1."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.spec import component_spec
+
+    source = resolve_model("tiny-qwen-image-edit")
+    transformer = component_spec(source, "transformer", "fp32")
+    shapes = transformer.profile_shapes(transformer.default_profile())
+    assert [shape[1] for shape in shapes["hidden_states"]] == [1024 + 3960, 4096 + 4096, 9216 + 4232]
+    assert [shape[1] for shape in shapes["encoder_hidden_states"]] == [5, 1481, 2320]
+    encoder = component_spec(source, "vae_encoder", "fp32")
+    ((low, _, high),) = encoder.profile_shapes(encoder.default_profile()).values()
+    assert low[2:] == (512, 512) and high[2:] == (1760, 1760)  # 1760x576 and 576x1760 at 3:1 and 1:3
+
+
 def test_an_edit_without_its_image_is_refused_before_any_network_runs(edit):
     _, _, engine = edit
     calls = []
