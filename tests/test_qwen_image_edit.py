@@ -135,3 +135,33 @@ def test_an_edit_without_its_image_is_refused_before_any_network_runs(edit):
 @pytest.mark.slow
 def test_a_non_square_edit_matches_pytorch(edit):
     check_edit(edit, 128, 192)
+
+
+@pytest.mark.slow
+def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's: several input images, each a ~1024² condition image for the
+    VAE and the transformer, a 384² one for the vision tower) on a set of the preset as a Plus folder, whose
+    transformer takes up to three condition images' patches: two images as PyTorch's."""
+    import json
+
+    from sdtrt.sources.models import ModelSource, resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    preset = resolve_model("tiny-qwen-image-edit").path
+    for entry in preset.iterdir():
+        if entry.name != "model_index.json":
+            (tmp_path / entry.name).symlink_to(entry)
+    index = json.loads((preset / "model_index.json").read_text()) | {"_class_name": "QwenImageEditPlusPipeline"}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    source = ModelSource("tiny-qwen-image-edit-plus", "folder", tmp_path)
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
+    pipes = [load_pipeline(source), load_pipeline(source, engine)]
+    assert all(type(p).__name__ == "QwenImageEditPlusPipeline" for p in pipes)
+    call = {"prompt": "put the fox in the second picture", "negative_prompt": " ", "true_cfg_scale": 4.0,
+            "height": 128, "width": 192, "num_inference_steps": 2, "output_type": "np"}  # fmt: skip
+    images = [picture(), picture(128, 96)]
+    want, got = (p(image=images, generator=torch.Generator().manual_seed(3), **call).images[0] for p in pipes)
+    psnr = psnr_db(got, want)
+    print(f"tiny-qwen-image-edit as QwenImageEditPlusPipeline, two images, 128x192: PSNR {psnr:.1f} dB")
+    assert want.std() > 0.01 and psnr >= 35.0

@@ -47,6 +47,7 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
     {"img2img": "QwenImageEditPipeline"},  # an edit of its input image (no strength: denoised from noise)
+    {"img2img": "QwenImageEditPlusPipeline"},  # the same of one to three input images (Qwen-Image-Edit-2509's)
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
@@ -79,7 +80,10 @@ QWEN_IMAGE_DROPPED_TOKENS = 34
 QWEN_IMAGE_EDIT_DROPPED_TOKENS = 64
 # The Qwen-Image pipelines that run an image through their Qwen2.5-VL text encoder (its vision tower, then the
 # language model on the prompt's tokens with the image's embeddings in place of its image-pad tokens).
-QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline",)
+QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+# The most condition images an Edit pipeline's engines take in a call (Qwen-Image-Edit-2509's model card: one to
+# three work best); each is ~1024² for the VAE and the transformer.
+QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
 # The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
 # from the end, as the pipeline indexes them): FLUX.2 [klein] and [dev] stack their text_encoder_out_layers
 # defaults, Z-Image's pipelines take hidden_states[-2].

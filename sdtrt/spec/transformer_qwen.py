@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from ..core.config import Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
-from ..core.families import LLM_TOKENS, QWEN_IMAGE_EDIT_PIPELINES, QWEN_IMAGE_TUNED_TOKENS
+from ..core.families import LLM_TOKENS, QWEN_EDIT_IMAGES, QWEN_IMAGE_EDIT_PIPELINES, QWEN_IMAGE_TUNED_TOKENS
 from .base import ModelConfigs
 from .qwen_vision import QwenVisionTowerSpec
 from .transformer import PackedTransformerSpec
@@ -46,8 +46,9 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
     attention_head_dim: int = 128
     # QwenImageEditPipeline's: its condition image's packed latents follow the generated ones (img_shapes lists both,
     # the rotary tables cover both; the pipeline cuts the output back), that image is ~1024² whatever the output's
-    # size (calculate_dimensions): (min, opt, max) patches over aspect ratios 1:3 to 3:1; and the prompt holds its
-    # vision tokens (EDIT_IMAGE_TOKENS). (0, 0, 0): the other pipelines'.
+    # size (calculate_dimensions): (min, opt, max) patches over aspect ratios 1:3 to 3:1, the max for the pipeline's
+    # most images (QWEN_EDIT_IMAGES); and the prompt holds their vision tokens (EDIT_IMAGE_TOKENS: one ~1024² image's,
+    # more than the Plus pipeline's three 384² ones). (0, 0, 0): the other pipelines'.
     condition_patches: tuple[int, int, int] = (0, 0, 0)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,8 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
     @classmethod
     def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:
         if model.is_pipeline and model.pipeline_class() in QWEN_IMAGE_EDIT_PIPELINES:
-            return {"condition_patches": edit_condition_patches()}
+            fewest, square, most = edit_condition_patches()
+            return {"condition_patches": (fewest, square, most * QWEN_EDIT_IMAGES[model.pipeline_class()])}
         return {}
 
     @property
