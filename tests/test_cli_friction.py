@@ -66,6 +66,7 @@ def pictures(tmp_path_factory):
             ["--model", "tiny-flux-kontext", "--image", "{in}", "--reference-image", "{in}"],
             "takes no image reference (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a",
         ),
+        (["--model", "tiny-qwen-image-edit"], "--task img2img needs an input image: pass --image"),
         (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
         (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),
         (["--model", "tiny-lcm", "--image", "{in}", "--mask", "{mask}"], "its family has no inpaint pipeline"),

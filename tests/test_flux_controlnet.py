@@ -144,7 +144,7 @@ def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(family):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "--task txt2img on this model needs a control image: pass --control-image"),
+        ([], "this model's txt2img pipeline needs a control image: pass --control-image"),
         (
             ["--control-image", "{wide}"],
             "the control image is 128×64 px (w×h) and the image to generate 256×256 px (w×h)",

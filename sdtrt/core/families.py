@@ -46,6 +46,8 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
+    {"img2img": "QwenImageEditPipeline"},  # an edit of its input image (no strength: denoised from noise)
+    {"img2img": "QwenImageEditPlusPipeline"},  # the same of one to three input images (Qwen-Image-Edit-2509's)
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
@@ -78,7 +80,10 @@ QWEN_IMAGE_DROPPED_TOKENS = 34
 QWEN_IMAGE_EDIT_DROPPED_TOKENS = 64
 # The Qwen-Image pipelines that run an image through their Qwen2.5-VL text encoder (its vision tower, then the
 # language model on the prompt's tokens with the image's embeddings in place of its image-pad tokens).
-QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline",)
+QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+# The most condition images an Edit pipeline's engines take in a call (Qwen-Image-Edit-2509's model card: one to
+# three work best); each is ~1024² for the VAE and the transformer.
+QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
 # The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
 # from the end, as the pipeline indexes them): FLUX.2 [klein] and [dev] stack their text_encoder_out_layers
 # defaults, Z-Image's pipelines take hidden_states[-2].
@@ -188,19 +193,21 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     strength, height) the ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before
     diffusers is imported (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their
     control image as ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``);
-    Kontext's reference image is its ``image`` (its inpainting pipeline's an optional ``image_reference``, ``image``
-    being repainted), and FLUX.2 [klein]'s optional reference images too; FLUX.1 ControlNet pipelines take a
+    Kontext's reference image is its ``image``, as Qwen-Image-Edit's image to edit is (Kontext's inpainting
+    pipeline's an optional ``image_reference``, ``image`` being repainted), and FLUX.2 [klein]'s optional reference
+    images too; FLUX.1 ControlNet pipelines take a
     ``control_image`` for every task (a negative prompt for txt2img only). SD, SDXL and LCM img2img take no height
     (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
     kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
+    edits = kontext or "Edit" in class_name  # Qwen-Image-Edit's image to edit, as Kontext's reference
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
     flux_controlnet = class_name.startswith("FluxControlNet")
     reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt
     no_negative = class_name.startswith(("LatentConsistencyModel", "FluxFill")) or flux_control or reference
     inputs = {
         "negative_prompt": not (no_negative or (flux_controlnet and (img2img or inpaint))),
-        "image": img2img or inpaint or kontext or (controlnet and not flux_controlnet) or reference,
+        "image": img2img or inpaint or edits or (controlnet and not flux_controlnet) or reference,
         "mask_image": inpaint,
         "control_image": flux_control or flux_controlnet or (controlnet and (img2img or inpaint)),
         "image_reference": kontext and inpaint,  # its own reference, where ``image`` is repainted

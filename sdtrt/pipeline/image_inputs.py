@@ -35,18 +35,23 @@ REFERENCE_FIX = " (FLUX.1 Kontext's inpainting takes one: --task inpaint with an
 
 
 def check_inputs(
-    request: GenerateRequest, accepts: Collection[str], image_fix: str = "", image_optional: bool = False
+    request: GenerateRequest,
+    accepts: Collection[str],
+    image_fix: str = "",
+    image_optional: bool = False,
+    task: Task | None = None,
 ) -> None:
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
     for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
     (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
-    images are optional (without one they generate from text). The refusal names the task, which needs the image
-    (only inpainting pipelines take a mask, only img2img and inpainting ones a strength), not the model."""
-    task = "inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else "txt2img"
+    images are optional (without one they generate from text). The refusal names the task that needs the image
+    (``task``, else read from ``accepts``: only inpainting pipelines take a mask, only img2img and inpainting ones a
+    strength); a txt2img one that needs an image (a ControlNet's) is this model's own."""
+    task = task or ("inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else "txt2img")
+    needs = "this model's txt2img pipeline needs" if task == "txt2img" else f"--task {task} needs"
     for name, (what, flag) in NEEDED.items():
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
-            here = " on this model" if name == "control_image" else ""  # a txt2img task needs none elsewhere
-            raise RequestError(f"--task {task}{here} needs {what}: pass {flag}")
+            raise RequestError(f"{needs} {what}: pass {flag}")
     for name in ("negative_prompt", "image", "mask_image", "control_image", "image_reference"):
         if getattr(request, name) is not None and name not in accepts:
             fixes = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}
@@ -189,7 +194,8 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
         fix = f" (its family has no {wanted} pipeline; it has {', '.join(row)})" if row else ""
     pipeline = pipeline_class_name(index_class, task)
     optional = pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES  # Kontext's, klein's reference
-    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=optional)
+    named = task or next((each for each, name in row.items() if name == pipeline), None)  # the model's own task
+    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=optional, task=named)
     check_control_image(request.control_image, *rule.resolve(request.height, request.width))
 
 

@@ -21,6 +21,7 @@ from ..lora.files import LoraSpec
 from ..lora.refit import EngineLoras, fuse_loras
 from ..runtime import Runtime, check_weight_budget, open_members
 from ..sources.models import ModelSource, load_folder, quiet_loading, resolve_model
+from ..sources.qwen_processor import edit_processor
 from ..spec import FOLDERS, FluxControlNetSpec, LLMEncoderSpec, T5EncoderSpec, model_components
 from ..stages import weight_map as weight_maps
 from ..stages.engine_set import engine_members as engine_members  # re-exported: callers know it from here
@@ -120,6 +121,7 @@ def load_pipeline(
     # Skip loading what engines replace (3.4 GB for SD 1.5's UNet); diffusers type-checks components
     # given to from_pretrained, so the stand-ins go in through the constructor.
     skipped = {FOLDERS[c]: None for c in members if not (c == "vae_encoder" and "vae_decoder" not in members)}
+    skipped |= edit_processor(cls.__name__, source.path)  # transformers makes none without torchvision
     no_checker = {"safety_checker": None, "requires_safety_checker": False}
     with quiet_loading():
         pipe = cls.from_pretrained(

@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.families import LLM_TOKENS, QWEN_IMAGE_EDIT_PIPELINES
+
 
 def clip_tokenizers(pipe: Any) -> dict[str, Any]:
     """Text encoder → tokenizer, for the pipeline's CLIP encoders (SD3's third and Flux's second are T5)."""
@@ -49,6 +51,8 @@ def llm_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
     template = getattr(pipe, "prompt_template_encode", None)
     system = getattr(pipe, "system_message", None)  # Flux2Pipeline's, before each prompt
     check_llm_prompts(prompts, pipe.tokenizer, limit, built, template, least=least, dropped=dropped, system=system)
+    if type(pipe).__name__ in QWEN_IMAGE_EDIT_PIPELINES:  # it refuses more than 1024 and never cuts the prompt,
+        return {"max_sequence_length": min(limit - dropped, LLM_TOKENS["qwenimage"])}  # its image's tokens on top
     return {"max_sequence_length": limit - dropped}
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import RequestError
+from ..core.families import QWEN_IMAGE_EDIT_PIPELINES
 from .byte_level import bytes_to_unicode
 from .presets import PRESETS, SD_BETAS, Network, Recipe
 from .random_weights import SHARD_SIZE, empty_weights, save_random
@@ -149,7 +150,10 @@ def build(recipe: Recipe, empty: bool = False) -> Any:
     pipeline_class = getattr(diffusers, recipe.pipeline)
     optional = {"safety_checker": None, "feature_extractor": None, "image_encoder": None,
                 "requires_safety_checker": False}  # fmt: skip
-    return pipeline_class(**accepted(pipeline_class, optional | parts | {"scheduler": scheduler} | recipe.settings))
+    pipe = pipeline_class(**accepted(pipeline_class, optional | parts | {"scheduler": scheduler} | recipe.settings))
+    if "processor" in parts:  # named as an Edit checkpoint names it; the loader makes it ImageQwen2VLProcessor
+        pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
+    return pipe
 
 
 def _networks(recipe: Recipe) -> dict[str, Any]:
@@ -171,15 +175,20 @@ def _networks(recipe: Recipe) -> dict[str, Any]:
         _random_pad_tokens(parts["transformer"])
     for i, network in enumerate(recipe.text_encoders):
         suffix = f"_{i + 1}" if i else ""
-        encoder, tokenizer = _text_encoder(network, tokenizers)
+        encoder, tokenizer = _text_encoder(network, tokenizers, vision=recipe.pipeline in QWEN_IMAGE_EDIT_PIPELINES)
         parts |= {f"text_encoder{suffix}": encoder, f"tokenizer{suffix}": tokenizer}
+    if recipe.pipeline in QWEN_IMAGE_EDIT_PIPELINES:  # the processor that cuts its condition image into patches
+        from .qwen_processor import TINY_PIXELS, new_edit_processor
+
+        parts["processor"] = new_edit_processor(parts["tokenizer"], TINY_PIXELS)
     if recipe.controlnet is not None:
         parts["controlnet"] = _random_controlnet(parts[recipe.denoiser_folder], recipe.controlnet)
     return parts
 
 
-def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[Any, Any]:
-    """A random text encoder of the network's class and the tokenizer it reads; (None, None) for no network."""
+def _text_encoder(network: Network | None, tokenizers: dict[str, Any], vision: bool = False) -> tuple[Any, Any]:
+    """A random text encoder of the network's class and the tokenizer it reads (``vision``: a Qwen2.5-VL's with its
+    vision tokens); (None, None) for no network."""
     if network is None:
         return None, None
     import transformers
@@ -192,9 +201,9 @@ def _text_encoder(network: Network | None, tokenizers: dict[str, Any]) -> tuple[
         tokenizer = qwen_chat_tokenizer()
         config: Any = qwen3_config(tokenizer, text)
     elif class_name == "Qwen2_5_VLForConditionalGeneration":
-        from .qwen_encoder import qwen_chat_tokenizer, qwen_vl_config
+        from .qwen_encoder import qwen_chat_tokenizer, qwen_vl_config, qwen_vl_tokenizer
 
-        tokenizer = qwen_chat_tokenizer()
+        tokenizer = qwen_vl_tokenizer() if vision else qwen_chat_tokenizer()
         config = qwen_vl_config(tokenizer, text)
     elif class_name == "Mistral3ForConditionalGeneration":
         from .mistral_encoder import mistral3_config, mistral_chat_tokenizer

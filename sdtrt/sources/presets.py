@@ -92,7 +92,6 @@ CLIP_L = _clip(768, 12, 12, 768)  # SD 1.x, SDXL's first
 OPENCLIP_H = _clip(1024, 23, 16, 512, "gelu")  # SD 2.x
 OPENCLIP_BIGG = _clip(1280, 32, 20, 1280, "gelu")  # SDXL's second
 
-
 SD1_PNDM = ("PNDMScheduler", dict(skip_prk_steps=True, steps_offset=1, set_alpha_to_one=False))
 SD2_DDIM_V = (
     "DDIMScheduler",
@@ -290,6 +289,10 @@ PRESETS: dict[str, Recipe] = {
         "QwenImagePipeline", TINY_QWEN_IMAGE, TINY_QWEN_VAE, (("Qwen2_5_VLForConditionalGeneration", TINY_QWEN25_VL),),
         scheduler=FLUX_DEV_FLOW, vae_class="AutoencoderKLQwenImage",
     ),
+    "tiny-qwen-image-edit": Recipe("QwenImageEditPipeline", TINY_QWEN_IMAGE, TINY_QWEN_VAE, (  # + a processor
+        ("Qwen2_5_VLForConditionalGeneration", dict(TINY_QWEN25_VL, vision_config=dict(
+            TINY_QWEN25_VL["vision_config"], depth=2, fullatt_block_indexes=[1]))),  # a windowed block, a full one
+    ), scheduler=FLUX_DEV_FLOW, vae_class="AutoencoderKLQwenImage"),
     # Stable Diffusion 1.5's architecture (UNet 859.5 M parameters).
     "sd15-random": Recipe(
         "StableDiffusionPipeline",

@@ -19,6 +19,8 @@ CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
+# Qwen2.5-VL's vision tokens, which a prompt with an image holds (Qwen-Image-Edit's: the image's tokens in between).
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 MERGES = (("t", "h"), ("th", "e"), ("a", "n"), ("an", "d"), ("i", "n"), ("o", "n"), ("Ġ", "a"))
 
 
@@ -36,6 +38,13 @@ def qwen_chat_tokenizer(max_length: int = 512) -> Any:
     return tokenizer
 
 
+def qwen_vl_tokenizer() -> Any:
+    """``qwen_chat_tokenizer`` with Qwen2.5-VL's vision tokens (the processor counts ``<|video_pad|>`` ids too)."""
+    tokenizer = qwen_chat_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)}, replace_extra_special_tokens=False)
+    return tokenizer
+
+
 def qwen3_config(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
     """A Qwen3Config over ``tokenizer``'s vocabulary (at least), padding and ending as it does."""
     from transformers import Qwen3Config
@@ -49,13 +58,16 @@ def qwen3_config(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
 
 def qwen_vl_config(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
     """A Qwen2_5_VLConfig whose language model reads ``tokenizer``'s vocabulary (at least), padding and ending as it
-    does; ``kwargs``: its text_config and vision_config."""
+    does, and its vision tokens where it has them; ``kwargs``: its text_config and vision_config."""
     from transformers import Qwen2_5_VLConfig
 
     text = dict(kwargs["text_config"])
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
     text |= {"vocab_size": max(len(tokenizer), text.get("vocab_size", 0))} | ids
-    return Qwen2_5_VLConfig(text_config=text, vision_config=kwargs["vision_config"], **ids)
+    vocab = tokenizer.get_vocab()
+    names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+    vision = {name: vocab[token] for name, token in zip(names, VISION_TOKENS, strict=True) if token in vocab}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=kwargs["vision_config"], **ids, **vision)
 
 
 def random_latent_statistics(vae: Any) -> None:

@@ -27,10 +27,9 @@ from ..core.families import (
     QWEN_IMAGE_EDIT_PIPELINES,
 )
 from .base import FOLDERS, ModelConfigs, TensorSpec
-from .qwen_vision import QwenVisionTowerSpec
 from .text_encoder import SequenceEncoderSpec
 from .transformer import klein_token_cap
-from .transformer_qwen import qwen_image_tokens
+from .transformer_qwen import EDIT_IMAGE_TOKENS, qwen_image_tokens
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +39,6 @@ KLEIN_LAYERS = LLM_LAYERS["Flux2KleinPipeline"]
 _DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _NEVER_READ = re.compile(r"^lm_head\.|(?:^|\.)visual\.")
 _FINAL_NORM = re.compile(r"^(?:model\.(?:language_model\.)?)?norm\.weight$")
-# The image tokens an Edit prompt holds: one condition image of the vision tower's default profile (Qwen2.5-VL's).
-EDIT_IMAGE_TOKENS = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1).image_tokens()
 
 
 def pipeline_layers(pipeline_class: str, num_hidden_layers: int) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ processor's order of the merged embeddings.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -124,6 +125,12 @@ class QwenVisionTowerSpec(GraphSpec):
         resizes to at most max_pixels, 28² × 1280 (Qwen2VLImageProcessor's default): at most 5120 patches, which a
         1008² square covers (5184); a square 1024² image becomes 980² (4900 patches), the smallest 56² (16)."""
         return ShapeProfile(Range(1, 1, 1), Range(56, 980, 1008), Range(56, 980, 1008))
+
+    def member_profile(self, profile: ShapeProfile) -> ShapeProfile:
+        """In a set, the default profile whatever the set's: its images are the processor's of the ~1024² condition
+        image, not of the output's size, which the set's height and width are; its batch is the set's (an image a
+        prompt)."""
+        return dataclasses.replace(self.default_profile(), batch=profile.batch)
 
     def image_tokens(self) -> Range:
         """The merged tokens one image of the default profile puts in a prompt, at its smallest, tuned and largest

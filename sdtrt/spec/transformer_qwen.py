@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..core.config import Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
-from ..core.families import LLM_TOKENS, QWEN_IMAGE_TUNED_TOKENS
+from ..core.families import LLM_TOKENS, QWEN_EDIT_IMAGES, QWEN_IMAGE_EDIT_PIPELINES, QWEN_IMAGE_TUNED_TOKENS
+from .base import ModelConfigs
+from .qwen_vision import QwenVisionTowerSpec
 from .transformer import PackedTransformerSpec
+
+# The image tokens an Edit prompt holds: one condition image of the vision tower's default profile (Qwen2.5-VL's).
+EDIT_IMAGE_TOKENS = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1).image_tokens()
+EDIT_TOKEN_CAP = TokenCap(
+    LLM_TOKENS["qwenimage"] + EDIT_IMAGE_TOKENS.max, "QwenImageEditPipeline's transformer reads",
+    f"tokens (the prompt's {LLM_TOKENS['qwenimage']} and up to {EDIT_IMAGE_TOKENS.max} of its image)",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,27 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
     token_cap: ClassVar[TokenCap] = TokenCap(LLM_TOKENS["qwenimage"], "QwenImagePipeline takes", "prompt tokens")
 
     attention_head_dim: int = 128
+    # QwenImageEditPipeline's: its condition image's packed latents follow the generated ones (img_shapes lists both,
+    # the rotary tables cover both; the pipeline cuts the output back), that image is ~1024² whatever the output's
+    # size (calculate_dimensions): (min, opt, max) patches over aspect ratios 1:3 to 3:1, the max for the pipeline's
+    # most images (QWEN_EDIT_IMAGES); and the prompt holds their vision tokens (EDIT_IMAGE_TOKENS: one ~1024² image's,
+    # more than the Plus pipeline's three 384² ones). (0, 0, 0): the other pipelines'.
+    condition_patches: tuple[int, int, int] = (0, 0, 0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "condition_patches", tuple(self.condition_patches))  # a list from JSON
+
+    @classmethod
+    def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:
+        if model.is_pipeline and model.pipeline_class() in QWEN_IMAGE_EDIT_PIPELINES:
+            fewest, square, most = edit_condition_patches()
+            return {"condition_patches": (fewest, square, most * QWEN_EDIT_IMAGES[model.pipeline_class()])}
+        return {}
+
+    @property
+    def edits(self) -> bool:
+        return any(self.condition_patches)
 
     @classmethod
     def fields_from(cls, config: dict[str, Any], vae: dict[str, Any], vae_scale_factor: int) -> dict[str, Any]:
@@ -63,7 +95,40 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
         return frozenset(n for n in names if n.startswith((f"{last}attn.to_add_out.", f"{last}txt_mlp.")))
 
     def default_profile(self) -> ShapeProfile:
-        return dataclasses.replace(super().default_profile(), tokens=qwen_image_tokens())
+        """Qwen-Image's tokens; an Edit set's with its condition image's vision tokens too (as its LLM's)."""
+        tokens = qwen_image_tokens()
+        if self.edits:
+            tokens = Range(*(t + i for t, i in zip(tokens, EDIT_IMAGE_TOKENS, strict=True)))
+        return dataclasses.replace(super().default_profile(), tokens=tokens)
+
+    def check_profile(self, profile: ShapeProfile) -> None:
+        if self.edits:  # its prompt holds the condition image's tokens beside the text's 1024
+            profile.check(self.pixel_multiple, EDIT_TOKEN_CAP)
+        else:
+            super().check_profile(profile)
+
+    def axis_sizes(self, batch: int, height_px: int, width_px: int, tokens: int = 0) -> dict[str, int]:
+        """An Edit set's with a square condition image's patches after the output's: inside each corner's range."""
+        sizes = super().axis_sizes(batch, height_px, width_px, tokens)
+        return sizes | {"patches": sizes["patches"] + self.condition_patches[1]}
+
+    def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """An Edit set's: each corner's output patches and the condition image's fewest, square and most."""
+        if not self.edits:
+            return super().profile_shapes(profile)
+        self.check_profile(profile)
+        batch, tokens = self.batch_range(profile), profile.tokens or (0, 0, 0)
+        corners = []
+        for i, extra in enumerate(self.condition_patches):
+            sizes = PackedTransformerSpec.axis_sizes(self, batch[i], profile.height[i], profile.width[i], tokens[i])
+            corners.append(self.shapes_of(sizes | {"patches": sizes["patches"] + extra}))
+        return {name: tuple(c[name] for c in corners) for name in self.input_names}
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        if not self.edits:  # the text-to-image sets keep the JSON, and so the keys, they had
+            del data["condition_patches"]
+        return data
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
         pairs = self.attention_head_dim // 2
@@ -79,6 +144,25 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
 
 # QwenImageTransformer2DModel's config switches of the Edit / Layered models, which the graph does not take.
 QWEN_IMAGE_UNBUILT = ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond", "guidance_embeds")
+
+
+@functools.cache
+def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
+    """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
+    its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
+    refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
+    sizes = []
+    for ratio in [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]:
+        width = math.sqrt(1024 * 1024 * ratio)
+        sizes.append((round(width / 32) * 32, round(width / ratio / 32) * 32))
+    return tuple(sizes)
+
+
+def edit_condition_patches() -> tuple[int, int, int]:
+    """The fewest, a square's and the most patches of an Edit pipeline's condition image (16-pixel patches: the VAE's
+    8, packed 2×2)."""
+    patches = [(width // 16) * (height // 16) for width, height in edit_condition_sizes()]
+    return min(patches), patches[0], max(patches)
 
 
 def qwen_image_tokens() -> Range:

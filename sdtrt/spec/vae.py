@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..core.config import Component, IONaming, Precision, ShapeProfile
-from ..core.families import REFERENCE_TOKEN_PIPELINES
+from ..core.families import QWEN_IMAGE_EDIT_PIPELINES, REFERENCE_TOKEN_PIPELINES
 from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
 from .transformer import reference_sizes
+from .transformer_qwen import edit_condition_sizes
 
 # Video VAEs whose pipelines run them on one frame.
 SINGLE_FRAME_VAES = ("AutoencoderKLQwenImage",)
@@ -80,7 +81,8 @@ class VaeEncoderSpec(_VaeSpec):
     image_channels_key: ClassVar[str] = "in_channels"
     grid: ClassVar[dict[str, str]] = {"image_height": "vae_scale_factor", "image_width": "vae_scale_factor"}
 
-    # FLUX.1 Kontext: the sides of the reference images it encodes too (their preferred resolutions), 0 for none.
+    # The sides of the other images it encodes, 0 for none: FLUX.1 Kontext's references (their preferred resolutions),
+    # Qwen-Image-Edit's condition image.
     reference_min_px: int = 0
     reference_max_px: int = 0
 
@@ -90,13 +92,18 @@ class VaeEncoderSpec(_VaeSpec):
     ) -> VaeEncoderSpec:
         spec = super().for_model(model, precision, io_naming)
         assert isinstance(spec, VaeEncoderSpec)
-        if not (model.is_pipeline and model.pipeline_class() in REFERENCE_TOKEN_PIPELINES):
+        pipeline = model.pipeline_class() if model.is_pipeline else ""
+        if pipeline in QWEN_IMAGE_EDIT_PIPELINES:  # its ~1024² condition image, whatever the output's size
+            sides = [side for size in edit_condition_sizes() for side in size]
+        elif pipeline in REFERENCE_TOKEN_PIPELINES:
+            sides = [side for size in reference_sizes(spec.native_px, 2 * spec.vae_scale_factor) for side in size]
+        else:
             return spec
-        sides = [side for size in reference_sizes(spec.native_px, 2 * spec.vae_scale_factor) for side in size]
         return dataclasses.replace(spec, reference_min_px=min(sides), reference_max_px=max(sides))
 
     def profile_shapes(self, profile: ShapeProfile) -> dict[str, tuple[tuple[int, ...], ...]]:
-        """Images of the output's sizes and, for Kontext, its references' (672x1568 and 1568x672 at 1024 px)."""
+        """Images of the output's sizes and, for Kontext, its references' (672x1568 and 1568x672 at 1024 px), for
+        Qwen-Image-Edit its condition image's."""
         shapes = super().profile_shapes(profile)
         if not self.reference_max_px:
             return shapes

@@ -1,0 +1,167 @@
+"""Qwen-Image-Edit (issue 38) on an engine set: QwenImageEditPipeline with every network an engine stand-in (the
+Qwen2.5-VL vision tower on the condition image, the LLM on the prompt with its image's embeddings, the transformer
+on the generated tokens followed by the condition image's packed latents, the VAE encoder and decoder), images as
+the PyTorch fp32 pipeline's; an edit without its image refused in one line before anything runs.
+
+The preset ``tiny-qwen-image-edit`` is tiny-qwen-image as an Edit folder: its tokenizer with the vision tokens, a
+processor (transformers' slow image processor; ImageQwen2VLProcessor, since transformers makes no Qwen2VLProcessor
+without torchvision) resizing the ~1024² condition image to at most 112² pixels (16 image tokens). One fp32 ONNX
+Runtime set shared by the module's tests (TorchScript's exporter, a profile of the two test sizes); the transformer
+reads ~4100 image tokens a call (the condition image's 4096 after the output's), the VAE encoder a ~1024² image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
+from sdtrt.core.errors import RequestError
+from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+from sdtrt.standins.base import EngineModule
+from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
+from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
+from sdtrt.standins.transformer import EngineQwenImageTransformer
+from sdtrt.standins.vae_qwen import EngineQwenImageVAE
+from sdtrt.tools.image_quality import psnr_db
+
+# One prompt, the test sizes, and up to 512 tokens the transformer reads: the offline tokenizer spells the Edit
+# template's system prompt in ~260 tokens past the 64 the pipeline drops, then the image's 16 and the prompt's.
+PROFILE = ShapeProfile(Range(1, 1, 1), Range(128, 128, 128), Range(128, 128, 192), False, Range(1, 300, 512))
+
+
+@pytest.fixture(scope="module")
+def edit(store):
+    """The preset, and its (PyTorch fp32, engine) pipelines."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    source = resolve_model("tiny-qwen-image-edit")
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
+    return source, load_pipeline(source), load_pipeline(source, engine)
+
+
+def picture(height: int = 96, width: int = 128) -> Image.Image:
+    """A smooth gradient with noise (structure the edit keeps), not of the output's size: the pipeline resizes it."""
+    ys, xs = np.mgrid[0:height, 0:width] / max(height, width)
+    pixels = np.stack([ys, xs, 1 - (ys + xs) / 2], axis=-1)
+    pixels = np.clip(pixels + 0.1 * np.random.default_rng(7).standard_normal(pixels.shape), 0, 1)
+    return Image.fromarray((pixels * 255).astype(np.uint8))
+
+
+def request(**kwargs) -> GenerateRequest:
+    base = {"prompt": "make the fox red", "negative_prompt": " ", "guidance": 4.0, "steps": 2, "seed": 3}
+    return GenerateRequest(image=picture(), **(base | kwargs))
+
+
+def check_edit(edit, height: int, width: int) -> None:
+    want, got = (generate(p, request(height=height, width=width), output_type="np").images[0] for p in edit[1:])
+    psnr = psnr_db(got, want)
+    print(f"tiny-qwen-image-edit {height}x{width}: PSNR {psnr:.1f} dB")
+    assert want.shape == (height, width, 3) and want.std() > 0.01 and psnr >= 35.0
+
+
+def test_every_network_is_an_engine_standin(edit):
+    _, reference, engine = edit
+    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
+    assert set(networks) == {"text_encoder", "transformer", "vae"}
+    assert all(isinstance(m, EngineModule) for m in networks.values())
+    assert isinstance(engine.text_encoder, EngineQwen2_5_VL)
+    assert isinstance(engine.transformer, EngineQwenImageTransformer)
+    assert isinstance(engine.text_encoder.vision, EngineQwen2_5_VisionTower)  # the LLM engine runs it on the image
+    assert isinstance(engine.vae, EngineQwenImageVAE) and engine.vae.decoder_runtime is not None
+    assert engine.vae.encoder_runtime is not None  # the condition image's latents
+    assert type(engine).__name__ == type(reference).__name__ == "QwenImageEditPipeline"
+
+
+def test_an_edit_matches_pytorch(edit):
+    """The transformer engine takes the condition image's tokens after the generated ones with the graph it has
+    (a dynamic image-token axis, rotary tables the stand-in computes from both img_shapes entries): no Edit graph."""
+    shapes = []
+    edit[2].transformer.register_forward_pre_hook(
+        lambda _m, _a, kwargs: shapes.append(kwargs["img_shapes"]), with_kwargs=True
+    )
+    check_edit(edit, 128, 128)
+    # the output's 8×8 patches, then the 4:3 input's condition image, 1184×896 (calculate_dimensions), 74×56 patches
+    assert shapes and shapes[0][0] == [(1, 8, 8), (1, 56, 74)]
+
+
+def test_the_condition_image_sizes_are_the_pipelines():
+    """The spec's condition image sizes (written out: the CLI makes specs before diffusers is imported) are diffusers'
+    calculate_dimensions of 1024², and an Edit set's profile covers them."""
+    import math
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    from sdtrt.spec.transformer_qwen import edit_condition_patches, edit_condition_sizes
+
+    ratios = [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
+    assert edit_condition_sizes() == tuple(calculate_dimensions(1024 * 1024, r)[:2] for r in ratios)
+    assert edit_condition_patches() == (3960, 4096, 4232)
+
+
+def test_an_edit_sets_default_profile_holds_the_pipelines_default_call():
+    """Without a profile: the transformer takes a 1024² output's 4096 patches and a square condition image's 4096
+    after them, a prompt's 1024 text tokens and its image's 1296 (2320, over the text-to-image cap of 1024), and the
+    VAE encoder takes the condition image's sides at any aspect ratio from 1:3 to 3:1."""
+    from sdtrt.sources.models import resolve_model
+    from sdtrt.spec import component_spec
+
+    source = resolve_model("tiny-qwen-image-edit")
+    transformer = component_spec(source, "transformer", "fp32")
+    shapes = transformer.profile_shapes(transformer.default_profile())
+    assert [shape[1] for shape in shapes["hidden_states"]] == [1024 + 3960, 4096 + 4096, 9216 + 4232]
+    assert [shape[1] for shape in shapes["encoder_hidden_states"]] == [5, 1481, 2320]
+    encoder = component_spec(source, "vae_encoder", "fp32")
+    ((low, _, high),) = encoder.profile_shapes(encoder.default_profile()).values()
+    assert low[2:] == (512, 512) and high[2:] == (1760, 1760)  # 1760x576 and 576x1760 at 3:1 and 1:3
+
+
+def test_an_edit_without_its_image_is_refused_before_any_network_runs(edit):
+    _, _, engine = edit
+    calls = []
+    for network in (engine.text_encoder, engine.text_encoder.vision, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(RequestError, match=r"^this model's pipeline needs an input image[^\n]+$"):
+        generate(engine, dataclasses.replace(request(height=128, width=128), image=None))
+    assert not calls
+
+
+@pytest.mark.slow
+def test_a_non_square_edit_matches_pytorch(edit):
+    check_edit(edit, 128, 192)
+
+
+@pytest.mark.slow
+def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's: several input images, each a ~1024² condition image for the
+    VAE and the transformer, a 384² one for the vision tower) on a set of the preset as a Plus folder, whose
+    transformer takes up to three condition images' patches: two images as PyTorch's."""
+    import json
+
+    from sdtrt.sources.models import ModelSource, resolve_model
+    from sdtrt.tools.compile import compile_model
+
+    preset = resolve_model("tiny-qwen-image-edit").path
+    for entry in preset.iterdir():
+        if entry.name != "model_index.json":
+            (tmp_path / entry.name).symlink_to(entry)
+    index = json.loads((preset / "model_index.json").read_text()) | {"_class_name": "QwenImageEditPlusPipeline"}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    source = ModelSource("tiny-qwen-image-edit-plus", "folder", tmp_path)
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
+    pipes = [load_pipeline(source), load_pipeline(source, engine)]
+    assert all(type(p).__name__ == "QwenImageEditPlusPipeline" for p in pipes)
+    call = {"prompt": "put the fox in the second picture", "negative_prompt": " ", "true_cfg_scale": 4.0,
+            "height": 128, "width": 192, "num_inference_steps": 2, "output_type": "np"}  # fmt: skip
+    images = [picture(), picture(128, 96)]
+    want, got = (p(image=images, generator=torch.Generator().manual_seed(3), **call).images[0] for p in pipes)
+    psnr = psnr_db(got, want)
+    print(f"tiny-qwen-image-edit as QwenImageEditPlusPipeline, two images, 128x192: PSNR {psnr:.1f} dB")
+    assert want.std() > 0.01 and psnr >= 35.0
