@@ -282,7 +282,8 @@ def test_a_stamped_export_is_the_whole_export(preset, component, counts, tmp_pat
     assert stamped.manifest["details"]["stamped"] == {"traced_copies": STAMP_FROM, "blocks": blocks}
     assert (
         stamped.manifest["details"]["stamped_reason"]
-        == f"streamed: {STAMP_FROM} copies of each list traced, the others stamped"
+        == f"streamed: {STAMP_FROM} copies of {', '.join(spec.repeated_blocks)} traced, the others stamped (shorter "
+        "lists whole)"
     )
     monkeypatch.setattr(type(spec), "repeated_blocks", {})
     whole = export.run(config, model, Store(tmp_path / "whole"))

@@ -292,3 +292,19 @@ def test_validate_runs_the_task_pipeline_with_its_images(family):
     report = validate(family.source, family.engine, ValidationConfig(steps=2, height=128, width=192))
     assert report, report.failures
     assert report.image["case"]["pipeline"] == family.source.pipeline_class() and report.image["psnr_db"] >= 35.0
+
+
+@pytest.mark.parametrize("size", [(512, 554), (554, 512), (1000, 1000), (300, 900)])
+def test_a_kontext_reference_is_resized_to_the_resolution_diffusers_picks(size):
+    """Diffusers reads the aspect ratio after rounding the sides down to 16 px (get_default_height_width), then
+    picks the nearest preferred resolution: 512 wide x 554 high is 1024x1024 there, 944x1104 on the raw ratio."""
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+    from sdtrt.pipeline.image_inputs import kontext_reference
+
+    image = Image.new("RGB", size)
+    height, width = VaeImageProcessor(vae_scale_factor=16).get_default_height_width(image)
+    _, w, h = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+    resized, tokens, out = kontext_reference(image, SizeRule(16, 1024, 1024), pipe=None)
+    assert resized == (h, w) and out.size == (w, h) and tokens == (h // 16) * (w // 16)

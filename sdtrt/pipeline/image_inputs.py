@@ -46,9 +46,11 @@ def check_inputs(
     (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
     images are optional (without one they generate from text). The refusal names the task that needs the image
     (``task``, else read from ``accepts``: only inpainting pipelines take a mask, only img2img and inpainting ones a
-    strength); a txt2img one that needs an image (a ControlNet's) is this model's own."""
-    task = task or ("inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else "txt2img")
-    needs = "this model's txt2img pipeline needs" if task == "txt2img" else f"--task {task} needs"
+    strength); a txt2img one that needs an image (a ControlNet's), or one of no known task, is this model's own."""
+    task = task or ("inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else None)
+    needs = {None: "this model's pipeline needs", "txt2img": "this model's txt2img pipeline needs"}.get(
+        task, f"--task {task} needs"
+    )
     for name, (what, flag) in NEEDED.items():
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
             raise RequestError(f"{needs} {what}: pass {flag}")
@@ -109,6 +111,8 @@ def kontext_reference(image: Any, rule: SizeRule, pipe: Any) -> tuple[tuple[int,
     if isinstance(image, torch.Tensor) and image.shape[-3] == pipe.vae.config.latent_channels:
         return None, (image.shape[-2] // 2) * (image.shape[-1] // 2), image  # latents: packed as they are
     height, width = image_size(image) or (0, 0)
+    # diffusers' get_default_height_width rounds the sides down to the multiple before it reads the aspect ratio
+    height, width = height - height % rule.multiple, width - width % rule.multiple
     preferred = reference_sizes(rule.default_height, rule.multiple)
     _, w, h = min((abs(width / height - w / h), w, h) for h, w in preferred)  # diffusers' pick, its ties too
     return (h, w), (h // rule.multiple) * (w // rule.multiple), VaeImageProcessor().resize(image, h, w)

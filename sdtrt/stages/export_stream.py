@@ -100,7 +100,8 @@ def stamping(blocks: dict[str, int]) -> dict[str, Any]:
 def stamped_reason(spec: GraphSpec, weights: str, blocks: dict[str, int]) -> str:
     """Why a graph's blocks were stamped (``blocks``, stamped_blocks') or traced whole, for its manifest."""
     if blocks:
-        return f"streamed: {STAMP_FROM} copies of each list traced, the others stamped"
+        lists = ", ".join(path.removeprefix(WRAPPER) for path in blocks)
+        return f"streamed: {STAMP_FROM} copies of {lists} traced, the others stamped (shorter lists whole)"
     if weights != "stream":
         return "traced whole: only a streamed export (--weights stream) stamps blocks"
     if spec.stamping_problem:
