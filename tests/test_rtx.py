@@ -177,11 +177,13 @@ def test_a_q_dq_unet_builds_with_its_quantize_layers(tiny, store, precision):
 
 
 TINY_PRESETS = [
-    "tiny-sd2", "tiny-sdxl", "tiny-sdxl-refiner", "tiny-inpaint", "tiny-lcm", "tiny-controlnet",
-    "tiny-sdxl-controlnet", "tiny-sd3", "tiny-flux", "tiny-flux-schnell",
-    # 1-5 min each on 2 cores (klein's LLM encoder the longest), over the default suite's time: with -m slow
+    "tiny-sd2", "tiny-sdxl", "tiny-inpaint", "tiny-lcm", "tiny-controlnet", "tiny-sdxl-controlnet", "tiny-sd3",
+    "tiny-flux",
+    # 1-5 min each on 2 cores (klein's LLM encoder the longest), over the default suite's time: with -m slow; and
+    # ~20 s each, the same kinds of layers as tiny-sdxl's and tiny-flux's: SDXL's refiner, FLUX.1 [schnell]
     *(pytest.param(p, marks=pytest.mark.slow) for p in ("tiny-flux-fill", "tiny-flux-control", "tiny-flux-kontext",
-                                                         "tiny-flux-controlnet", "tiny-flux2-klein", "tiny-flux2")),
+                                                         "tiny-flux-controlnet", "tiny-flux2-klein", "tiny-flux2",
+                                                         "tiny-sdxl-refiner", "tiny-flux-schnell")),
 ]  # fmt: skip
 
 
