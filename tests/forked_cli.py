@@ -8,7 +8,8 @@ seed a process), on file descriptors 0–2 of its own (C and C++ output is captu
 ``python -m sdtrt`` runs (its __main__, argv[0], click's program name), and exits as the interpreter does (uncaught
 exceptions, threads joined, atexit handlers). It skips what ``os._exit`` skips: module teardown, the ``__del__`` of
 objects still alive (ONNX Runtime sessions, a finalizer's temp dir) and C++'s static destructors, so what a command
-leaves behind at exit is checked with ``forked=False``.
+leaves behind at exit is checked with ``forked=False``, as is anything that depends on Python's string-hash seed
+(the order a set is walked in): the forks share the server's, which no fork can draw afresh.
 
 What a fork cannot keep is what the server read at its start or its imports: a command whose environment differs
 there (READ_AT_IMPORT: SDTRT_DEBUG, PYTHONPATH, HF_HOME, ...) replaces its forked process with a fresh interpreter,
@@ -23,6 +24,7 @@ each it forks, answers the command's pid, then its exit code as subprocess repor
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -50,6 +52,7 @@ PRELOADED = (
 # diffusers' and transformers' verbosity, tqdm's and rich's defaults, typer's width, sdtrt's debug switch, the locale).
 READ_AT_IMPORT = re.compile(
     r"PYTHON|SDTRT_DEBUG$|HF_|TRANSFORMERS_|DIFFUSERS_|TQDM_|TORCH_|OMP_|MKL_|TERMINAL_WIDTH$|NO_COLOR$|FORCE_COLOR$|LC_|LANG$"
+    r"|HOME$|XDG_|TMPDIR$|USE_(TF|TORCH|SAFETENSORS)$"  # huggingface_hub's cache paths, tempfile's, transformers'
 )
 libc = ctypes.CDLL(None)
 
@@ -87,21 +90,31 @@ class CliServer:
             request = {"module": module, "args": args, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
             assert self.process.stdin
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            pid = 0
             try:
                 pid = int(self.reply(max(timeout, 600)))  # the first waits for the server's imports
-            except subprocess.TimeoutExpired:  # a server that does not answer is stopped: the next call starts another
-                self.stop()
-                raise
-            try:
                 code = int(self.reply(timeout))
             except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)  # as subprocess.run does to its child; the server reaps it and answers
-                try:
-                    self.reply(60)
-                except subprocess.TimeoutExpired:  # a child that cannot die: its late answer would be out of step
-                    self.stop()
+                self.abandon(pid)
+                if not pid:  # a server that does not answer
+                    raise
                 raise CommandTimeout(["sdtrt", *args], timeout, pid) from None
+            except BaseException:  # interrupted mid-command (pytest-timeout, Ctrl-C): its answers would be out of step
+                self.abandon(pid)
+                raise
             return subprocess.CompletedProcess(["sdtrt", *args], code, out.read_text(), err.read_text())
+
+    def abandon(self, pid: int) -> None:
+        """Kill the command ``pid`` (0: none started), as subprocess.run kills its child: the server reaps it and
+        answers its exit, so the two are in step again; a server that does not answer is stopped, and the next call
+        starts another rather than read this command's late answers as its own."""
+        if pid > 0:
+            with contextlib.suppress(ProcessLookupError):  # it ended between the deadline and now
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.reply(60)
+                return
+        self.stop()
 
     def reply(self, timeout: float) -> str:
         assert self.process.stdout
