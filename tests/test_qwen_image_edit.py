@@ -68,6 +68,11 @@ def check_edit(edit, height: int, width: int) -> None:
 
 def test_every_network_is_an_engine_standin(edit):
     _, reference, engine = edit
+    assert_every_network_is_an_engine(engine)
+    assert type(engine).__name__ == type(reference).__name__ == "QwenImageEditPipeline"
+
+
+def assert_every_network_is_an_engine(engine) -> None:
     networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
     assert set(networks) == {"text_encoder", "transformer", "vae"}
     assert all(isinstance(m, EngineModule) for m in networks.values())
@@ -76,7 +81,6 @@ def test_every_network_is_an_engine_standin(edit):
     assert isinstance(engine.text_encoder.vision, EngineQwen2_5_VisionTower)  # the LLM engine runs it on the image
     assert isinstance(engine.vae, EngineQwenImageVAE) and engine.vae.decoder_runtime is not None
     assert engine.vae.encoder_runtime is not None  # the condition image's latents
-    assert type(engine).__name__ == type(reference).__name__ == "QwenImageEditPipeline"
 
 
 def test_an_edit_matches_pytorch(edit):
@@ -105,9 +109,30 @@ def test_the_condition_image_sizes_are_the_pipelines():
     assert edit_condition_patches() == (3960, 4096, 4232)
 
 
+@pytest.mark.parametrize("max_pixels", [12845056, 28 * 28 * 1280])  # the checkpoints' processors', the class default
+def test_the_vision_towers_default_profile_holds_the_processors_condition_images(max_pixels):
+    """Each condition image (aspect ratios 1:3 to 3:1) as transformers' processor resizes it: its patches, and its
+    tokens in the prompt, within the tower's and the Edit LLM's default profiles; a square one at their opt."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from sdtrt.spec.qwen_vision import QwenVisionTowerSpec
+    from sdtrt.spec.transformer_qwen import EDIT_IMAGE_TOKENS, edit_condition_sizes
+
+    tower = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1)
+    low, opt, high = tower.profile_shapes(tower.default_profile())[tower.input_names[0]]
+    patches = []
+    for width, height in edit_condition_sizes():
+        resized = smart_resize(height, width, factor=28, min_pixels=56 * 56, max_pixels=max_pixels)
+        patches.append((resized[0] // 14) * (resized[1] // 14))
+    assert low[0] <= min(patches) and max(patches) <= high[0]
+    assert max(patches) // 4 <= EDIT_IMAGE_TOKENS.max
+    if max_pixels == 12845056:
+        assert patches[0] == opt[0] == 5476 and EDIT_IMAGE_TOKENS.opt == 1369
+
+
 def test_an_edit_sets_default_profile_holds_the_pipelines_default_call():
     """Without a profile: the transformer takes a 1024² output's 4096 patches and a square condition image's 4096
-    after them, a prompt's 1024 text tokens and its image's 1296 (2320, over the text-to-image cap of 1024), and the
+    after them, a prompt's 1024 text tokens and its image's 1444 (2468, over the text-to-image cap of 1024), and the
     VAE encoder takes the condition image's sides at any aspect ratio from 1:3 to 3:1."""
     from sdtrt.sources.models import resolve_model
     from sdtrt.spec import component_spec
@@ -116,7 +141,7 @@ def test_an_edit_sets_default_profile_holds_the_pipelines_default_call():
     transformer = component_spec(source, "transformer", "fp32")
     shapes = transformer.profile_shapes(transformer.default_profile())
     assert [shape[1] for shape in shapes["hidden_states"]] == [1024 + 3960, 4096 + 4096, 9216 + 4232]
-    assert [shape[1] for shape in shapes["encoder_hidden_states"]] == [5, 1481, 2320]
+    assert [shape[1] for shape in shapes["encoder_hidden_states"]] == [5, 1625, 2468]
     encoder = component_spec(source, "vae_encoder", "fp32")
     ((low, _, high),) = encoder.profile_shapes(encoder.default_profile()).values()
     assert low[2:] == (512, 512) and high[2:] == (1760, 1760)  # 1760x576 and 576x1760 at 3:1 and 1:3
@@ -158,6 +183,9 @@ def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
     engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
     pipes = [load_pipeline(source), load_pipeline(source, engine)]
     assert all(type(p).__name__ == "QwenImageEditPlusPipeline" for p in pipes)
+    assert_every_network_is_an_engine(pipes[1])
+    patches = []  # both images' patches reach the tower engine
+    pipes[1].text_encoder.vision.register_forward_pre_hook(lambda _, args: patches.append(args[0].shape[0]))
     call = {"prompt": "put the fox in the second picture", "negative_prompt": " ", "true_cfg_scale": 4.0,
             "height": 128, "width": 192, "num_inference_steps": 2, "output_type": "np"}  # fmt: skip
     images = [picture(), picture(128, 96)]
@@ -165,3 +193,4 @@ def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
     psnr = psnr_db(got, want)
     print(f"tiny-qwen-image-edit as QwenImageEditPlusPipeline, two images, 128x192: PSNR {psnr:.1f} dB")
     assert want.std() > 0.01 and psnr >= 35.0
+    assert patches and all(n > 64 for n in patches), patches  # more than one image's most: 8 × 8 at 112²

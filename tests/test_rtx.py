@@ -593,7 +593,7 @@ def test_the_rtx_plans_of_a_pipeline_share_one_activation_buffer(tiny, graph, st
 @pytest.mark.slow
 def test_the_qwen_vl_vision_tower_builds_as_a_plan(store, tmp_path):
     """Qwen2.5-VL's vision tower (tests/test_qwen_vision.py's two-block tower) at the precision compile gives it, bf16
-    (fp16 overflows in Qwen's models), over its default profile: up to 1008×1008 pixels, 5184 patches."""
+    (fp16 overflows in Qwen's models), over its default profile: up to 1064×1064 pixels, 5776 patches."""
     from .test_qwen_vision import vision_folder
 
     source, _ = vision_folder(tmp_path)

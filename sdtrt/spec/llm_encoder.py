@@ -215,7 +215,7 @@ class QwenVLImageEncoderSpec(QwenVLEncoderSpec):
     puts in place of the prompt's ``image_token_id`` tokens, in order, as transformers' ``masked_scatter`` does. The
     positions stay 0..T-1 on all three rotary sections: the pipeline passes no ``mm_token_type_ids``, without which
     transformers 5.x computes no multimodal positions (``compute_3d_position_ids``). Its template drops 64 tokens.
-    The pipeline never cuts the prompt to ``max_sequence_length``, and the prompt holds its image's tokens (1225 for
+    The pipeline never cuts the prompt to ``max_sequence_length``, and the prompt holds its image's tokens (1369 for
     its ~1024² condition image): the cap and default profile add the vision tower's default image to the text's."""
 
     canonical_inputs: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask", "image_embeds")

@@ -122,9 +122,12 @@ class QwenVisionTowerSpec(GraphSpec):
 
     def default_profile(self) -> ShapeProfile:
         """The Edit pipelines' condition image: about 1024² pixels (their calculate_dimensions), which the processor
-        resizes to at most max_pixels, 28² × 1280 (Qwen2VLImageProcessor's default): at most 5120 patches, which a
-        1008² square covers (5184); a square 1024² image becomes 980² (4900 patches), the smallest 56² (16)."""
-        return ShapeProfile(Range(1, 1, 1), Range(56, 980, 1008), Range(56, 980, 1008))
+        rounds to 28-pixel multiples within its max_pixels. The checkpoints' processors set 12845056 (Qwen2.5-VL's
+        preprocessor_config.json), so it is not resized: 5184 to 5580 patches over aspect ratios 1:3 to 3:1, a square
+        1024² image 1036² (5476); transformers' class default, 28² × 1280, gives 4860 to 5084. A 1064² square holds
+        the most (5776), the smallest image 56² (16). tests/test_qwen_image_edit.py holds this to transformers'
+        smart_resize for both."""
+        return ShapeProfile(Range(1, 1, 1), Range(56, 1036, 1064), Range(56, 1036, 1064))
 
     def member_profile(self, profile: ShapeProfile) -> ShapeProfile:
         """In a set, the default profile whatever the set's: its images are the processor's of the ~1024² condition
@@ -134,7 +137,7 @@ class QwenVisionTowerSpec(GraphSpec):
 
     def image_tokens(self) -> Range:
         """The merged tokens one image of the default profile puts in a prompt, at its smallest, tuned and largest
-        size (4:1225:1296 for Qwen2.5-VL's patches and merge): what an Edit prompt holds besides its text."""
+        size (4:1369:1444 for Qwen2.5-VL's patches and merge): what an Edit prompt holds besides its text."""
         profile = self.default_profile()
         sizes = zip(profile.height, profile.width, strict=True)
         return Range(*(self.axis_sizes(1, height, width)["vision_tokens"] for height, width in sizes))
