@@ -64,9 +64,10 @@ def pictures(tmp_path_factory):
         ),
         (  # a reference to inpaint by, on Kontext's img2img pipeline
             ["--model", "tiny-flux-kontext", "--image", "{in}", "--reference-image", "{in}"],
-            "takes no image reference (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a",
+            "takes no image reference (--reference-image is FLUX.1 Kontext inpainting's: --task inpaint with",
         ),
         (["--model", "tiny-qwen-image-edit"], "--task img2img needs an input image: pass --image"),
+        (["--model", "tiny-qwen-image-edit", "--image", "{in}", "--strength", "0.5"], "takes no strength: it draws"),
         (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
         (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),
         (["--model", "tiny-lcm", "--image", "{in}", "--mask", "{mask}"], "its family has no inpaint pipeline"),

@@ -33,7 +33,8 @@ TokensOpt = Annotated[
         help="Text tokens a prompt may take, N or MIN:OPT:MAX; a longer prompt is refused, never cut. SD3 / FLUX.1: "
         "T5 tokens, at most 512 (default 32:256:256 for SD3, 32:256:512 for schnell, 32:512:512 for dev); FLUX.2 "
         "[klein]: chat-templated tokens, at most 512 (default 32:512:512); Qwen-Image: the prompt tokens its "
-        "transformer reads, at most 1024 (default 1:256:1024; the LLM engine reads its template's 34 more)."
+        "transformer reads, at most 1024 (default 1:256:1024; the LLM engine reads its template's 34 more); "
+        "Qwen-Image-Edit: text and image tokens, at most 2468 (default 5:1625:2468; the LLM reads 64 more)."
     ),
 ]
 

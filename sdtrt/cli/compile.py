@@ -92,8 +92,9 @@ def compile(
         str | None,
         typer.Option(
             help=f"Comma-separated step caches to build the denoiser's split members for ({', '.join(STEP_CACHES)}; "
-            "deepcache for a UNet, the others for a transformer, where one split serves all three); then `--cache` on "
-            "generate, bench, validate and deploy runs them.",
+            "deepcache for a UNet, the others for a transformer, where one split serves all three; FLUX.2: "
+            "taylorseer, first-block refused; Z-Image: none; docs/guide/step-caching.md has the table); then `--cache` "
+            "on generate, bench, validate and deploy runs them.",
         ),
     ] = None,
     freeu: Annotated[

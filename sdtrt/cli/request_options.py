@@ -38,8 +38,9 @@ LORA_METAVAR = "<FILE[:SCALE]>"
 ImageOpt = Annotated[
     Path | None,
     typer.Option(
-        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), FLUX.1 Kontext's or FLUX.2 \\[klein]'s "
-        "reference image, or an SD ControlNet txt2img pipeline's control image."
+        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), Qwen-Image-Edit's image to edit "
+        "(required; Qwen-Image guides only with a --negative-prompt, ' ' will do), FLUX.1 Kontext's or FLUX.2 "
+        "\\[klein]'s reference image, or an SD ControlNet txt2img pipeline's control image."
     ),
 ]
 MaskOpt = Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")]

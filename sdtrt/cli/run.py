@@ -89,6 +89,8 @@ def generate_command(
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     FLUX.1 Fill / Canny / Kontext: --image photo.png --mask mask.png; --control-image edges.png; --image reference.png
     Kontext inpainting: --task inpaint --image photo.png --mask mask.png (--reference-image other.png: its reference)
+    Qwen-Image-Edit: --image photo.png --prompt "make it night" --negative-prompt " " --guidance 4
+    Step caches: --cache first-block:0.5 or taylorseer:2 on a set compiled with --caches (FLUX.2: taylorseer)
     IP-Adapter: sdtrt generate --engine engines/set/… --ip-adapter-image style.png --ip-adapter-scale 0.6
     """
     from ..core.families import pipeline_class_name

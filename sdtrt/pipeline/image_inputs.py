@@ -31,7 +31,12 @@ NEEDED = {
 
 # What to say to a control image, or a reference to inpaint by, given to a pipeline that takes none.
 CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
-REFERENCE_FIX = " (FLUX.1 Kontext's inpainting takes one: --task inpaint with an --image and a --mask)"
+REFERENCE_FIX = (
+    " (--reference-image is FLUX.1 Kontext inpainting's: --task inpaint with an --image and a --mask; FLUX.1 Kontext's "
+    "img2img, FLUX.2 [klein] and Qwen-Image-Edit read their reference or input image from --image)"
+)
+# A strength a pipeline would ignore (Qwen-Image-Edit's, Kontext's: they read an input image as tokens, no start).
+STRENGTH_FIX = ": it draws the whole image, keeping none of an input image's noise-free start; leave --strength out"
 
 
 def check_inputs(
@@ -54,10 +59,11 @@ def check_inputs(
     for name, (what, flag) in NEEDED.items():
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
             raise RequestError(f"{needs} {what}: pass {flag}")
-    for name in ("negative_prompt", "image", "mask_image", "control_image", "image_reference"):
+    for name in ("negative_prompt", "image", "mask_image", "control_image", "image_reference", "strength"):
         if getattr(request, name) is not None and name not in accepts:
             fixes = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}
-            fix = fixes.get(name, REFERENCE_FIX if name == "image_reference" else "")
+            fixes |= {"image_reference": REFERENCE_FIX, "strength": STRENGTH_FIX}
+            fix = fixes.get(name, "")
             raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
 
