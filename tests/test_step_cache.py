@@ -55,11 +55,20 @@ def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.nd
             pipe.transformer.disable_cache()
 
 
+SPLIT_PRESETS = ("tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein", "tiny-flux2")
+
+
 @pytest.mark.parametrize(
-    "preset", ["tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein", "tiny-flux2"]
-)
-def test_the_parts_chained_compute_the_whole_transformer(preset):
+    ("preset", "blocks"),
+    [(p, {}) for p in SPLIT_PRESETS]
+    + [("tiny-flux2-klein", {"num_layers": 3, "num_single_layers": 2})],  # double-stream blocks in the other blocks'
+)  # part too, as in the real klein's 5 + 20
+def test_the_parts_chained_compute_the_whole_transformer(preset, blocks, tmp_path):
+    from sdtrt.sources.preset_build import with_network_config
+
     model = resolve_model(preset)
+    if blocks:
+        model = resolve_model(str(with_network_config(model.path, "transformer", tmp_path / "grown", **blocks)))
     network = load_folder(model, "transformer", torch.float32)
     whole = component_spec(model, "transformer", "fp32")
     parts = {c: component_spec(model, c, "fp32") for c in PARTS}

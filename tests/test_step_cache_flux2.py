@@ -99,7 +99,8 @@ def taylorseer_lite() -> TaylorSeerCacheConfig:
     )
 
 
-def test_taylorseer_lite_on_the_engines_predicts_the_steps_pytorch_predicts(klein):
+@pytest.mark.slow  # the four parts' export, ~80 s of CPU, over the default suite's budget: test_step_cache.py's
+def test_taylorseer_lite_on_the_engines_predicts_the_steps_pytorch_predicts(klein):  # chained parts stay there
     check_parity(klein, taylorseer_lite)
 
 
@@ -125,10 +126,14 @@ def test_magcache_on_the_engines_skips_the_steps_pytorch_skips(klein):
     check_parity(klein, lambda: MagCacheConfig(threshold=0.3, num_inference_steps=STEPS, mag_ratios=FLUX_MAG_RATIOS))
 
 
-def test_first_block_cache_is_refused_on_flux2_in_one_line(klein, store):
+def test_first_block_cache_is_refused_on_flux2_before_any_export(store):
+    with pytest.raises(ConfigError, match="First-Block Cache fails on the PyTorch Flux2Transformer2DModel"):
+        compile_model(resolve_model("tiny-flux2-klein"), store, "onnxruntime", caches=("first-block",))
+
+
+@pytest.mark.slow  # on the compiled parts: the fixture's export
+def test_first_block_cache_is_refused_on_flux2_engines_in_one_line(klein):
     _, engines = klein
     with pytest.raises(EngineInputError, match="issue 14280") as refused:
         engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
     assert "\n" not in str(refused.value) and not engines.transformer.is_cache_enabled
-    with pytest.raises(ConfigError, match="First-Block Cache fails on the PyTorch Flux2Transformer2DModel"):
-        compile_model(resolve_model("tiny-flux2-klein"), store, "onnxruntime", caches=("first-block",))
