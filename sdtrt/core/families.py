@@ -195,12 +195,12 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     control image as ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``);
     Kontext's reference image is its ``image``, as Qwen-Image-Edit's image to edit is (Kontext's inpainting
     pipeline's an optional ``image_reference``, ``image`` being repainted), and FLUX.2 [klein]'s optional reference
-    images too; FLUX.1 ControlNet pipelines take a
-    ``control_image`` for every task (a negative prompt for txt2img only). SD, SDXL and LCM img2img take no height
-    (nor width): they make the input image's size (SD3's, FLUX.1's, Z-Image's and Qwen-Image's take one)."""
+    images too; FLUX.1 ControlNet pipelines take a ``control_image`` for every task (a negative prompt for txt2img
+    only). SD, SDXL and LCM img2img take no height (nor width): they make the input image's size (SD3's, FLUX.1's,
+    Z-Image's and Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
     kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
-    edits = kontext or "Edit" in class_name  # Qwen-Image-Edit's image to edit, as Kontext's reference
+    edits = kontext or class_name in QWEN_IMAGE_EDIT_PIPELINES  # the image to edit, as Kontext's reference
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
     flux_controlnet = class_name.startswith("FluxControlNet")
     reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt

@@ -37,6 +37,8 @@ REFERENCE_FIX = (
 )
 # A strength a pipeline would ignore (Qwen-Image-Edit's, Kontext's: they read an input image as tokens, no start).
 STRENGTH_FIX = ": it draws the whole image, keeping none of an input image's noise-free start; leave --strength out"
+# What to do about each input given to a pipeline that takes none (the image and mask's: the caller's image_fix).
+UNTAKEN_FIXES = {"control_image": CONTROL_FIX, "image_reference": REFERENCE_FIX, "strength": STRENGTH_FIX}
 
 
 def check_inputs(
@@ -61,9 +63,7 @@ def check_inputs(
             raise RequestError(f"{needs} {what}: pass {flag}")
     for name in ("negative_prompt", "image", "mask_image", "control_image", "image_reference", "strength"):
         if getattr(request, name) is not None and name not in accepts:
-            fixes = {"image": image_fix, "mask_image": image_fix, "control_image": CONTROL_FIX}
-            fixes |= {"image_reference": REFERENCE_FIX, "strength": STRENGTH_FIX}
-            fix = fixes.get(name, "")
+            fix = image_fix if name in ("image", "mask_image") else UNTAKEN_FIXES.get(name, "")
             raise RequestError(f"this model's pipeline takes no {name.replace('_', ' ')}{fix}")
 
 

@@ -166,10 +166,10 @@ class EngineQwen2_5_VL(EngineLLMEncoder, Qwen2_5_VLForConditionalGeneration):  #
             return {}
         assert isinstance(self.spec, QwenVLImageEncoderSpec)  # image_inputs gives images only to such an engine
         tokens = int((input_ids == self.spec.image_token_id).sum())
-        embeds = int(images["image_grid_thw"].prod(-1).sum()) // self.vision.spatial_merge_size**2
-        if tokens != embeds:
+        made = int(images["image_grid_thw"].prod(-1).sum()) // self.vision.spatial_merge_size**2
+        if tokens != made:
             raise EngineInputError(
-                f"the prompts hold {tokens} image tokens and their images make {embeds} image embeddings: tokenize "
+                f"the prompts hold {tokens} image tokens and their images make {made} image embeddings: tokenize "
                 "each prompt with its images, as the pipeline's processor does (one image token a merged patch group)"
             )
         pixels = images["pixel_values"].type(self.vision.dtype)

@@ -42,8 +42,8 @@ class EngineHalf(torch.nn.Module):
                 console.print(
                     f"[yellow]note:[/] a {spec.component} tile of {pixel_size(height, width)} is below the engine's "
                     f"smallest input, {pixel_size(low_h, low_w)}, so such tiles run on the PyTorch VAE; to keep every "
-                    "tile on the engine, "
-                    "build the VAE with a smaller --height/--width minimum or pick a size whose tiles fit"
+                    "tile on the engine, build the VAE with a smaller --height/--width minimum or pick a size whose "
+                    "tiles fit"
                 )
             return self.fallback(x)
         return self.runtime.run({spec.input_names[0]: x})[spec.output_names[0]].to(x.device, x.dtype)

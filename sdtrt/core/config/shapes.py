@@ -159,9 +159,8 @@ class ShapeProfile:
                 if not rng.min <= value <= rng.max:
                     return (
                         f"reference image {i} is {pixel_size(height, width)} as the pipeline feeds it, its {name} "
-                        "outside the "
-                        f"engines' profile ({rng.min}..{rng.max} px); resize it to fit, or rebuild the engines with "
-                        f"`sdtrt compile --{name} MIN:OPT:MAX` covering it"
+                        f"outside the engines' profile ({rng.min}..{rng.max} px); resize it to fit, or rebuild the "
+                        f"engines with `sdtrt compile --{name} MIN:OPT:MAX` covering it"
                     )
         return None
 
