@@ -55,7 +55,7 @@ def run_step(step: str, args: argparse.Namespace, state: dict[str, Any]) -> dict
     model = preset_part(args.model, args.only.split(",")) if args.only else resolve_model(args.model)
     component = args.component or model.denoiser_folder
     if args.blocks:
-        model = with_blocks(model, component, args.blocks[-1].split(","))
+        model = with_blocks(model, component, args.blocks[-1].split(","), preset_dtype(args.model))
     store = Store(Path(args.engines))
     if step == "preset":
         from sdtrt.spec import FOLDERS
@@ -103,10 +103,17 @@ def preset_part(name: str, networks: list[str]) -> Any:
     return ModelSource(name, "preset", ensure_preset(name, models_cache_dir(), networks))
 
 
-def with_blocks(model: Any, component: str, counts: list[str]) -> Any:
+def preset_dtype(name: str) -> str:
+    """The dtype a preset's networks are written in (a bf16 preset's grown network too); fp32 for a folder."""
+    from sdtrt.sources.presets import PRESETS
+
+    return PRESETS[name].dtype if name in PRESETS else "float32"
+
+
+def with_blocks(model: Any, component: str, counts: list[str], dtype: str) -> Any:
     """The model with its component's repeated block lists (its spec's repeated_blocks, in order) ``counts`` long,
     or with the config values ``counts`` names (``num_layers=2``: a network whose spec stamps no blocks), random
-    weights keyed by name (preset_build.with_network_config), built once beside the presets."""
+    weights keyed by name (preset_build.with_network_config) in ``dtype``, built once beside the presets."""
     from sdtrt.core.config import ExportConfig
     from sdtrt.sources.models import resolve_model
     from sdtrt.sources.preset_build import with_network_config
@@ -120,8 +127,9 @@ def with_blocks(model: Any, component: str, counts: list[str]) -> Any:
         if len(keys) != len(counts) or not keys:
             raise SystemExit(f"--blocks takes {len(keys)} counts for this {component} ({', '.join(keys)}), or KEY=N")
         overrides = dict(zip(keys, map(int, counts), strict=True))
-    dest = model.path.parent / f"{model.path.name}-blocks-{'-'.join(f'{k}-{n}' for k, n in overrides.items())}"
-    with_network_config(model.path, FOLDERS[component], dest, **overrides)
+    grown = "-".join(f"{k}-{n}" for k, n in overrides.items())
+    dest = model.path.parent / f"{model.path.name}-blocks-{grown}-{dtype}"
+    with_network_config(model.path, FOLDERS[component], dest, dtype=dtype, **overrides)
     return resolve_model(str(dest))
 
 
