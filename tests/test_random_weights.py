@@ -102,6 +102,22 @@ def test_one_network_only_is_that_network_of_the_whole_folder(tiny_flux_streamed
         assert (tmp_path / file).read_bytes() == (tiny_flux_streamed / file).read_bytes(), file
 
 
+def test_a_grown_network_is_written_in_the_dtype_asked(tiny_flux_streamed, tmp_path):
+    """big_export's --blocks on a bf16 preset: the grown transformer in bf16 (half fp32's disk), the tensors it
+    shares with the source's by name holding the source's values."""
+    from sdtrt.sources.preset_build import with_network_config
+
+    config = json.loads((tiny_flux_streamed / "transformer" / "config.json").read_text())
+    grown = with_network_config(
+        tiny_flux_streamed, "transformer", tmp_path / "grown", dtype="bfloat16", num_layers=config["num_layers"] + 1
+    )
+    source, more = weights(tiny_flux_streamed / "transformer"), weights(grown / "transformer")
+    assert {value.dtype for value in more.values()} == {torch.bfloat16}
+    assert len(more) > len(source)
+    for key, value in source.items():
+        assert torch.equal(more[key], value), key
+
+
 def test_shards_are_the_bytes_safetensors_writes(tiny_flux_streamed):
     """Header order, padding and metadata as safetensors' own writer makes them for the same tensors."""
     again = tiny_flux_streamed.parent / "resaved.safetensors"
