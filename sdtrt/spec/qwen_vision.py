@@ -38,18 +38,15 @@ class VisionGrid(NamedTuple):
 
 @dataclass(frozen=True)
 class QwenVisionTowerSpec(GraphSpec):
-    """``pixel_values [vision_patches, C*T*P*P]`` in window order, the rotary ``cos``/``sin`` and the two segment
-    ids → ``image_embeds [vision_tokens, out_hidden_size]`` (vision_tokens = patches / merge²), in window order.
-    A profile's height and width are the processor's resized image (multiples of patch × merge), its batch the
-    number of images."""
+    """``pixel_values [vision_patches, C*T*P*P]`` in window order, the rotary ``cos``/``sin`` and the segment ids
+    (each of window and frame that a block attends within) → ``image_embeds [vision_tokens, out_hidden_size]``
+    (vision_tokens = patches / merge²), in window order. A profile's height and width are the processor's resized
+    image (multiples of patch × merge), its batch the number of images."""
 
     component: ClassVar[Component] = "vision_encoder"
     label: ClassVar[str] = "Qwen2.5-VL vision tower"
     architecture: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
     reads_pixels: ClassVar[bool] = True
-    canonical_inputs: ClassVar[tuple[str, ...]] = (
-        "pixel_values", "cos", "sin", "window_segments", "frame_segments",
-    )  # fmt: skip
     canonical_outputs: ClassVar[tuple[str, ...]] = ("image_embeds",)
     fp16_problem: ClassVar[str] = (
         "Qwen2.5-VL is a bf16 model (Qwen-Image-Edit ships it in bf16) of the Qwen family whose activations overflow "
@@ -66,6 +63,10 @@ class QwenVisionTowerSpec(GraphSpec):
     spatial_merge_size: int = 2
     window_size: int = 112
     rope_theta: float = 10000.0
+    # Whether some block attends within windows, some over each frame (fullatt_block_indexes): a graph takes the
+    # segment ids of the attention its blocks run, no other (an exporter drops an input no block reads).
+    window_blocks: bool = True
+    frame_blocks: bool = True
 
     @classmethod
     def for_model(
@@ -78,10 +79,17 @@ class QwenVisionTowerSpec(GraphSpec):
         config: dict[str, Any] = Qwen2_5_VLVisionConfig(**stored).to_dict()
         fields = ("hidden_size", "num_heads", "out_hidden_size", "in_channels", "patch_size", "temporal_patch_size",
                   "spatial_merge_size", "window_size")  # fmt: skip
+        full = [index in config["fullatt_block_indexes"] for index in range(config["depth"])]
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=1, **{f: config[f] for f in fields},
-            rope_theta=float(config["rope_parameters"]["rope_theta"]),
+            rope_theta=float(config["rope_parameters"]["rope_theta"]), window_blocks=not all(full),
+            frame_blocks=any(full),
         )  # fmt: skip
+
+    @property
+    def canonical_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        segments = {"window_segments": self.window_blocks, "frame_segments": self.frame_blocks}
+        return ("pixel_values", "cos", "sin", *(name for name, used in segments.items() if used))
 
     @property
     def patch_values(self) -> int:
@@ -104,14 +112,13 @@ class QwenVisionTowerSpec(GraphSpec):
         return {self.output_names[0]: (patches // self.spatial_merge_size**2, self.out_hidden_size)}
 
     def inputs(self) -> list[TensorSpec]:
-        pixels, cos, sin, windows, frames = self.input_names
+        pixels, cos, sin, *segments = self.input_names
         head_dim = self.hidden_size // self.num_heads
         return [
             TensorSpec(pixels, self.dtype, ("vision_patches", self.patch_values)),
             TensorSpec(cos, "float32", ("vision_patches", head_dim)),  # the rotary angles stay fp32, as transformers'
             TensorSpec(sin, "float32", ("vision_patches", head_dim)),
-            TensorSpec(windows, "int32", ("vision_patches",)),
-            TensorSpec(frames, "int32", ("vision_patches",)),
+            *(TensorSpec(name, "int32", ("vision_patches",)) for name in segments),
         ]
 
     def outputs(self) -> list[TensorSpec]:
@@ -156,9 +163,12 @@ class QwenVisionTowerSpec(GraphSpec):
         return self.feeds(pixels[grid.order], grid)
 
     def feeds(self, ordered_pixels: torch.Tensor, grid: VisionGrid) -> dict[str, torch.Tensor]:
-        """The graph's inputs by name: patches already in the graph's order, the grid's angles and segments."""
-        values = (ordered_pixels, grid.cos, grid.sin, grid.window_segments, grid.frame_segments)
-        return dict(zip(self.input_names, values, strict=True))
+        """The graph's inputs by name: patches already in the graph's order, the grid's angles and the segments its
+        blocks attend within."""
+        values = {"pixel_values": ordered_pixels, "cos": grid.cos, "sin": grid.sin}
+        values |= {"window_segments": grid.window_segments, "frame_segments": grid.frame_segments}
+        names = zip(self.input_names, self.canonical_inputs, strict=True)
+        return {name: values[canonical] for name, canonical in names}
 
     def grid_inputs(self, grid_thw: torch.Tensor) -> VisionGrid:
         """What the tower reckons from its grid before its blocks run, as Qwen2_5_VisionTransformerPretrainedModel
