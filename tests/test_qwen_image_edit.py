@@ -157,6 +157,51 @@ def test_an_edit_without_its_image_is_refused_before_any_network_runs(edit):
     assert not calls
 
 
+def test_a_prompt_its_images_tokens_push_past_the_engines_is_refused_before_any_network_runs(edit):
+    """The pre-check counts what the LLM engine will read: the chat template, the prompt and the image's vision
+    tokens as the pipeline's own processor writes them (its condition image, calculate_dimensions' ~1024², cut by
+    the processor within its max_pixels), not the template's one image-pad token. A prompt that fits the engines
+    without its image's tokens and not with them is refused in one line before the tower runs; one at the limit
+    with them is taken."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    from sdtrt.pipeline.token_limits import llm_kwargs
+
+    _, _, engine = edit
+    image = picture()  # 96x128: a 1184x896 condition image, 84x112 pixels after the processor, 12 vision tokens
+    width, height, _ = calculate_dimensions(1024 * 1024, image.width / image.height)
+    condition = image.resize((width, height))
+    profiles = (engine.text_encoder.runtime.profile, engine.transformer.runtime.profile)
+    limit = min(profiles[0].tokens.max, profiles[1].tokens.max + 64)  # the transformer reads the 64 it drops fewer
+
+    def counts(prompt: str) -> tuple[int, int]:
+        """The prompt's tokens with its template: its text alone, and as the processor writes it with the image."""
+        text = engine.prompt_template_encode.format(prompt)
+        with_image = engine.processor(text=[text], images=[condition], return_tensors="pt")["input_ids"].shape[1]
+        return len(engine.tokenizer(text).input_ids), with_image
+
+    fewest, most = 1, limit  # bisected: the fewest words whose prompt, with its image, the engines cannot take
+    while fewest < most:
+        middle = (fewest + most) // 2
+        fewest, most = (fewest, middle) if counts("a " * middle)[1] > limit else (middle + 1, most)
+    words = fewest
+    prompt = "a " * words
+    text_tokens, tokens = counts(prompt)
+    assert text_tokens <= limit < tokens  # the template's image pad alone: it fitted
+    calls = []
+    for network in (engine.text_encoder, engine.text_encoder.vision, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(
+        RequestError,
+        match=rf"^[^\n]* is {tokens} tokens with its chat template and its 12 image tokens"
+        rf"[^\n]*more than the {limit} \(\d+\.\.{limit}\) the engines were built for; shorten it",
+    ):
+        generate(engine, request(prompt=prompt, height=128, width=128))
+    assert not calls
+    fits = next(p for p in ("a " * (words - n) for n in range(1, 4)) if counts(p)[1] <= limit)
+    assert llm_kwargs(engine, [fits, " "], image) == {"max_sequence_length": min(limit - 64, 1024)}
+
+
 @pytest.mark.slow
 def test_a_non_square_edit_matches_pytorch(edit):
     check_edit(edit, 128, 192)

@@ -276,36 +276,6 @@ def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: 
             )
 
 
-def check_llm_prompts(
-    prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None, *, least: int = 1,
-    dropped: int = 0, system: str | None = None,
-) -> None:  # fmt: skip
-    """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
-    the tokenizer's chat template first, [dev]'s after a ``system`` message; Qwen-Image its own ``template``) outnumber
-    ``limit``, which the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum).
-    ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
-    before = [{"role": "system", "content": system}] if system else []
-    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (FLUX.2 [dev]'s PixtralProcessor)
-    for prompt in prompts:
-        # [dev] (the pipeline with a system message) asks for no generation prompt, klein for one; a chat template
-        # writes its own BOS, so the text is counted without the tokenizer's special tokens, as the pipelines do.
-        text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
-            [*before, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=not system,
-            enable_thinking=False,
-        )  # fmt: skip
-        count = len(text_tokenizer(text=text, add_special_tokens=template is not None).input_ids)
-        if least <= count <= limit:
-            continue
-        where = "the engines were built for" if built else "the pipeline takes"
-        longer = count > limit
-        side, fix = (f"more than the {limit}", "shorten it") if longer else (f"fewer than the {least}", "lengthen it")
-        less = f" ({count - dropped} once the pipeline drops the template's first {dropped})" if dropped else ""
-        raise RequestError(
-            f"the prompt {prompt[:30]!r}… is {count} tokens with its chat template{less}, {side} {where}; {fix}"
-            + (f", or rebuild the engines with a --tokens range covering {count - dropped}" if built else "")
-        )
-
-
 def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:
     """A line for each prompt longer than the CLIP ``tokenizers`` (text encoder → its tokenizer) read: the pipelines
     cut it to their 77 tokens, and sdtrt's quiet loading hides diffusers' warning. ``t5``: a T5 encoder reads it all.
@@ -343,6 +313,8 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     prompts = [p for p in (request.prompt, request.negative_prompt) if p]
     if family in T5_TOKENS:
         return check_t5_prompts(prompts, tokenizer, limit, built)
+    from .token_limits import check_llm_prompts
+
     check_llm_prompts(prompts, tokenizer, limit, built, system=llm_system_message(model.pipeline_class()))
 
 

@@ -151,11 +151,15 @@ def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
     """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
     its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
     refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
-    sizes = []
-    for ratio in [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]:
-        width = math.sqrt(1024 * 1024 * ratio)
-        sizes.append((round(width / 32) * 32, round(width / ratio / 32) * 32))
-    return tuple(sizes)
+    ratios = [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
+    return tuple(condition_size(1024 * 1024, ratio) for ratio in ratios)
+
+
+def condition_size(area: int, ratio: float) -> tuple[int, int]:
+    """The (width, height) the Edit pipelines resize an image of aspect ratio ``ratio`` (width / height) to for about
+    ``area`` pixels (their calculate_dimensions: 1024² for the VAE, the Plus pipeline's 384² for the vision tower)."""
+    width = math.sqrt(area * ratio)
+    return round(width / 32) * 32, round(width / ratio / 32) * 32
 
 
 def edit_condition_patches() -> tuple[int, int, int]:
