@@ -105,7 +105,7 @@ def edit_image_tokens(pipe: Any, image: Any) -> list[int]:
     QwenImageEditPipeline reads one image, the Plus pipeline each of a list."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from ..spec.transformer_qwen import condition_size
+    from ..spec.qwen_vision import condition_size
     from .image_inputs import image_size
 
     area = QWEN_EDIT_VISION_AREA.get(type(pipe).__name__)

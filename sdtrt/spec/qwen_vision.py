@@ -14,6 +14,9 @@ processor's order of the merged embeddings.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -23,6 +26,10 @@ from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
 
 if TYPE_CHECKING:
     import torch
+
+# Qwen2.5-VL's processor (its preprocessor_config.json, which the Qwen-Image-Edit checkpoints' processor/ folders
+# keep): (min_pixels, max_pixels), the resized image's bounds.
+CHECKPOINT_PIXELS = (3136, 12845056)
 
 
 class VisionGrid(NamedTuple):
@@ -67,6 +74,9 @@ class QwenVisionTowerSpec(GraphSpec):
     # segment ids of the attention its blocks run, no other (an exporter drops an input no block reads).
     window_blocks: bool = True
     frame_blocks: bool = True
+    # The pixels the model's processor resizes an image within (processor_pixels; the checkpoints' by default).
+    min_pixels: int = CHECKPOINT_PIXELS[0]
+    max_pixels: int = CHECKPOINT_PIXELS[1]
 
     @classmethod
     def for_model(
@@ -83,7 +93,7 @@ class QwenVisionTowerSpec(GraphSpec):
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=1, **{f: config[f] for f in fields},
             rope_theta=float(config["rope_parameters"]["rope_theta"]), window_blocks=not all(full),
-            frame_blocks=any(full),
+            frame_blocks=any(full), **dict(zip(("min_pixels", "max_pixels"), processor_pixels(model), strict=True)),
         )  # fmt: skip
 
     @property
@@ -129,12 +139,20 @@ class QwenVisionTowerSpec(GraphSpec):
 
     def default_profile(self) -> ShapeProfile:
         """The Edit pipelines' condition image: about 1024² pixels (their calculate_dimensions), which the processor
-        rounds to 28-pixel multiples within its max_pixels. The checkpoints' processors set 12845056 (Qwen2.5-VL's
-        preprocessor_config.json), so it is not resized: 5184 to 5580 patches over aspect ratios 1:3 to 3:1, a square
-        1024² image 1036² (5476); transformers' class default, 28² × 1280, gives 4860 to 5084. A 1064² square holds
-        the most (5776), the smallest image 56² (16). tests/test_qwen_image_edit.py holds this to transformers'
-        smart_resize for both."""
-        return ShapeProfile(Range(1, 1, 1), Range(56, 1036, 1064), Range(56, 1036, 1064))
+        rounds to 28-pixel multiples within its min and max pixels (transformers' smart_resize). The checkpoints'
+        processors set max_pixels 12845056 (Qwen2.5-VL's preprocessor_config.json), so it is not resized: 5184 to
+        5580 patches over aspect ratios 1:3 to 3:1, a square 1024² image 1036² (5476), the most held by a 1064²
+        square (5776), the smallest image 56² (16); transformers' class default, 28² × 1280, gives 4860 to 5084 (980²
+        tuned, 1008² the most). tests/test_qwen_image_edit.py holds this to transformers' smart_resize."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        multiple = self.pixel_multiple
+        resized = [smart_resize(h, w, multiple, self.min_pixels, self.max_pixels) for w, h in edit_condition_sizes()]
+        most = max(height * width for height, width in resized) // self.patch_size**2
+        high = math.ceil(math.sqrt(most) / self.spatial_merge_size) * multiple  # a square of at least that many
+        low = max(multiple, math.ceil(math.sqrt(self.min_pixels) / multiple) * multiple)
+        side = Range(low, resized[0][0], high)
+        return ShapeProfile(Range(1, 1, 1), side, side)
 
     def member_profile(self, profile: ShapeProfile) -> ShapeProfile:
         """In a set, the default profile whatever the set's: its images are the processor's of the ~1024² condition
@@ -192,6 +210,41 @@ class QwenVisionTowerSpec(GraphSpec):
             order, torch.argsort(window_index), cos[order].float(), sin[order].float(),
             segments(cu_windows.long()), segments(frames),
         )  # fmt: skip
+
+
+def processor_pixels(model: ModelConfigs) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of the model's processor (``processor/``: preprocessor_config.json as the checkpoints
+    keep it, or the image processor in a processor_config.json as transformers 5 saves it), the checkpoints' where it
+    names none."""
+    if not model.is_pipeline:
+        return CHECKPOINT_PIXELS
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        path = model.path / "processor" / name
+        if not path.is_file():
+            continue
+        config = json.loads(path.read_text())
+        config = config.get(key, {}) if key else config
+        size = config.get("size") or {}
+        low = config.get("min_pixels") or size.get("shortest_edge") or CHECKPOINT_PIXELS[0]
+        high = config.get("max_pixels") or size.get("longest_edge") or CHECKPOINT_PIXELS[1]
+        return int(low), int(high)
+    return CHECKPOINT_PIXELS
+
+
+@functools.cache
+def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
+    """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
+    its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
+    refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
+    ratios = [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
+    return tuple(condition_size(1024 * 1024, ratio) for ratio in ratios)
+
+
+def condition_size(area: int, ratio: float) -> tuple[int, int]:
+    """The (width, height) the Edit pipelines resize an image of aspect ratio ``ratio`` (width / height) to for about
+    ``area`` pixels (their calculate_dimensions: 1024² for the VAE, the Plus pipeline's 384² for the vision tower)."""
+    width = math.sqrt(area * ratio)
+    return round(width / 32) * 32, round(width / ratio / 32) * 32
 
 
 def segments(boundaries: torch.Tensor) -> torch.Tensor:
