@@ -249,23 +249,92 @@ def test_a_non_square_edit_matches_pytorch(edit):
     check_edit(edit, 128, 192)
 
 
+def plus_folder(folder):
+    """The preset as a QwenImageEditPlusPipeline folder (Qwen-Image-Edit-2509's), symlinked into ``folder``."""
+    import json
+
+    from sdtrt.sources.models import ModelSource, resolve_model
+
+    preset = resolve_model("tiny-qwen-image-edit").path
+    for entry in preset.iterdir():
+        if entry.name != "model_index.json":
+            (folder / entry.name).symlink_to(entry)
+    index = json.loads((preset / "model_index.json").read_text()) | {"_class_name": "QwenImageEditPlusPipeline"}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return ModelSource("tiny-qwen-image-edit-plus", "folder", folder)
+
+
+def test_the_plus_pipelines_tower_profile_holds_its_three_condition_images(tmp_path):
+    """QwenImageEditPlusPipeline gives the tower up to three images at once, each about 384² (diffusers'
+    CONDITION_IMAGE_SIZE) before the processor: their patches together fit the tower's default profile, a square
+    one's at its opt."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from sdtrt.spec import component_spec
+
+    tower = component_spec(plus_folder(tmp_path), "vision_encoder", "fp32")
+    low, opt, high = (shape[0] for shape in tower.profile_shapes(tower.default_profile())[tower.input_names[0]])
+    patches = []
+    for ratio in (1.0, 3.0, 1 / 3, 4 / 3):
+        width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, ratio)
+        resized = smart_resize(height, width, factor=28, min_pixels=56 * 56, max_pixels=112 * 112)  # the preset's
+        patches.append((resized[0] // 14) * (resized[1] // 14))
+    print(f"Plus tower profile {low}:{opt}:{high} patches; one image {patches}")
+    assert patches[0] == opt and low <= min(patches) and 3 * max(patches) <= high
+
+
+@pytest.mark.parametrize(
+    ("plus", "count", "refusal"),
+    [
+        (False, 2, "QwenImageEditPipeline takes 1 --image, not 2: pass one (QwenImageEditPlusPipeline takes up to 3)"),
+        (True, 4, "QwenImageEditPlusPipeline takes at most 3 --image, not 4: pass at most 3"),
+    ],
+    ids=["edit-two", "plus-four"],
+)
+def test_more_images_than_the_pipeline_takes_are_refused_before_loading(tmp_path, plus, count, refusal):
+    """`sdtrt generate --image` repeated: more than the Edit pipeline's one or the Plus pipeline's three refused in
+    one line (exit 2) before anything loads."""
+    from tests.helpers import run_cli
+
+    (tmp_path / "model").mkdir()
+    model = str(plus_folder(tmp_path / "model").path) if plus else "tiny-qwen-image-edit"
+    picture().save(tmp_path / "in.png")
+    images = [arg for _ in range(count) for arg in ("--image", str(tmp_path / "in.png"))]
+    result = run_cli("generate", "--model", model, *images, "--prompt", "a fox", "--out", str(tmp_path / "o.png"))
+    assert result.returncode == 2 and refusal in result.stderr and not (tmp_path / "o.png").exists(), result.stderr
+
+
+@pytest.mark.slow
+def test_sdtrt_generate_edits_two_images_on_the_plus_pipelines_engines(store, tmp_path):
+    """`sdtrt generate --image a.png --image b.png` on a Plus set: both images reach the pipeline (the prompt check
+    counts both images' vision tokens and its Picture-n text), and the PNG is the size asked."""
+    from sdtrt.tools.compile import compile_model
+    from tests.helpers import run_cli
+
+    (tmp_path / "model").mkdir()
+    source = plus_folder(tmp_path / "model")
+    config = ExportConfig(precision="fp32", exporter="torchscript")
+    engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
+    picture().save(tmp_path / "a.png")
+    picture(128, 96).save(tmp_path / "b.png")
+    result = run_cli(
+        "generate", "--engine", str(engine.path), "--model", str(source.path), "--image", str(tmp_path / "a.png"),
+        "--image", str(tmp_path / "b.png"), "--prompt", "put the fox in the second picture", "--negative-prompt",
+        " ", "--guidance", "4", "--steps", "2", "--height", "128", "--width", "192", "--out", str(tmp_path / "o.png"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert Image.open(tmp_path / "o.png").size == (192, 128)
+
+
 @pytest.mark.slow
 def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
     """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's: several input images, each a ~1024² condition image for the
     VAE and the transformer, a 384² one for the vision tower) on a set of the preset as a Plus folder, whose
     transformer takes up to three condition images' patches: two images as PyTorch's."""
-    import json
-
-    from sdtrt.sources.models import ModelSource, resolve_model
     from sdtrt.tools.compile import compile_model
 
-    preset = resolve_model("tiny-qwen-image-edit").path
-    for entry in preset.iterdir():
-        if entry.name != "model_index.json":
-            (tmp_path / entry.name).symlink_to(entry)
-    index = json.loads((preset / "model_index.json").read_text()) | {"_class_name": "QwenImageEditPlusPipeline"}
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    source = ModelSource("tiny-qwen-image-edit-plus", "folder", tmp_path)
+    source = plus_folder(tmp_path)
     config = ExportConfig(precision="fp32", exporter="torchscript")
     engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
     pipes = [load_pipeline(source), load_pipeline(source, engine)]

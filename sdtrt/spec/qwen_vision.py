@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from ..core.config import Component, IONaming, Precision, Range, ShapeProfile
+from ..core.families import QWEN_EDIT_IMAGES, QWEN_EDIT_VISION_AREA
 from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
 
 if TYPE_CHECKING:
@@ -77,6 +78,10 @@ class QwenVisionTowerSpec(GraphSpec):
     # The pixels the model's processor resizes an image within (processor_pixels; the checkpoints' by default).
     min_pixels: int = CHECKPOINT_PIXELS[0]
     max_pixels: int = CHECKPOINT_PIXELS[1]
+    # The pipeline's condition images for the tower: about this many pixels each, up to this many a call (the Plus
+    # pipeline's three 384² ones; QwenImageEditPipeline's one ~1024²).
+    condition_area: int = 1024 * 1024
+    condition_images: int = 1
 
     @classmethod
     def for_model(
@@ -94,6 +99,7 @@ class QwenVisionTowerSpec(GraphSpec):
             precision=precision, io_naming=io_naming, vae_scale_factor=1, **{f: config[f] for f in fields},
             rope_theta=float(config["rope_parameters"]["rope_theta"]), window_blocks=not all(full),
             frame_blocks=any(full), **dict(zip(("min_pixels", "max_pixels"), processor_pixels(model), strict=True)),
+            **condition_fields(model),
         )  # fmt: skip
 
     @property
@@ -143,12 +149,13 @@ class QwenVisionTowerSpec(GraphSpec):
         processors set max_pixels 12845056 (Qwen2.5-VL's preprocessor_config.json), so it is not resized: 5184 to
         5580 patches over aspect ratios 1:3 to 3:1, a square 1024² image 1036² (5476), the most held by a 1064²
         square (5776), the smallest image 56² (16); transformers' class default, 28² × 1280, gives 4860 to 5084 (980²
-        tuned, 1008² the most). tests/test_qwen_image_edit.py holds this to transformers' smart_resize."""
+        tuned, 1008² the most). The Plus pipeline's up to three 384² images: their patches together, a 392² one
+        tuned. tests/test_qwen_image_edit.py holds this to transformers' smart_resize."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-        multiple = self.pixel_multiple
-        resized = [smart_resize(h, w, multiple, self.min_pixels, self.max_pixels) for w, h in edit_condition_sizes()]
-        most = max(height * width for height, width in resized) // self.patch_size**2
+        multiple, sizes = self.pixel_multiple, edit_condition_sizes(self.condition_area)
+        resized = [smart_resize(h, w, multiple, self.min_pixels, self.max_pixels) for w, h in sizes]
+        most = max(height * width for height, width in resized) // self.patch_size**2 * self.condition_images
         high = math.ceil(math.sqrt(most) / self.spatial_merge_size) * multiple  # a square of at least that many
         low = max(multiple, math.ceil(math.sqrt(self.min_pixels) / multiple) * multiple)
         side = Range(low, resized[0][0], high)
@@ -231,13 +238,22 @@ def processor_pixels(model: ModelConfigs) -> tuple[int, int]:
     return CHECKPOINT_PIXELS
 
 
+def condition_fields(model: ModelConfigs) -> dict[str, int]:
+    """The tower's condition images in an Edit pipeline folder (QWEN_EDIT_VISION_AREA, QWEN_EDIT_IMAGES); {} else."""
+    pipeline = model.pipeline_class() if model.is_pipeline else ""
+    if pipeline not in QWEN_EDIT_IMAGES:
+        return {}
+    return {"condition_area": QWEN_EDIT_VISION_AREA[pipeline], "condition_images": QWEN_EDIT_IMAGES[pipeline]}
+
+
 @functools.cache
-def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
+def edit_condition_sizes(area: int = 1024 * 1024) -> tuple[tuple[int, int], ...]:
     """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
-    its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
-    refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
+    its calculate_dimensions of ``area`` pixels (1024²; the Plus pipeline's tower's 384²), written out here (a spec
+    is made before diffusers is imported: the CLI refuses a request first; tests/test_qwen_image_edit.py holds these
+    to diffusers' function)."""
     ratios = [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
-    return tuple(condition_size(1024 * 1024, ratio) for ratio in ratios)
+    return tuple(condition_size(area, ratio) for ratio in ratios)
 
 
 def condition_size(area: int, ratio: float) -> tuple[int, int]:
