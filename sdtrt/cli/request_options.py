@@ -35,22 +35,17 @@ GuidanceOpt = Annotated[
     ),
 ]
 LORA_METAVAR = "<FILE[:SCALE]>"
-ImageOpt = Annotated[
-    Path | None,
-    typer.Option(
-        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), Qwen-Image-Edit's image to edit "
-        "(required; Qwen-Image guides only with a --negative-prompt, ' ' will do), FLUX.1 Kontext's or FLUX.2 "
-        "\\[klein]'s reference image, or an SD ControlNet txt2img pipeline's control image."
-    ),
-]
+IMAGE_HELP = (
+    "Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), Qwen-Image-Edit's image to edit "
+    "(required; Qwen-Image guides only with a --negative-prompt, ' ' will do), FLUX.1 Kontext's or FLUX.2 "
+    "\\[klein]'s reference image, or an SD ControlNet txt2img pipeline's control image."
+)
+ImageOpt = Annotated[Path | None, typer.Option(help=IMAGE_HELP)]
 ImagesOpt = Annotated[
     list[Path] | None,
     typer.Option(
         "--image",
-        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), Qwen-Image-Edit's image to edit "
-        "(required; Qwen-Image guides only with a --negative-prompt, ' ' will do; repeat for Qwen-Image-Edit-2509's "
-        "QwenImageEditPlusPipeline, 1 to 3 images), FLUX.1 Kontext's or FLUX.2 \\[klein]'s reference image, or an "
-        "SD ControlNet txt2img pipeline's control image.",
+        help=f"{IMAGE_HELP} Repeat it for Qwen-Image-Edit-2509's QwenImageEditPlusPipeline: 1 to 3 images.",
     ),
 ]
 MaskOpt = Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")]
