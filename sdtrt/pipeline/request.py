@@ -12,9 +12,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.config import DEFAULT_PROMPT, MAX_T5_TOKENS, grid_problem
+from ..core.config import DEFAULT_PROMPT, grid_problem
 from ..core.errors import RequestError
 from .image_inputs import check_control_image, check_inputs
+from .token_limits import check_llm_prompts, check_t5_prompts
 
 if TYPE_CHECKING:
     from ..core.config import ShapeProfile, ValidationConfig
@@ -257,25 +258,6 @@ def check_steps(steps: int, scheduler_config: Any) -> None:
             raise RequestError(f"steps {steps} is more than this scheduler's {limit} {what}; ask for at most {limit}")
 
 
-def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
-    """RequestError for a prompt of more T5 tokens than ``limit``: what the engines were ``built`` for, or the
-    pipeline's max_sequence_length. Such a prompt is refused, never cut as the tokenizer would cut it."""
-    for prompt in prompts:
-        count = len(tokenizer(prompt).input_ids)
-        if count > limit:
-            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
-            rebuild = built and count <= MAX_T5_TOKENS  # no rebuild takes more than the pipelines do
-            raise RequestError(
-                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
-                + (
-                    f", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens "
-                    f"32:256:{MAX_T5_TOKENS})"
-                    if rebuild
-                    else ""
-                )
-            )
-
-
 def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:
     """A line for each prompt longer than the CLIP ``tokenizers`` (text encoder → its tokenizer) read: the pipelines
     cut it to their 77 tokens, and sdtrt's quiet loading hides diffusers' warning. ``t5``: a T5 encoder reads it all.
@@ -313,8 +295,6 @@ def check_prompt_tokens(model: ModelSource, request: GenerateRequest, profile: S
     prompts = [p for p in (request.prompt, request.negative_prompt) if p]
     if family in T5_TOKENS:
         return check_t5_prompts(prompts, tokenizer, limit, built)
-    from .token_limits import check_llm_prompts
-
     check_llm_prompts(prompts, tokenizer, limit, built, system=llm_system_message(model.pipeline_class()))
 
 

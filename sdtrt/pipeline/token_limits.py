@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from ..core.config import MAX_T5_TOKENS
 from ..core.errors import RequestError
 from ..core.families import LLM_TOKENS, QWEN_EDIT_VISION_AREA, QWEN_IMAGE_EDIT_PIPELINES, QWEN_PLUS_PICTURE
 
@@ -25,8 +26,6 @@ def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
     t5_name = next((n for n in ("text_encoder_3", "text_encoder_2") if _is_t5(getattr(pipe, n, None))), None)
     if t5_name is None:
         return {}
-    from .request import check_t5_prompts  # shared with the CLI's check before loading
-
     limit, built = _token_limit(pipe, t5_name)
     check_t5_prompts(prompts, getattr(pipe, t5_name.replace("text_encoder", "tokenizer")), limit, built)
     return {"max_sequence_length": limit}
@@ -59,6 +58,25 @@ def llm_kwargs(pipe: Any, prompts: Sequence[str], image: Any = None) -> dict[str
     if type(pipe).__name__ in QWEN_IMAGE_EDIT_PIPELINES:  # it refuses more than 1024 and never cuts the prompt,
         return {"max_sequence_length": min(limit - dropped, LLM_TOKENS["qwenimage"])}  # its image's tokens on top
     return {"max_sequence_length": limit - dropped}
+
+
+def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
+    """RequestError for a prompt of more T5 tokens than ``limit``: what the engines were ``built`` for, or the
+    pipeline's max_sequence_length. Such a prompt is refused, never cut as the tokenizer would cut it."""
+    for prompt in prompts:
+        count = len(tokenizer(prompt).input_ids)
+        if count > limit:
+            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
+            rebuild = built and count <= MAX_T5_TOKENS  # no rebuild takes more than the pipelines do
+            raise RequestError(
+                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
+                + (
+                    f", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens "
+                    f"32:256:{MAX_T5_TOKENS})"
+                    if rebuild
+                    else ""
+                )
+            )
 
 
 def check_llm_prompts(
@@ -103,9 +121,7 @@ def edit_image_tokens(pipe: Any, image: Any) -> list[int]:
     the image resized to the pipeline's area at its aspect ratio (QWEN_EDIT_VISION_AREA), then by its processor into
     a grid of patches (transformers' smart_resize, within the processor's min and max pixels), merge² patches a token.
     QwenImageEditPipeline reads one image, the Plus pipeline each of a list."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    from ..spec.qwen_vision import condition_size
+    from ..spec.qwen_vision import condition_size, smart_resize
     from .image_inputs import image_size
 
     area = QWEN_EDIT_VISION_AREA.get(type(pipe).__name__)

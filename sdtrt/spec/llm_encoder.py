@@ -27,7 +27,7 @@ from ..core.families import (
     QWEN_IMAGE_EDIT_PIPELINES,
 )
 from .base import FOLDERS, ModelConfigs, TensorSpec
-from .qwen_vision import QwenVisionTowerSpec
+from .qwen_vision import condition_tokens
 from .text_encoder import SequenceEncoderSpec
 from .transformer import klein_token_cap
 from .transformer_qwen import EDIT_IMAGE_TOKENS, qwen_image_tokens
@@ -186,7 +186,7 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
         return QwenVLImageEncoderSpec(
             **fields | {"max_sequence_length": QwenVLImageEncoderSpec.pipeline_tokens},
             image_token_id=model.component_config(FOLDERS[cls.component])["image_token_id"],
-            condition_tokens=QwenVisionTowerSpec.for_model(model).image_tokens(),
+            condition_tokens=condition_tokens(model),
         )
 
     @classmethod

@@ -98,8 +98,7 @@ class QwenVisionTowerSpec(GraphSpec):
         return cls(
             precision=precision, io_naming=io_naming, vae_scale_factor=1, **{f: config[f] for f in fields},
             rope_theta=float(config["rope_parameters"]["rope_theta"]), window_blocks=not all(full),
-            frame_blocks=any(full), **dict(zip(("min_pixels", "max_pixels"), processor_pixels(model), strict=True)),
-            **condition_fields(model),
+            frame_blocks=any(full), **tower_fields(model),
         )  # fmt: skip
 
     @property
@@ -150,9 +149,7 @@ class QwenVisionTowerSpec(GraphSpec):
         5580 patches over aspect ratios 1:3 to 3:1, a square 1024² image 1036² (5476), the most held by a 1064²
         square (5776), the smallest image 56² (16); transformers' class default, 28² × 1280, gives 4860 to 5084 (980²
         tuned, 1008² the most). The Plus pipeline's up to three 384² images: their patches together, a 392² one
-        tuned. tests/test_qwen_image_edit.py holds this to transformers' smart_resize."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
+        tuned. tests/test_qwen_image_edit.py holds this (smart_resize here) to transformers' smart_resize."""
         multiple, sizes = self.pixel_multiple, edit_condition_sizes(self.condition_area)
         resized = [smart_resize(h, w, multiple, self.min_pixels, self.max_pixels) for w, h in sizes]
         most = max(height * width for height, width in resized) // self.patch_size**2 * self.condition_images
@@ -219,6 +216,31 @@ class QwenVisionTowerSpec(GraphSpec):
         )  # fmt: skip
 
 
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) as Qwen2-VL's image processor resizes an image: sides rounded to ``factor``, then scaled into
+    ``min_pixels``..``max_pixels`` at its aspect ratio (transformers' smart_resize, written out: a spec imports no
+    transformers before a request is checked, and transformers imports torch)."""
+    height_bar, width_bar = round(height / factor) * factor, round(width / factor) * factor
+    if height_bar * width_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        return max(factor, math.floor(height / beta / factor) * factor), max(
+            factor, math.floor(width / beta / factor) * factor
+        )
+    if height_bar * width_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        return math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return height_bar, width_bar
+
+
+def condition_tokens(model: ModelConfigs) -> Range:
+    """One condition image's vision tokens in an Edit folder's prompt (QwenVisionTowerSpec.image_tokens) by its
+    processor and its tower's patch and merge sizes, read from the configs alone (no transformers)."""
+    stored = model.component_config(FOLDERS["vision_encoder"]).get("vision_config", {})
+    sizes = {name: stored[name] for name in ("patch_size", "spatial_merge_size") if name in stored}
+    tower = QwenVisionTowerSpec(precision="fp32", io_naming="named", vae_scale_factor=1, **sizes, **tower_fields(model))
+    return tower.image_tokens()
+
+
 def processor_pixels(model: ModelConfigs) -> tuple[int, int]:
     """(min_pixels, max_pixels) of the model's processor (``processor/``: preprocessor_config.json as the checkpoints
     keep it, or the image processor in a processor_config.json as transformers 5 saves it), the checkpoints' where it
@@ -238,12 +260,15 @@ def processor_pixels(model: ModelConfigs) -> tuple[int, int]:
     return CHECKPOINT_PIXELS
 
 
-def condition_fields(model: ModelConfigs) -> dict[str, int]:
-    """The tower's condition images in an Edit pipeline folder (QWEN_EDIT_VISION_AREA, QWEN_EDIT_IMAGES); {} else."""
+def tower_fields(model: ModelConfigs) -> dict[str, Any]:
+    """What a model folder says of the tower's images: its processor's pixels (processor_pixels) and, in an Edit
+    pipeline folder, its condition images (QWEN_EDIT_VISION_AREA, QWEN_EDIT_IMAGES)."""
+    low, high = processor_pixels(model)
     pipeline = model.pipeline_class() if model.is_pipeline else ""
     if pipeline not in QWEN_EDIT_IMAGES:
-        return {}
-    return {"condition_area": QWEN_EDIT_VISION_AREA[pipeline], "condition_images": QWEN_EDIT_IMAGES[pipeline]}
+        return {"min_pixels": low, "max_pixels": high}
+    return {"min_pixels": low, "max_pixels": high, "condition_area": QWEN_EDIT_VISION_AREA[pipeline],
+            "condition_images": QWEN_EDIT_IMAGES[pipeline]}  # fmt: skip
 
 
 @functools.cache

@@ -11,7 +11,7 @@ from ..core.config import Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
 from ..core.families import LLM_TOKENS, QWEN_EDIT_IMAGES, QWEN_IMAGE_EDIT_PIPELINES, QWEN_IMAGE_TUNED_TOKENS
 from .base import ModelConfigs
-from .qwen_vision import QwenVisionTowerSpec, edit_condition_sizes
+from .qwen_vision import condition_tokens, edit_condition_sizes
 from .transformer import PackedTransformerSpec
 
 # The image tokens an Edit prompt holds: one condition image of the vision tower's default profile by the checkpoints'
@@ -64,7 +64,7 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
             fewest, square, most = edit_condition_patches()
             return {
                 "condition_patches": (fewest, square, most * QWEN_EDIT_IMAGES[model.pipeline_class()]),
-                "condition_tokens": QwenVisionTowerSpec.for_model(model).image_tokens(),
+                "condition_tokens": condition_tokens(model),
             }
         return {}
 
