@@ -304,7 +304,7 @@ def test_a_size_suggested_for_an_engine_is_one_its_profile_takes():
 def test_a_t5_prompt_no_pipeline_takes_is_not_told_to_rebuild():
     """Trial 8: a 541-token prompt was told to rebuild with --tokens 32:256:512, which cannot cover it."""
     from sdtrt.core.errors import RequestError
-    from sdtrt.pipeline.request import check_t5_prompts
+    from sdtrt.pipeline.token_limits import check_t5_prompts
 
     with pytest.raises(RequestError, match=r"more than the 256 the engines were built for; shorten it, or rebuild"):
         check_t5_prompts(["word " * 300], _Tokenizer(), 256, built=True)

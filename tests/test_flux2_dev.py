@@ -125,7 +125,7 @@ def test_the_prompt_count_is_what_the_pipeline_tokenizes(source):
     from transformers import AutoTokenizer
 
     from sdtrt.core.families import llm_system_message
-    from sdtrt.pipeline.request import check_llm_prompts
+    from sdtrt.pipeline.token_limits import check_llm_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(source.path / "tokenizer", local_files_only=True)
     assert tokenizer.padding_side == "left" and tokenizer("a").input_ids[0] == tokenizer.bos_token_id  # as Mistral's
@@ -146,7 +146,8 @@ def test_the_check_before_loading_counts_the_system_message(source):
     after Flux2Pipeline's system message: refused."""
     from transformers import AutoTokenizer
 
-    from sdtrt.pipeline.request import GenerateRequest, check_llm_prompts, check_prompt_tokens
+    from sdtrt.pipeline.request import GenerateRequest, check_prompt_tokens
+    from sdtrt.pipeline.token_limits import check_llm_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(source.path / "tokenizer", local_files_only=True)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "a"}], tokenize=True, return_dict=True)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers import Qwen2VLImageProcessor
 
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
 from sdtrt.core.errors import EngineInputError, UnsupportedModelError
@@ -32,8 +33,6 @@ TOWER = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hid
 def vision(store, tmp_path_factory):
     """A Qwen-Image folder whose text encoder has the two-block tower, its PyTorch text encoder, the vision tower
     engine's stand-in and a slow image processor (torchvision's fast one is not installed)."""
-    from transformers import Qwen2VLImageProcessor
-
     from sdtrt.runtime import open_runtime
     from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
     from sdtrt.tools.compile import compile_model
@@ -49,10 +48,10 @@ def vision(store, tmp_path_factory):
     return source, encoder, tower, processor
 
 
-def vision_folder(folder):
+def vision_folder(folder, tower=TOWER):
     """tiny-qwen-image as a QwenImageEditPipeline folder (its processor left out: transformers' Qwen2VLProcessor
-    cannot be made without torchvision), its text encoder with the two-block tower and the image tokens, written
-    into ``folder``: the source, and the text encoder."""
+    cannot be made without torchvision), its text encoder with the ``tower`` (the two-block one) and the image
+    tokens, written into ``folder``: the source, and the text encoder."""
     import json
 
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -70,7 +69,7 @@ def vision_folder(folder):
     tokenizer = AutoTokenizer.from_pretrained(preset.path / "tokenizer")
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
     tokenizer.save_pretrained(folder / "tokenizer")
-    config = qwen_vl_config(tokenizer, TINY_QWEN25_VL | {"vision_config": TOWER})
+    config = qwen_vl_config(tokenizer, TINY_QWEN25_VL | {"vision_config": tower})
     config.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     torch.manual_seed(0)
     encoder = Qwen2_5_VLForConditionalGeneration(config)
@@ -241,7 +240,6 @@ def test_the_edit_llm_default_profile_holds_the_pipeline_default_prompt(aspect):
     at its default max_pixels: its tokens, the 64 the template drops and a prompt of the pipeline's whole text cap fit
     the LLM engine's default profile and its token cap; and the vision tower's default profile takes its patches."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-    from transformers import Qwen2VLImageProcessor
 
     from sdtrt.core.families import LLM_TOKENS, QWEN_IMAGE_EDIT_DROPPED_TOKENS
     from sdtrt.spec import QwenVisionTowerSpec, QwenVLImageEncoderSpec
@@ -272,3 +270,25 @@ def test_the_validation_cases_of_both_engines_match_pytorch(vision, edit_encoder
             row = compare_case(runtime, encoder, spec, case)
             print(f"{spec.label} {row['case']}: cosine {row['cosine']:.8f}, max |error| {row['max_abs']:.2e}")
             assert row["finite"] and row["cosine"] > 0.99999 and row["max_abs"] < 1e-4
+
+
+@pytest.mark.parametrize("full", [[0], []], ids=["every-block-full", "no-block-full"])
+def test_a_tower_of_one_attention_kind_exports_and_matches_pytorch(store, tmp_path, full):
+    """A one-block tower whose block attends over each frame (fullatt_block_indexes covers every block), or within
+    windows: its graph takes the one segment input its block reads (an exporter drops the other), and the engine
+    matches PyTorch on a two-window image."""
+    from sdtrt.runtime import open_runtime
+    from sdtrt.spec import QwenVisionTowerSpec
+    from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
+    from sdtrt.tools.compile import compile_model
+
+    source, encoder = vision_folder(tmp_path, dict(TOWER, depth=1, fullatt_block_indexes=full))
+    built = compile_model(
+        source, store, "onnxruntime", ExportConfig(precision="fp32", exporter="torchscript"),
+        SimplifyConfig(check=False), profile=PROFILE, components=("vision_encoder",),
+    ).final  # fmt: skip
+    runtime = open_runtime(built)
+    assert isinstance(runtime.spec, QwenVisionTowerSpec)
+    assert runtime.spec.input_names[3:] == (("frame_segments",) if full else ("window_segments",))
+    tower = EngineQwen2_5_VisionTower(runtime, encoder.config.vision_config, dtype=torch.float32)
+    check_tower(encoder, tower, Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=168 * 168), [(112, 168)])

@@ -35,12 +35,17 @@ GuidanceOpt = Annotated[
     ),
 ]
 LORA_METAVAR = "<FILE[:SCALE]>"
-ImageOpt = Annotated[
-    Path | None,
+IMAGE_HELP = (
+    "Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), Qwen-Image-Edit's image to edit "
+    "(required; Qwen-Image guides only with a --negative-prompt, ' ' will do), FLUX.1 Kontext's or FLUX.2 "
+    "\\[klein]'s reference image, or an SD ControlNet txt2img pipeline's control image."
+)
+ImageOpt = Annotated[Path | None, typer.Option(help=IMAGE_HELP)]
+ImagesOpt = Annotated[
+    list[Path] | None,
     typer.Option(
-        help="Input image (img2img, inpainting, SDXL refiner, FLUX.1 Fill), Qwen-Image-Edit's image to edit "
-        "(required; Qwen-Image guides only with a --negative-prompt, ' ' will do), FLUX.1 Kontext's or FLUX.2 "
-        "\\[klein]'s reference image, or an SD ControlNet txt2img pipeline's control image."
+        "--image",
+        help=f"{IMAGE_HELP} Repeat it for Qwen-Image-Edit-2509's QwenImageEditPlusPipeline: 1 to 3 images.",
     ),
 ]
 MaskOpt = Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")]
@@ -223,6 +228,21 @@ def open_image(path: Path | None, mode: str, option: str) -> Any:
         return Image.open(path).convert(mode)
     except (UnidentifiedImageError, OSError) as exc:
         raise RequestError(f"{option}: cannot read {path} as an image: {exc}") from exc
+
+
+def open_images(paths: list[Path] | None, pipeline: str) -> Any:
+    """--image, opened: None, one image, or the list of the several a ``pipeline`` (diffusers class) takes (the Edit
+    Plus pipeline's, up to QWEN_EDIT_IMAGES); more than it takes is a usage error in one line, before any is read."""
+    from ..core.families import QWEN_EDIT_IMAGES
+
+    paths = paths or []
+    most = QWEN_EDIT_IMAGES.get(pipeline, 1)
+    if len(paths) > most:
+        several = ", ".join(f"{name} takes up to {count}" for name, count in QWEN_EDIT_IMAGES.items() if count > 1)
+        fix = f"pass at most {most}" if most > 1 else f"pass one ({several})"
+        raise RequestError(f"{pipeline} takes {'at most ' if most > 1 else ''}{most} --image, not {len(paths)}: {fix}")
+    images = [open_image(path, "RGB", "--image") for path in paths]
+    return images if len(images) > 1 else next(iter(images), None)
 
 
 def lora_options(values: list[str] | None) -> list[tuple[str, float]]:

@@ -50,7 +50,7 @@ def generate_command(
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
     scheduler: request_options.SchedulerOpt = None,
-    image: request_options.ImageOpt = None,
+    image: request_options.ImagesOpt = None,
     mask: request_options.MaskOpt = None,
     control_image: request_options.ControlImageOpt = None,
     reference_image: request_options.ReferenceImageOpt = None,
@@ -89,7 +89,8 @@ def generate_command(
     Inpainting: sdtrt generate --model tiny-inpaint --image photo.png --mask mask.png
     FLUX.1 Fill / Canny / Kontext: --image photo.png --mask mask.png; --control-image edges.png; --image reference.png
     Kontext inpainting: --task inpaint --image photo.png --mask mask.png (--reference-image other.png: its reference)
-    Qwen-Image-Edit: --image photo.png --prompt "make it night" --negative-prompt " " --guidance 4
+    Qwen-Image-Edit: --image photo.png --prompt "make it night" --negative-prompt " " --guidance 4 (2509: --image
+    repeated, 1 to 3)
     Step caches: --cache first-block:0.5 or taylorseer:2 on a set compiled with --caches (FLUX.2: taylorseer)
     IP-Adapter: sdtrt generate --engine engines/set/… --ip-adapter-image style.png --ip-adapter-scale 0.6
     """
@@ -107,7 +108,7 @@ def generate_command(
     request_options.check_lora_families(loras, source)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-        image=request_options.open_image(image, "RGB", "--image"),
+        image=request_options.open_images(image, pipeline_class_name(source.pipeline_class(), task)),
         mask_image=request_options.open_image(mask, "L", "--mask"),
         ip_adapter_image=request_options.open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
         control_image=request_options.open_image(control_image, "RGB", "--control-image"),
@@ -125,7 +126,7 @@ def generate_command(
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
     check_prompt_tokens(source, request, profile)
-    step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=image is not None)
+    step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=bool(image))
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)
     if freeu_factors is not None and step_cache is not None and step_cache.kind == "deepcache":
         raise RequestError("--freeu with --cache deepcache: DeepCache's members have no FreeU; use one of them")

@@ -84,6 +84,12 @@ QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline
 # The most condition images an Edit pipeline's engines take in a call (Qwen-Image-Edit-2509's model card: one to
 # three work best); each is ~1024² for the VAE and the transformer.
 QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
+# The pixels an Edit pipeline resizes each condition image to for its vision tower, at the image's aspect ratio
+# (calculate_dimensions' area: QwenImageEditPipeline's 1024², QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE).
+QWEN_EDIT_VISION_AREA = {"QwenImageEditPipeline": 1024 * 1024, "QwenImageEditPlusPipeline": 384 * 384}
+# The text QwenImageEditPlusPipeline writes before the prompt for each image (its _get_qwen_prompt_embeds): the
+# Edit pipeline's template holds the one image's vision tokens itself.
+QWEN_PLUS_PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 # The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
 # from the end, as the pipeline indexes them): FLUX.2 [klein] and [dev] stack their text_encoder_out_layers
 # defaults, Z-Image's pipelines take hidden_states[-2].

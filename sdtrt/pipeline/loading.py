@@ -393,7 +393,7 @@ def generate(
     if rule.guidance_keyword in accepts and "guidance_scale" in kwargs:  # Qwen-Image: true_cfg_scale
         kwargs[rule.guidance_keyword] = kwargs.pop("guidance_scale")
     prompts = [p for r in requests for p in (r.prompt, r.negative_prompt) if p]
-    kwargs |= t5_kwargs(pipe, prompts) | llm_kwargs(pipe, prompts)
+    kwargs |= t5_kwargs(pipe, prompts) | llm_kwargs(pipe, prompts, kwargs.get("image"))
     for line in clip_cuts(prompts, clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
         console.print(f"[yellow]![/] {escape(line)}")
     with torch.no_grad():

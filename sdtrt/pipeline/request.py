@@ -12,9 +12,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.config import DEFAULT_PROMPT, MAX_T5_TOKENS, grid_problem
+from ..core.config import DEFAULT_PROMPT, grid_problem
 from ..core.errors import RequestError
 from .image_inputs import check_control_image, check_inputs
+from .token_limits import check_llm_prompts, check_t5_prompts
 
 if TYPE_CHECKING:
     from ..core.config import ShapeProfile, ValidationConfig
@@ -255,55 +256,6 @@ def check_steps(steps: int, scheduler_config: Any) -> None:
     for what, limit in limits:
         if limit and steps > limit:
             raise RequestError(f"steps {steps} is more than this scheduler's {limit} {what}; ask for at most {limit}")
-
-
-def check_t5_prompts(prompts: Sequence[str], tokenizer: Any, limit: int, built: bool) -> None:
-    """RequestError for a prompt of more T5 tokens than ``limit``: what the engines were ``built`` for, or the
-    pipeline's max_sequence_length. Such a prompt is refused, never cut as the tokenizer would cut it."""
-    for prompt in prompts:
-        count = len(tokenizer(prompt).input_ids)
-        if count > limit:
-            where = "the engines were built for" if built else "the pipeline takes (max_sequence_length)"
-            rebuild = built and count <= MAX_T5_TOKENS  # no rebuild takes more than the pipelines do
-            raise RequestError(
-                f"the prompt {prompt[:30]!r}… is {count} T5 tokens, more than the {limit} {where}; shorten it"
-                + (
-                    f", or rebuild the engines with a --tokens range covering it (sdtrt compile --tokens "
-                    f"32:256:{MAX_T5_TOKENS})"
-                    if rebuild
-                    else ""
-                )
-            )
-
-
-def check_llm_prompts(
-    prompts: Sequence[str], tokenizer: Any, limit: int, built: bool, template: str | None = None, *, least: int = 1,
-    dropped: int = 0, system: str | None = None,
-) -> None:  # fmt: skip
-    """RequestError for a prompt whose chat-templated tokens (what an LLM text encoder reads: FLUX.2's pipelines apply
-    the tokenizer's chat template first, [dev]'s after a ``system`` message; Qwen-Image its own ``template``) outnumber
-    ``limit``, which the tokenizer would cut without a word, or number fewer than ``least`` (the engines' minimum).
-    ``dropped``: the template's first tokens the pipeline drops after the LLM (a --tokens range counts the others)."""
-    before = [{"role": "system", "content": system}] if system else []
-    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's (FLUX.2 [dev]'s PixtralProcessor)
-    for prompt in prompts:
-        # [dev] (the pipeline with a system message) asks for no generation prompt, klein for one; a chat template
-        # writes its own BOS, so the text is counted without the tokenizer's special tokens, as the pipelines do.
-        text = template.format(prompt) if template is not None else tokenizer.apply_chat_template(
-            [*before, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=not system,
-            enable_thinking=False,
-        )  # fmt: skip
-        count = len(text_tokenizer(text=text, add_special_tokens=template is not None).input_ids)
-        if least <= count <= limit:
-            continue
-        where = "the engines were built for" if built else "the pipeline takes"
-        longer = count > limit
-        side, fix = (f"more than the {limit}", "shorten it") if longer else (f"fewer than the {least}", "lengthen it")
-        less = f" ({count - dropped} once the pipeline drops the template's first {dropped})" if dropped else ""
-        raise RequestError(
-            f"the prompt {prompt[:30]!r}… is {count} tokens with its chat template{less}, {side} {where}; {fix}"
-            + (f", or rebuild the engines with a --tokens range covering {count - dropped}" if built else "")
-        )
 
 
 def clip_cuts(prompts: Sequence[str], tokenizers: dict[str, Any], t5: bool = False) -> list[str]:

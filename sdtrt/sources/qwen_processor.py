@@ -2,7 +2,8 @@
 that cuts the condition image into patches) where transformers cannot make one: without torchvision its
 ProcessorMixin refuses any Qwen2VLProcessor (it looks up the video processor's class, which needs torchvision), though
 the Edit pipelines pass it images alone. ``ImageQwen2VLProcessor`` is that processor without the video half; it
-loads the same folder, and the slow ``Qwen2VLImageProcessor`` (a PIL one) cuts the images."""
+loads the same folder, and the slow ``Qwen2VLImageProcessor`` (a PIL one) cuts the images. What it saves names
+``Qwen2VLProcessor``, the class the checkpoints name, so that stock transformers (with torchvision) loads it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ class ImageQwen2VLProcessor(Qwen2VLProcessor):
 
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+# ProcessorMixin writes the class's name as processor_class (processor_config.json, tokenizer_config.json): the stock
+# class's, which the model_index.json of an Edit folder names too; transformers has no ImageQwen2VLProcessor to load.
+ImageQwen2VLProcessor.__name__ = Qwen2VLProcessor.__name__
 
 
 def new_edit_processor(tokenizer: Any, pixels: tuple[int, int]) -> ImageQwen2VLProcessor:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 from ..core.config import T5_TOKEN_CAP, Component, IONaming, Precision, Range, ShapeProfile, TokenCap
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 
@@ -43,6 +45,8 @@ class ModelConfigs(Protocol):
     """What specs read of a model: its folders' configs. models.ModelSource is one; the contract lives here, in
     the core layer, so core code depends on it and not on the model-sources layer above."""
 
+    @property
+    def path(self) -> Path: ...  # the model's folder
     @property
     def is_pipeline(self) -> bool: ...  # a pipeline folder (model_index.json), not a bare network's
     def has(self, folder: str) -> bool: ...

@@ -27,6 +27,7 @@ from ..core.families import (
     QWEN_IMAGE_EDIT_PIPELINES,
 )
 from .base import FOLDERS, ModelConfigs, TensorSpec
+from .qwen_vision import condition_tokens
 from .text_encoder import SequenceEncoderSpec
 from .transformer import klein_token_cap
 from .transformer_qwen import EDIT_IMAGE_TOKENS, qwen_image_tokens
@@ -185,6 +186,7 @@ class QwenVLEncoderSpec(LLMEncoderSpec):
         return QwenVLImageEncoderSpec(
             **fields | {"max_sequence_length": QwenVLImageEncoderSpec.pipeline_tokens},
             image_token_id=model.component_config(FOLDERS[cls.component])["image_token_id"],
+            condition_tokens=condition_tokens(model),
         )
 
     @classmethod
@@ -229,6 +231,12 @@ class QwenVLImageEncoderSpec(QwenVLEncoderSpec):
     )
 
     image_token_id: int = 151655  # Qwen2.5-VL's <|image_pad|>
+    # One condition image's tokens (smallest, tuned, largest) by the model's processor: the checkpoints' by default.
+    condition_tokens: tuple[int, int, int] = EDIT_IMAGE_TOKENS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "condition_tokens", tuple(self.condition_tokens))  # a list from JSON
 
     def inputs(self) -> list[TensorSpec]:
         ids, mask, embeds = self.input_names
@@ -249,8 +257,9 @@ class QwenVLImageEncoderSpec(QwenVLEncoderSpec):
 
     def default_profile(self) -> ShapeProfile:
         """The text's default tokens, the template's dropped ones and the tokens of one condition image of the vision
-        tower's default profile (EDIT_IMAGE_TOKENS), at each of its smallest, tuned and largest."""
-        text_and_image = zip(qwen_image_tokens(), EDIT_IMAGE_TOKENS, strict=True)
+        tower's default profile (``condition_tokens``, by the model's processor), at each of its smallest, tuned and
+        largest."""
+        text_and_image = zip(qwen_image_tokens(), self.condition_tokens, strict=True)
         return ShapeProfile(tokens=Range(*(t + self.dropped_tokens + i for t, i in text_and_image)))
 
     def sample_inputs(

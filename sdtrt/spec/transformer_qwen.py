@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -13,11 +11,13 @@ from ..core.config import Precision, Range, ShapeProfile, TokenCap
 from ..core.errors import ArtifactError
 from ..core.families import LLM_TOKENS, QWEN_EDIT_IMAGES, QWEN_IMAGE_EDIT_PIPELINES, QWEN_IMAGE_TUNED_TOKENS
 from .base import ModelConfigs
-from .qwen_vision import QwenVisionTowerSpec
+from .qwen_vision import condition_tokens, edit_condition_sizes
 from .transformer import PackedTransformerSpec
 
-# The image tokens an Edit prompt holds: one condition image of the vision tower's default profile (Qwen2.5-VL's).
-EDIT_IMAGE_TOKENS = QwenVisionTowerSpec(precision="bf16", io_naming="named", vae_scale_factor=1).image_tokens()
+# The image tokens an Edit prompt holds: one condition image of the vision tower's default profile by the checkpoints'
+# processor (QwenVisionTowerSpec's image_tokens at CHECKPOINT_PIXELS, written out: a spec module imports no
+# transformers; tests/test_qwen_image_edit.py holds it to the tower's).
+EDIT_IMAGE_TOKENS = Range(4, 1369, 1444)
 EDIT_TOKEN_CAP = TokenCap(
     LLM_TOKENS["qwenimage"] + EDIT_IMAGE_TOKENS.max, "QwenImageEditPipeline's transformer reads",
     f"tokens (the prompt's {LLM_TOKENS['qwenimage']} and up to {EDIT_IMAGE_TOKENS.max} of its image)",
@@ -50,16 +50,22 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
     # most images (QWEN_EDIT_IMAGES); and the prompt holds their vision tokens (EDIT_IMAGE_TOKENS: one ~1024² image's,
     # more than the Plus pipeline's three 384² ones). (0, 0, 0): the other pipelines'.
     condition_patches: tuple[int, int, int] = (0, 0, 0)
+    # An Edit set's: one condition image's vision tokens in the prompt by the model's processor (the checkpoints').
+    condition_tokens: tuple[int, int, int] = EDIT_IMAGE_TOKENS
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "condition_patches", tuple(self.condition_patches))  # a list from JSON
+        for name in ("condition_patches", "condition_tokens"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))  # a list from JSON
 
     @classmethod
     def model_fields(cls, model: ModelConfigs) -> dict[str, Any]:
         if model.is_pipeline and model.pipeline_class() in QWEN_IMAGE_EDIT_PIPELINES:
             fewest, square, most = edit_condition_patches()
-            return {"condition_patches": (fewest, square, most * QWEN_EDIT_IMAGES[model.pipeline_class()])}
+            return {
+                "condition_patches": (fewest, square, most * QWEN_EDIT_IMAGES[model.pipeline_class()]),
+                "condition_tokens": condition_tokens(model),
+            }
         return {}
 
     @property
@@ -98,7 +104,7 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
         """Qwen-Image's tokens; an Edit set's with its condition image's vision tokens too (as its LLM's)."""
         tokens = qwen_image_tokens()
         if self.edits:
-            tokens = Range(*(t + i for t, i in zip(tokens, EDIT_IMAGE_TOKENS, strict=True)))
+            tokens = Range(*(t + i for t, i in zip(tokens, self.condition_tokens, strict=True)))
         return dataclasses.replace(super().default_profile(), tokens=tokens)
 
     def check_profile(self, profile: ShapeProfile) -> None:
@@ -127,7 +133,7 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
     def to_json(self) -> dict[str, Any]:
         data = super().to_json()
         if not self.edits:  # the text-to-image sets keep the JSON, and so the keys, they had
-            del data["condition_patches"]
+            del data["condition_patches"], data["condition_tokens"]
         return data
 
     def input_tensors(self) -> dict[str, tuple[str | None, tuple[int | str, ...]]]:
@@ -144,18 +150,6 @@ class QwenImageTransformerSpec(PackedTransformerSpec):
 
 # QwenImageTransformer2DModel's config switches of the Edit / Layered models, which the graph does not take.
 QWEN_IMAGE_UNBUILT = ("zero_cond_t", "use_layer3d_rope", "use_additional_t_cond", "guidance_embeds")
-
-
-@functools.cache
-def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
-    """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
-    its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
-    refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
-    sizes = []
-    for ratio in [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]:
-        width = math.sqrt(1024 * 1024 * ratio)
-        sizes.append((round(width / 32) * 32, round(width / ratio / 32) * 32))
-    return tuple(sizes)
 
 
 def edit_condition_patches() -> tuple[int, int, int]:

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 from ..core.config import Component, IONaming, Precision, ShapeProfile
 from ..core.families import QWEN_IMAGE_EDIT_PIPELINES, REFERENCE_TOKEN_PIPELINES
 from .base import FOLDERS, GraphSpec, ModelConfigs, TensorSpec
+from .qwen_vision import edit_condition_sizes
 from .transformer import reference_sizes
-from .transformer_qwen import edit_condition_sizes
 
 # Video VAEs whose pipelines run them on one frame.
 SINGLE_FRAME_VAES = ("AutoencoderKLQwenImage",)

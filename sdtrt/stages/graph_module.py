@@ -106,7 +106,7 @@ def graph_module(spec: GraphSpec, network: Any) -> torch.nn.Module:
     if isinstance(spec, QwenVisionTowerSpec):  # Qwen2.5-VL's vision tower, its grid reckoned outside the graph
         from .qwen_vision import vision_call
 
-        forward[spec.component] = vision_call(network)
+        forward[spec.component] = vision_call(network, spec)
     if isinstance(spec, ZImageTransformerSpec):  # its padded batch in, not diffusers' lists
         from .zimage_transformer import zimage_call
 

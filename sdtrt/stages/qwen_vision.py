@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from ..spec import QwenVisionTowerSpec
+
 
 def segment_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive ``[1, 1, S, S]`` mask that keeps each position's attention inside its segment (no row is empty:
@@ -21,10 +23,11 @@ def segment_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(same.shape, dtype=dtype).masked_fill(~same, torch.finfo(dtype).min)[None, None]
 
 
-def vision_call(network: Any) -> Callable[..., torch.Tensor]:
-    """The graph's forward: (pixel_values, cos, sin, window_segments, frame_segments) → the merged image embeddings,
-    in window order. Each block is the network's own norms, projections and MLP; the attention is transformers'
-    (its rotary product, softmax over the scaled scores) on one masked sequence."""
+def vision_call(network: Any, spec: QwenVisionTowerSpec) -> Callable[..., torch.Tensor]:
+    """The graph's forward: (pixel_values, cos, sin, and the spec's window_segments and frame_segments: those its
+    blocks attend within) → the merged image embeddings, in window order. Each block is the network's own norms,
+    projections and MLP; the attention is transformers' (its rotary product, softmax over the scaled scores) on one
+    masked sequence."""
     import torch
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
 
@@ -38,14 +41,12 @@ def vision_call(network: Any) -> Callable[..., torch.Tensor]:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attn.scaling)
         return attn.proj(out[0].transpose(0, 1).reshape(count, -1))
 
-    def forward(
-        pixel_values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window_segments: torch.Tensor,
-        frame_segments: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+    def forward(pixel_values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *segments: torch.Tensor) -> Any:
         hidden = visual.patch_embed(pixel_values)
-        windows, frames = segment_mask(window_segments, hidden.dtype), segment_mask(frame_segments, hidden.dtype)
+        names = spec.canonical_inputs[3:]
+        masks = {name: segment_mask(ids, hidden.dtype) for name, ids in zip(names, segments, strict=True)}
         for index, block in enumerate(visual.blocks):
-            mask = frames if index in visual.fullatt_block_indexes else windows
+            mask = masks["frame_segments" if index in visual.fullatt_block_indexes else "window_segments"]
             hidden = hidden + attention(block.attn, block.norm1(hidden), cos, sin, mask)
             hidden = hidden + block.mlp(block.norm2(hidden))
         return visual.merger(hidden)
