@@ -48,7 +48,9 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
-    {"img2img": "QwenImageEditPipeline"},  # an edit of its input image (no strength: denoised from noise)
+    # an edit of its input image (no strength: denoised from noise); its inpainting one repaints the input image at the
+    # condition image's size (~1024², the input's aspect ratio) where the mask is white, its own strength
+    {"img2img": "QwenImageEditPipeline", "inpaint": "QwenImageEditInpaintPipeline"},
     {"img2img": "QwenImageEditPlusPipeline"},  # the same of one to three input images (Qwen-Image-Edit-2509's)
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
@@ -86,10 +88,10 @@ QWEN_IMAGE_DROPPED_TOKENS = 34
 QWEN_IMAGE_EDIT_DROPPED_TOKENS = 64
 # The Qwen-Image pipelines that run an image through their Qwen2.5-VL text encoder (its vision tower, then the
 # language model on the prompt's tokens with the image's embeddings in place of its image-pad tokens).
-QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline")
 # The most condition images an Edit pipeline's engines take in a call (Qwen-Image-Edit-2509's model card: one to
 # three work best); each is ~1024² for the VAE and the transformer.
-QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
+QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3, "QwenImageEditInpaintPipeline": 1}
 # The hidden states a pipeline reads from its LLM text encoder, at transformers' indices (0 the embedding; negative
 # from the end, as the pipeline indexes them): FLUX.2 [klein] and [dev] stack their text_encoder_out_layers
 # defaults, Z-Image's pipelines take hidden_states[-2].

@@ -261,21 +261,20 @@ def sized_by_image(
     (the pipeline would drop it without a word). Others unchanged. ``sdtrt generate`` and the Triton model both call
     this, before anything loads."""
     from ..core.config import grid_problem
-    from ..core.families import INPAINT_REFERENCE_PIPELINES, pipeline_inputs
-    from .references import fed_size
+    from ..core.families import pipeline_inputs
 
     size = image_size(request.image)
-    fed = pipeline in INPAINT_REFERENCE_PIPELINES
-    if ("height" in pipeline_inputs(pipeline) and not fed) or size is None:
+    fed = made_size(pipeline, request.image, multiple)
+    if ("height" in pipeline_inputs(pipeline) and fed is None) or size is None:
         return request
-    size = fed_size(request.image, multiple) if fed and hasattr(request.image, "getbbox") else size
+    size = fed or size
     asked = {"height": request.height, "width": request.width}
     if any(side not in (None, made) for side, made in zip(asked.values(), size, strict=True)):
         given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
         raise RequestError(
             f"the input image is {pixel_size(*size)}{' as the pipeline feeds it' if fed else ''}, not the {given} "
-            "asked: SD, SDXL and LCM img2img and FLUX.2 [klein] inpainting make the input image's size; leave the "
-            "height and width out, or resize the image"
+            "asked: SD, SDXL and LCM img2img, FLUX.2 [klein] and Qwen-Image-Edit inpainting make the input image's "
+            "size (Qwen-Image-Edit's at ~1024² px); leave the height and width out, or resize the image"
         )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
@@ -283,3 +282,21 @@ def sized_by_image(
     if problem := next(filter(None, problems), None):
         raise RequestError(f"the input image, whose size the output takes, is {pixel_size(*size)}: {problem}")
     return dataclasses.replace(request, height=size[0], width=size[1])
+
+
+def made_size(pipeline: str, image: Any, multiple: int) -> tuple[int, int] | None:
+    """(height, width) of the output a pipeline that takes a height, but makes its input image's size, makes of a PIL
+    ``image``: FLUX.2 [klein] inpainting's (scaled down to 1024² px, cut to its grid), Qwen-Image-Edit inpainting's
+    (its condition image's, ~1024² px at its aspect ratio); None for others, or an image given as a tensor."""
+    from ..core.families import INPAINT_REFERENCE_PIPELINES
+    from ..spec.transformer_qwen import edit_condition_size
+    from .references import fed_size
+
+    if not hasattr(image, "getbbox"):
+        return None
+    if pipeline in INPAINT_REFERENCE_PIPELINES:
+        return fed_size(image, multiple)
+    if pipeline == "QwenImageEditInpaintPipeline":
+        width, height = edit_condition_size(*image.size)
+        return height, width
+    return None

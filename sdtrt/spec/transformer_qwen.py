@@ -151,11 +151,17 @@ def edit_condition_sizes() -> tuple[tuple[int, int], ...]:
     """QwenImageEditPipeline's condition image sizes (width, height) at aspect ratios 1:3 to 3:1, a square's first:
     its calculate_dimensions of 1024² pixels, written out here (a spec is made before diffusers is imported: the CLI
     refuses a request first; tests/test_qwen_image_edit.py holds these to diffusers' function)."""
-    sizes = []
-    for ratio in [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]:
-        width = math.sqrt(1024 * 1024 * ratio)
-        sizes.append((round(width / 32) * 32, round(width / ratio / 32) * 32))
-    return tuple(sizes)
+    return tuple(
+        edit_condition_size(ratio, 1) for ratio in [1.0] + [math.exp(math.log(3) * (i / 1000 - 1)) for i in range(2001)]
+    )
+
+
+def edit_condition_size(width: float, height: float) -> tuple[int, int]:
+    """(width, height) of the condition image an Edit pipeline makes of a ``width`` x ``height`` input: diffusers'
+    calculate_dimensions of 1024² pixels at its aspect ratio (QwenImageEditInpaintPipeline's output size too)."""
+    ratio = width / height
+    side = math.sqrt(1024 * 1024 * ratio)
+    return round(side / 32) * 32, round(side / ratio / 32) * 32
 
 
 def edit_condition_patches() -> tuple[int, int, int]:
