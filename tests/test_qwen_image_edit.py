@@ -22,12 +22,12 @@ from PIL import Image
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
 from sdtrt.core.errors import RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
-from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
 from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
 from sdtrt.standins.transformer import EngineQwenImageTransformer
 from sdtrt.standins.vae_qwen import EngineQwenImageVAE
 from sdtrt.tools.image_quality import psnr_db
+from tests.helpers import assert_every_network_is_an_engine
 
 # One prompt, the test sizes (up to 1184 px: QwenImageEditInpaintPipeline's output is its ~1024² condition image's
 # size), and up to 512 tokens the transformer reads: the offline tokenizer spells the Edit template's system prompt in
@@ -69,19 +69,17 @@ def check_edit(edit, height: int, width: int) -> None:
 
 def test_every_network_is_an_engine_standin(edit):
     _, reference, engine = edit
-    assert_every_network_is_an_engine(engine)
+    assert_edit_networks(engine)
     assert type(engine).__name__ == type(reference).__name__ == "QwenImageEditPipeline"
 
 
-def assert_every_network_is_an_engine(engine) -> None:
-    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
-    assert set(networks) == {"text_encoder", "transformer", "vae"}
-    assert all(isinstance(m, EngineModule) for m in networks.values())
+def assert_edit_networks(engine) -> None:
+    """Every network an engine (the VAE encoder too: the condition image's latents), each the Edit pipeline's kind."""
+    assert set(assert_every_network_is_an_engine(engine, reads_images=True)) == {"text_encoder", "transformer", "vae"}
     assert isinstance(engine.text_encoder, EngineQwen2_5_VL)
     assert isinstance(engine.transformer, EngineQwenImageTransformer)
     assert isinstance(engine.text_encoder.vision, EngineQwen2_5_VisionTower)  # the LLM engine runs it on the image
-    assert isinstance(engine.vae, EngineQwenImageVAE) and engine.vae.decoder_runtime is not None
-    assert engine.vae.encoder_runtime is not None  # the condition image's latents
+    assert isinstance(engine.vae, EngineQwenImageVAE)
 
 
 def test_an_edit_matches_pytorch(edit):
@@ -178,10 +176,8 @@ def test_an_edit_inpaint_matches_pytorch(inpaint, size):
     """QwenImageEditInpaintPipeline repaints its image where the mask is white at the condition image's size (1024²
     for a square input, 1184×896 for a 4:3 one, whatever the height asked): the transformer engine reads the output's
     tokens and the condition image's, as many, the VAE encoder engine the image and the masked image."""
-    from .helpers import assert_every_network_is_an_engine
-
     assert type(inpaint[1]).__name__ == "QwenImageEditInpaintPipeline"
-    assert_every_network_is_an_engine(inpaint[1], reads_images=True)
+    assert_edit_networks(inpaint[1])
     req = dataclasses.replace(request(mask_image=mask(*size)), image=picture(*size))
     want, got = (generate(p, req, output_type="np").images[0] for p in inpaint)
     psnr = psnr_db(got, want)
@@ -234,7 +230,7 @@ def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
     engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
     pipes = [load_pipeline(source), load_pipeline(source, engine)]
     assert all(type(p).__name__ == "QwenImageEditPlusPipeline" for p in pipes)
-    assert_every_network_is_an_engine(pipes[1])
+    assert_edit_networks(pipes[1])
     patches = []  # both images' patches reach the tower engine
     pipes[1].text_encoder.vision.register_forward_pre_hook(lambda _, args: patches.append(args[0].shape[0]))
     call = {"prompt": "put the fox in the second picture", "negative_prompt": " ", "true_cfg_scale": 4.0,
