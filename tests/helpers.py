@@ -180,6 +180,20 @@ def assert_images_match(family: Family, request: GenerateRequest, task: str = "t
     return psnr
 
 
+def assert_every_network_is_an_engine(pipe, reads_images: bool = False) -> dict[str, Any]:
+    """Every torch network among ``pipe``'s components an engine stand-in, its VAE's decoder an engine, and, for a
+    pipeline that reads an input image (``reads_images``: img2img, inpainting, edits), its VAE's encoder too (not the
+    PyTorch half a set without one falls back to). Returns the networks by component name."""
+    import torch
+
+    from sdtrt.standins.base import EngineModule
+
+    networks = {name: m for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    assert networks and all(isinstance(m, EngineModule) for m in networks.values()), networks
+    assert pipe.vae.decoder_runtime is not None and (pipe.vae.encoder_runtime is not None or not reads_images)
+    return networks
+
+
 def stored_parameters(source) -> dict[str, Any]:
     """The transformer's parameters as its safetensors files store them."""
     from safetensors.numpy import load_file

@@ -64,7 +64,12 @@ def pictures(tmp_path_factory):
         ),
         (  # a reference to inpaint by, on Kontext's img2img pipeline
             ["--model", "tiny-flux-kontext", "--image", "{in}", "--reference-image", "{in}"],
-            "takes no image reference (--reference-image is FLUX.1 Kontext inpainting's: --task inpaint with",
+            "takes no image reference (--reference-image is FLUX.1 Kontext and FLUX.2 [klein] inpainting's: --task",
+        ),
+        (["--model", "tiny-flux2-klein", "--task", "inpaint", "--image", "{in}"], "--task inpaint needs a mask image"),
+        (  # klein's inpainting pipeline makes its image's size too
+            ["--model", "tiny-flux2-klein", "--task", "inpaint", "--image", "{in}", "--mask", "{mask}", "--width=96"],
+            "64×64 px (w×h) as the pipeline feeds it, not the width 96 asked",
         ),
         (["--model", "tiny-qwen-image-edit"], "--task img2img needs an input image: pass --image"),
         (["--model", "tiny-qwen-image-edit", "--image", "{in}", "--strength", "0.5"], "takes no strength: it draws"),

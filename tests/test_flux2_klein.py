@@ -7,6 +7,7 @@ One fp32 ONNX Runtime engine set, shared by the module's tests; tiny sizes, two 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -214,9 +215,10 @@ def test_the_cli_refuses_a_long_prompt_before_loading(klein):
     assert "tokens with its chat template, more than the 512 the pipeline takes; shorten it" in result.stderr
 
 
-def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile(klein, store, tmp_path):
+def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile(klein, inpaint, store, tmp_path):
     """On the Triton wire a row's `image` is klein's reference (the Triton model's execute on numpy rows): generate's
-    image for it; one the profile cannot take gets its one line, the other rows their images."""
+    image for it; one the profile cannot take gets its one line, the other rows their images; a row with a mask too
+    is inpainted (Flux2KleinInpaintPipeline), generate's image for it."""
     from sdtrt.tools.compile import compile_model
 
     from . import triton_backend
@@ -224,12 +226,99 @@ def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile
     source, _, engine = klein
     built = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final  # the fixture's: a hit
     numbers = {"steps": 2, "seed": 3, "height": 128, "width": 128}
+    repainted = {"image": noise_image(128, 128), "mask_image": mask(128, 128)}
     with triton_backend.served(built, tmp_path) as served:
-        edited, too_big = served.execute([
+        edited, too_big, inpainted = served.execute([
             triton_backend.row("a red fox in the snow", **numbers, image=noise_image(128, 128)),
             triton_backend.row("a red fox in the snow", **numbers, image=noise_image(512, 512)),
+            triton_backend.row("a red fox in the snow", **numbers, **repainted),
         ])  # fmt: skip
     local = generate(engine, request(height=128, width=128, image=noise_image(128, 128))).images[0]
     np.testing.assert_array_equal(edited.image()[0], np.asarray(local))
+    local = generate(inpaint[1], inpaint_request(128, 128)).images[0]
+    np.testing.assert_array_equal(inpainted.image()[0], np.asarray(local))
     assert too_big.error.code() == "INVALID_ARG" and "\n" not in too_big.error.message()
     assert "512×512 px (w×h) as the pipeline feeds it, its height outside" in too_big.error.message()
+
+
+def mask(height: int, width: int) -> Image.Image:
+    pixels = np.zeros((height, width), dtype=np.uint8)
+    pixels[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255  # white is repainted
+    return Image.fromarray(pixels)
+
+
+def inpaint_request(height: int, width: int, **kwargs) -> GenerateRequest:
+    given = {"image": noise_image(height, width), "mask_image": mask(height, width)}
+    return request(height=height, width=width, **given, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def inpaint(klein):
+    """(PyTorch, engine) Flux2KleinInpaintPipeline over the txt2img pipelines' components (`--task inpaint`)."""
+    from sdtrt.pipeline.loading import task_pipelines
+
+    return tuple(task_pipelines(pipe, {"inpaint": "Flux2KleinInpaintPipeline"})["inpaint"] for pipe in klein[1:])
+
+
+@pytest.mark.parametrize(
+    "size", [SIZES[0], pytest.param(SIZES[1], marks=pytest.mark.slow)], ids=["square", "non-square"]
+)
+def test_inpaint_matches_pytorch(inpaint, size):
+    """Flux2KleinInpaintPipeline: the image to repaint, encoded by the VAE encoder engine, is both the start and a
+    reference whose tokens follow the generated ones in the transformer engine's sequence."""
+    from .helpers import assert_every_network_is_an_engine
+
+    assert type(inpaint[1]).__name__ == "Flux2KleinInpaintPipeline"
+    networks = assert_every_network_is_an_engine(inpaint[1], reads_images=True)
+    assert set(networks) == {"text_encoder", "transformer", "vae"}
+    fed = []
+    hook = inpaint[1].transformer.register_forward_pre_hook(
+        lambda _, args, kwargs: fed.append(kwargs["hidden_states"].shape[1]), with_kwargs=True
+    )
+    try:
+        reference, engine = images(inpaint, inpaint_request(*size))
+    finally:
+        hook.remove()
+    psnr = psnr_db(engine, reference)
+    print(f"tiny-flux2-klein inpaint {size[0]}x{size[1]}: PSNR {psnr:.1f} dB")
+    assert reference.shape == (*size, 3) and reference.std() > 0.01 and psnr >= 35.0
+    assert fed and set(fed) == {2 * (size[0] // 16) * (size[1] // 16)}  # the generated patches and the image's
+
+
+def test_inpaint_inputs_it_cannot_take_are_refused_before_running(inpaint):
+    """Without a mask, and with an image_reference beyond the profile's one reference (the image to repaint is
+    the first): each one line before an engine runs."""
+    engine = inpaint[1]
+    calls = []
+    for network in (engine.text_encoder, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    cases = {
+        "needs a mask image": dataclasses.replace(inpaint_request(128, 128), mask_image=None),
+        "2 reference image(s), more than the 1": inpaint_request(128, 128, image_reference=noise_image(128, 128)),
+    }
+    for message, req in cases.items():
+        with pytest.raises(RequestError, match=re.escape(message)) as error:
+            generate(engine, req)
+        assert "\n" not in str(error.value)
+    assert not calls
+
+
+@pytest.mark.slow  # a forked CLI run loading the set: ~14 s
+def test_the_cli_inpaints_as_the_library_does(klein, inpaint, store, tmp_path):
+    """`sdtrt generate --task inpaint --image --mask` on the set: the library's engine image, pixel for pixel."""
+    from sdtrt.tools.compile import compile_model
+
+    from .helpers import last_line, run_cli
+
+    built = compile_model(klein[0], store, "onnxruntime", ExportConfig(precision="fp32")).final  # the fixture's: a hit
+    noise_image(128, 192).save(tmp_path / "photo.png")
+    mask(128, 192).save(tmp_path / "mask.png")
+    out = tmp_path / "out.png"
+    result = run_cli(
+        "generate", "--engine", str(built.path), "--task", "inpaint", "--image", str(tmp_path / "photo.png"),
+        "--mask", str(tmp_path / "mask.png"), "--prompt", "a red fox in the snow", "--steps", "2", "--seed", "3",
+        "--out", str(out), check=True,
+    )  # fmt: skip
+    assert last_line(result.stdout) == str(out)
+    local = generate(inpaint[1], inpaint_request(128, 192)).images[0]
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), np.asarray(local))

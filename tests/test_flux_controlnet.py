@@ -20,7 +20,7 @@ from sdtrt.spec import FluxControlNetSpec, component_spec
 from sdtrt.spec.controlnet_samples import controlnet_samples
 from sdtrt.standins.controlnet_flux import EngineFluxControlNet
 from sdtrt.tools.image_quality import psnr_db
-from tests.helpers import Family, assert_images_match
+from tests.helpers import Family, assert_every_network_is_an_engine, assert_images_match
 from tests.test_cli_friction import usage_error_before_loading
 
 PRESET = "tiny-flux-controlnet"
@@ -36,12 +36,22 @@ def family(store):
     return Family(PRESET, store, {})
 
 
+@pytest.fixture(scope="module")
+def source():
+    """The preset alone, for the tests that read its configs: no compile."""
+    from sdtrt.sources.models import resolve_model
+
+    return resolve_model(PRESET)
+
+
 @pytest.mark.slow  # compiling the set: ~50 CPU s, over the default suite's budget
 def test_controlnet_set_matches_pytorch_and_its_control_image_counts(family):
     """128x192 (non-square) against the PyTorch fp32 pipeline, each step's samples going from the ControlNet engine
     into the transformer engine; another control image gives another image (the samples are not dropped)."""
     request = family.request(height=128, width=192, control_image=picture(128, 192))
     _, engine = family.pipelines()
+    networks = assert_every_network_is_an_engine(engine, reads_images=True)  # the control image is VAE-encoded
+    assert set(networks) == {"text_encoder", "text_encoder_2", "transformer", "vae", "controlnet"}
     assert isinstance(engine.controlnet, EngineFluxControlNet) and isinstance(engine.controlnet, FluxControlNetModel)
     assert engine.controlnet.input_hint_block is None  # InstantX's kind: the control image VAE-encoded and packed
     fed = []
@@ -61,7 +71,8 @@ def test_controlnet_set_matches_pytorch_and_its_control_image_counts(family):
 @pytest.mark.slow
 def test_controlnet_set_matches_pytorch_square_img2img_inpaint_and_two_controlnets(family):
     """256x256 (the model's native size), FluxControlNetImg2ImgPipeline / FluxControlNetInpaintPipeline (--task
-    img2img / inpaint) at 128x192, and FluxMultiControlNetModel summing the ControlNet twice at scales 1.0 and 0.5."""
+    img2img / inpaint) at 128x192 and 128x128, every network an engine, and FluxMultiControlNetModel summing the
+    ControlNet twice at scales 1.0 and 0.5."""
     assert_images_match(family, family.request(height=256, width=256, control_image=picture(256, 256)))
     pipelines = [with_components(p, {"controlnet": FluxMultiControlNetModel([p.controlnet] * 2)})
                  for p in family.pipelines()]  # fmt: skip
@@ -74,12 +85,15 @@ def test_controlnet_set_matches_pytorch_square_img2img_inpaint_and_two_controlne
     psnr = psnr_db(images[1], images[0])
     print(f"{PRESET} two ControlNets 256x256: PSNR {psnr:.1f} dB")
     assert psnr >= 35.0
-    mask = np.zeros((128, 192), dtype=np.uint8)
-    mask[32:96, 48:144] = 255
-    given = {"control_image": picture(128, 192), "image": picture(128, 192, seed=3), "strength": 0.8, "steps": 3}
-    assert_images_match(family, family.request(height=128, width=192, **given), "img2img")
-    given["mask_image"] = Image.fromarray(mask)
-    assert_images_match(family, family.request(height=128, width=192, **given), "inpaint")
+    for height, width in [(128, 192), (128, 128)]:
+        mask = np.zeros((height, width), dtype=np.uint8)
+        mask[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255
+        given = {"control_image": picture(height, width), "image": picture(height, width, seed=3), "strength": 0.8}
+        assert_images_match(family, family.request(height=height, width=width, steps=3, **given), "img2img")
+        given["mask_image"] = Image.fromarray(mask)
+        assert_images_match(family, family.request(height=height, width=width, steps=3, **given), "inpaint")
+    for task in ("img2img", "inpaint"):
+        assert_every_network_is_an_engine(family.pipelines(task)[1], reads_images=True)
 
 
 @pytest.mark.slow  # on the compiled set (~30 s of setup in CI)
@@ -113,27 +127,27 @@ def test_xlabs_and_union_controlnets_are_refused_in_one_line():
         assert "\n" not in str(error.value)
 
 
-def test_a_plain_flux_transformer_keeps_its_graph_contract(family):
+def test_a_plain_flux_transformer_keeps_its_graph_contract(source):
     """Only a ControlNet set's transformer takes samples: tiny-flux's (the same folder) keeps its JSON and so its
     keys (tests/test_transformer_pipelines.py: its engine refuses samples)."""
     from sdtrt.sources.models import resolve_model
 
     plain = component_spec(resolve_model("tiny-flux"), "transformer", "fp32").to_json()
-    controlnet_set = component_spec(family.source, "transformer", "fp32").to_json()
+    controlnet_set = component_spec(source, "transformer", "fp32").to_json()
     without_io = [{k: v for k, v in spec.items() if k != "inputs"} for spec in (plain, controlnet_set)]
     assert without_io[1] == without_io[0] | {"controlnet_samples": (1, 1), "controlnet_width": 32}
-    assert isinstance(component_spec(family.source, "controlnet", "fp32"), FluxControlNetSpec)
+    assert isinstance(component_spec(source, "controlnet", "fp32"), FluxControlNetSpec)
 
 
-def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(family):
+def test_a_controlnet_sets_transformer_is_traced_whole_at_any_depth(source):
     """Its samples are added between the blocks, which stamped copies would skip (graph/onnx_stamp.py refuses such
     a trace): at FLUX.1's depth a ControlNet set's transformer stamps nothing, a plain one its two lists."""
     from sdtrt.sources.models import resolve_model
     from sdtrt.stages.export_stream import stamped_blocks, stamped_reason
 
     depth = {"num_layers": 19, "num_single_layers": 38}
-    controlnet_set = component_spec(family.source, "transformer", "fp32")
-    assert stamped_blocks(controlnet_set, family.source.component_config("transformer") | depth) == {}
+    controlnet_set = component_spec(source, "transformer", "fp32")
+    assert stamped_blocks(controlnet_set, source.component_config("transformer") | depth) == {}
     assert stamped_reason(controlnet_set, "stream", {}) == (
         "traced whole: a FLUX.1 ControlNet set's samples are added between its blocks, which stamped copies would skip"
     )

@@ -18,9 +18,8 @@ from sdtrt.core.errors import RequestError
 from sdtrt.pipeline.image_inputs import check_pipeline_inputs
 from sdtrt.pipeline.loading import generate
 from sdtrt.pipeline.request import GenerateRequest, SizeRule
-from sdtrt.standins.base import EngineModule
 from sdtrt.standins.transformer import EngineTransformer
-from tests.helpers import Family, assert_images_match
+from tests.helpers import Family, assert_every_network_is_an_engine, assert_images_match
 
 SIZES = [(128, 128), (128, 192)]
 # Each preset's pipeline (the task that picks it) and the images it is given at a size.
@@ -69,15 +68,16 @@ def test_control_img2img_and_inpaint_match_pytorch(family, size):
     assert_images_match(family, family.request(height=size[0], width=size[1], **given), "img2img")
     given["mask_image"] = mask(*size)
     assert_images_match(family, family.request(height=size[0], width=size[1], **given), "inpaint")
+    for task in ("img2img", "inpaint"):
+        assert_every_network_is_an_engine(family.pipelines(task)[1], reads_images=True)
 
 
 def test_every_network_is_an_engine_and_the_transformer_takes_the_task_inputs(family):
     _, engine = family.pipelines(TASKS[family.name])
-    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
-    assert networks and all(isinstance(m, EngineModule) for m in networks.values()), networks
+    assert_every_network_is_an_engine(engine, reads_images=True)  # Canny / Depth encode their control image
     assert type(engine).__name__ == family.source.pipeline_class()
     spec = engine.transformer.spec
-    assert isinstance(engine.transformer, EngineTransformer) and engine.vae.encoder is not None
+    assert isinstance(engine.transformer, EngineTransformer)
     channels = {"tiny-flux-fill": 384, "tiny-flux-control": 128, "tiny-flux-kontext": 64}[family.name]
     assert (spec.in_channels, spec.out_channels) == (channels, 64)
     patches = (128 // 16) * (192 // 16)
@@ -226,7 +226,8 @@ def test_kontext_inpaint_matches_pytorch_its_image_the_reference_tokens(family, 
     if family.name != "tiny-flux-kontext":
         pytest.skip("FLUX.1 Kontext's inpainting")
     _, engine = family.pipelines("inpaint")
-    assert type(engine).__name__ == "FluxKontextInpaintPipeline" and engine.vae.encoder_runtime is not None
+    assert type(engine).__name__ == "FluxKontextInpaintPipeline"
+    assert_every_network_is_an_engine(engine, reads_images=True)
     given = {"image": picture(96, 160, seed=2), "mask_image": mask(96, 160), "strength": 0.8}
     fed = []
     hook = engine.transformer.register_forward_pre_hook(
@@ -276,7 +277,7 @@ def test_kontext_inpaint_without_its_image_or_mask_is_refused_before_running(fam
                 check_pipeline_inputs(request, family.source.pipeline_class(), "inpaint", rule)
         # A reference to inpaint by, given to Kontext's img2img pipeline: --task inpaint takes it.
         request = family.request(height=128, width=128, image=picture(128, 128), image_reference=picture(128, 128))
-        with pytest.raises(RequestError, match=r"takes no image reference \(--reference-image is FLUX.1 Kontext"):
+        with pytest.raises(RequestError, match=r"takes no image reference \(--reference-image is FLUX.1 Kontext and"):
             check_pipeline_inputs(request, family.source.pipeline_class(), None, rule)
     finally:
         for hook in hooks:

@@ -18,13 +18,12 @@ from PIL import Image
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig, ValidationConfig
 from sdtrt.core.errors import ConfigError, EngineInputError, RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
-from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
 from sdtrt.standins.transformer import EngineQwenImageTransformer
 from sdtrt.standins.vae_qwen import EngineQwenImageVAE
 from sdtrt.tools.image_quality import psnr_db
 
-from .helpers import dropped_parameters, stored_parameters
+from .helpers import assert_every_network_is_an_engine, dropped_parameters, stored_parameters
 
 # The test sizes, one or two prompts, and 1 to 256 prompt tokens the transformer reads (the LLM engine 34 more: the
 # template's first, which the pipeline drops; the offline tokenizer spells the pipeline's system prompt out in about
@@ -140,9 +139,7 @@ def test_step_caches_take_padded_text_masks_and_the_negative_prompt_s_context(ca
 
 def test_every_network_is_an_engine_standin(qwen):
     _, reference, engine = qwen
-    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
-    assert set(networks) == {"text_encoder", "transformer", "vae"}
-    assert all(isinstance(m, EngineModule) for m in networks.values())
+    assert set(assert_every_network_is_an_engine(engine)) == {"text_encoder", "transformer", "vae"}
     assert isinstance(engine.text_encoder, EngineQwen2_5_VL)
     assert isinstance(engine.transformer, EngineQwenImageTransformer)
     assert isinstance(engine.vae, EngineQwenImageVAE) and engine.vae.decoder_runtime is not None
@@ -333,7 +330,7 @@ def test_the_default_compile_matches_pytorch(store):
     assert result.validation is not None and bool(result.validation)
     engine_set = result.final
     pipes = load_pipeline(source), load_pipeline(source, engine_set)
-    assert pipes[1].vae.encoder_runtime is not None
+    assert_every_network_is_an_engine(pipes[1], reads_images=True)
     for height, width in [(128, 192), (256, 128)]:
         reference, engine = (
             generate(p, request(height=height, width=width), output_type="np").images[0] for p in pipes
@@ -346,11 +343,14 @@ def test_the_default_compile_matches_pytorch(store):
     assert latents[1].shape == (1, 4, 1, 16, 24) and torch.allclose(latents[1], latents[0], atol=1e-4)
     start = Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 192, 3), dtype=np.uint8))
     img2img = [load_pipeline(source, e, task="img2img") for e in (None, engine_set)]
-    req = request(height=128, width=192, image=start, strength=0.6)
-    reference, engine = (generate(p, req, output_type="np").images[0] for p in img2img)
-    psnr = psnr_db(engine, reference)
-    print(f"tiny-qwen-image img2img (default compile) 128x192: PSNR {psnr:.1f} dB")
-    assert type(img2img[1]).__name__ == "QwenImageImg2ImgPipeline" and psnr >= 35.0
+    assert type(img2img[1]).__name__ == "QwenImageImg2ImgPipeline"
+    assert_every_network_is_an_engine(img2img[1], reads_images=True)
+    for height, width in [(128, 192), (128, 128)]:
+        req = request(height=height, width=width, image=start, strength=0.6)
+        reference, engine = (generate(p, req, output_type="np").images[0] for p in img2img)
+        psnr = psnr_db(engine, reference)
+        print(f"tiny-qwen-image img2img (default compile) {height}x{width}: PSNR {psnr:.1f} dB")
+        assert reference.shape == (height, width, 3) and psnr >= 35.0
 
 
 def test_fp16_builds_the_transformer_and_the_llm_in_bf16_where_the_target_has_it():
@@ -379,7 +379,8 @@ def test_inpaint_matches_pytorch(store):
     config = ExportConfig(precision="fp32", exporter="torchscript")
     engine_set = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=profile).final
     pipes = [load_pipeline(source, e, task="inpaint") for e in (None, engine_set)]
-    assert type(pipes[1]).__name__ == "QwenImageInpaintPipeline" and pipes[1].vae.encoder_runtime is not None
+    assert type(pipes[1]).__name__ == "QwenImageInpaintPipeline"
+    assert_every_network_is_an_engine(pipes[1], reads_images=True)
     rng = np.random.default_rng(0)
     for height, width in [(128, 128), (256, 128)]:
         mask = np.zeros((height, width), dtype=np.uint8)

@@ -22,16 +22,17 @@ from PIL import Image
 from sdtrt.core.config import ExportConfig, Range, ShapeProfile, SimplifyConfig
 from sdtrt.core.errors import RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
-from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineQwen2_5_VL
 from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
 from sdtrt.standins.transformer import EngineQwenImageTransformer
 from sdtrt.standins.vae_qwen import EngineQwenImageVAE
 from sdtrt.tools.image_quality import psnr_db
+from tests.helpers import assert_every_network_is_an_engine
 
-# One prompt, the test sizes, and up to 512 tokens the transformer reads: the offline tokenizer spells the Edit
-# template's system prompt in ~260 tokens past the 64 the pipeline drops, then the image's 16 and the prompt's.
-PROFILE = ShapeProfile(Range(1, 1, 1), Range(128, 128, 128), Range(128, 128, 192), False, Range(1, 300, 512))
+# One prompt, the test sizes (up to 1184 px: QwenImageEditInpaintPipeline's output is its ~1024² condition image's
+# size), and up to 512 tokens the transformer reads: the offline tokenizer spells the Edit template's system prompt in
+# ~260 tokens past the 64 the pipeline drops, then the image's 16 and the prompt's.
+PROFILE = ShapeProfile(Range(1, 1, 1), Range(128, 128, 1184), Range(128, 128, 1184), False, Range(1, 300, 512))
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +69,17 @@ def check_edit(edit, height: int, width: int) -> None:
 
 def test_every_network_is_an_engine_standin(edit):
     _, reference, engine = edit
-    assert_every_network_is_an_engine(engine)
+    assert_edit_networks(engine)
     assert type(engine).__name__ == type(reference).__name__ == "QwenImageEditPipeline"
 
 
-def assert_every_network_is_an_engine(engine) -> None:
-    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
-    assert set(networks) == {"text_encoder", "transformer", "vae"}
-    assert all(isinstance(m, EngineModule) for m in networks.values())
+def assert_edit_networks(engine) -> None:
+    """Every network an engine (the VAE encoder too: the condition image's latents), each the Edit pipeline's kind."""
+    assert set(assert_every_network_is_an_engine(engine, reads_images=True)) == {"text_encoder", "transformer", "vae"}
     assert isinstance(engine.text_encoder, EngineQwen2_5_VL)
     assert isinstance(engine.transformer, EngineQwenImageTransformer)
     assert isinstance(engine.text_encoder.vision, EngineQwen2_5_VisionTower)  # the LLM engine runs it on the image
-    assert isinstance(engine.vae, EngineQwenImageVAE) and engine.vae.decoder_runtime is not None
-    assert engine.vae.encoder_runtime is not None  # the condition image's latents
+    assert isinstance(engine.vae, EngineQwenImageVAE)
 
 
 def test_an_edit_matches_pytorch(edit):
@@ -244,6 +243,54 @@ def test_a_prompt_its_images_tokens_push_past_the_engines_is_refused_before_any_
     assert llm_kwargs(engine, [fits, " "], image) == {"max_sequence_length": min(limit - 64, 1024)}
 
 
+@pytest.fixture(scope="module")
+def inpaint(edit):
+    """(PyTorch, engine) QwenImageEditInpaintPipeline over the Edit pipelines' components (`--task inpaint`)."""
+    from sdtrt.pipeline.loading import task_pipelines
+
+    return tuple(task_pipelines(pipe, {"inpaint": "QwenImageEditInpaintPipeline"})["inpaint"] for pipe in edit[1:])
+
+
+def mask(height: int, width: int) -> Image.Image:
+    pixels = np.zeros((height, width), dtype=np.uint8)
+    pixels[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255  # white is repainted
+    return Image.fromarray(pixels)
+
+
+@pytest.mark.slow  # ~1024² outputs: ~100 s a size on 2 cores
+@pytest.mark.parametrize("size", [(96, 96), (96, 128)], ids=["square", "non-square"])
+def test_an_edit_inpaint_matches_pytorch(inpaint, size):
+    """QwenImageEditInpaintPipeline repaints its image where the mask is white at the condition image's size (1024²
+    for a square input, 1184×896 for a 4:3 one, whatever the height asked): the transformer engine reads the output's
+    tokens and the condition image's, as many, the VAE encoder engine the image and the masked image."""
+    assert type(inpaint[1]).__name__ == "QwenImageEditInpaintPipeline"
+    assert_edit_networks(inpaint[1])
+    req = dataclasses.replace(request(mask_image=mask(*size)), image=picture(*size))
+    want, got = (generate(p, req, output_type="np").images[0] for p in inpaint)
+    psnr = psnr_db(got, want)
+    made = {(96, 96): (1024, 1024), (96, 128): (896, 1184)}[size]
+    print(f"tiny-qwen-image-edit inpaint {made[0]}x{made[1]}: PSNR {psnr:.1f} dB")
+    assert want.shape == (*made, 3) and want.std() > 0.01 and psnr >= 35.0
+
+
+def test_an_edit_inpaint_without_its_mask_or_at_another_size_is_refused_before_running(edit, inpaint):
+    """Each in one line before any network runs: no mask (the library's generate), and a height that is not the one
+    the pipeline makes (the CLI's check, shared with the Triton model)."""
+    from sdtrt.pipeline.image_inputs import sized_by_image
+
+    engine = inpaint[1]
+    calls = []
+    for network in (engine.text_encoder, engine.text_encoder.vision, engine.transformer, engine.vae):
+        network.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(RequestError, match=r"^[^\n]*needs a mask image[^\n]*$"):
+        generate(engine, request(height=128, width=128))
+    req = request(height=128, mask_image=mask(96, 128))
+    assert sized_by_image(dataclasses.replace(req, height=None), "QwenImageEditInpaintPipeline", 16).height == 896
+    with pytest.raises(RequestError, match=r"^the input image is 1184×896 px \(w×h\) as the pipeline feeds it[^\n]+$"):
+        sized_by_image(req, "QwenImageEditInpaintPipeline", 16)
+    assert not calls
+
+
 @pytest.mark.slow
 def test_a_non_square_edit_matches_pytorch(edit):
     check_edit(edit, 128, 192)
@@ -339,16 +386,18 @@ def test_the_plus_pipeline_edits_two_images_on_its_engines(store, tmp_path):
     engine = compile_model(source, store, "onnxruntime", config, SimplifyConfig(check=False), profile=PROFILE).final
     pipes = [load_pipeline(source), load_pipeline(source, engine)]
     assert all(type(p).__name__ == "QwenImageEditPlusPipeline" for p in pipes)
-    assert_every_network_is_an_engine(pipes[1])
+    assert_edit_networks(pipes[1])
     patches = []  # both images' patches reach the tower engine
     pipes[1].text_encoder.vision.register_forward_pre_hook(lambda _, args: patches.append(args[0].shape[0]))
     call = {"prompt": "put the fox in the second picture", "negative_prompt": " ", "true_cfg_scale": 4.0,
             "height": 128, "width": 192, "num_inference_steps": 2, "output_type": "np"}  # fmt: skip
     images = [picture(), picture(128, 96)]
-    want, got = (p(image=images, generator=torch.Generator().manual_seed(3), **call).images[0] for p in pipes)
-    psnr = psnr_db(got, want)
-    print(f"tiny-qwen-image-edit as QwenImageEditPlusPipeline, two images, 128x192: PSNR {psnr:.1f} dB")
-    assert want.std() > 0.01 and psnr >= 35.0
+    for width in (192, 128):
+        call["width"] = width
+        want, got = (p(image=images, generator=torch.Generator().manual_seed(3), **call).images[0] for p in pipes)
+        psnr = psnr_db(got, want)
+        print(f"tiny-qwen-image-edit as QwenImageEditPlusPipeline, two images, 128x{width}: PSNR {psnr:.1f} dB")
+        assert want.shape == (128, width, 3) and want.std() > 0.01 and psnr >= 35.0
     assert patches and all(n > 64 for n in patches), patches  # more than one image's most: 8 × 8 at 112²
 
 

@@ -20,11 +20,11 @@ from PIL import Image
 from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
 from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
-from sdtrt.standins.base import EngineModule
 from sdtrt.standins.llm_encoder import EngineQwen3Model
 from sdtrt.standins.transformer import EngineZImageTransformer
 from sdtrt.standins.vae import EngineVAE
 from sdtrt.tools.image_quality import psnr_db
+from tests.helpers import assert_every_network_is_an_engine
 
 FP32 = ExportConfig(precision="fp32", exporter="torchscript")
 SQUARE, NON_SQUARE = (128, 128), (128, 192)
@@ -72,9 +72,7 @@ def request(task: str, size: tuple[int, int], **kwargs) -> GenerateRequest:
 
 def test_every_network_is_an_engine_standin(zimage):
     engine = zimage[2][1]
-    networks = {name: m for name, m in engine.components.items() if isinstance(m, torch.nn.Module)}
-    assert set(networks) == {"text_encoder", "transformer", "vae"}
-    assert all(isinstance(m, EngineModule) for m in networks.values())
+    assert set(assert_every_network_is_an_engine(engine)) == {"text_encoder", "transformer", "vae"}
     assert isinstance(engine.text_encoder, EngineQwen3Model) and isinstance(engine.transformer, EngineZImageTransformer)
     assert isinstance(engine.vae, EngineVAE)
     assert engine.text_encoder.spec.hidden_layers == (3,)  # the penultimate of 4 layers: hidden_states[-2]
@@ -96,7 +94,7 @@ def test_txt2img_matches_pytorch(zimage, size):
 @pytest.mark.parametrize("size", [SQUARE, NON_SQUARE], ids=["square", "non-square"])
 @pytest.mark.parametrize("task", EDITS)
 def test_edits_match_pytorch(zimage_edits, task, size):
-    assert zimage_edits[task][1].vae.encoder_runtime is not None
+    assert_every_network_is_an_engine(zimage_edits[task][1], reads_images=True)
     assert_matches_pytorch(zimage_edits[task], task, size)
 
 

@@ -60,9 +60,9 @@ ControlImageOpt = Annotated[
 ReferenceImageOpt = Annotated[
     Path | None,
     typer.Option(
-        help="FLUX.1 Kontext inpainting (--task inpaint on a Kontext set): the reference image its edit reads, apart "
-        "from the --image it repaints (which is the reference without one); resized to Kontext's preferred "
-        "resolution nearest its aspect ratio."
+        help="FLUX.1 Kontext and FLUX.2 [klein] inpainting (--task inpaint): the reference image its edit reads, "
+        "apart from the --image it repaints (which is the reference without one; klein reads both); resized to "
+        "Kontext's preferred resolution nearest its aspect ratio, klein's to at most 1024² px."
     ),
 ]
 StrengthOpt = Annotated[
@@ -204,7 +204,7 @@ def check_engine_size(artifact: Artifact | None, request: GenerateRequest, rule:
     (FLUX.2 [klein]), is outside the engines' profile."""
     if artifact is None:
         return
-    from ..pipeline.references import check_references, reference_list
+    from ..pipeline.references import check_references, request_references
     from ..stages.engine_set import engine_members, engine_profile
 
     profile = engine_profile(engine_members(artifact))
@@ -213,7 +213,7 @@ def check_engine_size(artifact: Artifact | None, request: GenerateRequest, rule:
     if problem := profile.size_problem(request.height, request.width):
         raise RequestError(problem)
     if profile.references:
-        check_references(reference_list(request.image), profile, rule.multiple)
+        check_references(request_references(request.image, request.image_reference), profile, rule.multiple)
 
 
 def open_image(path: Path | None, mode: str, option: str) -> Any:

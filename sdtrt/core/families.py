@@ -42,17 +42,25 @@ PIPELINE_TASKS: tuple[dict[Task, str], ...] = (
     # FLUX.1 ControlNets (InstantX's FluxControlNetModel: block samples the transformer adds).
     {"txt2img": "FluxControlNetPipeline", "img2img": "FluxControlNetImg2ImgPipeline",
      "inpaint": "FluxControlNetInpaintPipeline"},
-    {"txt2img": "Flux2KleinPipeline"},  # reference images (editing) go to the same pipeline as its `image`
+    # FLUX.2 [klein]: reference images (editing) go to the txt2img pipeline as its `image`; its inpainting one reads
+    # the image to repaint as a reference too (its latents after the generated tokens), and an optional image_reference.
+    {"txt2img": "Flux2KleinPipeline", "inpaint": "Flux2KleinInpaintPipeline"},
     {"txt2img": "Flux2Pipeline"},  # FLUX.2 [dev]: the same, its text encoder a Mistral3 model
     {"txt2img": "ZImagePipeline", "img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
     {"txt2img": "QwenImagePipeline", "img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
-    {"img2img": "QwenImageEditPipeline"},  # an edit of its input image (no strength: denoised from noise)
+    # an edit of its input image (no strength: denoised from noise); its inpainting one repaints the input image at the
+    # condition image's size (~1024², the input's aspect ratio) where the mask is white, its own strength
+    {"img2img": "QwenImageEditPipeline", "inpaint": "QwenImageEditInpaintPipeline"},
     {"img2img": "QwenImageEditPlusPipeline"},  # the same of one to three input images (Qwen-Image-Edit-2509's)
 )  # fmt: skip
 # Pipelines that append the packed latents of a reference image to the image tokens (the transformer's sequence).
 REFERENCE_TOKEN_PIPELINES = ("FluxKontextPipeline",)
 # Pipelines whose `image` is optional: reference images to edit from (their own profile axis), not an img2img start.
 REFERENCE_IMAGE_PIPELINES = ("Flux2KleinPipeline", "Flux2Pipeline")
+# Inpainting pipelines that read the image to repaint as a reference too (its latents after the generated tokens, one
+# reference of the profile's) and an optional image_reference (another), and make the input image's size, whatever
+# height and width they are given (FLUX.2 [klein]'s: scaled down to 1024² when larger, cut to its grid).
+INPAINT_REFERENCE_PIPELINES = ("Flux2KleinInpaintPipeline",)
 SUPPORTED = (
     "SD 1.x and 2.x (epsilon and v-prediction), SDXL base, refiner and Turbo, inpainting UNets "
     "(in_channels 9), LCM-distilled UNets and ControlNet, and the transformers of SD3 / SD3.5, Flux.1 "
@@ -80,13 +88,17 @@ QWEN_IMAGE_DROPPED_TOKENS = 34
 QWEN_IMAGE_EDIT_DROPPED_TOKENS = 64
 # The Qwen-Image pipelines that run an image through their Qwen2.5-VL text encoder (its vision tower, then the
 # language model on the prompt's tokens with the image's embeddings in place of its image-pad tokens).
-QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+QWEN_IMAGE_EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline")
 # The most condition images an Edit pipeline's engines take in a call (Qwen-Image-Edit-2509's model card: one to
 # three work best); each is ~1024² for the VAE and the transformer.
-QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
+QWEN_EDIT_IMAGES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3, "QwenImageEditInpaintPipeline": 1}
 # The pixels an Edit pipeline resizes each condition image to for its vision tower, at the image's aspect ratio
 # (calculate_dimensions' area: QwenImageEditPipeline's 1024², QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE).
-QWEN_EDIT_VISION_AREA = {"QwenImageEditPipeline": 1024 * 1024, "QwenImageEditPlusPipeline": 384 * 384}
+QWEN_EDIT_VISION_AREA = {
+    "QwenImageEditPipeline": 1024 * 1024,
+    "QwenImageEditPlusPipeline": 384 * 384,
+    "QwenImageEditInpaintPipeline": 1024 * 1024,
+}
 # The text QwenImageEditPlusPipeline writes before the prompt for each image (its _get_qwen_prompt_embeds): the
 # Edit pipeline's template holds the one image's vision tokens itself.
 QWEN_PLUS_PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
@@ -199,24 +211,25 @@ def pipeline_inputs(class_name: str) -> frozenset[str]:
     strength, height) the ``__call__`` of a PIPELINE_TASKS class takes, read from its name: a request is checked before
     diffusers is imported (8 s), and tests hold this to diffusers' signatures. ControlNet txt2img pipelines take their
     control image as ``image`` (their img2img / inpaint ones, and FLUX.1 Canny / Depth's, as ``control_image``);
-    Kontext's reference image is its ``image``, as Qwen-Image-Edit's image to edit is (Kontext's inpainting
-    pipeline's an optional ``image_reference``, ``image`` being repainted), and FLUX.2 [klein]'s optional reference
-    images too; FLUX.1 ControlNet pipelines take a ``control_image`` for every task (a negative prompt for txt2img
-    only). SD, SDXL and LCM img2img take no height (nor width): they make the input image's size (SD3's, FLUX.1's,
-    Z-Image's and Qwen-Image's take one)."""
+    Kontext's reference image is its ``image``, as Qwen-Image-Edit's image to edit is (Kontext's and FLUX.2 [klein]'s
+    inpainting pipelines' an optional ``image_reference``, ``image`` being repainted), and FLUX.2 [klein]'s optional
+    reference images too; FLUX.1 ControlNet pipelines take a ``control_image`` for every task (a negative prompt for
+    txt2img only). SD, SDXL and LCM img2img take no height (nor width): they make the input image's size (SD3's,
+    FLUX.1's, Z-Image's and Qwen-Image's take one)."""
     img2img, inpaint = "Img2Img" in class_name, "Inpaint" in class_name or "Fill" in class_name
     kontext, controlnet = "Kontext" in class_name, "ControlNet" in class_name
     edits = kontext or class_name in QWEN_IMAGE_EDIT_PIPELINES  # the image to edit, as Kontext's reference
     flux_control = class_name.startswith("FluxControl") and not controlnet  # FLUX.1 Canny / Depth
     flux_controlnet = class_name.startswith("FluxControlNet")
     reference = class_name in REFERENCE_IMAGE_PIPELINES  # FLUX.2 [klein]: true CFG without a negative prompt
-    no_negative = class_name.startswith(("LatentConsistencyModel", "FluxFill")) or flux_control or reference
+    klein = class_name.startswith("Flux2Klein")  # its inpainting pipeline's negative prompt is "" too
+    no_negative = class_name.startswith(("LatentConsistencyModel", "FluxFill")) or flux_control or reference or klein
     inputs = {
         "negative_prompt": not (no_negative or (flux_controlnet and (img2img or inpaint))),
         "image": img2img or inpaint or edits or (controlnet and not flux_controlnet) or reference,
         "mask_image": inpaint,
         "control_image": flux_control or flux_controlnet or (controlnet and (img2img or inpaint)),
-        "image_reference": kontext and inpaint,  # its own reference, where ``image`` is repainted
+        "image_reference": (kontext or klein) and inpaint,  # its own reference, where ``image`` is repainted
         "strength": img2img or inpaint,
         "height": not img2img or controlnet or class_name.startswith(SIZED_IMG2IMG),
     }

@@ -32,8 +32,9 @@ NEEDED = {
 # What to say to a control image, or a reference to inpaint by, given to a pipeline that takes none.
 CONTROL_FIX = " (a FLUX.1 Canny / Depth model's pipeline takes one, as ControlNet img2img / inpaint pipelines do)"
 REFERENCE_FIX = (
-    " (--reference-image is FLUX.1 Kontext inpainting's: --task inpaint with an --image and a --mask; FLUX.1 Kontext's "
-    "img2img, FLUX.2 [klein] and Qwen-Image-Edit read their reference or input image from --image)"
+    " (--reference-image is FLUX.1 Kontext and FLUX.2 [klein] inpainting's: --task inpaint with an --image and a "
+    "--mask; FLUX.1 Kontext's img2img, FLUX.2 [klein]'s txt2img and Qwen-Image-Edit read their reference or input "
+    "image from --image)"
 )
 # A strength a pipeline would ignore (Qwen-Image-Edit's, Kontext's: they read an input image as tokens, no start).
 STRENGTH_FIX = ": it draws the whole image, keeping none of an input image's noise-free start; leave --strength out"
@@ -253,8 +254,9 @@ def control_map_as_image(request: GenerateRequest, tasks: dict[Task, str]) -> Ge
 def sized_by_image(
     request: GenerateRequest, pipeline: str, multiple: int, profile: ShapeProfile | None = None
 ) -> GenerateRequest:
-    """The request sized as its input image where the ``pipeline`` (diffusers class) takes no size (SD, SDXL and LCM
-    img2img make the input's size), so later checks see the size that runs; RequestError for an image off the model's
+    """The request sized as its input image where the ``pipeline`` (diffusers class) makes the input's size (SD, SDXL
+    and LCM img2img take no size; FLUX.2 [klein]'s inpainting one drops the one it is given for its image's, scaled and
+    cut as it feeds it), so later checks see the size that runs; RequestError for an image off the model's
     ``multiple``-pixel grid or outside the engines' ``profile``, or a height / width asked that is not the image's
     (the pipeline would drop it without a word). Others unchanged. ``sdtrt generate`` and the Triton model both call
     this, before anything loads."""
@@ -262,14 +264,17 @@ def sized_by_image(
     from ..core.families import pipeline_inputs
 
     size = image_size(request.image)
-    if "height" in pipeline_inputs(pipeline) or size is None:
+    fed = made_size(pipeline, request.image, multiple)
+    if ("height" in pipeline_inputs(pipeline) and fed is None) or size is None:
         return request
+    size = fed or size
     asked = {"height": request.height, "width": request.width}
     if any(side not in (None, made) for side, made in zip(asked.values(), size, strict=True)):
         given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
         raise RequestError(
-            f"the input image is {pixel_size(*size)}, not the {given} asked: SD, SDXL and LCM img2img make the "
-            "input image's size; leave the height and width out, or resize the image"
+            f"the input image is {pixel_size(*size)}{' as the pipeline feeds it' if fed else ''}, not the {given} "
+            "asked: SD, SDXL and LCM img2img, FLUX.2 [klein] and Qwen-Image-Edit inpainting make the input image's "
+            "size (Qwen-Image-Edit's at ~1024² px); leave the height and width out, or resize the image"
         )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
@@ -277,3 +282,21 @@ def sized_by_image(
     if problem := next(filter(None, problems), None):
         raise RequestError(f"the input image, whose size the output takes, is {pixel_size(*size)}: {problem}")
     return dataclasses.replace(request, height=size[0], width=size[1])
+
+
+def made_size(pipeline: str, image: Any, multiple: int) -> tuple[int, int] | None:
+    """(height, width) of the output a pipeline that takes a height, but makes its input image's size, makes of a PIL
+    ``image``: FLUX.2 [klein] inpainting's (scaled down to 1024² px, cut to its grid), Qwen-Image-Edit inpainting's
+    (its condition image's, ~1024² px at its aspect ratio); None for others, or an image given as a tensor."""
+    from ..core.families import INPAINT_REFERENCE_PIPELINES, QWEN_EDIT_VISION_AREA
+    from ..spec.qwen_vision import condition_size
+    from .references import fed_size
+
+    if not hasattr(image, "getbbox"):
+        return None
+    if pipeline in INPAINT_REFERENCE_PIPELINES:
+        return fed_size(image, multiple)
+    if pipeline == "QwenImageEditInpaintPipeline":
+        width, height = condition_size(QWEN_EDIT_VISION_AREA[pipeline], image.width / image.height)
+        return height, width
+    return None

@@ -15,7 +15,7 @@ from rich.markup import escape
 from ..core.artifact import Artifact
 from ..core.config import FREEU_MEMBER, IMAGE_ENCODER, TEXT_ENCODERS, TRANSFORMER_PARTS, UNET_PARTS, WeightBudget
 from ..core.errors import ArtifactError
-from ..core.families import REFERENCE_IMAGE_PIPELINES, Task, accepted, pipeline_class_name
+from ..core.families import INPAINT_REFERENCE_PIPELINES, REFERENCE_IMAGE_PIPELINES, Task, accepted, pipeline_class_name
 from ..core.progress import console
 from ..lora.files import LoraSpec
 from ..lora.refit import EngineLoras, fuse_loras
@@ -33,7 +33,7 @@ from ..standins.text_encoders import EngineT5, EngineTextEncoder, final_layer_no
 from ..standins.unet import EngineUNet
 from ..standins.vae import EngineVAE
 from .image_inputs import fit_reference
-from .references import check_pipeline_references, reference_list
+from .references import check_pipeline_references, request_references
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
 from .token_limits import clip_tokenizers, llm_kwargs, t5_kwargs
 
@@ -381,10 +381,10 @@ def generate(
     for each in requests:
         check_steps(each.steps, pipe.scheduler.config)
     accepts = set(inspect.signature(pipe.__call__).parameters)
-    if type(pipe).__name__ in REFERENCE_IMAGE_PIPELINES:  # FLUX.2 [klein]
+    if type(pipe).__name__ in REFERENCE_IMAGE_PIPELINES + INPAINT_REFERENCE_PIPELINES:  # FLUX.2 [klein]
         for each in requests:
-            check_pipeline_references(pipe, reference_list(each.image))
-        if all(r.image is None for r in requests):
+            check_pipeline_references(pipe, request_references(each.image, each.image_reference))
+        if type(pipe).__name__ in REFERENCE_IMAGE_PIPELINES and all(r.image is None for r in requests):
             accepts.discard("image")  # optional there: reference images to edit from
     sized = [r.sized_for(rule) for r in requests]
     if "max_area" in accepts:  # FLUX.1 Kontext

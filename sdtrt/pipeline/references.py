@@ -20,6 +20,12 @@ def reference_list(image: Any) -> list[Any]:
     return list(image) if isinstance(image, list | tuple) else [image]
 
 
+def request_references(image: Any, image_reference: Any) -> list[Any]:
+    """The reference images a FLUX.2 [klein] pipeline encodes for a request: its ``image`` (the txt2img pipeline's
+    references, or the inpainting one's image to repaint, a reference there too) and its ``image_reference``."""
+    return reference_list(image) + reference_list(image_reference)
+
+
 def fed_size(image: Any, multiple: int) -> tuple[int, int]:
     """(height, width) in pixels the pipeline encodes a PIL reference ``image`` at: scaled down to REFERENCE_AREA
     when larger, then cut to a ``multiple`` (the VAE's scale factor times its 2×2 patches)."""
