@@ -197,9 +197,9 @@ class GenerateRequest:
         if rule.guides_with_negative_prompt and self.negative_prompt is None:
             if guidance is not None and guidance > 1:
                 raise RequestError(
-                    f"guidance {guidance} was given without a negative prompt, but QwenImagePipeline runs classifier-"
-                    'free guidance (true_cfg_scale) only with one: pass a negative prompt (" " will do), or leave '
-                    "--guidance out"
+                    f"guidance {guidance} was given without a negative prompt, but Qwen-Image's pipelines (Edit's too) "
+                    'run classifier-free guidance (true_cfg_scale) only with one: pass a negative prompt (" " will '
+                    "do), or leave --guidance out"
                 )
             guidance = 1.0  # the pipeline's run without one, in every batch: no guidance
         if self.negative_prompt and not rule.takes_negative_prompt:
