@@ -362,9 +362,8 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     each = [r.pipeline_kwargs(accepts) for r in requests]
     if len(each) == 1:
         return each[0]
-    with_images = any(
-        r.image is not None or r.ip_adapter_image is not None or r.control_image is not None for r in requests
-    )
+    inputs = ("image", "mask_image", "ip_adapter_image", "control_image", "image_reference")  # each a request's own
+    with_images = any(getattr(r, name) is not None for r in requests for name in inputs)
     if len({r.batch_key for r in requests}) > 1 or with_images or any(r.images != 1 for r in requests):
         raise RequestError("only text-to-image requests of one image that share size, steps and guidance batch")
     merged = each[0] | {"prompt": [k["prompt"] for k in each], "generator": [k["generator"] for k in each]}
