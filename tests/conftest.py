@@ -48,22 +48,43 @@ def store(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def streamed_export(tmp_path_factory: pytest.TempPathFactory):
+def optimizer_inputs() -> dict:
+    """(model folder, component, precision) → None, which a test sets before it calls streamed_export, then a copy of
+    the graph the exporter's optimizer was given there where this process traced it (None on a cache hit):
+    tests/test_export_optimizer.py runs both optimizers on it without tracing the network again. Only keys asked for
+    are kept (a copy holds the network's weights)."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def streamed_export(tmp_path_factory: pytest.TempPathFactory, optimizer_inputs: dict):
     """(model, component, precision) → a weight-free traced export whose weights were streamed from the safetensors
     files into ``.onnx.data`` (every initializer over 1000 bytes): the path and layout multi-GB networks get
     (``sdtrt export --weights stream``). Its own store, shared by the session's workers: `weights` is not in the
-    cache key, so the session store would answer with the loaded export."""
+    cache key, so the session store would answer with the loaded export. What its optimizer was given is kept in
+    ``optimizer_inputs`` where a test asked for it (the optimizer then runs as ever)."""
+    import onnx_ir as ir
+    from torch.onnx._internal.exporter._onnx_program import ONNXProgram
+
     from sdtrt.core.config import ExportConfig
     from sdtrt.core.store import Store
     from sdtrt.graph import onnx_graph
     from sdtrt.stages import export
 
     store = Store(session_dir(tmp_path_factory, "streamed"))
+    optimize = ONNXProgram.optimize
 
     def get(model, component: str, precision: str):
         config = ExportConfig(precision, exporter="dynamo", component=component, weights="stream")
+
+        def kept(program: ONNXProgram) -> None:
+            if (key := (str(model.path), component, precision)) in optimizer_inputs:
+                optimizer_inputs[key] = ir.from_proto(ir.to_proto(program.model))
+            optimize(program)
+
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(onnx_graph, "EXTERNAL_DATA_THRESHOLD", 1000)
+            patch.setattr(ONNXProgram, "optimize", kept)
             return export.run(config, model, store)
 
     return get

@@ -52,8 +52,12 @@ def pictures(tmp_path_factory):
         (["--image", "{in}"], "this model's pipeline takes no image: pass --task img2img"),
         (["--mask", "{mask}"], "takes no mask image: pass --task inpaint and an --image"),
         (["--task", "img2img", "--image", "{in}", "--mask", "{mask}"], "takes no mask image: pass --task inpaint"),
-        (["--model", "tiny-inpaint"], "--task inpaint needs an input image: pass --image"),
-        (["--model", "tiny-inpaint", "--image", "{in}"], "--task inpaint needs a mask image: pass --mask"),
+        (
+            ["--model", "tiny-inpaint"],
+            "this model's pipeline, StableDiffusionInpaintPipeline (an inpaint one; no --task was given), needs an "
+            "input image: pass --image",
+        ),
+        (["--model", "tiny-inpaint", "--image", "{in}"], "(an inpaint one; no --task was given), needs a mask image"),
         (
             ["--model", "tiny-flux-kontext", "--task", "inpaint", "--mask", "{mask}"],
             "--task inpaint needs an input image: pass --image",
@@ -71,7 +75,11 @@ def pictures(tmp_path_factory):
             ["--model", "tiny-flux2-klein", "--task", "inpaint", "--image", "{in}", "--mask", "{mask}", "--width=96"],
             "64×64 px (w×h) as the pipeline feeds it, not the width 96 asked",
         ),
-        (["--model", "tiny-qwen-image-edit"], "--task img2img needs an input image: pass --image"),
+        (  # the task read from model_index.json, not asked for: the message says so
+            ["--model", "tiny-qwen-image-edit"],
+            "this model's pipeline, QwenImageEditPipeline (an img2img one; no --task was given), needs an input image",
+        ),
+        (["--model", "tiny-qwen-image-edit", "--image", "{in}", "--guidance", "4"], "Qwen-Image's pipelines (Edit's"),
         (["--model", "tiny-qwen-image-edit", "--image", "{in}", "--strength", "0.5"], "takes no strength: it draws"),
         (["--model", "tiny-lcm", "--scheduler", "ddim"], "LatentConsistencyModel pipelines step only with lcm or tcd"),
         (["--model", "tiny-lcm", "--task", "inpaint"], "family has no inpaint pipeline (it has txt2img, img2img)"),

@@ -10,7 +10,7 @@ import torch
 
 from sdtrt.core.artifact import Artifact
 from sdtrt.core.config import ExportConfig, OrtBuildConfig, SimplifyConfig
-from sdtrt.core.errors import ArtifactError, ConfigError, EngineInputError, ModelNotFoundError
+from sdtrt.core.errors import ArtifactError, ConfigError, EngineInputError, ModelNotFoundError, RequestError
 from sdtrt.graph.onnx_graph import artifact_spec
 from sdtrt.runtime import open_runtime
 from sdtrt.sources.models import load_folder, resolve_model
@@ -241,6 +241,7 @@ def test_bad_components_and_missing_members_are_one_line_errors(tiny, tiny_set, 
     engines = tmp_path / "engines"
     unknown = run_cli("compile", "--components", "unet,vae", "--engines", str(engines))
     assert unknown.returncode == 2 and "unknown component 'vae'" in unknown.stderr
+    assert "vision_encoder (Qwen-Image-Edit's vision tower)" in unknown.stderr  # a network --components names
     bare = run_cli(
         "compile", "--model", str(tiny.path / "unet"), "--components", "text_encoder", "--engines", str(engines)
     )
@@ -255,3 +256,14 @@ def test_bad_components_and_missing_members_are_one_line_errors(tiny, tiny_set, 
     result = run_cli("generate", "--engine", str(set_dir), "--steps", "1", "--out", str(tmp_path / "x.png"))
     assert result.returncode == 1 and result.stderr.strip().count("\n") == 0, result.stderr
     assert "lists its vae_decoder as" in result.stderr and "no longer in the store" in result.stderr
+
+
+def test_components_names_qwen_image_edits_vision_tower():
+    """Qwen-Image-Edit's vision tower is one of its networks (model_components), so --components takes it."""
+    from sdtrt.cli.stages import parse_components
+
+    assert parse_components("vision_encoder,text_encoder", resolve_model("tiny-qwen-image-edit")) == (
+        "vision_encoder", "text_encoder"
+    )  # fmt: skip
+    with pytest.raises(RequestError, match=r"^model 'tiny-qwen-image' has no vision_encoder \(it has"):
+        parse_components("vision_encoder", resolve_model("tiny-qwen-image"))

@@ -3,9 +3,11 @@ every network a tiny preset exports: each network traced once through the export
 weights streamed), the graph its optimizer was given optimized by both, bounded and unpatched.
 
 Default suite: tiny-flux's transformer (Slices of one value, SlicesSplit's pattern, which never rewrites there: a
-rule that fires is tests/test_export_stamped.py's synthetic graph), about 15 s of CPU. With -m slow: every
-component of every tiny preset, a test per preset. Stamped against whole: tests/test_export_stamped.py (the tiny
-presets hold fewer blocks than stamping starts at).
+rule that fires is tests/test_export_stamped.py's synthetic graph), from the session's streamed fp16 export of it
+(conftest.py's streamed_export, the one tests/test_export_streamed.py checks: one trace for both; a second only
+where another worker traced it first), about 2 s of CPU past that trace. With -m slow: every component of every
+tiny preset, a test per preset. Stamped against whole: tests/test_export_stamped.py (the tiny presets hold fewer
+blocks than stamping starts at).
 """
 
 from __future__ import annotations
@@ -44,10 +46,9 @@ def optimizer_input(model, component: str, store: Store) -> ir.Model:
     return given[0]
 
 
-def bounded_is_onnxscripts(preset: str, component: str, store: Store) -> bool:
-    """Both optimizers on copies of the export's optimizer input (the export's own result holds its folded
+def bounded_is_onnxscripts(given: ir.Model) -> bool:
+    """Both optimizers on copies of an export's optimizer input ``given`` (the export's own result holds its folded
     constants in a scratch file, gone once it is saved)."""
-    given = optimizer_input(resolve_model(preset), component, store)
     ours, theirs = ir.from_proto(ir.to_proto(given)), given
     from onnxscript.rewriter import _matcher
 
@@ -60,8 +61,12 @@ def bounded_is_onnxscripts(preset: str, component: str, store: Store) -> bool:
 
 
 @pytest.mark.parametrize(("preset", "component"), CHEAP)
-def test_the_bounded_optimizer_makes_onnxscripts_graph(preset, component, tmp_path):
-    assert bounded_is_onnxscripts(preset, component, Store(tmp_path))
+def test_the_bounded_optimizer_makes_onnxscripts_graph(preset, component, streamed_export, optimizer_inputs, tmp_path):
+    model = resolve_model(preset)
+    optimizer_inputs[key := (str(model.path), component, "fp16")] = None  # asked for: kept where it is traced
+    streamed_export(model, component, "fp16")  # traced here, or a cache hit of a trace another worker made
+    given = optimizer_inputs.pop(key)
+    assert bounded_is_onnxscripts(given or optimizer_input(model, component, Store(tmp_path)))
 
 
 @pytest.mark.slow  # a test per preset, each under pytest's timeout: all 78 networks in one took over 15 minutes
@@ -69,5 +74,6 @@ def test_the_bounded_optimizer_makes_onnxscripts_graph(preset, component, tmp_pa
 def test_the_bounded_optimizer_makes_onnxscripts_graph_on_every_tiny_network(preset, tmp_path):
     components = [c for c in model_components(resolve_model(preset)) if (preset, c) not in CHEAP]
     assert components, "every preset has networks"
-    differ = [c for c in components if not bounded_is_onnxscripts(preset, c, Store(tmp_path / c))]
+    model = resolve_model(preset)
+    differ = [c for c in components if not bounded_is_onnxscripts(optimizer_input(model, c, Store(tmp_path / c)))]
     assert differ == []

@@ -163,3 +163,21 @@ def test_load_pipeline_takes_what_compile_model_returns(tiny, store):
     result = compile_model(tiny, store, target="onnxruntime")
     pipe = load_pipeline(tiny, result)
     assert isinstance(pipe.unet, EngineUNet) and pipe.unet.runtime.name == "onnxruntime"
+
+
+def test_requests_with_an_image_input_each_do_not_batch():
+    """Every image input is a request's own (one call cannot take one per prompt): Kontext inpainting's
+    image_reference too, as the image, mask, control and IP-Adapter images (a pipeline that takes a control
+    image needs one in every request: check_inputs)."""
+    from PIL import Image
+
+    from sdtrt.pipeline.request import batch_kwargs
+
+    accepts = {"prompt", "num_inference_steps", "height", "width", "num_images_per_prompt", "generator"}
+    picture = Image.new("RGB", (64, 64))
+    plain = [GenerateRequest("a", steps=2), GenerateRequest("b", steps=2)]
+    assert batch_kwargs(plain, accepts)["prompt"] == ["a", "b"]
+    for name in ("image_reference", "ip_adapter_image"):
+        given = [plain[0], GenerateRequest("b", steps=2, **{name: picture})]
+        with pytest.raises(RequestError, match="only text-to-image requests of one image"):
+            batch_kwargs(given, accepts | {name})

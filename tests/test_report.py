@@ -358,3 +358,12 @@ def test_a_validation_file_that_is_stored_already_is_shown_once(healthy, store, 
     given = ReportConfig(tmp_path / "r.html", validations=(healthy["stored"].parent / REPORT,))
     page = write_report(healthy["set"], store, given).read_text()
     assert page.count('class="case passed"') == 1
+
+
+def test_an_image_case_says_its_size_width_first_as_every_message_does():
+    from sdtrt.tools.report_sections import case_label
+    from sdtrt.tools.validate import Tolerances, ValidationReport
+
+    case = {"scheduler": "euler", "pipeline": "FluxPipeline", "height": 128, "width": 192, "steps": 4, "seed": 7}
+    report = ValidationReport("e", "tiny-flux", "fp32", Tolerances.for_precision("fp32"), image={"case": case})
+    assert case_label(report) == "euler · FluxPipeline · 192×128 px (w×h) · 4 steps · seed 7"

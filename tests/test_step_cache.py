@@ -55,7 +55,8 @@ def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.nd
             pipe.transformer.disable_cache()
 
 
-SPLIT_PRESETS = ("tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein", "tiny-flux2")
+# Not FLUX.2 [dev]: its step caches are refused (test_step_cache_flux2.py), so its parts are never built.
+SPLIT_PRESETS = ("tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein")
 
 
 @pytest.mark.parametrize(

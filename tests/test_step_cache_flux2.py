@@ -137,3 +137,15 @@ def test_first_block_cache_is_refused_on_flux2_engines_in_one_line(klein):
     with pytest.raises(EngineInputError, match="issue 14280") as refused:
         engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
     assert "\n" not in str(refused.value) and not engines.transformer.is_cache_enabled
+
+
+def test_step_caches_are_refused_on_flux2_dev_before_anything_loads(store):
+    """Flux2Pipeline ([dev]) calls its transformer outside any cache context (test_flux2_dev.py shows diffusers'
+    hooks failing there), so compile --caches and generate --cache refuse every step cache on it, in one line."""
+    from .helpers import run_cli
+
+    with pytest.raises(ConfigError, match=r"Flux2Pipeline \(FLUX.2 \[dev\]\) calls its transformer outside any"):
+        compile_model(resolve_model("tiny-flux2"), store, "onnxruntime", caches=("taylorseer",))
+    refused = run_cli("generate", "--model", "tiny-flux2", "--cache", "taylorseer:2")
+    assert refused.returncode == 2 and "'No cache context is set'" in refused.stderr
+    assert refused.stderr.count("\n") == 1

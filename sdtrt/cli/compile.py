@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from ..core.artifact import Artifact, located
-from ..core.config import COMPONENTS, STEP_CACHES, Precision, ValidationConfig
+from ..core.config import STEP_CACHES, Precision, ValidationConfig
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import console
 from ..spec import denoiser_component
@@ -84,7 +84,7 @@ def compile(
     components: Annotated[
         str | None,
         typer.Option(
-            help=f"Comma-separated, of {', '.join(COMPONENTS)} (default: every one the model has); "
+            help=f"Comma-separated, of {graph_options.COMPONENTS_HELP} (default: every one the model has); "
             "several give an engine set."
         ),
     ] = None,

@@ -9,6 +9,7 @@ import typer
 
 from ..core.config import (
     COMPONENTS,
+    VISION_ENCODER,
     Component,
     ExportConfig,
     Exporter,
@@ -36,8 +37,14 @@ ExporterOpt = Annotated[
         "encoders; TorchScript-based for smaller ones), torchscript or dynamo."
     ),
 ]
+# What --component(s) name: a model's networks (Qwen-Image-Edit's vision tower among them); the step-cache and FreeU
+# members come with --caches and --freeu, an IP-Adapter's image encoder with --ip-adapter.
+NAMED_COMPONENTS: tuple[Component, ...] = (*COMPONENTS, VISION_ENCODER)
+COMPONENTS_HELP = f"{', '.join(COMPONENTS)}, {VISION_ENCODER} (Qwen-Image-Edit's vision tower)"
+
+
 ComponentOpt = Annotated[
-    Component | None, typer.Option(help=f"Which network: {', '.join(COMPONENTS)} (default: the model's denoiser).")
+    Component | None, typer.Option(help=f"Which network: {COMPONENTS_HELP} (default: the model's denoiser).")
 ]
 OpsetOpt = Annotated[int, typer.Option(help="ONNX opset.")]
 IONamingOpt = Annotated[

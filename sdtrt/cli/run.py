@@ -125,8 +125,9 @@ def generate_command(
     request_options.check_engine_size(artifact, request, rule)
     if scheduler:
         check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
-    check_prompt_tokens(source, request, profile)
+    # the cache's check reads configs alone; the prompt's loads the tokenizers (seconds of imports)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=bool(image))
+    check_prompt_tokens(source, request, profile)
     freeu_factors = request_options.freeu_factors(freeu, artifact, source)
     if freeu_factors is not None and step_cache is not None and step_cache.kind == "deepcache":
         raise RequestError("--freeu with --cache deepcache: DeepCache's members have no FreeU; use one of them")
@@ -207,7 +208,8 @@ def validate_command(
         from ..tools.step_cache_bench import compare_on_engines
 
         cached = compare_on_engines(source, artifact, step_cache, config)
-        results.print(cache_comparison_line("engines", cached))
+        not_judged = " [dim](informational: the tolerances above judge the engines against PyTorch, not this)[/]"
+        results.print(cache_comparison_line("engines", cached) + not_judged)
     if json_out:
         json_out.write_text(json.dumps(report.to_json() | ({"step_cache": cached} if cached else {}), indent=2))
         if report_html:  # report.json → report.html (a --json named .html keeps its JSON: report.html.html)
@@ -311,9 +313,14 @@ def print_report(report: ValidationReport, out: Console) -> None:
     from rich.table import Table
 
     tol = report.tolerances
-    table = Table(title=f"{report.precision} engine vs PyTorch fp32 ({report.model})", title_justify="left")
-    for column in ("input", "max abs", "mean abs", "cosine", ""):
-        table.add_column(column, justify="left" if column in ("input", "") else "right")
+    table = Table(
+        title=f"each {report.precision} engine's outputs vs its PyTorch fp32 network's, same inputs ({report.model})",
+        title_justify="left",
+    )
+    what = "member: inputs" if len(report.members) > 1 else "inputs"
+    columns = (f"{what} (b batch, H×W px, t timestep, T tokens)", "max abs", "mean abs", "cosine", "")
+    for column in columns:
+        table.add_column(column, justify="left" if column in (columns[0], "") else "right")
     for row in report.tensors:
         table.add_row(
             row["case"], f"{row['max_abs']:.3g}", f"{row['mean_abs']:.3g}", f"{row['cosine']:.6f}",
@@ -322,8 +329,8 @@ def print_report(report: ValidationReport, out: Console) -> None:
     if report.image:
         lat = report.image["latents"]
         table.add_row(
-            "final latents (reported)", f"{lat['max_abs']:.3g}", f"{lat['mean_abs']:.3g}", f"{lat['cosine']:.6f}",
-            f"image PSNR {report.image['psnr_db']:.1f} dB",
+            "pipeline: final latents (not judged)", f"{lat['max_abs']:.3g}", f"{lat['mean_abs']:.3g}",
+            f"{lat['cosine']:.6f}", f"image vs PyTorch's: PSNR {report.image['psnr_db']:.1f} dB",
         )  # fmt: skip
     out.print(table)
     psnr = f", PSNR ≥ {tol.min_psnr_db} dB" if report.image else ""

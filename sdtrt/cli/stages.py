@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
-from ..core.config import COMPONENTS, Component, OrtOptimization, QuantizeConfig, WrapConfig
+from ..core.config import Component, OrtOptimization, QuantizeConfig, WrapConfig
 from ..core.errors import ArtifactError, RequestError
 from ..core.progress import console
 from ..spec import denoiser_component, model_components
@@ -228,8 +228,8 @@ def parse_components(text: str | None, source: ModelSource) -> tuple[Component, 
     have = model_components(source)
     wanted = tuple(c.strip() for c in text.split(",") if c.strip())
     for name in wanted:
-        if name not in COMPONENTS:
-            raise RequestError(f"unknown component '{name}'; choose from {', '.join(COMPONENTS)}")
+        if name not in graph_options.NAMED_COMPONENTS:
+            raise RequestError(f"unknown component '{name}'; choose from {graph_options.COMPONENTS_HELP}")
         if name not in have:
             raise RequestError(f"model '{source.name}' has no {name} (it has {', '.join(have)})")
     return cast(tuple[Component, ...], tuple(dict.fromkeys(wanted)))

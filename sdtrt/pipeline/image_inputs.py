@@ -48,16 +48,19 @@ def check_inputs(
     image_fix: str = "",
     image_optional: bool = False,
     task: Task | None = None,
+    own: str = "",
 ) -> None:
     """RequestError for an input image or mask a pipeline whose ``__call__`` takes ``accepts`` needs and lacks, or
     for one it takes none of (``image_fix`` says what to do then); light: no torch. ``image_optional``: FLUX.1 Kontext
     (its __call__s alone take max_area; its inpainting one needs the image) and FLUX.2 [klein], whose reference
     images are optional (without one they generate from text). The refusal names the task that needs the image
     (``task``, else read from ``accepts``: only inpainting pipelines take a mask, only img2img and inpainting ones a
-    strength); a txt2img one that needs an image (a ControlNet's), or one of no known task, is this model's own."""
+    strength); a txt2img one that needs an image (a ControlNet's), or one of no known task, is this model's own.
+    ``own``: the pipeline class when ``task`` is the model's own, not one the user asked for (no --task given)."""
     task = task or ("inpaint" if "mask_image" in accepts else "img2img" if "strength" in accepts else None)
     needs = {None: "this model's pipeline needs", "txt2img": "this model's txt2img pipeline needs"}.get(
-        task, f"--task {task} needs"
+        task,
+        f"this model's pipeline, {own} (an {task} one; no --task was given), needs" if own else f"--task {task} needs",
     )
     for name, (what, flag) in NEEDED.items():
         if name in accepts and getattr(request, name) is None and not (name == "image" and image_optional):
@@ -206,7 +209,8 @@ def check_pipeline_inputs(request: GenerateRequest, index_class: str, task: Task
     pipeline = pipeline_class_name(index_class, task)
     optional = pipeline in REFERENCE_TOKEN_PIPELINES + REFERENCE_IMAGE_PIPELINES  # Kontext's, klein's reference
     named = task or next((each for each, name in row.items() if name == pipeline), None)  # the model's own task
-    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=optional, task=named)
+    own = "" if task else pipeline
+    check_inputs(request, pipeline_inputs(pipeline), fix, image_optional=optional, task=named, own=own)
     check_control_image(request.control_image, *rule.resolve(request.height, request.width))
 
 

@@ -283,7 +283,8 @@ def _unet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dt
 def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any) -> EngineModule:
     from ..standins.transformer import EngineTransformer
 
-    return EngineTransformer(runtime, source.component_config(FOLDERS[component]), dtype=dtype, loras=loras(component))
+    config, pipeline = source.component_config(FOLDERS[component]), source.pipeline_class()
+    return EngineTransformer(runtime, config, dtype=dtype, loras=loras(component), pipeline_class=pipeline)
 
 
 def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
@@ -347,9 +348,8 @@ def task_pipelines(pipe: Any, tasks: dict[Task, str]) -> dict[Task, Any]:
     import diffusers
 
     pipes = {}
-    for task, name in tasks.items():
-        own = type(pipe).__name__ == name
-        pipes[task] = pipe if own else getattr(diffusers, name).from_pipe(pipe, dtype=pipe.dtype)
+    for task, cls in tasks.items():
+        pipes[task] = pipe if type(pipe).__name__ == cls else getattr(diffusers, cls).from_pipe(pipe, dtype=pipe.dtype)
         pipes[task].set_progress_bar_config(disable=True)
     return pipes
 

@@ -198,9 +198,9 @@ class GenerateRequest:
         if rule.guides_with_negative_prompt and self.negative_prompt is None:
             if guidance is not None and guidance > 1:
                 raise RequestError(
-                    f"guidance {guidance} was given without a negative prompt, but QwenImagePipeline runs classifier-"
-                    'free guidance (true_cfg_scale) only with one: pass a negative prompt (" " will do), or leave '
-                    "--guidance out"
+                    f"guidance {guidance} was given without a negative prompt, but Qwen-Image's pipelines (Edit's too) "
+                    'run classifier-free guidance (true_cfg_scale) only with one: pass a negative prompt (" " will '
+                    "do), or leave --guidance out"
                 )
             guidance = 1.0  # the pipeline's run without one, in every batch: no guidance
         if self.negative_prompt and not rule.takes_negative_prompt:
@@ -314,9 +314,8 @@ def batch_kwargs(requests: Sequence[GenerateRequest], accepts: Collection[str]) 
     each = [r.pipeline_kwargs(accepts) for r in requests]
     if len(each) == 1:
         return each[0]
-    with_images = any(
-        r.image is not None or r.ip_adapter_image is not None or r.control_image is not None for r in requests
-    )
+    inputs = ("image", "mask_image", "ip_adapter_image", "control_image", "image_reference")  # each a request's own
+    with_images = any(getattr(r, name) is not None for r in requests for name in inputs)
     if len({r.batch_key for r in requests}) > 1 or with_images or any(r.images != 1 for r in requests):
         raise RequestError("only text-to-image requests of one image that share size, steps and guidance batch")
     merged = each[0] | {"prompt": [k["prompt"] for k in each], "generator": [k["generator"] for k in each]}

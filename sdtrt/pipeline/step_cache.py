@@ -86,7 +86,7 @@ def model_problem(cache: StepCache, model: ModelConfigs, name: str, from_image: 
         )
         return f"--cache {cache.kind} cannot run on {name}: its denoiser is a {what}; use {use}"
     architecture = folder_architecture(model, "transformer")
-    if problem := reference_problem(architecture, cache.kind):
+    if problem := reference_problem(architecture, cache.kind, model.pipeline_class() if model.is_pipeline else ""):
         return f"--cache {cache.kind} cannot run on {name}: {problem}"
     flux = architecture == "FluxTransformer2DModel"
     if cache.kind == "magcache" and not flux:

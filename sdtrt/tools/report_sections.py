@@ -7,6 +7,7 @@ import math
 from html import escape
 from typing import Any
 
+from ..core.config import pixel_size
 from .report_images import difference_map, png_data_uri, to_uint8
 from .report_page import data_table, legend, number, table, verdict
 from .report_svg import Axis, LineChart, Series, line_chart
@@ -20,8 +21,8 @@ def case_label(report: ValidationReport) -> str:
     if not case:
         return f"{report.precision} engine {report.engine}"
     return (
-        f"{case['scheduler']} · {case['pipeline']} · {case['height']}×{case['width']} · {case['steps']} steps · "
-        f"seed {case['seed']}"
+        f"{case['scheduler']} · {case['pipeline']} · {pixel_size(case['height'], case['width'])} · "
+        f"{case['steps']} steps · seed {case['seed']}"
     )
 
 
