@@ -409,6 +409,7 @@ def test_the_saved_processor_names_the_stock_class_and_sdtrt_reloads_it(tmp_path
     import json
 
     import transformers
+    from transformers.video_processing_utils import BaseVideoProcessor
 
     from sdtrt.sources.models import resolve_model
     from sdtrt.sources.qwen_processor import TINY_PIXELS, edit_processor, new_edit_processor
@@ -419,8 +420,13 @@ def test_the_saved_processor_names_the_stock_class_and_sdtrt_reloads_it(tmp_path
     for name in ("processor_config.json", "tokenizer_config.json"):
         named = json.loads((tmp_path / "processor" / name).read_text())["processor_class"]
         assert named == "Qwen2VLProcessor" and getattr(transformers, named) is transformers.Qwen2VLProcessor
+    # what stock loading reads of the video processor (without it: OSError "Can't load video processor")
+    video, _ = BaseVideoProcessor.get_video_processor_dict(tmp_path / "processor")
+    assert video["video_processor_type"] == "Qwen2VLVideoProcessor"
+    assert type(processor := edit_processor("QwenImageEditPipeline", tmp_path)["processor"]).__name__ == (
+        "ImageQwen2VLProcessor"
+    )
     (tmp_path / "model_index.json").symlink_to(preset / "model_index.json")
-    processor = edit_processor("QwenImageEditPipeline", tmp_path)["processor"]
     text = "<|vision_start|><|image_pad|><|vision_end|>a fox"
     ids = processor(text=[text], images=[picture(112, 112)], return_tensors="pt")["input_ids"]
     assert (ids == tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum() == 16  # 112²: 8×8 patches, 2×2 a token

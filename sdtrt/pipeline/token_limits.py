@@ -132,8 +132,9 @@ def edit_image_tokens(pipe: Any, image: Any) -> list[int]:
     patch, merge, size = processor.patch_size, processor.merge_size, processor.size
     counts = []
     for each in images[: None if type(pipe).__name__ == "QwenImageEditPlusPipeline" else 1]:
-        height, width = image_size(each) or (0, 0)
-        width, height = condition_size(area, width / height)
+        if (given := image_size(each)) is None:  # a form image_size cannot read: the LLM engine's check stays
+            continue
+        width, height = condition_size(area, given[1] / given[0])
         height, width = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
         counts.append((height // patch) * (width // patch) // merge**2)
     return counts

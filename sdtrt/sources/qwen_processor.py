@@ -3,10 +3,12 @@ that cuts the condition image into patches) where transformers cannot make one: 
 ProcessorMixin refuses any Qwen2VLProcessor (it looks up the video processor's class, which needs torchvision), though
 the Edit pipelines pass it images alone. ``ImageQwen2VLProcessor`` is that processor without the video half; it
 loads the same folder, and the slow ``Qwen2VLImageProcessor`` (a PIL one) cuts the images. What it saves names
-``Qwen2VLProcessor``, the class the checkpoints name, so that stock transformers (with torchvision) loads it."""
+``Qwen2VLProcessor`` and its video processor, as the checkpoints' folders do, so that stock transformers (with
+torchvision) loads it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +21,27 @@ TINY_PIXELS = (56 * 56, 112 * 112)
 
 
 class ImageQwen2VLProcessor(Qwen2VLProcessor):
-    """A Qwen2VLProcessor for images and text only: no video processor (transformers' needs torchvision)."""
+    """A Qwen2VLProcessor for images and text only: no video processor (transformers' needs torchvision). What it
+    saves is the stock processor's: ProcessorMixin writes the class's own name as processor_class, and transformers
+    has no ImageQwen2VLProcessor to load."""
 
     def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
+    def to_dict(self) -> dict[str, Any]:
+        # processor_config.json as the checkpoints' (their model_index.json names Qwen2VLProcessor): the stock class,
+        # and the video processor stock loading looks up (OSError "Can't load video processor" without it).
+        return super().to_dict() | {"processor_class": STOCK, "video_processor": {"video_processor_type": STOCK_VIDEO}}
 
-# ProcessorMixin writes the class's name as processor_class (processor_config.json, tokenizer_config.json): the stock
-# class's, which the model_index.json of an Edit folder names too; transformers has no ImageQwen2VLProcessor to load.
-ImageQwen2VLProcessor.__name__ = Qwen2VLProcessor.__name__
+    def save_pretrained(self, save_directory: Any, push_to_hub: bool = False, **kwargs: Any) -> Any:
+        saved = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        # ProcessorMixin.save_pretrained has the tokenizer write this class's name too (tokenizer_config.json).
+        config = Path(save_directory) / "tokenizer_config.json"
+        config.write_text(json.dumps(json.loads(config.read_text()) | {"processor_class": STOCK}, indent=2) + "\n")
+        return saved
+
+
+STOCK, STOCK_VIDEO = Qwen2VLProcessor.__name__, "Qwen2VLVideoProcessor"
 
 
 def new_edit_processor(tokenizer: Any, pixels: tuple[int, int]) -> ImageQwen2VLProcessor:

@@ -242,17 +242,18 @@ def condition_tokens(model: ModelConfigs) -> Range:
 
 
 def processor_pixels(model: ModelConfigs) -> tuple[int, int]:
-    """(min_pixels, max_pixels) of the model's processor (``processor/``: preprocessor_config.json as the checkpoints
-    keep it, or the image processor in a processor_config.json as transformers 5 saves it), the checkpoints' where it
-    names none."""
+    """(min_pixels, max_pixels) of the model's processor (``processor/``: the image processor in a
+    processor_config.json as transformers 5 saves it, which transformers reads first, else preprocessor_config.json
+    as the checkpoints keep it), the checkpoints' where it names none."""
     if not model.is_pipeline:
         return CHECKPOINT_PIXELS
-    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
         path = model.path / "processor" / name
-        if not path.is_file():
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if key:
+            config = config.get(key, {})
+        if not config:
             continue
-        config = json.loads(path.read_text())
-        config = config.get(key, {}) if key else config
         size = config.get("size") or {}
         low = config.get("min_pixels") or size.get("shortest_edge") or CHECKPOINT_PIXELS[0]
         high = config.get("max_pixels") or size.get("longest_edge") or CHECKPOINT_PIXELS[1]
