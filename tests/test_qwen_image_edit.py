@@ -423,9 +423,8 @@ def test_the_saved_processor_names_the_stock_class_and_sdtrt_reloads_it(tmp_path
     # what stock loading reads of the video processor (without it: OSError "Can't load video processor")
     video, _ = BaseVideoProcessor.get_video_processor_dict(tmp_path / "processor")
     assert video["video_processor_type"] == "Qwen2VLVideoProcessor"
-    assert type(processor := edit_processor("QwenImageEditPipeline", tmp_path)["processor"]).__name__ == (
-        "ImageQwen2VLProcessor"
-    )
+    processor = edit_processor("QwenImageEditPipeline", tmp_path)["processor"]
+    assert type(processor).__name__ == "ImageQwen2VLProcessor"
     (tmp_path / "model_index.json").symlink_to(preset / "model_index.json")
     text = "<|vision_start|><|image_pad|><|vision_end|>a fox"
     ids = processor(text=[text], images=[picture(112, 112)], return_tensors="pt")["input_ids"]
