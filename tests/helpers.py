@@ -180,6 +180,16 @@ def assert_images_match(family: Family, request: GenerateRequest, task: str = "t
     return psnr
 
 
+def centre_mask(height: int, width: int):
+    """An inpainting mask (PIL, L) whose middle half is white: the part repainted."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.zeros((height, width), dtype=np.uint8)
+    pixels[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255
+    return Image.fromarray(pixels)
+
+
 def assert_every_network_is_an_engine(pipe, reads_images: bool = False) -> dict[str, Any]:
     """Every torch network among ``pipe``'s components an engine stand-in, its VAE's decoder an engine, and, for a
     pipeline that reads an input image (``reads_images``: img2img, inpainting, edits), its VAE's encoder too (not the

@@ -23,6 +23,7 @@ from sdtrt.standins.llm_encoder import EngineQwen3
 from sdtrt.standins.transformer import EngineFlux2Transformer
 from sdtrt.standins.vae_flux2 import EngineFlux2VAE
 from sdtrt.tools.image_quality import psnr_db
+from tests.helpers import centre_mask
 
 SIZES = [(128, 128), (128, 192)]
 
@@ -226,7 +227,7 @@ def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile
     source, _, engine = klein
     built = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32")).final  # the fixture's: a hit
     numbers = {"steps": 2, "seed": 3, "height": 128, "width": 128}
-    repainted = {"image": noise_image(128, 128), "mask_image": mask(128, 128)}
+    repainted = {"image": noise_image(128, 128), "mask_image": centre_mask(128, 128)}
     with triton_backend.served(built, tmp_path) as served:
         edited, too_big, inpainted = served.execute([
             triton_backend.row("a red fox in the snow", **numbers, image=noise_image(128, 128)),
@@ -241,14 +242,8 @@ def test_triton_serves_a_reference_image_row_and_refuses_one_outside_the_profile
     assert "512×512 px (w×h) as the pipeline feeds it, its height outside" in too_big.error.message()
 
 
-def mask(height: int, width: int) -> Image.Image:
-    pixels = np.zeros((height, width), dtype=np.uint8)
-    pixels[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255  # white is repainted
-    return Image.fromarray(pixels)
-
-
 def inpaint_request(height: int, width: int, **kwargs) -> GenerateRequest:
-    given = {"image": noise_image(height, width), "mask_image": mask(height, width)}
+    given = {"image": noise_image(height, width), "mask_image": centre_mask(height, width)}
     return request(height=height, width=width, **given, **kwargs)
 
 
@@ -312,7 +307,7 @@ def test_the_cli_inpaints_as_the_library_does(klein, inpaint, store, tmp_path):
 
     built = compile_model(klein[0], store, "onnxruntime", ExportConfig(precision="fp32")).final  # the fixture's: a hit
     noise_image(128, 192).save(tmp_path / "photo.png")
-    mask(128, 192).save(tmp_path / "mask.png")
+    centre_mask(128, 192).save(tmp_path / "mask.png")
     out = tmp_path / "out.png"
     result = run_cli(
         "generate", "--engine", str(built.path), "--task", "inpaint", "--image", str(tmp_path / "photo.png"),

@@ -19,7 +19,7 @@ from sdtrt.pipeline.image_inputs import check_pipeline_inputs
 from sdtrt.pipeline.loading import generate
 from sdtrt.pipeline.request import GenerateRequest, SizeRule
 from sdtrt.standins.transformer import EngineTransformer
-from tests.helpers import Family, assert_every_network_is_an_engine, assert_images_match
+from tests.helpers import Family, assert_every_network_is_an_engine, assert_images_match, centre_mask
 
 SIZES = [(128, 128), (128, 192)]
 # Each preset's pipeline (the task that picks it) and the images it is given at a size.
@@ -31,18 +31,12 @@ def picture(height: int, width: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def mask(height: int, width: int) -> Image.Image:
-    pixels = np.zeros((height, width), dtype=np.uint8)
-    pixels[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255  # white is repainted
-    return Image.fromarray(pixels)
-
-
 def inputs(name: str, height: int, width: int) -> dict:
     """What the preset's pipeline needs at this size: Fill an image and mask, control a control image at the output's
     size, Kontext a reference of another size (resized to FLUX.1 Kontext's preferred resolution nearest its aspect
     ratio, scaled to the tiny model's 256 px: 96x160 → 192x320, 240 tokens)."""
     if name == "tiny-flux-fill":
-        return {"image": picture(height, width), "mask_image": mask(height, width)}
+        return {"image": picture(height, width), "mask_image": centre_mask(height, width)}
     if name == "tiny-flux-control":
         return {"control_image": picture(height, width, seed=1)}
     return {"image": picture(96, 160, seed=2)}
@@ -66,7 +60,7 @@ def test_control_img2img_and_inpaint_match_pytorch(family, size):
         pytest.skip("the control set's img2img and inpaint pipelines")
     given = inputs(family.name, *size) | {"image": picture(*size), "strength": 0.8, "steps": 3}
     assert_images_match(family, family.request(height=size[0], width=size[1], **given), "img2img")
-    given["mask_image"] = mask(*size)
+    given["mask_image"] = centre_mask(*size)
     assert_images_match(family, family.request(height=size[0], width=size[1], **given), "inpaint")
     for task in ("img2img", "inpaint"):
         assert_every_network_is_an_engine(family.pipelines(task)[1], reads_images=True)
@@ -102,10 +96,10 @@ def test_missing_or_misfit_inputs_fail_with_one_line_before_running(family):
     if family.name == "tiny-flux-control":
         bad.append({"control_image": picture(128, 192)})  # another aspect ratio: the pipeline would stretch it
     if family.name != "tiny-flux-fill":
-        bad.append(given | {"mask_image": mask(128, 128)})
+        bad.append(given | {"mask_image": centre_mask(128, 128)})
     if family.name == "tiny-flux-kontext":  # without a reference it generates from text: not refused
         latents = torch.zeros(1, 16, 64, 64)  # 1024 reference tokens + 64: more than the profile's 832
-        bad = [given | {"mask_image": mask(128, 128)}, {"image": [given["image"]] * 2}, {"image": latents}]
+        bad = [given | {"mask_image": centre_mask(128, 128)}, {"image": [given["image"]] * 2}, {"image": latents}]
     hook = engine.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
     try:
         for kwargs in bad:
@@ -190,7 +184,7 @@ def test_triton_serves_the_task_with_its_images_and_refuses_a_row_without_them(f
     lacking = {  # Fill: no mask; control: a control image of another aspect ratio; Kontext: a mask, which it takes not
         "tiny-flux-fill": lambda: {"image": given["image"]},
         "tiny-flux-control": lambda: {"control_image": picture(128, 128)},
-        "tiny-flux-kontext": lambda: {"mask_image": mask(*size)},
+        "tiny-flux-kontext": lambda: {"mask_image": centre_mask(*size)},
     }[family.name]()
     with triton_backend.served(family.engine, tmp_path) as model:
         request = family.request(height=size[0], width=size[1])
@@ -228,7 +222,7 @@ def test_kontext_inpaint_matches_pytorch_its_image_the_reference_tokens(family, 
     _, engine = family.pipelines("inpaint")
     assert type(engine).__name__ == "FluxKontextInpaintPipeline"
     assert_every_network_is_an_engine(engine, reads_images=True)
-    given = {"image": picture(96, 160, seed=2), "mask_image": mask(96, 160), "strength": 0.8}
+    given = {"image": picture(96, 160, seed=2), "mask_image": centre_mask(96, 160), "strength": 0.8}
     fed = []
     hook = engine.transformer.register_forward_pre_hook(
         lambda _, args, kwargs: fed.append(kwargs["hidden_states"].shape), with_kwargs=True
@@ -247,7 +241,7 @@ def test_kontext_inpaint_with_a_reference_image_matches_pytorch(family):
     if family.name != "tiny-flux-kontext":
         pytest.skip("FLUX.1 Kontext's inpainting")
     _, engine = family.pipelines("inpaint")
-    given = {"image": picture(96, 160, seed=2), "mask_image": mask(96, 160), "strength": 0.8}
+    given = {"image": picture(96, 160, seed=2), "mask_image": centre_mask(96, 160), "strength": 0.8}
     fed = []
     hook = engine.transformer.register_forward_pre_hook(
         lambda _, args, kwargs: fed.append(kwargs["hidden_states"].shape), with_kwargs=True
@@ -269,7 +263,8 @@ def test_kontext_inpaint_without_its_image_or_mask_is_refused_before_running(fam
     calls: list[int] = []
     hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in (engine.transformer, engine.vae)]
     try:
-        for lacking, flag in ({"mask_image": mask(128, 128)}, "--image"), ({"image": picture(128, 128)}, "--mask"):
+        lacks = ({"mask_image": centre_mask(128, 128)}, "--image"), ({"image": picture(128, 128)}, "--mask")
+        for lacking, flag in lacks:
             request = family.request(height=128, width=128, image_reference=picture(128, 128), **lacking)
             with pytest.raises(RequestError, match=rf"^--task inpaint needs an? [a-z ]+: pass {flag}$"):
                 generate(engine, request)

@@ -27,7 +27,7 @@ from sdtrt.standins.qwen_vision import EngineQwen2_5_VisionTower
 from sdtrt.standins.transformer import EngineQwenImageTransformer
 from sdtrt.standins.vae_qwen import EngineQwenImageVAE
 from sdtrt.tools.image_quality import psnr_db
-from tests.helpers import assert_every_network_is_an_engine
+from tests.helpers import assert_every_network_is_an_engine, centre_mask
 
 # One prompt, the test sizes (up to 1184 px: QwenImageEditInpaintPipeline's output is its ~1024² condition image's
 # size), and up to 512 tokens the transformer reads: the offline tokenizer spells the Edit template's system prompt in
@@ -251,13 +251,7 @@ def inpaint(edit):
     return tuple(task_pipelines(pipe, {"inpaint": "QwenImageEditInpaintPipeline"})["inpaint"] for pipe in edit[1:])
 
 
-def mask(height: int, width: int) -> Image.Image:
-    pixels = np.zeros((height, width), dtype=np.uint8)
-    pixels[height // 4 : 3 * height // 4, width // 4 : 3 * width // 4] = 255  # white is repainted
-    return Image.fromarray(pixels)
-
-
-@pytest.mark.slow  # ~1024² outputs: ~100 s a size on 2 cores
+@pytest.mark.slow  # ~1024² outputs: 1-2 min a size on 2 cores
 @pytest.mark.parametrize("size", [(96, 96), (96, 128)], ids=["square", "non-square"])
 def test_an_edit_inpaint_matches_pytorch(inpaint, size):
     """QwenImageEditInpaintPipeline repaints its image where the mask is white at the condition image's size (1024²
@@ -265,7 +259,7 @@ def test_an_edit_inpaint_matches_pytorch(inpaint, size):
     tokens and the condition image's, as many, the VAE encoder engine the image and the masked image."""
     assert type(inpaint[1]).__name__ == "QwenImageEditInpaintPipeline"
     assert_edit_networks(inpaint[1])
-    req = dataclasses.replace(request(mask_image=mask(*size)), image=picture(*size))
+    req = dataclasses.replace(request(mask_image=centre_mask(*size)), image=picture(*size))
     want, got = (generate(p, req, output_type="np").images[0] for p in inpaint)
     psnr = psnr_db(got, want)
     made = {(96, 96): (1024, 1024), (96, 128): (896, 1184)}[size]
@@ -278,17 +272,25 @@ def test_an_edit_inpaint_without_its_mask_or_at_another_size_is_refused_before_r
     the pipeline makes (the CLI's check, shared with the Triton model)."""
     from sdtrt.pipeline.image_inputs import sized_by_image
 
-    engine = inpaint[1]
+    engine, pipeline = inpaint[1], "QwenImageEditInpaintPipeline"
     calls = []
-    for network in (engine.text_encoder, engine.text_encoder.vision, engine.transformer, engine.vae):
-        network.register_forward_pre_hook(lambda *_: calls.append(1))
-    with pytest.raises(RequestError, match=r"^[^\n]*needs a mask image[^\n]*$"):
-        generate(engine, request(height=128, width=128))
-    req = request(height=128, mask_image=mask(96, 128))
-    assert sized_by_image(dataclasses.replace(req, height=None), "QwenImageEditInpaintPipeline", 16).height == 896
-    with pytest.raises(RequestError, match=r"^the input image is 1184×896 px \(w×h\) as the pipeline feeds it[^\n]+$"):
-        sized_by_image(req, "QwenImageEditInpaintPipeline", 16)
+    networks = (engine.text_encoder, engine.text_encoder.vision, engine.transformer, engine.vae)
+    hooks = [network.register_forward_pre_hook(lambda *_: calls.append(1)) for network in networks]
+    try:
+        with pytest.raises(RequestError, match=r"^[^\n]*needs a mask image[^\n]*$"):
+            generate(engine, request(height=128, width=128))
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert not calls
+    req = request(height=128, mask_image=centre_mask(96, 128))
+    assert sized_by_image(dataclasses.replace(req, height=None), pipeline, 16).height == 896
+    made = r"^the pipeline makes 1184×896 px \(w×h\) of the input image's aspect ratio \(about 1024² px"
+    with pytest.raises(RequestError, match=made + r"[^\n]+leave the height and width out$"):
+        sized_by_image(req, pipeline, 16)
+    wide = dataclasses.replace(req, image=picture(100, 300), height=None)  # 3:1: 1760×576, wider than PROFILE
+    with pytest.raises(RequestError, match=r"^the pipeline makes 1760×576 px[^\n]+use an image nearer square"):
+        sized_by_image(wide, pipeline, 16, PROFILE)
 
 
 @pytest.mark.slow

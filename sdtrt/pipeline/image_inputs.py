@@ -265,7 +265,7 @@ def sized_by_image(
     (the pipeline would drop it without a word). Others unchanged. ``sdtrt generate`` and the Triton model both call
     this, before anything loads."""
     from ..core.config import grid_problem
-    from ..core.families import pipeline_inputs
+    from ..core.families import QWEN_EDIT_VISION_AREA, pipeline_inputs
 
     size = image_size(request.image)
     fed = made_size(pipeline, request.image, multiple)
@@ -273,17 +273,28 @@ def sized_by_image(
         return request
     size = fed or size
     asked = {"height": request.height, "width": request.width}
-    if any(side not in (None, made) for side, made in zip(asked.values(), size, strict=True)):
+    by_ratio = pipeline in QWEN_EDIT_VISION_AREA  # Qwen-Image-Edit inpainting: ~1024² px whatever the image's size
+    made = (
+        f"the pipeline makes {pixel_size(*size)} of the input image's aspect ratio (about 1024² px, whatever its size)"
+        if by_ratio
+        else f"the input image is {pixel_size(*size)}{' as the pipeline feeds it' if fed else ''}"
+    )
+    if any(side not in (None, makes) for side, makes in zip(asked.values(), size, strict=True)):
         given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
+        resize = "" if by_ratio else ", or resize the image"
         raise RequestError(
-            f"the input image is {pixel_size(*size)}{' as the pipeline feeds it' if fed else ''}, not the {given} "
-            "asked: SD, SDXL and LCM img2img, FLUX.2 [klein] and Qwen-Image-Edit inpainting make the input image's "
-            "size (Qwen-Image-Edit's at ~1024² px); leave the height and width out, or resize the image"
+            f"{made}, not the {given} asked: SD, SDXL and LCM img2img, FLUX.2 [klein] and Qwen-Image-Edit inpainting "
+            f"make their output's size from the input image; leave the height and width out{resize}"
         )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
         problems.append(profile.size_problem(*size))
     if problem := next(filter(None, problems), None):
+        if by_ratio:
+            raise RequestError(
+                f"{made}: {problem}; use an image nearer square, or a set compiled with --height / --width ranges "
+                "that hold it"
+            )
         raise RequestError(f"the input image, whose size the output takes, is {pixel_size(*size)}: {problem}")
     return dataclasses.replace(request, height=size[0], width=size[1])
 
