@@ -89,14 +89,16 @@ def _device() -> torch.device:
 
 
 def _bench_profile(model: ModelSource, config: BenchConfig) -> ShapeProfile:
-    """An engine profile around the default that certainly covers the benchmarked shape."""
+    """An engine profile around the default that certainly covers the benchmarked shape; the default's tokens,
+    guidance and references stay (a Z-Image or Qwen-Image text encoder's token range is no T5's 512)."""
     default = denoiser_spec(model).default_profile()  # the UNet's or the transformer's
     h = config.height or default.height.opt
     w = config.width or default.width.opt
-    return ShapeProfile(
-        Range(1, config.batch, max(config.batch, default.batch.max)),
-        Range(min(h, default.height.min), h, max(h, default.height.max)),
-        Range(min(w, default.width.min), w, max(w, default.width.max)),
+    return dataclasses.replace(
+        default,
+        batch=Range(1, config.batch, max(config.batch, default.batch.max)),
+        height=Range(min(h, default.height.min), h, max(h, default.height.max)),
+        width=Range(min(w, default.width.min), w, max(w, default.width.max)),
     )
 
 
