@@ -232,7 +232,7 @@ def check_blocks_command(
         typer.Option(
             help="A block to cut and compare, e.g. transformer_blocks.0; repeat for several. Default: the first and "
             "last double-stream, one single-stream (Flux), first and last (SD3), first down and last up (UNet), "
-            "first and last layer (CLIP, T5 text encoders)."
+            "first and last layer (CLIP, T5, LLM text encoders), first refiners and first and last layer (Z-Image)."
         ),
     ] = None,
     graph_checks: Annotated[
