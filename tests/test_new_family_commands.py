@@ -57,7 +57,7 @@ def test_validate_passes_and_writes_its_report(family, store, tmp_path):
     args = ["validate", "--engine", str(engine_set.path), "--steps", "2", "--json", str(report), "--no-report"]
     result = run_cli(*args, "--engines", str(store.root), env={"COLUMNS": "200"}, check=True)
     print(result.stdout)
-    assert last_line(result.stdout) == "parity: PASS" and f"({preset})" in result.stdout
+    assert last_line(result.stdout).startswith("parity: PASS") and f"({preset})" in result.stdout
     data = json.loads(report.read_text())
     assert data["tensors"] and all(row["cosine"] > 0.9999 for row in data["tensors"])
 
@@ -69,6 +69,11 @@ def test_bench_times_the_engine_set(family, store, tmp_path):
     result = run_cli(*args, "--repeats", "1", "--json", str(report_file), "--engines", str(store.root),
                      env={"COLUMNS": "200"})  # fmt: skip
     print(result.stdout)
+    if preset == "tiny-qwen-image-edit":  # bench has no --image yet: refused in one line, before any timing
+        assert result.returncode == 2 and last_line(result.stderr) == (
+            "error: this model's pipeline needs an input image: pass --image"
+        )
+        return
     assert result.returncode == 0, result.stderr
     report = json.loads(report_file.read_text())
     assert report["config"]["denoiser"] == "transformer" and "transformer/call ms" in result.stdout
