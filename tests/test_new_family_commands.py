@@ -27,7 +27,6 @@ BLOCK_CHECKED = {"tiny-zimage": ("transformer", "text_encoder"), "tiny-qwen-imag
 SIZE = (128, 192)  # height, width: not square; the Qwen-Image sets at 4x, inside their default profile (512..1536 px)
 SIZES = {"tiny-qwen-image": (512, 768), "tiny-qwen-image-edit": (512, 768)}
 PRESETS = list(RUNS)
-EDIT, NEEDS_IMAGE = "tiny-qwen-image-edit", "error: this model's pipeline needs an input image: pass --image"
 
 
 def noise_picture(path, seed: int, size: tuple[int, int], mode: str = "RGB"):
@@ -64,19 +63,29 @@ def test_validate_passes_and_writes_its_report(family, store, tmp_path):
     assert data["tensors"] and all(row["cosine"] > 0.9999 for row in data["tensors"])
 
 
+def task_flags(preset: str, folder) -> tuple[str, tuple[str, ...], list[str]]:
+    """The preset's first generate run as flags: (task, its image inputs, --task … --image … [--mask …] and the
+    size)."""
+    (task, inputs), size = RUNS[preset][0], SIZES.get(preset, SIZE)
+    files = {"image": noise_picture(folder / "i.png", 1, size), "mask": noise_picture(folder / "m.png", 2, size, "L")}
+    flags = ["--task", task, "--height", str(size[0]), "--width", str(size[1])]
+    return task, inputs, flags + [f for name in inputs for f in (f"--{name}", str(files[name]))]
+
+
 def test_bench_times_the_engine_set(family, store, tmp_path):
+    """bench on the preset's task with its images (Qwen-Image-Edit's image to edit, Kontext's and klein's
+    reference), as generate takes them."""
     preset, _ = family
     report_file = tmp_path / "b.json"
+    task, inputs, flags = task_flags(preset, tmp_path)
     args = ["bench", "--model", preset, "--backends", "torch,onnxruntime:fp32", "--steps", "2", "--warmup", "0"]
-    result = run_cli(*args, "--repeats", "1", "--json", str(report_file), "--engines", str(store.root),
+    result = run_cli(*args, *flags, "--repeats", "1", "--json", str(report_file), "--engines", str(store.root),
                      env={"COLUMNS": "200"})  # fmt: skip
     print(result.stdout)
-    if preset == EDIT:  # bench has no --image yet: refused in one line, before any timing
-        assert result.returncode == 2 and last_line(result.stderr) == NEEDS_IMAGE
-        return
     assert result.returncode == 0, result.stderr
     report = json.loads(report_file.read_text())
     assert report["config"]["denoiser"] == "transformer" and "transformer/call ms" in result.stdout
+    assert report["config"]["task"] == task and report["config"]["inputs"] == ["image"] == list(inputs)
     for run in report["backends"]:
         assert run["status"] == "ok", run["reason"]
         assert run["total_s"]["median"] > 0 and run["unet_calls"] >= 2 and run["peak_rss_mb"] > 0
@@ -84,12 +93,13 @@ def test_bench_times_the_engine_set(family, store, tmp_path):
 
 
 def test_profile_writes_its_trace_and_step_table(family, store, tmp_path):
+    """profile on the preset's task with its images; Z-Image's and Qwen-Image's inpainting with a --mask too."""
     preset, engine_set = family
-    args = ["profile", "--engine", str(engine_set.path), "--steps", "2", "--out", str(tmp_path)]
-    result = run_cli(*args, "--engines", str(store.root), env={"COLUMNS": "200"}, check=preset != EDIT)
-    if preset == EDIT:  # profile has no --image yet: refused in one line
-        assert result.returncode == 2 and last_line(result.stderr) == NEEDS_IMAGE
-        return
+    _, _, flags = task_flags(preset, tmp_path)
+    if len(RUNS[preset]) > 1:  # inpaint: the mask as well
+        flags = [*flags[:1], "inpaint", *flags[2:], "--mask", str(tmp_path / "m.png")]
+    args = ["profile", "--engine", str(engine_set.path), "--steps", "2", "--out", str(tmp_path), *flags]
+    result = run_cli(*args, "--engines", str(store.root), env={"COLUMNS": "200"}, check=True)
     print(result.stdout)
     assert last_line(result.stdout) == str(tmp_path / "trace.json") and "transformer ms" in result.stdout
     names = [e["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
