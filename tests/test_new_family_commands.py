@@ -207,3 +207,36 @@ def test_the_triton_model_serves_generates_image_with_the_image_on_the_wire(pres
         expected = np.asarray(generate(load_pipeline(source, engine_set, task=task), request).images[0])
         print(f"{preset} {task}: served image {response.image().shape}, equal to generate()'s")
         np.testing.assert_array_equal(response.image()[0], expected, err_msg=task)
+
+
+def test_sdtrt_client_sends_an_image_to_sdtrt_serve(fp32_engine_sets, store, tmp_path):
+    """Z-Image's set as a user serves it: `sdtrt deploy triton`, `sdtrt serve` (a real Triton) and `sdtrt client
+    --image`, whose image picks img2img on the server; the PNG it writes is generate()'s image."""
+    import signal
+
+    from sdtrt.pipeline.loading import GenerateRequest, generate, load_pipeline
+    from sdtrt.sources.models import resolve_model
+
+    from .test_serve import _serve_cli, wait_serving  # skipped without the serve extra
+
+    engine_set = fp32_engine_sets("tiny-zimage")
+    repository, log, out = tmp_path / "repo", tmp_path / "serve.log", tmp_path / "fox.png"
+    run_cli("deploy", "triton", "--engine", str(engine_set.path), "--engines", str(store.root), "--out",
+            str(repository), "--max-batch", "1", check=True)  # fmt: skip
+    picture = noise_picture(tmp_path / "i.png", 1, SIZE)
+    serve, url = _serve_cli(repository, log)
+    try:
+        wait_serving(serve, log)
+        args = ["client", "--url", url, "--prompt", "a red fox", "--steps", "2", "--seed", "3", "--height"]
+        run_cli(*args, str(SIZE[0]), "--width", str(SIZE[1]), "--image", str(picture), "--out", str(out), check=True)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(120)
+    assert code == 0, log.read_text()[-2000:]
+    request = GenerateRequest("a red fox", steps=2, seed=3, height=SIZE[0], width=SIZE[1],
+                              image=Image.open(picture).convert("RGB"))  # fmt: skip
+    pipe = load_pipeline(resolve_model("tiny-zimage"), engine_set, task="img2img")
+    expected = np.asarray(generate(pipe, request).images[0])
+    got = np.asarray(Image.open(out).convert("RGB"))
+    print(f"tiny-zimage img2img via sdtrt serve: {got.shape}, equal to generate()'s {np.array_equal(got, expected)}")
+    np.testing.assert_array_equal(got, expected)

@@ -258,7 +258,7 @@ def open_image(path: Path | None, mode: str, option: str) -> Any:
 
 
 def task_images(image: Path | None, mask: Path | None) -> dict[str, Any]:
-    """--image and --mask opened, by GenerateRequest field (image, mask_image): for generate, bench and profile."""
+    """--image and --mask opened, by GenerateRequest field (image, mask_image): generate, bench, profile, client."""
     return {"image": open_image(image, "RGB", "--image"), "mask_image": open_image(mask, "L", "--mask")}
 
 
