@@ -102,6 +102,24 @@ def test_generate_refuses_inputs_the_pipeline_cannot_take_before_loading_it(args
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "--model", "tiny-qwen-image-edit"], "(an img2img one; no --task was given), needs an input image"),
+        (["bench", "--mask", "{mask}"], "takes no mask image: pass --task inpaint and an --image"),
+        (["profile", "--task", "inpaint", "--image", "{in}"], "--task inpaint needs a mask image: pass --mask"),
+    ],
+)
+def test_bench_and_profile_refuse_inputs_the_tasks_pipeline_cannot_take_before_loading_it(args, message, pictures):
+    """bench and profile take generate's --task, --image and --mask, checked as generate checks them."""
+    from sdtrt.sources.models import resolve_model
+
+    resolve_model(args[args.index("--model") + 1] if "--model" in args else "tiny")
+    args = [a.format(**{"in": pictures / "in.png", "mask": pictures / "mask.png"}) for a in args]
+    out = ["--out", str(pictures / "profile")] if args[0] == "profile" else []
+    assert message in usage_error_before_loading(*args, *out)
+
+
+@pytest.mark.parametrize(
     ("backends", "message"),
     [
         ("torch,foo", "unknown backend 'foo'; choose from torch,"),

@@ -183,7 +183,8 @@ TINY_PRESETS = [
     # ~20 s each, the same kinds of layers as tiny-sdxl's and tiny-flux's: SDXL's refiner, FLUX.1 [schnell]
     *(pytest.param(p, marks=pytest.mark.slow) for p in ("tiny-flux-fill", "tiny-flux-control", "tiny-flux-kontext",
                                                          "tiny-flux-controlnet", "tiny-flux2-klein", "tiny-flux2",
-                                                         "tiny-sdxl-refiner", "tiny-flux-schnell")),
+                                                         "tiny-sdxl-refiner", "tiny-flux-schnell", "tiny-zimage",
+                                                         "tiny-qwen-image", "tiny-qwen-image-edit")),
 ]  # fmt: skip
 
 

@@ -271,6 +271,14 @@ def _serve_cli(repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], st
     return process, f"127.0.0.1:{http}"
 
 
+def wait_serving(process: subprocess.Popen[bytes], log: Path, seconds: float = 180) -> None:
+    """Until ``sdtrt serve`` (``_serve_cli``'s process) says it serves; its log in the failure otherwise."""
+    deadline = time.monotonic() + seconds
+    while "✓ serving" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "✓ serving" in log.read_text(), log.read_text()
+
+
 def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(repository, tmp_path):
     from sdtrt.core.errors import ServeError
     from sdtrt.serving.client import remote_image
@@ -278,10 +286,7 @@ def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(rep
     log = tmp_path / "serve.log"
     serve, url = _serve_cli(repository, log)
     try:
-        deadline = time.monotonic() + 180
-        while "✓ serving" not in log.read_text() and serve.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert "✓ serving" in log.read_text(), log.read_text()
+        wait_serving(serve, log)
         outcome: dict[str, BaseException | np.ndarray] = {}
 
         def ask() -> None:

@@ -101,10 +101,13 @@ def served(engine: Any, repository: Path) -> Iterator[Any]:
 
 def row(prompt: str, **inputs: Any) -> InferenceRequest:
     """A one-row request as a Triton client sends it: scalars [1, 1], images (numpy or PIL) [1, h, w, channels]."""
-    dtypes = {"steps": np.int32, "seed": np.uint64, "height": np.int32, "width": np.int32, "strength": np.float32}
+    dtypes = {"steps": np.int32, "seed": np.uint64, "height": np.int32, "width": np.int32, "strength": np.float32,
+              "guidance": np.float32}  # fmt: skip
     tensors = {"prompt": np.array([[prompt.encode()]], dtype=object)}
     for name, value in inputs.items():
-        if name in dtypes:
+        if isinstance(value, str):  # negative_prompt
+            tensors[name] = np.array([[value.encode()]], dtype=object)
+        elif name in dtypes:
             tensors[name] = np.array([[value]], dtype=dtypes[name])
         else:
             pixels = np.asarray(value, dtype=np.uint8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated
@@ -11,7 +12,7 @@ import typer
 from ..core.config import BENCH_BACKENDS, BenchConfig, Precision
 from ..core.errors import ConfigError, RequestError
 from ..core.progress import console, results, step
-from ..pipeline.request import GenerateRequest, SizeRule
+from ..pipeline.request import GenerateRequest
 from ..pipeline.step_cache import model_problem
 from . import request_options, result_files, store_options
 from .step_cache import cache_comparison_line
@@ -31,6 +32,9 @@ def bench(
     batch: Annotated[int, typer.Option(min=1, help="Images per prompt (the UNet sees twice as many).")] = 1,
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
+    image: request_options.ImageOpt = None,
+    mask: request_options.MaskOpt = None,
+    task: request_options.TaskOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untimed runs per backend before the timed ones.")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per backend.")] = 3,
     precision: Annotated[Precision, typer.Option(help="Engines' graph precision where a backend names none.")] = "fp16",
@@ -54,9 +58,13 @@ def bench(
     loops, their ratio, the full evaluations the cache left and its image's PSNR/SSIM against the uncached one.
 
     Example: sdtrt bench --model tiny --backends torch,onnxruntime --steps 4 --repeats 3 --json b.json --chart b.png
+    Image to image, inpainting, editing: --task img2img --image photo.png (--task inpaint … --mask mask.png; a
+    Qwen-Image-Edit or FLUX.1 Kontext model's own task takes --image alone)
     """
     from ..sources.models import resolve_model
 
+    chosen = request_options.task_option(task)
+    inputs = request_options.task_images(image, mask)
     loras = tuple(request_options.lora_options(lora))
     if cache is not None and cache.startswith("auto"):
         raise RequestError(
@@ -68,12 +76,15 @@ def bench(
         config = BenchConfig(
             backends=tuple(b.strip() for b in backends.split(",") if b.strip()), steps=steps, batch=batch,
             height=height, width=width, warmup=warmup, repeats=repeats, precision=precision, loras=loras, cache=cache,
+            task=chosen,
         )  # fmt: skip
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
     source = resolve_model(model)
     request_options.check_lora_families(list(loras), source)
-    SizeRule.for_model(source).resolve(height, width)  # run_bench checks too; this is before torch loads
+    # the images the task's pipeline takes, and the size (an SD img2img image's own): before torch loads
+    sized = request_options.checked_request(GenerateRequest(height=height, width=width, **inputs), source, chosen, None)
+    config = dataclasses.replace(config, height=sized.height, width=sized.width)
     if step_cache is not None and (problem := model_problem(step_cache, source, source.name)):
         raise RequestError(problem)
     for path, option in ((json_out, "--json"), (time_file, "--time-file"), (chart, "--chart")):
@@ -81,8 +92,9 @@ def bench(
     from ..tools.bench import check_engines_ran, run_bench, write_chart
 
     report = run_bench(
-        source, config, store_options.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…")
-    )
+        source, config, store_options.open_store(engines), on_backend=lambda name: console.print(f"[bold]{name}[/]…"),
+        inputs={name: value for name, value in inputs.items() if value is not None},
+    )  # fmt: skip
     print_bench(report)
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))
@@ -158,6 +170,9 @@ def profile_command(
     steps: request_options.StepsOpt = 20,
     height: request_options.HeightPxOpt = None,
     width: request_options.WidthPxOpt = None,
+    image: request_options.ImageOpt = None,
+    mask: request_options.MaskOpt = None,
+    task: request_options.TaskOpt = None,
     warmup: Annotated[int, typer.Option(min=0, help="Untraced generations first (0: see first-run effects).")] = 0,
     prompt: Annotated[str, typer.Option(help="What to draw.")] = GenerateRequest.prompt,
     engines: store_options.EnginesOpt = None,
@@ -165,14 +180,15 @@ def profile_command(
     """Trace one generation: waterfall (trace.json), flame graph, per-step table with outliers.
 
     Example: sdtrt profile --model tiny --out prof --trace diffusers.schedulers.scheduling_pndm.PNDMScheduler.step
+    Image to image, inpainting, editing: --task img2img --image photo.png (--task inpaint … --mask mask.png)
     """
     result_files.check_folder(out, "--out")
+    chosen = request_options.task_option(task)
     artifact = store_options.find_engine(engine, engines) if engine else None
     source = store_options.model_for(model, artifact)
-    request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width)
-    rule = SizeRule.for_model(source)
-    request = request.sized_for(rule)
-    request_options.check_engine_size(artifact, request, rule)
+    images = request_options.task_images(image, mask)
+    request = GenerateRequest(prompt=prompt, steps=steps, height=height, width=width, **images)
+    request = request_options.checked_request(request, source, chosen, artifact)
 
     from rich.table import Table
 
@@ -183,7 +199,7 @@ def profile_command(
     with step("Profiling one generation"):
         result = profile_generation(
             source, artifact, out,
-            request, tuple(trace or ()), warmup=warmup,
+            request, tuple(trace or ()), warmup=warmup, task=chosen,
         )  # fmt: skip
     unet = denoiser_label(denoiser_component(source))
     table = Table(title=f"per step (outlier: > {OUTLIER_FACTOR}× the median)", title_justify="left")

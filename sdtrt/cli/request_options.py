@@ -12,10 +12,12 @@ import typer
 from ..core.artifact import Artifact
 from ..core.config import WeightBudget
 from ..core.errors import ConfigError, RequestError
+from ..core.families import TASKS
 from ..core.progress import console
 from ..pipeline.request import FLOW_SCHEDULERS, SCHEDULERS
 
 if TYPE_CHECKING:
+    from ..core.families import Task
     from ..pipeline.request import GenerateRequest, SizeRule
     from ..pipeline.step_cache import StepCache
     from ..sources.models import ModelSource
@@ -49,6 +51,10 @@ ImagesOpt = Annotated[
     ),
 ]
 MaskOpt = Annotated[Path | None, typer.Option(help="Inpainting mask: white is repainted.")]
+TaskOpt = Annotated[
+    str | None,
+    typer.Option(metavar=f"<{'|'.join(TASKS)}>", help="The pipeline of the model's family to run (default: its own)."),
+]
 ControlImageOpt = Annotated[
     Path | None,
     typer.Option(
@@ -216,6 +222,32 @@ def check_engine_size(artifact: Artifact | None, request: GenerateRequest, rule:
         check_references(request_references(request.image, request.image_reference), profile, rule.multiple)
 
 
+def task_option(task: str | None) -> Task | None:
+    """--task, checked before anything loads (exit 2 for one that is no task)."""
+    if task is not None and task not in TASKS:
+        raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
+    return task
+
+
+def checked_request(
+    request: GenerateRequest, source: ModelSource, task: Task | None, artifact: Artifact | None
+) -> GenerateRequest:
+    """The request checked against the pipeline ``task`` picks (the images it takes and needs), sized as its input
+    image where that pipeline takes no size, then by the model's rule and against the engines' profile: RequestError
+    (exit 2) before anything loads (`generate`, `bench`, `profile`)."""
+    from ..core.families import pipeline_class_name
+    from ..pipeline.image_inputs import check_pipeline_inputs, sized_by_image
+    from ..pipeline.request import SizeRule
+    from ..stages.engine_set import engine_members, engine_profile
+
+    rule, pipeline_class = SizeRule.for_model(source), source.pipeline_class()
+    profile = engine_profile(engine_members(artifact)) if artifact else None
+    check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes (the Triton row's)
+    request = sized_by_image(request, pipeline_class_name(pipeline_class, task), rule.multiple, profile).sized_for(rule)
+    check_engine_size(artifact, request, rule)
+    return request
+
+
 def open_image(path: Path | None, mode: str, option: str) -> Any:
     """--image or --mask, opened; one missing or unreadable is a usage error in one line (not Typer's box)."""
     if path is None:
@@ -243,6 +275,13 @@ def open_images(paths: list[Path] | None, pipeline: str) -> Any:
         raise RequestError(f"{pipeline} takes {'at most ' if most > 1 else ''}{most} --image, not {len(paths)}: {fix}")
     images = [open_image(path, "RGB", "--image") for path in paths]
     return images if len(images) > 1 else next(iter(images), None)
+
+
+def task_images(image: list[Path] | Path | None, mask: Path | None, pipeline: str = "") -> dict[str, Any]:
+    """--image (one, or generate's repeated ones for the ``pipeline`` that takes several) and --mask opened, by
+    GenerateRequest field (image, mask_image): generate, bench, profile, client."""
+    paths = image if isinstance(image, list) else [image] if image else []
+    return {"image": open_images(paths, pipeline), "mask_image": open_image(mask, "L", "--mask")}
 
 
 def lora_options(values: list[str] | None) -> list[tuple[str, float]]:

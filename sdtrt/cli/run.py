@@ -14,9 +14,7 @@ from rich.console import Console
 
 from ..core.config import ValidationConfig
 from ..core.errors import RequestError
-from ..core.families import TASKS
 from ..core.progress import console, counted_steps, results, step
-from ..pipeline.image_inputs import check_pipeline_inputs, sized_by_image
 from ..pipeline.request import (
     GenerateRequest,
     SizeRule,
@@ -55,12 +53,7 @@ def generate_command(
     control_image: request_options.ControlImageOpt = None,
     reference_image: request_options.ReferenceImageOpt = None,
     strength: request_options.StrengthOpt = None,
-    task: Annotated[
-        str | None,
-        typer.Option(
-            metavar=f"<{'|'.join(TASKS)}>", help="The pipeline of the model's family to run (default: its own)."
-        ),
-    ] = None,
+    task: request_options.TaskOpt = None,
     lora: Annotated[
         list[str] | None,
         typer.Option(
@@ -97,8 +90,7 @@ def generate_command(
     from ..core.families import pipeline_class_name
     from ..stages.engine_set import engine_members, engine_profile
 
-    if task is not None and task not in TASKS:
-        raise RequestError(f"task '{task}' is not one of {', '.join(TASKS)}")
+    chosen = request_options.task_option(task)
     loras = request_options.lora_options(lora)
     budget = request_options.weight_budget(weight_streaming_budget)
     request_options.step_cache(cache)  # a malformed --cache: exit 2 before anything loads
@@ -108,8 +100,7 @@ def generate_command(
     request_options.check_lora_families(loras, source)
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-        image=request_options.open_images(image, pipeline_class_name(source.pipeline_class(), task)),
-        mask_image=request_options.open_image(mask, "L", "--mask"),
+        **request_options.task_images(image, mask, pipeline_class_name(source.pipeline_class(), chosen)),
         ip_adapter_image=request_options.open_image(ip_adapter_image, "RGB", "--ip-adapter-image"),
         control_image=request_options.open_image(control_image, "RGB", "--control-image"),
         image_reference=request_options.open_image(reference_image, "RGB", "--reference-image"),
@@ -118,13 +109,10 @@ def generate_command(
         request_options.require_ip_adapter_engine(artifact)
     elif ip_adapter_scale is not None:
         raise RequestError("--ip-adapter-scale scales an --ip-adapter-image: pass one, or leave the scale out")
-    rule, pipeline_class = SizeRule.for_model(source), source.pipeline_class()
+    request = request_options.checked_request(request, source, chosen, artifact)
     profile = engine_profile(engine_members(artifact)) if artifact else None
-    check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes (the Triton row's)
-    request = sized_by_image(request, pipeline_class_name(pipeline_class, task), rule.multiple, profile).sized_for(rule)
-    request_options.check_engine_size(artifact, request, rule)
     if scheduler:
-        check_scheduler(scheduler, source.family(), pipeline_class_name(pipeline_class, task))
+        check_scheduler(scheduler, source.family(), pipeline_class_name(source.pipeline_class(), chosen))
     # the cache's check reads configs alone; the prompt's loads the tokenizers (seconds of imports)
     step_cache = request_options.resolve_cache(cache, artifact, source, steps, scheduler, from_image=bool(image))
     check_prompt_tokens(source, request, profile)
@@ -135,7 +123,7 @@ def generate_command(
     from ..pipeline.loading import generate, load_pipeline
 
     with step(f"Loading pipeline ({'engine ' + str(artifact.path) if artifact else 'PyTorch'})"):
-        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=task, loras=loras, weight_budget=budget)
+        pipe = load_pipeline(source, artifact, scheduler=scheduler, task=chosen, loras=loras, weight_budget=budget)
     if freeu_factors is not None:
         pipe.enable_freeu(*freeu_factors)
     if ip_adapter_image is not None:
@@ -235,7 +223,7 @@ def check_blocks_command(
         typer.Option(
             help="A block to cut and compare, e.g. transformer_blocks.0; repeat for several. Default: the first and "
             "last double-stream, one single-stream (Flux), first and last (SD3), first down and last up (UNet), "
-            "first and last layer (CLIP, T5 text encoders)."
+            "first and last layer (CLIP, T5, LLM text encoders), first refiners and first and last layer (Z-Image)."
         ),
     ] = None,
     graph_checks: Annotated[

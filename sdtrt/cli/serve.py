@@ -151,8 +151,7 @@ def client_command(
     result_files.ensure_image_file(out, "--out")
     request = GenerateRequest(
         prompt, negative_prompt, steps, guidance, seed, height, width, strength=strength,
-        image=request_options.open_image(image, "RGB", "--image"),
-        mask_image=request_options.open_image(mask, "L", "--mask"),
+        **request_options.task_images(image, mask),
         control_image=request_options.open_image(control_image, "RGB", "--control-image"),
         image_reference=request_options.open_image(reference_image, "RGB", "--reference-image"),
     )  # fmt: skip

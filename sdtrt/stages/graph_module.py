@@ -178,9 +178,14 @@ def controlnet_sample_lists(given: dict[str, Any]) -> dict[str, Any]:
 
 def block_patches(spec: GraphSpec) -> dict[tuple[Any, str], Any]:
     """What the graph's forward replaces inside the network's blocks, for a block run alone on the graph's inputs:
-    Qwen-Image's rotary product on (cos, sin) pairs, where diffusers' takes complex numbers."""
+    Qwen-Image's rotary product on (cos, sin) pairs, where diffusers' takes complex numbers, and Z-Image's attention
+    rotating by real (cos, sin) factors."""
     if isinstance(spec, QwenImageTransformerSpec):
         from .qwen_transformer import rotary_patches
 
         return rotary_patches()
+    if isinstance(spec, ZImageTransformerSpec):
+        from .zimage_transformer import rotary_patches as zimage_rotary
+
+        return zimage_rotary()
     return {}

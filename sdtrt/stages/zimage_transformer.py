@@ -9,11 +9,11 @@ network's rotary axes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..spec import ZImageTransformerSpec
+from .patches import replaced
 
 if TYPE_CHECKING:
     import torch
@@ -68,19 +68,13 @@ def rotary_factors(network: Any, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack((angle.cos(), angle.sin()), dim=-1)
 
 
-@contextmanager
-def real_rotary(network: Any) -> Iterator[None]:
-    """The network's attentions on RealRotaryAttention for the call, their own processors back after it: the same
-    network runs diffusers' pipeline next (validate's end-to-end check)."""
-    attentions = [block.attention for block in (*network.noise_refiner, *network.context_refiner, *network.layers)]
-    own = [attention.processor for attention in attentions]
-    for attention in attentions:
-        attention.set_processor(RealRotaryAttention())
-    try:
-        yield
-    finally:
-        for attention, processor in zip(attentions, own, strict=True):
-            attention.set_processor(processor)
+def rotary_patches() -> dict[tuple[Any, str], Any]:
+    """Z-Image's attention processor computing as RealRotaryAttention, for the forward and for a block run alone on
+    the graph's inputs (check-blocks); ``replaced`` restores diffusers' own after the call (validate's end-to-end
+    check runs the same network in diffusers' pipeline next)."""
+    from diffusers.models.transformers import transformer_z_image
+
+    return {(transformer_z_image.ZSingleStreamAttnProcessor, "__call__"): RealRotaryAttention.__call__}
 
 
 def zimage_call(network: Any, spec: ZImageTransformerSpec) -> Callable[..., torch.Tensor]:
@@ -94,7 +88,7 @@ def zimage_call(network: Any, spec: ZImageTransformerSpec) -> Callable[..., torc
         img_ids: torch.Tensor, txt_ids: torch.Tensor, img_pad: torch.Tensor, txt_pad: torch.Tensor,
         txt_mask: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        with real_rotary(network):
+        with replaced(rotary_patches()):
             return joint_forward(
                 hidden_states, timestep, encoder_hidden_states, img_ids, txt_ids, img_pad, txt_pad, txt_mask
             )

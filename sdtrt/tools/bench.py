@@ -8,7 +8,8 @@ guidance) and the VAE decode, from the same spans
 
 JSON format (stable; other tools read it)::
 
-    {"format": 1, "config": {..., "denoiser": "unet" | "transformer"}, "environment": {...}, "backends": [
+    {"format": 1, "config": {..., "task", "denoiser": "unet" | "transformer", "inputs": [IMAGE NAME]},
+     "environment": {...}, "backends": [
       {"name", "status": "ok" | "skipped" | "failed", "reason", "load_s", "warmup_s",
        "total_s": STATS, "stages_s": {"text_encoder": STATS, "denoise_loop": STATS, "unet": STATS,
        "scheduler_guidance": STATS, "vae_decode": STATS}, "unet_call_ms": STATS, "unet_calls",
@@ -33,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -89,14 +90,16 @@ def _device() -> torch.device:
 
 
 def _bench_profile(model: ModelSource, config: BenchConfig) -> ShapeProfile:
-    """An engine profile around the default that certainly covers the benchmarked shape."""
+    """An engine profile around the default that certainly covers the benchmarked shape; the default's tokens,
+    guidance and references stay (a Z-Image or Qwen-Image text encoder's token range is no T5's 512)."""
     default = denoiser_spec(model).default_profile()  # the UNet's or the transformer's
     h = config.height or default.height.opt
     w = config.width or default.width.opt
-    return ShapeProfile(
-        Range(1, config.batch, max(config.batch, default.batch.max)),
-        Range(min(h, default.height.min), h, max(h, default.height.max)),
-        Range(min(w, default.width.min), w, max(w, default.width.max)),
+    return dataclasses.replace(
+        default,
+        batch=Range(1, config.batch, max(config.batch, default.batch.max)),
+        height=Range(min(h, default.height.min), h, max(h, default.height.max)),
+        width=Range(min(w, default.width.min), w, max(w, default.width.max)),
     )
 
 
@@ -109,7 +112,9 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
     device = _device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if name.startswith("torch"):
-        pipe = load_pipeline(model, dtype=dtype).to(device)  # LoRAs go in (and are timed) after loading
+        pipe = load_pipeline(model, task=config.task, dtype=dtype).to(
+            device
+        )  # LoRAs go in (and are timed) after loading
         denoiser = FOLDERS[denoiser_component(model)]  # the pipeline's attribute: unet (a transformer's next)
         if name == "torch-sdpa-off":
             from diffusers.models.attention_processor import AttnProcessor
@@ -130,7 +135,7 @@ def load_backend(spec: str, model: ModelSource, config: BenchConfig, store: Stor
         model, store, target, export_config, profile=_bench_profile(model, config), trt_config=trt_config,
         caches=caches,
     )  # fmt: skip
-    return load_pipeline(model, result.final, dtype=dtype).to(device)
+    return load_pipeline(model, result.final, task=config.task, dtype=dtype).to(device)
 
 
 def time_loras(pipe: Any, loras: tuple[tuple[str, float], ...], swaps: int) -> tuple[float, dict[str, float] | None]:
@@ -157,14 +162,16 @@ class _Skip(Exception):
     """This backend cannot run on this machine; the message says why."""
 
 
-def run_backend(name: str, model: ModelSource, config: BenchConfig, store: Store) -> BackendResult:
+def run_backend(
+    name: str, model: ModelSource, config: BenchConfig, store: Store, inputs: Mapping[str, Any] | None = None
+) -> BackendResult:
     result = BackendResult(name)
     device = _device()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     request = GenerateRequest(
         prompt=config.prompt, steps=config.steps, seed=config.seed, height=config.height, width=config.width,
-        guidance=SizeRule.for_model(model).applicable(config.guidance), images=config.batch,
+        guidance=SizeRule.for_model(model).applicable(config.guidance), images=config.batch, **(inputs or {}),
     )  # fmt: skip
     with rss_sampler() as peak_rss:
         try:
@@ -223,9 +230,14 @@ def compare(results: list[BackendResult]) -> None:
 
 
 def run_bench(
-    model: ModelSource, config: BenchConfig, store: Store, on_backend: Callable[[str], None] | None = None
+    model: ModelSource,
+    config: BenchConfig,
+    store: Store,
+    on_backend: Callable[[str], None] | None = None,
+    inputs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every backend in turn, on this machine, in this process: the side-by-side comparison.
+    """Every backend in turn, on this machine, in this process: the side-by-side comparison. ``inputs``: the images
+    ``config.task``'s pipeline takes, by GenerateRequest field (``image``, ``mask_image``: PIL images).
 
     A size no backend could serve is a RequestError, and a LoRA file sdtrt cannot use a LoraError,
     before anything is loaded.
@@ -240,7 +252,7 @@ def run_bench(
     for name in config.backends:
         if on_backend:
             on_backend(name)
-        results.append(run_backend(name, model, config, store))
+        results.append(run_backend(name, model, config, store, inputs))
     compare(results)
     env = environment("torch", "diffusers", "onnxruntime", "tensorrt", "torch-tensorrt") | {
         "machine": platform.machine(),
@@ -250,7 +262,8 @@ def run_bench(
     }
     return {
         "format": FORMAT,
-        "config": asdict(config) | {"model": model.name, "denoiser": denoiser_component(model)},
+        "config": asdict(config)
+        | {"model": model.name, "denoiser": denoiser_component(model), "inputs": sorted(inputs or {})},
         "environment": env,
         "backends": [asdict(r) for r in results],
     }

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..core.artifact import Artifact
+from ..core.families import Task
 from ..pipeline.loading import generate, load_pipeline
 from ..pipeline.request import GenerateRequest, SizeRule
 from ..sources.models import ModelSource
@@ -99,15 +100,17 @@ def profile_generation(
     traces: tuple[str, ...] = (),
     scheduler: str | None = None,
     warmup: int = 0,
+    task: Task | None = None,
 ) -> ProfileResult:
-    """Run one generation (after ``warmup`` untraced ones) under the tracer and a sampling profiler."""
+    """Run one generation (after ``warmup`` untraced ones) under the tracer and a sampling profiler; ``task``: the
+    pipeline of the model's family to run (img2img, inpaint: the request carries its images), None its own."""
     from pyinstrument import Profiler
     from pyinstrument.renderers import SpeedscopeRenderer
 
     request = request.sized_for(SizeRule.for_model(model))  # a bad size fails before anything loads
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    pipe = load_pipeline(model, engine, scheduler=scheduler, dtype=dtype).to(device)
+    pipe = load_pipeline(model, engine, scheduler=scheduler, task=task, dtype=dtype).to(device)
     for _ in range(warmup):
         generate(pipe, request, output_type="np")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..families import TASKS, Task
 from .precision import PRECISIONS, Precision, target_precision_problem
 from .validation import DEFAULT_PROMPT
 
@@ -32,6 +33,9 @@ class BenchConfig:
     # A step cache (--cache first-block:0.08): each backend also runs it, alternating with uncached runs, and
     # reports both loops, their ratio and the image's PSNR/SSIM against the uncached one (engines: built --caches).
     cache: str | None = None
+    # The pipeline of the model's family each backend runs (img2img, inpaint); None: its own. Its images are
+    # run_bench's ``inputs``.
+    task: Task | None = None
 
     def __post_init__(self) -> None:
         for spec in self.backends:
@@ -46,3 +50,5 @@ class BenchConfig:
                 raise ConfigError(f"'{spec}': {problem}")
         if self.repeats < 1 or self.warmup < 0 or self.steps < 1:
             raise ConfigError("repeats and steps must be at least 1, warmup at least 0")
+        if self.task is not None and self.task not in TASKS:
+            raise ConfigError(f"task '{self.task}' is not one of {', '.join(TASKS)}")

@@ -39,11 +39,13 @@ if TYPE_CHECKING:
 # The blocks checked by default, per ModuleList (a path in the network): Flux's first and last double-stream block
 # and one single-stream block, SD3's first and last, a UNet's first down block and its last up block (skip
 # connections), a text encoder's first and last layer (CLIP's, SDXL's second CLIP's, T5's; an LLM's first and last
-# decoder layer the graph runs: Qwen3's, Qwen2.5-VL's language model's).
+# decoder layer the graph runs: Qwen3's, Qwen2.5-VL's language model's), Z-Image's first and last main layer and
+# its first noise and caption refiner (the caption's takes no timestep modulation).
 DEFAULT_BLOCKS = {"transformer_blocks": (0, -1), "single_transformer_blocks": (0,), "down_blocks": (0,),
                   "up_blocks": (-1,), "encoder.layers": (0, -1), "text_model.encoder.layers": (0, -1),
                   "encoder.block": (0, -1), "model.layers": (0, -1),
-                  "model.language_model.layers": (0, -1)}  # fmt: skip
+                  "model.language_model.layers": (0, -1), "noise_refiner": (0,), "context_refiner": (0,),
+                  "layers": (0, -1)}  # fmt: skip
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear", "TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear")
 
 

@@ -40,8 +40,8 @@ def compare_block(
     gen = torch.Generator().manual_seed(seed)
     values = {}
     for path, meta in tensor_leaves(call.arguments):
-        if not meta.is_floating_point():
-            values[path] = torch.zeros(meta.shape, dtype=meta.dtype)
+        if not meta.is_floating_point():  # ids at 0; a boolean mask lets every key in (none: NaN attention)
+            values[path] = (torch.ones if meta.dtype == torch.bool else torch.zeros)(meta.shape, dtype=meta.dtype)
             continue
         # Rounded through the graph's dtype, so that both sides compute on the same numbers.
         drawn = torch.randn(tuple(meta.shape), generator=gen).numpy()

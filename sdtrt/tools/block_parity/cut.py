@@ -76,7 +76,8 @@ def cut_block(
     computes elsewhere, and those producers are pulled into the cut: integer values (sizes computed once, before
     every block, back to the graph inputs they measure), constants, and float values that are no argument of the
     block (``is_argument``) but a weight-free function of one (``silu(temb)``, computed once and shared by every
-    block). Outputs are the float values the block makes and something outside it reads.
+    block). An argument (a float one, or a boolean key mask) stays an input. Outputs are the float values the
+    block makes and something outside it reads.
     """
     import onnx
 
@@ -88,9 +89,11 @@ def cut_block(
 
     def pulled_in(name: str) -> bool:
         node = graph.node[producer[name]]
+        if is_argument(name):  # a float argument, or a mask one (Z-Image's joint key mask, made before the blocks)
+            return False
         if not is_float(shapes[name][0]) or not node.input:
             return True
-        if is_argument(name) or {graph.node[i].op_type for i in members if name in graph.node[i].input} == {"Shape"}:
+        if {graph.node[i].op_type for i in members if name in graph.node[i].input} == {"Shape"}:
             return False
         heavy = [i for i in node.input if i in inits and np.prod(inits[i].dims) > DEDUP_MAX_ELEMENTS]
         if heavy:

@@ -49,9 +49,13 @@ class Arguments:
         self.graph, self.shapes = graph, shapes
 
     def same_maker(self, name: str, leaves: list[tuple[tuple[Any, ...], torch.Tensor]]) -> list[Any]:
-        """The leaves of the value's shape made in the module the value's node is in (where both are known)."""
-        shape = self.shapes[name][1]
-        found = [(p, t) for p, t in leaves if tuple(t.shape) == shape]
+        """The leaves of the value's shape and kind (floating point or not) made in the module the value's node is in
+        (where both are known): Z-Image's text mask [B, T] is no timestep embedding [B, D] where T is D."""
+        import onnx
+
+        elem, shape = self.shapes[name]
+        floating = onnx.helper.tensor_dtype_to_np_dtype(elem).kind == "f"
+        found = [(p, t) for p, t in leaves if tuple(t.shape) == shape and t.is_floating_point() == floating]
         scope = innermost_scope(self.producer[name]) if name in self.producer else None
         if scope is not None:
             found = [(p, t) for p, t in found if self.made_in.get(id(t), scope) == scope]

@@ -16,17 +16,17 @@ if TYPE_CHECKING:
 
 
 def check_size(spec: GraphSpec) -> tuple[int, int, int, int]:
-    """Batch, height and width in pixels, T5 tokens of the seeded block inputs: small, every axis distinct, so
+    """Batch, height and width in pixels, text tokens of the seeded block inputs: small, every axis distinct, so
     tensors are told apart by their shapes (patches 4×6 = 24 latent tokens, 10 text tokens)."""
     return 1, 4 * spec.pixel_multiple, 6 * spec.pixel_multiple, 10
 
 
 def inputs_label(spec: GraphSpec, batch: int, height: int, width: int, tokens: int) -> str:
-    """The check size in words: "batch 1, 48×32 px (w×h)" (no size for a text encoder; ", 10 T5 tokens" for graphs
-    with a T5 axis)."""
+    """The check size in words: "batch 1, 48×32 px (w×h)" (no size for a text encoder; ", 10 text tokens" for graphs
+    with a token axis: T5's, or an LLM encoder's as Z-Image's and Qwen-Image's)."""
     size = f", {pixel_size(height, width)}" if spec.reads_pixels else ""
-    t5 = f", {tokens} T5 tokens" if spec.default_profile().tokens is not None else ""
-    return f"batch {batch}{size}{t5}"
+    text = f", {tokens} text tokens" if spec.default_profile().tokens is not None else ""
+    return f"batch {batch}{size}{text}"
 
 
 def concrete_shapes(proto: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
