@@ -197,7 +197,7 @@ def validate_command(
 
         cached = compare_on_engines(source, artifact, step_cache, config)
         not_judged = " [dim](informational: the tolerances above judge the engines against PyTorch, not this)[/]"
-        results.print(cache_comparison_line("engines", cached) + not_judged)
+        results.print(cache_comparison_line("engines", cached) + ("" if "error" in cached else not_judged))
     if json_out:
         json_out.write_text(json.dumps(report.to_json() | ({"step_cache": cached} if cached else {}), indent=2))
         if report_html:  # report.json → report.html (a --json named .html keeps its JSON: report.html.html)
@@ -302,7 +302,8 @@ def print_report(report: ValidationReport, out: Console) -> None:
 
     tol = report.tolerances
     table = Table(
-        title=f"each {report.precision} engine's outputs vs its PyTorch fp32 network's, same inputs ({report.model})",
+        title=f"each {report.precision} engine vs PyTorch fp32: its outputs against its network's, same inputs "
+        f"({report.model})",
         title_justify="left",
     )
     what = "member: inputs" if len(report.members) > 1 else "inputs"
