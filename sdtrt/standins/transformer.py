@@ -67,10 +67,9 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
 
     def __init__(
         self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None,
-        loras: EngineLoras | None = None, pipeline_class: str = "",
+        loras: EngineLoras | None = None,
     ) -> None:  # fmt: skip
         super().__init__(config, dtype or runtime.dtype, [runtime])
-        self.pipeline_class = pipeline_class  # the pipeline it is in (diffusers' name; ""), which enable_cache checks
         if not isinstance(runtime.spec, TransformerSpec):
             raise ArtifactError(
                 f"this is a {runtime.spec.component} engine; a pipeline's transformer needs a transformer engine"
@@ -108,7 +107,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         run on the engines of a set compiled with caches; any other config, or none of those parts, is refused."""
         if self.is_cache_enabled:
             raise EngineInputError(f"{type(self).__name__}.enable_cache: a cache is on already: disable_cache() first")
-        if problem := cache_problem(config, self._open_parts is not None, self.spec.architecture, self.pipeline_class):
+        if problem := cache_problem(config, self._open_parts is not None, self.spec.architecture):
             raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
         split = self.opened_split()
         assert split is not None  # cache_problem said the set has the parts
