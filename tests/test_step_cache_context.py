@@ -100,3 +100,20 @@ def test_true_cfg_with_a_cache_in_a_pipeline_without_a_context_is_refused_in_one
             assert not isinstance(cache_call_context(each, {"negative_prompt": "blurry"}), contextlib.nullcontext)
     finally:
         pipe.transformer.disable_cache()
+
+
+def test_true_cfg_on_cached_engines_without_a_context_is_refused_at_the_second_call(cached_sets, img2img):
+    """A call of the pipeline itself (no generate to check its arguments first): the engine transformer refuses the
+    step's second call, the negative prompt's, in one line; a call without true CFG runs."""
+    import sdtrt
+
+    engines = sdtrt.load_pipeline("tiny-flux", engine=cached_sets("tiny-flux"), task="img2img")
+    _, request = img2img
+    engines.transformer.enable_cache(FirstBlockCacheConfig(threshold=1.0))
+    try:
+        with pytest.raises(EngineInputError, match="twice at one step") as refused:
+            engines(**kwargs_of(request), negative_prompt="blurry", true_cfg_scale=4.0)
+        assert "\n" not in str(refused.value)
+        assert engines(**kwargs_of(request), negative_prompt="blurry").images.shape == (1, 128, 128, 3)
+    finally:
+        engines.transformer.disable_cache()
