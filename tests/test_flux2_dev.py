@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.hooks import TaylorSeerCacheConfig
 
 from sdtrt.core.config import ExportConfig
 from sdtrt.core.errors import EngineInputError, RequestError
@@ -197,21 +196,3 @@ def test_a_sliding_window_shorter_than_the_prompt_is_refused(source):
 
     with pytest.raises(UnsupportedModelError, match=r"^[^\n]*sliding window of 64 tokens, fewer than the 512"):
         MistralEncoderSpec.for_model(Windowed())
-
-
-@pytest.mark.slow
-def test_step_caches_have_no_reference_on_flux2_dev_and_the_engines_refuse_them(dev):
-    """diffusers' Flux2Pipeline calls its transformer outside any cache context (klein's opens "cond"), so its own
-    hooks fail on the PyTorch pipeline; the engine transformer refuses enable_cache in one line, before any run.
-    If diffusers opens a context there one day, the first check fails: lift the refusal (NO_CACHE_CONTEXT)."""
-    _, reference, engine = dev
-    config = TaylorSeerCacheConfig(cache_interval=2, use_lite_mode=True)
-    reference.transformer.enable_cache(config)
-    try:
-        with pytest.raises(ValueError, match="No cache context is set"):
-            reference(prompt="a fox", num_inference_steps=2, height=128, width=128, output_type="np")
-    finally:
-        reference.transformer.disable_cache()
-    with pytest.raises(EngineInputError, match="outside any cache context") as refused:
-        engine.transformer.enable_cache(config)
-    assert "\n" not in str(refused.value) and not engine.transformer.is_cache_enabled

@@ -55,8 +55,7 @@ def generate(pipe, config=None, context=contextlib.nullcontext, **call) -> np.nd
             pipe.transformer.disable_cache()
 
 
-# Not FLUX.2 [dev]: its step caches are refused (test_step_cache_flux2.py), so its parts are never built.
-SPLIT_PRESETS = ("tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein")
+SPLIT_PRESETS = ("tiny-flux", "tiny-flux-schnell", "tiny-sd3", "tiny-qwen-image", "tiny-flux2-klein", "tiny-flux2")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
-"""Step caches on FLUX.2 [klein] engines: diffusers' TaylorSeer (lite) and MagCache hooks on the FLUX.2 split (its
+"""Step caches on FLUX.2 engines: diffusers' TaylorSeer (lite) and MagCache hooks on the FLUX.2 split (its
 modulations and rotary embedding computed by the embedders' part, handed to each block), against the same configs
-on the PyTorch Flux2KleinPipeline (true CFG: a cond and an uncond pass a step, each in its cache context).
+on the PyTorch Flux2KleinPipeline (true CFG: a cond and an uncond pass a step, each in its cache context) and on the
+PyTorch Flux2Pipeline ([dev]: one transformer call a step, in no cache context of its own; the call runs inside the
+transformer's "cond", as sdtrt's generate runs it).
 
 A step's decision is whether the blocks after the first ran: the engines' other-blocks part, the PyTorch last
 single-stream block's attention. First-Block Cache fails on the PyTorch FLUX.2 transformer (diffusers issue 14280),
@@ -10,7 +12,7 @@ so the engines refuse it in one line. One fp32 ONNX Runtime set with the split m
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -39,11 +41,25 @@ def klein(store):
     return load_pipeline(source), load_pipeline(source, engine.final)
 
 
+@pytest.fixture(scope="module")
+def dev(store):
+    """The same for tiny FLUX.2 [dev] (Flux2Pipeline; the other members are test_flux2_dev's)."""
+    source = resolve_model("tiny-flux2")
+    engine = compile_model(source, store, "onnxruntime", ExportConfig(precision="fp32"), caches=("taylorseer",))
+    return load_pipeline(source), load_pipeline(source, engine.final)
+
+
 def image(pipe, config=None, **call: object) -> np.ndarray:
     if config is not None:
         pipe.transformer.enable_cache(config)
+    # Flux2Pipeline opens no cache context: its call inside "cond" (the engines open it alone too), as generate runs it
+    context: AbstractContextManager[object] = nullcontext()
+    if config is not None and type(pipe).__name__ == "Flux2Pipeline":
+        context = pipe.transformer.cache_context("cond")
     try:
-        return pipe(prompt="a red fox in the snow", generator=torch.Generator().manual_seed(0), **CALL, **call).images
+        with context:
+            prompt = "a red fox in the snow"
+            return pipe(prompt=prompt, generator=torch.Generator().manual_seed(0), **CALL, **call).images
     finally:
         if config is not None:
             pipe.transformer.disable_cache()
@@ -72,11 +88,12 @@ def counted(module: torch.nn.Module) -> Callable[[], int]:
     return lambda: runs[0]
 
 
-def check_parity(klein, config_of: Callable[[], object], **call: object) -> str:
-    """The cache on both pipelines (``call``: the pipeline call's other arguments): the same decisions on every call,
-    some skipped, images ≥ 35 dB apart; the uncached engine image again after disable_cache. Returns the
-    decisions."""
-    reference, engines = klein
+def check_parity(pipes, config_of: Callable[[], object], **call: object) -> str:
+    """The cache on both pipelines (``call``: the pipeline call's other arguments): the same decisions on every call
+    (klein's two a step, dev's one), some skipped, images ≥ 35 dB apart; the uncached engine image again after
+    disable_cache. Returns the decisions."""
+    reference, engines = pipes
+    calls = 1 if type(reference).__name__ == "Flux2Pipeline" else 2
     uncached = image(engines, **call)
     pytorch_runs = counted(reference.transformer.single_transformer_blocks[-1].attn)
     with decisions(reference.transformer, pytorch_runs) as on_pytorch:
@@ -85,12 +102,17 @@ def check_parity(klein, config_of: Callable[[], object], **call: object) -> str:
     with decisions(engines.transformer, lambda: rest.rest.calls) as on_engines:
         cached = image(engines, config_of(), **call)
     made = "".join(on_engines)
-    assert made == "".join(on_pytorch) and "s" in made and len(made) == 2 * STEPS, (made, on_pytorch)
-    psnr = psnr_db(cached, expected)
-    print(f"tiny-flux2-klein {type(config_of()).__name__}: {made}, PSNR {psnr:.1f} dB")
-    assert psnr >= 35.0 and psnr_db(cached, uncached) < 80.0  # matched, and steps were skipped
+    assert made == "".join(on_pytorch) and "s" in made and len(made) == calls * STEPS, (made, on_pytorch)
+    psnr, skipped = psnr_db(cached, expected), psnr_db(cached, uncached)
+    name = f"{type(reference).__name__} {type(config_of()).__name__}"
+    print(f"{name}: {made}, {psnr:.1f} dB vs PyTorch, {skipped:.1f} dB vs uncached")
+    assert psnr >= 35.0 and skipped < 80.0  # matched, and steps were skipped
     assert np.array_equal(image(engines, **call), uncached)  # disable_cache: the whole engine again, bit for bit
     return made
+
+
+def magcache() -> MagCacheConfig:
+    return MagCacheConfig(threshold=0.3, num_inference_steps=STEPS, mag_ratios=FLUX_MAG_RATIOS)
 
 
 def taylorseer_lite() -> TaylorSeerCacheConfig:
@@ -123,7 +145,7 @@ def test_magcache_on_the_engines_skips_the_steps_pytorch_skips(klein):
     """MagCache's residual on FLUX.2 is the joined stream's image tokens minus the first block's input; on the
     engines the other-blocks part returns the image tokens alone. Flux.1's ratios stand in for ratios calibrated on
     FLUX.2 (MagCache decides from the ratios and the step alone)."""
-    check_parity(klein, lambda: MagCacheConfig(threshold=0.3, num_inference_steps=STEPS, mag_ratios=FLUX_MAG_RATIOS))
+    check_parity(klein, magcache)
 
 
 def test_first_block_cache_is_refused_on_flux2_before_any_export(store):
@@ -139,13 +161,9 @@ def test_first_block_cache_is_refused_on_flux2_engines_in_one_line(klein):
     assert "\n" not in str(refused.value) and not engines.transformer.is_cache_enabled
 
 
-def test_step_caches_are_refused_on_flux2_dev_before_anything_loads(store):
-    """Flux2Pipeline ([dev]) calls its transformer outside any cache context (test_flux2_dev.py shows diffusers'
-    hooks failing there), so compile --caches and generate --cache refuse every step cache on it, in one line."""
-    from .helpers import run_cli
-
-    with pytest.raises(ConfigError, match=r"Flux2Pipeline \(FLUX.2 \[dev\]\) calls its transformer outside any"):
-        compile_model(resolve_model("tiny-flux2"), store, "onnxruntime", caches=("taylorseer",))
-    refused = run_cli("generate", "--model", "tiny-flux2", "--cache", "taylorseer:2")
-    assert refused.returncode == 2 and "'No cache context is set'" in refused.stderr
-    assert refused.stderr.count("\n") == 1
+@pytest.mark.slow  # tiny-flux2's parts' export, as klein's
+@pytest.mark.parametrize("config_of", [taylorseer_lite, magcache], ids=["taylorseer-lite", "magcache"])
+def test_step_caches_on_flux2_dev_engines_match_pytorch_inside_cond(dev, config_of):
+    """Flux2Pipeline opens no cache context, but calls its transformer once a step: the PyTorch pipeline inside an
+    outer "cond" is the reference, as SD3's is."""
+    check_parity(dev, config_of)

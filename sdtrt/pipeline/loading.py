@@ -35,6 +35,7 @@ from ..standins.vae import EngineVAE
 from .image_inputs import fit_reference
 from .references import check_pipeline_references, request_references
 from .request import SCHEDULERS, GenerateRequest, SizeRule, batch_kwargs, check_scheduler, check_steps, clip_cuts
+from .step_cache import cache_call_context
 from .token_limits import clip_tokenizers, llm_kwargs, t5_kwargs
 
 __all__ = [
@@ -283,8 +284,7 @@ def _unet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dt
 def _transformer(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, loras: Any) -> EngineModule:
     from ..standins.transformer import EngineTransformer
 
-    config, pipeline = source.component_config(FOLDERS[component]), source.pipeline_class()
-    return EngineTransformer(runtime, config, dtype=dtype, loras=loras(component), pipeline_class=pipeline)
+    return EngineTransformer(runtime, source.component_config(FOLDERS[component]), dtype=dtype, loras=loras(component))
 
 
 def _controlnet(source: ModelSource, component: str, runtime: Runtime, dtype: torch.dtype, _: Any) -> EngineModule:
@@ -396,5 +396,5 @@ def generate(
     kwargs |= t5_kwargs(pipe, prompts) | llm_kwargs(pipe, prompts, kwargs.get("image"))
     for line in clip_cuts(prompts, clip_tokenizers(pipe), t5="max_sequence_length" in kwargs):
         console.print(f"[yellow]![/] {escape(line)}")
-    with torch.no_grad():
+    with torch.no_grad(), cache_call_context(pipe, kwargs):  # a step cache in a pipeline that opens no context
         return pipe(**kwargs, output_type=output_type, callback_on_step_end=callback)

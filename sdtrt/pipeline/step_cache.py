@@ -13,7 +13,10 @@ standins/deepcache.py); the transformer caches run on the PyTorch pipeline the s
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,7 +89,7 @@ def model_problem(cache: StepCache, model: ModelConfigs, name: str, from_image: 
         )
         return f"--cache {cache.kind} cannot run on {name}: its denoiser is a {what}; use {use}"
     architecture = folder_architecture(model, "transformer")
-    if problem := reference_problem(architecture, cache.kind, model.pipeline_class() if model.is_pipeline else ""):
+    if problem := reference_problem(architecture, cache.kind):
         return f"--cache {cache.kind} cannot run on {name}: {problem}"
     flux = architecture == "FluxTransformer2DModel"
     if cache.kind == "magcache" and not flux:
@@ -147,6 +150,39 @@ def enable_step_cache(pipe: Any, cache: StepCache, steps: int) -> None:
     if not hasattr(transformer, "enable_cache"):  # diffusers' SD3Transformer2DModel has no CacheMixin; engines do
         raise EngineInputError(f"--cache {cache.label}: diffusers' {type(transformer).__name__} has no enable_cache")
     transformer.enable_cache(cache.config(pipe, steps))
+
+
+def opens_cache_context(pipeline: type) -> bool:
+    """Whether a diffusers pipeline class opens a cache context around its transformer calls (diffusers 0.42.1:
+    FluxPipeline, FLUX.2 [klein]'s and Qwen-Image's, "cond" and "uncond"), read from its ``__call__``'s code: the
+    cache hooks need one, and the others (FLUX.1 img2img, Kontext, Fill, Control, ControlNet, SD3, FLUX.2 [dev],
+    Z-Image) open none."""
+    return "cache_context" in inspect.unwrap(pipeline.__call__).__code__.co_names
+
+
+def true_cfg(pipe: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a call of ``pipe`` with ``kwargs`` runs true CFG: a negative prompt and true_cfg_scale over 1, where
+    the pipeline takes one (its transformer then runs twice a step, the negative prompt's second)."""
+    scale = inspect.signature(pipe.__call__).parameters.get("true_cfg_scale")
+    negative = kwargs.get("negative_prompt") is not None or kwargs.get("negative_prompt_embeds") is not None
+    return scale is not None and negative and kwargs.get("true_cfg_scale", scale.default) > 1
+
+
+def cache_call_context(pipe: Any, kwargs: dict[str, Any]) -> AbstractContextManager[Any]:
+    """The context a call of ``pipe`` with ``kwargs`` runs in: with a step cache on in a pipeline that opens no cache
+    context, its transformer's "cond" (what the hooks need; the pipeline calls the transformer once a step, so this is
+    the reference its engines match), else none. EngineInputError, before any network runs, for true CFG there: its
+    two transformer calls a step would share one cache state."""
+    transformer: Any = getattr(pipe, "transformer", None)
+    if not getattr(transformer, "is_cache_enabled", False) or opens_cache_context(type(pipe)):
+        return contextlib.nullcontext()
+    if true_cfg(pipe, kwargs):
+        raise EngineInputError(
+            f"a step cache with true CFG (a negative prompt, true_cfg_scale > 1) in diffusers' {type(pipe).__name__}, "
+            "which opens no cache context: both transformer calls a step would share one cache state; leave out the "
+            "negative prompt or true_cfg_scale, or the cache"
+        )
+    return transformer.cache_context("cond")
 
 
 def disable_step_cache(pipe: Any) -> None:

@@ -308,10 +308,6 @@ NO_REFERENCE = {
     "Flux2Transformer2DModel (unsupported operand type(s) for -: 'Tensor' and 'list': its tail, a single-stream "
     "block, returns the joined stream; diffusers issue 14280), so it has no reference there: use taylorseer",
 }
-# Pipelines that call their transformer outside any cache context (diffusers 0.42.1: Flux2Pipeline's denoising loop
-# calls it bare, where Flux2KleinPipeline's opens "cond" and "uncond"): diffusers' cache hooks raise "No cache
-# context is set" on their PyTorch pipeline, so no step cache there shows what the engines' skipped steps must match.
-NO_CACHE_CONTEXT = {"Flux2Pipeline": "FLUX.2 [dev]"}
 
 
 def splits(architecture: str) -> bool:
@@ -319,24 +315,14 @@ def splits(architecture: str) -> bool:
     return any(k.architecture == architecture for k, _ in KINDS)
 
 
-def reference_problem(architecture: str, cache: str, pipeline_class: str = "") -> str | None:
-    """Why the step cache ``cache`` (first-block, magcache, taylorseer) does not run on this kind's engines in a
-    ``pipeline_class`` pipeline (diffusers' name; "": any), or None."""
-    if model := NO_CACHE_CONTEXT.get(pipeline_class):
-        return (
-            f"diffusers' {pipeline_class} ({model}) calls its transformer outside any cache context, so diffusers' "
-            "cache hooks fail on it ('No cache context is set') and its cached steps have no reference: run it "
-            "without step caches (FLUX.2 [klein] takes taylorseer)"
-        )
+def reference_problem(architecture: str, cache: str) -> str | None:
+    """Why the step cache ``cache`` (first-block, magcache, taylorseer) does not run on this kind's engines, or None."""
     return NO_REFERENCE.get((architecture, cache))
 
 
-def split_problem(
-    config: dict[str, Any], controlnet: bool = False, caches: tuple[str, ...] = (), pipeline_class: str = ""
-) -> str | None:
+def split_problem(config: dict[str, Any], controlnet: bool = False, caches: tuple[str, ...] = ()) -> str | None:
     """Why this transformer cannot be split for step caches (a kind without parts; one block: nothing to skip; a
-    ControlNet's samples, which no part takes; one of ``caches`` the kind's engines, or a ``pipeline_class``
-    pipeline's, do not run), or None."""
+    ControlNet's samples, which no part takes; one of ``caches`` the kind's engines do not run), or None."""
     if controlnet:
         return "the step-cache members take no ControlNet block samples yet; compile without --caches"
     kind = config.get("_class_name", "")
@@ -344,7 +330,7 @@ def split_problem(
         split = ", ".join(k.architecture for k, _ in KINDS)
         why = NOT_SPLIT.get(kind, "")
         return f"step caches are not built for a {kind}{why} (only for {split}); compile without them"
-    if problem := next(filter(None, (reference_problem(kind, cache, pipeline_class) for cache in caches)), None):
+    if problem := next(filter(None, (reference_problem(kind, cache) for cache in caches)), None):
         return problem
     if kind == Flux2TransformerSpec.architecture and not config.get("num_layers"):
         return "its first block is a single-stream one, and the FLUX.2 split starts with a double-stream block"

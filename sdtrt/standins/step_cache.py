@@ -153,9 +153,9 @@ class SplitTransformer:
         return self.head(hidden_states=hidden, temb=given["temb"], latents=inputs["hidden_states"])
 
 
-def cache_problem(config: Any, has_parts: bool, architecture: str, pipeline_class: str = "") -> str | None:
-    """Why an engine transformer of this class (``has_parts``: its set has the split members) in a ``pipeline_class``
-    pipeline cannot run ``config`` (a diffusers cache config), or None when it can."""
+def cache_problem(config: Any, has_parts: bool, architecture: str) -> str | None:
+    """Why an engine transformer of this class (``has_parts``: its set has the split members) cannot run ``config``
+    (a diffusers cache config), or None when it can."""
     import diffusers.hooks as hooks
 
     name = type(config).__name__
@@ -165,7 +165,7 @@ def cache_problem(config: Any, has_parts: bool, architecture: str, pipeline_clas
     kind = next((kind for n, kind in HONOURED.items() if isinstance(config, getattr(hooks, n))), None)
     if kind is None:
         return f"{name} is not a step cache sdtrt knows; engines run {', '.join(HONOURED)}"
-    if problem := reference_problem(architecture, kind, pipeline_class):
+    if problem := reference_problem(architecture, kind):
         return f"{name}: {problem}"
     if not has_parts:
         return (

@@ -67,10 +67,9 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
 
     def __init__(
         self, runtime: Runtime, config: dict[str, Any], dtype: torch.dtype | None = None,
-        loras: EngineLoras | None = None, pipeline_class: str = "",
+        loras: EngineLoras | None = None,
     ) -> None:  # fmt: skip
         super().__init__(config, dtype or runtime.dtype, [runtime])
-        self.pipeline_class = pipeline_class  # the pipeline it is in (diffusers' name; ""), which enable_cache checks
         if not isinstance(runtime.spec, TransformerSpec):
             raise ArtifactError(
                 f"this is a {runtime.spec.component} engine; a pipeline's transformer needs a transformer engine"
@@ -82,6 +81,7 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         self._open_parts: Callable[[], dict[str, Runtime]] | None = None  # use_parts'
         self._part_loras: Callable[[str, Runtime], EngineLoras] | None = None
         self._in_cache_context = False
+        self._bare_call: dict[str, torch.Tensor] = {}  # the last cached call outside any cache context's inputs
         self.init_ip_adapter()
 
     def use_parts(
@@ -108,10 +108,11 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         run on the engines of a set compiled with caches; any other config, or none of those parts, is refused."""
         if self.is_cache_enabled:
             raise EngineInputError(f"{type(self).__name__}.enable_cache: a cache is on already: disable_cache() first")
-        if problem := cache_problem(config, self._open_parts is not None, self.spec.architecture, self.pipeline_class):
+        if problem := cache_problem(config, self._open_parts is not None, self.spec.architecture):
             raise EngineInputError(f"{type(self).__name__}.enable_cache: {problem}")
         split = self.opened_split()
         assert split is not None  # cache_problem said the set has the parts
+        self._bare_call = {}
         CacheMixin.enable_cache(self, config)
         if problem := check_hooked(split, config):
             CacheMixin.disable_cache(self)
@@ -182,6 +183,18 @@ class EngineTransformer(EngineModule, PeftAdapters, LoraNetwork, CacheMixin, IPA
         assert self.split is not None  # enable_cache refuses a set without parts
         if self._in_cache_context:
             return self.split(inputs)
+        last, self._bare_call = self._bare_call, inputs
+        if (
+            last
+            and all(torch.equal(last[n], inputs[n]) for n in ("timestep", "hidden_states"))
+            and not torch.equal(last["encoder_hidden_states"], inputs["encoder_hidden_states"])
+        ):  # true CFG's second call: the same step's latents, the negative prompt's
+            self._bare_call = {}
+            raise EngineInputError(
+                "the pipeline called the cached transformer twice at one step, another prompt's the second, outside "
+                "any cache context (true CFG: a negative prompt with true_cfg_scale > 1): both calls would share one "
+                "cache state; leave out the negative prompt or true_cfg_scale, or the cache"
+            )
         with self.cache_context("cond"):
             return self.split(inputs)
 

@@ -253,8 +253,7 @@ def cache_members(model: ModelSource, caches: tuple[str, ...]) -> tuple[Componen
     if denoiser == "unet":
         problem = unet_split.split_problem(model.unet_config(), model.has("controlnet"))
     else:
-        config = model.component_config("transformer")
-        problem = split_problem(config, model.has("controlnet"), caches, model.pipeline_class())
+        problem = split_problem(model.component_config("transformer"), model.has("controlnet"), caches)
     if problem:
         raise ConfigError(f"cannot split {model.name}'s {denoiser} for step caches: {problem}")
     return tuple(dict.fromkeys(m for c in caches for m in STEP_CACHES[c]))
