@@ -73,7 +73,7 @@ def pictures(tmp_path_factory):
         (["--model", "tiny-flux2-klein", "--task", "inpaint", "--image", "{in}"], "--task inpaint needs a mask image"),
         (  # klein's inpainting pipeline makes its image's size too
             ["--model", "tiny-flux2-klein", "--task", "inpaint", "--image", "{in}", "--mask", "{mask}", "--width=96"],
-            "64×64 px (w×h) as the pipeline feeds it, not the width 96 asked",
+            "64×64 px (w×h), not the width 96 asked: diffusers' Flux2KleinInpaintPipeline makes its output's size",
         ),
         (  # the task read from model_index.json, not asked for: the message says so
             ["--model", "tiny-qwen-image-edit"],
@@ -87,7 +87,7 @@ def pictures(tmp_path_factory):
         # SD img2img makes the input's size (held to the grid and profile as on the Triton wire): a height asked is not
         (
             ["--task", "img2img", "--image", "{in}", "--height", "128"],
-            "64×64 px (w×h), not the height 128 asked: SD, SDXL",
+            "64×64 px (w×h), not the height 128 asked: diffusers' StableDiffusionImg2ImgPipeline makes",
         ),
     ],
 )

@@ -95,6 +95,17 @@ def test_a_prompt_over_the_llm_engines_tokens_is_refused_before_running(klein):
     check_long_prompt_refused(klein[2])
 
 
+def test_a_prompt_shorter_than_the_profiles_least_tokens_is_taken(klein):
+    """Flux2KleinPipeline pads every prompt to max_sequence_length, so its engines never see a shorter one: a
+    one-letter prompt (fewer tokens with its template than the profile's least) is no refusal."""
+    from sdtrt.pipeline.token_limits import llm_kwargs
+
+    engine = klein[2]
+    least = engine.text_encoder.runtime.profile.tokens.min
+    assert len(engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True)) < least
+    assert llm_kwargs(engine, ["x"]) == {"max_sequence_length": engine.text_encoder.runtime.profile.tokens.max}
+
+
 def check_long_prompt_refused(engine) -> None:
     """A prompt over the engines' tokens: one line, before the LLM or the transformer runs."""
     calls = []

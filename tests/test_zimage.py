@@ -218,3 +218,22 @@ def test_quantizing_the_transformer_is_refused(precision):
 
     with pytest.raises(ConfigError, match=r"^a quantized zimage transformer would keep [^\n]+ overflow fp16[^\n]+$"):
         check_model(QuantizeConfig(precision=precision), resolve_model("tiny-zimage"))
+
+
+def test_img2img_and_inpaint_take_their_images_size():
+    """ZImageImg2ImgPipeline and ZImageInpaintPipeline encode their image at its own size (and fail in diffusers
+    given another: its latents another shape than the noise's), so a request without a size takes the image's and one
+    asking another is refused in one line before anything loads."""
+    from PIL import Image
+
+    from sdtrt.core.errors import RequestError
+    from sdtrt.pipeline.image_inputs import sized_by_image
+    from sdtrt.pipeline.request import GenerateRequest
+
+    fox = Image.new("RGB", (192, 128))
+    for pipeline in ("ZImageImg2ImgPipeline", "ZImageInpaintPipeline"):
+        sized = sized_by_image(GenerateRequest(image=fox), pipeline, 16)
+        assert (sized.height, sized.width) == (128, 192)
+        refusal = rf"^the input image is 192×128 px \(w×h\), not the height 128 and width 128 asked: [^\n]*{pipeline}"
+        with pytest.raises(RequestError, match=refusal + " makes its output's size from its input image; leave"):
+            sized_by_image(GenerateRequest(image=fox, height=128, width=128), pipeline, 16)

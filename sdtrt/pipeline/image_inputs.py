@@ -271,20 +271,20 @@ def sized_by_image(
     fed = made_size(pipeline, request.image, multiple)
     if ("height" in pipeline_inputs(pipeline) and fed is None) or size is None:
         return request
-    size = fed or size
+    resized, size = fed not in (None, size), fed or size
     asked = {"height": request.height, "width": request.width}
     by_ratio = pipeline in QWEN_EDIT_VISION_AREA  # Qwen-Image-Edit inpainting: ~1024² px whatever the image's size
     made = (
         f"the pipeline makes {pixel_size(*size)} of the input image's aspect ratio (about 1024² px, whatever its size)"
         if by_ratio
-        else f"the input image is {pixel_size(*size)}{' as the pipeline feeds it' if fed else ''}"
+        else f"the input image is {pixel_size(*size)}{' as the pipeline feeds it' if resized else ''}"
     )
     if any(side not in (None, makes) for side, makes in zip(asked.values(), size, strict=True)):
         given = " and ".join(f"{name} {side}" for name, side in asked.items() if side is not None)
         resize = "" if by_ratio else ", or resize the image"
         raise RequestError(
-            f"{made}, not the {given} asked: SD, SDXL and LCM img2img, FLUX.2 [klein] and Qwen-Image-Edit inpainting "
-            f"make their output's size from the input image; leave the height and width out{resize}"
+            f"{made}, not the {given} asked: diffusers' {pipeline} makes its output's size from its input image; "
+            f"leave the height and width out{resize}"
         )
     problems = [grid_problem(name, value, multiple) for name, value in zip(("height", "width"), size, strict=True)]
     if profile is not None:
@@ -299,10 +299,17 @@ def sized_by_image(
     return dataclasses.replace(request, height=size[0], width=size[1])
 
 
+# Pipelines that take a height and width but encode their image unresized (diffusers 0.42.1's ZImageImg2ImgPipeline
+# preprocesses it at its own size and defaults the output's to it).
+IMAGE_SIZED_PIPELINES = ("ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
+
+
 def made_size(pipeline: str, image: Any, multiple: int) -> tuple[int, int] | None:
     """(height, width) of the output a pipeline that takes a height, but makes its input image's size, makes of a PIL
     ``image``: FLUX.2 [klein] inpainting's (scaled down to 1024² px, cut to its grid), Qwen-Image-Edit inpainting's
-    (its condition image's, ~1024² px at its aspect ratio); None for others, or an image given as a tensor."""
+    (its condition image's, ~1024² px at its aspect ratio), Z-Image img2img's and inpainting's (the image's own: given
+    another size they fail in diffusers, the image's latents another shape than the noise's); None for others, or an
+    image given as a tensor."""
     from ..core.families import INPAINT_REFERENCE_PIPELINES, QWEN_EDIT_VISION_AREA
     from ..spec.qwen_vision import condition_size
     from .references import fed_size
@@ -311,6 +318,8 @@ def made_size(pipeline: str, image: Any, multiple: int) -> tuple[int, int] | Non
         return None
     if pipeline in INPAINT_REFERENCE_PIPELINES:
         return fed_size(image, multiple)
+    if pipeline in IMAGE_SIZED_PIPELINES:
+        return image.height, image.width
     if pipeline == "QwenImageEditInpaintPipeline":
         width, height = condition_size(QWEN_EDIT_VISION_AREA[pipeline], image.width / image.height)
         return height, width

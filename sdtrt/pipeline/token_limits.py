@@ -18,6 +18,11 @@ def clip_tokenizers(pipe: Any) -> dict[str, Any]:
     return {encoder: t for encoder, t in tokenizers.items() if "CLIP" in type(t).__name__}
 
 
+# FLUX.2's pipelines pad every prompt to max_sequence_length (their tokenizer call's padding="max_length"): however
+# short the prompt, the LLM and the transformer engines read that many tokens.
+PADDED_PROMPT_PIPELINES = ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinInpaintPipeline")
+
+
 def t5_kwargs(pipe: Any, prompts: Sequence[str]) -> dict[str, Any]:
     """``max_sequence_length`` for a pipeline with T5 (SD3, Flux): the most tokens its T5 engine's profile takes
     (the pipeline's default on PyTorch). T5 pads every prompt to it; a longer prompt is refused (RequestError),
@@ -47,6 +52,8 @@ def llm_kwargs(pipe: Any, prompts: Sequence[str], image: Any = None) -> dict[str
     dropped = getattr(pipe, "prompt_template_encode_start_idx", 0)
     limit, built = _token_limit(pipe, "text_encoder", dropped)
     least = max([1] + [p.tokens.min + extra for p, extra in _token_profiles(pipe, "text_encoder", dropped)])
+    if type(pipe).__name__ in PADDED_PROMPT_PIPELINES:  # its engines read max_sequence_length tokens, always
+        least = 1
     template = getattr(pipe, "prompt_template_encode", None)
     system = getattr(pipe, "system_message", None)  # Flux2Pipeline's, before each prompt
     images = edit_image_tokens(pipe, image)
