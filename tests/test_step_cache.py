@@ -208,6 +208,10 @@ def test_compile_refuses_a_cache_the_model_cannot_take(tiny, store):
     assert on_pytorch and on_pytorch.endswith(
         "ZImageTransformer2DModel has no enable_cache; sdtrt builds no step cache for it"
     )
+    on_engines = engines_problem(StepCache.parse("taylorseer:2"), {}, resolve_model("tiny-zimage"))
+    assert on_engines == (
+        "--cache taylorseer: sdtrt builds no step cache for a ZImageTransformer2DModel; generate without --cache"
+    )  # not "recompile it with --caches", which compile refuses for it
 
 
 def test_loras_change_the_split_members_as_they_change_the_whole_engine(cached_sets, tmp_path):

@@ -117,6 +117,9 @@ def engines_problem(cache: StepCache, members: dict[str, Artifact] | None, model
             return f"--cache {cache.kind}: diffusers' {kind} has no enable_cache; {use}"
         return None
     if not any(c in members for c in (UNET_PARTS if cache.kind == "deepcache" else TRANSFORMER_PARTS)):
+        architecture = folder_architecture(model, "transformer")
+        if cache.kind != "deepcache" and architecture and not splits(architecture):
+            return f"--cache {cache.kind}: sdtrt builds no step cache for a {architecture}; generate without --cache"
         kind = "deepcache" if cache.kind == "deepcache" else "first-block"
         return (
             f"--cache {cache.kind}: the engine set has no split members for it; recompile it with `sdtrt compile "
