@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import signal
@@ -268,9 +269,17 @@ def _serve_cli(repository: Path, log: Path) -> tuple[subprocess.Popen[bytes], st
         process = subprocess.Popen(
             [sys.executable, "-m", "sdtrt", "serve", str(repository), "--http-port", str(http),
              "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
     return process, f"127.0.0.1:{http}"
+
+
+def kill_serve(process: subprocess.Popen[bytes]) -> None:
+    """A ``_serve_cli`` process still running when its test ends (it failed), killed with its tritonserver: its
+    session's whole group, not ``sdtrt serve`` alone, which left the server and its model stubs running."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def wait_serving(process: subprocess.Popen[bytes], log: Path, seconds: float = 180) -> None:
@@ -312,8 +321,7 @@ def test_sigterm_interrupts_the_generation_in_flight_and_serve_exits_cleanly(rep
         print(f"sdtrt serve exited {time.perf_counter() - stopping:.1f} s after SIGTERM")
         client.join(60)
     finally:
-        if serve.poll() is None:
-            serve.kill()
+        kill_serve(serve)
     assert code == 0, f"Triton stopped cleanly, not killed at its timeout:\n{log.read_text()[-2000:]}"
     result = outcome["result"]
     assert isinstance(result, ServeError), result
@@ -354,8 +362,7 @@ def test_serve_a_model_that_fails_to_load_shows_the_reason_in_a_few_lines(reposi
     try:
         code = serve.wait(300)
     finally:
-        if serve.poll() is None:
-            serve.kill()
+        kill_serve(serve)
     lines = log.read_text().strip().splitlines()
     assert code == 1
     assert len(lines) <= 6, "Triton's errors, not its whole startup log:\n" + "\n".join(lines)
