@@ -373,7 +373,7 @@ def test_compile_tiny_builds_a_set_of_rtx_plans_and_validates_its_graphs_here():
     assert "validated here: the graphs the plans were built from, on ONNX Runtime" in said
     assert "the TensorRT-RTX plans cannot run here (no CUDA GPU is visible to torch" in said
     assert "they validate on the first RTX GPU that runs them, `sdtrt validate" in said
-    assert "unet b2 256x256 t=999" in said and "image PSNR" in said  # the validation table, graphs vs PyTorch
+    assert "unet b2 256x256 t=999" in said and "image vs PyTorch's: PSNR" in said  # the validation table
     skipped = run_cli("compile", "--model", "tiny", "--target", "tensorrt-rtx", "--no-validate", check=True)
     assert Path(last_line(skipped.stdout)) == final and "validate" not in skipped.stderr
 

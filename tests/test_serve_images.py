@@ -117,7 +117,7 @@ def test_image_rows_pick_their_task_give_generates_image_and_a_bad_row_fails_alo
     assert (
         errors[5]
         .message()
-        .startswith("the input image is 128×128 px (w×h), not the height 256 and width 256 asked: SD")
+        .startswith("the input image is 128×128 px (w×h), not the height 256 and width 256 asked: diffusers'")
     )
     assert errors[6].message().startswith("strength 1.5 is outside 0..1")
     local = {task: load_pipeline(tiny, tiny_set, task=task) for task in asked}
