@@ -155,6 +155,7 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
     from sdtrt.core.artifact import Artifact
     from sdtrt.pipeline.image_inputs import check_pipeline_inputs
     from sdtrt.pipeline.request import SizeRule
+    from sdtrt.stages.engine_set import engine_members, engine_profile
 
     source, _, engine = klein
     calls = []
@@ -171,7 +172,7 @@ def test_reference_images_outside_the_profile_are_refused_before_running(klein):
             generate(engine, req)
         assert "\n" not in str(error.value)
         with pytest.raises(RequestError, match=re.escape(message)):  # the CLI's check, before loading
-            check_engine_size(artifact, req, rule)
+            check_engine_size(engine_profile(engine_members(artifact)), req, rule)
     assert not calls
 
 

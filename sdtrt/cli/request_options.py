@@ -17,6 +17,7 @@ from ..core.progress import console
 from ..pipeline.request import FLOW_SCHEDULERS, SCHEDULERS
 
 if TYPE_CHECKING:
+    from ..core.config import ShapeProfile
     from ..core.families import Task
     from ..pipeline.request import GenerateRequest, SizeRule
     from ..pipeline.step_cache import StepCache
@@ -205,15 +206,11 @@ def weight_budget(text: str | None) -> WeightBudget | None:
         raise RequestError(str(exc)) from None
 
 
-def check_engine_size(artifact: Artifact | None, request: GenerateRequest, rule: SizeRule) -> None:
+def check_engine_size(profile: ShapeProfile | None, request: GenerateRequest, rule: SizeRule) -> None:
     """RequestError (exit 2) before anything loads when a sized request, or a reference image it edits from
-    (FLUX.2 [klein]), is outside the engines' profile."""
-    if artifact is None:
-        return
+    (FLUX.2 [klein]), is outside the engines' ``profile`` (None: no engines, or a profile with no sizes)."""
     from ..pipeline.references import check_references, request_references
-    from ..stages.engine_set import engine_members, engine_profile
 
-    profile = engine_profile(engine_members(artifact))
     if profile is None or not (request.height and request.width):
         return
     if problem := profile.size_problem(request.height, request.width):
@@ -244,7 +241,7 @@ def checked_request(
     profile = engine_profile(engine_members(artifact)) if artifact else None
     check_pipeline_inputs(request, pipeline_class, task, rule)  # what the pipeline takes, then sizes (the Triton row's)
     request = sized_by_image(request, pipeline_class_name(pipeline_class, task), rule.multiple, profile).sized_for(rule)
-    check_engine_size(artifact, request, rule)
+    check_engine_size(profile, request, rule)
     return request
 
 
